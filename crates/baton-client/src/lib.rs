@@ -1,0 +1,314 @@
+//! Rust client for the baton token broker.
+//!
+//! ```no_run
+//! let mut client = baton_client::Client::connect_default("my-tool")?;
+//! let token = client.token()?; // blocks until the broker grants one
+//! // ... run one job ...
+//! drop(token); // gives it back
+//! # Ok::<(), baton_client::Error>(())
+//! ```
+//!
+//! Tokens belong to the connection: if the process dies, the broker takes
+//! them back when the socket closes, so nothing leaks however it ends.
+#![deny(missing_docs)]
+
+use baton_core::protocol::{self, ErrorCode, Reply, ReplyHead, Request};
+use std::io::{self, BufRead, BufReader, Read, Write};
+use std::os::unix::net::UnixStream;
+use std::path::{Path, PathBuf};
+
+pub use baton_core::status::Status;
+
+/// What can go wrong talking to the broker.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// Nothing listens at the socket path.
+    #[error("no broker at {path} (start one with: baton serve --jobs N)")]
+    NoBroker {
+        /// The socket path tried.
+        path: PathBuf,
+    },
+    /// The path exists but is not a socket.
+    #[error("{path} is not a socket (is --socket or BATON_SOCKET right?)")]
+    NotASocket {
+        /// The path tried.
+        path: PathBuf,
+    },
+    /// The socket or its directory is not ours.
+    #[error("permission denied connecting to {path} (the broker belongs to another user?)")]
+    PermissionDenied {
+        /// The path tried.
+        path: PathBuf,
+    },
+    /// The broker refused a request.
+    #[error("broker refused: {message} ({code})")]
+    Refused {
+        /// The protocol's error code.
+        code: ErrorCode,
+        /// The broker's explanation.
+        message: String,
+    },
+    /// The broker closed the connection (it stopped, or was killed).
+    #[error("the broker closed the connection")]
+    Disconnected,
+    /// The broker sent something this client does not understand.
+    #[error("unexpected reply from broker: {0}")]
+    Protocol(String),
+    /// Any other I/O error.
+    #[error("{context}: {source}")]
+    Io {
+        /// What was being done.
+        context: String,
+        /// The underlying error.
+        source: io::Error,
+    },
+}
+
+/// Shorthand for results of this crate.
+pub type Result<T> = std::result::Result<T, Error>;
+
+/// Where the broker's socket is when nobody says otherwise:
+/// `$BATON_SOCKET`, else `$XDG_RUNTIME_DIR/baton/socket`, else
+/// `/tmp/baton-$UID/socket`.
+pub fn default_socket_path() -> PathBuf {
+    if let Some(p) = std::env::var_os("BATON_SOCKET").filter(|p| !p.is_empty()) {
+        return PathBuf::from(p);
+    }
+    if let Some(dir) = std::env::var_os("XDG_RUNTIME_DIR").filter(|p| !p.is_empty()) {
+        return Path::new(&dir).join("baton").join("socket");
+    }
+    // SAFETY: getuid cannot fail and touches no memory.
+    let uid = unsafe { libc::getuid() };
+    PathBuf::from(format!("/tmp/baton-{uid}/socket"))
+}
+
+/// A connection to the broker. Tokens acquired through it are held until
+/// released or until the connection closes.
+#[derive(Debug)]
+pub struct Client {
+    reader: BufReader<UnixStream>,
+    writer: UnixStream,
+    id: u64,
+    limit: u32,
+    held: u32,
+}
+
+impl Client {
+    /// Connects to the broker at `path` and says hello. `label` is shown by
+    /// `baton status` (a command line, say); at most 200 bytes, no newlines.
+    pub fn connect(path: impl AsRef<Path>, label: &str) -> Result<Self> {
+        let path = path.as_ref();
+        let stream = UnixStream::connect(path).map_err(|e| connect_error(path, e))?;
+        let writer = stream.try_clone().map_err(|e| io_error("cloning the socket", e))?;
+        let mut client = Client { reader: BufReader::new(stream), writer, id: 0, limit: 0, held: 0 };
+        let label: String = label.chars().filter(|c| !c.is_control()).take(protocol::MAX_LABEL).collect();
+        let label = truncate_bytes(&label, protocol::MAX_LABEL);
+        match client.call(&Request::Hello { version: protocol::VERSION, label: label.to_string() })? {
+            Reply::Hello { client: id, limit, .. } => {
+                client.id = id;
+                client.limit = limit;
+                Ok(client)
+            }
+            other => Err(unexpected(other)),
+        }
+    }
+
+    /// Connects to the broker at [`default_socket_path`].
+    pub fn connect_default(label: &str) -> Result<Self> {
+        Self::connect(default_socket_path(), label)
+    }
+
+    /// The broker's id for this connection.
+    pub fn id(&self) -> u64 {
+        self.id
+    }
+
+    /// The pool's limit when this connection was made.
+    pub fn limit(&self) -> u32 {
+        self.limit
+    }
+
+    /// Tokens this connection holds.
+    pub fn held(&self) -> u32 {
+        self.held
+    }
+
+    /// Blocks until `n` tokens are granted.
+    pub fn acquire(&mut self, n: u32) -> Result<()> {
+        match self.call(&Request::Acquire(n))? {
+            Reply::Granted { held, .. } => {
+                self.held = held;
+                Ok(())
+            }
+            other => Err(unexpected(other)),
+        }
+    }
+
+    /// Takes `n` tokens if they are free now; `Ok(false)` if not.
+    pub fn try_acquire(&mut self, n: u32) -> Result<bool> {
+        match self.call(&Request::Try(n))? {
+            Reply::Granted { held, .. } => {
+                self.held = held;
+                Ok(true)
+            }
+            Reply::Busy { .. } => Ok(false),
+            other => Err(unexpected(other)),
+        }
+    }
+
+    /// Gives back `n` tokens.
+    pub fn release(&mut self, n: u32) -> Result<()> {
+        match self.call(&Request::Release(n))? {
+            Reply::Released { held, .. } => {
+                self.held = held;
+                Ok(())
+            }
+            other => Err(unexpected(other)),
+        }
+    }
+
+    /// Blocks until one token is granted and returns it as a value that
+    /// gives it back when dropped.
+    pub fn token(&mut self) -> Result<Token<'_>> {
+        self.acquire(1)?;
+        Ok(Token { client: self })
+    }
+
+    /// The broker's state.
+    pub fn status(&mut self) -> Result<Status> {
+        match self.call(&Request::Status)? {
+            Reply::Status { json } => serde_json::from_str(&json).map_err(|e| Error::Protocol(format!("bad status JSON: {e}"))),
+            other => Err(unexpected(other)),
+        }
+    }
+
+    /// Changes the pool's limit; returns the old one.
+    pub fn set_limit(&mut self, limit: u32) -> Result<u32> {
+        match self.call(&Request::Limit(limit))? {
+            Reply::Limit { old, new } => {
+                self.limit = new;
+                Ok(old)
+            }
+            other => Err(unexpected(other)),
+        }
+    }
+
+    /// Sends one request without waiting for its reply. With
+    /// [`Client::read_reply`] this lets a caller wait in its own poll loop
+    /// (see [`Client::as_raw_fd`]) or cancel a pending ACQUIRE.
+    pub fn send(&mut self, request: &Request) -> Result<()> {
+        let line = format!("{request}\n");
+        self.writer.write_all(line.as_bytes()).map_err(|e| stream_error("sending a request", e))
+    }
+
+    /// Reads the next reply. `ERR` replies come back as [`Error::Refused`].
+    /// Updates [`Client::held`] from GRANTED and RELEASED.
+    pub fn read_reply(&mut self) -> Result<Reply> {
+        let mut line = String::new();
+        let n = self.reader.read_line(&mut line).map_err(|e| stream_error("reading a reply", e))?;
+        if n == 0 || !line.ends_with('\n') {
+            return Err(Error::Disconnected);
+        }
+        let head = protocol::parse_reply_line(line.trim_end_matches('\n')).map_err(|e| Error::Protocol(e.0))?;
+        let reply = match head {
+            ReplyHead::Complete(reply) => reply,
+            ReplyHead::StatusFollows(len) => Reply::Status { json: self.read_status_body(len)? },
+        };
+        match reply {
+            Reply::Err { code, message } => Err(Error::Refused { code, message }),
+            Reply::Granted { held, .. } | Reply::Released { held, .. } => {
+                self.held = held;
+                Ok(reply)
+            }
+            reply => Ok(reply),
+        }
+    }
+
+    /// The socket's file descriptor, readable when a reply has arrived.
+    /// Replies may already be buffered: check [`Client::has_buffered_reply`]
+    /// before polling.
+    pub fn as_raw_fd(&self) -> std::os::fd::RawFd {
+        use std::os::fd::AsRawFd;
+        self.writer.as_raw_fd()
+    }
+
+    /// Whether bytes of a reply are already buffered (so polling the socket
+    /// might wait for something that has already arrived).
+    pub fn has_buffered_reply(&self) -> bool {
+        !self.reader.buffer().is_empty()
+    }
+
+    fn read_status_body(&mut self, len: usize) -> Result<String> {
+        let mut body = vec![0; len + 1];
+        self.reader.read_exact(&mut body).map_err(|e| stream_error("reading status", e))?;
+        if body.pop() != Some(b'\n') {
+            return Err(Error::Protocol("status body not followed by a newline".into()));
+        }
+        String::from_utf8(body).map_err(|_| Error::Protocol("status body is not UTF-8".into()))
+    }
+
+    fn call(&mut self, request: &Request) -> Result<Reply> {
+        self.send(request)?;
+        self.read_reply()
+    }
+}
+
+/// One token, given back to the broker when dropped.
+#[derive(Debug)]
+pub struct Token<'a> {
+    client: &'a mut Client,
+}
+
+impl Token<'_> {
+    /// Gives the token back now, reporting any error (drop ignores them:
+    /// the broker reclaims tokens of a broken connection anyway).
+    pub fn release(self) -> Result<()> {
+        let result = self.client.release(1);
+        std::mem::forget(self); // already released: Drop must not release again
+        result
+    }
+}
+
+impl Drop for Token<'_> {
+    fn drop(&mut self) {
+        let _ = self.client.release(1);
+    }
+}
+
+fn truncate_bytes(s: &str, max: usize) -> &str {
+    let mut end = s.len().min(max);
+    while !s.is_char_boundary(end) {
+        end -= 1;
+    }
+    &s[..end]
+}
+
+fn connect_error(path: &Path, e: io::Error) -> Error {
+    let path = path.to_path_buf();
+    match e.kind() {
+        io::ErrorKind::NotFound | io::ErrorKind::ConnectionRefused => Error::NoBroker { path },
+        io::ErrorKind::PermissionDenied => Error::PermissionDenied { path },
+        _ if is_not_a_socket(&path) => Error::NotASocket { path },
+        _ => Error::Io { context: format!("connecting to {}", path.display()), source: e },
+    }
+}
+
+fn is_not_a_socket(path: &Path) -> bool {
+    use std::os::unix::fs::FileTypeExt;
+    std::fs::metadata(path).map(|m| !m.file_type().is_socket()).unwrap_or(false)
+}
+
+fn stream_error(context: &str, e: io::Error) -> Error {
+    match e.kind() {
+        io::ErrorKind::BrokenPipe | io::ErrorKind::ConnectionReset | io::ErrorKind::UnexpectedEof => Error::Disconnected,
+        _ => io_error(context, e),
+    }
+}
+
+fn io_error(context: &str, source: io::Error) -> Error {
+    Error::Io { context: context.to_string(), source }
+}
+
+fn unexpected(reply: Reply) -> Error {
+    Error::Protocol(format!("{reply:?}"))
+}

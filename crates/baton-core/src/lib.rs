@@ -1,0 +1,13 @@
+//! The heart of baton: a pool of job tokens that hands each freed token to
+//! exactly one waiter, and the wire protocol clients use to ask for them.
+//!
+//! Nothing here does I/O. The broker's transports (Unix socket, GNU
+//! jobserver bridge, FUSE token file) and the client libraries drive these
+//! types, which keeps the invariants testable step by step.
+#![warn(missing_docs)]
+
+mod pool;
+pub mod protocol;
+pub mod status;
+
+pub use pool::{Acquired, ClientId, ClientView, Grant, Pool, PoolError, Tag, Totals, MAX_LIMIT};

@@ -1,0 +1,462 @@
+//! The token pool: limit, free count, holders and the wait queue.
+//!
+//! Every transport (socket, jobserver bridge, FUSE file) turns its events into
+//! calls on [`Pool`] and delivers the [`Grant`]s it gets back. The pool does
+//! no I/O and reads no clock, so its invariants can be checked after every
+//! step of any sequence of calls (see the property tests at the bottom).
+//!
+//! The rules:
+//! - Nothing creates a token except the limit. `free + held == limit`, except
+//!   while a lowered limit drains: then `free == 0` and `held > limit`, and
+//!   tokens given back are retired until the books balance again.
+//! - A freed token goes to exactly one waiter: the one that has waited
+//!   longest. Requests are served strictly first come, first served and
+//!   all-or-nothing, so a request for several tokens is never starved by
+//!   smaller ones behind it, and no client ever holds part of a request
+//!   while waiting for the rest (which could deadlock two such clients).
+//! - No waiter waits while the request at the head of the queue could be
+//!   served: every call that frees tokens serves the queue before returning.
+
+use std::collections::{BTreeMap, VecDeque};
+
+/// Identifies one client of the pool: a socket connection, a build, or a
+/// process using the FUSE token file. Chosen by the pool.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct ClientId(pub u64);
+
+/// Identifies one pending request of a client. A socket client has at most
+/// one at a time; a process reading the FUSE file from several threads may
+/// have several. Chosen by the transport.
+pub type Tag = u64;
+
+/// Tokens handed to a waiter as the result of some other call. The transport
+/// that owns `client` must tell it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Grant {
+    pub client: ClientId,
+    pub tag: Tag,
+    pub tokens: u32,
+}
+
+/// What happened to an [`Pool::acquire`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Acquired {
+    /// The tokens are the client's now.
+    Granted,
+    /// The request is queued; a [`Grant`] with its tag will come later.
+    Queued,
+}
+
+/// A request the pool refuses. The pool is unchanged by a refused call.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum PoolError {
+    #[error("the limit must be at least 1")]
+    ZeroLimit,
+    #[error("limit {0} is above the maximum of {max}", max = MAX_LIMIT)]
+    LimitTooLarge(u32),
+    #[error("unknown client {0:?}")]
+    UnknownClient(ClientId),
+    #[error("a request must be for at least one token")]
+    ZeroTokens,
+    #[error("asked for {asked} tokens but the pool only has {limit}")]
+    MoreThanLimit { asked: u32, limit: u32 },
+    #[error("a request with tag {0} is already waiting")]
+    DuplicateTag(Tag),
+    #[error("cannot give back {asked} tokens: only {held} held")]
+    OverRelease { asked: u32, held: u32 },
+}
+
+/// The largest limit a pool accepts. Far above any real machine's job
+/// count; it keeps every sum of tokens well inside `u32`.
+pub const MAX_LIMIT: u32 = 1 << 20;
+
+#[derive(Debug, Clone)]
+struct Client<M> {
+    held: u32,
+    meta: M,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Waiter {
+    client: ClientId,
+    tag: Tag,
+    tokens: u32,
+}
+
+/// Running totals, for `baton status`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Totals {
+    /// Tokens handed out, immediately or after a wait.
+    pub granted: u64,
+    /// Tokens given back by their holder.
+    pub released: u64,
+    /// Tokens taken back from clients that went away holding them.
+    pub reclaimed: u64,
+    /// Requests that had to wait.
+    pub waits: u64,
+}
+
+/// One client's view, for status reports.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ClientView<'a, M> {
+    pub id: ClientId,
+    pub held: u32,
+    /// Tokens this client is waiting for, over all its pending requests.
+    pub waiting: u32,
+    pub meta: &'a M,
+}
+
+/// A pool of `limit` interchangeable tokens. `M` is whatever the transport
+/// wants to remember about each client (pid, command line, start time).
+#[derive(Debug, Clone)]
+pub struct Pool<M> {
+    limit: u32,
+    free: u32,
+    clients: BTreeMap<ClientId, Client<M>>,
+    queue: VecDeque<Waiter>,
+    next_id: u64,
+    totals: Totals,
+}
+
+impl<M> Pool<M> {
+    /// A pool of `limit` free tokens.
+    pub fn new(limit: u32) -> Result<Self, PoolError> {
+        check_limit(limit)?;
+        Ok(Pool {
+            limit,
+            free: limit,
+            clients: BTreeMap::new(),
+            queue: VecDeque::new(),
+            next_id: 1,
+            totals: Totals::default(),
+        })
+    }
+
+    pub fn limit(&self) -> u32 {
+        self.limit
+    }
+
+    pub fn free(&self) -> u32 {
+        self.free
+    }
+
+    /// Tokens held by all clients together.
+    pub fn held(&self) -> u32 {
+        self.clients.values().map(|c| c.held).sum()
+    }
+
+    pub fn totals(&self) -> Totals {
+        self.totals
+    }
+
+    /// Tokens held by one client (0 for an unknown one).
+    pub fn held_by(&self, id: ClientId) -> u32 {
+        self.clients.get(&id).map_or(0, |c| c.held)
+    }
+
+    pub fn meta(&self, id: ClientId) -> Option<&M> {
+        self.clients.get(&id).map(|c| &c.meta)
+    }
+
+    pub fn meta_mut(&mut self, id: ClientId) -> Option<&mut M> {
+        self.clients.get_mut(&id).map(|c| &mut c.meta)
+    }
+
+    /// Number of pending requests, over all clients.
+    pub fn waiting(&self) -> usize {
+        self.queue.len()
+    }
+
+    /// Registers a new client holding nothing.
+    pub fn connect(&mut self, meta: M) -> ClientId {
+        let id = ClientId(self.next_id);
+        self.next_id += 1;
+        self.clients.insert(id, Client { held: 0, meta });
+        id
+    }
+
+    /// Asks for `tokens` tokens. Granted at once only if they are free and
+    /// nobody is queued ahead; otherwise queued under `tag`.
+    pub fn acquire(&mut self, id: ClientId, tag: Tag, tokens: u32) -> Result<Acquired, PoolError> {
+        self.check_request(id, tokens)?;
+        if self.queue.iter().any(|w| w.client == id && w.tag == tag) {
+            return Err(PoolError::DuplicateTag(tag));
+        }
+        if self.queue.is_empty() && self.free >= tokens {
+            self.hand_out(id, tokens);
+            return Ok(Acquired::Granted);
+        }
+        self.queue.push_back(Waiter { client: id, tag, tokens });
+        self.totals.waits += 1;
+        Ok(Acquired::Queued)
+    }
+
+    /// Takes `tokens` tokens if that can be done without waiting or jumping
+    /// the queue; never queues.
+    pub fn try_acquire(&mut self, id: ClientId, tokens: u32) -> Result<bool, PoolError> {
+        self.check_request(id, tokens)?;
+        if self.queue.is_empty() && self.free >= tokens {
+            self.hand_out(id, tokens);
+            return Ok(true);
+        }
+        Ok(false)
+    }
+
+    /// Gives back `tokens` of the client's tokens; they go to waiters first.
+    pub fn release(&mut self, id: ClientId, tokens: u32) -> Result<Vec<Grant>, PoolError> {
+        let client = self.clients.get_mut(&id).ok_or(PoolError::UnknownClient(id))?;
+        if tokens == 0 {
+            return Err(PoolError::ZeroTokens);
+        }
+        if tokens > client.held {
+            return Err(PoolError::OverRelease { asked: tokens, held: client.held });
+        }
+        client.held -= tokens;
+        self.totals.released += u64::from(tokens);
+        self.put_back(tokens);
+        Ok(self.serve_queue())
+    }
+
+    /// Withdraws a pending request. Returns the tokens it was waiting for (0
+    /// if it was not waiting, e.g. because the grant already happened), and
+    /// any grants its departure unblocked for the requests behind it.
+    pub fn cancel(&mut self, id: ClientId, tag: Tag) -> (u32, Vec<Grant>) {
+        let Some(pos) = self.queue.iter().position(|w| w.client == id && w.tag == tag) else {
+            return (0, Vec::new());
+        };
+        let waiter = self.queue.remove(pos).expect("position is in range");
+        (waiter.tokens, self.serve_queue())
+    }
+
+    /// Forgets a client: its pending requests are dropped and every token it
+    /// held comes back. Returns how many it held and the grants that follow.
+    pub fn disconnect(&mut self, id: ClientId) -> (u32, Vec<Grant>) {
+        let Some(client) = self.clients.remove(&id) else {
+            return (0, Vec::new());
+        };
+        self.queue.retain(|w| w.client != id);
+        self.totals.reclaimed += u64::from(client.held);
+        self.put_back(client.held);
+        (client.held, self.serve_queue())
+    }
+
+    /// Changes the limit of a running pool. Raising it by K serves the queue
+    /// with exactly the K new tokens; lowering it takes free tokens away
+    /// first and retires the rest as holders give them back.
+    pub fn set_limit(&mut self, limit: u32) -> Result<Vec<Grant>, PoolError> {
+        check_limit(limit)?;
+        if let Some(w) = self.queue.iter().find(|w| w.tokens > limit) {
+            return Err(PoolError::MoreThanLimit { asked: w.tokens, limit });
+        }
+        let held = self.held();
+        self.limit = limit;
+        self.free = limit.saturating_sub(held);
+        Ok(self.serve_queue())
+    }
+
+    /// Every client with what it holds and waits for, in connection order.
+    pub fn clients(&self) -> impl Iterator<Item = ClientView<'_, M>> {
+        self.clients.iter().map(|(&id, c)| ClientView {
+            id,
+            held: c.held,
+            waiting: self.queue.iter().filter(|w| w.client == id).map(|w| w.tokens).sum(),
+            meta: &c.meta,
+        })
+    }
+
+    /// Pending requests, oldest first: (client, tag, tokens).
+    pub fn queue(&self) -> impl Iterator<Item = (ClientId, Tag, u32)> + '_ {
+        self.queue.iter().map(|w| (w.client, w.tag, w.tokens))
+    }
+
+    /// Checks the pool's invariants; panics with a description if broken.
+    /// Cheap enough for tests after every step, not meant for production.
+    pub fn assert_invariants(&self) {
+        let held = self.held();
+        if held <= self.limit {
+            assert_eq!(self.free + held, self.limit, "free + held must equal the limit");
+        } else {
+            assert_eq!(self.free, 0, "a draining pool has no free tokens");
+        }
+        if let Some(head) = self.queue.front() {
+            assert!(head.tokens > self.free, "the head of the queue waits although its tokens are free");
+        }
+        for w in &self.queue {
+            assert!(self.clients.contains_key(&w.client), "a waiter belongs to no client");
+        }
+    }
+
+    fn check_request(&self, id: ClientId, tokens: u32) -> Result<(), PoolError> {
+        if !self.clients.contains_key(&id) {
+            return Err(PoolError::UnknownClient(id));
+        }
+        if tokens == 0 {
+            return Err(PoolError::ZeroTokens);
+        }
+        if tokens > self.limit {
+            return Err(PoolError::MoreThanLimit { asked: tokens, limit: self.limit });
+        }
+        Ok(())
+    }
+
+    fn hand_out(&mut self, id: ClientId, tokens: u32) {
+        self.free -= tokens;
+        self.clients.get_mut(&id).expect("caller checked the client").held += tokens;
+        self.totals.granted += u64::from(tokens);
+    }
+
+    /// Returns tokens to the free count, retiring any that a lowered limit
+    /// no longer has room for.
+    fn put_back(&mut self, tokens: u32) {
+        let held = self.held();
+        self.free = (self.free + tokens).min(self.limit.saturating_sub(held));
+    }
+
+    fn serve_queue(&mut self) -> Vec<Grant> {
+        let mut grants = Vec::new();
+        while let Some(head) = self.queue.front().copied() {
+            if head.tokens > self.free {
+                break;
+            }
+            self.queue.pop_front();
+            self.hand_out(head.client, head.tokens);
+            grants.push(Grant { client: head.client, tag: head.tag, tokens: head.tokens });
+        }
+        grants
+    }
+}
+
+fn check_limit(limit: u32) -> Result<(), PoolError> {
+    match limit {
+        0 => Err(PoolError::ZeroLimit),
+        l if l > MAX_LIMIT => Err(PoolError::LimitTooLarge(l)),
+        _ => Ok(()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn pool(limit: u32) -> Pool<()> {
+        Pool::new(limit).unwrap()
+    }
+
+    #[test]
+    fn grants_at_once_while_tokens_are_free() {
+        let mut p = pool(2);
+        let a = p.connect(());
+        assert_eq!(p.acquire(a, 0, 2), Ok(Acquired::Granted));
+        assert_eq!((p.free(), p.held_by(a)), (0, 2));
+        p.assert_invariants();
+    }
+
+    #[test]
+    fn a_release_wakes_exactly_the_oldest_waiter() {
+        let mut p = pool(1);
+        let [a, b, c] = [p.connect(()), p.connect(()), p.connect(())];
+        p.acquire(a, 0, 1).unwrap();
+        assert_eq!(p.acquire(b, 7, 1), Ok(Acquired::Queued));
+        assert_eq!(p.acquire(c, 9, 1), Ok(Acquired::Queued));
+        let grants = p.release(a, 1).unwrap();
+        assert_eq!(grants, vec![Grant { client: b, tag: 7, tokens: 1 }]);
+        assert_eq!(p.free(), 0);
+        p.assert_invariants();
+    }
+
+    #[test]
+    fn a_large_request_is_not_overtaken() {
+        let mut p = pool(3);
+        let [a, big, small] = [p.connect(()), p.connect(()), p.connect(())];
+        p.acquire(a, 0, 2).unwrap();
+        assert_eq!(p.acquire(big, 0, 3), Ok(Acquired::Queued));
+        assert_eq!(p.acquire(small, 0, 1), Ok(Acquired::Queued), "one token is free but big is first");
+        assert_eq!(p.try_acquire(small, 1), Ok(false));
+        let grants = p.release(a, 2).unwrap();
+        assert_eq!(grants, vec![Grant { client: big, tag: 0, tokens: 3 }]);
+    }
+
+    #[test]
+    fn over_release_is_refused_and_changes_nothing() {
+        let mut p = pool(4);
+        let a = p.connect(());
+        p.acquire(a, 0, 1).unwrap();
+        assert_eq!(p.release(a, 2), Err(PoolError::OverRelease { asked: 2, held: 1 }));
+        assert_eq!((p.free(), p.held_by(a), p.limit()), (3, 1, 4));
+    }
+
+    #[test]
+    fn requests_beyond_the_limit_are_refused() {
+        let mut p = pool(4);
+        let a = p.connect(());
+        assert_eq!(p.acquire(a, 0, 5), Err(PoolError::MoreThanLimit { asked: 5, limit: 4 }));
+        assert_eq!(p.acquire(a, 0, 0), Err(PoolError::ZeroTokens));
+        assert!(Pool::<()>::new(0).is_err());
+    }
+
+    #[test]
+    fn disconnect_returns_tokens_to_the_next_waiter() {
+        let mut p = pool(2);
+        let [a, b] = [p.connect(()), p.connect(())];
+        p.acquire(a, 0, 2).unwrap();
+        p.acquire(b, 3, 1).unwrap();
+        let (held, grants) = p.disconnect(a);
+        assert_eq!(held, 2);
+        assert_eq!(grants, vec![Grant { client: b, tag: 3, tokens: 1 }]);
+        assert_eq!((p.free(), p.totals().reclaimed), (1, 2));
+        p.assert_invariants();
+    }
+
+    #[test]
+    fn cancelling_the_head_lets_the_next_request_through() {
+        let mut p = pool(2);
+        let [a, big, small] = [p.connect(()), p.connect(()), p.connect(())];
+        p.acquire(a, 0, 1).unwrap();
+        p.acquire(big, 1, 2).unwrap();
+        p.acquire(small, 2, 1).unwrap();
+        let (tokens, grants) = p.cancel(big, 1);
+        assert_eq!(tokens, 2);
+        assert_eq!(grants, vec![Grant { client: small, tag: 2, tokens: 1 }]);
+        assert_eq!(p.cancel(big, 1), (0, vec![]), "a second cancel finds nothing");
+    }
+
+    #[test]
+    fn raising_the_limit_by_k_wakes_exactly_k() {
+        let mut p = pool(1);
+        let holder = p.connect(());
+        p.acquire(holder, 0, 1).unwrap();
+        let waiters: Vec<_> = (0..10).map(|_| p.connect(())).collect();
+        for &w in &waiters {
+            p.acquire(w, 0, 1).unwrap();
+        }
+        let grants = p.set_limit(4).unwrap();
+        let woken: Vec<_> = grants.iter().map(|g| g.client).collect();
+        assert_eq!(woken, waiters[..3].to_vec());
+        p.assert_invariants();
+    }
+
+    #[test]
+    fn lowering_the_limit_retires_tokens_as_they_come_back() {
+        let mut p = pool(4);
+        let a = p.connect(());
+        p.acquire(a, 0, 3).unwrap();
+        p.set_limit(2).unwrap();
+        assert_eq!(p.free(), 0);
+        p.assert_invariants();
+        p.release(a, 1).unwrap();
+        assert_eq!(p.free(), 0, "held 2 == limit 2: the returned token is retired");
+        p.release(a, 1).unwrap();
+        assert_eq!(p.free(), 1);
+        p.assert_invariants();
+    }
+
+    #[test]
+    fn duplicate_tags_are_refused() {
+        let mut p = pool(1);
+        let [a, b] = [p.connect(()), p.connect(())];
+        p.acquire(a, 0, 1).unwrap();
+        p.acquire(b, 5, 1).unwrap();
+        assert_eq!(p.acquire(b, 5, 1), Err(PoolError::DuplicateTag(5)));
+        assert_eq!(p.acquire(b, 6, 1), Ok(Acquired::Queued));
+    }
+}

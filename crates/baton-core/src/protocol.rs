@@ -1,0 +1,305 @@
+//! The native wire protocol: one request per line, one reply line per
+//! request. docs/protocol.md is the contract; this module is its code, used
+//! by both the broker and the Rust client so they cannot drift apart.
+//!
+//! Lines are ASCII words separated by single spaces and ended by `\n`. A line
+//! may be at most [`MAX_LINE`] bytes, newline included.
+
+use std::fmt;
+
+/// Protocol version spoken by this code. HELLO names the version a client
+/// speaks; the broker refuses versions it does not know.
+pub const VERSION: u32 = 1;
+
+/// The longest request line, newline included. Every request fits in a
+/// fraction of this; the bound lets the broker refuse a client that streams
+/// bytes without a newline instead of buffering them without end.
+pub const MAX_LINE: usize = 256;
+
+/// The longest client label accepted in HELLO (it is shown by status).
+pub const MAX_LABEL: usize = 200;
+
+/// A request from client to broker.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Request {
+    /// `HELLO <version> [<label>]`: must come first.
+    Hello { version: u32, label: String },
+    /// `ACQUIRE <n>`: block until n tokens are granted.
+    Acquire(u32),
+    /// `TRY <n>`: take n tokens only if free now.
+    Try(u32),
+    /// `RELEASE <n>`: give back n tokens.
+    Release(u32),
+    /// `CANCEL`: withdraw a pending ACQUIRE.
+    Cancel,
+    /// `STATUS`: the broker's state as JSON.
+    Status,
+    /// `LIMIT <n>`: change the pool's limit.
+    Limit(u32),
+}
+
+/// A reply from broker to client.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Reply {
+    /// `OK <version> <client-id> <limit>`: answer to HELLO.
+    Hello { version: u32, client: u64, limit: u32 },
+    /// `GRANTED <n> <held>`: n tokens are yours; you now hold `held`.
+    Granted { tokens: u32, held: u32 },
+    /// `BUSY <free>`: TRY found too few free tokens (or a queue ahead).
+    Busy { free: u32 },
+    /// `RELEASED <n> <held>`: n tokens went back; you now hold `held`.
+    Released { tokens: u32, held: u32 },
+    /// `CANCELLED <n>`: the pending wait for n tokens is withdrawn (0: none
+    /// was pending, e.g. because GRANTED was already sent).
+    Cancelled { tokens: u32 },
+    /// `STATUS <bytes>` followed by exactly `bytes` bytes of JSON and `\n`.
+    Status { json: String },
+    /// `LIMIT <old> <new>`.
+    Limit { old: u32, new: u32 },
+    /// `ERR <code> <message>`.
+    Err { code: ErrorCode, message: String },
+}
+
+/// Machine-readable error codes. Fatal ones close the connection after the
+/// reply (its tokens go back to the pool); the others leave it usable.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ErrorCode {
+    /// The line is not a request of this protocol. Fatal.
+    Malformed,
+    /// The line is longer than MAX_LINE. Fatal.
+    TooLong,
+    /// HELLO names a version the broker does not speak. Fatal.
+    Version,
+    /// The first request was not HELLO, or HELLO came twice. Fatal.
+    Hello,
+    /// A request other than CANCEL while ACQUIRE is pending. Fatal.
+    Busy,
+    /// RELEASE of more tokens than the connection holds. Refused, not fatal.
+    OverRelease,
+    /// A count out of range (0, above the limit or the per-client cap).
+    Range,
+    /// The broker cannot take more clients now. Fatal.
+    Full,
+}
+
+impl ErrorCode {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ErrorCode::Malformed => "malformed",
+            ErrorCode::TooLong => "too-long",
+            ErrorCode::Version => "version",
+            ErrorCode::Hello => "hello",
+            ErrorCode::Busy => "busy",
+            ErrorCode::OverRelease => "over-release",
+            ErrorCode::Range => "range",
+            ErrorCode::Full => "full",
+        }
+    }
+
+    pub fn parse(word: &str) -> Option<Self> {
+        Some(match word {
+            "malformed" => ErrorCode::Malformed,
+            "too-long" => ErrorCode::TooLong,
+            "version" => ErrorCode::Version,
+            "hello" => ErrorCode::Hello,
+            "busy" => ErrorCode::Busy,
+            "over-release" => ErrorCode::OverRelease,
+            "range" => ErrorCode::Range,
+            "full" => ErrorCode::Full,
+            _ => return None,
+        })
+    }
+
+    /// Whether the broker closes the connection after this error.
+    pub fn is_fatal(self) -> bool {
+        !matches!(self, ErrorCode::OverRelease | ErrorCode::Range)
+    }
+}
+
+impl fmt::Display for ErrorCode {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// Why a line could not be parsed; becomes `ERR malformed <reason>`.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{0}")]
+pub struct ParseError(pub String);
+
+fn malformed(msg: impl Into<String>) -> ParseError {
+    ParseError(msg.into())
+}
+
+/// Parses one request line, without its `\n`.
+pub fn parse_request(line: &[u8]) -> Result<Request, ParseError> {
+    let line = std::str::from_utf8(line).map_err(|_| malformed("request is not UTF-8 text"))?;
+    let (verb, rest) = line.split_once(' ').unwrap_or((line, ""));
+    let count = |what: &str| parse_count(rest, what);
+    match verb {
+        "HELLO" => {
+            let (version, label) = rest.split_once(' ').unwrap_or((rest, ""));
+            let version = parse_number(version).ok_or_else(|| malformed("HELLO needs a protocol version: HELLO 1 [label]"))?;
+            if label.len() > MAX_LABEL || label.chars().any(char::is_control) {
+                return Err(malformed(format!("HELLO label must be at most {MAX_LABEL} bytes of printable text")));
+            }
+            Ok(Request::Hello { version, label: label.to_string() })
+        }
+        "ACQUIRE" => count("ACQUIRE").map(Request::Acquire),
+        "TRY" => count("TRY").map(Request::Try),
+        "RELEASE" => count("RELEASE").map(Request::Release),
+        "LIMIT" => count("LIMIT").map(Request::Limit),
+        "CANCEL" if rest.is_empty() => Ok(Request::Cancel),
+        "STATUS" if rest.is_empty() => Ok(Request::Status),
+        "CANCEL" | "STATUS" => Err(malformed(format!("{verb} takes no arguments"))),
+        "" => Err(malformed("empty request")),
+        _ => Err(malformed(format!("unknown request {:?}", truncate(verb, 32)))),
+    }
+}
+
+fn parse_count(rest: &str, verb: &str) -> Result<u32, ParseError> {
+    parse_number(rest).ok_or_else(|| malformed(format!("{verb} needs one whole number: {verb} <n>")))
+}
+
+/// Strict decimal: digits only, no sign, no spaces, fits in u32.
+fn parse_number(word: &str) -> Option<u32> {
+    if word.is_empty() || word.len() > 10 || !word.bytes().all(|b| b.is_ascii_digit()) {
+        return None;
+    }
+    word.parse().ok()
+}
+
+fn truncate(s: &str, max: usize) -> &str {
+    match s.char_indices().nth(max) {
+        Some((i, _)) => &s[..i],
+        None => s,
+    }
+}
+
+impl fmt::Display for Request {
+    /// The request's line, without `\n`.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Request::Hello { version, label } if label.is_empty() => write!(f, "HELLO {version}"),
+            Request::Hello { version, label } => write!(f, "HELLO {version} {label}"),
+            Request::Acquire(n) => write!(f, "ACQUIRE {n}"),
+            Request::Try(n) => write!(f, "TRY {n}"),
+            Request::Release(n) => write!(f, "RELEASE {n}"),
+            Request::Cancel => f.write_str("CANCEL"),
+            Request::Status => f.write_str("STATUS"),
+            Request::Limit(n) => write!(f, "LIMIT {n}"),
+        }
+    }
+}
+
+impl Reply {
+    /// The reply's bytes on the wire, newline(s) included.
+    pub fn encode(&self) -> Vec<u8> {
+        let line = match self {
+            Reply::Hello { version, client, limit } => format!("OK {version} {client} {limit}\n"),
+            Reply::Granted { tokens, held } => format!("GRANTED {tokens} {held}\n"),
+            Reply::Busy { free } => format!("BUSY {free}\n"),
+            Reply::Released { tokens, held } => format!("RELEASED {tokens} {held}\n"),
+            Reply::Cancelled { tokens } => format!("CANCELLED {tokens}\n"),
+            Reply::Status { json } => format!("STATUS {}\n{json}\n", json.len()),
+            Reply::Limit { old, new } => format!("LIMIT {old} {new}\n"),
+            Reply::Err { code, message } => format!("ERR {code} {}\n", message.replace('\n', " ")),
+        };
+        line.into_bytes()
+    }
+}
+
+/// Parses a reply's first line (without `\n`). For `STATUS <bytes>` the JSON
+/// that follows must be read separately: this returns
+/// `ReplyHead::StatusFollows(bytes)`.
+pub fn parse_reply_line(line: &str) -> Result<ReplyHead, ParseError> {
+    let mut words = line.split(' ');
+    let verb = words.next().unwrap_or("");
+    let mut num = || words.next().and_then(parse_number).ok_or_else(|| malformed(format!("bad reply {line:?}")));
+    let reply = match verb {
+        "OK" => Reply::Hello { version: num()?, client: u64::from(num()?), limit: num()? },
+        "GRANTED" => Reply::Granted { tokens: num()?, held: num()? },
+        "BUSY" => Reply::Busy { free: num()? },
+        "RELEASED" => Reply::Released { tokens: num()?, held: num()? },
+        "CANCELLED" => Reply::Cancelled { tokens: num()? },
+        "LIMIT" => Reply::Limit { old: num()?, new: num()? },
+        "STATUS" => return Ok(ReplyHead::StatusFollows(num()? as usize)),
+        "ERR" => {
+            let rest = line.strip_prefix("ERR ").unwrap_or("");
+            let (code, message) = rest.split_once(' ').unwrap_or((rest, ""));
+            let code = ErrorCode::parse(code).ok_or_else(|| malformed(format!("unknown error code in {line:?}")))?;
+            Reply::Err { code, message: message.to_string() }
+        }
+        _ => return Err(malformed(format!("unknown reply {line:?}"))),
+    };
+    Ok(ReplyHead::Complete(reply))
+}
+
+/// The first line of a reply, parsed.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ReplyHead {
+    Complete(Reply),
+    /// `STATUS <bytes>`: that many bytes of JSON and a `\n` follow.
+    StatusFollows(usize),
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn requests_round_trip() {
+        let requests = [
+            Request::Hello { version: 1, label: "make -C src".into() },
+            Request::Hello { version: 1, label: String::new() },
+            Request::Acquire(3),
+            Request::Try(1),
+            Request::Release(2),
+            Request::Cancel,
+            Request::Status,
+            Request::Limit(8),
+        ];
+        for r in requests {
+            assert_eq!(parse_request(r.to_string().as_bytes()), Ok(r));
+        }
+    }
+
+    #[test]
+    fn numbers_are_strict() {
+        for bad in ["ACQUIRE", "ACQUIRE ", "ACQUIRE -1", "ACQUIRE +1", "ACQUIRE 1 2", "ACQUIRE 99999999999", "ACQUIRE x"] {
+            assert!(parse_request(bad.as_bytes()).is_err(), "{bad} should be refused");
+        }
+    }
+
+    #[test]
+    fn garbage_is_refused() {
+        for bad in [&b""[..], b"acquire 1", b"STATUS now", b"\xff\xfe", b"HELLO", b"HELLO 1 a\x07b"] {
+            assert!(parse_request(bad).is_err(), "{bad:?} should be refused");
+        }
+    }
+
+    #[test]
+    fn replies_round_trip() {
+        let replies = [
+            Reply::Hello { version: 1, client: 7, limit: 4 },
+            Reply::Granted { tokens: 1, held: 2 },
+            Reply::Busy { free: 0 },
+            Reply::Released { tokens: 1, held: 0 },
+            Reply::Cancelled { tokens: 1 },
+            Reply::Limit { old: 4, new: 8 },
+            Reply::Err { code: ErrorCode::OverRelease, message: "cannot give back 2 tokens: only 1 held".into() },
+        ];
+        for r in replies {
+            let wire = String::from_utf8(r.encode()).unwrap();
+            let line = wire.strip_suffix('\n').unwrap();
+            assert_eq!(parse_reply_line(line), Ok(ReplyHead::Complete(r)));
+        }
+    }
+
+    #[test]
+    fn status_reply_carries_its_length() {
+        let wire = Reply::Status { json: "{\"limit\":4}".into() }.encode();
+        assert_eq!(wire, b"STATUS 11\n{\"limit\":4}\n");
+        assert_eq!(parse_reply_line("STATUS 11"), Ok(ReplyHead::StatusFollows(11)));
+    }
+}

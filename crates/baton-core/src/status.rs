@@ -1,0 +1,73 @@
+//! The document `STATUS` returns and `baton status --json` prints. Its
+//! fields are documented in docs/protocol.md; add fields, never rename.
+
+use serde::{Deserialize, Serialize};
+
+/// The broker's state at one moment.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Status {
+    /// Protocol version the broker speaks.
+    pub version: u32,
+    /// Process id of the broker.
+    pub broker_pid: u32,
+    /// The pool's limit: how many tokens exist.
+    pub limit: u32,
+    /// Tokens nobody holds.
+    pub free: u32,
+    /// Tokens held, over all holders (may exceed `limit` while a lowered
+    /// limit drains).
+    pub held: u32,
+    /// Clients holding at least one token, longest-holding first.
+    pub holders: Vec<Holder>,
+    /// Pending requests, oldest first.
+    pub waiters: Vec<Waiter>,
+    /// Running totals since the broker started.
+    pub totals: Totals,
+}
+
+/// A client holding tokens.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Holder {
+    /// Process id of the holder (from the socket's peer credentials, or the
+    /// process reading the FUSE token file).
+    pub pid: u32,
+    /// Its command line or the label it gave in HELLO.
+    pub command: String,
+    /// Tokens it holds.
+    pub tokens: u32,
+    /// When it went from holding none to holding some: seconds since the
+    /// Unix epoch.
+    pub since: f64,
+    /// Which way it came in: "socket", "jobserver" or "fuse".
+    pub transport: String,
+}
+
+/// A request waiting for tokens.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Waiter {
+    /// Process id of the waiting client.
+    pub pid: u32,
+    /// Its command line or label.
+    pub command: String,
+    /// Tokens it waits for.
+    pub tokens: u32,
+    /// When it started waiting: seconds since the Unix epoch.
+    pub since: f64,
+    /// Which way it came in.
+    pub transport: String,
+}
+
+/// Counters since the broker started.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Totals {
+    /// Tokens granted.
+    pub granted: u64,
+    /// Tokens given back by their holders.
+    pub released: u64,
+    /// Tokens taken back from clients that went away holding them.
+    pub reclaimed: u64,
+    /// Requests that had to wait.
+    pub waits: u64,
+    /// Clients connected now.
+    pub clients: u64,
+}
