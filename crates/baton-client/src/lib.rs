@@ -285,10 +285,12 @@ fn truncate_bytes(s: &str, max: usize) -> &str {
 
 fn connect_error(path: &Path, e: io::Error) -> Error {
     let path = path.to_path_buf();
+    if is_not_a_socket(&path) {
+        return Error::NotASocket { path };
+    }
     match e.kind() {
         io::ErrorKind::NotFound | io::ErrorKind::ConnectionRefused => Error::NoBroker { path },
         io::ErrorKind::PermissionDenied => Error::PermissionDenied { path },
-        _ if is_not_a_socket(&path) => Error::NotASocket { path },
         _ => Error::Io { context: format!("connecting to {}", path.display()), source: e },
     }
 }

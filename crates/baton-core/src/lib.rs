@@ -4,7 +4,7 @@
 //! Nothing here does I/O. The broker's transports (Unix socket, GNU
 //! jobserver bridge, FUSE token file) and the client libraries drive these
 //! types, which keeps the invariants testable step by step.
-#![warn(missing_docs)]
+#![deny(missing_docs)]
 
 mod pool;
 pub mod protocol;

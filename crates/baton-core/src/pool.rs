@@ -33,8 +33,11 @@ pub type Tag = u64;
 /// that owns `client` must tell it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Grant {
+    /// Who gets the tokens.
     pub client: ClientId,
+    /// Which of its pending requests they answer.
     pub tag: Tag,
+    /// How many: always the whole request.
     pub tokens: u32,
 }
 
@@ -50,20 +53,37 @@ pub enum Acquired {
 /// A request the pool refuses. The pool is unchanged by a refused call.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum PoolError {
+    /// A pool needs at least one token.
     #[error("the limit must be at least 1")]
     ZeroLimit,
     #[error("limit {0} is above the maximum of {max}", max = MAX_LIMIT)]
+    /// Above [`MAX_LIMIT`].
     LimitTooLarge(u32),
     #[error("unknown client {0:?}")]
+    /// The client is not connected.
     UnknownClient(ClientId),
+    /// Requests and releases are for at least one token.
     #[error("a request must be for at least one token")]
     ZeroTokens,
-    #[error("asked for {asked} tokens but the pool only has {limit}")]
-    MoreThanLimit { asked: u32, limit: u32 },
+    /// A client may hold and wait for at most `limit` tokens in all.
+    #[error("a client may hold and wait for at most {limit} tokens (the limit); this request would make {asked}")]
+    MoreThanLimit {
+        /// What the client would hold and wait for with this request.
+        asked: u32,
+        /// The pool's limit.
+        limit: u32,
+    },
     #[error("a request with tag {0} is already waiting")]
+    /// The client already has a pending request with this tag.
     DuplicateTag(Tag),
     #[error("cannot give back {asked} tokens: only {held} held")]
-    OverRelease { asked: u32, held: u32 },
+    /// A client gave back more than it holds; the pool never grows.
+    OverRelease {
+        /// Tokens it tried to give back.
+        asked: u32,
+        /// Tokens it holds.
+        held: u32,
+    },
 }
 
 /// The largest limit a pool accepts. Far above any real machine's job
@@ -99,10 +119,13 @@ pub struct Totals {
 /// One client's view, for status reports.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ClientView<'a, M> {
+    /// The client.
     pub id: ClientId,
+    /// Tokens it holds.
     pub held: u32,
     /// Tokens this client is waiting for, over all its pending requests.
     pub waiting: u32,
+    /// What the transport remembers about it.
     pub meta: &'a M,
 }
 
@@ -132,10 +155,12 @@ impl<M> Pool<M> {
         })
     }
 
+    /// How many tokens exist.
     pub fn limit(&self) -> u32 {
         self.limit
     }
 
+    /// Tokens nobody holds.
     pub fn free(&self) -> u32 {
         self.free
     }
@@ -145,6 +170,7 @@ impl<M> Pool<M> {
         self.clients.values().map(|c| c.held).sum()
     }
 
+    /// Running totals since the pool was made.
     pub fn totals(&self) -> Totals {
         self.totals
     }
@@ -154,10 +180,12 @@ impl<M> Pool<M> {
         self.clients.get(&id).map_or(0, |c| c.held)
     }
 
+    /// What the transport remembers about a client.
     pub fn meta(&self, id: ClientId) -> Option<&M> {
         self.clients.get(&id).map(|c| &c.meta)
     }
 
+    /// The same, to change.
     pub fn meta_mut(&mut self, id: ClientId) -> Option<&mut M> {
         self.clients.get_mut(&id).map(|c| &mut c.meta)
     }
@@ -286,15 +314,17 @@ impl<M> Pool<M> {
         }
     }
 
+    /// A client may hold and wait for at most `limit` tokens in all: more
+    /// could never be granted, so the request would wait forever.
     fn check_request(&self, id: ClientId, tokens: u32) -> Result<(), PoolError> {
-        if !self.clients.contains_key(&id) {
-            return Err(PoolError::UnknownClient(id));
-        }
+        let client = self.clients.get(&id).ok_or(PoolError::UnknownClient(id))?;
         if tokens == 0 {
             return Err(PoolError::ZeroTokens);
         }
-        if tokens > self.limit {
-            return Err(PoolError::MoreThanLimit { asked: tokens, limit: self.limit });
+        let waiting: u32 = self.queue.iter().filter(|w| w.client == id).map(|w| w.tokens).sum();
+        let total = client.held.saturating_add(waiting).saturating_add(tokens);
+        if total > self.limit {
+            return Err(PoolError::MoreThanLimit { asked: total, limit: self.limit });
         }
         Ok(())
     }
@@ -391,6 +421,8 @@ mod tests {
         let a = p.connect(());
         assert_eq!(p.acquire(a, 0, 5), Err(PoolError::MoreThanLimit { asked: 5, limit: 4 }));
         assert_eq!(p.acquire(a, 0, 0), Err(PoolError::ZeroTokens));
+        p.acquire(a, 0, 3).unwrap();
+        assert_eq!(p.acquire(a, 1, 2), Err(PoolError::MoreThanLimit { asked: 5, limit: 4 }), "held + asked counts");
         assert!(Pool::<()>::new(0).is_err());
     }
 
@@ -452,9 +484,9 @@ mod tests {
 
     #[test]
     fn duplicate_tags_are_refused() {
-        let mut p = pool(1);
+        let mut p = pool(3);
         let [a, b] = [p.connect(()), p.connect(())];
-        p.acquire(a, 0, 1).unwrap();
+        p.acquire(a, 0, 3).unwrap();
         p.acquire(b, 5, 1).unwrap();
         assert_eq!(p.acquire(b, 5, 1), Err(PoolError::DuplicateTag(5)));
         assert_eq!(p.acquire(b, 6, 1), Ok(Acquired::Queued));

@@ -23,7 +23,12 @@ pub const MAX_LABEL: usize = 200;
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Request {
     /// `HELLO <version> [<label>]`: must come first.
-    Hello { version: u32, label: String },
+    Hello {
+        /// Protocol version the client speaks.
+        version: u32,
+        /// Free text shown by status (a command line, say).
+        label: String,
+    },
     /// `ACQUIRE <n>`: block until n tokens are granted.
     Acquire(u32),
     /// `TRY <n>`: take n tokens only if free now.
@@ -42,22 +47,58 @@ pub enum Request {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Reply {
     /// `OK <version> <client-id> <limit>`: answer to HELLO.
-    Hello { version: u32, client: u64, limit: u32 },
+    Hello {
+        /// Protocol version the broker speaks.
+        version: u32,
+        /// The broker's id for this connection.
+        client: u64,
+        /// The pool's limit.
+        limit: u32,
+    },
     /// `GRANTED <n> <held>`: n tokens are yours; you now hold `held`.
-    Granted { tokens: u32, held: u32 },
+    Granted {
+        /// Tokens granted by this reply.
+        tokens: u32,
+        /// Tokens the connection holds now.
+        held: u32,
+    },
     /// `BUSY <free>`: TRY found too few free tokens (or a queue ahead).
-    Busy { free: u32 },
+    Busy {
+        /// Tokens free at that moment.
+        free: u32,
+    },
     /// `RELEASED <n> <held>`: n tokens went back; you now hold `held`.
-    Released { tokens: u32, held: u32 },
+    Released {
+        /// Tokens given back.
+        tokens: u32,
+        /// Tokens the connection still holds.
+        held: u32,
+    },
     /// `CANCELLED <n>`: the pending wait for n tokens is withdrawn (0: none
     /// was pending, e.g. because GRANTED was already sent).
-    Cancelled { tokens: u32 },
+    Cancelled {
+        /// Tokens the withdrawn request waited for.
+        tokens: u32,
+    },
     /// `STATUS <bytes>` followed by exactly `bytes` bytes of JSON and `\n`.
-    Status { json: String },
+    Status {
+        /// The document, see [`crate::status::Status`].
+        json: String,
+    },
     /// `LIMIT <old> <new>`.
-    Limit { old: u32, new: u32 },
+    Limit {
+        /// The limit before.
+        old: u32,
+        /// The limit now.
+        new: u32,
+    },
     /// `ERR <code> <message>`.
-    Err { code: ErrorCode, message: String },
+    Err {
+        /// What kind of error.
+        code: ErrorCode,
+        /// What happened, for people.
+        message: String,
+    },
 }
 
 /// Machine-readable error codes. Fatal ones close the connection after the
@@ -83,6 +124,7 @@ pub enum ErrorCode {
 }
 
 impl ErrorCode {
+    /// The code's word on the wire.
     pub fn as_str(self) -> &'static str {
         match self {
             ErrorCode::Malformed => "malformed",
@@ -96,6 +138,7 @@ impl ErrorCode {
         }
     }
 
+    /// The code named by a word on the wire.
     pub fn parse(word: &str) -> Option<Self> {
         Some(match word {
             "malformed" => ErrorCode::Malformed,
@@ -238,6 +281,7 @@ pub fn parse_reply_line(line: &str) -> Result<ReplyHead, ParseError> {
 /// The first line of a reply, parsed.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum ReplyHead {
+    /// A reply of one line.
     Complete(Reply),
     /// `STATUS <bytes>`: that many bytes of JSON and a `\n` follow.
     StatusFollows(usize),

@@ -80,7 +80,7 @@ proptest! {
                     match pool.acquire(c, 0, tokens) {
                         Ok(Acquired::Granted) => *model.held.entry(c).or_default() += tokens,
                         Ok(Acquired::Queued) => { model.waiting.insert(c, tokens); }
-                        Err(_) => prop_assert!(tokens > pool.limit()),
+                        Err(_) => prop_assert!(model.held.get(&c).copied().unwrap_or(0) + tokens > pool.limit()),
                     }
                 }
                 Op::TryAcquire { client, tokens } => {
@@ -90,7 +90,7 @@ proptest! {
                     match pool.try_acquire(c, tokens) {
                         Ok(true) => *model.held.entry(c).or_default() += tokens,
                         Ok(false) => prop_assert!(free_before < tokens || !queue_empty),
-                        Err(_) => prop_assert!(tokens > pool.limit()),
+                        Err(_) => prop_assert!(model.held.get(&c).copied().unwrap_or(0) + model.waiting.get(&c).copied().unwrap_or(0) + tokens > pool.limit()),
                     }
                 }
                 Op::Release { client, tokens } => {
@@ -129,8 +129,12 @@ proptest! {
         }
         // Everyone leaves: every token is back, whatever happened before.
         for c in model.clients.clone() {
-            let (_, grants) = pool.disconnect(c);
-            prop_assert!(grants.iter().all(|g| !model.clients.contains(&g.client) || g.client > c));
+            let (held, grants) = pool.disconnect(c);
+            prop_assert_eq!(held, model.held.remove(&c).unwrap_or(0));
+            model.waiting.remove(&c);
+            model.clients.retain(|&x| x != c);
+            model.apply_grants(&grants);
+            check(&pool, &model);
         }
         prop_assert_eq!(pool.free(), pool.limit());
         prop_assert_eq!(pool.held(), 0);

@@ -1,1 +1,143 @@
-fn main() {}
+//! baton: a token broker for build parallelism.
+//!
+//! One process owns a pool of job slots and hands each freed slot to exactly
+//! one waiter, oldest first, so nobody is woken to find nothing. See
+//! README.md and docs/.
+
+mod broker;
+mod log;
+mod paths;
+mod run;
+mod serve;
+mod socket;
+mod status;
+
+use clap::{Parser, Subcommand};
+use std::ffi::OsString;
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+#[derive(Parser)]
+#[command(
+    name = "baton",
+    version,
+    about = "A token broker for build parallelism: each freed job slot wakes exactly one waiter",
+    long_about = "baton owns a pool of job slots (tokens) and hands each freed token to exactly one \
+waiter, the one that has waited longest. It knows who holds what, so the tokens of a client that \
+dies come back at once, and one limit holds across any number of concurrent builds.\n\n\
+Start a broker, then run commands under it:\n\n  \
+baton serve --jobs 8 &\n  \
+baton run -- ./build.sh\n  \
+baton status",
+    after_help = "The broker's socket is --socket, else $BATON_SOCKET, else $XDG_RUNTIME_DIR/baton/socket, \
+else /tmp/baton-$UID/socket."
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Run the broker in the foreground until SIGTERM or SIGINT.
+    Serve {
+        /// How many tokens the pool holds: the machine-wide job limit.
+        #[arg(short, long, value_parser = clap::value_parser!(u32).range(1..=i64::from(baton_core::MAX_LIMIT)))]
+        jobs: u32,
+        /// Socket to listen on.
+        #[arg(long, value_name = "PATH")]
+        socket: Option<PathBuf>,
+        /// Log every connection.
+        #[arg(short, long, conflicts_with = "quiet")]
+        verbose: bool,
+        /// Log only warnings.
+        #[arg(short, long)]
+        quiet: bool,
+    },
+    /// Run CMD holding tokens from the broker; they go back when CMD ends.
+    #[command(
+        after_help = "baton run exits with CMD's exit status (128 + signal if CMD was killed; 127 if CMD \
+was not found, 126 if it could not be run). If baton run is killed, the broker takes its tokens back \
+and CMD is killed too."
+    )]
+    Run {
+        /// Socket of the broker.
+        #[arg(long, value_name = "PATH")]
+        socket: Option<PathBuf>,
+        /// Tokens to hold while CMD runs (1 is CMD's own job slot).
+        #[arg(short, long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..))]
+        tokens: u32,
+        /// The command and its arguments.
+        #[arg(required = true, trailing_var_arg = true, value_name = "CMD")]
+        command: Vec<OsString>,
+    },
+    /// Show the limit, free tokens, holders and waiters of a running broker.
+    Status {
+        /// Socket of the broker.
+        #[arg(long, value_name = "PATH")]
+        socket: Option<PathBuf>,
+        /// Print one JSON document (fields in docs/protocol.md).
+        #[arg(long)]
+        json: bool,
+    },
+    /// Change the limit of a running broker. Raising it by K wakes exactly K
+    /// waiters; lowering it retires tokens as their holders give them back.
+    Limit {
+        /// The new limit.
+        #[arg(value_parser = clap::value_parser!(u32).range(1..=i64::from(baton_core::MAX_LIMIT)))]
+        jobs: u32,
+        /// Socket of the broker.
+        #[arg(long, value_name = "PATH")]
+        socket: Option<PathBuf>,
+    },
+    /// Re-run the seeds' wake-up experiments: baton beside pipes, semaphores,
+    /// futexes and condition variables, measured in the same run.
+    Bench,
+    /// Internal: a child process of `baton bench`.
+    #[command(name = "__bench-worker", hide = true)]
+    BenchWorker {
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
+        args: Vec<String>,
+    },
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    match dispatch(cli.command) {
+        Ok(code) => ExitCode::from(code),
+        Err(e) => {
+            eprintln!("baton: {}", error_chain(&e));
+            ExitCode::from(1)
+        }
+    }
+}
+
+fn dispatch(command: Cmd) -> anyhow::Result<u8> {
+    match command {
+        Cmd::Serve { jobs, socket, verbose, quiet } => {
+            log::set_level(if quiet { 0 } else if verbose { 2 } else { 1 });
+            serve::serve(serve::ServeOptions { jobs, socket })?;
+        }
+        Cmd::Run { socket, tokens, command } => {
+            let code = run::run(run::RunOptions { socket, tokens, command })?;
+            return Ok(u8::try_from(code).unwrap_or(1));
+        }
+        Cmd::Status { socket, json } => status::print_status(&paths::socket_path(socket), json)?,
+        Cmd::Limit { jobs, socket } => status::set_limit(&paths::socket_path(socket), jobs)?,
+        Cmd::Bench | Cmd::BenchWorker { .. } => anyhow::bail!("bench not built yet"),
+    }
+    Ok(0)
+}
+
+/// `outer: inner: innermost`, without repeating a cause already quoted.
+fn error_chain(e: &anyhow::Error) -> String {
+    let mut text = e.to_string();
+    for cause in e.chain().skip(1) {
+        let cause = cause.to_string();
+        if !text.contains(&cause) {
+            text.push_str(": ");
+            text.push_str(&cause);
+        }
+    }
+    text
+}

@@ -1,0 +1,78 @@
+//! `baton serve`: start the broker, serve until SIGTERM/SIGINT, clean up.
+
+use crate::broker::Broker;
+use crate::socket::SocketServer;
+use crate::{log, paths};
+use anyhow::{Context, Result};
+use nix::sys::signal::{SigSet, Signal};
+use nix::sys::signalfd::{SfdFlags, SignalFd};
+use std::os::unix::fs::PermissionsExt;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+
+/// What `baton serve` was asked to do.
+pub struct ServeOptions {
+    pub jobs: u32,
+    pub socket: Option<PathBuf>,
+}
+
+pub fn serve(opts: ServeOptions) -> Result<()> {
+    // Only the directories baton chooses itself are tightened to 0700.
+    let chosen_by_us = opts.socket.is_none() && std::env::var_os("BATON_SOCKET").is_none_or(|v| v.is_empty());
+    let socket = paths::socket_path(opts.socket);
+    let dir = paths::private_dir(&socket);
+    paths::prepare_private_dir(&dir, chosen_by_us)?;
+    let _lock = paths::lock_socket(&socket)?;
+    paths::clear_stale_socket(&socket)?;
+    raise_fd_limit();
+
+    // Block the stop signals before any thread starts so that every thread
+    // inherits the mask and only the signalfd sees them.
+    let stop = stop_signals();
+    stop.thread_block().context("cannot block SIGTERM/SIGINT")?;
+    let signals = SignalFd::with_flags(&stop, SfdFlags::SFD_NONBLOCK | SfdFlags::SFD_CLOEXEC).context("cannot create a signalfd")?;
+
+    let listener = std::os::unix::net::UnixListener::bind(&socket).with_context(|| format!("cannot listen at {}", socket.display()))?;
+    let _remove_socket = RemoveOnDrop(socket.clone());
+    std::fs::set_permissions(&socket, std::fs::Permissions::from_mode(0o600))
+        .with_context(|| format!("cannot make {} private (chmod 0600)", socket.display()))?;
+
+    let broker = Arc::new(Mutex::new(Broker::new(opts.jobs)?));
+    let (mut server, _waker) = SocketServer::new(listener, signals, broker.clone()).context("cannot start the event loop")?;
+    log::info(format_args!("serving {} tokens at {} (pid {})", opts.jobs, socket.display(), std::process::id()));
+    let signal = server.run().context("the event loop failed")?;
+    let broker = broker.lock().expect("broker lock");
+    log::info(format_args!(
+        "stopping on {signal}: {} of {} tokens held by {} client(s) at exit",
+        broker.pool().held(),
+        broker.pool().limit(),
+        broker.pool().clients().count()
+    ));
+    Ok(())
+}
+
+pub fn stop_signals() -> SigSet {
+    let mut set = SigSet::empty();
+    set.add(Signal::SIGTERM);
+    set.add(Signal::SIGINT);
+    set
+}
+
+/// Every client costs the broker a file descriptor; the usual soft limit of
+/// 1024 would cap a big build, so take what the hard limit allows.
+fn raise_fd_limit() {
+    use nix::sys::resource::{getrlimit, setrlimit, Resource};
+    if let Ok((soft, hard)) = getrlimit(Resource::RLIMIT_NOFILE) {
+        if soft < hard {
+            let _ = setrlimit(Resource::RLIMIT_NOFILE, hard, hard);
+        }
+    }
+}
+
+struct RemoveOnDrop(PathBuf);
+
+impl Drop for RemoveOnDrop {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.0);
+    }
+}

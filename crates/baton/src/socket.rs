@@ -1,0 +1,361 @@
+//! The native transport: a Unix stream socket speaking docs/protocol.md.
+//!
+//! One thread runs a mio loop over the listener, every connection, a waker
+//! (other transports' grants for our clients) and a signalfd (SIGTERM,
+//! SIGINT). A waiting client blocks in read() on its own connection, so a
+//! grant wakes exactly that process: the broker never broadcasts.
+
+use crate::broker::{Broker, ClientMeta, Transport};
+use crate::log;
+use baton_core::protocol::{self, ErrorCode, Reply, Request, MAX_LINE};
+use baton_core::{Acquired, ClientId, Grant, PoolError};
+use mio::net::{UnixListener, UnixStream};
+use mio::unix::SourceFd;
+use mio::{Events, Interest, Poll, Token, Waker};
+use nix::sys::signalfd::SignalFd;
+use std::collections::HashMap;
+use std::io::{self, ErrorKind, Read, Write};
+use std::os::fd::AsRawFd;
+use std::sync::{Arc, Mutex};
+
+const LISTENER: Token = Token(0);
+const SIGNALS: Token = Token(1);
+pub const WAKER: Token = Token(2);
+const FIRST_CONN: usize = 3;
+
+/// The tag of a socket client's one pending ACQUIRE. A connection is
+/// sequential, so it never has two.
+const ACQUIRE_TAG: u64 = 0;
+
+/// A client that does not read its replies cannot make the broker buffer
+/// without end: past this much unsent output it is disconnected.
+const MAX_UNSENT: usize = 1 << 20;
+
+/// At most this many connections at once; more get `ERR full`. Bounded by
+/// the file descriptor limit, which `serve` raises to its hard maximum.
+pub const MAX_CLIENTS: usize = 60_000;
+
+struct Conn {
+    stream: UnixStream,
+    pid: u32,
+    client: Option<ClientId>,
+    inbuf: Vec<u8>,
+    outbuf: Vec<u8>,
+    /// An ACQUIRE is pending: only CANCEL is allowed until it is answered.
+    waiting: bool,
+    /// A fatal error was sent: flush, then close.
+    closing: bool,
+}
+
+/// The socket server's state. Created by `serve`, run on its own thread.
+pub struct SocketServer {
+    poll: Poll,
+    listener: UnixListener,
+    signals: SignalFd,
+    broker: Arc<Mutex<Broker>>,
+    conns: HashMap<Token, Conn>,
+    by_client: HashMap<ClientId, Token>,
+    next_token: usize,
+}
+
+impl SocketServer {
+    pub fn new(listener: std::os::unix::net::UnixListener, signals: SignalFd, broker: Arc<Mutex<Broker>>) -> io::Result<(Self, Arc<Waker>)> {
+        let poll = Poll::new()?;
+        listener.set_nonblocking(true)?;
+        let mut listener = UnixListener::from_std(listener);
+        poll.registry().register(&mut listener, LISTENER, Interest::READABLE)?;
+        poll.registry().register(&mut SourceFd(&signals.as_raw_fd()), SIGNALS, Interest::READABLE)?;
+        let waker = Arc::new(Waker::new(poll.registry(), WAKER)?);
+        let server = SocketServer { poll, listener, signals, broker, conns: HashMap::new(), by_client: HashMap::new(), next_token: FIRST_CONN };
+        Ok((server, waker))
+    }
+
+    /// Serves until SIGTERM or SIGINT. Returns the signal's name.
+    pub fn run(&mut self) -> io::Result<&'static str> {
+        let mut events = Events::with_capacity(1024);
+        loop {
+            match self.poll.poll(&mut events, None) {
+                Ok(()) => {}
+                Err(e) if e.kind() == ErrorKind::Interrupted => continue,
+                Err(e) => return Err(e),
+            }
+            for event in events.iter() {
+                match event.token() {
+                    LISTENER => self.accept_all(),
+                    SIGNALS => {
+                        if let Some(name) = self.stop_signal() {
+                            return Ok(name);
+                        }
+                    }
+                    WAKER => {}
+                    token => self.serve_conn(token),
+                }
+            }
+            // Grants caused by this round (ours or other transports').
+            self.deliver_grants();
+        }
+    }
+
+    fn stop_signal(&mut self) -> Option<&'static str> {
+        match self.signals.read_signal() {
+            Ok(Some(info)) if info.ssi_signo == libc::SIGTERM as u32 => Some("SIGTERM"),
+            Ok(Some(info)) if info.ssi_signo == libc::SIGINT as u32 => Some("SIGINT"),
+            _ => None,
+        }
+    }
+
+    fn accept_all(&mut self) {
+        loop {
+            match self.listener.accept() {
+                Ok((stream, _)) => self.add_conn(stream),
+                Err(e) if e.kind() == ErrorKind::WouldBlock => return,
+                Err(e) if e.kind() == ErrorKind::Interrupted => continue,
+                Err(e) => {
+                    // EMFILE and friends: log and keep serving those we have.
+                    log::warn(format_args!("cannot accept a connection: {e}"));
+                    return;
+                }
+            }
+        }
+    }
+
+    fn add_conn(&mut self, mut stream: UnixStream) {
+        let pid = peer_pid(&stream).unwrap_or(0);
+        if self.conns.len() >= MAX_CLIENTS {
+            let reply = Reply::Err { code: ErrorCode::Full, message: format!("the broker already serves {MAX_CLIENTS} clients") };
+            let _ = stream.write(&reply.encode());
+            return;
+        }
+        let token = Token(self.next_token);
+        self.next_token += 1;
+        if let Err(e) = self.poll.registry().register(&mut stream, token, Interest::READABLE) {
+            log::warn(format_args!("cannot watch a new connection: {e}"));
+            return;
+        }
+        log::debug(format_args!("connection from pid {pid}"));
+        let conn = Conn { stream, pid, client: None, inbuf: Vec::new(), outbuf: Vec::new(), waiting: false, closing: false };
+        self.conns.insert(token, conn);
+    }
+
+    fn serve_conn(&mut self, token: Token) {
+        // Read and answer a chunk at a time, so a client streaming requests
+        // is served as it goes rather than buffered whole.
+        let finished = loop {
+            let Some(conn) = self.conns.get_mut(&token) else { return };
+            match read_chunk(conn) {
+                Chunk::Data => self.process_lines(token),
+                Chunk::Drained => break false,
+                Chunk::Finished => break true,
+            }
+            if self.conns.get(&token).is_none_or(|c| c.closing) {
+                break false;
+            }
+        };
+        let Some(conn) = self.conns.get_mut(&token) else { return };
+        // Flush first: a fatal error's reply should reach the client.
+        if flush(conn).is_err() || finished || conn.closing {
+            self.close(token);
+            return;
+        }
+        // Ask for writability only while output is stuck.
+        let interest = if conn.outbuf.is_empty() { Interest::READABLE } else { Interest::READABLE | Interest::WRITABLE };
+        if self.poll.registry().reregister(&mut conn.stream, token, interest).is_err() {
+            self.close(token);
+        }
+    }
+
+    fn process_lines(&mut self, token: Token) {
+        loop {
+            let Some(conn) = self.conns.get_mut(&token) else { return };
+            if conn.closing {
+                return;
+            }
+            let Some(end) = conn.inbuf.iter().position(|&b| b == b'\n') else {
+                if conn.inbuf.len() >= MAX_LINE {
+                    let message = format!("request longer than {MAX_LINE} bytes");
+                    conn.inbuf.clear();
+                    self.reply_error(token, ErrorCode::TooLong, message);
+                }
+                return;
+            };
+            if end + 1 > MAX_LINE {
+                self.reply_error(token, ErrorCode::TooLong, format!("request longer than {MAX_LINE} bytes"));
+                return;
+            }
+            let line: Vec<u8> = conn.inbuf.drain(..=end).collect();
+            let line = line.strip_suffix(b"\n").unwrap_or(&line);
+            let line = line.strip_suffix(b"\r").unwrap_or(line);
+            match protocol::parse_request(line) {
+                Ok(request) => self.handle(token, request),
+                Err(e) => self.reply_error(token, ErrorCode::Malformed, e.0),
+            }
+        }
+    }
+
+    fn handle(&mut self, token: Token, request: Request) {
+        let conn = self.conns.get_mut(&token).expect("caller checked");
+        let reply = match (conn.client, request) {
+            (None, Request::Hello { version, label }) => {
+                if version != protocol::VERSION {
+                    let msg = format!("this broker speaks protocol version {}, not {version}", protocol::VERSION);
+                    return self.reply_error(token, ErrorCode::Version, msg);
+                }
+                let command = if label.is_empty() { command_line(conn.pid) } else { label };
+                let mut broker = self.broker.lock().expect("broker lock");
+                let id = broker.connect(ClientMeta::new(conn.pid, command, Transport::Socket));
+                conn.client = Some(id);
+                self.by_client.insert(id, token);
+                Reply::Hello { version: protocol::VERSION, client: id.0, limit: broker.pool().limit() }
+            }
+            (None, _) => return self.reply_error(token, ErrorCode::Hello, "the first request must be HELLO 1 [label]".into()),
+            (Some(_), Request::Hello { .. }) => return self.reply_error(token, ErrorCode::Hello, "HELLO was already said".into()),
+            (Some(id), Request::Cancel) => {
+                let tokens = self.broker.lock().expect("broker lock").cancel(id, ACQUIRE_TAG);
+                conn.waiting = false;
+                Reply::Cancelled { tokens }
+            }
+            (Some(_), _) if conn.waiting => {
+                return self.reply_error(token, ErrorCode::Busy, "only CANCEL is allowed while ACQUIRE waits".into())
+            }
+            (Some(id), request) => {
+                let mut broker = self.broker.lock().expect("broker lock");
+                match apply(&mut broker, id, request) {
+                    Ok(Some(reply)) => reply,
+                    Ok(None) => {
+                        conn.waiting = true;
+                        return;
+                    }
+                    Err(e) => Reply::Err { code: error_code(&e), message: e.to_string() },
+                }
+            }
+        };
+        conn.outbuf.extend_from_slice(&reply.encode());
+    }
+
+    fn reply_error(&mut self, token: Token, code: ErrorCode, message: String) {
+        let Some(conn) = self.conns.get_mut(&token) else { return };
+        log::info(format_args!("pid {}: {code}: {message}{}", conn.pid, if code.is_fatal() { "; closing its connection" } else { "" }));
+        conn.outbuf.extend_from_slice(&Reply::Err { code, message }.encode());
+        if code.is_fatal() {
+            conn.closing = true;
+        }
+    }
+
+    fn deliver_grants(&mut self) {
+        let grants = self.broker.lock().expect("broker lock").take_grants(Transport::Socket);
+        for Grant { client, tokens, .. } in grants {
+            let Some(&token) = self.by_client.get(&client) else { continue };
+            let held = self.broker.lock().expect("broker lock").pool().held_by(client);
+            let conn = self.conns.get_mut(&token).expect("by_client and conns agree");
+            conn.waiting = false;
+            conn.outbuf.extend_from_slice(&Reply::Granted { tokens, held }.encode());
+            if flush(conn).is_err() {
+                self.close(token);
+            } else if !conn.outbuf.is_empty() {
+                let _ = self.poll.registry().reregister(&mut conn.stream, token, Interest::READABLE | Interest::WRITABLE);
+            }
+        }
+    }
+
+    fn close(&mut self, token: Token) {
+        let Some(mut conn) = self.conns.remove(&token) else { return };
+        let _ = self.poll.registry().deregister(&mut conn.stream);
+        let Some(id) = conn.client else { return };
+        self.by_client.remove(&id);
+        let mut broker = self.broker.lock().expect("broker lock");
+        let command = broker.pool().meta(id).map(|m| m.command.clone()).unwrap_or_default();
+        let reclaimed = broker.disconnect(id);
+        if reclaimed > 0 {
+            log::info(format_args!("reclaimed {reclaimed} token(s) from pid {} ({command}): its connection closed", conn.pid));
+        }
+    }
+}
+
+/// Applies a request of a connected client. `Ok(None)`: ACQUIRE queued,
+/// the reply comes with the grant.
+fn apply(broker: &mut Broker, id: ClientId, request: Request) -> Result<Option<Reply>, PoolError> {
+    Ok(Some(match request {
+        Request::Acquire(n) => match broker.acquire(id, ACQUIRE_TAG, n)? {
+            Acquired::Granted => Reply::Granted { tokens: n, held: broker.pool().held_by(id) },
+            Acquired::Queued => return Ok(None),
+        },
+        Request::Try(n) => match broker.try_acquire(id, n)? {
+            true => Reply::Granted { tokens: n, held: broker.pool().held_by(id) },
+            false => Reply::Busy { free: broker.pool().free() },
+        },
+        Request::Release(n) => {
+            broker.release(id, n)?;
+            Reply::Released { tokens: n, held: broker.pool().held_by(id) }
+        }
+        Request::Status => Reply::Status { json: serde_json::to_string(&broker.status()).expect("status serializes") },
+        Request::Limit(n) => {
+            let old = broker.set_limit(n)?;
+            log::info(format_args!("limit changed from {old} to {n}"));
+            Reply::Limit { old, new: n }
+        }
+        Request::Hello { .. } | Request::Cancel => unreachable!("handled by the caller"),
+    }))
+}
+
+fn error_code(e: &PoolError) -> ErrorCode {
+    match e {
+        PoolError::OverRelease { .. } => ErrorCode::OverRelease,
+        _ => ErrorCode::Range,
+    }
+}
+
+enum Chunk {
+    Data,
+    Drained,
+    /// End of file or a read error: the connection is finished.
+    Finished,
+}
+
+fn read_chunk(conn: &mut Conn) -> Chunk {
+    let mut buf = [0u8; 4096];
+    loop {
+        return match conn.stream.read(&mut buf) {
+            Ok(0) => Chunk::Finished,
+            Ok(n) => {
+                conn.inbuf.extend_from_slice(&buf[..n]);
+                Chunk::Data
+            }
+            Err(e) if e.kind() == ErrorKind::WouldBlock => Chunk::Drained,
+            Err(e) if e.kind() == ErrorKind::Interrupted => continue,
+            Err(_) => Chunk::Finished,
+        };
+    }
+}
+
+/// Writes what can be written now. Err: the peer is gone or hopelessly
+/// behind.
+fn flush(conn: &mut Conn) -> io::Result<()> {
+    while !conn.outbuf.is_empty() {
+        match conn.stream.write(&conn.outbuf) {
+            Ok(0) => return Err(ErrorKind::WriteZero.into()),
+            Ok(n) => {
+                conn.outbuf.drain(..n);
+            }
+            Err(e) if e.kind() == ErrorKind::WouldBlock => break,
+            Err(e) if e.kind() == ErrorKind::Interrupted => continue,
+            Err(e) => return Err(e),
+        }
+    }
+    if conn.outbuf.len() > MAX_UNSENT {
+        return Err(io::Error::other("client does not read its replies"));
+    }
+    Ok(())
+}
+
+fn peer_pid(stream: &UnixStream) -> Option<u32> {
+    use nix::sys::socket::{getsockopt, sockopt::PeerCredentials};
+    getsockopt(stream, PeerCredentials).ok().map(|c| c.pid() as u32)
+}
+
+/// The process's command line from /proc, for status; empty if gone.
+pub fn command_line(pid: u32) -> String {
+    let raw = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+    let words: Vec<String> = raw.split(|&b| b == 0).filter(|w| !w.is_empty()).map(|w| String::from_utf8_lossy(w).into_owned()).collect();
+    let line = words.join(" ");
+    line.chars().take(protocol::MAX_LABEL).collect()
+}
