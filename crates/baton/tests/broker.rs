@@ -1,0 +1,358 @@
+//! The broker core through the real binary: serve, run, status, limit, the
+//! native protocol's error handling, and token recovery after kill -9.
+
+mod common;
+
+use baton_client::Error;
+use common::*;
+use std::io::{Read, Write};
+use std::os::unix::fs::{FileTypeExt, PermissionsExt};
+use std::os::unix::net::UnixStream;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+#[test]
+fn two_hundred_runs_never_exceed_four_jobs() {
+    let broker = Broker::start(4);
+    let log = broker.dir.path().join("jobs.log");
+    let job = logged_job(&log, "0.02");
+    let children: Vec<_> = (0..200)
+        .map(|_| broker.run(&["--", "sh", "-c", &job]).stdout(Stdio::null()).spawn().expect("spawn baton run"))
+        .collect();
+    for mut child in children {
+        assert!(child.wait().unwrap().success());
+    }
+    let (max, started) = max_overlap(&log);
+    assert_eq!(started, 200, "every job ran");
+    assert!(max <= 4, "{max} jobs overlapped under a limit of 4");
+    assert!(max >= 2, "the limit allowed parallelism (saw at most {max} at once)");
+    broker.assert_all_free();
+    let s = broker.status();
+    assert_eq!(s.totals.granted, 200);
+    assert_eq!(s.totals.reclaimed, 0, "baton run gives its token back itself");
+}
+
+#[test]
+fn a_freed_token_goes_to_the_longest_waiter() {
+    let broker = Broker::start(1);
+    let mut holder = broker.client("holder");
+    holder.acquire(1).unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    let mut threads = Vec::new();
+    for i in 0..5 {
+        let mut c = broker.client(&format!("waiter {i}"));
+        let tx = tx.clone();
+        threads.push(std::thread::spawn(move || {
+            c.acquire(1).unwrap();
+            tx.send(i).unwrap();
+            std::thread::sleep(Duration::from_millis(5));
+            c.release(1).unwrap();
+        }));
+        // Queue them one after another, in a known order.
+        wait_for(Duration::from_secs(5), "the waiter to queue", || broker.status().waiters.len() == i + 1);
+    }
+    holder.release(1).unwrap();
+    let order: Vec<_> = (0..5).map(|_| rx.recv().unwrap()).collect();
+    assert_eq!(order, vec![0, 1, 2, 3, 4]);
+    threads.into_iter().for_each(|t| t.join().unwrap());
+    broker.assert_all_free();
+}
+
+#[test]
+fn kill_9_of_holders_returns_their_tokens_within_100ms() {
+    let broker = Broker::start(2);
+    let mut holders: Vec<_> = (0..2).map(|_| broker.run(&["--", "sleep", "600"]).spawn().unwrap()).collect();
+    wait_for(Duration::from_secs(10), "two holders", || broker.status().held == 2);
+    // A waiter blocked in ACQUIRE measures how soon each token comes back.
+    let socket = broker.socket.clone();
+    let waiter = std::thread::spawn(move || {
+        let mut c = baton_client::Client::connect(&socket, "waiter").unwrap();
+        c.acquire(2).unwrap();
+        (Instant::now(), c)
+    });
+    wait_for(Duration::from_secs(5), "the waiter to queue", || broker.status().waiters.len() == 1);
+    let sleepers: Vec<u32> = holders.iter().flat_map(|h| child_pids(h.id())).collect();
+    let killed_at = Instant::now();
+    for h in &mut holders {
+        h.kill().unwrap(); // SIGKILL
+    }
+    let (granted_at, mut waiter) = waiter.join().unwrap();
+    waiter.release(2).unwrap();
+    let delay = granted_at.duration_since(killed_at);
+    assert!(delay < Duration::from_millis(100), "tokens came back after {delay:?}");
+    holders.iter_mut().for_each(|h| drop(h.wait()));
+    // CMD must not outlive baton run holding nothing.
+    wait_for(Duration::from_secs(2), "the commands to die with baton run", || sleepers.iter().all(|&p| !pid_alive(p)));
+    assert!(!sleepers.is_empty());
+    let s = broker.status();
+    assert_eq!(s.totals.reclaimed, 2);
+}
+
+#[test]
+fn status_json_has_the_documented_keys() {
+    let broker = Broker::start(3);
+    let mut holder = broker.client("holder");
+    holder.acquire(2).unwrap();
+    let out = broker_status_json(&broker);
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(v["limit"], 3);
+    assert_eq!(v["free"], 1);
+    let holders = v["holders"].as_array().unwrap();
+    assert_eq!(holders.len(), 1);
+    assert_eq!(holders[0]["pid"], std::process::id());
+    assert_eq!(holders[0]["tokens"], 2);
+    assert_eq!(holders[0]["command"], "holder");
+    assert!(holders[0]["since"].as_f64().unwrap() > 1.7e9);
+    assert!(v["waiters"].as_array().unwrap().is_empty());
+    for key in ["granted", "released", "reclaimed", "waits", "clients"] {
+        assert!(v["totals"][key].is_u64(), "totals.{key}");
+    }
+}
+
+fn broker_status_json(broker: &Broker) -> String {
+    let out = baton().args(["status", "--json", "--socket"]).arg(&broker.socket).output().unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    String::from_utf8(out.stdout).unwrap()
+}
+
+#[test]
+fn human_status_lists_holders_and_waiters() {
+    let broker = Broker::start(1);
+    let mut holder = broker.client("the-holder");
+    holder.acquire(1).unwrap();
+    let _waiter = broker.run(&["--", "true"]).spawn().unwrap();
+    wait_for(Duration::from_secs(5), "a waiter", || broker.status().waiters.len() == 1);
+    let out = baton().args(["status", "--socket"]).arg(&broker.socket).output().unwrap();
+    let text = String::from_utf8(out.stdout).unwrap();
+    assert!(text.contains("limit 1  free 0"), "{text}");
+    assert!(text.contains("HOLDERS") && text.contains("the-holder"), "{text}");
+    assert!(text.contains("WAITERS") && text.contains("baton run -- true"), "{text}");
+}
+
+#[test]
+fn run_exits_with_the_commands_status() {
+    let broker = Broker::start(2);
+    let code = |args: &[&str]| broker.run(args).stderr(Stdio::null()).status().unwrap().code();
+    assert_eq!(code(&["--", "sh", "-c", "exit 7"]), Some(7));
+    assert_eq!(code(&["--", "sh", "-c", "kill -9 $$"]), Some(128 + 9));
+    assert_eq!(code(&["--", "no-such-command-anywhere"]), Some(127));
+    assert_eq!(code(&["--", "/etc/passwd"]), Some(126));
+    assert_eq!(code(&["--tokens", "2", "--", "true"]), Some(0));
+    broker.assert_all_free();
+}
+
+#[test]
+fn run_sets_baton_socket_for_the_command() {
+    let broker = Broker::start(1);
+    let out = broker.run(&["--", "sh", "-c", "echo $BATON_SOCKET"]).output().unwrap();
+    assert_eq!(String::from_utf8(out.stdout).unwrap().trim(), broker.socket.to_str().unwrap());
+}
+
+#[test]
+fn kill_9_of_baton_run_kills_its_command_and_frees_its_token() {
+    let broker = Broker::start(1);
+    let mut run = broker.run(&["--", "sleep", "600"]).spawn().unwrap();
+    wait_for(Duration::from_secs(10), "the command to start", || !child_pids(run.id()).is_empty());
+    let sleeper = child_pids(run.id())[0];
+    run.kill().unwrap();
+    run.wait().unwrap();
+    wait_for(Duration::from_secs(2), "the orphaned command to die", || !pid_alive(sleeper));
+    wait_for(Duration::from_secs(1), "the token to come back", || broker.status().free == 1);
+}
+
+#[test]
+fn sigterm_to_baton_run_reaches_the_command() {
+    let broker = Broker::start(1);
+    let mut run = broker.run(&["--", "sleep", "600"]).spawn().unwrap();
+    wait_for(Duration::from_secs(10), "the command to start", || !child_pids(run.id()).is_empty());
+    unsafe { libc::kill(run.id() as i32, libc::SIGTERM) };
+    assert_eq!(wait_timeout(&mut run, Duration::from_secs(5)).unwrap().code(), Some(128 + libc::SIGTERM));
+    broker.assert_all_free();
+}
+
+#[test]
+fn over_release_is_refused_and_the_pool_never_grows() {
+    let broker = Broker::start(2);
+    let mut c = broker.client("greedy");
+    c.acquire(1).unwrap();
+    match c.release(2) {
+        Err(Error::Refused { code, .. }) => assert_eq!(code.as_str(), "over-release"),
+        other => panic!("expected a refusal, got {other:?}"),
+    }
+    let s = broker.status();
+    assert_eq!((s.limit, s.free, s.held), (2, 1, 1));
+    c.release(1).unwrap(); // the connection is still usable
+    broker.assert_all_free();
+}
+
+#[test]
+fn more_than_the_limit_is_refused_not_queued_forever() {
+    let broker = Broker::start(2);
+    let mut c = broker.client("c");
+    assert!(matches!(c.acquire(3), Err(Error::Refused { .. })));
+    assert!(matches!(c.acquire(0), Err(Error::Refused { .. })));
+    c.acquire(2).unwrap();
+    assert!(matches!(c.acquire(1), Err(Error::Refused { .. })), "held + asked may not exceed the limit");
+    assert!(!c.try_acquire(1).is_ok_and(|x| x));
+}
+
+/// Raw bytes, for what the client library would never send.
+fn raw_exchange(broker: &Broker, bytes: &[u8]) -> String {
+    let mut s = UnixStream::connect(&broker.socket).unwrap();
+    s.write_all(bytes).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    let mut out = Vec::new();
+    let _ = s.read_to_end(&mut out); // ends when the broker closes
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+#[test]
+fn malformed_and_oversized_requests_get_an_error_and_lose_nothing() {
+    let broker = Broker::start(3);
+    let mut bystander = broker.client("bystander");
+    bystander.acquire(1).unwrap();
+
+    let cases: [(&[u8], &str); 6] = [
+        (b"HELLO 1 bad\nACQUIRE 1\nFROB 3\n", "ERR malformed"),
+        (b"HELLO 1 bad\nACQUIRE 1\nACQUIRE -4\n", "ERR malformed"),
+        (b"HELLO 1 bad\nACQUIRE 1\n\xff\xfe\xfd\n", "ERR malformed"),
+        (b"ACQUIRE 1\n", "ERR hello"),
+        (b"HELLO 9\n", "ERR version"),
+        (&[b'x'; 10_000], "ERR too-long"),
+    ];
+    for (bytes, expected) in cases {
+        let reply = raw_exchange(&broker, bytes);
+        assert!(reply.lines().last().unwrap_or("").starts_with(expected), "{bytes:?} got {reply:?}");
+    }
+    // Pipelining while ACQUIRE waits is a protocol error, too.
+    let mut hog = broker.client("hog");
+    hog.acquire(2).unwrap();
+    let reply = raw_exchange(&broker, b"HELLO 1 w\nACQUIRE 1\nSTATUS\n");
+    assert!(reply.ends_with("ERR busy only CANCEL is allowed while ACQUIRE waits\n"), "{reply:?}");
+    hog.release(2).unwrap();
+
+    let s = broker.status();
+    assert_eq!((s.free, s.held), (2, 1), "only the bystander holds a token: {s:#?}");
+    bystander.release(1).unwrap();
+    broker.assert_all_free();
+}
+
+#[test]
+fn cancel_withdraws_a_pending_acquire() {
+    let broker = Broker::start(1);
+    let mut holder = broker.client("holder");
+    holder.acquire(1).unwrap();
+    let reply = raw_exchange(&broker, b"HELLO 1 w\nACQUIRE 1\nCANCEL\nSTATUS\n");
+    let lines: Vec<_> = reply.lines().collect();
+    assert_eq!(&lines[..2], ["OK 1 3 1", "CANCELLED 1"], "{reply}");
+    assert!(lines[2].starts_with("STATUS "));
+}
+
+#[test]
+fn errors_say_what_to_do() {
+    let dir = TempDir::new("errors");
+    let missing = dir.path().join("nothing-here");
+    let out = baton().args(["status", "--socket"]).arg(&missing).output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(err.contains("no broker at") && err.contains("baton serve --jobs"), "{err}");
+
+    let file = dir.path().join("plain-file");
+    std::fs::write(&file, "").unwrap();
+    let out = baton().args(["status", "--socket"]).arg(&file).output().unwrap();
+    assert!(String::from_utf8_lossy(&out.stderr).contains("is not a socket"));
+    let out = baton().args(["serve", "--jobs", "1", "--socket"]).arg(&file).output().unwrap();
+    assert!(String::from_utf8_lossy(&out.stderr).contains("is not a socket: refusing to replace it"));
+
+    for bad in ["0", "many", "-3"] {
+        let out = baton().args(["serve", "--jobs", bad]).output().unwrap();
+        assert_eq!(out.status.code(), Some(2), "--jobs {bad}");
+        assert!(String::from_utf8_lossy(&out.stderr).contains("--jobs"));
+    }
+}
+
+#[test]
+fn permission_denied_is_reported_as_such() {
+    // Needs a second user: run the client as nobody with setpriv (util-linux).
+    if unsafe { libc::getuid() } != 0 || Command::new("setpriv").arg("--version").output().is_err() {
+        eprintln!("skipped: needs root and setpriv to act as another user");
+        return;
+    }
+    let broker = Broker::start(1);
+    let out = Command::new("setpriv")
+        .args(["--reuid=nobody", "--regid=nogroup", "--clear-groups", baton_bin(), "status", "--socket"])
+        .arg(&broker.socket)
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("permission denied"), "{err}");
+}
+
+#[test]
+fn a_second_broker_is_refused_and_a_stale_socket_replaced() {
+    let mut broker = Broker::start(1);
+    let out = baton().args(["serve", "--jobs", "1", "--socket"]).arg(&broker.socket).output().unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("already running"));
+
+    // kill -9 leaves the socket file behind, with nobody answering.
+    let (status, _) = broker.stop_with(libc::SIGKILL);
+    assert!(!status.success());
+    assert!(std::fs::metadata(&broker.socket).unwrap().file_type().is_socket());
+    let mut again = baton().args(["serve", "--jobs", "1", "--socket"]).arg(&broker.socket).spawn().unwrap();
+    wait_for(Duration::from_secs(5), "the new broker", || baton_client::Client::connect(&broker.socket, "p").is_ok());
+    unsafe { libc::kill(again.id() as i32, libc::SIGTERM) };
+    assert!(again.wait().unwrap().success());
+}
+
+#[test]
+fn socket_is_private_and_removed_on_sigterm_and_sigint() {
+    for signal in [libc::SIGTERM, libc::SIGINT] {
+        let mut broker = Broker::start(1);
+        let mode = |p: &std::path::Path| std::fs::metadata(p).unwrap().permissions().mode() & 0o777;
+        assert_eq!(mode(&broker.socket), 0o600);
+        assert_eq!(mode(broker.socket.parent().unwrap()), 0o700);
+        let (status, log) = broker.stop_with(signal);
+        assert!(status.success(), "{log}");
+        assert!(!broker.socket.exists(), "the socket is removed");
+        assert!(log.contains("stopping on SIG"), "{log}");
+    }
+}
+
+#[test]
+fn a_broker_restart_loses_nothing() {
+    let mut broker = Broker::start(2);
+    let mut c = broker.client("survivor");
+    c.acquire(2).unwrap();
+    broker.stop_with(libc::SIGTERM);
+    assert!(matches!(c.release(1), Err(Error::Disconnected)));
+    let again = Broker::start(2);
+    again.assert_all_free();
+}
+
+#[test]
+fn raising_the_limit_by_k_wakes_exactly_k_waiters() {
+    let broker = Broker::start(1);
+    let mut holder = broker.client("holder");
+    holder.acquire(1).unwrap();
+    let waiters: Vec<_> = (0..6).map(|_| broker.run(&["--", "sleep", "600"]).spawn().unwrap()).collect();
+    wait_for(Duration::from_secs(10), "six waiters", || broker.status().waiters.len() == 6);
+    let out = baton().args(["limit", "4", "--socket"]).arg(&broker.socket).output().unwrap();
+    assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), "limit 1 -> 4");
+    wait_for(Duration::from_secs(5), "three grants", || broker.status().held == 4);
+    let s = broker.status();
+    assert_eq!((s.waiters.len(), s.free), (3, 0));
+    for mut w in waiters {
+        w.kill().unwrap();
+        w.wait().unwrap();
+    }
+}
+
+/// Children of a process, from /proc.
+fn child_pids(pid: u32) -> Vec<u32> {
+    std::fs::read_to_string(format!("/proc/{pid}/task/{pid}/children"))
+        .unwrap_or_default()
+        .split_whitespace()
+        .filter_map(|p| p.parse().ok())
+        .collect()
+}

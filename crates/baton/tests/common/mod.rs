@@ -1,0 +1,181 @@
+//! Test fixture: a real `baton serve` in a temporary directory, stopped by
+//! pid when the test ends, and helpers to drive the real binary.
+#![allow(dead_code)] // each test file uses a different part
+
+use baton_client::{Client, Status};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command};
+use std::time::{Duration, Instant};
+
+pub fn baton_bin() -> &'static str {
+    env!("CARGO_BIN_EXE_baton")
+}
+
+pub fn baton() -> Command {
+    Command::new(baton_bin())
+}
+
+/// A temporary directory removed on drop.
+pub struct TempDir(pub PathBuf);
+
+impl TempDir {
+    pub fn new(name: &str) -> Self {
+        static NEXT: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+        let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let dir = std::env::temp_dir().join(format!("baton-test-{name}-{}-{n}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        TempDir(dir)
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.0
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// A running broker. Dropping it sends SIGTERM by pid and reaps it.
+pub struct Broker {
+    pub child: Child,
+    pub socket: PathBuf,
+    pub dir: TempDir,
+    /// Already reaped: its pid may belong to someone else now.
+    stopped: bool,
+}
+
+impl Broker {
+    pub fn start(jobs: u32) -> Self {
+        Self::start_with(jobs, &[])
+    }
+
+    pub fn start_with(jobs: u32, extra: &[&str]) -> Self {
+        let dir = TempDir::new("broker");
+        let socket = dir.path().join("run").join("socket");
+        // A file, not a pipe: nobody reads a pipe while the test runs, and
+        // a full one would block the broker.
+        let log = std::fs::File::create(dir.path().join("broker.log")).unwrap();
+        let child = baton()
+            .args(["serve", "--jobs", &jobs.to_string(), "--socket"])
+            .arg(&socket)
+            .args(extra)
+            .stderr(log)
+            .spawn()
+            .expect("start baton serve");
+        let broker = Broker { child, socket, dir, stopped: false };
+        broker.wait_until_ready();
+        broker
+    }
+
+    fn wait_until_ready(&self) {
+        wait_for(Duration::from_secs(10), "the broker to listen", || Client::connect(&self.socket, "probe").is_ok());
+    }
+
+    pub fn client(&self, label: &str) -> Client {
+        Client::connect(&self.socket, label).expect("connect to the broker")
+    }
+
+    pub fn status(&self) -> Status {
+        self.client("test status").status().expect("status")
+    }
+
+    /// `baton run --socket S ARGS...`
+    pub fn run(&self, args: &[&str]) -> Command {
+        let mut cmd = baton();
+        cmd.arg("run").arg("--socket").arg(&self.socket).args(args);
+        cmd
+    }
+
+    /// What the broker has logged so far.
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(self.dir.path().join("broker.log")).unwrap_or_default()
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// Sends a signal and waits for exit; returns the broker's stderr.
+    pub fn stop_with(&mut self, signal: i32) -> (std::process::ExitStatus, String) {
+        unsafe { libc::kill(self.child.id() as i32, signal) };
+        let status = wait_timeout(&mut self.child, Duration::from_secs(10)).expect("broker stops");
+        self.stopped = true;
+        (status, self.log())
+    }
+
+    /// Checks that every token is back: free == limit, nobody holds any.
+    pub fn assert_all_free(&self) {
+        let s = self.status();
+        assert_eq!((s.free, s.held), (s.limit, 0), "tokens missing at the end: {s:#?}");
+    }
+}
+
+impl Drop for Broker {
+    fn drop(&mut self) {
+        if self.stopped {
+            return;
+        }
+        unsafe { libc::kill(self.child.id() as i32, libc::SIGTERM) };
+        let _ = wait_timeout(&mut self.child, Duration::from_secs(5)).or_else(|| {
+            let _ = self.child.kill();
+            self.child.wait().ok()
+        });
+    }
+}
+
+pub fn wait_timeout(child: &mut Child, limit: Duration) -> Option<std::process::ExitStatus> {
+    let start = Instant::now();
+    while start.elapsed() < limit {
+        if let Some(status) = child.try_wait().unwrap() {
+            return Some(status);
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    None
+}
+
+/// Polls `cond` until it holds; panics after `limit` naming `what`.
+pub fn wait_for(limit: Duration, what: &str, mut cond: impl FnMut() -> bool) {
+    let start = Instant::now();
+    while !cond() {
+        assert!(start.elapsed() < limit, "timed out after {limit:?} waiting for {what}");
+        std::thread::sleep(Duration::from_millis(2));
+    }
+}
+
+pub fn pid_alive(pid: u32) -> bool {
+    // A zombie still answers kill(0): look at /proc state too.
+    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        Ok(stat) => !stat.rsplit(')').next().unwrap_or("").trim_start().starts_with('Z'),
+        Err(_) => false,
+    }
+}
+
+/// Replays a log of `S` (job started) and `E` (job ended) lines, written
+/// with O_APPEND by jobs while they hold a token; returns the most jobs
+/// that were running at once, and how many started.
+pub fn max_overlap(log: &Path) -> (usize, usize) {
+    let text = std::fs::read_to_string(log).unwrap_or_default();
+    let (mut running, mut max, mut started) = (0i64, 0i64, 0);
+    for line in text.lines() {
+        match line.trim() {
+            "S" => {
+                running += 1;
+                started += 1;
+                max = max.max(running);
+            }
+            "E" => running -= 1,
+            _ => {}
+        }
+    }
+    (max as usize, started)
+}
+
+/// A shell command that logs its start and end around `sleep secs`.
+pub fn logged_job(log: &Path, secs: &str) -> String {
+    format!("echo S >> {log}; sleep {secs}; echo E >> {log}", log = log.display())
+}
