@@ -244,7 +244,8 @@ fn cancel_withdraws_a_pending_acquire() {
     holder.acquire(1).unwrap();
     let reply = raw_exchange(&broker, b"HELLO 1 w\nACQUIRE 1\nCANCEL\nSTATUS\n");
     let lines: Vec<_> = reply.lines().collect();
-    assert_eq!(&lines[..2], ["OK 1 3 1", "CANCELLED 1"], "{reply}");
+    assert!(lines[0].starts_with("OK 1 "), "{reply}");
+    assert_eq!(lines[1], "CANCELLED 1", "{reply}");
     assert!(lines[2].starts_with("STATUS "));
 }
 
