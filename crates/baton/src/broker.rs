@@ -47,16 +47,33 @@ impl ClientMeta {
     }
 }
 
+/// Tells a transport's thread that grants wait for it (see [`Broker::on_grants`]).
+pub struct GrantHook(Box<dyn Fn() + Send + Sync>);
+
+impl std::fmt::Debug for GrantHook {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("GrantHook")
+    }
+}
+
 /// The pool with its clients' metadata and undelivered grants.
 #[derive(Debug)]
 pub struct Broker {
     pool: Pool<ClientMeta>,
     undelivered: HashMap<Transport, Vec<Grant>>,
+    hooks: HashMap<Transport, GrantHook>,
 }
 
 impl Broker {
     pub fn new(limit: u32) -> Result<Self, PoolError> {
-        Ok(Broker { pool: Pool::new(limit)?, undelivered: HashMap::new() })
+        Ok(Broker { pool: Pool::new(limit)?, undelivered: HashMap::new(), hooks: HashMap::new() })
+    }
+
+    /// Calls `hook` whenever a call files grants for `transport`, so that
+    /// whichever thread caused them, the transport's own thread learns of
+    /// them. The hook runs under the broker lock: it must only wake.
+    pub fn on_grants(&mut self, transport: Transport, hook: impl Fn() + Send + Sync + 'static) {
+        self.hooks.insert(transport, GrantHook(Box::new(hook)));
     }
 
     pub fn pool(&self) -> &Pool<ClientMeta> {
@@ -131,11 +148,20 @@ impl Broker {
 
     fn route(&mut self, grants: Vec<Grant>) {
         let now = SystemTime::now();
+        let mut woken = Vec::new();
         for grant in grants {
             let meta = self.pool.meta_mut(grant.client).expect("grants go to connected clients");
             meta.waiting_since.remove(&grant.tag);
             meta.holding_since.get_or_insert(now);
             self.undelivered.entry(meta.transport).or_default().push(grant);
+            if !woken.contains(&meta.transport) {
+                woken.push(meta.transport);
+            }
+        }
+        for transport in woken {
+            if let Some(GrantHook(hook)) = self.hooks.get(&transport) {
+                hook();
+            }
         }
     }
 

@@ -5,6 +5,7 @@
 //! README.md and docs/.
 
 mod broker;
+mod fuse;
 mod log;
 mod paths;
 mod run;
@@ -53,6 +54,13 @@ enum Cmd {
         /// Log only warnings.
         #[arg(short, long)]
         quiet: bool,
+        /// Do not mount the FUSE token files (builds then use the FIFO bridge).
+        #[arg(long)]
+        no_fuse: bool,
+        /// Benchmark control: wake every poller of the FUSE files per freed
+        /// token, as a pipe does.
+        #[arg(long, hide = true, conflicts_with = "no_fuse")]
+        fuse_notify_all: bool,
     },
     /// Run CMD holding tokens from the broker; they go back when CMD ends.
     #[command(
@@ -114,9 +122,14 @@ fn main() -> ExitCode {
 
 fn dispatch(command: Cmd) -> anyhow::Result<u8> {
     match command {
-        Cmd::Serve { jobs, socket, verbose, quiet } => {
+        Cmd::Serve { jobs, socket, verbose, quiet, no_fuse, fuse_notify_all } => {
             log::set_level(if quiet { 0 } else if verbose { 2 } else { 1 });
-            serve::serve(serve::ServeOptions { jobs, socket })?;
+            let fuse = match (no_fuse, fuse_notify_all) {
+                (true, _) => None,
+                (false, true) => Some(fuse::Mode::NotifyAll),
+                (false, false) => Some(fuse::Mode::OneAtATime),
+            };
+            serve::serve(serve::ServeOptions { jobs, socket, fuse })?;
         }
         Cmd::Run { socket, tokens, command } => {
             let code = run::run(run::RunOptions { socket, tokens, command })?;

@@ -1,8 +1,8 @@
 //! `baton serve`: start the broker, serve until SIGTERM/SIGINT, clean up.
 
-use crate::broker::Broker;
+use crate::broker::{Broker, Transport};
 use crate::socket::SocketServer;
-use crate::{log, paths};
+use crate::{fuse, log, paths};
 use anyhow::{Context, Result};
 use nix::sys::signal::{SigSet, Signal};
 use nix::sys::signalfd::{SfdFlags, SignalFd};
@@ -14,6 +14,8 @@ use std::sync::{Arc, Mutex};
 pub struct ServeOptions {
     pub jobs: u32,
     pub socket: Option<PathBuf>,
+    /// How the FUSE token files wake pollers; None: no FUSE mount.
+    pub fuse: Option<fuse::Mode>,
 }
 
 pub fn serve(opts: ServeOptions) -> Result<()> {
@@ -38,7 +40,16 @@ pub fn serve(opts: ServeOptions) -> Result<()> {
         .with_context(|| format!("cannot make {} private (chmod 0600)", socket.display()))?;
 
     let broker = Arc::new(Mutex::new(Broker::new(opts.jobs)?));
-    let (mut server, _waker) = SocketServer::new(listener, signals, broker.clone()).context("cannot start the event loop")?;
+    let (mut server, waker) = SocketServer::new(listener, signals, broker.clone()).context("cannot start the event loop")?;
+    // Grants other transports cause for socket clients wake the socket
+    // thread; it delivers its own at the end of each round.
+    let socket_thread = std::thread::current().id();
+    broker.lock().expect("broker lock").on_grants(Transport::Socket, move || {
+        if std::thread::current().id() != socket_thread {
+            let _ = waker.wake();
+        }
+    });
+    let _fuse = opts.fuse.and_then(|mode| fuse::mount(&socket, broker.clone(), mode));
     log::info(format_args!("serving {} tokens at {} (pid {})", opts.jobs, socket.display(), std::process::id()));
     let signal = server.run().context("the event loop failed")?;
     let broker = broker.lock().expect("broker lock");

@@ -1,0 +1,345 @@
+//! The token filesystem: a directory of build files. Any file in it is a
+//! token file: `read` of one byte takes a token, `write` gives one back,
+//! `poll` waits for one. Files are created by `baton run` (one per build,
+//! so `baton status` and `ls` tell builds apart) or by anyone with
+//! `open(O_CREAT)`, and removed with `unlink`.
+//!
+//! fuser calls us from its session thread; the control thread (pidfds,
+//! reservation timeouts, grants caused by socket clients) shares the
+//! state below. Lock order: `Inner`, then the broker.
+
+use super::procs::{Exits, Threads};
+use super::waiters::{Fh, Pid, PollWaker, ReadReply, Waiters};
+use crate::broker::{Broker, ClientMeta, Transport};
+use crate::log;
+use fuser::{
+    Errno, FileAttr, FileHandle, FileType, Filesystem, FopenFlags, Generation, INodeNo, LockOwner, OpenFlags, PollEvents,
+    PollFlags, PollNotifier, ReplyAttr, ReplyCreate, ReplyData, ReplyDirectory, ReplyEmpty, ReplyEntry, ReplyOpen, ReplyPoll,
+    ReplyWrite, Request, TimeOrNow, WriteFlags,
+};
+use std::cell::Cell;
+use std::collections::BTreeMap;
+use std::ffi::OsStr;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant, SystemTime};
+
+/// Attributes never change behind the kernel's back except by our own
+/// create/unlink, which the kernel sees: cache them briefly.
+const TTL: Duration = Duration::from_secs(1);
+
+/// Every read returns one byte, the GNU token. make and the jobserver
+/// crate read one byte at a time anyway.
+const TOKEN: &[u8] = b"+";
+
+thread_local! {
+    /// Set while this thread holds the FUSE state: grants it causes for
+    /// FUSE clients are delivered before it lets go, so the broker's grant
+    /// hook need not wake the control thread (a context switch per token).
+    static DELIVERING: Cell<bool> = const { Cell::new(false) };
+}
+
+/// Whether the calling thread will deliver FUSE grants itself.
+pub fn delivering_here() -> bool {
+    DELIVERING.with(Cell::get)
+}
+
+pub struct FuseRead(ReplyData);
+
+impl ReadReply for FuseRead {
+    fn token(self) {
+        self.0.data(TOKEN);
+    }
+    fn fail(self, errno: i32) {
+        self.0.error(Errno::from_i32(errno));
+    }
+}
+
+pub struct FusePoll(PollNotifier);
+
+impl PollWaker for FusePoll {
+    fn wake(&self) {
+        // Fails only if the handle is gone, and then nobody waits on it.
+        let _ = self.0.clone().notify();
+    }
+}
+
+/// State shared by the fuser thread and the control thread.
+pub struct Shared {
+    broker: Arc<Mutex<Broker>>,
+    inner: Mutex<Inner>,
+}
+
+pub struct Inner {
+    pub waiters: Waiters<FuseRead, FusePoll>,
+    pub threads: Threads,
+    pub exits: Exits,
+    files: BTreeMap<u64, String>,
+    next_ino: u64,
+    handles: BTreeMap<Fh, u64>,
+    next_fh: Fh,
+}
+
+impl Shared {
+    pub fn new(broker: Arc<Mutex<Broker>>, waiters: Waiters<FuseRead, FusePoll>, exits: Exits) -> Self {
+        let inner = Inner {
+            waiters,
+            threads: Threads::default(),
+            exits,
+            files: BTreeMap::new(),
+            next_ino: INodeNo::ROOT.0 + 1,
+            handles: BTreeMap::new(),
+            next_fh: 1,
+        };
+        Shared { broker, inner: Mutex::new(inner) }
+    }
+
+    /// Runs `f` on the state and the broker, then delivers every grant for
+    /// FUSE clients that followed.
+    pub fn with<T>(&self, f: impl FnOnce(&mut Inner, &mut Broker) -> T) -> T {
+        let mut inner = self.inner.lock().expect("fuse state lock");
+        let mut broker = self.broker.lock().expect("broker lock");
+        DELIVERING.with(|d| d.set(true));
+        let out = f(&mut inner, &mut broker);
+        inner.waiters.settle(&mut broker, Instant::now());
+        DELIVERING.with(|d| d.set(false));
+        out
+    }
+}
+
+impl Inner {
+    /// The process behind a request, registered with the broker and
+    /// watched for its exit on first sight.
+    fn process(&mut self, broker: &mut Broker, tid: u32, fh: Fh) -> Option<Pid> {
+        let pid = self.threads.process_of(tid)?;
+        let file = self.handles.get(&fh).and_then(|ino| self.files.get(ino)).cloned().unwrap_or_default();
+        let describe = || ClientMeta::new(pid, format!("{} [{file}]", crate::socket::command_line(pid)), Transport::Fuse);
+        let (_, new) = self.waiters.process(broker, pid, describe);
+        if new {
+            if let Err(e) = self.exits.watch(pid) {
+                // Gone already (or out of fds): do not keep what we cannot watch.
+                log::debug(format_args!("cannot watch pid {pid}: {e}"));
+                self.waiters.exited(broker, pid);
+                self.threads.forget(pid);
+                return None;
+            }
+        }
+        Some(pid)
+    }
+
+    fn open_handle(&mut self, ino: u64) -> Fh {
+        let fh = self.next_fh;
+        self.next_fh += 1;
+        self.handles.insert(fh, ino);
+        fh
+    }
+
+    fn lookup(&self, name: &OsStr) -> Option<u64> {
+        self.files.iter().find(|(_, n)| OsStr::new(n.as_str()) == name).map(|(&ino, _)| ino)
+    }
+}
+
+/// The filesystem fuser serves.
+pub struct TokenFs(pub Arc<Shared>);
+
+impl TokenFs {
+    fn with<T>(&self, f: impl FnOnce(&mut Inner, &mut Broker) -> T) -> T {
+        self.0.with(f)
+    }
+}
+
+fn attr(ino: u64) -> FileAttr {
+    let (kind, perm, nlink) = if ino == INodeNo::ROOT.0 { (FileType::Directory, 0o700, 2) } else { (FileType::RegularFile, 0o600, 1) };
+    let now = SystemTime::now();
+    FileAttr {
+        ino: INodeNo(ino),
+        size: 0,
+        blocks: 0,
+        atime: now,
+        mtime: now,
+        ctime: now,
+        crtime: now,
+        kind,
+        perm,
+        nlink,
+        // SAFETY: getuid/getgid cannot fail.
+        uid: unsafe { libc::getuid() },
+        gid: unsafe { libc::getgid() },
+        rdev: 0,
+        blksize: 512,
+        flags: 0,
+    }
+}
+
+/// Reads and writes go to us one system call at a time: no page cache, no
+/// readahead, no offsets.
+const OPEN_FLAGS: FopenFlags = FopenFlags::FOPEN_DIRECT_IO.union(FopenFlags::FOPEN_NONSEEKABLE);
+
+impl Filesystem for TokenFs {
+    fn lookup(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEntry) {
+        match self.with(|inner, _| (parent == INodeNo::ROOT).then(|| inner.lookup(name)).flatten()) {
+            Some(ino) => reply.entry(&TTL, &attr(ino), Generation(0)),
+            None => reply.error(Errno::ENOENT),
+        }
+    }
+
+    fn getattr(&self, _req: &Request, ino: INodeNo, _fh: Option<FileHandle>, reply: ReplyAttr) {
+        let exists = ino == INodeNo::ROOT || self.with(|inner, _| inner.files.contains_key(&ino.0));
+        if exists {
+            reply.attr(&TTL, &attr(ino.0));
+        } else {
+            reply.error(Errno::ENOENT);
+        }
+    }
+
+    /// `>` in a shell truncates: there is nothing to truncate, so accept it.
+    fn setattr(
+        &self,
+        req: &Request,
+        ino: INodeNo,
+        _mode: Option<u32>,
+        _uid: Option<u32>,
+        _gid: Option<u32>,
+        _size: Option<u64>,
+        _atime: Option<TimeOrNow>,
+        _mtime: Option<TimeOrNow>,
+        _ctime: Option<SystemTime>,
+        fh: Option<FileHandle>,
+        _crtime: Option<SystemTime>,
+        _chgtime: Option<SystemTime>,
+        _bkuptime: Option<SystemTime>,
+        _flags: Option<fuser::BsdFileFlags>,
+        reply: ReplyAttr,
+    ) {
+        self.getattr(req, ino, fh, reply);
+    }
+
+    fn create(&self, _req: &Request, parent: INodeNo, name: &OsStr, _mode: u32, _umask: u32, _flags: i32, reply: ReplyCreate) {
+        let Some(name) = name.to_str().filter(|_| parent == INodeNo::ROOT) else { return reply.error(Errno::EINVAL) };
+        let (ino, fh) = self.with(|inner, _| {
+            let ino = inner.lookup(OsStr::new(name)).unwrap_or_else(|| {
+                let ino = inner.next_ino;
+                inner.next_ino += 1;
+                inner.files.insert(ino, name.to_string());
+                ino
+            });
+            (ino, inner.open_handle(ino))
+        });
+        reply.created(&TTL, &attr(ino), Generation(0), FileHandle(fh), OPEN_FLAGS);
+    }
+
+    fn unlink(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEmpty) {
+        let removed = self.with(|inner, _| {
+            let ino = inner.lookup(name).filter(|_| parent == INodeNo::ROOT)?;
+            inner.files.remove(&ino)
+        });
+        match removed {
+            Some(_) => reply.ok(),
+            None => reply.error(Errno::ENOENT),
+        }
+    }
+
+    fn open(&self, _req: &Request, ino: INodeNo, _flags: OpenFlags, reply: ReplyOpen) {
+        let fh = self.with(|inner, _| inner.files.contains_key(&ino.0).then(|| inner.open_handle(ino.0)));
+        match fh {
+            Some(fh) => reply.opened(FileHandle(fh), OPEN_FLAGS),
+            None => reply.error(Errno::ENOENT),
+        }
+    }
+
+    fn read(
+        &self,
+        req: &Request,
+        _ino: INodeNo,
+        fh: FileHandle,
+        _offset: u64,
+        size: u32,
+        flags: OpenFlags,
+        _lock_owner: Option<LockOwner>,
+        reply: ReplyData,
+    ) {
+        if size == 0 {
+            return reply.data(&[]);
+        }
+        // make ≥ 4.3 reads with O_NONBLOCK after pselect(); the jobserver
+        // crate reads blocking first (DESIGN.md "GNU jobserver facts").
+        let blocking = flags.0 & libc::O_NONBLOCK == 0;
+        let tid = req.pid();
+        self.with(|inner, broker| match inner.process(broker, tid, fh.0) {
+            Some(pid) => inner.waiters.read(broker, pid, tid, fh.0, blocking, FuseRead(reply)),
+            None => reply.error(Errno::ESRCH),
+        });
+    }
+
+    fn write(
+        &self,
+        req: &Request,
+        _ino: INodeNo,
+        fh: FileHandle,
+        _offset: u64,
+        data: &[u8],
+        _write_flags: WriteFlags,
+        _flags: OpenFlags,
+        _lock_owner: Option<LockOwner>,
+        reply: ReplyWrite,
+    ) {
+        let Ok(tokens) = u32::try_from(data.len()) else { return reply.error(Errno::ENOSPC) };
+        if tokens == 0 {
+            return reply.written(0);
+        }
+        let given = self.with(|inner, broker| {
+            let pid = inner.process(broker, req.pid(), fh.0).ok_or(libc::ESRCH)?;
+            inner.waiters.write(broker, pid, tokens)
+        });
+        match given {
+            Ok(()) => reply.written(tokens),
+            Err(errno) => reply.error(Errno::from_i32(errno)),
+        }
+    }
+
+    fn poll(&self, req: &Request, _ino: INodeNo, fh: FileHandle, ph: PollNotifier, events: PollEvents, flags: PollFlags, reply: ReplyPoll) {
+        let will_wait = flags.contains(PollFlags::FUSE_POLL_SCHEDULE_NOTIFY);
+        let wants_token = events.intersects(PollEvents::POLLIN | PollEvents::POLLRDNORM);
+        let readable = wants_token
+            && self.with(|inner, broker| {
+                let Some(pid) = inner.process(broker, req.pid(), fh.0) else { return false };
+                inner.waiters.poll(broker, pid, fh.0, will_wait, FusePoll(ph), Instant::now())
+            });
+        // Giving a token back never waits.
+        let mut revents = events & (PollEvents::POLLOUT | PollEvents::POLLWRNORM);
+        if readable {
+            revents |= events & (PollEvents::POLLIN | PollEvents::POLLRDNORM);
+        }
+        reply.poll(revents);
+    }
+
+    fn release(
+        &self,
+        _req: &Request,
+        _ino: INodeNo,
+        fh: FileHandle,
+        _flags: OpenFlags,
+        _lock_owner: Option<LockOwner>,
+        _flush: bool,
+        reply: ReplyEmpty,
+    ) {
+        self.with(|inner, broker| {
+            inner.handles.remove(&fh.0);
+            inner.waiters.close(broker, fh.0);
+        });
+        reply.ok();
+    }
+
+    fn readdir(&self, _req: &Request, ino: INodeNo, _fh: FileHandle, offset: u64, mut reply: ReplyDirectory) {
+        if ino != INodeNo::ROOT {
+            return reply.error(Errno::ENOTDIR);
+        }
+        let mut entries = vec![(INodeNo::ROOT.0, FileType::Directory, ".".to_string()), (INodeNo::ROOT.0, FileType::Directory, "..".to_string())];
+        self.with(|inner, _| entries.extend(inner.files.iter().map(|(&ino, name)| (ino, FileType::RegularFile, name.clone()))));
+        for (i, (ino, kind, name)) in entries.into_iter().enumerate().skip(offset as usize) {
+            if reply.add(INodeNo(ino), i as u64 + 1, kind, name) {
+                break;
+            }
+        }
+        reply.ok();
+    }
+}

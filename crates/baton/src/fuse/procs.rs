@@ -1,0 +1,116 @@
+//! The processes behind FUSE requests: a request carries the calling
+//! thread's id, tokens belong to its process (DESIGN.md "GNU jobserver
+//! facts"), and a pidfd per process tells us when it is gone.
+
+use mio::unix::SourceFd;
+use mio::{Interest, Registry, Token};
+use std::collections::HashMap;
+use std::io;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+
+/// The process a thread belongs to, from `/proc/<tid>/status` (`Tgid:`).
+/// None if the thread is gone.
+pub fn process_of(tid: u32) -> Option<u32> {
+    status_field(tid, "Tgid:")?.parse().ok()
+}
+
+/// Whether SIGKILL is pending for the thread: it is dying and waits only
+/// for its FUSE request to be answered before it can exit.
+pub fn kill_pending(tid: u32) -> bool {
+    const SIGKILL_BIT: u64 = 1 << (libc::SIGKILL - 1);
+    ["SigPnd:", "ShdPnd:"]
+        .iter()
+        .filter_map(|field| status_field(tid, field))
+        .any(|mask| u64::from_str_radix(&mask, 16).is_ok_and(|m| m & SIGKILL_BIT != 0))
+}
+
+fn status_field(tid: u32, name: &str) -> Option<String> {
+    let status = std::fs::read_to_string(format!("/proc/{tid}/status")).ok()?;
+    status.lines().find_map(|l| l.strip_prefix(name)).map(|v| v.trim().to_string())
+}
+
+/// Thread → process, remembered so that a request costs a /proc read only
+/// the first time its thread is seen.
+#[derive(Default)]
+pub struct Threads {
+    process: HashMap<u32, u32>,
+}
+
+impl Threads {
+    pub fn process_of(&mut self, tid: u32) -> Option<u32> {
+        if let Some(&pid) = self.process.get(&tid) {
+            return Some(pid);
+        }
+        let pid = process_of(tid)?;
+        self.process.insert(tid, pid);
+        Some(pid)
+    }
+
+    /// Forgets the threads of a process that exited: their ids may be reused.
+    pub fn forget(&mut self, pid: u32) {
+        self.process.retain(|_, p| *p != pid);
+    }
+}
+
+/// A pidfd per watched process, registered with a mio poll under the
+/// token `Token(pid)`: readable once the process has exited.
+pub struct Exits {
+    registry: Registry,
+    pidfds: HashMap<u32, OwnedFd>,
+}
+
+impl Exits {
+    pub fn new(registry: Registry) -> Self {
+        Exits { registry, pidfds: HashMap::new() }
+    }
+
+    pub fn watch(&mut self, pid: u32) -> io::Result<()> {
+        let fd = pidfd_open(pid)?;
+        self.registry.register(&mut SourceFd(&fd.as_raw_fd()), Token(pid as usize), Interest::READABLE)?;
+        self.pidfds.insert(pid, fd);
+        Ok(())
+    }
+
+    pub fn unwatch(&mut self, pid: u32) {
+        if let Some(fd) = self.pidfds.remove(&pid) {
+            let _ = self.registry.deregister(&mut SourceFd(&fd.as_raw_fd()));
+        }
+    }
+}
+
+fn pidfd_open(pid: u32) -> io::Result<OwnedFd> {
+    // SAFETY: pidfd_open takes a pid and flags and returns a new fd or -1.
+    let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid as libc::pid_t, 0) };
+    if fd < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: the fd was just returned to us and nothing else owns it.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd as i32) })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_thread_maps_to_its_process() {
+        let me = std::process::id();
+        assert_eq!(process_of(me), Some(me));
+        let (tx, rx) = std::sync::mpsc::channel();
+        let (stop_tx, stop_rx) = std::sync::mpsc::channel::<()>();
+        let t = std::thread::spawn(move || {
+            tx.send(unsafe { libc::gettid() } as u32).unwrap();
+            let _ = stop_rx.recv();
+        });
+        let live = rx.recv().unwrap();
+        assert_ne!(live, me);
+        assert_eq!(Threads::default().process_of(live), Some(me));
+        stop_tx.send(()).unwrap();
+        t.join().unwrap();
+    }
+
+    #[test]
+    fn no_kill_is_pending_for_a_live_thread() {
+        assert!(!kill_pending(std::process::id()));
+    }
+}

@@ -1,0 +1,510 @@
+//! Who waits on the FUSE token file, and how each freed token reaches
+//! exactly one of them.
+//!
+//! Every process using the file is one broker client (accounting is per
+//! process: make reads through one handle and writes through another, the
+//! jobserver crate reads from a helper thread; see DESIGN.md "GNU jobserver
+//! facts"). Its waits go into the broker's one FIFO queue beside the socket
+//! clients':
+//!
+//! - a blocking read is a request tagged with the FUSE request's id; the
+//!   grant answers the read;
+//! - a handle being poll()ed is a request tagged with the handle; the grant
+//!   *reserves* the token for that handle and notifies only it. The token
+//!   counts as held by the poller's process until it reads (the reservation
+//!   becomes a taken token) or [`RESERVATION`] passes (the token is released
+//!   to the next waiter), so no token sits free while a poller sleeps and a
+//!   poller that found other work cannot keep one (seed 003: one token,
+//!   hundreds of woken pollers).
+//!
+//! No I/O here: replies and notifications go through the [`ReadReply`] and
+//! [`PollWaker`] traits and the clock is passed in, so the unit tests below
+//! drive it with fakes.
+
+use crate::broker::{Broker, ClientMeta, Transport};
+use baton_core::{Acquired, ClientId, Grant, PoolError, Tag};
+use std::collections::HashMap;
+use std::time::{Duration, Instant};
+
+/// A process (thread group) id.
+pub type Pid = u32;
+/// An open handle of the token file.
+pub type Fh = u64;
+
+/// How long a notified poller has to read its reserved token. Long enough
+/// for a woken make to be scheduled on a busy machine and come back through
+/// poll() and read(); short enough that a poller that went on to other work
+/// delays the next waiter only briefly.
+pub const RESERVATION: Duration = Duration::from_millis(50);
+
+/// Poll requests are tagged with their handle and this bit; blocking reads
+/// with the FUSE request id, which never has it.
+const POLL_TAG: Tag = 1 << 63;
+
+/// The answer to a read that may have to wait.
+pub trait ReadReply {
+    /// One token byte.
+    fn token(self);
+    /// An error (`libc::EAGAIN`, `libc::EINTR`, ...).
+    fn fail(self, errno: i32);
+}
+
+/// Wakes the poll()ers of one handle.
+pub trait PollWaker {
+    fn wake(&self);
+}
+
+/// How freed tokens reach pollers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Mode {
+    /// Notify one handle and reserve the token for it.
+    OneAtATime,
+    /// Notify every polling handle and let them race, as a pipe does: only
+    /// a control for the benchmark.
+    NotifyAll,
+}
+
+struct BlockedRead<R> {
+    reply: R,
+    tid: u32,
+}
+
+struct Polled<N> {
+    client: ClientId,
+    waker: N,
+    queued: bool,
+    reserved_until: Option<Instant>,
+}
+
+/// The FUSE file's waiters and reservations.
+pub struct Waiters<R, N> {
+    mode: Mode,
+    processes: HashMap<Pid, ClientId>,
+    reads: HashMap<(ClientId, Tag), BlockedRead<R>>,
+    polled: HashMap<Fh, Polled<N>>,
+}
+
+impl<R: ReadReply, N: PollWaker> Waiters<R, N> {
+    pub fn new(mode: Mode) -> Self {
+        Waiters { mode, processes: HashMap::new(), reads: HashMap::new(), polled: HashMap::new() }
+    }
+
+    /// The broker client of a process; `describe` is asked for its metadata
+    /// only the first time. `true`: the process is new here.
+    pub fn process(&mut self, broker: &mut Broker, pid: Pid, describe: impl FnOnce() -> ClientMeta) -> (ClientId, bool) {
+        if let Some(&id) = self.processes.get(&pid) {
+            return (id, false);
+        }
+        let id = broker.connect(describe());
+        self.processes.insert(pid, id);
+        (id, true)
+    }
+
+    /// A read of one token by thread `tid` of `pid` through handle `fh`.
+    pub fn read(&mut self, broker: &mut Broker, pid: Pid, tid: u32, fh: Fh, blocking: bool, reply: R) {
+        let Some(&client) = self.processes.get(&pid) else { return reply.fail(libc::EPERM) };
+        if self.take_reservation(broker, client, fh) {
+            return reply.token();
+        }
+        if !blocking {
+            return match broker.try_acquire(client, 1) {
+                Ok(true) => reply.token(),
+                // Even a process holding the whole pool only has to wait.
+                Ok(false) | Err(PoolError::MoreThanLimit { .. }) => reply.fail(libc::EAGAIN),
+                Err(e) => reply.fail(errno_of(&e)),
+            };
+        }
+        let tag = self.read_tag(client);
+        match broker.acquire(client, tag, 1) {
+            Ok(Acquired::Granted) => reply.token(),
+            Ok(Acquired::Queued) => {
+                self.reads.insert((client, tag), BlockedRead { reply, tid });
+            }
+            Err(e) => reply.fail(errno_of(&e)),
+        }
+    }
+
+    /// Gives back `tokens` taken by `pid`. A process cannot give back more
+    /// than it took (reserved tokens are not yet taken): ENOSPC, and the
+    /// pool is unchanged.
+    pub fn write(&mut self, broker: &mut Broker, pid: Pid, tokens: u32) -> Result<(), i32> {
+        let Some(&client) = self.processes.get(&pid) else { return Err(libc::ENOSPC) };
+        if tokens > self.taken(broker, client) {
+            return Err(libc::ENOSPC);
+        }
+        broker.release(client, tokens).map_err(|e| errno_of(&e))
+    }
+
+    /// A poll() of handle `fh` by `pid`. `will_wait`: the kernel will sleep
+    /// the caller until notified if we say "not ready". Returns readiness.
+    pub fn poll(&mut self, broker: &mut Broker, pid: Pid, fh: Fh, will_wait: bool, waker: N, now: Instant) -> bool {
+        let Some(&client) = self.processes.get(&pid) else { return false };
+        if self.mode == Mode::NotifyAll {
+            return self.poll_herd(broker, client, fh, will_wait, waker);
+        }
+        if let Some(p) = self.polled.get_mut(&fh) {
+            // Waiting or reserved already: keep its place in the queue.
+            p.waker = waker;
+            return p.reserved_until.is_some();
+        }
+        let ready = if will_wait {
+            match broker.acquire(client, fh | POLL_TAG, 1) {
+                Ok(Acquired::Granted) => true,
+                Ok(Acquired::Queued) => false,
+                Err(_) => return false,
+            }
+        } else {
+            broker.try_acquire(client, 1).unwrap_or(false)
+        };
+        if ready || will_wait {
+            let reserved_until = ready.then_some(now + RESERVATION);
+            self.polled.insert(fh, Polled { client, waker, queued: !ready, reserved_until });
+        }
+        ready
+    }
+
+    /// The pipe-like control: ready while a token is free; every poller is
+    /// woken when one frees.
+    fn poll_herd(&mut self, broker: &mut Broker, client: ClientId, fh: Fh, will_wait: bool, waker: N) -> bool {
+        let ready = broker.pool().free() > 0;
+        if !ready && will_wait {
+            self.polled.insert(fh, Polled { client, waker, queued: true, reserved_until: None });
+        }
+        ready
+    }
+
+    /// The handle is closed: its wait ends and its reservation is released.
+    pub fn close(&mut self, broker: &mut Broker, fh: Fh) {
+        let Some(p) = self.polled.remove(&fh) else { return };
+        if self.mode == Mode::NotifyAll {
+            return;
+        }
+        if p.queued {
+            broker.cancel(p.client, fh | POLL_TAG);
+        }
+        if p.reserved_until.is_some() {
+            let _ = broker.release(p.client, 1);
+        }
+    }
+
+    /// The process is gone: every token it held or had reserved comes back.
+    /// Returns how many.
+    pub fn exited(&mut self, broker: &mut Broker, pid: Pid) -> u32 {
+        let Some(client) = self.processes.remove(&pid) else { return 0 };
+        self.reads.retain(|&(c, _), _| c != client);
+        self.polled.retain(|_, p| p.client != client);
+        broker.disconnect(client)
+    }
+
+    /// Delivers the grants the broker filed for the FUSE file, until none
+    /// are left (a reservation released here may grant the next waiter).
+    pub fn settle(&mut self, broker: &mut Broker, now: Instant) {
+        loop {
+            let grants = broker.take_grants(Transport::Fuse);
+            if grants.is_empty() {
+                break;
+            }
+            for grant in grants {
+                self.deliver(broker, grant, now);
+            }
+        }
+        if self.mode == Mode::NotifyAll && broker.pool().free() > 0 {
+            for (_, p) in self.polled.drain() {
+                p.waker.wake();
+            }
+        }
+    }
+
+    fn deliver(&mut self, broker: &mut Broker, grant: Grant, now: Instant) {
+        if grant.tag & POLL_TAG != 0 {
+            match self.polled.get_mut(&(grant.tag & !POLL_TAG)) {
+                Some(p) if p.queued => {
+                    p.queued = false;
+                    p.reserved_until = Some(now + RESERVATION);
+                    p.waker.wake();
+                }
+                _ => {
+                    let _ = broker.release(grant.client, grant.tokens);
+                }
+            }
+        } else if let Some(read) = self.reads.remove(&(grant.client, grant.tag)) {
+            read.reply.token();
+        } else {
+            let _ = broker.release(grant.client, grant.tokens);
+        }
+    }
+
+    /// Passes on every reservation not read in time.
+    pub fn expire(&mut self, broker: &mut Broker, now: Instant) {
+        for p in self.polled.values_mut() {
+            if p.reserved_until.is_some_and(|t| t <= now) {
+                p.reserved_until = None;
+                let _ = broker.release(p.client, 1);
+            }
+        }
+        self.polled.retain(|_, p| p.queued || p.reserved_until.is_some());
+    }
+
+    /// When the next reservation runs out.
+    pub fn next_deadline(&self) -> Option<Instant> {
+        self.polled.values().filter_map(|p| p.reserved_until).min()
+    }
+
+    /// Threads blocked in a read of the file.
+    pub fn blocked_threads(&self) -> impl Iterator<Item = u32> + '_ {
+        self.reads.values().map(|r| r.tid)
+    }
+
+    /// Fails the blocked reads of thread `tid` with EINTR. A thread killed
+    /// while its FUSE read waits cannot exit until the read is answered;
+    /// the kernel would tell us through FUSE_INTERRUPT, which fuser does not
+    /// pass on, so the caller watches for a pending SIGKILL instead.
+    pub fn interrupt(&mut self, broker: &mut Broker, tid: u32) {
+        let keys: Vec<_> = self.reads.iter().filter(|(_, r)| r.tid == tid).map(|(&k, _)| k).collect();
+        for (client, tag) in keys {
+            broker.cancel(client, tag);
+            if let Some(read) = self.reads.remove(&(client, tag)) {
+                read.reply.fail(libc::EINTR);
+            }
+        }
+    }
+
+    /// Takes the token reserved on `fh`, if any, for `client`.
+    fn take_reservation(&mut self, broker: &mut Broker, client: ClientId, fh: Fh) -> bool {
+        let Some(p) = self.polled.get_mut(&fh) else { return false };
+        if p.reserved_until.take().is_none() {
+            return false;
+        }
+        let owner = p.client;
+        self.polled.remove(&fh);
+        if owner == client {
+            return true;
+        }
+        // A handle shared by two processes: the token was counted to the
+        // one that polled; move it to the one that reads.
+        let _ = broker.release(owner, 1);
+        broker.try_acquire(client, 1).unwrap_or(false)
+    }
+
+    /// Tokens a client took and may give back: what it holds, less its
+    /// reservations.
+    fn taken(&self, broker: &Broker, client: ClientId) -> u32 {
+        let reserved = self.polled.values().filter(|p| p.client == client && p.reserved_until.is_some()).count() as u32;
+        broker.pool().held_by(client).saturating_sub(reserved)
+    }
+
+    /// A tag for a blocking read not in use by the client: reads of one
+    /// process may wait in several threads at once.
+    fn read_tag(&self, client: ClientId) -> Tag {
+        (0..).find(|t| !self.reads.contains_key(&(client, *t))).expect("fewer than 2^63 reads")
+    }
+}
+
+fn errno_of(e: &PoolError) -> i32 {
+    match e {
+        // Waiting for more than the pool can ever give would never end.
+        PoolError::MoreThanLimit { .. } => libc::EDEADLK,
+        PoolError::OverRelease { .. } => libc::ENOSPC,
+        _ => libc::EINVAL,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::cell::RefCell;
+    use std::rc::Rc;
+
+    type Log = Rc<RefCell<Vec<String>>>;
+
+    struct Reply(Log, &'static str);
+    impl ReadReply for Reply {
+        fn token(self) {
+            self.0.borrow_mut().push(format!("{} token", self.1));
+        }
+        fn fail(self, errno: i32) {
+            self.0.borrow_mut().push(format!("{} errno {errno}", self.1));
+        }
+    }
+
+    struct Waker(Log, &'static str);
+    impl PollWaker for Waker {
+        fn wake(&self) {
+            self.0.borrow_mut().push(format!("{} woken", self.1));
+        }
+    }
+
+    struct Fixture {
+        broker: Broker,
+        waiters: Waiters<Reply, Waker>,
+        log: Log,
+        now: Instant,
+    }
+
+    impl Fixture {
+        fn new(limit: u32, mode: Mode, pids: &[Pid]) -> Self {
+            let mut f = Fixture { broker: Broker::new(limit).unwrap(), waiters: Waiters::new(mode), log: Log::default(), now: Instant::now() };
+            for &pid in pids {
+                f.waiters.process(&mut f.broker, pid, || ClientMeta::new(pid, format!("p{pid}"), Transport::Fuse));
+            }
+            f
+        }
+        fn read(&mut self, pid: Pid, fh: Fh, blocking: bool, name: &'static str) {
+            self.waiters.read(&mut self.broker, pid, pid, fh, blocking, Reply(self.log.clone(), name));
+            self.settle();
+        }
+        fn poll(&mut self, pid: Pid, fh: Fh, name: &'static str) -> bool {
+            let ready = self.waiters.poll(&mut self.broker, pid, fh, true, Waker(self.log.clone(), name), self.now);
+            self.settle();
+            ready
+        }
+        fn write(&mut self, pid: Pid, tokens: u32) -> Result<(), i32> {
+            let r = self.waiters.write(&mut self.broker, pid, tokens);
+            self.settle();
+            r
+        }
+        fn settle(&mut self) {
+            self.waiters.settle(&mut self.broker, self.now);
+            self.broker.pool().assert_invariants();
+        }
+        fn events(&self) -> Vec<String> {
+            self.log.borrow_mut().drain(..).collect()
+        }
+        fn free(&self) -> u32 {
+            self.broker.pool().free()
+        }
+    }
+
+    #[test]
+    fn blocking_reads_are_answered_one_per_token_oldest_first() {
+        let mut f = Fixture::new(1, Mode::OneAtATime, &[1, 2, 3]);
+        f.read(1, 10, true, "a");
+        f.read(2, 20, true, "b");
+        f.read(3, 30, true, "c");
+        assert_eq!(f.events(), ["a token"]);
+        f.write(1, 1).unwrap();
+        assert_eq!(f.events(), ["b token"]);
+        f.write(2, 1).unwrap();
+        assert_eq!(f.events(), ["c token"]);
+    }
+
+    #[test]
+    fn a_non_blocking_read_without_a_token_gets_eagain() {
+        let mut f = Fixture::new(1, Mode::OneAtATime, &[1, 2]);
+        f.read(1, 10, false, "a");
+        f.read(2, 20, false, "b");
+        assert_eq!(f.events(), ["a token", format!("b errno {}", libc::EAGAIN).as_str()]);
+    }
+
+    #[test]
+    fn a_process_gives_back_at_most_what_it_took() {
+        let mut f = Fixture::new(2, Mode::OneAtATime, &[1, 2]);
+        f.read(1, 10, false, "a");
+        assert_eq!(f.write(1, 2), Err(libc::ENOSPC));
+        assert_eq!(f.write(2, 1), Err(libc::ENOSPC));
+        assert_eq!(f.write(9, 1), Err(libc::ENOSPC), "a process never seen");
+        assert_eq!(f.free(), 1);
+        f.write(1, 1).unwrap();
+        assert_eq!(f.free(), 2);
+    }
+
+    #[test]
+    fn a_freed_token_wakes_exactly_one_poller_and_is_reserved_for_it() {
+        let mut f = Fixture::new(1, Mode::OneAtATime, &[1, 2, 3]);
+        f.read(1, 10, false, "holder");
+        assert!(!f.poll(2, 20, "p2"));
+        assert!(!f.poll(3, 30, "p3"));
+        f.events();
+        f.write(1, 1).unwrap();
+        assert_eq!(f.events(), ["p2 woken"]);
+        // The woken poller sees it ready; the other does not, nor can anyone
+        // else read it meanwhile.
+        assert!(f.poll(2, 20, "p2"));
+        assert!(!f.poll(3, 30, "p3"));
+        f.read(1, 10, false, "thief");
+        assert_eq!(f.events(), [format!("thief errno {}", libc::EAGAIN)]);
+        f.read(2, 20, false, "p2 read");
+        assert_eq!(f.events(), ["p2 read token"]);
+        assert_eq!(f.free(), 0);
+    }
+
+    #[test]
+    fn a_reservation_not_read_in_time_passes_to_the_next_waiter() {
+        let mut f = Fixture::new(1, Mode::OneAtATime, &[1, 2, 3]);
+        f.read(1, 10, false, "holder");
+        f.poll(2, 20, "p2");
+        f.poll(3, 30, "p3");
+        f.write(1, 1).unwrap();
+        f.events();
+        assert_eq!(f.waiters.next_deadline(), Some(f.now + RESERVATION));
+        assert_eq!(f.write(2, 1), Err(libc::ENOSPC), "a reserved token is not yet taken");
+        f.now += RESERVATION;
+        f.waiters.expire(&mut f.broker, f.now);
+        f.settle();
+        assert_eq!(f.events(), ["p3 woken"]);
+        f.read(2, 20, false, "late p2");
+        assert_eq!(f.events(), [format!("late p2 errno {}", libc::EAGAIN)]);
+        f.read(3, 30, false, "p3 read");
+        assert_eq!(f.events(), ["p3 read token"]);
+    }
+
+    #[test]
+    fn a_poll_with_a_free_token_reserves_it_at_once() {
+        let mut f = Fixture::new(1, Mode::OneAtATime, &[1, 2]);
+        assert!(f.poll(1, 10, "p1"));
+        assert_eq!(f.free(), 0);
+        f.read(2, 20, false, "other");
+        f.read(1, 10, false, "p1 read");
+        assert_eq!(f.events(), [format!("other errno {}", libc::EAGAIN), "p1 read token".into()]);
+    }
+
+    #[test]
+    fn closing_a_handle_releases_its_reservation_and_its_place() {
+        let mut f = Fixture::new(1, Mode::OneAtATime, &[1, 2, 3]);
+        assert!(f.poll(1, 10, "p1"));
+        assert!(!f.poll(2, 20, "p2"));
+        f.read(3, 30, true, "blocked");
+        f.waiters.close(&mut f.broker, 20);
+        f.waiters.close(&mut f.broker, 10);
+        f.settle();
+        assert_eq!(f.events(), ["blocked token"]);
+    }
+
+    #[test]
+    fn an_exited_process_returns_taken_and_reserved_tokens() {
+        let mut f = Fixture::new(3, Mode::OneAtATime, &[1, 2]);
+        f.read(1, 10, false, "a");
+        f.read(1, 10, false, "b");
+        assert!(f.poll(1, 11, "p1"));
+        f.read(2, 20, true, "waiting");
+        assert_eq!(f.waiters.exited(&mut f.broker, 1), 3);
+        f.settle();
+        assert_eq!(f.events(), ["a token", "b token", "waiting token"]);
+        assert_eq!(f.free(), 2);
+    }
+
+    #[test]
+    fn a_killed_blocked_reader_is_answered_and_leaves_the_queue() {
+        let mut f = Fixture::new(1, Mode::OneAtATime, &[1, 2, 3]);
+        f.read(1, 10, false, "holder");
+        f.read(2, 20, true, "doomed");
+        f.read(3, 30, true, "next");
+        assert_eq!(f.waiters.blocked_threads().count(), 2);
+        f.waiters.interrupt(&mut f.broker, 2);
+        f.write(1, 1).unwrap();
+        assert_eq!(f.events(), ["holder token".to_string(), format!("doomed errno {}", libc::EINTR), "next token".into()]);
+    }
+
+    #[test]
+    fn notify_all_wakes_every_poller() {
+        let mut f = Fixture::new(1, Mode::NotifyAll, &[1, 2, 3]);
+        f.read(1, 10, false, "holder");
+        assert!(!f.poll(2, 20, "p2"));
+        assert!(!f.poll(3, 30, "p3"));
+        f.events();
+        f.write(1, 1).unwrap();
+        let mut woken = f.events();
+        woken.sort();
+        assert_eq!(woken, ["p2 woken", "p3 woken"]);
+    }
+}
