@@ -1,1 +1,103 @@
-//! baton bench.
+//! `baton bench`: the seeds' wake-up experiments (../shared/seeds/), with
+//! baton measured beside the mechanisms it replaces, in the same run.
+//!
+//! Every scenario runs each mechanism in forked child processes (threads
+//! where the pattern is about threads) and counts the context switches and
+//! CPU time of every process involved, broker included, from the kernel:
+//! getrusage in each benchmark process over its measured window, the
+//! broker's /proc entries and CPU clock over the same window. See
+//! docs/benchmarks.md for figures and the commands that produced them.
+#![deny(missing_docs)]
+
+mod measure;
+mod mechanisms;
+mod progress;
+mod pthread;
+mod report;
+mod scenarios;
+mod stress_ng;
+mod sys;
+mod team;
+
+pub use scenarios::Scenario;
+
+use anyhow::{Context, Result};
+use std::io::Write;
+use std::path::PathBuf;
+
+/// `baton bench SCENARIO [--json] [--plot FILE.svg] [scale options]`.
+#[derive(clap::Args, Debug, Clone)]
+pub struct BenchArgs {
+    /// The experiment: token-ring (seed 000), blocking-vs-polling (001),
+    /// bulk-wake (002), mass-poll (003) or broadcast (004).
+    #[arg(value_enum)]
+    pub scenario: Scenario,
+
+    /// Print one JSON document instead of the table.
+    #[arg(long)]
+    pub json: bool,
+
+    /// Also draw context switches and CPU per operation against the number
+    /// of waiters into this SVG file.
+    #[arg(long, value_name = "FILE.svg")]
+    pub plot: Option<PathBuf>,
+
+    /// Waiting processes (threads in broadcast); a comma-separated list
+    /// measures each. Default: 64; mass-poll 16,64,256,1024.
+    #[arg(long, alias = "processes", value_delimiter = ',', value_name = "N[,N...]")]
+    pub waiters: Vec<usize>,
+
+    /// Operations per measurement: acquisitions, transfers or wake-ups.
+    #[arg(long, value_name = "N")]
+    pub ops: Option<u64>,
+
+    /// Tokens shared by the waiters (blocking-vs-polling, mass-poll).
+    #[arg(long, value_name = "N")]
+    pub tokens: Option<u32>,
+
+    /// Microseconds each acquired token is held for, sleeping, as a job
+    /// would (blocking-vs-polling, mass-poll).
+    #[arg(long, value_name = "US")]
+    pub job_us: Option<u64>,
+
+    /// Tokens released per round (bulk-wake) or added per round by raising
+    /// the limit / posting work items (broadcast).
+    #[arg(long, value_name = "K")]
+    pub wake: Option<u32>,
+
+    /// The baton binary started as the broker (`baton serve`).
+    #[arg(long, hide = true, value_name = "PATH")]
+    pub baton_bin: Option<PathBuf>,
+
+    /// Measure the kernel mechanisms only, without starting a broker.
+    #[arg(long, hide = true)]
+    pub without_baton: bool,
+}
+
+/// Runs the scenario and prints its table (or JSON) to stdout; draws the
+/// plot if asked.
+pub fn run(args: BenchArgs) -> Result<()> {
+    let report = measure_report(&args)?;
+    if let Some(path) = &args.plot {
+        report.plot(path).with_context(|| format!("drawing {}", path.display()))?;
+    }
+    let text = if args.json { serde_json::to_string_pretty(&report.to_json())? + "\n" } else { report.table() };
+    match std::io::stdout().lock().write_all(text.as_bytes()) {
+        // Piped into head: the reader has what it wanted.
+        Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => Ok(()),
+        other => other.context("writing the results"),
+    }
+}
+
+/// Runs the scenario and returns what `--json` prints, without printing.
+pub fn measure(args: &BenchArgs) -> Result<serde_json::Value> {
+    Ok(measure_report(args)?.to_json())
+}
+
+fn measure_report(args: &BenchArgs) -> Result<report::Report> {
+    let baton_bin = match &args.baton_bin {
+        Some(path) => path.clone(),
+        None => std::env::current_exe().context("locating the baton binary")?,
+    };
+    scenarios::run(args, baton_bin)
+}

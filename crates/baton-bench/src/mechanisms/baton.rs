@@ -1,0 +1,200 @@
+//! baton's native protocol: a `baton serve` process started for the
+//! measurement, and one connection per waiting process or thread.
+
+use super::{Env, Pool, Tokens, Waker};
+use crate::sys;
+use anyhow::{bail, Context, Result};
+use baton_client::Client;
+use baton_core::protocol::{Reply, Request};
+use std::os::unix::process::CommandExt;
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicU32, Ordering::Relaxed};
+use std::time::{Duration, Instant};
+
+/// How long a fresh broker may take to answer.
+const STARTUP: Duration = Duration::from_secs(10);
+/// How long a broker may take to stop after SIGTERM before it is killed.
+const SHUTDOWN: Duration = Duration::from_secs(3);
+
+/// How a client waits for its grant.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Wait {
+    /// A blocking read on the connection.
+    Blocking,
+    /// poll() on the connection, then read: what a client with an event loop
+    /// (GNU make's pselect) would do. Only this connection becomes readable.
+    Poll,
+}
+
+/// A `baton serve` child process, stopped when dropped.
+pub struct Broker {
+    child: Child,
+    socket: PathBuf,
+    log: PathBuf,
+    wait: Wait,
+}
+
+impl Broker {
+    pub fn start(tokens: u32, env: &Env, wait: Wait) -> Result<Self> {
+        static STARTED: AtomicU32 = AtomicU32::new(0);
+        let n = STARTED.fetch_add(1, Relaxed);
+        let socket = env.tmp.join(format!("broker-{n}.sock"));
+        let log = env.tmp.join(format!("broker-{n}.log"));
+        let mut command = Command::new(&env.baton_bin);
+        command.args(["serve", "--quiet", "--jobs", &tokens.to_string(), "--socket"]).arg(&socket);
+        command.stdin(Stdio::null()).stdout(Stdio::null()).stderr(std::fs::File::create(&log)?);
+        // SAFETY: prctl is async-signal-safe and touches only the child.
+        unsafe {
+            // The broker must not outlive an interrupted bench.
+            command.pre_exec(|| sys::check(libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGTERM)).map(drop));
+        }
+        let child = command.spawn().with_context(|| format!("starting {} serve", env.baton_bin.display()))?;
+        let mut broker = Broker { child, socket, log, wait };
+        broker.wait_until_answering()?;
+        Ok(broker)
+    }
+
+    fn wait_until_answering(&mut self) -> Result<()> {
+        let deadline = Instant::now() + STARTUP;
+        loop {
+            if Client::connect(&self.socket, "baton bench probe").is_ok() {
+                return Ok(());
+            }
+            if let Some(status) = self.child.try_wait()? {
+                bail!("baton serve exited ({status}) before answering: {}", self.log_text());
+            }
+            if Instant::now() > deadline {
+                bail!("baton serve did not answer at {} within {STARTUP:?}: {}", self.socket.display(), self.log_text());
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+
+    fn log_text(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default().trim().to_string()
+    }
+}
+
+impl Drop for Broker {
+    fn drop(&mut self) {
+        // SAFETY: signalling our own child, not yet reaped by us.
+        unsafe { libc::kill(self.child.id() as libc::pid_t, libc::SIGTERM) };
+        let deadline = Instant::now() + SHUTDOWN;
+        while matches!(self.child.try_wait(), Ok(None)) && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        let _ = std::fs::remove_file(&self.log);
+    }
+}
+
+impl Pool for Broker {
+    fn open(&self) -> Result<Box<dyn Tokens + '_>> {
+        let client = Client::connect(&self.socket, "baton bench")?;
+        Ok(Box::new(Connection { client, unread_releases: 0, wait: self.wait }))
+    }
+
+    /// The producer holds the pool's one base token (a broker started with
+    /// `--jobs 1`), so only its raises free any.
+    fn open_waker(&self) -> Result<Box<dyn Waker + '_>> {
+        let mut client = Client::connect(&self.socket, "baton bench producer")?;
+        client.acquire(1)?;
+        Ok(Box::new(LimitRaiser { client }))
+    }
+
+    fn broker_pid(&self) -> Option<libc::pid_t> {
+        Some(self.child.id() as libc::pid_t)
+    }
+}
+
+/// baton's way to add tokens: only the limit makes them.
+struct LimitRaiser {
+    client: Client,
+}
+
+impl LimitRaiser {
+    /// A raise with fewer than n waiters queued would leave tokens free,
+    /// and the lowering right after would take them away again: wait for
+    /// the takers (a waiter just served may still be on its way back).
+    fn wait_for_waiters(&mut self, n: u32) -> Result<()> {
+        while self.client.status()?.waiters.len() < n as usize {
+            std::thread::sleep(Duration::from_micros(50));
+        }
+        Ok(())
+    }
+}
+
+impl Waker for LimitRaiser {
+    /// LIMIT +n then back in one write: the broker grants n waiters, then
+    /// retires those n tokens as they come back.
+    fn add(&mut self, n: u32) -> Result<()> {
+        self.wait_for_waiters(n)?;
+        let base = self.client.limit();
+        let text = format!("{}\n{}\n", Request::Limit(base + n), Request::Limit(base));
+        sys::write_all(self.client.as_raw_fd(), text.as_bytes()).context("writing to the broker")?;
+        for _ in 0..2 {
+            self.client.read_reply()?;
+        }
+        Ok(())
+    }
+}
+
+/// One client of the broker. Releases are sent without waiting for their
+/// reply (it is read before the next grant), so giving back never blocks,
+/// just as writing a byte to a pipe does not.
+struct Connection {
+    client: Client,
+    unread_releases: u32,
+    wait: Wait,
+}
+
+impl Connection {
+    /// Sends requests in one write, so the broker wakes once for them all.
+    fn send(&mut self, requests: &[Request]) -> Result<()> {
+        let text: String = requests.iter().map(|r| format!("{r}\n")).collect();
+        sys::write_all(self.client.as_raw_fd(), text.as_bytes()).context("writing to the broker")
+    }
+
+    fn next_reply(&mut self) -> Result<Reply> {
+        if self.wait == Wait::Poll && !self.client.has_buffered_reply() {
+            sys::poll_readable(self.client.as_raw_fd(), -1).context("polling the broker connection")?;
+        }
+        Ok(self.client.read_reply()?)
+    }
+
+    /// Reads the replies to earlier releases, then the grant.
+    fn await_grant(&mut self) -> Result<()> {
+        loop {
+            match self.next_reply()? {
+                Reply::Released { .. } if self.unread_releases > 0 => self.unread_releases -= 1,
+                Reply::Granted { .. } if self.unread_releases == 0 => return Ok(()),
+                other => bail!("unexpected reply from the broker: {other:?}"),
+            }
+        }
+    }
+}
+
+impl Tokens for Connection {
+    fn acquire(&mut self, n: u32) -> Result<()> {
+        self.send(&[Request::Acquire(n)])?;
+        self.await_grant()
+    }
+
+    fn release(&mut self, n: u32) -> Result<()> {
+        self.send(&[Request::Release(n)])?;
+        self.unread_releases += 1;
+        Ok(())
+    }
+
+    fn cycle(&mut self, n: u32) -> Result<()> {
+        self.send(&[Request::Release(n), Request::Acquire(n)])?;
+        self.unread_releases += 1;
+        self.await_grant()
+    }
+
+    fn use_up(&mut self) -> Result<()> {
+        self.release(1)
+    }
+}

@@ -1,0 +1,144 @@
+//! The ways a process can wait for a token, each behind the same two traits
+//! so that every scenario runs every mechanism with one piece of code.
+//!
+//! A [`Pool`] is created by the parent before the benchmark processes are
+//! forked (a pipe, a semaphore in shared memory, a broker process); each
+//! process or thread then [`Pool::open`]s its own [`Tokens`] handle on it.
+//! A new way in (baton's FUSE token file) is one more variant and one more
+//! module.
+
+mod baton;
+mod eventfd;
+mod futex;
+mod pipe;
+mod semaphore;
+
+use anyhow::Result;
+use std::path::PathBuf;
+
+/// A waiting mechanism under test.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Mechanism {
+    /// A pipe holding one byte per token; blocking `read` takes one. Since
+    /// Linux 5.6 only one blocked reader wakes per byte (seed 000).
+    PipeBlocking,
+    /// The same pipe, O_NONBLOCK, waited on with poll() as GNU make ≥ 4.3
+    /// and bmake do: every poller wakes on every byte (seeds 001, 003).
+    PipePoll,
+    /// An unnamed process-shared POSIX semaphore (a futex underneath).
+    PosixSemaphore,
+    /// A System V semaphore (seed 002).
+    SysvSemaphore,
+    /// An eventfd in EFD_SEMAPHORE mode: each read takes one.
+    Eventfd,
+    /// A counting semaphore on a bare futex word: FUTEX_WAKE of 1 per token.
+    Futex,
+    /// baton's native protocol: each waiter blocks on its own connection.
+    BatonNative,
+    /// baton's native protocol waited on with poll(), as an event loop would.
+    BatonPoll,
+}
+
+impl Mechanism {
+    /// The name shown in tables and JSON.
+    pub fn name(self) -> &'static str {
+        match self {
+            Mechanism::PipeBlocking => "pipe, blocking read",
+            Mechanism::PipePoll => "pipe, poll + non-blocking read",
+            Mechanism::PosixSemaphore => "POSIX semaphore",
+            Mechanism::SysvSemaphore => "SysV semaphore",
+            Mechanism::Eventfd => "eventfd semaphore",
+            Mechanism::Futex => "futex, FUTEX_WAKE 1",
+            Mechanism::BatonNative => "baton native",
+            Mechanism::BatonPoll => "baton native, poll",
+        }
+    }
+
+    pub fn is_baton(self) -> bool {
+        matches!(self, Mechanism::BatonNative | Mechanism::BatonPoll)
+    }
+
+    /// Whether giving back a token one does not hold creates one. Every
+    /// kernel counter does; baton refuses, since only its limit makes tokens.
+    pub fn mints_on_release(self) -> bool {
+        !self.is_baton()
+    }
+
+    /// A pool of `tokens` free tokens.
+    pub fn create(self, tokens: u32, env: &Env) -> Result<Box<dyn Pool>> {
+        Ok(match self {
+            Mechanism::PipeBlocking => Box::new(pipe::Pipe::new(tokens, pipe::Wait::Blocking)?),
+            Mechanism::PipePoll => Box::new(pipe::Pipe::new(tokens, pipe::Wait::Poll)?),
+            Mechanism::PosixSemaphore => Box::new(semaphore::Posix::new(tokens)?),
+            Mechanism::SysvSemaphore => Box::new(semaphore::Sysv::new(tokens)?),
+            Mechanism::Eventfd => Box::new(eventfd::Eventfd::new(tokens)?),
+            Mechanism::Futex => Box::new(futex::Futex::new(tokens)?),
+            Mechanism::BatonNative => Box::new(baton::Broker::start(tokens, env, baton::Wait::Blocking)?),
+            Mechanism::BatonPoll => Box::new(baton::Broker::start(tokens, env, baton::Wait::Poll)?),
+        })
+    }
+}
+
+/// What the mechanisms need from outside.
+#[derive(Debug, Clone)]
+pub struct Env {
+    /// The `baton` binary, for `baton serve`.
+    pub baton_bin: PathBuf,
+    /// A private directory for sockets.
+    pub tmp: PathBuf,
+}
+
+/// A mechanism's shared state, created before the benchmark processes fork.
+pub trait Pool: Sync {
+    /// This process's (or thread's) handle on the pool.
+    fn open(&self) -> Result<Box<dyn Tokens + '_>>;
+
+    /// A producer's handle, to put new tokens in.
+    fn open_waker(&self) -> Result<Box<dyn Waker + '_>> {
+        Ok(Box::new(Minting(self.open()?)))
+    }
+
+    /// The broker process to measure beside the benchmark processes.
+    fn broker_pid(&self) -> Option<libc::pid_t> {
+        None
+    }
+}
+
+/// A producer of work: puts `n` new tokens in, each for one waiter, who
+/// uses it up ([`Tokens::use_up`]) instead of giving it back.
+pub trait Waker {
+    fn add(&mut self, n: u32) -> Result<()>;
+}
+
+/// A kernel counter makes a token by giving back one nobody took.
+struct Minting<'a>(Box<dyn Tokens + 'a>);
+
+impl Waker for Minting<'_> {
+    fn add(&mut self, n: u32) -> Result<()> {
+        self.0.release(n)
+    }
+}
+
+/// One process's or thread's way to take and give back tokens.
+pub trait Tokens {
+    /// Blocks until `n` tokens are this handle's.
+    fn acquire(&mut self, n: u32) -> Result<()>;
+
+    /// Gives back `n` tokens.
+    fn release(&mut self, n: u32) -> Result<()>;
+
+    /// Gives back `n` tokens and waits for `n` again: the loop of every job
+    /// runner. A broker client sends both in one message (one wake-up of the
+    /// broker instead of two).
+    fn cycle(&mut self, n: u32) -> Result<()> {
+        self.release(n)?;
+        self.acquire(n)
+    }
+
+    /// Lets go of a token a [`Waker`] added: a kernel counter's is simply
+    /// gone; a broker's must be given back, and retires since the limit
+    /// went back down.
+    fn use_up(&mut self) -> Result<()> {
+        Ok(())
+    }
+}

@@ -1,0 +1,231 @@
+//! Results: one row per measurement, shown as a table, a JSON document or
+//! a chart against the number of waiters.
+
+use crate::measure::Usage;
+use crate::team::Outcome;
+use anyhow::{Context, Result};
+use serde::Serialize;
+use serde_json::{Map, Value};
+use std::fmt::Write as _;
+use std::path::Path;
+use std::time::Duration;
+
+/// One measurement of one mechanism at one scale.
+#[derive(Debug, Clone, Serialize)]
+pub struct Row {
+    pub mechanism: String,
+    pub waiters: usize,
+    pub operations: u64,
+    pub context_switches_per_op: f64,
+    /// The part of them where a process blocked (the rest: preempted).
+    pub voluntary_context_switches_per_op: f64,
+    pub cpu_us_per_op: f64,
+    pub wall_s: f64,
+    pub ops_per_s: f64,
+    /// The broker's share of the context switches (included above).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub broker_context_switches_per_op: Option<f64>,
+    /// Scenario-specific figures and parameters.
+    #[serde(flatten)]
+    pub extra: Map<String, Value>,
+}
+
+impl Row {
+    /// A row from a team's outcome; operations are what its members counted.
+    pub fn of_team(mechanism: &str, waiters: usize, outcome: &Outcome, has_broker: bool) -> Row {
+        Row::new(mechanism, waiters, outcome.ops(), outcome.usage, has_broker.then_some(outcome.broker), outcome.wall)
+    }
+
+    /// `usage` is everything spent, the broker's share (if any) included.
+    pub fn new(mechanism: &str, waiters: usize, ops: u64, usage: Usage, broker: Option<Usage>, wall: Duration) -> Row {
+        let per_op = |x: u64| if ops == 0 { 0.0 } else { x as f64 / ops as f64 };
+        let wall_s = wall.as_secs_f64();
+        Row {
+            mechanism: mechanism.to_string(),
+            waiters,
+            operations: ops,
+            context_switches_per_op: per_op(usage.context_switches()),
+            voluntary_context_switches_per_op: per_op(usage.voluntary_switches),
+            cpu_us_per_op: per_op(usage.cpu_us),
+            wall_s,
+            ops_per_s: if wall_s > 0.0 { ops as f64 / wall_s } else { 0.0 },
+            broker_context_switches_per_op: broker.map(|b| per_op(b.context_switches())),
+            extra: Map::new(),
+        }
+    }
+
+    /// Adds a scenario-specific column.
+    pub fn with(mut self, key: &str, value: impl Into<Value>) -> Row {
+        self.extra.insert(key.to_string(), value.into());
+        self
+    }
+}
+
+/// The machine the figures came from.
+#[derive(Debug, Clone, Serialize)]
+pub struct Machine {
+    pub kernel: String,
+    pub cpus: usize,
+    pub cpu_model: String,
+}
+
+impl Machine {
+    pub fn this() -> Machine {
+        let kernel = std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default().trim().to_string();
+        let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
+        let cpuinfo = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
+        let cpu_model = cpuinfo.lines().find_map(|l| l.strip_prefix("model name")).map(|l| l.trim_start_matches([' ', '\t', ':']).to_string()).unwrap_or_default();
+        Machine { kernel, cpus, cpu_model }
+    }
+}
+
+/// A whole run: what `--json` prints.
+#[derive(Debug, Clone, Serialize)]
+pub struct Report {
+    pub scenario: String,
+    pub machine: Machine,
+    /// The scale the scenario ran at.
+    pub parameters: Map<String, Value>,
+    pub results: Vec<Row>,
+    /// What the reader needs to read the figures right.
+    pub notes: Vec<String>,
+}
+
+impl Report {
+    pub fn to_json(&self) -> Value {
+        serde_json::to_value(self).expect("a report is plain data")
+    }
+
+    /// The readable table for stdout.
+    pub fn table(&self) -> String {
+        let extra_keys = self.extra_keys();
+        let mut header = vec!["mechanism", "waiters", "ops", "csw/op", "voluntary", "CPU µs/op", "wall s", "ops/s", "broker csw/op"];
+        header.extend(extra_keys.iter().map(String::as_str));
+        let rows: Vec<Vec<String>> = self.results.iter().map(|r| table_cells(r, &extra_keys)).collect();
+        let mut out = format!("{} on Linux {}, {} CPUs ({})\n\n", self.scenario, self.machine.kernel, self.machine.cpus, self.machine.cpu_model);
+        out += &render_table(&header, &rows);
+        for note in &self.notes {
+            let _ = writeln!(out, "note: {note}");
+        }
+        out
+    }
+
+    fn extra_keys(&self) -> Vec<String> {
+        let mut keys: Vec<String> = Vec::new();
+        for key in self.results.iter().flat_map(|r| r.extra.keys()) {
+            if !keys.contains(key) {
+                keys.push(key.clone());
+            }
+        }
+        keys
+    }
+
+    /// Draws context switches and CPU per operation against the number of
+    /// waiters, one line per mechanism, on log-log axes (the herd grows by
+    /// orders of magnitude where directed wake-ups stay flat).
+    pub fn plot(&self, path: &Path) -> Result<()> {
+        use plotters::prelude::*;
+        let root = SVGBackend::new(path, (900, 900)).into_drawing_area();
+        root.fill(&WHITE)?;
+        let (top, bottom) = root.split_vertically(450);
+        self.plot_panel(&top, "context switches per operation", |r| r.context_switches_per_op)?;
+        self.plot_panel(&bottom, "CPU µs per operation", |r| r.cpu_us_per_op)?;
+        root.present().with_context(|| format!("writing {}", path.display()))?;
+        Ok(())
+    }
+
+    fn plot_panel<DB: plotters::prelude::DrawingBackend>(&self, area: &plotters::prelude::DrawingArea<DB, plotters::coord::Shift>, what: &str, value: impl Fn(&Row) -> f64) -> Result<()>
+    where
+        DB::ErrorType: 'static,
+    {
+        use plotters::prelude::*;
+        let plotted: Vec<&Row> = self.results.iter().filter(|r| value(r) > 0.0).collect();
+        let (x_min, x_max) = bounds(plotted.iter().map(|r| r.waiters as f64));
+        let (y_min, y_max) = bounds(plotted.iter().map(|r| value(r)));
+        let mut chart = ChartBuilder::on(area)
+            .caption(format!("{}: {what}", self.scenario), ("sans-serif", 20))
+            .margin(15)
+            .x_label_area_size(40)
+            .y_label_area_size(60)
+            .build_cartesian_2d((x_min / 1.2..x_max * 1.2).log_scale(), (y_min / 1.5..y_max * 1.5).log_scale())?;
+        chart.configure_mesh().x_desc("waiters (N)").y_desc(what).draw()?;
+        for (i, mechanism) in self.mechanisms().into_iter().enumerate() {
+            let color = Palette99::pick(i).stroke_width(2);
+            let points: Vec<(f64, f64)> = plotted.iter().filter(|r| r.mechanism == mechanism).map(|r| (r.waiters as f64, value(r))).collect();
+            chart.draw_series(LineSeries::new(points.clone(), color))?.label(mechanism).legend(move |(x, y)| PathElement::new([(x, y), (x + 20, y)], color));
+            chart.draw_series(points.into_iter().map(|p| Circle::new(p, 3, color.filled())))?;
+        }
+        chart.configure_series_labels().background_style(WHITE.mix(0.8)).border_style(BLACK).position(SeriesLabelPosition::UpperLeft).draw()?;
+        Ok(())
+    }
+
+    fn mechanisms(&self) -> Vec<String> {
+        let mut names: Vec<String> = Vec::new();
+        for row in &self.results {
+            if !names.contains(&row.mechanism) {
+                names.push(row.mechanism.clone());
+            }
+        }
+        names
+    }
+}
+
+fn bounds(values: impl Iterator<Item = f64>) -> (f64, f64) {
+    let (lo, hi) = values.fold((f64::MAX, f64::MIN), |(lo, hi), v| (lo.min(v), hi.max(v)));
+    if lo > hi {
+        (1.0, 10.0)
+    } else {
+        (lo, hi)
+    }
+}
+
+fn table_cells(row: &Row, extra_keys: &[String]) -> Vec<String> {
+    let mut cells = vec![
+        row.mechanism.clone(),
+        row.waiters.to_string(),
+        row.operations.to_string(),
+        format!("{:.2}", row.context_switches_per_op),
+        format!("{:.2}", row.voluntary_context_switches_per_op),
+        format!("{:.1}", row.cpu_us_per_op),
+        format!("{:.2}", row.wall_s),
+        format!("{:.0}", row.ops_per_s),
+        row.broker_context_switches_per_op.map_or("-".to_string(), |b| format!("{b:.2}")),
+    ];
+    cells.extend(extra_keys.iter().map(|k| row.extra.get(k).map_or("-".to_string(), format_value)));
+    cells
+}
+
+fn format_value(value: &Value) -> String {
+    match value {
+        Value::Number(n) if n.is_f64() => format!("{:.2}", n.as_f64().unwrap_or_default()),
+        Value::String(s) => s.clone(),
+        other => other.to_string(),
+    }
+}
+
+/// Left-aligned first column, right-aligned numbers.
+fn render_table(header: &[&str], rows: &[Vec<String>]) -> String {
+    let width = |col: usize| rows.iter().map(|r| r[col].chars().count()).chain([header[col].chars().count()]).max().unwrap_or(0);
+    let widths: Vec<usize> = (0..header.len()).map(width).collect();
+    let line = |cells: Vec<&str>| -> String {
+        let mut out = String::new();
+        for (i, cell) in cells.iter().enumerate() {
+            let pad = widths[i] - cell.chars().count();
+            if i == 0 {
+                out += cell;
+                out += &" ".repeat(pad);
+            } else {
+                out += "  ";
+                out += &" ".repeat(pad);
+                out += cell;
+            }
+        }
+        out.trim_end().to_string() + "\n"
+    };
+    let mut out = line(header.to_vec());
+    out += &line(widths.iter().map(|&w| "-".repeat(w)).collect::<Vec<_>>().iter().map(String::as_str).collect());
+    for row in rows {
+        out += &line(row.iter().map(String::as_str).collect());
+    }
+    out
+}

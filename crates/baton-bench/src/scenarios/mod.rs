@@ -1,0 +1,167 @@
+//! The five experiments, one module each, and what they share: the scale,
+//! the list of mechanisms, the progress display.
+
+mod blocking_vs_polling;
+mod broadcast;
+mod bulk_wake;
+mod job_runners;
+mod mass_poll;
+mod token_ring;
+
+use crate::mechanisms::{Env, Mechanism};
+use crate::progress::Progress;
+use crate::report::{Machine, Report, Row};
+use crate::BenchArgs;
+use anyhow::{Context, Result};
+use serde::Serialize;
+use serde_json::{Map, Value};
+use std::path::PathBuf;
+
+/// The experiments, named after what they reproduce.
+#[derive(clap::ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Scenario {
+    /// Seed 000: P processes pass one token around T times.
+    TokenRing,
+    /// Seed 001: the same job runners waiting in blocking reads or in poll().
+    BlockingVsPolling,
+    /// Seed 002: a waker releases W tokens per round to N waiters.
+    BulkWake,
+    /// Seed 003: N ∈ {16, 64, 256, 1024} pollers on one token pipe.
+    MassPoll,
+    /// Seed 004: N threads on a condition, broadcast vs directed hand-off.
+    Broadcast,
+}
+
+impl Scenario {
+    fn name(self) -> &'static str {
+        match self {
+            Scenario::TokenRing => "token-ring",
+            Scenario::BlockingVsPolling => "blocking-vs-polling",
+            Scenario::BulkWake => "bulk-wake",
+            Scenario::MassPoll => "mass-poll",
+            Scenario::Broadcast => "broadcast",
+        }
+    }
+
+    fn defaults(self) -> Defaults {
+        match self {
+            Scenario::TokenRing => token_ring::DEFAULTS,
+            Scenario::BlockingVsPolling => blocking_vs_polling::DEFAULTS,
+            Scenario::BulkWake => bulk_wake::DEFAULTS,
+            Scenario::MassPoll => mass_poll::DEFAULTS,
+            Scenario::Broadcast => broadcast::DEFAULTS,
+        }
+    }
+}
+
+/// How big a run is. Each scenario reads the fields it uses and documents
+/// its defaults.
+#[derive(Debug, Clone, Serialize)]
+pub struct Scale {
+    pub waiters: Vec<usize>,
+    pub ops: u64,
+    pub tokens: u32,
+    pub job_us: u64,
+    pub wake: u32,
+}
+
+impl Scale {
+    fn from_args(args: &BenchArgs, defaults: Defaults) -> Scale {
+        Scale {
+            waiters: if args.waiters.is_empty() { defaults.waiters.to_vec() } else { args.waiters.clone() },
+            ops: args.ops.unwrap_or(defaults.ops),
+            tokens: args.tokens.unwrap_or(defaults.tokens),
+            job_us: args.job_us.unwrap_or(defaults.job_us),
+            wake: args.wake.unwrap_or(defaults.wake),
+        }
+    }
+}
+
+/// A scenario's default [`Scale`], small enough for a 2-core machine.
+pub struct Defaults {
+    pub waiters: &'static [usize],
+    pub ops: u64,
+    pub tokens: u32,
+    pub job_us: u64,
+    pub wake: u32,
+}
+
+/// What a scenario hands back besides its rows.
+#[derive(Default)]
+pub struct Findings {
+    pub rows: Vec<Row>,
+    pub notes: Vec<String>,
+}
+
+/// What every scenario needs while it runs.
+pub struct Bench {
+    pub env: Env,
+    with_baton: bool,
+    progress: Progress,
+}
+
+impl Bench {
+    /// The given mechanisms, less baton's when the run is without it.
+    pub fn mechanisms(&self, all: &[Mechanism]) -> Vec<Mechanism> {
+        all.iter().copied().filter(|m| self.with_baton || !m.is_baton()).collect()
+    }
+
+    pub fn with_baton(&self) -> bool {
+        self.with_baton
+    }
+
+    /// Measures each case in turn, showing progress.
+    pub fn each<C>(&self, cases: &[C], label: impl Fn(&C) -> String, mut measure: impl FnMut(&C) -> Result<Row>) -> Result<Vec<Row>> {
+        let mut rows = Vec::new();
+        for (i, case) in cases.iter().enumerate() {
+            let label = label(case);
+            self.progress.step(i, cases.len(), &label);
+            rows.push(measure(case).with_context(|| format!("measuring {label}"))?);
+        }
+        self.progress.done();
+        Ok(rows)
+    }
+}
+
+/// Every combination of waiter count and mechanism, counts outermost, so a
+/// table reads as "at this N, each mechanism".
+pub fn cases(waiters: &[usize], mechanisms: &[Mechanism]) -> Vec<(usize, Mechanism)> {
+    waiters.iter().flat_map(|&n| mechanisms.iter().map(move |&m| (n, m))).collect()
+}
+
+pub fn run(args: &BenchArgs, baton_bin: PathBuf) -> Result<Report> {
+    let scenario = args.scenario;
+    let scale = Scale::from_args(args, scenario.defaults());
+    anyhow::ensure!(scale.waiters.iter().all(|&n| n >= 1), "--waiters must be at least 1");
+    let tmp = TempDir::new()?;
+    let bench = Bench { env: Env { baton_bin, tmp: tmp.0.clone() }, with_baton: !args.without_baton, progress: Progress::new() };
+    let findings = match scenario {
+        Scenario::TokenRing => token_ring::run(&bench, &scale)?,
+        Scenario::BlockingVsPolling => blocking_vs_polling::run(&bench, &scale)?,
+        Scenario::BulkWake => bulk_wake::run(&bench, &scale)?,
+        Scenario::MassPoll => mass_poll::run(&bench, &scale)?,
+        Scenario::Broadcast => broadcast::run(&bench, &scale)?,
+    };
+    let parameters = match serde_json::to_value(&scale)? {
+        Value::Object(map) => map,
+        _ => Map::new(),
+    };
+    Ok(Report { scenario: scenario.name().to_string(), machine: Machine::this(), parameters, results: findings.rows, notes: findings.notes })
+}
+
+/// A private directory for broker sockets, removed at the end.
+struct TempDir(PathBuf);
+
+impl TempDir {
+    fn new() -> Result<TempDir> {
+        let path = std::env::temp_dir().join(format!("baton-bench-{}", std::process::id()));
+        std::fs::create_dir_all(&path).with_context(|| format!("creating {}", path.display()))?;
+        Ok(TempDir(path))
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}

@@ -1,0 +1,203 @@
+//! Every scenario at a reduced scale: its JSON has the documented fields,
+//! and the counts add up. No timing thresholds: the machine is shared.
+//!
+//! This test has its own main (harness = false) because the bench forks its
+//! benchmark processes, which is only sound from a single-threaded process.
+//! The baton rows need the real binary: `BATON_BIN`, else the workspace's
+//! target/debug/baton if built; without it they are skipped, said aloud.
+
+use anyhow::{ensure, Context, Result};
+use clap::Parser;
+use serde_json::Value;
+use std::path::PathBuf;
+
+#[derive(Parser)]
+struct Cli {
+    #[command(flatten)]
+    args: baton_bench::BenchArgs,
+}
+
+type Test = fn(&Harness) -> Result<()>;
+
+const TESTS: &[(&str, Test)] = &[
+    ("token_ring_counts_every_transfer", token_ring_counts_every_transfer),
+    ("blocking_vs_polling_counts_every_acquisition", blocking_vs_polling_counts_every_acquisition),
+    ("mass_poll_sweeps_waiters_and_plots", mass_poll_sweeps_waiters_and_plots),
+    ("bulk_wake_counts_every_wake_up", bulk_wake_counts_every_wake_up),
+    ("broadcast_counts_items_and_wake_ups", broadcast_counts_items_and_wake_ups),
+    ("bad_scale_is_refused", bad_scale_is_refused),
+];
+
+fn main() {
+    let harness = Harness::new();
+    let filter = std::env::args().skip(1).find(|a| !a.starts_with('-'));
+    let mut failed = 0;
+    for (name, test) in TESTS.iter().filter(|(name, _)| filter.as_deref().is_none_or(|f| name.contains(f))) {
+        match test(&harness) {
+            Ok(()) => println!("test {name} ... ok"),
+            Err(e) => {
+                println!("test {name} ... FAILED\n    {e:#}");
+                failed += 1;
+            }
+        }
+    }
+    if failed > 0 {
+        std::process::exit(1);
+    }
+}
+
+struct Harness {
+    baton: Option<PathBuf>,
+    tmp: PathBuf,
+}
+
+impl Harness {
+    fn new() -> Harness {
+        let baton = std::env::var_os("BATON_BIN").map(PathBuf::from).or_else(|| {
+            let built = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../target/debug/baton");
+            built.is_file().then_some(built)
+        });
+        if baton.is_none() {
+            println!("note: no baton binary (set BATON_BIN or build target/debug/baton): baton rows skipped");
+        }
+        let tmp = std::env::temp_dir().join(format!("baton-bench-test-{}", std::process::id()));
+        std::fs::create_dir_all(&tmp).expect("creating a temporary directory");
+        Harness { baton, tmp }
+    }
+
+    /// Runs `baton bench ARGS... --json` in this process.
+    fn bench(&self, args: &[&str]) -> Result<Value> {
+        let mut argv = vec!["bench".to_string()];
+        argv.extend(args.iter().map(|a| a.to_string()));
+        match &self.baton {
+            Some(path) => argv.extend(["--baton-bin".to_string(), path.display().to_string()]),
+            None => argv.push("--without-baton".to_string()),
+        }
+        let cli = Cli::try_parse_from(&argv)?;
+        let doc = baton_bench::measure(&cli.args)?;
+        check_document(&doc)?;
+        Ok(doc)
+    }
+
+    /// The mechanisms a scenario must show, less baton's when it is absent.
+    fn expected(&self, all: &[&'static str]) -> Vec<&'static str> {
+        all.iter().copied().filter(|m| self.baton.is_some() || !m.starts_with("baton")).collect()
+    }
+}
+
+impl Drop for Harness {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.tmp);
+    }
+}
+
+/// The fields issue 5 requires of every document and row.
+fn check_document(doc: &Value) -> Result<()> {
+    ensure!(doc["scenario"].is_string(), "no scenario in {doc}");
+    ensure!(doc["machine"]["kernel"].as_str().is_some_and(|k| !k.is_empty()), "no kernel in {doc}");
+    ensure!(doc["machine"]["cpus"].as_u64().is_some_and(|n| n >= 1), "no cpus in {doc}");
+    let results = doc["results"].as_array().context("no results array")?;
+    ensure!(!results.is_empty(), "no results");
+    for row in results {
+        ensure!(row["mechanism"].is_string(), "no mechanism in {row}");
+        ensure!(row["waiters"].as_u64().is_some_and(|n| n >= 1), "bad waiters in {row}");
+        ensure!(row["operations"].as_u64().is_some_and(|n| n >= 1), "bad operations in {row}");
+        for key in ["context_switches_per_op", "voluntary_context_switches_per_op", "cpu_us_per_op", "wall_s"] {
+            ensure!(row[key].as_f64().is_some_and(|x| x.is_finite() && x >= 0.0), "bad {key} in {row}");
+        }
+        ensure!(row["voluntary_context_switches_per_op"].as_f64() <= row["context_switches_per_op"].as_f64(), "more voluntary switches than switches in {row}");
+        ensure!(row["wall_s"].as_f64() > Some(0.0), "no wall time in {row}");
+    }
+    Ok(())
+}
+
+fn rows<'a>(doc: &'a Value, mechanism: &str) -> Vec<&'a Value> {
+    doc["results"].as_array().into_iter().flatten().filter(|r| r["mechanism"] == mechanism).collect()
+}
+
+fn mechanisms(doc: &Value) -> Vec<String> {
+    let mut names: Vec<String> = doc["results"].as_array().into_iter().flatten().filter_map(|r| r["mechanism"].as_str().map(String::from)).collect();
+    names.dedup();
+    names
+}
+
+fn u64_of(row: &Value, key: &str) -> u64 {
+    row[key].as_u64().unwrap_or_default()
+}
+
+fn f64_of(row: &Value, key: &str) -> f64 {
+    row[key].as_f64().unwrap_or_default()
+}
+
+fn token_ring_counts_every_transfer(h: &Harness) -> Result<()> {
+    let doc = h.bench(&["token-ring", "--processes", "6", "--ops", "300"])?;
+    let expected = h.expected(&["pipe, blocking read", "pipe, poll + non-blocking read", "POSIX semaphore", "SysV semaphore", "eventfd semaphore", "baton native"]);
+    ensure!(mechanisms(&doc) == expected, "mechanisms {:?}", mechanisms(&doc));
+    for row in doc["results"].as_array().into_iter().flatten() {
+        // Exactly the asked transfers, extra tokens notwithstanding.
+        ensure!(u64_of(row, "operations") == 300, "transfers in {row}");
+    }
+    Ok(())
+}
+
+/// Each acquisition but the last of each waiter runs a sleeping job, and a
+/// sleep blocks: the counted voluntary switches must cover at least those.
+fn check_job_runner_counts(row: &Value, budget: u64) -> Result<()> {
+    let ops = u64_of(row, "operations");
+    ensure!(ops == budget + u64_of(row, "waiters"), "acquisitions in {row}");
+    ensure!(f64_of(row, "voluntary_context_switches_per_op") * ops as f64 >= budget as f64, "fewer voluntary switches than sleeping jobs in {row}");
+    Ok(())
+}
+
+fn blocking_vs_polling_counts_every_acquisition(h: &Harness) -> Result<()> {
+    let doc = h.bench(&["blocking-vs-polling", "--waiters", "8", "--ops", "100", "--job-us", "200"])?;
+    let expected = h.expected(&["pipe, blocking read", "pipe, poll + non-blocking read", "baton native", "baton native, poll"]);
+    ensure!(mechanisms(&doc) == expected, "mechanisms {:?}", mechanisms(&doc));
+    doc["results"].as_array().into_iter().flatten().try_for_each(|row| check_job_runner_counts(row, 100))
+}
+
+fn mass_poll_sweeps_waiters_and_plots(h: &Harness) -> Result<()> {
+    let plot = h.tmp.join("mass-poll.svg");
+    let plot_arg = plot.display().to_string();
+    let doc = h.bench(&["mass-poll", "--waiters", "4,16", "--ops", "100", "--job-us", "200", "--plot", &plot_arg])?;
+    let polled = rows(&doc, "pipe, poll + non-blocking read");
+    ensure!(polled.iter().map(|r| u64_of(r, "waiters")).collect::<Vec<_>>() == [4, 16], "waiters swept: {polled:?}");
+    for mechanism in h.expected(&["pipe, poll + non-blocking read", "baton native"]) {
+        rows(&doc, mechanism).into_iter().try_for_each(|row| check_job_runner_counts(row, 100))?;
+    }
+    // --json and --plot together go through run(); measure() alone does not
+    // plot, so draw through the same path the command uses.
+    let cli = Cli::try_parse_from(["bench", "mass-poll", "--waiters", "2", "--ops", "20", "--job-us", "100", "--without-baton", "--plot", &plot_arg])?;
+    baton_bench::run(cli.args)?;
+    let svg = std::fs::read_to_string(&plot).context("reading the plot")?;
+    ensure!(svg.contains("<svg") && svg.contains("context switches per operation"), "not the plot: {}", &svg[..svg.len().min(200)]);
+    Ok(())
+}
+
+fn bulk_wake_counts_every_wake_up(h: &Harness) -> Result<()> {
+    let doc = h.bench(&["bulk-wake", "--waiters", "6", "--wake", "3", "--ops", "300"])?;
+    ensure!(mechanisms(&doc) == h.expected(&["SysV semaphore", "futex, FUTEX_WAKE 1", "baton native"]), "mechanisms {:?}", mechanisms(&doc));
+    for row in doc["results"].as_array().into_iter().flatten() {
+        ensure!(u64_of(row, "operations") == 300, "wake-ups in {row}");
+        ensure!(u64_of(row, "min_per_waiter") <= u64_of(row, "max_per_waiter"), "fairness columns in {row}");
+    }
+    Ok(())
+}
+
+fn broadcast_counts_items_and_wake_ups(h: &Harness) -> Result<()> {
+    let doc = h.bench(&["broadcast", "--waiters", "8", "--wake", "2", "--ops", "200"])?;
+    ensure!(mechanisms(&doc) == h.expected(&["pthread_cond_broadcast", "pthread directed hand-off", "baton native, limit +K"]), "mechanisms {:?}", mechanisms(&doc));
+    for row in doc["results"].as_array().into_iter().flatten() {
+        ensure!(u64_of(row, "operations") == 200, "items in {row}");
+        // Every item taken needed at least one wake-up to take it.
+        ensure!(f64_of(row, "wakeups_per_op") >= 1.0, "wake-ups in {row}");
+    }
+    Ok(())
+}
+
+fn bad_scale_is_refused(h: &Harness) -> Result<()> {
+    ensure!(h.bench(&["bulk-wake", "--waiters", "0"]).is_err(), "zero waiters accepted");
+    ensure!(h.bench(&["broadcast", "--waiters", "2", "--wake", "3"]).is_err(), "more items per round than waiters accepted");
+    ensure!(Cli::try_parse_from(["bench", "no-such-scenario"]).is_err(), "unknown scenario accepted");
+    Ok(())
+}
