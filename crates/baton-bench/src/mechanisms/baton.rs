@@ -42,7 +42,7 @@ impl Broker {
         let socket = env.tmp.join(format!("broker-{n}.sock"));
         let log = env.tmp.join(format!("broker-{n}.log"));
         let mut command = Command::new(&env.baton_bin);
-        command.args(["serve", "--quiet", "--jobs", &tokens.to_string(), "--socket"]).arg(&socket);
+        command.args(["serve", "--quiet", "--no-fuse", "--jobs", &tokens.to_string(), "--socket"]).arg(&socket);
         command.stdin(Stdio::null()).stdout(Stdio::null()).stderr(std::fs::File::create(&log)?);
         // SAFETY: prctl is async-signal-safe and touches only the child.
         unsafe {
