@@ -6,6 +6,7 @@
 
 mod broker;
 mod fuse;
+mod jobserver;
 mod log;
 mod paths;
 mod run;
@@ -62,19 +63,30 @@ enum Cmd {
         #[arg(long, hide = true, conflicts_with = "no_fuse")]
         fuse_notify_all: bool,
     },
-    /// Run CMD holding tokens from the broker; they go back when CMD ends.
+    /// Run CMD holding tokens from the broker, with a GNU jobserver (MAKEFLAGS)
+    /// fed from the pool; every token goes back when CMD ends.
     #[command(
-        after_help = "baton run exits with CMD's exit status (128 + signal if CMD was killed; 127 if CMD \
-was not found, 126 if it could not be run). If baton run is killed, the broker takes its tokens back \
-and CMD is killed too."
+        after_help = "Run make without -j: `baton run -- make`. A make given -jN on its own command \
+line ignores the jobserver and starts its own.\n\n\
+baton run exits with CMD's exit status (128 + signal if CMD was killed; 127 if CMD was not found, \
+126 if it could not be run). If baton run is killed, the broker takes its tokens back and CMD is \
+killed too."
     )]
     Run {
         /// Socket of the broker.
         #[arg(long, value_name = "PATH")]
         socket: Option<PathBuf>,
-        /// Tokens to hold while CMD runs (1 is CMD's own job slot).
+        /// Tokens to hold for CMD itself the whole time it runs (1 is a
+        /// build's own job slot, the one make never writes back).
         #[arg(short, long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..))]
         tokens: u32,
+        /// How CMD finds its GNU jobserver. auto: pipe for GNU make older
+        /// than 4.4 (including when it is the make on PATH), fifo otherwise.
+        #[arg(long, value_enum, default_value = "auto", value_name = "STYLE")]
+        jobserver_style: jobserver::Style,
+        /// At most this many tokens for the whole build, CMD's own included.
+        #[arg(long, value_name = "K", value_parser = clap::value_parser!(u32).range(1..))]
+        max: Option<u32>,
         /// The command and its arguments.
         #[arg(required = true, trailing_var_arg = true, value_name = "CMD")]
         command: Vec<OsString>,
@@ -100,13 +112,7 @@ and CMD is killed too."
     },
     /// Re-run the seeds' wake-up experiments: baton beside pipes, semaphores,
     /// futexes and condition variables, measured in the same run.
-    Bench,
-    /// Internal: a child process of `baton bench`.
-    #[command(name = "__bench-worker", hide = true)]
-    BenchWorker {
-        #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
-        args: Vec<String>,
-    },
+    Bench(baton_bench::BenchArgs),
 }
 
 fn main() -> ExitCode {
@@ -131,13 +137,13 @@ fn dispatch(command: Cmd) -> anyhow::Result<u8> {
             };
             serve::serve(serve::ServeOptions { jobs, socket, fuse })?;
         }
-        Cmd::Run { socket, tokens, command } => {
-            let code = run::run(run::RunOptions { socket, tokens, command })?;
+        Cmd::Run { socket, tokens, jobserver_style, max, command } => {
+            let code = run::run(run::RunOptions { socket, tokens, max, style: jobserver_style, command })?;
             return Ok(u8::try_from(code).unwrap_or(1));
         }
         Cmd::Status { socket, json } => status::print_status(&paths::socket_path(socket), json)?,
         Cmd::Limit { jobs, socket } => status::set_limit(&paths::socket_path(socket), jobs)?,
-        Cmd::Bench | Cmd::BenchWorker { .. } => anyhow::bail!("bench not built yet"),
+        Cmd::Bench(args) => baton_bench::run(args)?,
     }
     Ok(0)
 }

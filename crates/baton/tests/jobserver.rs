@@ -1,0 +1,316 @@
+//! The GNU jobserver bridge with the real tools: Debian's make 4.3, PyPI's
+//! make 4.4.1 and ninja 1.13, and the installed cargo, under one limit.
+
+mod common;
+
+use common::*;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+/// Runs `tool` in `dir` under `baton run`; returns its output.
+fn build(broker: &Broker, dir: &Path, run_args: &[&str], tool: &Path, tool_args: &[&str]) -> Output {
+    let mut args: Vec<&str> = run_args.to_vec();
+    args.push("--");
+    args.push(tool.to_str().unwrap());
+    args.extend_from_slice(tool_args);
+    broker.run(&args).current_dir(dir).env_remove("MAKEFLAGS").output().expect("run the build")
+}
+
+fn assert_built(out: &Output) {
+    assert!(out.status.success(), "build failed: {}\n{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+}
+
+fn check_make(make: PathBuf, style: &str) {
+    let broker = Broker::start(4);
+    let dir = TempDir::new("make");
+    let log = dir.path().join("jobs.log");
+    flat_makefile(dir.path(), &log, 24, "0.1");
+    let out = build(&broker, dir.path(), &["--jobserver-style", style], &make, &[]);
+    assert_built(&out);
+    let (max, started) = max_overlap(&log);
+    assert_eq!(started, 24);
+    assert!(max <= 4, "{max} jobs at once under --jobs 4");
+    assert!(max >= 3, "the build ran in parallel (at most {max} at once)");
+    broker.assert_all_free();
+}
+
+#[test]
+fn make_4_3_builds_within_the_limit() {
+    check_make(make43(), "auto");
+}
+
+#[test]
+fn make_4_4_builds_within_the_limit() {
+    check_make(make44(), "auto");
+}
+
+#[test]
+fn make_4_4_also_works_with_the_pipe_style() {
+    check_make(make44(), "pipe");
+}
+
+#[test]
+fn ninja_1_13_builds_within_the_limit() {
+    let broker = Broker::start(4);
+    let dir = TempDir::new("ninja");
+    let log = dir.path().join("jobs.log");
+    flat_ninja(dir.path(), &log, 24, "0.1");
+    let out = build(&broker, dir.path(), &[], &ninja(), &[]);
+    assert_built(&out);
+    let (max, started) = max_overlap(&log);
+    assert_eq!(started, 24);
+    assert!((3..=4).contains(&max), "{max} jobs at once under --jobs 4");
+    broker.assert_all_free();
+}
+
+/// A workspace of small crates whose build scripts log themselves.
+fn cargo_workspace(dir: &Path, log: &Path, crates: usize) {
+    let members: Vec<String> = (0..crates).map(|i| format!("\"c{i}\"")).collect();
+    std::fs::write(dir.join("Cargo.toml"), format!("[workspace]\nresolver = \"2\"\nmembers = [{}]\n", members.join(", "))).unwrap();
+    for i in 0..crates {
+        let c = dir.join(format!("c{i}"));
+        std::fs::create_dir_all(c.join("src")).unwrap();
+        std::fs::write(c.join("Cargo.toml"), format!("[package]\nname = \"c{i}\"\nversion = \"0.1.0\"\nedition = \"2021\"\n")).unwrap();
+        std::fs::write(c.join("src/lib.rs"), "pub fn f() -> u32 { 1 }\n").unwrap();
+        let script = format!(
+            r#"use std::io::Write;
+fn log(s: &str) {{ std::fs::OpenOptions::new().append(true).create(true).open({log:?}).unwrap().write_all(s.as_bytes()).unwrap(); }}
+fn main() {{ log("S\n"); std::thread::sleep(std::time::Duration::from_millis(300)); log("E\n"); }}
+"#
+        );
+        std::fs::write(c.join("build.rs"), script).unwrap();
+    }
+}
+
+#[test]
+fn cargo_builds_within_the_limit() {
+    let broker = Broker::start(4);
+    let dir = TempDir::new("cargo");
+    let log = dir.path().join("jobs.log");
+    cargo_workspace(dir.path(), &log, 10);
+    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+    let out = broker
+        .run(&["--", &cargo, "build", "--offline", "--quiet", "-j", "16"])
+        .current_dir(dir.path())
+        .env("CARGO_TARGET_DIR", dir.path().join("target"))
+        .env_remove("MAKEFLAGS")
+        .env_remove("CARGO_MAKEFLAGS")
+        .output()
+        .unwrap();
+    assert_built(&out);
+    let (max, started) = max_overlap(&log);
+    assert_eq!(started, 10, "every build script ran");
+    assert!(max <= 4, "{max} build scripts at once under --jobs 4");
+    broker.assert_all_free();
+}
+
+#[test]
+fn three_builds_at_once_share_one_limit() {
+    let broker = Broker::start(6);
+    let log = broker.dir.path().join("all-jobs.log");
+    let dirs: Vec<TempDir> = (0..3).map(|i| TempDir::new(&format!("shared{i}"))).collect();
+    let logs: Vec<PathBuf> = dirs.iter().map(|d| d.path().join("mine.log")).collect();
+    // Each job logs to the shared log (for the limit) and its build's own.
+    for (d, own) in dirs[..2].iter().zip(&logs) {
+        flat_makefile(d.path(), &log, 30, &format!("0.1; echo S >> {}", own.display()));
+    }
+    flat_ninja(dirs[2].path(), &log, 30, &format!("0.1; echo S >> {}", logs[2].display()));
+    let spawn = |dir: &Path, tool: PathBuf| {
+        broker.run(&["--", tool.to_str().unwrap()]).current_dir(dir).env_remove("MAKEFLAGS").stdout(Stdio::null()).spawn().unwrap()
+    };
+    let builds = [spawn(dirs[0].path(), make43()), spawn(dirs[1].path(), make44()), spawn(dirs[2].path(), ninja())];
+    // While all three run, each must be making progress.
+    wait_for(Duration::from_secs(20), "every build to have run a job", || logs.iter().all(|l| l.exists()));
+    let progress_at_once: Vec<usize> = logs.iter().map(|l| std::fs::read_to_string(l).unwrap().lines().count()).collect();
+    for mut b in builds {
+        assert!(b.wait().unwrap().success());
+    }
+    let (max, started) = max_overlap(&log);
+    assert_eq!(started, 90);
+    assert!(max <= 6, "{max} jobs at once across three builds under --jobs 6");
+    assert!(progress_at_once.iter().all(|&n| n < 30), "no build had finished when all had started: {progress_at_once:?}");
+    broker.assert_all_free();
+}
+
+/// A recursive make: top → `subs` sub-makes → `jobs` logged jobs each.
+fn recursive_tree(dir: &Path, log: &Path, subs: usize, jobs: usize, secs: &str) {
+    let sub_names: Vec<String> = (0..subs).map(|i| format!("s{i}")).collect();
+    std::fs::write(
+        dir.join("Makefile"),
+        format!("all: {all}\n{all}:\n\t+@$(MAKE) -s -f sub.mk\n.PHONY: all {all}\n", all = sub_names.join(" ")),
+    )
+    .unwrap();
+    let job_names: Vec<String> = (0..jobs).map(|i| format!("j{i}")).collect();
+    std::fs::write(
+        dir.join("sub.mk"),
+        format!("all: {all}\n{all}:\n\t@{job}\n.PHONY: all {all}\n", all = job_names.join(" "), job = logged_job(log, secs)),
+    )
+    .unwrap();
+}
+
+fn spawn_tree(broker: &Broker, dir: &Path, make: &Path) -> std::process::Child {
+    use std::os::unix::process::CommandExt;
+    broker
+        .run(&["--", make.to_str().unwrap()])
+        .current_dir(dir)
+        .env_remove("MAKEFLAGS")
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .process_group(0) // so the test can kill the whole tree
+        .spawn()
+        .unwrap()
+}
+
+fn kill_group(pgid: u32) {
+    unsafe { libc::kill(-(pgid as i32), libc::SIGKILL) };
+}
+
+fn group_members(pgid: u32) -> Vec<u32> {
+    std::fs::read_dir("/proc")
+        .unwrap()
+        .flatten()
+        .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
+        .filter(|pid| {
+            let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+            let fields: Vec<&str> = stat.rsplit(')').next().unwrap_or("").split_whitespace().collect();
+            fields.get(2) == Some(&pgid.to_string().as_str()) && fields.first() != Some(&"Z")
+        })
+        .collect()
+}
+
+#[test]
+fn kill_9_of_a_recursive_make_tree_returns_every_token() {
+    for make in [make43(), make44()] {
+        let broker = Broker::start(6);
+        let dir = TempDir::new("tree");
+        let log = dir.path().join("jobs.log");
+        recursive_tree(dir.path(), &log, 4, 20, "0.2");
+        let run = spawn_tree(&broker, dir.path(), &make);
+        wait_for(Duration::from_secs(20), "the tree to hold every token", || broker.status().held == 6);
+        // The tree: everything in the group but baton run itself.
+        let tree: Vec<u32> = group_members(run.id()).into_iter().filter(|&p| p != run.id()).collect();
+        for &pid in &tree {
+            unsafe { libc::kill(pid as i32, libc::SIGKILL) };
+        }
+        wait_for(Duration::from_secs(5), "the tree to be gone", || tree.iter().all(|&p| !pid_alive(p)));
+        let gone = Instant::now();
+        wait_for(Duration::from_secs(5), "every token to be free", || broker.status().free == 6);
+        assert!(gone.elapsed() < Duration::from_secs(1), "tokens came back {:?} after the tree was gone ({make:?})", gone.elapsed());
+        kill_group(run.id());
+    }
+}
+
+#[test]
+fn kill_9_of_baton_run_returns_every_token_of_its_build() {
+    let broker = Broker::start(6);
+    let dir = TempDir::new("tree");
+    let log = dir.path().join("jobs.log");
+    recursive_tree(dir.path(), &log, 4, 20, "0.2");
+    let mut run = spawn_tree(&broker, dir.path(), &make44());
+    wait_for(Duration::from_secs(20), "the tree to hold every token", || broker.status().held == 6);
+    run.kill().unwrap();
+    run.wait().unwrap();
+    let gone = Instant::now();
+    wait_for(Duration::from_secs(5), "every token to be free", || broker.status().free == 6);
+    assert!(gone.elapsed() < Duration::from_secs(1));
+    kill_group(run.id()); // orphaned sub-makes, no longer counted
+    broker.assert_all_free();
+}
+
+#[test]
+fn extra_bytes_written_by_a_client_do_not_grow_the_pool() {
+    for (style, writer) in [
+        ("fifo", "printf 0123456789 > \"${MAKEFLAGS##*fifo:}\""),
+        ("pipe", "w=${MAKEFLAGS##*,}; eval \"printf 0123456789 >&$w\""),
+    ] {
+        let broker = Broker::start(4);
+        let script = format!("{writer}; sleep 0.5; echo done");
+        let out = broker.run(&["--jobserver-style", style, "--", "sh", "-c", &script]).env_remove("MAKEFLAGS").output().unwrap();
+        assert!(out.status.success(), "{style}: {}", String::from_utf8_lossy(&out.stderr));
+        assert!(String::from_utf8_lossy(&out.stderr).contains("never took"), "{style}: the extra bytes were noticed");
+        let s = broker.status();
+        assert_eq!((s.limit, s.free, s.held), (4, 4, 0), "{style}: {s:#?}");
+        assert_eq!(s.totals.granted, s.totals.released + s.totals.reclaimed);
+    }
+}
+
+#[test]
+fn an_idle_build_gives_its_spare_token_to_a_waiting_build() {
+    // A runs one long job at a time: its spare token would sit unused.
+    let broker = Broker::start(2);
+    let a = TempDir::new("idle");
+    std::fs::write(a.path().join("Makefile"), "all:\n\tsleep 8\n").unwrap();
+    let mut build_a = broker.run(&["--", make44().to_str().unwrap()]).current_dir(a.path()).env_remove("MAKEFLAGS").stdout(Stdio::null()).spawn().unwrap();
+    wait_for(Duration::from_secs(10), "A to hold both tokens", || broker.status().held == 2);
+    let started = Instant::now();
+    let out = broker.run(&["--", "true"]).output().unwrap();
+    assert!(out.status.success());
+    assert!(started.elapsed() < Duration::from_secs(4), "B waited {:?} while A sat on an unused token", started.elapsed());
+    build_a.kill().unwrap();
+    build_a.wait().unwrap();
+}
+
+#[test]
+fn max_caps_one_build() {
+    let broker = Broker::start(8);
+    let dir = TempDir::new("max");
+    let log = dir.path().join("jobs.log");
+    flat_makefile(dir.path(), &log, 12, "0.1");
+    let out = build(&broker, dir.path(), &["--max", "2"], &make44(), &[]);
+    assert_built(&out);
+    let (max, started) = max_overlap(&log);
+    assert_eq!((max, started), (2, 12));
+}
+
+#[test]
+fn a_build_survives_its_broker_going_away() {
+    let mut broker = Broker::start(4);
+    let dir = TempDir::new("orphan");
+    let log = dir.path().join("jobs.log");
+    flat_makefile(dir.path(), &log, 12, "0.2");
+    let run = broker.run(&["--", make44().to_str().unwrap()]).current_dir(dir.path()).env_remove("MAKEFLAGS").stderr(Stdio::piped()).stdout(Stdio::null()).spawn().unwrap();
+    wait_for(Duration::from_secs(10), "the build to start", || log.exists());
+    broker.stop_with(libc::SIGKILL);
+    let out = run.wait_with_output().unwrap();
+    assert!(out.status.success(), "the build finished");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(err.matches("lost the broker").count(), 1, "said once: {err}");
+    assert_eq!(max_overlap(&log).1, 12);
+}
+
+#[test]
+fn auto_picks_pipe_when_the_make_on_path_is_older_than_4_4() {
+    let broker = Broker::start(2);
+    for (make, expect_fifo) in [(make43(), false), (make44(), true)] {
+        let bin = TempDir::new("path");
+        std::os::unix::fs::symlink(&make, bin.path().join("make")).unwrap();
+        let out = broker
+            .run(&["--", "sh", "-c", "echo $MAKEFLAGS"])
+            .env("PATH", format!("{}:/usr/bin:/bin", bin.path().display()))
+            .env_remove("MAKEFLAGS")
+            .output()
+            .unwrap();
+        let text = String::from_utf8(out.stdout).unwrap();
+        let auth = text.trim().strip_prefix("-j --jobserver-auth=").unwrap_or_else(|| panic!("{text}"));
+        assert_eq!(auth.starts_with("fifo:"), expect_fifo, "{make:?}: {auth}");
+        if !expect_fifo {
+            assert!(auth.split(',').all(|fd| fd.parse::<u32>().is_ok()), "{auth}");
+        }
+    }
+}
+
+#[test]
+fn a_missing_command_exits_127_and_leaves_no_fifo() {
+    let broker = Broker::start(2);
+    let out = broker.run(&["--", "no-such-build-tool"]).output().unwrap();
+    assert_eq!(out.status.code(), Some(127));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("no-such-build-tool: command not found"));
+    let leftovers: Vec<_> = std::fs::read_dir(broker.socket.parent().unwrap())
+        .unwrap()
+        .flatten()
+        .filter(|e| e.file_name().to_string_lossy().ends_with(".fifo"))
+        .collect();
+    assert!(leftovers.is_empty(), "{leftovers:?}");
+    broker.assert_all_free();
+}
