@@ -11,9 +11,13 @@
 //! uses them, the herd a FIFO causes is bounded by one build, and builds
 //! take turns at the pool's one queue (oldest request first).
 //!
-//! Both styles use the same FIFO: `fifo:PATH` for clients that open it by
-//! path (make ≥ 4.4, ninja 1.13, cargo), or `R,W` as inherited descriptors
-//! opened on it (GNU make 4.3, which knows nothing else).
+//! Both styles read from the same FIFO. `fifo:PATH` clients (make ≥ 4.4,
+//! ninja 1.13, cargo) open it by path for reading and writing, so a busy
+//! build that writes a token back can read it again before we see it: it
+//! keeps its tokens until we win that race or it runs out of work. The pipe
+//! style (`R,W`, what GNU make 4.3 knows) closes that gap: R reads the FIFO,
+//! but W is a separate pipe only we read, so every token given back reaches
+//! the pool's queue. The FUSE style closes it for `fifo:` clients.
 
 use anyhow::{Context, Result};
 use nix::sys::inotify::{AddWatchFlags, InitFlags, Inotify};
@@ -47,20 +51,25 @@ pub enum Style {
 ///
 /// - ninja → `fifo` (ninja 1.13 accepts only a real FIFO);
 /// - GNU make older than 4.4 → `pipe` (it rejects `fifo:` and stops);
-/// - anything else (make ≥ 4.4, cargo, cmake, a script) → `fifo`, unless
-///   the `make` first on PATH is older than 4.4: a script or cargo build
-///   script that runs it would stop on `fifo:`, and every client here also
-///   speaks `R,W`.
+/// - GNU make 4.4 or later, and cargo → `fuse` (one wake-up per token),
+///   which falls back to `fifo` where the broker has no FUSE mount;
+/// - anything else (cmake, a script) → `fifo`, unless the `make` first on
+///   PATH is older than 4.4: a script or build script that runs it would
+///   stop on `fifo:`, and every client here also speaks `R,W`.
 pub fn choose_style(command: &[OsString]) -> Style {
     let program = Path::new(&command[0]);
     let name = program.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
     if name == "ninja" {
         return Style::Fifo;
     }
-    let make = if is_make_name(&name) { Some(program.to_path_buf()) } else { None };
-    let make = make.or_else(|| Some(PathBuf::from("make")));
-    match make.and_then(|m| gnu_make_version(&m)) {
+    if name == "cargo" {
+        return Style::Fuse;
+    }
+    let is_make = is_make_name(&name);
+    let make = if is_make { program.to_path_buf() } else { PathBuf::from("make") };
+    match gnu_make_version(&make) {
         Some(version) if version < (4, 4) => Style::Pipe,
+        Some(_) if is_make => Style::Fuse,
         _ => Style::Fifo,
     }
 }
@@ -113,6 +122,9 @@ pub struct Fifo {
     inotify: Inotify,
     /// The pipe style unlinks the FIFO at once: nobody opens it by path.
     unlinked: bool,
+    /// The pipe style's separate return pipe (our read end): the build's
+    /// W descriptor writes here, never into the FIFO it reads.
+    returns: Option<File>,
 }
 
 impl Fifo {
@@ -132,51 +144,46 @@ impl Fifo {
         inotify
             .add_watch(&path, AddWatchFlags::IN_ACCESS | AddWatchFlags::IN_MODIFY)
             .with_context(|| format!("cannot watch {}", path.display()))?;
-        Ok(Fifo { path, handle, inotify, unlinked: false })
+        Ok(Fifo { path, handle, inotify, unlinked: false, returns: None })
     }
 
     pub fn path(&self) -> &Path {
         &self.path
     }
 
-    /// Opens the two descriptors the pipe style passes to the build, then
-    /// unlinks the FIFO. They are inherited by the child (no CLOEXEC).
+    /// Opens the two descriptors the pipe style passes to the build (R on
+    /// the FIFO, W on the return pipe), then unlinks the FIFO. The caller
+    /// makes them inheritable.
     pub fn open_pipe_ends(&mut self) -> Result<(OwnedFd, OwnedFd)> {
-        let open = |write: bool| -> Result<OwnedFd> {
-            let file = OpenOptions::new()
-                .read(!write)
-                .write(write)
-                // Our handle keeps a writer open, so O_RDONLY does not block.
-                .open(&self.path)
-                .with_context(|| format!("cannot open {}", self.path.display()))?;
-            Ok(OwnedFd::from(file))
-        };
-        let (read, write) = (open(false)?, open(true)?);
+        // Our handle keeps a writer open, so O_RDONLY does not block.
+        let read = File::open(&self.path).with_context(|| format!("cannot open {}", self.path.display()))?;
+        let (returns, write) = nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC | nix::fcntl::OFlag::O_NONBLOCK)
+            .context("cannot create the jobserver's return pipe")?;
+        // Only our end is non-blocking: the build's W must block like a
+        // jobserver pipe's (make treats a failed token write as fatal).
+        nix::fcntl::fcntl(&write, nix::fcntl::FcntlArg::F_SETFL(nix::fcntl::OFlag::empty())).context("cannot set up the return pipe")?;
+        self.returns = Some(File::from(returns));
         std::fs::remove_file(&self.path).ok();
         self.unlinked = true;
-        Ok((read, write))
+        Ok((OwnedFd::from(read), write))
     }
 
-    /// Bytes in the FIFO now: tokens the build has not taken.
+    /// Bytes in the FIFO now: tokens the build has not taken (and, in the
+    /// fifo style, tokens it wrote back).
     pub fn queued(&self) -> u32 {
-        let mut n: libc::c_int = 0;
-        // SAFETY: FIONREAD writes one int to the pointer we pass.
-        let rc = unsafe { libc::ioctl(self.handle.as_raw_fd(), libc::FIONREAD, &mut n) };
-        if rc < 0 {
-            0
-        } else {
-            n as u32
-        }
+        bytes_in(&self.handle)
     }
 
-    /// Takes up to `n` bytes out; returns how many there were.
+    /// Bytes in the return pipe: tokens the build gave back.
+    pub fn returned(&self) -> u32 {
+        self.returns.as_ref().map_or(0, bytes_in)
+    }
+
+    /// Takes up to `n` bytes out, from the return pipe first; returns how
+    /// many there were.
     pub fn take(&mut self, n: u32) -> u32 {
-        let mut buf = vec![0u8; n as usize];
-        match (&self.handle).read(&mut buf) {
-            Ok(got) => got as u32,
-            Err(e) if e.kind() == ErrorKind::WouldBlock => 0,
-            Err(_) => 0,
-        }
+        let from_returns = self.returns.as_ref().map_or(0, |r| read_up_to(r, n));
+        from_returns + read_up_to(&self.handle, n - from_returns)
     }
 
     /// Puts one token in. GNU make writes `+`; any byte will do.
@@ -184,9 +191,12 @@ impl Fifo {
         (&self.handle).write_all(b"+").context("cannot write a token to the jobserver FIFO")
     }
 
-    /// Readable when the build has read or written the FIFO.
-    pub fn events_fd(&self) -> BorrowedFd<'_> {
-        self.inotify.as_fd()
+    /// Readable when the build has read or written the FIFO, or given a
+    /// token back through the return pipe.
+    pub fn event_fds(&self) -> Vec<BorrowedFd<'_>> {
+        let mut fds = vec![self.inotify.as_fd()];
+        fds.extend(self.returns.as_ref().map(|r| r.as_fd()));
+        fds
     }
 
     /// Consumes pending inotify events (their content does not matter: we
@@ -205,6 +215,30 @@ impl Drop for Fifo {
         if !self.unlinked {
             let _ = std::fs::remove_file(&self.path);
         }
+    }
+}
+
+fn bytes_in(pipe: &File) -> u32 {
+    let mut n: libc::c_int = 0;
+    // SAFETY: FIONREAD writes one int to the pointer we pass.
+    let rc = unsafe { libc::ioctl(pipe.as_raw_fd(), libc::FIONREAD, &mut n) };
+    if rc < 0 {
+        0
+    } else {
+        n as u32
+    }
+}
+
+/// Reads up to `n` bytes from a non-blocking pipe; returns how many.
+fn read_up_to(mut pipe: &File, n: u32) -> u32 {
+    if n == 0 {
+        return 0;
+    }
+    let mut buf = vec![0u8; n as usize];
+    match pipe.read(&mut buf) {
+        Ok(got) => got as u32,
+        Err(e) if e.kind() == ErrorKind::WouldBlock => 0,
+        Err(_) => 0,
     }
 }
 
@@ -240,6 +274,8 @@ pub struct Plan {
 pub struct Seen {
     /// Bytes in the FIFO.
     pub queued: u32,
+    /// Bytes in the return pipe (pipe style).
+    pub returned: u32,
     /// Pool tokens the build has beyond CMD's own: in the FIFO or in use.
     pub lent: u32,
     /// The token we put in last is still there, unread.
@@ -251,10 +287,11 @@ pub struct Seen {
 }
 
 pub fn plan(seen: Seen) -> Plan {
-    let discard = seen.queued.saturating_sub(seen.lent);
-    let honest = seen.queued - discard;
-    let fresh = honest.min(u32::from(seen.fresh));
-    let give_back = honest - fresh;
+    let total = seen.queued + seen.returned;
+    let discard = total.saturating_sub(seen.lent);
+    // Whatever was discarded, the fresh token can only be in the FIFO.
+    let fresh = seen.queued.min(total - discard).min(u32::from(seen.fresh));
+    let give_back = total - discard - fresh;
     // Giving a token back withdraws a pending request first (the protocol
     // allows nothing else while ACQUIRE waits), so the build asks again.
     let waiting = seen.pending && give_back == 0;
@@ -273,7 +310,16 @@ mod tests {
     use super::*;
 
     fn seen(queued: u32, lent: u32, fresh: bool, pending: bool) -> Seen {
-        Seen { queued, lent, fresh, pending, max_lent: 3 }
+        Seen { queued, returned: 0, lent, fresh, pending, max_lent: 3 }
+    }
+
+    #[test]
+    fn tokens_in_the_return_pipe_all_go_back() {
+        let s = Seen { queued: 1, returned: 2, lent: 3, fresh: true, pending: false, max_lent: 3 };
+        assert_eq!(plan(s), Plan { give_back: 2, ..Plan::default() });
+        // Ten bytes written to W by a client that took one token.
+        let s = Seen { queued: 0, returned: 10, lent: 1, fresh: false, pending: false, max_lent: 3 };
+        assert_eq!(plan(s), Plan { discard: 9, give_back: 1, ask: true });
     }
 
     #[test]

@@ -6,7 +6,7 @@
 //! through the parent-death signal, so it cannot run on holding nothing.
 
 use crate::jobserver::{self, Fifo, Seen, Style};
-use crate::{log, paths};
+use crate::{fuse, log, paths};
 use anyhow::{bail, Context, Result};
 use baton_client::{Client, Error as ClientError};
 use baton_core::protocol::{Reply, Request};
@@ -49,45 +49,80 @@ pub fn run(opts: RunOptions) -> Result<i32> {
     let mut command = Command::new(&opts.command[0]);
     command.args(&opts.command[1..]).env("BATON_SOCKET", &socket);
     let style = match opts.style {
-        Style::Auto => jobserver::choose_style(&opts.command),
+        // The FUSE file has no per-build cap: --max needs the bridge.
+        Style::Auto => match jobserver::choose_style(&opts.command) {
+            Style::Fuse if opts.max.is_some() => Style::Fifo,
+            style => style,
+        },
+        Style::Fuse if opts.max.is_some() => bail!("--max works with the pipe and fifo styles, not with fuse"),
         style => style,
     };
-    let (fifo, _pipe_ends) = match style {
-        Style::None => (None, None),
-        Style::Fuse => bail!("--jobserver-style fuse is not available in this build of baton"),
-        Style::Pipe | Style::Fifo | Style::Auto => {
-            let (fifo, pipe_ends) = set_up_fifo(&mut command, &socket, style)?;
-            (Some(fifo), pipe_ends)
-        }
-    };
+    let jobserver = set_up_jobserver(&mut command, &socket, style, opts.style == Style::Auto, &label(&opts.command))?;
     let child = match spawn_tied_to_us(&mut command, forwarded) {
         Ok(child) => child,
         Err(e) => return Ok(report_spawn_error(&opts.command[0], e)),
     };
-    drop(_pipe_ends); // the child has its copies
-    let feeder = fifo.map(|fifo| Feeder::new(fifo, max - opts.tokens));
+    let (feeder, _build_file) = match jobserver {
+        Jobserver::None => (None, None),
+        Jobserver::Bridge { fifo, pipe_ends } => {
+            drop(pipe_ends); // the child has its copies
+            (Some(Feeder::new(fifo, max - opts.tokens)), None)
+        }
+        // The broker serves the file itself; we only keep it until the end.
+        Jobserver::Fuse(file) => (None, Some(file)),
+    };
     let status = supervise(child, &signals, Broker { client, alive: true, socket }, feeder)?;
     Ok(exit_code(status))
 }
 
-/// Creates the build's FIFO and points MAKEFLAGS and CARGO_MAKEFLAGS at it.
-/// For the pipe style, also returns the descriptors the child inherits.
-fn set_up_fifo(command: &mut Command, socket: &Path, style: Style) -> Result<(Fifo, Option<(OwnedFd, OwnedFd)>)> {
-    let mut fifo = Fifo::create(&paths::private_dir(socket))?;
-    let (auth, pipe_ends) = if style == Style::Pipe {
-        let (read, write) = fifo.open_pipe_ends()?;
-        for fd in [&read, &write] {
-            inheritable(fd)?;
+/// What the build was given as its jobserver, kept while it runs.
+enum Jobserver {
+    None,
+    /// A FIFO fed by this process; for the pipe style, the descriptors the
+    /// child inherits (closed in the parent once it has started).
+    Bridge { fifo: Fifo, pipe_ends: Option<(OwnedFd, OwnedFd)> },
+    /// A token file on the broker's FUSE mount, served by the broker.
+    Fuse(fuse::BuildFile),
+}
+
+/// Sets up the jobserver of `style` and points MAKEFLAGS and CARGO_MAKEFLAGS
+/// at it. FUSE falls back to the FIFO when `auto` chose it and the broker
+/// has no mount.
+fn set_up_jobserver(command: &mut Command, socket: &Path, style: Style, auto: bool, label: &str) -> Result<Jobserver> {
+    let (jobserver, auth) = match style {
+        Style::None | Style::Auto => return Ok(Jobserver::None),
+        Style::Fuse => match fuse::build_file(socket, label)? {
+            Some(file) => {
+                let auth = format!("fifo:{}", file.path().display());
+                (Jobserver::Fuse(file), auth)
+            }
+            None if auto => return set_up_jobserver(command, socket, Style::Fifo, auto, label),
+            None => bail!(
+                "the broker at {} has no FUSE mount (it was started with --no-fuse, or FUSE is not available there): \
+                 use --jobserver-style fifo",
+                socket.display()
+            ),
+        },
+        Style::Pipe => {
+            let mut fifo = Fifo::create(&paths::private_dir(socket))?;
+            let (read, write) = fifo.open_pipe_ends()?;
+            for fd in [&read, &write] {
+                inheritable(fd)?;
+            }
+            let auth = format!("{},{}", read.as_raw_fd(), write.as_raw_fd());
+            (Jobserver::Bridge { fifo, pipe_ends: Some((read, write)) }, auth)
         }
-        (format!("{},{}", read.as_raw_fd(), write.as_raw_fd()), Some((read, write)))
-    } else {
-        (format!("fifo:{}", fifo.path().display()), None)
+        Style::Fifo => {
+            let fifo = Fifo::create(&paths::private_dir(socket))?;
+            let auth = format!("fifo:{}", fifo.path().display());
+            (Jobserver::Bridge { fifo, pipe_ends: None }, auth)
+        }
     };
-    let inherited = std::env::var("MAKEFLAGS").ok();
-    command.env("MAKEFLAGS", jobserver::makeflags(inherited.as_deref(), &auth));
-    let inherited = std::env::var("CARGO_MAKEFLAGS").ok();
-    command.env("CARGO_MAKEFLAGS", jobserver::makeflags(inherited.as_deref(), &auth));
-    Ok((fifo, pipe_ends))
+    for var in ["MAKEFLAGS", "CARGO_MAKEFLAGS"] {
+        let inherited = std::env::var(var).ok();
+        command.env(var, jobserver::makeflags(inherited.as_deref(), &auth));
+    }
+    Ok(jobserver)
 }
 
 fn inheritable(fd: &OwnedFd) -> Result<()> {
@@ -158,7 +193,7 @@ fn supervise(mut child: Child, signals: &SignalFd, mut broker: Broker, mut feede
         let mut fds = vec![PollFd::new(pidfd.as_fd(), PollFlags::POLLIN), PollFd::new(signals.as_fd(), PollFlags::POLLIN)];
         fds.push(PollFd::new(client_fd, if broker.alive { PollFlags::POLLIN } else { PollFlags::empty() }));
         if let Some(f) = &feeder {
-            fds.push(PollFd::new(f.fifo.events_fd(), PollFlags::POLLIN));
+            fds.extend(f.fifo.event_fds().into_iter().map(|fd| PollFd::new(fd, PollFlags::POLLIN)));
         }
         let timeout = feeder.as_ref().and_then(|f| f.idle_timeout()).map_or(PollTimeout::NONE, poll_timeout);
         match poll(&mut fds, timeout) {
@@ -167,7 +202,7 @@ fn supervise(mut child: Child, signals: &SignalFd, mut broker: Broker, mut feede
             Err(e) => return Err(e).context("poll failed"),
         }
         let ready = |i: usize| fds.get(i).and_then(|f| f.revents()).is_some_and(|r| !r.is_empty());
-        let (child_done, got_signal, broker_event, fifo_event) = (ready(0), ready(1), ready(2), ready(3));
+        let (child_done, got_signal, broker_event, fifo_event) = (ready(0), ready(1), ready(2), ready(3) || ready(4));
         drop(fds);
         if got_signal {
             forward_signals(signals, child.id());
@@ -238,7 +273,9 @@ impl Feeder {
         if queued == 0 {
             self.fresh = false; // the build took it
         }
-        let plan = jobserver::plan(Seen { queued, lent: self.lent, fresh: self.fresh, pending: self.pending, max_lent: self.max_lent });
+        let returned = self.fifo.returned();
+        let seen = Seen { queued, returned, lent: self.lent, fresh: self.fresh, pending: self.pending, max_lent: self.max_lent };
+        let plan = jobserver::plan(seen);
         if plan.discard > 0 {
             self.discard(plan.discard);
         }
