@@ -125,6 +125,9 @@ pub struct Fifo {
     /// The pipe style's separate return pipe (our read end): the build's
     /// W descriptor writes here, never into the FIFO it reads.
     returns: Option<File>,
+    /// Someone in the build has opened the FIFO (or, in the pipe style,
+    /// could use it): until then there is no point putting a token in.
+    in_use: bool,
 }
 
 impl Fifo {
@@ -142,9 +145,9 @@ impl Fifo {
             .with_context(|| format!("cannot open the jobserver FIFO {}", path.display()))?;
         let inotify = Inotify::init(InitFlags::IN_NONBLOCK | InitFlags::IN_CLOEXEC).context("cannot create an inotify instance")?;
         inotify
-            .add_watch(&path, AddWatchFlags::IN_ACCESS | AddWatchFlags::IN_MODIFY)
+            .add_watch(&path, AddWatchFlags::IN_ACCESS | AddWatchFlags::IN_MODIFY | AddWatchFlags::IN_OPEN)
             .with_context(|| format!("cannot watch {}", path.display()))?;
-        Ok(Fifo { path, handle, inotify, unlinked: false, returns: None })
+        Ok(Fifo { path, handle, inotify, unlinked: false, returns: None, in_use: false })
     }
 
     pub fn path(&self) -> &Path {
@@ -165,6 +168,8 @@ impl Fifo {
         self.returns = Some(File::from(returns));
         std::fs::remove_file(&self.path).ok();
         self.unlinked = true;
+        // Inherited descriptors are never opened by path: assume use.
+        self.in_use = true;
         Ok((OwnedFd::from(read), write))
     }
 
@@ -199,13 +204,19 @@ impl Fifo {
         fds
     }
 
-    /// Consumes pending inotify events (their content does not matter: we
-    /// look at the FIFO itself).
-    pub fn drain_events(&self) {
+    /// Whether a client has opened the FIFO (see `in_use`).
+    pub fn in_use(&self) -> bool {
+        self.in_use
+    }
+
+    /// Consumes pending inotify events. Reads and writes need no detail
+    /// (we look at the FIFO itself); an open means the build uses it.
+    pub fn drain_events(&mut self) {
         while let Ok(events) = self.inotify.read_events() {
             if events.is_empty() {
                 break;
             }
+            self.in_use |= events.iter().any(|e| e.mask.contains(AddWatchFlags::IN_OPEN));
         }
     }
 }

@@ -291,8 +291,10 @@ impl Feeder {
                 self.lent -= taken;
             }
         }
-        // A cancel that raced with a grant left a fresh token: enough.
-        if plan.ask && !self.pending && !self.fresh {
+        // A cancel that raced with a grant left a fresh token: enough. A
+        // command that never opened the FIFO (not a jobserver client) would
+        // only sit on the token.
+        if plan.ask && !self.pending && !self.fresh && self.fifo.in_use() {
             client.send(&Request::Acquire(1))?;
             self.pending = true;
         }

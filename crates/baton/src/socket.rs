@@ -45,6 +45,9 @@ struct Conn {
     waiting: bool,
     /// A fatal error was sent: flush, then close.
     closing: bool,
+    /// What the connection is registered for; changed only when needed,
+    /// since each change is a system call.
+    interest: Interest,
 }
 
 /// The socket server's state. Created by `serve`, run on its own thread.
@@ -133,7 +136,7 @@ impl SocketServer {
             return;
         }
         log::debug(format_args!("connection from pid {pid}"));
-        let conn = Conn { stream, pid, client: None, inbuf: Vec::new(), outbuf: Vec::new(), waiting: false, closing: false };
+        let conn = Conn { stream, pid, client: None, inbuf: Vec::new(), outbuf: Vec::new(), waiting: false, closing: false, interest: Interest::READABLE };
         self.conns.insert(token, conn);
     }
 
@@ -152,15 +155,31 @@ impl SocketServer {
             }
         };
         let Some(conn) = self.conns.get_mut(&token) else { return };
+        // While ACQUIRE waits, replies to the requests sent before it wait
+        // too and leave with its GRANTED, in order: a client that pipelines
+        // RELEASE and ACQUIRE is then woken once per token, not twice.
+        if conn.waiting && !conn.closing && !finished {
+            return;
+        }
+        self.flush_or_close(token, finished);
+    }
+
+    /// Sends what can be sent; closes the connection if it is finished, had
+    /// a fatal error, or its peer is gone. Watches for writability only
+    /// while output is stuck.
+    fn flush_or_close(&mut self, token: Token, finished: bool) {
+        let Some(conn) = self.conns.get_mut(&token) else { return };
         // Flush first: a fatal error's reply should reach the client.
         if flush(conn).is_err() || finished || conn.closing {
             self.close(token);
             return;
         }
-        // Ask for writability only while output is stuck.
         let interest = if conn.outbuf.is_empty() { Interest::READABLE } else { Interest::READABLE | Interest::WRITABLE };
-        if self.poll.registry().reregister(&mut conn.stream, token, interest).is_err() {
-            self.close(token);
+        if interest != conn.interest {
+            conn.interest = interest;
+            if self.poll.registry().reregister(&mut conn.stream, token, interest).is_err() {
+                self.close(token);
+            }
         }
     }
 
@@ -249,11 +268,7 @@ impl SocketServer {
             let conn = self.conns.get_mut(&token).expect("by_client and conns agree");
             conn.waiting = false;
             conn.outbuf.extend_from_slice(&Reply::Granted { tokens, held }.encode());
-            if flush(conn).is_err() {
-                self.close(token);
-            } else if !conn.outbuf.is_empty() {
-                let _ = self.poll.registry().reregister(&mut conn.stream, token, Interest::READABLE | Interest::WRITABLE);
-            }
+            self.flush_or_close(token, false);
         }
     }
 

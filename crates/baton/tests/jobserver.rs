@@ -304,6 +304,15 @@ fn auto_picks_pipe_when_the_make_on_path_is_older_than_4_4() {
 }
 
 #[test]
+fn a_command_that_never_opens_its_fifo_takes_no_extra_token() {
+    let broker = Broker::start(2);
+    let out = broker.run(&["--jobserver-style", "fifo", "--", "sh", "-c", "sleep 0.3"]).output().unwrap();
+    assert!(out.status.success());
+    let s = broker.status();
+    assert_eq!(s.totals.granted, 1, "only the command's own slot: {s:#?}");
+}
+
+#[test]
 fn a_missing_command_exits_127_and_leaves_no_fifo() {
     let broker = Broker::start(2);
     let out = broker.run(&["--", "no-such-build-tool"]).output().unwrap();
