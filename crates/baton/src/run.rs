@@ -71,7 +71,8 @@ pub fn run(opts: RunOptions) -> Result<i32> {
         // The broker serves the file itself; we only keep it until the end.
         Jobserver::Fuse(file) => (None, Some(file)),
     };
-    let status = supervise(child, &signals, Broker { client, alive: true, socket }, feeder)?;
+    let broker = Broker { client, alive: true, socket, fuse: _build_file.is_some() };
+    let status = supervise(child, &signals, broker, feeder)?;
     Ok(exit_code(status))
 }
 
@@ -136,6 +137,9 @@ struct Broker {
     client: Client,
     alive: bool,
     socket: PathBuf,
+    /// The build's tokens come from the broker's FUSE file, which goes
+    /// away with the broker.
+    fuse: bool,
 }
 
 impl Broker {
@@ -144,10 +148,12 @@ impl Broker {
     fn lost(&mut self, e: &ClientError) {
         if self.alive {
             self.alive = false;
-            log::warn(format_args!(
-                "lost the broker at {} ({e}); the build goes on with the tokens it has, which are no longer counted",
-                self.socket.display()
-            ));
+            let outlook = if self.fuse {
+                "the build's FUSE token file went with it, so its next token read will fail"
+            } else {
+                "the build goes on with the tokens it has, which are no longer counted"
+            };
+            log::warn(format_args!("lost the broker at {} ({e}); {outlook}", self.socket.display()));
         }
     }
 }
