@@ -121,13 +121,15 @@ fn human_status_lists_holders_and_waiters() {
     let broker = Broker::start(1);
     let mut holder = broker.client("the-holder");
     holder.acquire(1).unwrap();
-    let _waiter = broker.run(&["--", "true"]).spawn().unwrap();
+    let mut waiter = broker.run(&["--", "true"]).spawn().unwrap();
     wait_for(Duration::from_secs(5), "a waiter", || broker.status().waiters.len() == 1);
     let out = baton().args(["status", "--socket"]).arg(&broker.socket).output().unwrap();
     let text = String::from_utf8(out.stdout).unwrap();
     assert!(text.contains("limit 1  free 0"), "{text}");
     assert!(text.contains("HOLDERS") && text.contains("the-holder"), "{text}");
     assert!(text.contains("WAITERS") && text.contains("baton run -- true"), "{text}");
+    holder.release(1).unwrap();
+    assert!(waiter.wait().unwrap().success());
 }
 
 #[test]

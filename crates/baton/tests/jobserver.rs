@@ -5,7 +5,7 @@ mod common;
 
 use common::*;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output, Stdio};
+use std::process::{Output, Stdio};
 use std::time::{Duration, Instant};
 
 /// Runs `tool` in `dir` under `baton run`; returns its output.
@@ -188,7 +188,7 @@ fn kill_9_of_a_recursive_make_tree_returns_every_token() {
         let dir = TempDir::new("tree");
         let log = dir.path().join("jobs.log");
         recursive_tree(dir.path(), &log, 4, 20, "0.2");
-        let run = spawn_tree(&broker, dir.path(), &make);
+        let mut run = spawn_tree(&broker, dir.path(), &make);
         wait_for(Duration::from_secs(20), "the tree to hold every token", || broker.status().held == 6);
         // The tree: everything in the group but baton run itself.
         let tree: Vec<u32> = group_members(run.id()).into_iter().filter(|&p| p != run.id()).collect();
@@ -200,6 +200,7 @@ fn kill_9_of_a_recursive_make_tree_returns_every_token() {
         wait_for(Duration::from_secs(5), "every token to be free", || broker.status().free == 6);
         assert!(gone.elapsed() < Duration::from_secs(1), "tokens came back {:?} after the tree was gone ({make:?})", gone.elapsed());
         kill_group(run.id());
+        run.wait().unwrap();
     }
 }
 
