@@ -36,13 +36,22 @@ pub struct Broker {
 }
 
 impl Broker {
+    /// A broker without a FUSE mount, for the native protocol.
     pub fn start(tokens: u32, env: &Env, wait: Wait) -> Result<Self> {
+        Self::start_with(tokens, env, wait, &["--no-fuse"])
+    }
+
+    /// A broker started with extra `serve` flags, in a directory of its own
+    /// (its FUSE mount, if any, is `<that directory>/fuse`).
+    pub fn start_with(tokens: u32, env: &Env, wait: Wait, flags: &[&str]) -> Result<Self> {
         static STARTED: AtomicU32 = AtomicU32::new(0);
         let n = STARTED.fetch_add(1, Relaxed);
-        let socket = env.tmp.join(format!("broker-{n}.sock"));
+        let dir = env.tmp.join(format!("broker-{n}"));
+        std::fs::create_dir_all(&dir)?;
+        let socket = dir.join("socket");
         let log = env.tmp.join(format!("broker-{n}.log"));
         let mut command = Command::new(&env.baton_bin);
-        command.args(["serve", "--quiet", "--no-fuse", "--jobs", &tokens.to_string(), "--socket"]).arg(&socket);
+        command.args(["serve", "--quiet", "--jobs", &tokens.to_string(), "--socket"]).arg(&socket).args(flags);
         command.stdin(Stdio::null()).stdout(Stdio::null()).stderr(std::fs::File::create(&log)?);
         // SAFETY: prctl is async-signal-safe and touches only the child.
         unsafe {
@@ -69,6 +78,11 @@ impl Broker {
             }
             std::thread::sleep(Duration::from_millis(10));
         }
+    }
+
+    /// The socket the broker listens on.
+    pub fn socket(&self) -> &std::path::Path {
+        &self.socket
     }
 
     fn log_text(&self) -> String {

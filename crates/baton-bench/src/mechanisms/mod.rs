@@ -9,6 +9,7 @@
 
 mod baton;
 mod eventfd;
+mod fuse;
 mod futex;
 mod pipe;
 mod semaphore;
@@ -37,6 +38,12 @@ pub enum Mechanism {
     BatonNative,
     /// baton's native protocol waited on with poll(), as an event loop would.
     BatonPoll,
+    /// baton's FUSE token file, polled as GNU make 4.4 polls its jobserver:
+    /// the broker notifies one poller per freed token (seed 003's fix).
+    BatonFuse,
+    /// The same file with the broker notifying every poller: the herd, as a
+    /// control measured in the same run.
+    BatonFuseNotifyAll,
 }
 
 impl Mechanism {
@@ -51,11 +58,18 @@ impl Mechanism {
             Mechanism::Futex => "futex, FUTEX_WAKE 1",
             Mechanism::BatonNative => "baton native",
             Mechanism::BatonPoll => "baton native, poll",
+            Mechanism::BatonFuse => "baton FUSE file, poll",
+            Mechanism::BatonFuseNotifyAll => "baton FUSE file, notify-all",
         }
     }
 
     pub fn is_baton(self) -> bool {
-        matches!(self, Mechanism::BatonNative | Mechanism::BatonPoll)
+        matches!(self, Mechanism::BatonNative | Mechanism::BatonPoll | Mechanism::BatonFuse | Mechanism::BatonFuseNotifyAll)
+    }
+
+    /// Whether this machine can run it (FUSE needs /dev/fuse).
+    pub fn available(self) -> bool {
+        !matches!(self, Mechanism::BatonFuse | Mechanism::BatonFuseNotifyAll) || fuse::available()
     }
 
     /// Whether giving back a token one does not hold creates one. Every
@@ -75,6 +89,8 @@ impl Mechanism {
             Mechanism::Futex => Box::new(futex::Futex::new(tokens)?),
             Mechanism::BatonNative => Box::new(baton::Broker::start(tokens, env, baton::Wait::Blocking)?),
             Mechanism::BatonPoll => Box::new(baton::Broker::start(tokens, env, baton::Wait::Poll)?),
+            Mechanism::BatonFuse => Box::new(fuse::TokenFile::start(tokens, env, fuse::Notify::One)?),
+            Mechanism::BatonFuseNotifyAll => Box::new(fuse::TokenFile::start(tokens, env, fuse::Notify::All)?),
         })
     }
 }

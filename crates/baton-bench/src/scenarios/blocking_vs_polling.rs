@@ -8,7 +8,14 @@ use anyhow::Result;
 
 pub const DEFAULTS: Defaults = Defaults { waiters: &[64], ops: 2_000, tokens: 2, job_us: 1_000, wake: 1 };
 
-const MECHANISMS: &[Mechanism] = &[Mechanism::PipeBlocking, Mechanism::PipePoll, Mechanism::BatonNative, Mechanism::BatonPoll];
+const MECHANISMS: &[Mechanism] = &[
+    Mechanism::PipeBlocking,
+    Mechanism::PipePoll,
+    Mechanism::BatonNative,
+    Mechanism::BatonPoll,
+    Mechanism::BatonFuse,
+    Mechanism::BatonFuseNotifyAll,
+];
 
 pub fn run(bench: &Bench, scale: &Scale) -> Result<Findings> {
     job_runners::run(bench, scale, "blocking-vs-polling", MECHANISMS)

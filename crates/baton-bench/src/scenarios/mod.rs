@@ -101,9 +101,18 @@ pub struct Bench {
 }
 
 impl Bench {
-    /// The given mechanisms, less baton's when the run is without it.
+    /// The given mechanisms, less baton's when the run is without it, and
+    /// less those this machine cannot run (said once on stderr).
     pub fn mechanisms(&self, all: &[Mechanism]) -> Vec<Mechanism> {
-        all.iter().copied().filter(|m| self.with_baton || !m.is_baton()).collect()
+        let wanted = all.iter().copied().filter(|m| self.with_baton || !m.is_baton());
+        wanted
+            .filter(|m| {
+                if !m.available() {
+                    eprintln!("note: skipped \"{}\": FUSE is not available here (no /dev/fuse)", m.name());
+                }
+                m.available()
+            })
+            .collect()
     }
 
     pub fn with_baton(&self) -> bool {
