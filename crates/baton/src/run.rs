@@ -1,15 +1,14 @@
 //! `baton run -- CMD`: hold tokens from the broker while CMD runs, and give
-//! CMD a GNU jobserver fed from the pool (see jobserver.rs).
+//! CMD a GNU jobserver fed from the pool (see jobserver/).
 //!
 //! Every token of the build belongs to this process's connection, so if it
 //! is killed the broker takes them all back at once; CMD gets SIGKILL
 //! through the parent-death signal, so it cannot run on holding nothing.
 
-use crate::jobserver::{self, Fifo, Seen, Style};
+use crate::jobserver::{self, Feeder, Fifo, Style};
 use crate::{fuse, log, paths};
 use anyhow::{bail, Context, Result};
 use baton_client::{Client, Error as ClientError};
-use baton_core::protocol::{Reply, Request};
 use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
 use nix::sys::signal::{SigSet, Signal};
 use nix::sys::signalfd::{SfdFlags, SignalFd};
@@ -19,7 +18,7 @@ use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
 use std::os::unix::process::{CommandExt, ExitStatusExt};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 /// What `baton run` was asked to do.
 pub struct RunOptions {
@@ -62,7 +61,7 @@ pub fn run(opts: RunOptions) -> Result<i32> {
         Ok(child) => child,
         Err(e) => return Ok(report_spawn_error(&opts.command[0], e)),
     };
-    let (feeder, _build_file) = match jobserver {
+    let (feeder, build_file) = match jobserver {
         Jobserver::None => (None, None),
         Jobserver::Bridge { fifo, pipe_ends } => {
             drop(pipe_ends); // the child has its copies
@@ -71,7 +70,7 @@ pub fn run(opts: RunOptions) -> Result<i32> {
         // The broker serves the file itself; we only keep it until the end.
         Jobserver::Fuse(file) => (None, Some(file)),
     };
-    let broker = Broker { client, alive: true, socket, fuse: _build_file.is_some() };
+    let broker = Broker { client, alive: true, socket, fuse: build_file.is_some() };
     let status = supervise(child, &signals, broker, feeder)?;
     Ok(exit_code(status))
 }
@@ -199,7 +198,7 @@ fn supervise(mut child: Child, signals: &SignalFd, mut broker: Broker, mut feede
         let mut fds = vec![PollFd::new(pidfd.as_fd(), PollFlags::POLLIN), PollFd::new(signals.as_fd(), PollFlags::POLLIN)];
         fds.push(PollFd::new(client_fd, if broker.alive { PollFlags::POLLIN } else { PollFlags::empty() }));
         if let Some(f) = &feeder {
-            fds.extend(f.fifo.event_fds().into_iter().map(|fd| PollFd::new(fd, PollFlags::POLLIN)));
+            fds.extend(f.event_fds().into_iter().map(|fd| PollFd::new(fd, PollFlags::POLLIN)));
         }
         let timeout = feeder.as_ref().and_then(|f| f.idle_timeout()).map_or(PollTimeout::NONE, poll_timeout);
         match poll(&mut fds, timeout) {
@@ -218,10 +217,10 @@ fn supervise(mut child: Child, signals: &SignalFd, mut broker: Broker, mut feede
         }
         if let Some(f) = feeder.as_mut() {
             if fifo_event {
-                f.fifo.drain_events();
+                f.on_fifo_event();
             }
             if broker.alive {
-                if let Err(e) = f.on_idle(&mut broker.client).and_then(|()| f.step(&mut broker.client)) {
+                if let Err(e) = f.tend(&mut broker.client) {
                     broker.lost(&e);
                 }
             }
@@ -239,7 +238,7 @@ fn supervise(mut child: Child, signals: &SignalFd, mut broker: Broker, mut feede
 
 fn on_broker_readable(broker: &mut Broker, feeder: Option<&mut Feeder>) {
     let result = match feeder {
-        Some(f) if f.pending => broker.client.read_reply().and_then(|reply| f.on_reply(reply)),
+        Some(f) if f.is_waiting() => broker.client.read_reply().and_then(|reply| f.on_reply(reply)),
         // Nothing is pending, so anything readable is the end.
         _ => Err(ClientError::Disconnected),
     };
@@ -250,136 +249,6 @@ fn on_broker_readable(broker: &mut Broker, feeder: Option<&mut Feeder>) {
 
 fn poll_timeout(d: Duration) -> PollTimeout {
     PollTimeout::try_from(d.as_millis().min(60_000) as i32 + 1).unwrap_or(PollTimeout::MAX)
-}
-
-/// Moves tokens between the pool and the build's FIFO (see jobserver.rs).
-struct Feeder {
-    fifo: Fifo,
-    /// Pool tokens the build has beyond CMD's own: in the FIFO or in use.
-    lent: u32,
-    max_lent: u32,
-    /// An ACQUIRE 1 is waiting at the broker.
-    pending: bool,
-    /// The token we put in last has not been read yet.
-    fresh: bool,
-    /// Since when a token has waited unread in the FIFO.
-    bait_since: Option<Instant>,
-    idle_wait: Duration,
-    warned_extra: bool,
-}
-
-impl Feeder {
-    fn new(fifo: Fifo, max_lent: u32) -> Self {
-        Feeder { fifo, lent: 0, max_lent, pending: false, fresh: false, bait_since: None, idle_wait: jobserver::IDLE_FIRST, warned_extra: false }
-    }
-
-    /// Brings the FIFO in line with the plan for what is in it now.
-    fn step(&mut self, client: &mut Client) -> Result<(), ClientError> {
-        let queued = self.fifo.queued();
-        if queued == 0 {
-            self.fresh = false; // the build took it
-        }
-        let returned = self.fifo.returned();
-        let seen = Seen { queued, returned, lent: self.lent, fresh: self.fresh, pending: self.pending, max_lent: self.max_lent };
-        let plan = jobserver::plan(seen);
-        if plan.discard > 0 {
-            self.discard(plan.discard);
-        }
-        if plan.give_back > 0 {
-            // RELEASE is not allowed while ACQUIRE waits: withdraw it, and
-            // queue again below, behind whoever the token goes to.
-            if self.pending {
-                self.cancel(client)?;
-            }
-            let taken = self.fifo.take(plan.give_back);
-            if taken > 0 {
-                client.release(taken)?;
-                self.lent -= taken;
-            }
-        }
-        // A cancel that raced with a grant left a fresh token: enough. A
-        // command that never opened the FIFO (not a jobserver client) would
-        // only sit on the token.
-        if plan.ask && !self.pending && !self.fresh && self.fifo.in_use() {
-            client.send(&Request::Acquire(1))?;
-            self.pending = true;
-        }
-        self.note_bait();
-        Ok(())
-    }
-
-    fn discard(&mut self, n: u32) {
-        let taken = self.fifo.take(n);
-        if taken > 0 && !self.warned_extra {
-            self.warned_extra = true;
-            log::warn(format_args!(
-                "the build wrote {taken} token(s) into its jobserver that it never took; they were thrown away"
-            ));
-        }
-    }
-
-    fn on_reply(&mut self, reply: Reply) -> Result<(), ClientError> {
-        match reply {
-            Reply::Granted { tokens, .. } => {
-                self.pending = false;
-                self.fresh = true;
-                self.lent += tokens;
-                (0..tokens).try_for_each(|_| self.fifo.put()).map_err(|e| ClientError::Protocol(e.to_string()))?;
-                Ok(())
-            }
-            other => Err(ClientError::Protocol(format!("unexpected {other:?}"))),
-        }
-    }
-
-    /// Withdraws the pending request; a grant that won the race is kept.
-    fn cancel(&mut self, client: &mut Client) -> Result<(), ClientError> {
-        client.send(&Request::Cancel)?;
-        loop {
-            match client.read_reply()? {
-                Reply::Cancelled { .. } => break,
-                reply => self.on_reply(reply)?,
-            }
-        }
-        self.pending = false;
-        Ok(())
-    }
-
-    fn note_bait(&mut self) {
-        match (self.fifo.queued() > 0, self.bait_since) {
-            (true, None) => self.bait_since = Some(Instant::now()),
-            (false, Some(_)) => {
-                // The build took it: it is busy, so start idling afresh.
-                self.bait_since = None;
-                self.idle_wait = jobserver::IDLE_FIRST;
-            }
-            _ => {}
-        }
-    }
-
-    /// How long until an unread token should go back to the pool.
-    fn idle_timeout(&self) -> Option<Duration> {
-        let since = self.bait_since?;
-        (!self.pending).then(|| self.idle_wait.saturating_sub(since.elapsed()))
-    }
-
-    /// A token sat unread too long: give it back and queue for it again, so
-    /// a build that waits elsewhere gets its turn. If nobody waits, it comes
-    /// straight back, and we wait twice as long before trying again.
-    fn on_idle(&mut self, client: &mut Client) -> Result<(), ClientError> {
-        if self.idle_timeout() != Some(Duration::ZERO) {
-            return Ok(());
-        }
-        if self.fifo.take(1) == 1 {
-            client.release(1)?;
-            self.lent -= 1;
-        }
-        self.fresh = false;
-        self.bait_since = None;
-        self.idle_wait = (self.idle_wait * 2).min(jobserver::IDLE_MAX);
-        client.send(&Request::Acquire(1))?;
-        self.pending = true;
-        Ok(())
-    }
 }
 
 /// Returns our tokens explicitly, so the broker counts them as released

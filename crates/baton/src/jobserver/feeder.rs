@@ -1,0 +1,263 @@
+//! Feeding a build's FIFO from the pool: the rules (`plan`, pure and
+//! tested on their own) and the `Feeder` that carries them out over the
+//! broker connection.
+
+use super::Fifo;
+use crate::log;
+use baton_client::{Client, Error as ClientError};
+use baton_core::protocol::{Reply, Request};
+use std::time::{Duration, Instant};
+
+/// What the feeder should do, from what it sees. Pure, so the rules are
+/// tested on their own.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Plan {
+    /// Bytes in the FIFO beyond what we put in: written by a client that
+    /// gave back more than it took. Taken out and thrown away.
+    pub discard: u32,
+    /// Tokens the build wrote back: back to the pool.
+    pub give_back: u32,
+    /// Ask the pool for one more token.
+    pub ask: bool,
+}
+
+/// What the feeder sees.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Seen {
+    /// Bytes in the FIFO.
+    pub queued: u32,
+    /// Bytes in the return pipe (pipe style).
+    pub returned: u32,
+    /// Pool tokens the build has beyond CMD's own: in the FIFO or in use.
+    pub lent: u32,
+    /// The token we put in last is still there, unread.
+    pub fresh: bool,
+    /// A request for one more token is waiting at the pool.
+    pub pending: bool,
+    /// At most this many may be lent.
+    pub max_lent: u32,
+}
+
+pub fn plan(seen: Seen) -> Plan {
+    let total = seen.queued + seen.returned;
+    let discard = total.saturating_sub(seen.lent);
+    // Whatever was discarded, the fresh token can only be in the FIFO.
+    let fresh = seen.queued.min(total - discard).min(u32::from(seen.fresh));
+    let give_back = total - discard - fresh;
+    // Giving a token back withdraws a pending request first (the protocol
+    // allows nothing else while ACQUIRE waits), so the build asks again.
+    let waiting = seen.pending && give_back == 0;
+    Plan { discard, give_back, ask: !waiting && fresh == 0 && seen.lent - give_back < seen.max_lent }
+}
+
+/// How long a token may wait unread in the FIFO before it goes back to the
+/// pool for others (and we queue for it again). Doubles while nobody else
+/// wants it, up to the maximum, so an idle build costs a couple of round
+/// trips per second at most.
+pub const IDLE_FIRST: Duration = Duration::from_millis(100);
+pub const IDLE_MAX: Duration = Duration::from_millis(1600);
+
+/// Moves tokens between the pool and the build's FIFO.
+pub struct Feeder {
+    fifo: Fifo,
+    /// Pool tokens the build has beyond CMD's own: in the FIFO or in use.
+    lent: u32,
+    max_lent: u32,
+    /// An ACQUIRE 1 is waiting at the broker.
+    pending: bool,
+    /// The token we put in last has not been read yet.
+    fresh: bool,
+    /// Since when a token has waited unread in the FIFO.
+    bait_since: Option<Instant>,
+    idle_wait: Duration,
+    warned_extra: bool,
+}
+
+impl Feeder {
+    /// Whether a request of ours waits at the broker (its reply is ours
+    /// to read).
+    pub fn is_waiting(&self) -> bool {
+        self.pending
+    }
+
+    /// What to watch for the build's reads and writes.
+    pub fn event_fds(&self) -> Vec<std::os::fd::BorrowedFd<'_>> {
+        self.fifo.event_fds()
+    }
+
+    /// The build touched its FIFO: note what it did (see [`Fifo::drain_events`]).
+    pub fn on_fifo_event(&mut self) {
+        self.fifo.drain_events();
+    }
+
+    /// Gives an idle token back if its time has come, then steps.
+    pub fn tend(&mut self, client: &mut Client) -> Result<(), ClientError> {
+        self.on_idle(client)?;
+        self.step(client)
+    }
+
+    pub fn new(fifo: Fifo, max_lent: u32) -> Self {
+        Feeder { fifo, lent: 0, max_lent, pending: false, fresh: false, bait_since: None, idle_wait: IDLE_FIRST, warned_extra: false }
+    }
+
+    /// Brings the FIFO in line with the plan for what is in it now.
+    pub fn step(&mut self, client: &mut Client) -> Result<(), ClientError> {
+        let queued = self.fifo.queued();
+        if queued == 0 {
+            self.fresh = false; // the build took it
+        }
+        let returned = self.fifo.returned();
+        let seen = Seen { queued, returned, lent: self.lent, fresh: self.fresh, pending: self.pending, max_lent: self.max_lent };
+        let plan = plan(seen);
+        if plan.discard > 0 {
+            self.discard(plan.discard);
+        }
+        if plan.give_back > 0 {
+            // RELEASE is not allowed while ACQUIRE waits: withdraw it, and
+            // queue again below, behind whoever the token goes to.
+            if self.pending {
+                self.cancel(client)?;
+            }
+            let taken = self.fifo.take(plan.give_back);
+            if taken > 0 {
+                client.release(taken)?;
+                self.lent -= taken;
+            }
+        }
+        // A cancel that raced with a grant left a fresh token: enough. A
+        // command that never opened the FIFO (not a jobserver client) would
+        // only sit on the token.
+        if plan.ask && !self.pending && !self.fresh && self.fifo.in_use() {
+            client.send(&Request::Acquire(1))?;
+            self.pending = true;
+        }
+        self.note_bait();
+        Ok(())
+    }
+
+    fn discard(&mut self, n: u32) {
+        let taken = self.fifo.take(n);
+        if taken > 0 && !self.warned_extra {
+            self.warned_extra = true;
+            log::warn(format_args!(
+                "the build wrote {taken} token(s) into its jobserver that it never took; they were thrown away"
+            ));
+        }
+    }
+
+    /// Takes the broker's answer to our pending request.
+    pub fn on_reply(&mut self, reply: Reply) -> Result<(), ClientError> {
+        match reply {
+            Reply::Granted { tokens, .. } => {
+                self.pending = false;
+                self.fresh = true;
+                self.lent += tokens;
+                (0..tokens).try_for_each(|_| self.fifo.put()).map_err(|e| ClientError::Protocol(e.to_string()))?;
+                Ok(())
+            }
+            other => Err(ClientError::Protocol(format!("unexpected {other:?}"))),
+        }
+    }
+
+    /// Withdraws the pending request; a grant that won the race is kept.
+    fn cancel(&mut self, client: &mut Client) -> Result<(), ClientError> {
+        client.send(&Request::Cancel)?;
+        loop {
+            match client.read_reply()? {
+                Reply::Cancelled { .. } => break,
+                reply => self.on_reply(reply)?,
+            }
+        }
+        self.pending = false;
+        Ok(())
+    }
+
+    fn note_bait(&mut self) {
+        match (self.fifo.queued() > 0, self.bait_since) {
+            (true, None) => self.bait_since = Some(Instant::now()),
+            (false, Some(_)) => {
+                // The build took it: it is busy, so start idling afresh.
+                self.bait_since = None;
+                self.idle_wait = IDLE_FIRST;
+            }
+            _ => {}
+        }
+    }
+
+    /// How long until an unread token should go back to the pool.
+    pub fn idle_timeout(&self) -> Option<Duration> {
+        let since = self.bait_since?;
+        (!self.pending).then(|| self.idle_wait.saturating_sub(since.elapsed()))
+    }
+
+    /// A token sat unread too long: give it back and queue for it again, so
+    /// a build that waits elsewhere gets its turn. If nobody waits, it comes
+    /// straight back, and we wait twice as long before trying again.
+    fn on_idle(&mut self, client: &mut Client) -> Result<(), ClientError> {
+        if self.idle_timeout() != Some(Duration::ZERO) {
+            return Ok(());
+        }
+        if self.fifo.take(1) == 1 {
+            client.release(1)?;
+            self.lent -= 1;
+        }
+        self.fresh = false;
+        self.bait_since = None;
+        self.idle_wait = (self.idle_wait * 2).min(IDLE_MAX);
+        client.send(&Request::Acquire(1))?;
+        self.pending = true;
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn seen(queued: u32, lent: u32, fresh: bool, pending: bool) -> Seen {
+        Seen { queued, returned: 0, lent, fresh, pending, max_lent: 3 }
+    }
+
+    #[test]
+    fn tokens_in_the_return_pipe_all_go_back() {
+        let s = Seen { queued: 1, returned: 2, lent: 3, fresh: true, pending: false, max_lent: 3 };
+        assert_eq!(plan(s), Plan { give_back: 2, ..Plan::default() });
+        // Ten bytes written to W by a client that took one token.
+        let s = Seen { queued: 0, returned: 10, lent: 1, fresh: false, pending: false, max_lent: 3 };
+        assert_eq!(plan(s), Plan { discard: 9, give_back: 1, ask: true });
+    }
+
+    #[test]
+    fn asks_for_a_token_when_the_fifo_is_empty() {
+        assert_eq!(plan(seen(0, 0, false, false)), Plan { ask: true, ..Plan::default() });
+        assert_eq!(plan(seen(0, 2, false, false)), Plan { ask: true, ..Plan::default() });
+    }
+
+    #[test]
+    fn respects_the_cap_and_a_pending_request() {
+        assert_eq!(plan(seen(0, 3, false, false)), Plan::default());
+        assert_eq!(plan(seen(0, 1, false, true)), Plan::default());
+    }
+
+    #[test]
+    fn keeps_the_fresh_token_and_asks_for_nothing_more() {
+        assert_eq!(plan(seen(1, 1, true, false)), Plan::default());
+    }
+
+    #[test]
+    fn tokens_written_back_go_to_the_pool_and_the_build_queues_again() {
+        assert_eq!(plan(seen(1, 2, false, false)), Plan { give_back: 1, ask: true, ..Plan::default() });
+        assert_eq!(plan(seen(3, 3, true, false)), Plan { give_back: 2, ..Plan::default() });
+        // At the cap, giving one back makes room to ask again.
+        assert_eq!(plan(seen(1, 3, false, false)), Plan { give_back: 1, ask: true, ..Plan::default() });
+        // A pending request is withdrawn to give back, then made again.
+        assert_eq!(plan(seen(1, 2, false, true)), Plan { give_back: 1, ask: true, ..Plan::default() });
+    }
+
+    #[test]
+    fn bytes_beyond_what_was_lent_are_thrown_away() {
+        // Lent 1, which is in use; the client wrote 10 bytes it never took.
+        assert_eq!(plan(seen(10, 1, false, false)), Plan { discard: 9, give_back: 1, ask: true });
+        assert_eq!(plan(seen(10, 0, false, false)), Plan { discard: 10, ask: true, ..Plan::default() });
+    }
+}

@@ -1,0 +1,167 @@
+//! The build's FIFO, and in the pipe style the separate pipe its tokens
+//! come back through.
+
+use anyhow::{Context, Result};
+use nix::sys::inotify::{AddWatchFlags, InitFlags, Inotify};
+use nix::sys::stat::Mode;
+use std::fs::{File, OpenOptions};
+use std::io::{ErrorKind, Read, Write};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
+use std::os::unix::fs::OpenOptionsExt;
+use std::path::{Path, PathBuf};
+
+/// The build's FIFO: created in the broker's private directory, watched
+/// with inotify, removed when dropped.
+pub struct Fifo {
+    path: PathBuf,
+    /// Our own read-write handle: it keeps the FIFO open (so clients never
+    /// see end of file) and is how we add and remove tokens.
+    handle: File,
+    inotify: Inotify,
+    /// The pipe style unlinks the FIFO at once: nobody opens it by path.
+    unlinked: bool,
+    /// The pipe style's separate return pipe (our read end): the build's
+    /// W descriptor writes here, never into the FIFO it reads.
+    returns: Option<File>,
+    /// Someone in the build has opened the FIFO (or, in the pipe style,
+    /// could use it): until then there is no point putting a token in.
+    in_use: bool,
+}
+
+impl Fifo {
+    pub fn create(dir: &Path) -> Result<Fifo> {
+        sweep_stale_fifos(dir);
+        let path = dir.join(format!("jobserver-{}.fifo", std::process::id()));
+        let _ = std::fs::remove_file(&path);
+        nix::unistd::mkfifo(&path, Mode::from_bits_truncate(0o600))
+            .with_context(|| format!("cannot create the jobserver FIFO {}", path.display()))?;
+        let handle = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .custom_flags(libc::O_NONBLOCK | libc::O_CLOEXEC)
+            .open(&path)
+            .with_context(|| format!("cannot open the jobserver FIFO {}", path.display()))?;
+        let inotify = Inotify::init(InitFlags::IN_NONBLOCK | InitFlags::IN_CLOEXEC).context("cannot create an inotify instance")?;
+        inotify
+            .add_watch(&path, AddWatchFlags::IN_ACCESS | AddWatchFlags::IN_MODIFY | AddWatchFlags::IN_OPEN)
+            .with_context(|| format!("cannot watch {}", path.display()))?;
+        Ok(Fifo { path, handle, inotify, unlinked: false, returns: None, in_use: false })
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// Opens the two descriptors the pipe style passes to the build (R on
+    /// the FIFO, W on the return pipe), then unlinks the FIFO. The caller
+    /// makes them inheritable.
+    pub fn open_pipe_ends(&mut self) -> Result<(OwnedFd, OwnedFd)> {
+        // Our handle keeps a writer open, so O_RDONLY does not block.
+        let read = File::open(&self.path).with_context(|| format!("cannot open {}", self.path.display()))?;
+        let (returns, write) = nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC | nix::fcntl::OFlag::O_NONBLOCK)
+            .context("cannot create the jobserver's return pipe")?;
+        // Only our end is non-blocking: the build's W must block like a
+        // jobserver pipe's (make treats a failed token write as fatal).
+        nix::fcntl::fcntl(&write, nix::fcntl::FcntlArg::F_SETFL(nix::fcntl::OFlag::empty())).context("cannot set up the return pipe")?;
+        self.returns = Some(File::from(returns));
+        std::fs::remove_file(&self.path).ok();
+        self.unlinked = true;
+        // Inherited descriptors are never opened by path: assume use.
+        self.in_use = true;
+        Ok((OwnedFd::from(read), write))
+    }
+
+    /// Bytes in the FIFO now: tokens the build has not taken (and, in the
+    /// fifo style, tokens it wrote back).
+    pub fn queued(&self) -> u32 {
+        bytes_in(&self.handle)
+    }
+
+    /// Bytes in the return pipe: tokens the build gave back.
+    pub fn returned(&self) -> u32 {
+        self.returns.as_ref().map_or(0, bytes_in)
+    }
+
+    /// Takes up to `n` bytes out, from the return pipe first; returns how
+    /// many there were.
+    pub fn take(&mut self, n: u32) -> u32 {
+        let from_returns = self.returns.as_ref().map_or(0, |r| read_up_to(r, n));
+        from_returns + read_up_to(&self.handle, n - from_returns)
+    }
+
+    /// Puts one token in. GNU make writes `+`; any byte will do.
+    pub fn put(&mut self) -> Result<()> {
+        (&self.handle).write_all(b"+").context("cannot write a token to the jobserver FIFO")
+    }
+
+    /// Readable when the build has read or written the FIFO, or given a
+    /// token back through the return pipe.
+    pub fn event_fds(&self) -> Vec<BorrowedFd<'_>> {
+        let mut fds = vec![self.inotify.as_fd()];
+        fds.extend(self.returns.as_ref().map(|r| r.as_fd()));
+        fds
+    }
+
+    /// Whether a client has opened the FIFO (see `in_use`).
+    pub fn in_use(&self) -> bool {
+        self.in_use
+    }
+
+    /// Consumes pending inotify events. Reads and writes need no detail
+    /// (we look at the FIFO itself); an open means the build uses it.
+    pub fn drain_events(&mut self) {
+        while let Ok(events) = self.inotify.read_events() {
+            if events.is_empty() {
+                break;
+            }
+            self.in_use |= events.iter().any(|e| e.mask.contains(AddWatchFlags::IN_OPEN));
+        }
+    }
+}
+
+impl Drop for Fifo {
+    fn drop(&mut self) {
+        if !self.unlinked {
+            let _ = std::fs::remove_file(&self.path);
+        }
+    }
+}
+
+fn bytes_in(pipe: &File) -> u32 {
+    let mut n: libc::c_int = 0;
+    // SAFETY: FIONREAD writes one int to the pointer we pass.
+    let rc = unsafe { libc::ioctl(pipe.as_raw_fd(), libc::FIONREAD, &mut n) };
+    if rc < 0 {
+        0
+    } else {
+        n as u32
+    }
+}
+
+/// Reads up to `n` bytes from a non-blocking pipe; returns how many.
+fn read_up_to(mut pipe: &File, n: u32) -> u32 {
+    if n == 0 {
+        return 0;
+    }
+    let mut buf = vec![0u8; n as usize];
+    match pipe.read(&mut buf) {
+        Ok(got) => got as u32,
+        Err(e) if e.kind() == ErrorKind::WouldBlock => 0,
+        Err(_) => 0,
+    }
+}
+
+/// FIFOs of `baton run`s that were killed before they could remove theirs.
+fn sweep_stale_fifos(dir: &Path) {
+    let Ok(entries) = std::fs::read_dir(dir) else { return };
+    for entry in entries.flatten() {
+        let name = entry.file_name().to_string_lossy().into_owned();
+        let pid = name.strip_prefix("jobserver-").and_then(|r| r.strip_suffix(".fifo"));
+        if let Some(pid) = pid.and_then(|p| p.parse::<u32>().ok()) {
+            if !Path::new(&format!("/proc/{pid}")).exists() {
+                let _ = std::fs::remove_file(entry.path());
+            }
+        }
+    }
+}
+
