@@ -204,6 +204,9 @@ impl Client {
     /// Reads the next reply. `ERR` replies come back as [`Error::Refused`].
     /// Updates [`Client::held`] from GRANTED and RELEASED.
     pub fn read_reply(&mut self) -> Result<Reply> {
+        if !self.has_buffered_reply() {
+            self.wait_readable()?;
+        }
         let mut line = String::new();
         let n = self.reader.read_line(&mut line).map_err(|e| stream_error("reading a reply", e))?;
         if n == 0 || !line.ends_with('\n') {
@@ -236,6 +239,24 @@ impl Client {
     /// might wait for something that has already arrived).
     pub fn has_buffered_reply(&self) -> bool {
         !self.reader.buffer().is_empty()
+    }
+
+    /// Sleeps in poll() until the reply arrives, rather than in read().
+    /// Measured (`baton bench mass-poll`): a client woken inside read()
+    /// costs about 1.5 more context switches per grant, its own and the
+    /// broker's, than one woken from poll() that then reads.
+    fn wait_readable(&self) -> Result<()> {
+        let mut fd = libc::pollfd { fd: self.as_raw_fd(), events: libc::POLLIN, revents: 0 };
+        loop {
+            // SAFETY: one valid pollfd, for the duration of the call.
+            if unsafe { libc::poll(&mut fd, 1, -1) } >= 0 {
+                return Ok(());
+            }
+            let e = io::Error::last_os_error();
+            if e.kind() != io::ErrorKind::Interrupted {
+                return Err(io_error("waiting for a reply", e));
+            }
+        }
     }
 
     fn read_status_body(&mut self, len: usize) -> Result<String> {
