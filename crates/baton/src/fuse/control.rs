@@ -1,8 +1,8 @@
 //! The FUSE side's own thread: it learns of processes that exit (pidfds),
-//! reservations that run out, blocked readers that are being killed, and
+//! reservations that run out, blocked readers that a signal would interrupt, and
 //! grants caused by socket clients, and acts on each.
 
-use super::fs::Shared;
+use super::fs::{Inner, Shared};
 use super::procs;
 use crate::log;
 use mio::{Events, Poll, Token, Waker};
@@ -15,8 +15,9 @@ use std::time::{Duration, Instant};
 /// The waker's token; pidfds use `Token(pid)`, and pids are below this.
 pub const WAKER: Token = Token(usize::MAX);
 
-/// How often threads blocked in a read are checked for a pending SIGKILL
-/// (see `Waiters::interrupt`); tokens must be back within 1 s (issue 4).
+/// How often threads blocked in a read are checked for a pending signal
+/// (see `Waiters::interrupt`); a killed reader's tokens must be back within
+/// 1 s (issue 4).
 const KILL_SCAN: Duration = Duration::from_millis(100);
 
 /// The running control thread; stopped and joined on drop.
@@ -45,14 +46,19 @@ impl Drop for Control {
     }
 }
 
+/// When the control thread must next act by itself: a reservation runs
+/// out, or blocked readers are due for a signal check.
+pub fn next_wakeup(inner: &Inner) -> Option<Instant> {
+    let scan = inner.waiters.blocked_threads().next().map(|_| inner.scanned_at + KILL_SCAN);
+    [inner.waiters.next_deadline(), scan].into_iter().flatten().min()
+}
+
 fn run(shared: &Shared, mut poll: Poll, stop: &AtomicBool) {
     let mut events = Events::with_capacity(256);
-    let mut last_scan = Instant::now();
     while !stop.load(Ordering::Relaxed) {
         let timeout = shared.with(|inner, _| {
-            let scan = inner.waiters.blocked_threads().next().map(|_| last_scan + KILL_SCAN);
-            let wake_at = [inner.waiters.next_deadline(), scan].into_iter().flatten().min();
-            wake_at.map(|t| t.saturating_duration_since(Instant::now()))
+            inner.control_sleeps_until = next_wakeup(inner);
+            inner.control_sleeps_until.map(|t| t.saturating_duration_since(Instant::now()))
         });
         match poll.poll(&mut events, timeout) {
             Ok(()) => {}
@@ -63,10 +69,6 @@ fn run(shared: &Shared, mut poll: Poll, stop: &AtomicBool) {
             }
         }
         let exited: Vec<u32> = events.iter().map(|e| e.token()).filter(|&t| t != WAKER).map(|t| t.0 as u32).collect();
-        let scan_due = last_scan.elapsed() >= KILL_SCAN;
-        if scan_due {
-            last_scan = Instant::now();
-        }
         shared.with(|inner, broker| {
             for pid in exited {
                 let reclaimed = inner.waiters.exited(broker, pid);
@@ -77,9 +79,10 @@ fn run(shared: &Shared, mut poll: Poll, stop: &AtomicBool) {
                 }
             }
             inner.waiters.expire(broker, Instant::now());
-            if scan_due {
-                let dying: Vec<u32> = inner.waiters.blocked_threads().filter(|&tid| procs::kill_pending(tid)).collect();
-                for tid in dying {
+            if inner.scanned_at.elapsed() >= KILL_SCAN {
+                inner.scanned_at = Instant::now();
+                let interrupted: Vec<u32> = inner.waiters.blocked_threads().filter(|&tid| procs::signal_pending(tid)).collect();
+                for tid in interrupted {
                     inner.waiters.interrupt(broker, tid);
                 }
             }

@@ -8,6 +8,7 @@
 //! reservation timeouts, grants caused by socket clients) shares the
 //! state below. Lock order: `Inner`, then the broker.
 
+use super::control;
 use super::procs::{Exits, Threads};
 use super::waiters::{Fh, Pid, PollWaker, ReadReply, Waiters};
 use crate::broker::{Broker, ClientMeta, Transport};
@@ -17,6 +18,7 @@ use fuser::{
     PollFlags, PollNotifier, ReplyAttr, ReplyCreate, ReplyData, ReplyDirectory, ReplyEmpty, ReplyEntry, ReplyOpen, ReplyPoll,
     ReplyWrite, Request, TimeOrNow, WriteFlags,
 };
+use mio::Waker;
 use std::cell::Cell;
 use std::collections::BTreeMap;
 use std::ffi::OsStr;
@@ -67,12 +69,17 @@ impl PollWaker for FusePoll {
 pub struct Shared {
     broker: Arc<Mutex<Broker>>,
     inner: Mutex<Inner>,
+    control: Arc<Waker>,
 }
 
 pub struct Inner {
     pub waiters: Waiters<FuseRead, FusePoll>,
     pub threads: Threads,
     pub exits: Exits,
+    /// When the control thread wakes next; None: only when woken.
+    pub control_sleeps_until: Option<Instant>,
+    /// When blocked readers were last checked for pending signals.
+    pub scanned_at: Instant,
     files: BTreeMap<u64, String>,
     next_ino: u64,
     handles: BTreeMap<Fh, u64>,
@@ -80,21 +87,24 @@ pub struct Inner {
 }
 
 impl Shared {
-    pub fn new(broker: Arc<Mutex<Broker>>, waiters: Waiters<FuseRead, FusePoll>, exits: Exits) -> Self {
+    pub fn new(broker: Arc<Mutex<Broker>>, waiters: Waiters<FuseRead, FusePoll>, exits: Exits, control: Arc<Waker>) -> Self {
         let inner = Inner {
             waiters,
             threads: Threads::default(),
             exits,
+            control_sleeps_until: None,
+            scanned_at: Instant::now(),
             files: BTreeMap::new(),
             next_ino: INodeNo::ROOT.0 + 1,
             handles: BTreeMap::new(),
             next_fh: 1,
         };
-        Shared { broker, inner: Mutex::new(inner) }
+        Shared { broker, inner: Mutex::new(inner), control }
     }
 
     /// Runs `f` on the state and the broker, then delivers every grant for
-    /// FUSE clients that followed.
+    /// FUSE clients that followed, and wakes the control thread if it must
+    /// now act sooner than it planned (a new reservation or blocked read).
     pub fn with<T>(&self, f: impl FnOnce(&mut Inner, &mut Broker) -> T) -> T {
         let mut inner = self.inner.lock().expect("fuse state lock");
         let mut broker = self.broker.lock().expect("broker lock");
@@ -102,6 +112,11 @@ impl Shared {
         let out = f(&mut inner, &mut broker);
         inner.waiters.settle(&mut broker, Instant::now());
         DELIVERING.with(|d| d.set(false));
+        let due = control::next_wakeup(&inner);
+        if due.is_some_and(|due| inner.control_sleeps_until.is_none_or(|planned| due < planned)) {
+            inner.control_sleeps_until = due;
+            let _ = self.control.wake();
+        }
         out
     }
 }

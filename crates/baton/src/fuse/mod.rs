@@ -75,7 +75,7 @@ fn try_mount(path: &Path, broker: Arc<Mutex<Broker>>, mode: Mode) -> Result<Fuse
     let poll = Poll::new().context("cannot create an event loop")?;
     let waker = Arc::new(Waker::new(poll.registry(), WAKER)?);
     let exits = procs::Exits::new(poll.registry().try_clone()?);
-    let shared = Arc::new(Shared::new(broker.clone(), waiters::Waiters::new(mode), exits));
+    let shared = Arc::new(Shared::new(broker.clone(), waiters::Waiters::new(mode), exits, waker.clone()));
 
     let mut config = Config::default();
     config.mount_options = vec![

@@ -11,22 +11,26 @@ use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 /// The process a thread belongs to, from `/proc/<tid>/status` (`Tgid:`).
 /// None if the thread is gone.
 pub fn process_of(tid: u32) -> Option<u32> {
-    status_field(tid, "Tgid:")?.parse().ok()
+    field(&status(tid)?, "Tgid:")?.parse().ok()
 }
 
-/// Whether SIGKILL is pending for the thread: it is dying and waits only
-/// for its FUSE request to be answered before it can exit.
-pub fn kill_pending(tid: u32) -> bool {
-    const SIGKILL_BIT: u64 = 1 << (libc::SIGKILL - 1);
-    ["SigPnd:", "ShdPnd:"]
-        .iter()
-        .filter_map(|field| status_field(tid, field))
-        .any(|mask| u64::from_str_radix(&mask, 16).is_ok_and(|m| m & SIGKILL_BIT != 0))
+/// Whether a signal is pending that the thread neither blocks nor ignores:
+/// one that would interrupt a read of a pipe. SIGKILL when the process is
+/// being killed or exits (its other threads get one), SIGUSR1 from the
+/// jobserver crate stopping its helper thread.
+pub fn signal_pending(tid: u32) -> bool {
+    let Some(status) = status(tid) else { return false };
+    let mask = |name: &str| field(&status, name).and_then(|v| u64::from_str_radix(v, 16).ok()).unwrap_or(0);
+    let pending = mask("SigPnd:") | mask("ShdPnd:");
+    pending & !mask("SigBlk:") & !mask("SigIgn:") != 0
 }
 
-fn status_field(tid: u32, name: &str) -> Option<String> {
-    let status = std::fs::read_to_string(format!("/proc/{tid}/status")).ok()?;
-    status.lines().find_map(|l| l.strip_prefix(name)).map(|v| v.trim().to_string())
+fn status(tid: u32) -> Option<String> {
+    std::fs::read_to_string(format!("/proc/{tid}/status")).ok()
+}
+
+fn field<'a>(status: &'a str, name: &str) -> Option<&'a str> {
+    status.lines().find_map(|l| l.strip_prefix(name)).map(str::trim)
 }
 
 /// Thread → process, remembered so that a request costs a /proc read only
@@ -110,7 +114,7 @@ mod tests {
     }
 
     #[test]
-    fn no_kill_is_pending_for_a_live_thread() {
-        assert!(!kill_pending(std::process::id()));
+    fn no_signal_is_pending_for_a_running_thread() {
+        assert!(!signal_pending(std::process::id()));
     }
 }

@@ -255,10 +255,11 @@ impl<R: ReadReply, N: PollWaker> Waiters<R, N> {
         self.reads.values().map(|r| r.tid)
     }
 
-    /// Fails the blocked reads of thread `tid` with EINTR. A thread killed
-    /// while its FUSE read waits cannot exit until the read is answered;
-    /// the kernel would tell us through FUSE_INTERRUPT, which fuser does not
-    /// pass on, so the caller watches for a pending SIGKILL instead.
+    /// Fails the blocked reads of thread `tid` with EINTR, as a signal
+    /// interrupts a read of a pipe. A FUSE read waits uninterruptibly once
+    /// we have it: even a killed thread cannot exit until it is answered.
+    /// The kernel would tell us through FUSE_INTERRUPT, which fuser does not
+    /// pass on, so the caller watches for pending signals instead.
     pub fn interrupt(&mut self, broker: &mut Broker, tid: u32) {
         let keys: Vec<_> = self.reads.iter().filter(|(_, r)| r.tid == tid).map(|(&k, _)| k).collect();
         for (client, tag) in keys {

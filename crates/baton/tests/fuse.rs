@@ -1,0 +1,403 @@
+//! The FUSE token file (issue 4) against the real binary, real FUSE, GNU
+//! make 4.4.1 and cargo.
+//!
+//! Where FUSE cannot be mounted every test here prints a note and passes,
+//! except with CI=true: CI has FUSE, so a skip there is a failure.
+
+mod common;
+
+use common::{logged_job, make44, max_overlap, pid_alive, wait_for, Broker, TempDir};
+use std::fs::{File, OpenOptions};
+use std::io::{ErrorKind, Read, Write};
+use std::os::fd::AsRawFd;
+use std::os::unix::fs::OpenOptionsExt;
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command};
+use std::time::{Duration, Instant};
+
+/// A broker with its FUSE mount, or None (after saying so) where FUSE is
+/// not available.
+pub fn fuse_broker(jobs: u32, extra: &[&str]) -> Option<Broker> {
+    let broker = Broker::start_with(jobs, extra);
+    if is_fuse(&mount_point(&broker)) {
+        return Some(broker);
+    }
+    let why = broker.log();
+    assert!(std::env::var("CI").as_deref() != Ok("true"), "CI=true but the FUSE tests would be skipped: {why}");
+    eprintln!("NOTE: FUSE test skipped, FUSE is not available here: {}", why.trim());
+    None
+}
+
+pub fn mount_point(broker: &Broker) -> PathBuf {
+    broker.socket.parent().unwrap().join("fuse")
+}
+
+fn is_fuse(path: &Path) -> bool {
+    const FUSE_SUPER_MAGIC: i64 = 0x6573_5546;
+    let cpath = std::ffi::CString::new(path.as_os_str().as_encoded_bytes()).unwrap();
+    let mut fs: libc::statfs = unsafe { std::mem::zeroed() };
+    unsafe { libc::statfs(cpath.as_ptr(), &mut fs) == 0 && fs.f_type as i64 == FUSE_SUPER_MAGIC }
+}
+
+/// A token file in the broker's mount, as `baton run` makes one per build.
+pub fn token_file(broker: &Broker, name: &str) -> PathBuf {
+    let path = mount_point(broker).join(name);
+    File::create(&path).expect("create a token file");
+    path
+}
+
+/// `make` 4.4.1 as a jobserver client of the FUSE file, in its own process
+/// group; `holder` keeps the build's implicit slot, as `baton run` does.
+pub fn make_via_fuse(file: &Path, dir: &Path, makefile: &str) -> Command {
+    let mut cmd = Command::new(make44());
+    cmd.args(["-s", "--no-print-directory", "-f", makefile])
+        .current_dir(dir)
+        .env("MAKEFLAGS", format!("-j --jobserver-auth=fifo:{}", file.display()))
+        .process_group(0);
+    cmd
+}
+
+/// The tree of the issue: top → `fanout` sub-makes → `fanout` each →
+/// `jobs` logged jobs each, in `dir/top.mk`.
+pub fn make_tree(dir: &Path, log: &Path, fanout: usize, jobs: usize, secs: &str) {
+    let level = |name: &str, sub: &str, n: usize| {
+        let targets: Vec<String> = (0..n).map(|i| format!("t{i}")).collect();
+        let text = format!("all: {all}\n{all}:\n\t@$(MAKE) -f {sub}\n.PHONY: all {all}\n", all = targets.join(" "));
+        std::fs::write(dir.join(name), text).unwrap();
+    };
+    level("top.mk", "mid.mk", fanout);
+    level("mid.mk", "leaf.mk", fanout);
+    let targets: Vec<String> = (0..jobs).map(|i| format!("j{i}")).collect();
+    let leaf = format!("all: {all}\n{all}:\n\t@{job}\n.PHONY: all {all}\n", all = targets.join(" "), job = logged_job(log, secs));
+    std::fs::write(dir.join("leaf.mk"), leaf).unwrap();
+}
+
+fn read_token(f: &mut File) -> std::io::Result<()> {
+    let mut byte = [0u8];
+    match f.read(&mut byte)? {
+        1 => Ok(()),
+        n => panic!("read {n} bytes, expected 1"),
+    }
+}
+
+fn open_nonblocking(path: &Path) -> File {
+    OpenOptions::new().read(true).write(true).custom_flags(libc::O_NONBLOCK).open(path).unwrap()
+}
+
+fn kill_group(child: &Child) {
+    unsafe { libc::kill(-(child.id() as i32), libc::SIGKILL) };
+}
+
+#[test]
+fn read_takes_a_token_write_gives_it_back_and_status_shows_the_process() {
+    let Some(broker) = fuse_broker(2, &[]) else { return };
+    let path = token_file(&broker, "basic");
+    let mut file = open_nonblocking(&path);
+    read_token(&mut file).unwrap();
+    read_token(&mut file).unwrap();
+    let err = read_token(&mut file).unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::WouldBlock, "no token left: EAGAIN, got {err}");
+
+    let s = broker.status();
+    assert_eq!((s.free, s.held), (0, 2));
+    let me = std::process::id();
+    assert!(s.holders.iter().any(|h| h.pid == me && h.tokens == 2 && h.transport == "fuse"), "{s:#?}");
+
+    // Another handle of the same process gives back what this one took.
+    let mut writer = OpenOptions::new().write(true).open(&path).unwrap();
+    writer.write_all(b"++").unwrap();
+    let err = writer.write(b"+").unwrap_err();
+    assert_eq!(err.raw_os_error(), Some(libc::ENOSPC), "gave back more than taken: {err}");
+    broker.assert_all_free();
+}
+
+#[test]
+fn a_freed_token_wakes_exactly_one_poller() {
+    // Room for all four to wait: a process waits for at most the limit.
+    let Some(broker) = fuse_broker(4, &[]) else { return };
+    let path = token_file(&broker, "pollers");
+    let mut holder = broker.client("holder");
+    holder.acquire(4).unwrap();
+
+    let pollers: Vec<_> = (0..4)
+        .map(|_| {
+            let path = path.clone();
+            std::thread::spawn(move || {
+                let mut file = open_nonblocking(&path);
+                let mut fd = libc::pollfd { fd: file.as_raw_fd(), events: libc::POLLIN, revents: 0 };
+                let woken = unsafe { libc::poll(&mut fd, 1, 1500) } == 1;
+                let got = woken && read_token(&mut file).is_ok();
+                if got {
+                    file.write_all(b"+").unwrap();
+                }
+                (woken, got)
+            })
+        })
+        .collect();
+    wait_for(Duration::from_secs(5), "4 pollers waiting", || broker.status().waiters.len() == 4);
+    holder.release(1).unwrap();
+    std::thread::sleep(Duration::from_millis(200));
+    holder.release(3).unwrap();
+    let results: Vec<(bool, bool)> = pollers.into_iter().map(|t| t.join().unwrap()).collect();
+    // The first one gives its token back, which wakes the next, and so on:
+    // every poller gets a turn, but never two at once, and nobody is woken
+    // for nothing.
+    assert!(results.iter().all(|&(woken, got)| woken == got), "a poller was woken without a token: {results:?}");
+    assert!(results.iter().filter(|r| r.1).count() >= 1);
+    broker.assert_all_free();
+}
+
+#[test]
+fn a_blocked_reader_gets_the_token_a_socket_client_frees() {
+    let Some(broker) = fuse_broker(1, &[]) else { return };
+    let path = token_file(&broker, "blocking");
+    let mut holder = broker.client("holder");
+    holder.acquire(1).unwrap();
+    let reader = std::thread::spawn(move || {
+        let mut file = File::open(&path).unwrap();
+        let start = Instant::now();
+        read_token(&mut file).unwrap();
+        start.elapsed()
+    });
+    wait_for(Duration::from_secs(5), "the reader to wait", || broker.status().waiters.len() == 1);
+    std::thread::sleep(Duration::from_millis(100));
+    holder.release(1).unwrap();
+    assert!(reader.join().unwrap() >= Duration::from_millis(100));
+}
+
+#[test]
+fn the_issue_tree_runs_all_5120_jobs_within_512_and_returns_every_token() {
+    let Some(broker) = fuse_broker(512, &[]) else { return };
+    let dir = TempDir::new("fuse-tree");
+    let log = dir.path().join("jobs.log");
+    make_tree(dir.path(), &log, 16, 20, "0.02");
+    let file = token_file(&broker, "tree");
+    let mut slot = broker.client("implicit slot");
+    slot.acquire(1).unwrap();
+    let status = make_via_fuse(&file, dir.path(), "top.mk").status().unwrap();
+    assert!(status.success(), "make failed: {status}");
+    let (max, started) = max_overlap(&log);
+    assert_eq!(started, 16 * 16 * 20);
+    assert!(max <= 512, "{max} jobs at once under a limit of 512");
+    slot.release(1).unwrap();
+    broker.assert_all_free();
+    assert!(broker.status().totals.granted > 512, "the build did not take its tokens from the FUSE file");
+}
+
+/// Pids of FUSE holders whose command contains `what`.
+fn fuse_holders(broker: &Broker, what: &str) -> Vec<u32> {
+    broker.status().holders.iter().filter(|h| h.transport == "fuse" && h.command.contains(what)).map(|h| h.pid).collect()
+}
+
+#[test]
+fn killing_a_sub_make_or_the_whole_tree_returns_its_tokens_within_a_second() {
+    let Some(broker) = fuse_broker(64, &[]) else { return };
+    let dir = TempDir::new("fuse-kill");
+    let log = dir.path().join("jobs.log");
+    make_tree(dir.path(), &log, 4, 8, "30");
+    let file = token_file(&broker, "kill");
+    let mut slot = broker.client("implicit slot");
+    slot.acquire(1).unwrap();
+    let mut make = make_via_fuse(&file, dir.path(), "top.mk").spawn().unwrap();
+    wait_for(Duration::from_secs(20), "leaf makes holding tokens", || broker.status().free == 0);
+
+    let victim = fuse_holders(&broker, "leaf.mk")[0];
+    unsafe { libc::kill(victim as i32, libc::SIGKILL) };
+    let killed = Instant::now();
+    wait_for(Duration::from_secs(5), "the killed sub-make's tokens", || !fuse_holders(&broker, "leaf.mk").contains(&victim));
+    assert!(killed.elapsed() < Duration::from_secs(1), "took {:?}", killed.elapsed());
+    assert!(!pid_alive(victim));
+
+    kill_group(&make);
+    let killed = Instant::now();
+    let _ = make.wait();
+    wait_for(Duration::from_secs(5), "every token of the tree", || broker.status().free == 63);
+    assert!(killed.elapsed() < Duration::from_secs(1), "took {:?}", killed.elapsed());
+    slot.release(1).unwrap();
+    broker.assert_all_free();
+}
+
+/// A workspace of `crates` crates with build scripts and no dependencies.
+fn cargo_workspace(dir: &Path, crates: usize) {
+    let members: Vec<String> = (0..crates).map(|i| format!("\"c{i}\"")).collect();
+    std::fs::write(dir.join("Cargo.toml"), format!("[workspace]\nresolver = \"2\"\nmembers = [{}]\n", members.join(", "))).unwrap();
+    for i in 0..crates {
+        let c = dir.join(format!("c{i}"));
+        std::fs::create_dir_all(c.join("src")).unwrap();
+        std::fs::write(c.join("Cargo.toml"), format!("[package]\nname = \"c{i}\"\nversion = \"0.1.0\"\nedition = \"2021\"\n")).unwrap();
+        std::fs::write(c.join("build.rs"), "fn main() { println!(\"cargo:rustc-env=BUILT=yes\"); }\n").unwrap();
+        std::fs::write(c.join("src/lib.rs"), "pub fn built() -> &'static str { env!(\"BUILT\") }\n").unwrap();
+    }
+}
+
+#[test]
+fn a_cargo_build_through_the_fuse_file_completes_and_returns_every_token() {
+    let Some(broker) = fuse_broker(4, &[]) else { return };
+    let dir = TempDir::new("fuse-cargo");
+    cargo_workspace(dir.path(), 4);
+    let file = token_file(&broker, "cargo");
+    let mut slot = broker.client("implicit slot");
+    slot.acquire(1).unwrap();
+    let auth = format!("-j --jobserver-auth=fifo:{}", file.display());
+    let status = Command::new(env!("CARGO"))
+        .args(["build", "--offline", "--quiet"])
+        .current_dir(dir.path())
+        .env("CARGO_MAKEFLAGS", &auth)
+        .env("MAKEFLAGS", &auth)
+        .env("CARGO_TARGET_DIR", dir.path().join("target"))
+        .env_remove("CARGO_BUILD_JOBS")
+        .status()
+        .unwrap();
+    assert!(status.success(), "cargo build failed: {status}");
+    slot.release(1).unwrap();
+    // cargo's process may be gone a moment before its last handle closes.
+    wait_for(Duration::from_secs(2), "every token back", || broker.status().free == 4);
+    let s = broker.status();
+    assert!(s.totals.granted > 1, "cargo took no token from the FUSE file: {s:#?}");
+}
+
+#[test]
+fn a_killed_broker_leaves_a_stale_mount_that_the_next_one_clears() {
+    let Some(mut broker) = fuse_broker(1, &[]) else { return };
+    let mount = mount_point(&broker);
+    let socket = broker.socket.clone();
+    broker.stop_with(libc::SIGKILL);
+    let log = broker.dir.path().join("broker2.log");
+    let mut second = common::baton()
+        .args(["serve", "--jobs", "1", "--socket"])
+        .arg(&socket)
+        .stderr(File::create(&log).unwrap())
+        .spawn()
+        .unwrap();
+    wait_for(Duration::from_secs(10), "the second broker's mount", || is_fuse(&mount) && std::fs::read_dir(&mount).is_ok());
+    unsafe { libc::kill(second.id() as i32, libc::SIGTERM) };
+    second.wait().unwrap();
+    assert!(!is_fuse(&mount), "still mounted after SIGTERM");
+}
+
+/// A process exiting while a helper thread waits in a read (the jobserver
+/// crate's pattern) must not hang: the wait is answered, the process goes
+/// and its token comes back.
+#[test]
+fn a_process_exiting_with_a_thread_blocked_in_a_read_exits_at_once() {
+    let Some(broker) = fuse_broker(2, &[]) else { return };
+    let path = token_file(&broker, "helper");
+    read_token(&mut File::open(&path).unwrap()).unwrap();
+    let script = "import os, sys, threading, time\n\
+        p = sys.argv[1]\n\
+        os.read(os.open(p, os.O_RDWR), 1)\n\
+        threading.Thread(target=lambda: os.read(os.open(p, os.O_RDWR), 1), daemon=True).start()\n\
+        time.sleep(0.3)\n\
+        os._exit(0)\n";
+    let mut child = Command::new("python3").arg("-c").arg(script).arg(&path).spawn().unwrap();
+    wait_for(Duration::from_secs(5), "the helper thread to wait", || broker.status().waiters.len() == 1);
+    let status = common::wait_timeout(&mut child, Duration::from_secs(2)).unwrap_or_else(|| {
+        let _ = child.kill();
+        panic!("the process hung on exit")
+    });
+    assert!(status.success());
+    OpenOptions::new().write(true).open(&path).unwrap().write_all(b"+").unwrap();
+    wait_for(Duration::from_secs(1), "every token back", || broker.status().free == 2);
+}
+
+/// Context switches, CPU and wall time of one run of the tree.
+#[derive(Debug, Clone, Copy, Default)]
+struct Cost {
+    switches: f64,
+    cpu: f64,
+    wall: f64,
+}
+
+/// Context switches and CPU seconds of every thread of a live process.
+fn process_cost(pid: u32) -> (f64, f64) {
+    let mut switches = 0.0;
+    for task in std::fs::read_dir(format!("/proc/{pid}/task")).unwrap() {
+        let status = std::fs::read_to_string(task.unwrap().path().join("status")).unwrap_or_default();
+        for line in status.lines() {
+            if let Some(v) = line.strip_prefix("voluntary_ctxt_switches:").or_else(|| line.strip_prefix("nonvoluntary_ctxt_switches:")) {
+                switches += v.trim().parse::<f64>().unwrap();
+            }
+        }
+    }
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap();
+    let fields: Vec<&str> = stat.rsplit(')').next().unwrap().split_whitespace().collect();
+    let ticks = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as f64;
+    // utime and stime are fields 14 and 15 of stat, 12 and 13 after the name.
+    (switches, (fields[11].parse::<f64>().unwrap() + fields[12].parse::<f64>().unwrap()) / ticks)
+}
+
+/// Context switches and CPU seconds of all reaped descendants so far.
+fn children_cost() -> (f64, f64) {
+    let mut ru: libc::rusage = unsafe { std::mem::zeroed() };
+    unsafe { libc::getrusage(libc::RUSAGE_CHILDREN, &mut ru) };
+    let secs = |t: libc::timeval| t.tv_sec as f64 + t.tv_usec as f64 / 1e6;
+    ((ru.ru_nvcsw + ru.ru_nivcsw) as f64, secs(ru.ru_utime) + secs(ru.ru_stime))
+}
+
+/// Runs `make` to the end and returns what it and the broker (if any) cost.
+fn measure(mut make: Command, broker: Option<&Broker>) -> Cost {
+    let (build_sw, build_cpu) = children_cost();
+    let (broker_sw, broker_cpu) = broker.map_or((0.0, 0.0), |b| process_cost(b.pid()));
+    let start = Instant::now();
+    assert!(make.status().unwrap().success());
+    let wall = start.elapsed().as_secs_f64();
+    let (build_sw2, build_cpu2) = children_cost();
+    let (broker_sw2, broker_cpu2) = broker.map_or((0.0, 0.0), |b| process_cost(b.pid()));
+    Cost { switches: build_sw2 - build_sw + broker_sw2 - broker_sw, cpu: build_cpu2 - build_cpu + broker_cpu2 - broker_cpu, wall }
+}
+
+fn tree_via_broker(dir: &Path, extra: &[&str]) -> Option<Cost> {
+    let broker = fuse_broker(512, extra)?;
+    let file = token_file(&broker, "bench");
+    let mut slot = broker.client("implicit slot");
+    slot.acquire(1).unwrap();
+    let cost = measure(make_via_fuse(&file, dir, "top.mk"), Some(&broker));
+    slot.release(1).unwrap();
+    broker.assert_all_free();
+    Some(cost)
+}
+
+fn median(mut costs: Vec<Cost>) -> Cost {
+    let mid = costs.len() / 2;
+    let pick = |costs: &mut Vec<Cost>, key: fn(&Cost) -> f64| {
+        costs.sort_by(|a, b| key(a).total_cmp(&key(b)));
+        key(&costs[mid])
+    };
+    Cost { switches: pick(&mut costs, |c| c.switches), cpu: pick(&mut costs, |c| c.cpu), wall: pick(&mut costs, |c| c.wall) }
+}
+
+/// The issue's benchmark: the 16 × 16 × 20 tree under GNU make 4.4.1's own
+/// -j512 FIFO jobserver, under baton's FUSE file, and under the FUSE file
+/// waking every poller (the herd control). Not a timed test: run with
+/// `cargo test -p baton --test fuse -- --ignored --nocapture`.
+#[test]
+#[ignore]
+fn benchmark_make_tree_own_jobserver_vs_fuse_vs_notify_all() {
+    let runs: usize = std::env::var("BATON_BENCH_RUNS").ok().and_then(|v| v.parse().ok()).unwrap_or(3);
+    let dir = TempDir::new("fuse-bench");
+    make_tree(dir.path(), &dir.path().join("jobs.log"), 16, 20, "0.02");
+    let (mut own, mut fuse, mut herd) = (Vec::new(), Vec::new(), Vec::new());
+    for _ in 0..runs {
+        let mut make = Command::new(make44());
+        make.args(["-s", "--no-print-directory", "-j512", "-f", "top.mk"]).current_dir(dir.path()).env_remove("MAKEFLAGS").env_remove("MFLAGS");
+        own.push(measure(make, None));
+        let Some(cost) = tree_via_broker(dir.path(), &[]) else { return };
+        fuse.push(cost);
+        herd.push(tree_via_broker(dir.path(), &["--fuse-notify-all"]).unwrap());
+    }
+    let base = median(own);
+    println!("median of {runs} runs; ratios to make's own -j512 jobserver");
+    println!("{:<28} {:>9} {:>7} {:>7} {:>8} {:>7} {:>7}", "", "csw", "cpu s", "wall s", "csw ×", "cpu ×", "wall ×");
+    for (name, c) in [("make -j512 (own FIFO)", base), ("baton FUSE (notify one)", median(fuse)), ("baton FUSE notify-all", median(herd))] {
+        println!(
+            "{name:<28} {:>9.0} {:>7.2} {:>7.2} {:>8.2} {:>7.2} {:>7.2}",
+            c.switches,
+            c.cpu,
+            c.wall,
+            c.switches / base.switches,
+            c.cpu / base.cpu,
+            c.wall / base.wall
+        );
+    }
+}
