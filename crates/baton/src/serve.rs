@@ -34,12 +34,16 @@ pub fn serve(opts: ServeOptions) -> Result<()> {
     stop.thread_block().context("cannot block SIGTERM/SIGINT")?;
     let signals = SignalFd::with_flags(&stop, SfdFlags::SFD_NONBLOCK | SfdFlags::SFD_CLOEXEC).context("cannot create a signalfd")?;
 
+    let broker = Arc::new(Mutex::new(Broker::new(opts.jobs)?));
+    // Mounted before the socket listens: whoever finds the broker ready finds
+    // its token files too (`baton run --jobserver-style auto`).
+    let _fuse = opts.fuse.and_then(|mode| fuse::mount(&socket, broker.clone(), mode));
+
     let listener = std::os::unix::net::UnixListener::bind(&socket).with_context(|| format!("cannot listen at {}", socket.display()))?;
     let _remove_socket = RemoveOnDrop(socket.clone());
     std::fs::set_permissions(&socket, std::fs::Permissions::from_mode(0o600))
         .with_context(|| format!("cannot make {} private (chmod 0600)", socket.display()))?;
 
-    let broker = Arc::new(Mutex::new(Broker::new(opts.jobs)?));
     let (mut server, waker) = SocketServer::new(listener, signals, broker.clone()).context("cannot start the event loop")?;
     // Grants other transports cause for socket clients wake the socket
     // thread; it delivers its own at the end of each round.
@@ -49,7 +53,6 @@ pub fn serve(opts: ServeOptions) -> Result<()> {
             let _ = waker.wake();
         }
     });
-    let _fuse = opts.fuse.and_then(|mode| fuse::mount(&socket, broker.clone(), mode));
     log::info(format_args!("serving {} tokens at {} (pid {})", opts.jobs, socket.display(), std::process::id()));
     let signal = server.run().context("the event loop failed")?;
     let broker = broker.lock().expect("broker lock");
