@@ -227,10 +227,14 @@ fn supervise(mut child: Child, signals: &SignalFd, mut broker: Broker, mut feede
         }
         if child_done {
             let status = child.wait().context("cannot collect the command's status")?;
-            drop(feeder); // removes the FIFO
             if broker.alive {
-                give_back(&mut broker.client);
+                // RELEASE may not follow a pending ACQUIRE: withdraw it first.
+                let withdrawn = feeder.as_mut().map_or(Ok(()), |f| f.withdraw(&mut broker.client));
+                if withdrawn.is_ok() {
+                    give_back(&mut broker.client);
+                }
             }
+            drop(feeder); // removes the FIFO
             return Ok(status);
         }
     }

@@ -47,14 +47,12 @@ pub fn token_file(broker: &Broker, name: &str) -> PathBuf {
     path
 }
 
-/// `make` 4.4.1 as a jobserver client of the FUSE file, in its own process
-/// group; `holder` keeps the build's implicit slot, as `baton run` does.
-pub fn make_via_fuse(file: &Path, dir: &Path, makefile: &str) -> Command {
-    let mut cmd = Command::new(make44());
-    cmd.args(["-s", "--no-print-directory", "-f", makefile])
-        .current_dir(dir)
-        .env("MAKEFLAGS", format!("-j --jobserver-auth=fifo:{}", file.display()))
-        .process_group(0);
+/// `baton run --jobserver-style fuse -- make` (4.4.1) in `dir`, in its own
+/// process group so a test can kill the whole tree.
+pub fn make_via_fuse(broker: &Broker, dir: &Path, makefile: &str) -> Command {
+    let make = make44();
+    let mut cmd = broker.run(&["--jobserver-style", "fuse", "--", make.to_str().unwrap(), "-s", "--no-print-directory", "-f", makefile]);
+    cmd.current_dir(dir).env_remove("MAKEFLAGS").process_group(0);
     cmd
 }
 
@@ -172,15 +170,11 @@ fn the_issue_tree_runs_all_5120_jobs_within_512_and_returns_every_token() {
     let dir = TempDir::new("fuse-tree");
     let log = dir.path().join("jobs.log");
     make_tree(dir.path(), &log, 16, 20, "0.02");
-    let file = token_file(&broker, "tree");
-    let mut slot = broker.client("implicit slot");
-    slot.acquire(1).unwrap();
-    let status = make_via_fuse(&file, dir.path(), "top.mk").status().unwrap();
+    let status = make_via_fuse(&broker, dir.path(), "top.mk").status().unwrap();
     assert!(status.success(), "make failed: {status}");
     let (max, started) = max_overlap(&log);
     assert_eq!(started, 16 * 16 * 20);
     assert!(max <= 512, "{max} jobs at once under a limit of 512");
-    slot.release(1).unwrap();
     broker.assert_all_free();
     assert!(broker.status().totals.granted > 512, "the build did not take its tokens from the FUSE file");
 }
@@ -196,10 +190,7 @@ fn killing_a_sub_make_or_the_whole_tree_returns_its_tokens_within_a_second() {
     let dir = TempDir::new("fuse-kill");
     let log = dir.path().join("jobs.log");
     make_tree(dir.path(), &log, 4, 8, "30");
-    let file = token_file(&broker, "kill");
-    let mut slot = broker.client("implicit slot");
-    slot.acquire(1).unwrap();
-    let mut make = make_via_fuse(&file, dir.path(), "top.mk").spawn().unwrap();
+    let mut make = make_via_fuse(&broker, dir.path(), "top.mk").spawn().unwrap();
     wait_for(Duration::from_secs(20), "leaf makes holding tokens", || broker.status().free == 0);
 
     let victim = fuse_holders(&broker, "leaf.mk")[0];
@@ -212,45 +203,21 @@ fn killing_a_sub_make_or_the_whole_tree_returns_its_tokens_within_a_second() {
     kill_group(&make);
     let killed = Instant::now();
     let _ = make.wait();
-    wait_for(Duration::from_secs(5), "every token of the tree", || broker.status().free == 63);
+    // baton run is in the group too: the build's own slot comes back with it.
+    wait_for(Duration::from_secs(5), "every token of the tree", || broker.status().free == 64);
     assert!(killed.elapsed() < Duration::from_secs(1), "took {:?}", killed.elapsed());
-    slot.release(1).unwrap();
     broker.assert_all_free();
-}
-
-/// A workspace of `crates` crates with build scripts and no dependencies.
-fn cargo_workspace(dir: &Path, crates: usize) {
-    let members: Vec<String> = (0..crates).map(|i| format!("\"c{i}\"")).collect();
-    std::fs::write(dir.join("Cargo.toml"), format!("[workspace]\nresolver = \"2\"\nmembers = [{}]\n", members.join(", "))).unwrap();
-    for i in 0..crates {
-        let c = dir.join(format!("c{i}"));
-        std::fs::create_dir_all(c.join("src")).unwrap();
-        std::fs::write(c.join("Cargo.toml"), format!("[package]\nname = \"c{i}\"\nversion = \"0.1.0\"\nedition = \"2021\"\n")).unwrap();
-        std::fs::write(c.join("build.rs"), "fn main() { println!(\"cargo:rustc-env=BUILT=yes\"); }\n").unwrap();
-        std::fs::write(c.join("src/lib.rs"), "pub fn built() -> &'static str { env!(\"BUILT\") }\n").unwrap();
-    }
 }
 
 #[test]
 fn a_cargo_build_through_the_fuse_file_completes_and_returns_every_token() {
     let Some(broker) = fuse_broker(4, &[]) else { return };
     let dir = TempDir::new("fuse-cargo");
-    cargo_workspace(dir.path(), 4);
-    let file = token_file(&broker, "cargo");
-    let mut slot = broker.client("implicit slot");
-    slot.acquire(1).unwrap();
-    let auth = format!("-j --jobserver-auth=fifo:{}", file.display());
-    let status = Command::new(env!("CARGO"))
-        .args(["build", "--offline", "--quiet"])
-        .current_dir(dir.path())
-        .env("CARGO_MAKEFLAGS", &auth)
-        .env("MAKEFLAGS", &auth)
-        .env("CARGO_TARGET_DIR", dir.path().join("target"))
-        .env_remove("CARGO_BUILD_JOBS")
-        .status()
-        .unwrap();
-    assert!(status.success(), "cargo build failed: {status}");
-    slot.release(1).unwrap();
+    let log = dir.path().join("jobs.log");
+    common::cargo_workspace(dir.path(), &log, 4);
+    let out = common::cargo_build(&broker, dir.path(), &["--jobserver-style", "fuse"]);
+    assert!(out.status.success(), "cargo build failed: {}", String::from_utf8_lossy(&out.stderr));
+    assert_eq!(max_overlap(&log).1, 4, "every build script ran");
     // cargo's process may be gone a moment before its last handle closes.
     wait_for(Duration::from_secs(2), "every token back", || broker.status().free == 4);
     let s = broker.status();
@@ -349,11 +316,8 @@ fn measure(mut make: Command, broker: Option<&Broker>) -> Cost {
 
 fn tree_via_broker(dir: &Path, extra: &[&str]) -> Option<Cost> {
     let broker = fuse_broker(512, extra)?;
-    let file = token_file(&broker, "bench");
-    let mut slot = broker.client("implicit slot");
-    slot.acquire(1).unwrap();
-    let cost = measure(make_via_fuse(&file, dir, "top.mk"), Some(&broker));
-    slot.release(1).unwrap();
+    // baton run is counted with the build: it is a child like make.
+    let cost = measure(make_via_fuse(&broker, dir, "top.mk"), Some(&broker));
     broker.assert_all_free();
     Some(cost)
 }

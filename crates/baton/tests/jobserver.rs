@@ -19,6 +19,16 @@ fn build(broker: &Broker, dir: &Path, run_args: &[&str], tool: &Path, tool_args:
 
 fn assert_built(out: &Output) {
     assert!(out.status.success(), "build failed: {}\n{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!err.contains("lost the broker"), "a normal build kept its connection: {err}");
+}
+
+/// Every token is free, and came back released by baton run, not reclaimed
+/// from a connection that broke.
+fn assert_clean_end(broker: &Broker) {
+    broker.assert_all_free();
+    let s = broker.status();
+    assert_eq!(s.totals.reclaimed, 0, "{s:#?}");
 }
 
 fn check_make(make: PathBuf, style: &str) {
@@ -32,7 +42,7 @@ fn check_make(make: PathBuf, style: &str) {
     assert_eq!(started, 24);
     assert!(max <= 4, "{max} jobs at once under --jobs 4");
     assert!(max >= 3, "the build ran in parallel (at most {max} at once)");
-    broker.assert_all_free();
+    assert_clean_end(&broker);
 }
 
 #[test]
@@ -61,26 +71,7 @@ fn ninja_1_13_builds_within_the_limit() {
     let (max, started) = max_overlap(&log);
     assert_eq!(started, 24);
     assert!((3..=4).contains(&max), "{max} jobs at once under --jobs 4");
-    broker.assert_all_free();
-}
-
-/// A workspace of small crates whose build scripts log themselves.
-fn cargo_workspace(dir: &Path, log: &Path, crates: usize) {
-    let members: Vec<String> = (0..crates).map(|i| format!("\"c{i}\"")).collect();
-    std::fs::write(dir.join("Cargo.toml"), format!("[workspace]\nresolver = \"2\"\nmembers = [{}]\n", members.join(", "))).unwrap();
-    for i in 0..crates {
-        let c = dir.join(format!("c{i}"));
-        std::fs::create_dir_all(c.join("src")).unwrap();
-        std::fs::write(c.join("Cargo.toml"), format!("[package]\nname = \"c{i}\"\nversion = \"0.1.0\"\nedition = \"2021\"\n")).unwrap();
-        std::fs::write(c.join("src/lib.rs"), "pub fn f() -> u32 { 1 }\n").unwrap();
-        let script = format!(
-            r#"use std::io::Write;
-fn log(s: &str) {{ std::fs::OpenOptions::new().append(true).create(true).open({log:?}).unwrap().write_all(s.as_bytes()).unwrap(); }}
-fn main() {{ log("S\n"); std::thread::sleep(std::time::Duration::from_millis(300)); log("E\n"); }}
-"#
-        );
-        std::fs::write(c.join("build.rs"), script).unwrap();
-    }
+    assert_clean_end(&broker);
 }
 
 #[test]
@@ -89,20 +80,12 @@ fn cargo_builds_within_the_limit() {
     let dir = TempDir::new("cargo");
     let log = dir.path().join("jobs.log");
     cargo_workspace(dir.path(), &log, 10);
-    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
-    let out = broker
-        .run(&["--jobserver-style", "fifo", "--", &cargo, "build", "--offline", "--quiet", "-j", "16"])
-        .current_dir(dir.path())
-        .env("CARGO_TARGET_DIR", dir.path().join("target"))
-        .env_remove("MAKEFLAGS")
-        .env_remove("CARGO_MAKEFLAGS")
-        .output()
-        .unwrap();
+    let out = cargo_build(&broker, dir.path(), &["--jobserver-style", "fifo"]);
     assert_built(&out);
     let (max, started) = max_overlap(&log);
     assert_eq!(started, 10, "every build script ran");
     assert!(max <= 4, "{max} build scripts at once under --jobs 4");
-    broker.assert_all_free();
+    assert_clean_end(&broker);
 }
 
 #[test]
@@ -302,6 +285,20 @@ fn auto_picks_pipe_when_the_make_on_path_is_older_than_4_4() {
             assert!(auth.split(',').all(|fd| fd.parse::<u32>().is_ok()), "{auth}");
         }
     }
+}
+
+#[test]
+fn a_build_that_ends_while_its_next_token_is_queued_gives_back_cleanly() {
+    let broker = Broker::start(2);
+    let mut other = broker.client("other");
+    other.acquire(1).unwrap(); // the build's own slot takes the last token
+    // Opening the FIFO makes baton queue for a token that cannot come.
+    let script = "exec 3<\"${MAKEFLAGS##*fifo:}\"; sleep 0.3";
+    let out = broker.run(&["--jobserver-style", "fifo", "--", "sh", "-c", script]).env_remove("MAKEFLAGS").output().unwrap();
+    assert_built(&out);
+    let s = broker.status();
+    assert_eq!((s.free, s.held, s.totals.reclaimed), (1, 1, 0), "{s:#?}");
+    assert_eq!(s.totals.waits, 1, "the build did queue for a token");
 }
 
 #[test]

@@ -159,6 +159,15 @@ impl Feeder {
         }
     }
 
+    /// Withdraws a pending request, if any, before the build's tokens are
+    /// given back (the protocol allows nothing but CANCEL while one waits).
+    pub fn withdraw(&mut self, client: &mut Client) -> Result<(), ClientError> {
+        if self.pending {
+            self.cancel(client)?;
+        }
+        Ok(())
+    }
+
     /// Withdraws the pending request; a grant that won the race is kept.
     fn cancel(&mut self, client: &mut Client) -> Result<(), ClientError> {
         client.send(&Request::Cancel)?;

@@ -117,15 +117,24 @@ impl Broker {
 
 impl Drop for Broker {
     fn drop(&mut self) {
-        if self.stopped {
-            return;
+        if !self.stopped {
+            unsafe { libc::kill(self.child.id() as i32, libc::SIGTERM) };
+            let _ = wait_timeout(&mut self.child, Duration::from_secs(5)).or_else(|| {
+                let _ = self.child.kill();
+                self.child.wait().ok()
+            });
         }
-        unsafe { libc::kill(self.child.id() as i32, libc::SIGTERM) };
-        let _ = wait_timeout(&mut self.child, Duration::from_secs(5)).or_else(|| {
-            let _ = self.child.kill();
-            self.child.wait().ok()
-        });
+        // A broker killed with SIGKILL leaves its FUSE mount behind, and a
+        // dead mount would keep the temporary directory from going.
+        detach(&self.socket.with_file_name("fuse"));
     }
+}
+
+fn detach(mount: &Path) {
+    let Ok(path) = std::ffi::CString::new(mount.as_os_str().as_encoded_bytes()) else { return };
+    // SAFETY: umount2 reads a NUL-terminated path; failure (not mounted,
+    // not root) is fine.
+    unsafe { libc::umount2(path.as_ptr(), libc::MNT_DETACH) };
 }
 
 pub fn wait_timeout(child: &mut Child, limit: Duration) -> Option<std::process::ExitStatus> {
@@ -228,4 +237,41 @@ pub fn flat_ninja(dir: &Path, log: &Path, jobs: usize, secs: &str) {
         text.push_str(&format!("build out{i}: job\n"));
     }
     std::fs::write(dir.join("build.ninja"), text).unwrap();
+}
+
+/// A cargo workspace of `crates` crates without dependencies, each with a
+/// build script that logs its start and end to `log` around a short sleep.
+pub fn cargo_workspace(dir: &Path, log: &Path, crates: usize) {
+    let members: Vec<String> = (0..crates).map(|i| format!("\"c{i}\"")).collect();
+    std::fs::write(dir.join("Cargo.toml"), format!("[workspace]\nresolver = \"2\"\nmembers = [{}]\n", members.join(", "))).unwrap();
+    for i in 0..crates {
+        let c = dir.join(format!("c{i}"));
+        std::fs::create_dir_all(c.join("src")).unwrap();
+        std::fs::write(c.join("Cargo.toml"), format!("[package]\nname = \"c{i}\"\nversion = \"0.1.0\"\nedition = \"2021\"\n")).unwrap();
+        std::fs::write(c.join("src/lib.rs"), "pub fn f() -> u32 { 1 }\n").unwrap();
+        let script = format!(
+            r#"use std::io::Write;
+fn log(s: &str) {{ std::fs::OpenOptions::new().append(true).create(true).open({log:?}).unwrap().write_all(s.as_bytes()).unwrap(); }}
+fn main() {{ log("S\n"); std::thread::sleep(std::time::Duration::from_millis(300)); log("E\n"); }}
+"#
+        );
+        std::fs::write(c.join("build.rs"), script).unwrap();
+    }
+}
+
+/// `cargo build --offline` of such a workspace under `baton run` with
+/// `run_args`, its target directory inside `dir`.
+pub fn cargo_build(broker: &Broker, dir: &Path, run_args: &[&str]) -> std::process::Output {
+    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+    let mut args = run_args.to_vec();
+    args.extend(["--", &cargo, "build", "--offline", "--quiet", "-j", "16"]);
+    broker
+        .run(&args)
+        .current_dir(dir)
+        .env("CARGO_TARGET_DIR", dir.join("target"))
+        .env_remove("MAKEFLAGS")
+        .env_remove("CARGO_MAKEFLAGS")
+        .env_remove("CARGO_BUILD_JOBS")
+        .output()
+        .unwrap()
 }
