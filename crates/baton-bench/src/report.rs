@@ -148,7 +148,16 @@ impl Report {
             .x_label_area_size(40)
             .y_label_area_size(60)
             .build_cartesian_2d((x_min / 1.2..x_max * 1.2).log_scale(), (y_min / 1.5..y_max * 1.5).log_scale())?;
-        chart.configure_mesh().x_desc("waiters (N)").y_desc(what).draw()?;
+        // Whole numbers, and few of them: a log axis otherwise labels every
+        // minor step, and the labels run together.
+        chart
+            .configure_mesh()
+            .x_desc("waiters (N)")
+            .y_desc(what)
+            .x_labels(6)
+            .x_label_formatter(&|x| format!("{x:.0}"))
+            .y_label_formatter(&|y| format!("{y}"))
+            .draw()?;
         for (i, mechanism) in self.mechanisms().into_iter().enumerate() {
             let color = Palette99::pick(i).stroke_width(2);
             let points: Vec<(f64, f64)> = plotted.iter().filter(|r| r.mechanism == mechanism).map(|r| (r.waiters as f64, value(r))).collect();
