@@ -365,3 +365,56 @@ fn benchmark_make_tree_own_jobserver_vs_fuse_vs_notify_all() {
         );
     }
 }
+
+/// Where the broker cannot mount, `auto` must fall back to the FIFO bridge
+/// and an explicit `fuse` must say what to do instead.
+#[test]
+fn without_a_mount_auto_falls_back_to_the_fifo_and_fuse_is_refused() {
+    let broker = Broker::start_with(4, &["--no-fuse"]);
+    let dir = TempDir::new("no-fuse");
+    let log = dir.path().join("jobs.log");
+    common::flat_makefile(dir.path(), &log, 12, "0.05");
+    let make = make44();
+    let out = broker.run(&["--", make.to_str().unwrap()]).current_dir(dir.path()).env_remove("MAKEFLAGS").output().unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let (max, started) = max_overlap(&log);
+    assert_eq!(started, 12);
+    assert!((2..=4).contains(&max), "the FIFO bridge fed the build: {max} at once");
+    broker.assert_all_free();
+
+    let out = broker.run(&["--jobserver-style", "fuse", "--", "true"]).output().unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("has no FUSE mount") && err.contains("--jobserver-style fifo"), "{err}");
+}
+
+/// A broker that may not mount (here: run as `nobody`, who cannot open
+/// /dev/fuse) says why, once, and serves everyone through the socket.
+#[test]
+fn a_broker_that_cannot_mount_says_why_once_and_serves_on() {
+    if unsafe { libc::getuid() } != 0 || Command::new("setpriv").arg("--version").output().is_err() {
+        eprintln!("NOTE: skipped, needs root and setpriv to run a broker as another user");
+        return;
+    }
+    let dir = TempDir::new("unprivileged");
+    let run_dir = dir.path().join("run");
+    std::fs::create_dir(&run_dir).unwrap();
+    let nobody = 65534;
+    std::os::unix::fs::chown(&run_dir, Some(nobody), Some(nobody)).unwrap();
+    let socket = run_dir.join("socket");
+    let log = dir.path().join("broker.log");
+    let mut serve = Command::new("setpriv")
+        .args(["--reuid=nobody", "--regid=nogroup", "--clear-groups", common::baton_bin(), "serve", "--jobs", "2", "--socket"])
+        .arg(&socket)
+        .stderr(File::create(&log).unwrap())
+        .spawn()
+        .unwrap();
+    wait_for(Duration::from_secs(10), "the broker to listen", || std::os::unix::net::UnixStream::connect(&socket).is_ok());
+    let out = common::baton().args(["run", "--socket"]).arg(&socket).args(["--", "true"]).output().unwrap();
+    assert!(out.status.success());
+    unsafe { libc::kill(serve.id() as i32, libc::SIGTERM) };
+    assert!(serve.wait().unwrap().success());
+    let text = std::fs::read_to_string(&log).unwrap();
+    assert_eq!(text.matches("no FUSE token files").count(), 1, "{text}");
+    assert!(text.contains("builds will use the FIFO bridge"), "{text}");
+}
