@@ -53,7 +53,8 @@ pub fn serve(opts: ServeOptions) -> Result<()> {
             let _ = waker.wake();
         }
     });
-    log::info(format_args!("serving {} tokens at {} (pid {})", opts.jobs, socket.display(), std::process::id()));
+    let noun = if opts.jobs == 1 { "token" } else { "tokens" };
+    log::info(format_args!("serving {} {noun} at {} (pid {})", opts.jobs, socket.display(), std::process::id()));
     let signal = server.run().context("the event loop failed")?;
     let broker = broker.lock().expect("broker lock");
     log::info(format_args!(
