@@ -31,16 +31,20 @@ const TESTS: &[(&str, Test)] = &[
 fn main() {
     let harness = Harness::new();
     let filter = std::env::args().skip(1).find(|a| !a.starts_with('-'));
-    let mut failed = 0;
+    let (mut passed, mut failed) = (0, 0);
     for (name, test) in TESTS.iter().filter(|(name, _)| filter.as_deref().is_none_or(|f| name.contains(f))) {
         match test(&harness) {
-            Ok(()) => println!("test {name} ... ok"),
+            Ok(()) => {
+                println!("test {name} ... ok");
+                passed += 1;
+            }
             Err(e) => {
                 println!("test {name} ... FAILED\n    {e:#}");
                 failed += 1;
             }
         }
     }
+    println!("\nscenarios: {passed} passed, {failed} failed");
     if failed > 0 {
         std::process::exit(1);
     }
@@ -80,8 +84,16 @@ impl Harness {
     }
 
     /// The mechanisms a scenario must show, less baton's when it is absent.
+    /// The rows a run here must have: baton's only with a baton binary,
+    /// its FUSE file's only where FUSE exists (the bench skips them
+    /// otherwise, with a note).
     fn expected(&self, all: &[&'static str]) -> Vec<&'static str> {
-        all.iter().copied().filter(|m| self.baton.is_some() || !m.starts_with("baton")).collect()
+        let fuse = std::path::Path::new("/dev/fuse").exists();
+        all.iter()
+            .copied()
+            .filter(|m| self.baton.is_some() || !m.starts_with("baton"))
+            .filter(|m| fuse || !m.starts_with("baton FUSE"))
+            .collect()
     }
 }
 
@@ -151,7 +163,14 @@ fn check_job_runner_counts(row: &Value, budget: u64) -> Result<()> {
 
 fn blocking_vs_polling_counts_every_acquisition(h: &Harness) -> Result<()> {
     let doc = h.bench(&["blocking-vs-polling", "--waiters", "8", "--ops", "100", "--job-us", "200"])?;
-    let expected = h.expected(&["pipe, blocking read", "pipe, poll + non-blocking read", "baton native", "baton native, poll"]);
+    let expected = h.expected(&[
+        "pipe, blocking read",
+        "pipe, poll + non-blocking read",
+        "baton native",
+        "baton native, poll",
+        "baton FUSE file, poll",
+        "baton FUSE file, notify-all",
+    ]);
     ensure!(mechanisms(&doc) == expected, "mechanisms {:?}", mechanisms(&doc));
     doc["results"].as_array().into_iter().flatten().try_for_each(|row| check_job_runner_counts(row, 100))
 }
@@ -162,7 +181,8 @@ fn mass_poll_sweeps_waiters_and_plots(h: &Harness) -> Result<()> {
     let doc = h.bench(&["mass-poll", "--waiters", "4,16", "--ops", "100", "--job-us", "200", "--plot", &plot_arg])?;
     let polled = rows(&doc, "pipe, poll + non-blocking read");
     ensure!(polled.iter().map(|r| u64_of(r, "waiters")).collect::<Vec<_>>() == [4, 16], "waiters swept: {polled:?}");
-    for mechanism in h.expected(&["pipe, poll + non-blocking read", "baton native"]) {
+    for mechanism in h.expected(&["pipe, poll + non-blocking read", "baton native", "baton native, poll", "baton FUSE file, poll"]) {
+        ensure!(!rows(&doc, mechanism).is_empty(), "no {mechanism} rows");
         rows(&doc, mechanism).into_iter().try_for_each(|row| check_job_runner_counts(row, 100))?;
     }
     // --json and --plot together go through run(); measure() alone does not
