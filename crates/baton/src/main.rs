@@ -80,8 +80,7 @@ killed too."
         /// build's own job slot, the one make never writes back).
         #[arg(short, long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..))]
         tokens: u32,
-        /// How CMD finds its GNU jobserver. auto: pipe for GNU make older
-        /// than 4.4 (including when it is the make on PATH), fifo otherwise.
+        /// How CMD finds its GNU jobserver (docs/jobserver.md).
         #[arg(long, value_enum, default_value = "auto", value_name = "STYLE")]
         jobserver_style: jobserver::Style,
         /// At most this many tokens for the whole build, CMD's own included.

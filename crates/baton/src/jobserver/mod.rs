@@ -29,19 +29,24 @@ mod fifo;
 pub use feeder::Feeder;
 pub use fifo::Fifo;
 
-/// How the build is told where its jobserver is.
+/// How the build is told where its jobserver is. The variants' docs are
+/// `baton run --help`'s text.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub enum Style {
-    /// `--jobserver-auth=R,W`: inherited descriptors (GNU make 4.3).
+    /// --jobserver-auth=R,W (GNU make 4.3 and 4.4, cargo): tokens come back
+    /// through a pipe only baton reads, so builds take strict turns
     Pipe,
-    /// `--jobserver-auth=fifo:PATH` (make ≥ 4.4, ninja 1.13, cargo).
+    /// --jobserver-auth=fifo:PATH, a private FIFO (make >= 4.4, ninja 1.13,
+    /// cargo)
     Fifo,
-    /// `fifo:` a file on the broker's FUSE mount: one wake-up per token even
-    /// for poll()ing make (make ≥ 4.4, cargo; not ninja).
+    /// fifo: a file on the broker's FUSE mount, one wake-up per token even
+    /// for make's pselect() (make >= 4.4, cargo; not ninja)
     Fuse,
-    /// Pick per command: see [`choose_style`].
+    /// ninja: fifo; GNU make < 4.4: pipe; make >= 4.4 and cargo: fuse if the
+    /// broker has a mount, else fifo; anything else: fifo, or pipe if the
+    /// make on PATH is older than 4.4
     Auto,
-    /// No jobserver: only hold the tokens.
+    /// No jobserver: only hold the tokens
     None,
 }
 
