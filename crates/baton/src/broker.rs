@@ -85,12 +85,10 @@ impl Broker {
     }
 
     pub fn acquire(&mut self, id: ClientId, tag: Tag, tokens: u32) -> Result<Acquired, PoolError> {
-        let was_holding = self.pool.held_by(id) > 0;
         let outcome = self.pool.acquire(id, tag, tokens)?;
         let meta = self.pool.meta_mut(id).expect("acquire checked the client");
         match outcome {
-            Acquired::Granted if !was_holding => meta.holding_since = Some(SystemTime::now()),
-            Acquired::Granted => {}
+            Acquired::Granted => Self::note_holding(meta),
             Acquired::Queued => {
                 meta.waiting_since.insert(tag, SystemTime::now());
             }
@@ -99,12 +97,17 @@ impl Broker {
     }
 
     pub fn try_acquire(&mut self, id: ClientId, tokens: u32) -> Result<bool, PoolError> {
-        let was_holding = self.pool.held_by(id) > 0;
         let granted = self.pool.try_acquire(id, tokens)?;
-        if granted && !was_holding {
-            self.pool.meta_mut(id).expect("checked").holding_since = Some(SystemTime::now());
+        if granted {
+            Self::note_holding(self.pool.meta_mut(id).expect("try_acquire checked the client"));
         }
         Ok(granted)
+    }
+
+    /// A client that just got tokens holds since now, unless it already held
+    /// some (release clears the time when it holds none).
+    fn note_holding(meta: &mut ClientMeta) {
+        meta.holding_since.get_or_insert_with(SystemTime::now);
     }
 
     /// Gives tokens back; grants that follow are routed to their transports.

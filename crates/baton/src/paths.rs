@@ -29,10 +29,11 @@ pub fn private_dir(socket: &Path) -> PathBuf {
 /// tighten it to 0700 only if it is one of our default directories, since
 /// `--socket` may point into a directory the user wants left as it is.
 pub fn prepare_private_dir(dir: &Path, is_default: bool) -> Result<()> {
-    match fs::DirBuilder::new().recursive(true).mode(0o700).create(dir) {
-        Ok(()) => {}
-        Err(e) => return Err(e).with_context(|| format!("cannot create the directory {}", dir.display())),
-    }
+    fs::DirBuilder::new()
+        .recursive(true)
+        .mode(0o700)
+        .create(dir)
+        .with_context(|| format!("cannot create the directory {}", dir.display()))?;
     let meta = fs::metadata(dir).with_context(|| format!("cannot read {}", dir.display()))?;
     let uid = nix::unistd::getuid().as_raw();
     if meta.uid() != uid {

@@ -34,7 +34,8 @@ pub struct RunOptions {
 /// Runs the command; returns the exit code `baton run` should exit with.
 pub fn run(opts: RunOptions) -> Result<i32> {
     let socket = absolute(&paths::socket_path(opts.socket));
-    let mut client = Client::connect(&socket, &label(&opts.command))?;
+    let label = label(&opts.command);
+    let mut client = Client::connect(&socket, &label)?;
     let max = opts.max.unwrap_or(client.limit());
     if max < opts.tokens {
         bail!("--max {max} is below --tokens {}: the build could never start", opts.tokens);
@@ -56,7 +57,7 @@ pub fn run(opts: RunOptions) -> Result<i32> {
         Style::Fuse if opts.max.is_some() => bail!("--max works with the pipe and fifo styles, not with fuse"),
         style => style,
     };
-    let jobserver = set_up_jobserver(&mut command, &socket, style, opts.style == Style::Auto, &label(&opts.command))?;
+    let jobserver = set_up_jobserver(&mut command, &socket, style, opts.style == Style::Auto, &label)?;
     let child = match spawn_tied_to_us(&mut command, forwarded) {
         Ok(child) => child,
         Err(e) => return Ok(report_spawn_error(&opts.command[0], e)),

@@ -261,10 +261,15 @@ impl SocketServer {
     }
 
     fn deliver_grants(&mut self) {
-        let grants = self.broker.lock().expect("broker lock").take_grants(Transport::Socket);
-        for Grant { client, tokens, .. } in grants {
+        // One lock for the whole batch: what each client holds now is read
+        // with its grants.
+        let grants: Vec<(ClientId, u32, u32)> = {
+            let mut broker = self.broker.lock().expect("broker lock");
+            let grants = broker.take_grants(Transport::Socket);
+            grants.into_iter().map(|Grant { client, tokens, .. }| (client, tokens, broker.pool().held_by(client))).collect()
+        };
+        for (client, tokens, held) in grants {
             let Some(&token) = self.by_client.get(&client) else { continue };
-            let held = self.broker.lock().expect("broker lock").pool().held_by(client);
             let conn = self.conns.get_mut(&token).expect("by_client and conns agree");
             conn.waiting = false;
             conn.outbuf.extend_from_slice(&Reply::Granted { tokens, held }.encode());
