@@ -2,6 +2,7 @@
 
 use crate::broker::{Broker, Transport};
 use crate::socket::SocketServer;
+use crate::spin::SpinPolicy;
 use crate::{fuse, log, paths};
 use anyhow::{Context, Result};
 use nix::sys::signal::{SigSet, Signal};
@@ -16,6 +17,8 @@ pub struct ServeOptions {
     pub socket: Option<PathBuf>,
     /// How the FUSE token files wake pollers; None: no FUSE mount.
     pub fuse: Option<fuse::Mode>,
+    /// Longest spin of the socket loop before it sleeps, in µs (crate::spin).
+    pub spin_us: u64,
 }
 
 pub fn serve(opts: ServeOptions) -> Result<()> {
@@ -44,7 +47,7 @@ pub fn serve(opts: ServeOptions) -> Result<()> {
     std::fs::set_permissions(&socket, std::fs::Permissions::from_mode(0o600))
         .with_context(|| format!("cannot make {} private (chmod 0600)", socket.display()))?;
 
-    let (mut server, waker) = SocketServer::new(listener, signals, broker.clone()).context("cannot start the event loop")?;
+    let (mut server, waker) = SocketServer::new(listener, signals, broker.clone(), SpinPolicy::for_this_machine(opts.spin_us)).context("cannot start the event loop")?;
     // Grants other transports cause for socket clients wake the socket
     // thread; it delivers its own at the end of each round.
     let socket_thread = std::thread::current().id();

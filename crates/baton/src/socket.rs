@@ -7,6 +7,7 @@
 
 use crate::broker::{Broker, ClientMeta, Transport};
 use crate::log;
+use crate::spin::SpinPolicy;
 use baton_core::protocol::{self, ErrorCode, Reply, Request, MAX_LINE};
 use baton_core::{Acquired, ClientId, Grant, PoolError};
 use mio::net::{UnixListener, UnixStream};
@@ -17,6 +18,7 @@ use std::collections::HashMap;
 use std::io::{self, ErrorKind, Read, Write};
 use std::os::fd::AsRawFd;
 use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 const LISTENER: Token = Token(0);
 const SIGNALS: Token = Token(1);
@@ -59,17 +61,18 @@ pub struct SocketServer {
     conns: HashMap<Token, Conn>,
     by_client: HashMap<ClientId, Token>,
     next_token: usize,
+    spin: SpinPolicy,
 }
 
 impl SocketServer {
-    pub fn new(listener: std::os::unix::net::UnixListener, signals: SignalFd, broker: Arc<Mutex<Broker>>) -> io::Result<(Self, Arc<Waker>)> {
+    pub fn new(listener: std::os::unix::net::UnixListener, signals: SignalFd, broker: Arc<Mutex<Broker>>, spin: SpinPolicy) -> io::Result<(Self, Arc<Waker>)> {
         let poll = Poll::new()?;
         listener.set_nonblocking(true)?;
         let mut listener = UnixListener::from_std(listener);
         poll.registry().register(&mut listener, LISTENER, Interest::READABLE)?;
         poll.registry().register(&mut SourceFd(&signals.as_raw_fd()), SIGNALS, Interest::READABLE)?;
         let waker = Arc::new(Waker::new(poll.registry(), WAKER)?);
-        let server = SocketServer { poll, listener, signals, broker, conns: HashMap::new(), by_client: HashMap::new(), next_token: FIRST_CONN };
+        let server = SocketServer { poll, listener, signals, broker, conns: HashMap::new(), by_client: HashMap::new(), next_token: FIRST_CONN, spin };
         Ok((server, waker))
     }
 
@@ -77,7 +80,7 @@ impl SocketServer {
     pub fn run(&mut self) -> io::Result<&'static str> {
         let mut events = Events::with_capacity(1024);
         loop {
-            match self.poll.poll(&mut events, None) {
+            match self.wait(&mut events) {
                 Ok(()) => {}
                 Err(e) if e.kind() == ErrorKind::Interrupted => continue,
                 Err(e) => return Err(e),
@@ -97,6 +100,29 @@ impl SocketServer {
             // Grants caused by this round (ours or other transports').
             self.deliver_grants();
         }
+    }
+
+    /// Waits for events, spinning first if the last wait was short
+    /// (crate::spin says why).
+    fn wait(&mut self, events: &mut Events) -> io::Result<()> {
+        let started = Instant::now();
+        let spin = self.spin.spin_for();
+        if !spin.is_zero() {
+            loop {
+                self.poll.poll(events, Some(Duration::ZERO))?;
+                if !events.is_empty() {
+                    self.spin.waited(started.elapsed());
+                    return Ok(());
+                }
+                if started.elapsed() >= spin {
+                    break;
+                }
+                std::hint::spin_loop();
+            }
+        }
+        self.poll.poll(events, None)?;
+        self.spin.waited(started.elapsed());
+        Ok(())
     }
 
     fn stop_signal(&mut self) -> Option<&'static str> {

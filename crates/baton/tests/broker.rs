@@ -360,3 +360,47 @@ fn child_pids(pid: u32) -> Vec<u32> {
         .filter_map(|p| p.parse().ok())
         .collect()
 }
+
+/// CPU time (user + system) a process has used, in clock ticks.
+fn cpu_ticks(pid: u32) -> u64 {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap();
+    // Fields after the parenthesised name; utime and stime are 14th and 15th.
+    let after_name = &stat[stat.rfind(')').unwrap() + 2..];
+    let fields: Vec<&str> = after_name.split(' ').collect();
+    fields[11].parse::<u64>().unwrap() + fields[12].parse::<u64>().unwrap()
+}
+
+#[test]
+fn a_fast_ring_is_served_whole_and_the_broker_then_sleeps() {
+    // A wide window, so the broker surely spins while the ring runs.
+    let broker = Broker::start_with(1, &["--no-fuse", "--spin-us", "2000"]);
+    let (members, rounds) = (4, 500);
+    let threads: Vec<_> = (0..members)
+        .map(|i| {
+            let mut c = broker.client(&format!("ring member {i}"));
+            std::thread::spawn(move || {
+                for _ in 0..rounds {
+                    c.acquire(1).unwrap();
+                    c.release(1).unwrap();
+                }
+            })
+        })
+        .collect();
+    threads.into_iter().for_each(|t| t.join().unwrap());
+    assert_eq!(broker.status().totals.granted, members * rounds, "every acquisition was granted once");
+    broker.assert_all_free();
+    // Idle now: a loop that kept spinning would burn the whole second.
+    let before = cpu_ticks(broker.pid());
+    std::thread::sleep(Duration::from_secs(1));
+    let ticks_per_s = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as u64;
+    let used = cpu_ticks(broker.pid()) - before;
+    assert!(used * 10 < ticks_per_s, "an idle broker used {used} of {ticks_per_s} ticks in a second");
+}
+
+#[test]
+fn serve_refuses_a_spin_window_out_of_range() {
+    let out = baton().args(["serve", "--jobs", "1", "--spin-us", "20000"]).output().unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("--spin-us") && err.contains("0..=10000"), "unclear error: {err}");
+}

@@ -36,6 +36,9 @@ pub enum Mechanism {
     Futex,
     /// baton's native protocol: each waiter blocks on its own connection.
     BatonNative,
+    /// The same with the broker's adaptive spin turned off (`--spin-us 0`):
+    /// a control measured in the same run, so the spin's effect is seen.
+    BatonNativeNoSpin,
     /// baton's native protocol waited on with poll(), as an event loop would.
     BatonPoll,
     /// baton's FUSE token file, polled as GNU make 4.4 polls its jobserver:
@@ -57,6 +60,7 @@ impl Mechanism {
             Mechanism::Eventfd => "eventfd semaphore",
             Mechanism::Futex => "futex, FUTEX_WAKE 1",
             Mechanism::BatonNative => "baton native",
+            Mechanism::BatonNativeNoSpin => "baton native, no spin",
             Mechanism::BatonPoll => "baton native, poll",
             Mechanism::BatonFuse => "baton FUSE file, poll",
             Mechanism::BatonFuseNotifyAll => "baton FUSE file, notify-all",
@@ -64,7 +68,7 @@ impl Mechanism {
     }
 
     pub fn is_baton(self) -> bool {
-        matches!(self, Mechanism::BatonNative | Mechanism::BatonPoll | Mechanism::BatonFuse | Mechanism::BatonFuseNotifyAll)
+        matches!(self, Mechanism::BatonNative | Mechanism::BatonNativeNoSpin | Mechanism::BatonPoll | Mechanism::BatonFuse | Mechanism::BatonFuseNotifyAll)
     }
 
     /// Whether this machine can run it (FUSE needs /dev/fuse).
@@ -88,6 +92,7 @@ impl Mechanism {
             Mechanism::Eventfd => Box::new(eventfd::Eventfd::new(tokens)?),
             Mechanism::Futex => Box::new(futex::Futex::new(tokens)?),
             Mechanism::BatonNative => Box::new(baton::Broker::start(tokens, env, baton::Wait::Blocking)?),
+            Mechanism::BatonNativeNoSpin => Box::new(baton::Broker::start_with(tokens, env, baton::Wait::Blocking, &["--no-fuse", "--spin-us", "0"])?),
             Mechanism::BatonPoll => Box::new(baton::Broker::start(tokens, env, baton::Wait::Poll)?),
             Mechanism::BatonFuse => Box::new(fuse::TokenFile::start(tokens, env, fuse::Notify::One)?),
             Mechanism::BatonFuseNotifyAll => Box::new(fuse::TokenFile::start(tokens, env, fuse::Notify::All)?),

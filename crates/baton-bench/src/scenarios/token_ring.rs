@@ -25,6 +25,7 @@ const MECHANISMS: &[Mechanism] = &[
     Mechanism::SysvSemaphore,
     Mechanism::Eventfd,
     Mechanism::BatonNative,
+    Mechanism::BatonNativeNoSpin,
 ];
 
 /// The ring's state, in memory shared by its processes.
