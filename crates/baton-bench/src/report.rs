@@ -25,6 +25,9 @@ pub struct Row {
     /// The broker's share of the context switches (included above).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub broker_context_switches_per_op: Option<f64>,
+    /// The part of the broker's where it blocked (the rest: it was preempted).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub broker_voluntary_context_switches_per_op: Option<f64>,
     /// Scenario-specific figures and parameters.
     #[serde(flatten)]
     pub extra: Map<String, Value>,
@@ -50,6 +53,7 @@ impl Row {
             wall_s,
             ops_per_s: if wall_s > 0.0 { ops as f64 / wall_s } else { 0.0 },
             broker_context_switches_per_op: broker.map(|b| per_op(b.context_switches())),
+            broker_voluntary_context_switches_per_op: broker.map(|b| per_op(b.voluntary_switches)),
             extra: Map::new(),
         }
     }
@@ -99,7 +103,7 @@ impl Report {
     /// The readable table for stdout.
     pub fn table(&self) -> String {
         let extra_keys = self.extra_keys();
-        let mut header = vec!["mechanism", "waiters", "ops", "csw/op", "voluntary", "CPU µs/op", "wall s", "ops/s", "broker csw/op"];
+        let mut header = vec!["mechanism", "waiters", "ops", "csw/op", "voluntary", "CPU µs/op", "wall s", "ops/s", "broker csw/op", "broker voluntary"];
         header.extend(extra_keys.iter().map(String::as_str));
         let rows: Vec<Vec<String>> = self.results.iter().map(|r| table_cells(r, &extra_keys)).collect();
         let mut out = format!("{} on Linux {}, {} CPUs ({})\n\n", self.scenario, self.machine.kernel, self.machine.cpus, self.machine.cpu_model);
@@ -199,6 +203,7 @@ fn table_cells(row: &Row, extra_keys: &[String]) -> Vec<String> {
         format!("{:.2}", row.wall_s),
         format!("{:.0}", row.ops_per_s),
         row.broker_context_switches_per_op.map_or("-".to_string(), |b| format!("{b:.2}")),
+        row.broker_voluntary_context_switches_per_op.map_or("-".to_string(), |b| format!("{b:.2}")),
     ];
     cells.extend(extra_keys.iter().map(|k| row.extra.get(k).map_or("-".to_string(), format_value)));
     cells

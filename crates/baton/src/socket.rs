@@ -62,6 +62,8 @@ pub struct SocketServer {
     by_client: HashMap<ClientId, Token>,
     next_token: usize,
     spin: SpinPolicy,
+    /// Connections written to since the last wait: clients likely woken.
+    replied: usize,
 }
 
 impl SocketServer {
@@ -72,7 +74,7 @@ impl SocketServer {
         poll.registry().register(&mut listener, LISTENER, Interest::READABLE)?;
         poll.registry().register(&mut SourceFd(&signals.as_raw_fd()), SIGNALS, Interest::READABLE)?;
         let waker = Arc::new(Waker::new(poll.registry(), WAKER)?);
-        let server = SocketServer { poll, listener, signals, broker, conns: HashMap::new(), by_client: HashMap::new(), next_token: FIRST_CONN, spin };
+        let server = SocketServer { poll, listener, signals, broker, conns: HashMap::new(), by_client: HashMap::new(), next_token: FIRST_CONN, spin, replied: 0 };
         Ok((server, waker))
     }
 
@@ -102,27 +104,40 @@ impl SocketServer {
         }
     }
 
-    /// Waits for events, spinning first if the last wait was short
-    /// (crate::spin says why).
+    /// Waits for events, spinning first if recent waits were short
+    /// (crate::spin says when and why).
     fn wait(&mut self, events: &mut Events) -> io::Result<()> {
         let started = Instant::now();
-        let spin = self.spin.spin_for();
+        let held = self.broker.lock().expect("broker lock").pool().held() as usize;
+        let spin = self.spin.spin_for(held.max(std::mem::take(&mut self.replied)));
+        let mut preempted = false;
         if !spin.is_zero() {
-            loop {
-                self.poll.poll(events, Some(Duration::ZERO))?;
-                if !events.is_empty() {
-                    self.spin.waited(started.elapsed());
-                    return Ok(());
-                }
-                if started.elapsed() >= spin {
-                    break;
-                }
-                std::hint::spin_loop();
+            let before = preemptions();
+            let caught = self.spin_wait(events, started, spin)?;
+            preempted = preemptions() != before;
+            if caught {
+                self.spin.waited(started.elapsed(), true, preempted);
+                return Ok(());
             }
         }
         self.poll.poll(events, None)?;
-        self.spin.waited(started.elapsed());
+        self.spin.waited(started.elapsed(), !spin.is_zero(), preempted);
         Ok(())
+    }
+
+    /// Looks for events without sleeping until `spin` has passed since
+    /// `started`; whether any came.
+    fn spin_wait(&mut self, events: &mut Events, started: Instant, spin: Duration) -> io::Result<bool> {
+        loop {
+            self.poll.poll(events, Some(Duration::ZERO))?;
+            if !events.is_empty() {
+                return Ok(true);
+            }
+            if started.elapsed() >= spin {
+                return Ok(false);
+            }
+            std::hint::spin_loop();
+        }
     }
 
     fn stop_signal(&mut self) -> Option<&'static str> {
@@ -195,6 +210,9 @@ impl SocketServer {
     /// while output is stuck.
     fn flush_or_close(&mut self, token: Token, finished: bool) {
         let Some(conn) = self.conns.get_mut(&token) else { return };
+        if !conn.outbuf.is_empty() {
+            self.replied += 1;
+        }
         // Flush first: a fatal error's reply should reach the client.
         if flush(conn).is_err() || finished || conn.closing {
             self.close(token);
@@ -391,6 +409,13 @@ fn flush(conn: &mut Conn) -> io::Result<()> {
         return Err(io::Error::other("client does not read its replies"));
     }
     Ok(())
+}
+
+/// How often this thread has been preempted so far (its involuntary
+/// context switches).
+fn preemptions() -> i64 {
+    use nix::sys::resource::{getrusage, UsageWho};
+    getrusage(UsageWho::RUSAGE_THREAD).map_or(0, |usage| usage.involuntary_context_switches())
 }
 
 fn peer_pid(stream: &UnixStream) -> Option<u32> {
