@@ -63,10 +63,11 @@ enum Cmd {
         /// token, as a pipe does.
         #[arg(long, hide = true, conflicts_with = "no_fuse")]
         fuse_notify_all: bool,
-        /// When messages arrive close together, look for the next one for up
-        /// to US microseconds before sleeping: saves the broker a context
-        /// switch per message while tokens change hands quickly, and stops
-        /// after the first longer gap. 0 never spins; nor does a single CPU.
+        /// While messages arrive close together and a CPU is left free by the
+        /// jobs holding tokens, look for the next one for up to US
+        /// microseconds before sleeping: saves the broker a context switch
+        /// per message while tokens change hands quickly. 0 never spins; nor
+        /// does a single CPU (docs/benchmarks.md, "The adaptive spin").
         #[arg(long, value_name = "US", default_value_t = 100, value_parser = clap::value_parser!(u64).range(0..=10_000))]
         spin_us: u64,
     },
