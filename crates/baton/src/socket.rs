@@ -108,20 +108,22 @@ impl SocketServer {
     /// (crate::spin says when and why).
     fn wait(&mut self, events: &mut Events) -> io::Result<()> {
         let started = Instant::now();
-        let held = self.broker.lock().expect("broker lock").pool().held() as usize;
-        let spin = self.spin.spin_for(held.max(std::mem::take(&mut self.replied)));
-        let mut preempted = false;
-        if !spin.is_zero() {
-            let before = preemptions();
-            let caught = self.spin_wait(events, started, spin)?;
-            preempted = preemptions() != before;
-            if caught {
-                self.spin.waited(started.elapsed(), true, preempted);
-                return Ok(());
-            }
+        let replied = std::mem::take(&mut self.replied);
+        let broker = &self.broker;
+        // The broker lock is taken only when the waits before say spin.
+        let spin = self.spin.spin_for(|| replied.max(broker.lock().expect("broker lock").pool().held() as usize));
+        if spin.is_zero() {
+            self.poll.poll(events, None)?;
+            self.spin.waited(started.elapsed(), false, false);
+            return Ok(());
         }
-        self.poll.poll(events, None)?;
-        self.spin.waited(started.elapsed(), !spin.is_zero(), preempted);
+        let before = preemptions();
+        let caught = self.spin_wait(events, started, spin)?;
+        let preempted = preemptions() != before;
+        if !caught {
+            self.poll.poll(events, None)?;
+        }
+        self.spin.waited(started.elapsed(), true, preempted);
         Ok(())
     }
 

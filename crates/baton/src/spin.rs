@@ -61,14 +61,17 @@ impl SpinPolicy {
         Self::new(Duration::from_micros(us), std::thread::available_parallelism().map_or(1, |n| n.get()))
     }
 
-    /// How long to look for events before sleeping while `busy` clients
-    /// want a CPU (jobs holding tokens, clients just replied to): the
-    /// window while recent waits have mostly ended within it and the
-    /// broker fits beside them and the next sender, else nothing.
-    pub fn spin_for(&self, busy: usize) -> Duration {
+    /// How long to look for events before sleeping: the window while
+    /// recent waits have mostly ended within it and the broker fits beside
+    /// the `busy` clients that want a CPU (jobs holding tokens, clients
+    /// just replied to) and the next sender, else nothing. `busy` is asked
+    /// for only when the waits say spin.
+    pub fn spin_for(&self, busy: impl FnOnce() -> usize) -> Duration {
+        if self.window.is_zero() || self.confidence < SPIN_FROM || self.sitting_out > 0 {
+            return Duration::ZERO;
+        }
         // At least one client must run to send the next message.
-        let fits = busy.max(1) < self.cpus;
-        if self.confidence >= SPIN_FROM && fits && self.sitting_out == 0 {
+        if busy().max(1) < self.cpus {
             self.window
         } else {
             Duration::ZERO
@@ -105,7 +108,7 @@ mod tests {
         for &w in waits {
             policy.waited(w, false, false);
         }
-        policy.spin_for(1)
+        policy.spin_for(|| 1)
     }
 
     #[test]
@@ -122,7 +125,7 @@ mod tests {
         let mut policy = SpinPolicy::new(WINDOW, CPUS);
         for w in alternating {
             policy.waited(w, false, false);
-            assert_eq!(policy.spin_for(1), Duration::ZERO);
+            assert_eq!(policy.spin_for(|| 1), Duration::ZERO);
         }
     }
 
@@ -139,24 +142,24 @@ mod tests {
         for _ in 0..4 {
             policy.waited(Duration::ZERO, false, false);
         }
-        assert_eq!(policy.spin_for(0), Duration::ZERO);
+        assert_eq!(policy.spin_for(|| 0), Duration::ZERO);
     }
 
     #[test]
     fn no_spin_while_busy_clients_want_every_cpu() {
         let mut policy = SpinPolicy::new(WINDOW, CPUS);
         (0..3).for_each(|_| policy.waited(SHORT, false, false));
-        assert_eq!(policy.spin_for(0), WINDOW);
-        assert_eq!(policy.spin_for(1), WINDOW, "one busy client, one spare CPU");
-        assert_eq!(policy.spin_for(2), Duration::ZERO);
-        assert_eq!(policy.spin_for(8), Duration::ZERO);
+        assert_eq!(policy.spin_for(|| 0), WINDOW);
+        assert_eq!(policy.spin_for(|| 1), WINDOW, "one busy client, one spare CPU");
+        assert_eq!(policy.spin_for(|| 2), Duration::ZERO);
+        assert_eq!(policy.spin_for(|| 8), Duration::ZERO);
     }
 
     #[test]
     fn one_cpu_never_spins() {
         let mut policy = SpinPolicy::new(WINDOW, 1);
         (0..3).for_each(|_| policy.waited(SHORT, false, false));
-        assert_eq!(policy.spin_for(0), Duration::ZERO);
+        assert_eq!(policy.spin_for(|| 0), Duration::ZERO);
     }
 
     #[test]
@@ -167,7 +170,7 @@ mod tests {
         for _ in 0..4 {
             policy.waited(SHORT, true, true);
             let mut waits = 0;
-            while policy.spin_for(1).is_zero() {
+            while policy.spin_for(|| 1).is_zero() {
                 policy.waited(SHORT, false, false);
                 waits += 1;
             }
@@ -177,9 +180,9 @@ mod tests {
         // Undisturbed spins that catch their message earn it back.
         (0..3).for_each(|_| policy.waited(SHORT, true, false));
         policy.waited(SHORT, true, true);
-        assert!(policy.spin_for(1).is_zero());
+        assert!(policy.spin_for(|| 1).is_zero());
         policy.waited(SHORT, false, false);
         policy.waited(SHORT, false, false);
-        assert_eq!(policy.spin_for(1), WINDOW, "backoff 16 halved three times is 2");
+        assert_eq!(policy.spin_for(|| 1), WINDOW, "backoff 16 halved three times is 2");
     }
 }
