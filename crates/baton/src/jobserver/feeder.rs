@@ -199,22 +199,25 @@ impl Feeder {
         (!self.pending).then(|| self.idle_wait.saturating_sub(since.elapsed()))
     }
 
-    /// A token sat unread too long: give it back and queue for it again, so
-    /// a build that waits elsewhere gets its turn. If nobody waits, it comes
-    /// straight back, and we wait twice as long before trying again.
+    /// A token sat unread too long: give it back, so a build that waits
+    /// elsewhere gets its turn; `step` then queues for one again, within the
+    /// cap. If nobody else wants it, it comes straight back, and we wait
+    /// twice as long before trying again.
     fn on_idle(&mut self, client: &mut Client) -> Result<(), ClientError> {
         if self.idle_timeout() != Some(Duration::ZERO) {
             return Ok(());
         }
+        self.bait_since = None;
+        self.fresh = false;
+        // The build may have read it since we looked: then nothing goes
+        // back, and asking for another here would exceed the cap.
         if self.fifo.take(1) == 1 {
             client.release(1)?;
             self.lent -= 1;
+            self.idle_wait = (self.idle_wait * 2).min(IDLE_MAX);
+        } else {
+            self.idle_wait = IDLE_FIRST;
         }
-        self.fresh = false;
-        self.bait_since = None;
-        self.idle_wait = (self.idle_wait * 2).min(IDLE_MAX);
-        client.send(&Request::Acquire(1))?;
-        self.pending = true;
         Ok(())
     }
 }
@@ -268,5 +271,45 @@ mod tests {
         // Lent 1, which is in use; the client wrote 10 bytes it never took.
         assert_eq!(plan(seen(10, 1, false, false)), Plan { discard: 9, give_back: 1, ask: true });
         assert_eq!(plan(seen(10, 0, false, false)), Plan { discard: 10, ask: true, ..Plan::default() });
+    }
+
+    /// Regression: the idle timer came due just as the build read the
+    /// token; the feeder gave nothing back and asked for one more anyway,
+    /// one past `--max`. The broker's side is played by the test, to see
+    /// every request the feeder sends.
+    #[test]
+    fn a_token_read_as_its_idle_time_comes_does_not_break_the_cap() {
+        use std::io::{BufRead, BufReader, Read, Write};
+        let dir = std::env::temp_dir().join(format!("baton-feeder-test-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let socket = dir.join("socket");
+        let listener = std::os::unix::net::UnixListener::bind(&socket).unwrap();
+        let broker = std::thread::spawn(move || {
+            let (stream, _) = listener.accept().unwrap();
+            let mut requests = BufReader::new(&stream);
+            let mut hello = String::new();
+            requests.read_line(&mut hello).unwrap();
+            (&stream).write_all(b"OK 1 1 8\n").unwrap();
+            let mut rest = String::new();
+            requests.read_to_string(&mut rest).unwrap();
+            rest
+        });
+        let mut client = Client::connect(&socket, "feeder test").unwrap();
+        let mut feeder = Feeder::new(Fifo::create(&dir).unwrap(), 1);
+        let mut build = std::fs::File::open(feeder.fifo.path()).unwrap();
+        feeder.on_fifo_event();
+        feeder.pending = true;
+        feeder.on_reply(Reply::Granted { tokens: 1, held: 2 }).unwrap();
+        feeder.note_bait();
+        // Unread for longer than the feeder waits before giving it back ...
+        feeder.bait_since = Some(Instant::now() - IDLE_MAX * 2);
+        // ... and read by the build just before the feeder looks.
+        build.read_exact(&mut [0u8]).unwrap();
+        feeder.tend(&mut client).unwrap();
+        assert!(!feeder.is_waiting(), "asked for a second token under --max 1");
+        drop(client);
+        let sent = broker.join().unwrap();
+        let _ = std::fs::remove_dir_all(&dir);
+        assert_eq!(sent, "", "the feeder sent requests though it was at its cap");
     }
 }
