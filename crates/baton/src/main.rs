@@ -14,6 +14,7 @@ mod serve;
 mod socket;
 mod spin;
 mod status;
+mod uring;
 
 use clap::{Parser, Subcommand};
 use std::ffi::OsString;
@@ -70,6 +71,12 @@ enum Cmd {
         /// does a single CPU (docs/benchmarks.md, "The adaptive spin").
         #[arg(long, value_name = "US", default_value_t = 100, value_parser = clap::value_parser!(u64).range(0..=10_000))]
         spin_us: u64,
+        /// Write replies, then sleep, in two system calls, even where
+        /// io_uring could do both in one (which saves the broker a context
+        /// switch per grant; docs/benchmarks.md, "One system call"). For
+        /// comparison, or if io_uring misbehaves here.
+        #[arg(long)]
+        no_io_uring: bool,
     },
     /// Run CMD holding tokens from the broker, with a GNU jobserver (MAKEFLAGS)
     /// fed from the pool; every token goes back when CMD ends.
@@ -135,14 +142,14 @@ fn main() -> ExitCode {
 
 fn dispatch(command: Cmd) -> anyhow::Result<u8> {
     match command {
-        Cmd::Serve { jobs, socket, verbose, quiet, no_fuse, fuse_notify_all, spin_us } => {
+        Cmd::Serve { jobs, socket, verbose, quiet, no_fuse, fuse_notify_all, spin_us, no_io_uring } => {
             log::set_level(if quiet { 0 } else if verbose { 2 } else { 1 });
             let fuse = match (no_fuse, fuse_notify_all) {
                 (true, _) => None,
                 (false, true) => Some(fuse::Mode::NotifyAll),
                 (false, false) => Some(fuse::Mode::OneAtATime),
             };
-            serve::serve(serve::ServeOptions { jobs, socket, fuse, spin_us })?;
+            serve::serve(serve::ServeOptions { jobs, socket, fuse, spin_us, io_uring: !no_io_uring })?;
         }
         Cmd::Run { socket, tokens, jobserver_style, max, command } => {
             let code = run::run(run::RunOptions { socket, tokens, max, style: jobserver_style, command })?;

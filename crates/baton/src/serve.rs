@@ -19,6 +19,9 @@ pub struct ServeOptions {
     pub fuse: Option<fuse::Mode>,
     /// Longest spin of the socket loop before it sleeps, in µs (crate::spin).
     pub spin_us: u64,
+    /// Send replies and sleep in one system call where io_uring allows
+    /// (crate::uring).
+    pub io_uring: bool,
 }
 
 pub fn serve(opts: ServeOptions) -> Result<()> {
@@ -47,7 +50,7 @@ pub fn serve(opts: ServeOptions) -> Result<()> {
     std::fs::set_permissions(&socket, std::fs::Permissions::from_mode(0o600))
         .with_context(|| format!("cannot make {} private (chmod 0600)", socket.display()))?;
 
-    let (mut server, waker) = SocketServer::new(listener, signals, broker.clone(), SpinPolicy::for_this_machine(opts.spin_us)).context("cannot start the event loop")?;
+    let (mut server, waker) = SocketServer::new(listener, signals, broker.clone(), SpinPolicy::for_this_machine(opts.spin_us), opts.io_uring).context("cannot start the event loop")?;
     // Grants other transports cause for socket clients wake the socket
     // thread; it delivers its own at the end of each round.
     let socket_thread = std::thread::current().id();

@@ -8,6 +8,7 @@
 use crate::broker::{Broker, ClientMeta, Transport};
 use crate::log;
 use crate::spin::SpinPolicy;
+use crate::uring::SendAndWait;
 use baton_core::protocol::{self, ErrorCode, Reply, Request, MAX_LINE};
 use baton_core::{Acquired, ClientId, Grant, PoolError};
 use mio::net::{UnixListener, UnixStream};
@@ -16,7 +17,7 @@ use mio::{Events, Interest, Poll, Token, Waker};
 use nix::sys::signalfd::SignalFd;
 use std::collections::HashMap;
 use std::io::{self, ErrorKind, Read, Write};
-use std::os::fd::AsRawFd;
+use std::os::fd::{AsRawFd, RawFd};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -37,6 +38,10 @@ const MAX_UNSENT: usize = 1 << 20;
 /// the file descriptor limit, which `serve` raises to its hard maximum.
 pub const MAX_CLIENTS: usize = 60_000;
 
+/// Replies sent in the system call that sleeps; more go out by plain writes
+/// first (a burst, such as a raised limit waking many clients at once).
+const SEND_BATCH: u32 = 63;
+
 struct Conn {
     stream: UnixStream,
     pid: u32,
@@ -50,6 +55,8 @@ struct Conn {
     /// What the connection is registered for; changed only when needed,
     /// since each change is a system call.
     interest: Interest,
+    /// Its output waits to be sent with the loop's next sleep.
+    unsent: bool,
 }
 
 /// The socket server's state. Created by `serve`, run on its own thread.
@@ -64,17 +71,37 @@ pub struct SocketServer {
     spin: SpinPolicy,
     /// Connections written to since the last wait: clients likely woken.
     replied: usize,
+    /// Sends replies in the system call that sleeps (crate::uring), where
+    /// io_uring is available.
+    sender: Option<SendAndWait>,
+    /// Connections whose output waits for the next sleep, in order.
+    unsent: Vec<Token>,
 }
 
 impl SocketServer {
-    pub fn new(listener: std::os::unix::net::UnixListener, signals: SignalFd, broker: Arc<Mutex<Broker>>, spin: SpinPolicy) -> io::Result<(Self, Arc<Waker>)> {
+    /// `io_uring`: send replies in the system call that sleeps, where the
+    /// kernel allows (crate::uring).
+    pub fn new(listener: std::os::unix::net::UnixListener, signals: SignalFd, broker: Arc<Mutex<Broker>>, spin: SpinPolicy, io_uring: bool) -> io::Result<(Self, Arc<Waker>)> {
         let poll = Poll::new()?;
         listener.set_nonblocking(true)?;
         let mut listener = UnixListener::from_std(listener);
         poll.registry().register(&mut listener, LISTENER, Interest::READABLE)?;
         poll.registry().register(&mut SourceFd(&signals.as_raw_fd()), SIGNALS, Interest::READABLE)?;
         let waker = Arc::new(Waker::new(poll.registry(), WAKER)?);
-        let server = SocketServer { poll, listener, signals, broker, conns: HashMap::new(), by_client: HashMap::new(), next_token: FIRST_CONN, spin, replied: 0 };
+        let sender = if io_uring { io_uring_sender(&poll) } else { None };
+        let server = SocketServer {
+            poll,
+            listener,
+            signals,
+            broker,
+            conns: HashMap::new(),
+            by_client: HashMap::new(),
+            next_token: FIRST_CONN,
+            spin,
+            replied: 0,
+            sender,
+            unsent: Vec::new(),
+        };
         Ok((server, waker))
     }
 
@@ -113,10 +140,15 @@ impl SocketServer {
         // The broker lock is taken only when the waits before say spin.
         let spin = self.spin.spin_for(|| replied.max(broker.lock().expect("broker lock").pool().held() as usize));
         if spin.is_zero() {
-            self.poll.poll(events, None)?;
+            if self.unsent.is_empty() {
+                self.poll.poll(events, None)?;
+            } else {
+                self.send_and_wait(events)?;
+            }
             self.spin.waited(started.elapsed(), false, false);
             return Ok(());
         }
+        self.send_unsent_now();
         let before = preemptions();
         let caught = self.spin_wait(events, started, spin)?;
         let preempted = preemptions() != before;
@@ -125,6 +157,54 @@ impl SocketServer {
         }
         self.spin.waited(started.elapsed(), true, preempted);
         Ok(())
+    }
+
+    /// Sends the unsent output and sleeps until events come, in one system
+    /// call (crate::uring says why), then collects the events.
+    fn send_and_wait(&mut self, events: &mut Events) -> io::Result<()> {
+        let batch = self.sender.as_ref().expect("output is held only with a sender").batch();
+        // More than a batch (a raised limit waking many): the first go out
+        // by plain writes.
+        let early = self.unsent.len().saturating_sub(batch);
+        let held: Vec<Token> = self.unsent.drain(..).collect();
+        let (early, last) = held.split_at(early);
+        early.iter().for_each(|&token| self.finish_send(token, Ok(0)));
+        let last: Vec<Token> = last.iter().copied().filter(|token| self.conns.contains_key(token)).collect();
+        let sends: Vec<(RawFd, &[u8])> = last.iter().map(|token| &self.conns[token]).map(|conn| (conn.stream.as_raw_fd(), &conn.outbuf[..])).collect();
+        match self.sender.as_mut().expect("checked above").send_then_wait(&sends) {
+            Ok(results) => {
+                for (token, result) in last.into_iter().zip(results) {
+                    self.finish_send(token, result);
+                }
+                self.poll.poll(events, Some(Duration::ZERO))
+            }
+            Err(e) => {
+                log::warn(format_args!("io_uring failed ({e}): from now on replies are written, then the loop sleeps"));
+                self.sender = None;
+                last.into_iter().for_each(|token| self.finish_send(token, Ok(0)));
+                self.poll.poll(events, None)
+            }
+        }
+    }
+
+    /// Takes note of what a send of held output did, then writes whatever
+    /// is left as `flush_or_close` would have.
+    fn finish_send(&mut self, token: Token, sent: io::Result<usize>) {
+        let Some(conn) = self.conns.get_mut(&token) else { return };
+        conn.unsent = false;
+        match sent {
+            Ok(n) => drop(conn.outbuf.drain(..n)),
+            Err(e) if e.kind() == ErrorKind::WouldBlock => {}
+            Err(_) => return self.close(token),
+        }
+        self.send_now(token, false);
+    }
+
+    /// Sends the output held for the next sleep now, by plain writes.
+    fn send_unsent_now(&mut self) {
+        for token in std::mem::take(&mut self.unsent) {
+            self.finish_send(token, Ok(0));
+        }
     }
 
     /// Looks for events without sleeping until `spin` has passed since
@@ -179,7 +259,7 @@ impl SocketServer {
             return;
         }
         log::debug(format_args!("connection from pid {pid}"));
-        let conn = Conn { stream, pid, client: None, inbuf: Vec::new(), outbuf: Vec::new(), waiting: false, closing: false, interest: Interest::READABLE };
+        let conn = Conn { stream, pid, client: None, inbuf: Vec::new(), outbuf: Vec::new(), waiting: false, closing: false, interest: Interest::READABLE, unsent: false };
         self.conns.insert(token, conn);
     }
 
@@ -215,6 +295,22 @@ impl SocketServer {
         if !conn.outbuf.is_empty() {
             self.replied += 1;
         }
+        // A live connection's output waits for the loop's next sleep, which
+        // sends it (crate::uring), unless earlier output is stuck.
+        if self.sender.is_some() && !finished && !conn.closing && conn.interest == Interest::READABLE {
+            if !conn.outbuf.is_empty() && !conn.unsent {
+                conn.unsent = true;
+                self.unsent.push(token);
+            }
+            return;
+        }
+        self.send_now(token, finished);
+    }
+
+    /// Writes what can be written now, then closes or watches as
+    /// `flush_or_close` says.
+    fn send_now(&mut self, token: Token, finished: bool) {
+        let Some(conn) = self.conns.get_mut(&token) else { return };
         // Flush first: a fatal error's reply should reach the client.
         if flush(conn).is_err() || finished || conn.closing {
             self.close(token);
@@ -411,6 +507,14 @@ fn flush(conn: &mut Conn) -> io::Result<()> {
         return Err(io::Error::other("client does not read its replies"));
     }
     Ok(())
+}
+
+/// The io_uring that sends replies as the loop sleeps, if this kernel
+/// lets us have one.
+fn io_uring_sender(poll: &Poll) -> Option<SendAndWait> {
+    SendAndWait::new(poll.as_raw_fd(), SEND_BATCH)
+        .inspect_err(|e| log::info(format_args!("no io_uring here ({e}): replies are written, then the loop sleeps")))
+        .ok()
 }
 
 /// How often this thread has been preempted so far (its involuntary

@@ -404,3 +404,88 @@ fn serve_refuses_a_spin_window_out_of_range() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("--spin-us") && err.contains("0..=10000"), "unclear error: {err}");
 }
+
+/// The broker's two ways to send a reply and sleep: in one io_uring call
+/// (the default where the kernel has it) and in two system calls.
+const SEND_PATHS: [&[&str]; 2] = [&["--no-fuse", "--spin-us", "0"], &["--no-fuse", "--spin-us", "0", "--no-io-uring"]];
+
+#[test]
+fn both_send_paths_serve_a_busy_ring_whole() {
+    for flags in SEND_PATHS {
+        let broker = Broker::start_with(2, flags);
+        let (members, rounds) = (6, 300);
+        let threads: Vec<_> = (0..members)
+            .map(|i| {
+                let mut c = broker.client(&format!("ring member {i}"));
+                std::thread::spawn(move || {
+                    for _ in 0..rounds {
+                        c.acquire(1).unwrap();
+                        c.release(1).unwrap();
+                    }
+                })
+            })
+            .collect();
+        threads.into_iter().for_each(|t| t.join().unwrap());
+        assert_eq!(broker.status().totals.granted, members * rounds, "{flags:?}: every acquisition granted once");
+        broker.assert_all_free();
+    }
+}
+
+#[test]
+fn a_raise_wakes_more_waiters_than_one_send_batch_holds() {
+    // 100 grants at once: more than the 63 the io_uring call takes.
+    for flags in SEND_PATHS {
+        let broker = Broker::start_with(1, flags);
+        let mut holder = broker.client("holder");
+        holder.acquire(1).unwrap();
+        let waiters: Vec<_> = (0..100)
+            .map(|i| {
+                let mut c = broker.client(&format!("waiter {i}"));
+                let (queued_tx, queued_rx) = std::sync::mpsc::channel();
+                let thread = std::thread::spawn(move || {
+                    queued_tx.send(()).unwrap();
+                    c.acquire(1).unwrap();
+                    c
+                });
+                queued_rx.recv().unwrap();
+                thread
+            })
+            .collect();
+        wait_for(Duration::from_secs(10), "100 waiters", || broker.status().waiters.len() == 100);
+        let out = baton().args(["limit", "101", "--socket"]).arg(&broker.socket).output().unwrap();
+        assert!(out.status.success(), "{flags:?}: {}", String::from_utf8_lossy(&out.stderr));
+        let mut granted: Vec<_> = waiters.into_iter().map(|t| t.join().unwrap()).collect();
+        assert_eq!(broker.status().held, 101, "{flags:?}");
+        granted.iter_mut().for_each(|c| c.release(1).unwrap());
+        holder.release(1).unwrap();
+        broker.assert_all_free();
+    }
+}
+
+#[test]
+fn a_client_that_reads_late_gets_every_reply_in_order() {
+    // Its replies overflow the socket: sends that would block wait for it.
+    for flags in SEND_PATHS {
+        let broker = Broker::start_with(1, flags);
+        let mut s = UnixStream::connect(&broker.socket).unwrap();
+        let requests = 2000;
+        let mut text = String::from("HELLO 1 slow reader\n");
+        (0..requests).for_each(|_| text.push_str("STATUS\n"));
+        s.write_all(text.as_bytes()).unwrap();
+        std::thread::sleep(Duration::from_millis(200)); // let the replies pile up
+        s.shutdown(std::net::Shutdown::Write).unwrap();
+        let mut out = String::new();
+        s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        s.read_to_string(&mut out).unwrap();
+        // Each reply: `STATUS <bytes>`, then the JSON on a line of its own.
+        let lines: Vec<_> = out.lines().collect();
+        assert!(lines[0].starts_with("OK 1 "), "{flags:?}: {}", lines[0]);
+        assert_eq!(lines.len(), 2 * requests + 1, "{flags:?}: a reply for every request");
+        for reply in lines[1..].chunks(2) {
+            assert_eq!(reply[0], format!("STATUS {}", reply[1].len()), "{flags:?}: a reply whole, in order");
+            assert!(reply[1].starts_with('{') && reply[1].ends_with('}'), "{flags:?}: {}", reply[1]);
+        }
+        broker.assert_all_free();
+    }
+}
+
