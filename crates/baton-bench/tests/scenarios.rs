@@ -143,7 +143,7 @@ fn f64_of(row: &Value, key: &str) -> f64 {
 
 fn token_ring_counts_every_transfer(h: &Harness) -> Result<()> {
     let doc = h.bench(&["token-ring", "--processes", "6", "--ops", "300"])?;
-    let expected = h.expected(&["pipe, blocking read", "pipe, poll + non-blocking read", "POSIX semaphore", "SysV semaphore", "eventfd semaphore", "baton native", "baton native, no spin"]);
+    let expected = h.expected(&["pipe, blocking read", "pipe, poll + non-blocking read", "POSIX semaphore", "SysV semaphore", "eventfd semaphore", "baton native", "baton native, no spin", "baton native, no io_uring"]);
     ensure!(mechanisms(&doc) == expected, "mechanisms {:?}", mechanisms(&doc));
     for row in doc["results"].as_array().into_iter().flatten() {
         // Exactly the asked transfers, extra tokens notwithstanding.
@@ -181,7 +181,7 @@ fn mass_poll_sweeps_waiters_and_plots(h: &Harness) -> Result<()> {
     let doc = h.bench(&["mass-poll", "--waiters", "4,16", "--ops", "100", "--job-us", "200", "--plot", &plot_arg])?;
     let polled = rows(&doc, "pipe, poll + non-blocking read");
     ensure!(polled.iter().map(|r| u64_of(r, "waiters")).collect::<Vec<_>>() == [4, 16], "waiters swept: {polled:?}");
-    for mechanism in h.expected(&["pipe, poll + non-blocking read", "baton native", "baton native, no spin", "baton native, poll", "baton FUSE file, poll"]) {
+    for mechanism in h.expected(&["pipe, poll + non-blocking read", "baton native", "baton native, no spin", "baton native, no io_uring", "baton native, poll", "baton FUSE file, poll"]) {
         ensure!(!rows(&doc, mechanism).is_empty(), "no {mechanism} rows");
         rows(&doc, mechanism).into_iter().try_for_each(|row| check_job_runner_counts(row, 100))?;
     }
@@ -196,7 +196,7 @@ fn mass_poll_sweeps_waiters_and_plots(h: &Harness) -> Result<()> {
 
 fn bulk_wake_counts_every_wake_up(h: &Harness) -> Result<()> {
     let doc = h.bench(&["bulk-wake", "--waiters", "6", "--wake", "3", "--ops", "300"])?;
-    ensure!(mechanisms(&doc) == h.expected(&["SysV semaphore", "futex, FUTEX_WAKE 1", "baton native", "baton native, no spin"]), "mechanisms {:?}", mechanisms(&doc));
+    ensure!(mechanisms(&doc) == h.expected(&["SysV semaphore", "futex, FUTEX_WAKE 1", "baton native", "baton native, no spin", "baton native, no io_uring"]), "mechanisms {:?}", mechanisms(&doc));
     for row in doc["results"].as_array().into_iter().flatten() {
         ensure!(u64_of(row, "operations") == 300, "wake-ups in {row}");
         ensure!(u64_of(row, "min_per_waiter") <= u64_of(row, "max_per_waiter"), "fairness columns in {row}");

@@ -39,6 +39,10 @@ pub enum Mechanism {
     /// The same with the broker's adaptive spin turned off (`--spin-us 0`):
     /// a control measured in the same run, so the spin's effect is seen.
     BatonNativeNoSpin,
+    /// The same with replies written before the broker sleeps, in two
+    /// system calls, instead of one io_uring call (`--no-io-uring`): the
+    /// control for that.
+    BatonNativeNoUring,
     /// baton's native protocol waited on with poll(), as an event loop would.
     BatonPoll,
     /// baton's FUSE token file, polled as GNU make 4.4 polls its jobserver:
@@ -61,6 +65,7 @@ impl Mechanism {
             Mechanism::Futex => "futex, FUTEX_WAKE 1",
             Mechanism::BatonNative => "baton native",
             Mechanism::BatonNativeNoSpin => "baton native, no spin",
+            Mechanism::BatonNativeNoUring => "baton native, no io_uring",
             Mechanism::BatonPoll => "baton native, poll",
             Mechanism::BatonFuse => "baton FUSE file, poll",
             Mechanism::BatonFuseNotifyAll => "baton FUSE file, notify-all",
@@ -68,7 +73,7 @@ impl Mechanism {
     }
 
     pub fn is_baton(self) -> bool {
-        matches!(self, Mechanism::BatonNative | Mechanism::BatonNativeNoSpin | Mechanism::BatonPoll | Mechanism::BatonFuse | Mechanism::BatonFuseNotifyAll)
+        matches!(self, Mechanism::BatonNative | Mechanism::BatonNativeNoSpin | Mechanism::BatonNativeNoUring | Mechanism::BatonPoll | Mechanism::BatonFuse | Mechanism::BatonFuseNotifyAll)
     }
 
     /// Whether this machine can run it (FUSE needs /dev/fuse).
@@ -93,6 +98,7 @@ impl Mechanism {
             Mechanism::Futex => Box::new(futex::Futex::new(tokens)?),
             Mechanism::BatonNative => Box::new(baton::Broker::start(tokens, env, baton::Wait::Blocking)?),
             Mechanism::BatonNativeNoSpin => Box::new(baton::Broker::start_with(tokens, env, baton::Wait::Blocking, &["--no-fuse", "--spin-us", "0"])?),
+            Mechanism::BatonNativeNoUring => Box::new(baton::Broker::start_with(tokens, env, baton::Wait::Blocking, &["--no-fuse", "--no-io-uring"])?),
             Mechanism::BatonPoll => Box::new(baton::Broker::start(tokens, env, baton::Wait::Poll)?),
             Mechanism::BatonFuse => Box::new(fuse::TokenFile::start(tokens, env, fuse::Notify::One)?),
             Mechanism::BatonFuseNotifyAll => Box::new(fuse::TokenFile::start(tokens, env, fuse::Notify::All)?),

@@ -18,7 +18,7 @@ use std::sync::atomic::{AtomicBool, Ordering::SeqCst};
 
 pub const DEFAULTS: Defaults = Defaults { waiters: &[64], ops: 20_000, tokens: 0, job_us: 0, wake: 8 };
 
-const MECHANISMS: &[Mechanism] = &[Mechanism::SysvSemaphore, Mechanism::Futex, Mechanism::BatonNative, Mechanism::BatonNativeNoSpin];
+const MECHANISMS: &[Mechanism] = &[Mechanism::SysvSemaphore, Mechanism::Futex, Mechanism::BatonNative, Mechanism::BatonNativeNoSpin, Mechanism::BatonNativeNoUring];
 
 pub fn run(bench: &Bench, scale: &Scale) -> Result<Findings> {
     ensure!(scale.wake >= 1, "--wake must be at least 1");

@@ -10,7 +10,7 @@ use anyhow::Result;
 pub const DEFAULTS: Defaults = Defaults { waiters: &[16, 64, 256, 1024], ops: 2_000, tokens: 2, job_us: 1_000, wake: 1 };
 
 // baton's FUSE token file joins this list when it exists.
-const MECHANISMS: &[Mechanism] = &[Mechanism::PipePoll, Mechanism::BatonNative, Mechanism::BatonNativeNoSpin, Mechanism::BatonPoll, Mechanism::BatonFuse];
+const MECHANISMS: &[Mechanism] = &[Mechanism::PipePoll, Mechanism::BatonNative, Mechanism::BatonNativeNoSpin, Mechanism::BatonNativeNoUring, Mechanism::BatonPoll, Mechanism::BatonFuse];
 
 pub fn run(bench: &Bench, scale: &Scale) -> Result<Findings> {
     let mut findings = job_runners::run(bench, scale, "mass-poll", MECHANISMS)?;

@@ -26,6 +26,7 @@ const MECHANISMS: &[Mechanism] = &[
     Mechanism::Eventfd,
     Mechanism::BatonNative,
     Mechanism::BatonNativeNoSpin,
+    Mechanism::BatonNativeNoUring,
 ];
 
 /// The ring's state, in memory shared by its processes.
