@@ -370,11 +370,9 @@ fn cpu_ticks(pid: u32) -> u64 {
     fields[11].parse::<u64>().unwrap() + fields[12].parse::<u64>().unwrap()
 }
 
-#[test]
-fn a_fast_ring_is_served_whole_and_the_broker_then_sleeps() {
-    // A wide window, so the broker surely spins while the ring runs.
-    let broker = Broker::start_with(1, &["--no-fuse", "--spin-us", "2000"]);
-    let (members, rounds) = (4, 500);
+/// `members` clients, each taking and giving back a token `rounds` times;
+/// every acquisition must be granted once, and every token come back.
+fn run_ring(broker: &Broker, members: u64, rounds: u64) {
     let threads: Vec<_> = (0..members)
         .map(|i| {
             let mut c = broker.client(&format!("ring member {i}"));
@@ -389,6 +387,13 @@ fn a_fast_ring_is_served_whole_and_the_broker_then_sleeps() {
     threads.into_iter().for_each(|t| t.join().unwrap());
     assert_eq!(broker.status().totals.granted, members * rounds, "every acquisition was granted once");
     broker.assert_all_free();
+}
+
+#[test]
+fn a_fast_ring_is_served_whole_and_the_broker_then_sleeps() {
+    // A wide window, so the broker surely spins while the ring runs.
+    let broker = Broker::start_with(1, &["--no-fuse", "--spin-us", "2000"]);
+    run_ring(&broker, 4, 500);
     // Idle now: a loop that kept spinning would burn the whole second.
     let before = cpu_ticks(broker.pid());
     std::thread::sleep(Duration::from_secs(1));
@@ -412,22 +417,7 @@ const SEND_PATHS: [&[&str]; 2] = [&["--no-fuse", "--spin-us", "0"], &["--no-fuse
 #[test]
 fn both_send_paths_serve_a_busy_ring_whole() {
     for flags in SEND_PATHS {
-        let broker = Broker::start_with(2, flags);
-        let (members, rounds) = (6, 300);
-        let threads: Vec<_> = (0..members)
-            .map(|i| {
-                let mut c = broker.client(&format!("ring member {i}"));
-                std::thread::spawn(move || {
-                    for _ in 0..rounds {
-                        c.acquire(1).unwrap();
-                        c.release(1).unwrap();
-                    }
-                })
-            })
-            .collect();
-        threads.into_iter().for_each(|t| t.join().unwrap());
-        assert_eq!(broker.status().totals.granted, members * rounds, "{flags:?}: every acquisition granted once");
-        broker.assert_all_free();
+        run_ring(&Broker::start_with(2, flags), 6, 300);
     }
 }
 
