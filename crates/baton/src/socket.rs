@@ -269,6 +269,8 @@ impl SocketServer {
         let finished = loop {
             let Some(conn) = self.conns.get_mut(&token) else { return };
             match read_chunk(conn) {
+                // A connection that is closing only drains its replies.
+                Chunk::Data if conn.closing => conn.inbuf.clear(),
                 Chunk::Data => self.process_lines(token),
                 Chunk::Drained => break false,
                 Chunk::Finished => break true,
@@ -312,10 +314,24 @@ impl SocketServer {
     fn send_now(&mut self, token: Token, finished: bool) {
         let Some(conn) = self.conns.get_mut(&token) else { return };
         // Flush first: a fatal error's reply should reach the client.
-        if flush(conn).is_err() || finished || conn.closing {
-            self.close(token);
-            return;
+        if flush(conn).is_err() {
+            return self.close(token);
         }
+        if finished || conn.closing {
+            if conn.outbuf.is_empty() {
+                return self.close(token);
+            }
+            // Replies are still to go, and a client that shut down only
+            // its writing side (`nc -N`, a script) still reads them: the
+            // connection stays until they are out, but its tokens come back
+            // now, since it can no longer give them back itself.
+            conn.closing = true;
+            if let Some(id) = conn.client.take() {
+                let pid = conn.pid;
+                self.leave_pool(id, pid);
+            }
+        }
+        let Some(conn) = self.conns.get_mut(&token) else { return };
         let interest = if conn.outbuf.is_empty() { Interest::READABLE } else { Interest::READABLE | Interest::WRITABLE };
         if interest != conn.interest {
             conn.interest = interest;
@@ -422,13 +438,20 @@ impl SocketServer {
     fn close(&mut self, token: Token) {
         let Some(mut conn) = self.conns.remove(&token) else { return };
         let _ = self.poll.registry().deregister(&mut conn.stream);
-        let Some(id) = conn.client else { return };
+        if let Some(id) = conn.client {
+            self.leave_pool(id, conn.pid);
+        }
+    }
+
+    /// A connection's client is gone from the pool: its tokens come back,
+    /// its wait (if any) is withdrawn.
+    fn leave_pool(&mut self, id: ClientId, pid: u32) {
         self.by_client.remove(&id);
         let mut broker = self.broker.lock().expect("broker lock");
         let command = broker.pool().meta(id).map(|m| m.command.clone()).unwrap_or_default();
         let reclaimed = broker.disconnect(id);
         if reclaimed > 0 {
-            log::info(format_args!("reclaimed {reclaimed} token(s) from pid {} ({command}): its connection closed", conn.pid));
+            log::info(format_args!("reclaimed {reclaimed} token(s) from pid {pid} ({command}): its connection closed"));
         }
     }
 }

@@ -454,7 +454,8 @@ fn a_raise_wakes_more_waiters_than_one_send_batch_holds() {
 
 #[test]
 fn a_client_that_reads_late_gets_every_reply_in_order() {
-    // Its replies overflow the socket: sends that would block wait for it.
+    // Its replies overflow the socket: sends that would block wait for it,
+    // even once it has shut down its writing side.
     for flags in SEND_PATHS {
         let broker = Broker::start_with(1, flags);
         let mut s = UnixStream::connect(&broker.socket).unwrap();
@@ -462,8 +463,11 @@ fn a_client_that_reads_late_gets_every_reply_in_order() {
         let mut text = String::from("HELLO 1 slow reader\n");
         (0..requests).for_each(|_| text.push_str("STATUS\n"));
         s.write_all(text.as_bytes()).unwrap();
-        std::thread::sleep(Duration::from_millis(200)); // let the replies pile up
+        // The replies pile up; then the client says it has no more to ask
+        // and reads only once the broker has seen that (as `nc -N` would).
+        std::thread::sleep(Duration::from_millis(200));
         s.shutdown(std::net::Shutdown::Write).unwrap();
+        std::thread::sleep(Duration::from_millis(200));
         let mut out = String::new();
         s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
         s.read_to_string(&mut out).unwrap();
@@ -479,3 +483,29 @@ fn a_client_that_reads_late_gets_every_reply_in_order() {
     }
 }
 
+
+#[test]
+fn a_client_that_shuts_down_its_writing_side_gives_its_tokens_back_and_gets_its_replies() {
+    let broker = Broker::start(2);
+    let mut holder = broker.client("holder");
+    holder.acquire(1).unwrap();
+    let mut s = UnixStream::connect(&broker.socket).unwrap();
+    // One token granted, then a wait for two more that can never come.
+    s.write_all(b"HELLO 1 half-closer\nACQUIRE 1\nSTATUS\n").unwrap();
+    wait_for(Duration::from_secs(5), "the half-closer's token", || broker.status().held == 2);
+    s.write_all(b"ACQUIRE 1\n").unwrap();
+    wait_for(Duration::from_secs(5), "the half-closer to wait", || broker.status().waiters.len() == 1);
+    s.shutdown(std::net::Shutdown::Write).unwrap();
+    wait_for(Duration::from_secs(5), "its token back and its wait withdrawn", || {
+        let status = broker.status();
+        (status.held, status.waiters.len()) == (1, 0)
+    });
+    let mut out = String::new();
+    s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    s.read_to_string(&mut out).unwrap();
+    let lines: Vec<_> = out.lines().collect();
+    assert!(lines[0].starts_with("OK 1 ") && lines[1] == "GRANTED 1 1" && lines[2].starts_with("STATUS "), "{out}");
+    assert_eq!(lines.len(), 4, "nothing after the STATUS body: {out}");
+    holder.release(1).unwrap();
+    broker.assert_all_free();
+}
