@@ -126,8 +126,10 @@ impl Feeder {
         }
         // A cancel that raced with a grant left a fresh token: enough. A
         // command that never opened the FIFO (not a jobserver client) would
-        // only sit on the token.
-        if plan.ask && !self.pending && !self.fresh && self.fifo.in_use() {
+        // only sit on the token. And the build reads the FIFO too: a token
+        // it wrote back may be in use again before we could take it out, so
+        // the cap is checked against what is lent now, not the plan's look.
+        if plan.ask && self.lent < self.max_lent && !self.pending && !self.fresh && self.fifo.in_use() {
             client.send(&Request::Acquire(1))?;
             self.pending = true;
         }
@@ -273,29 +275,70 @@ mod tests {
         assert_eq!(plan(seen(10, 0, false, false)), Plan { discard: 10, ask: true, ..Plan::default() });
     }
 
+    /// The broker's side of the feeder's connection, played by a thread:
+    /// it grants every ACQUIRE at once and notes every request after
+    /// HELLO and the most tokens the connection ever held.
+    struct PlayedBroker {
+        dir: std::path::PathBuf,
+        thread: std::thread::JoinHandle<(String, u32)>,
+    }
+
+    impl PlayedBroker {
+        fn start(name: &str) -> (PlayedBroker, Client) {
+            use std::io::{BufRead, BufReader, Write};
+            let dir = std::env::temp_dir().join(format!("baton-feeder-{name}-{}", std::process::id()));
+            std::fs::create_dir_all(&dir).unwrap();
+            let socket = dir.join("socket");
+            let listener = std::os::unix::net::UnixListener::bind(&socket).unwrap();
+            let thread = std::thread::spawn(move || {
+                let (stream, _) = listener.accept().unwrap();
+                let (mut requests, mut held, mut most) = (String::new(), 0u32, 0u32);
+                for (i, line) in BufReader::new(&stream).lines().enumerate() {
+                    let line = line.unwrap();
+                    let reply = match line.split_once(' ') {
+                        _ if i == 0 => "OK 1 1 8".to_string(),
+                        Some(("ACQUIRE", n)) => {
+                            held += n.parse::<u32>().unwrap();
+                            format!("GRANTED {n} {held}")
+                        }
+                        Some(("RELEASE", n)) => {
+                            held -= n.parse::<u32>().unwrap();
+                            format!("RELEASED {n} {held}")
+                        }
+                        _ if line == "CANCEL" => "CANCELLED 0".to_string(),
+                        _ => panic!("unexpected request {line:?}"),
+                    };
+                    if i > 0 {
+                        requests.push_str(&line);
+                        requests.push('\n');
+                    }
+                    most = most.max(held);
+                    (&stream).write_all(format!("{reply}\n").as_bytes()).unwrap();
+                }
+                (requests, most)
+            });
+            let client = Client::connect(&socket, "feeder test").unwrap();
+            (PlayedBroker { dir, thread }, client)
+        }
+
+        /// Every request after HELLO, and the most tokens held at once;
+        /// `client` must be dropped first.
+        fn finish(self) -> (String, u32) {
+            let seen = self.thread.join().unwrap();
+            let _ = std::fs::remove_dir_all(&self.dir);
+            seen
+        }
+    }
+
     /// Regression: the idle timer came due just as the build read the
     /// token; the feeder gave nothing back and asked for one more anyway,
     /// one past `--max`. The broker's side is played by the test, to see
     /// every request the feeder sends.
     #[test]
     fn a_token_read_as_its_idle_time_comes_does_not_break_the_cap() {
-        use std::io::{BufRead, BufReader, Read, Write};
-        let dir = std::env::temp_dir().join(format!("baton-feeder-test-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        let socket = dir.join("socket");
-        let listener = std::os::unix::net::UnixListener::bind(&socket).unwrap();
-        let broker = std::thread::spawn(move || {
-            let (stream, _) = listener.accept().unwrap();
-            let mut requests = BufReader::new(&stream);
-            let mut hello = String::new();
-            requests.read_line(&mut hello).unwrap();
-            (&stream).write_all(b"OK 1 1 8\n").unwrap();
-            let mut rest = String::new();
-            requests.read_to_string(&mut rest).unwrap();
-            rest
-        });
-        let mut client = Client::connect(&socket, "feeder test").unwrap();
-        let mut feeder = Feeder::new(Fifo::create(&dir).unwrap(), 1);
+        use std::io::Read;
+        let (broker, mut client) = PlayedBroker::start("idle");
+        let mut feeder = Feeder::new(Fifo::create(&broker.dir).unwrap(), 1);
         let mut build = std::fs::File::open(feeder.fifo.path()).unwrap();
         feeder.on_fifo_event();
         feeder.pending = true;
@@ -308,8 +351,49 @@ mod tests {
         feeder.tend(&mut client).unwrap();
         assert!(!feeder.is_waiting(), "asked for a second token under --max 1");
         drop(client);
-        let sent = broker.join().unwrap();
-        let _ = std::fs::remove_dir_all(&dir);
-        assert_eq!(sent, "", "the feeder sent requests though it was at its cap");
+        let (requests, _) = broker.finish();
+        assert_eq!(requests, "", "the feeder sent requests though it was at its cap");
+    }
+
+    /// Regression: the build read back a token it had written back between
+    /// the feeder's look at the FIFO and its taking the token out; the
+    /// feeder gave nothing back but asked for another as if it had, one
+    /// past the limit (the broker refused, and `baton run` lost it). A
+    /// build that holds each token a moment, gives it back and at once
+    /// takes it again runs against the feeder for a while; the broker's
+    /// side checks the cap.
+    #[test]
+    fn a_token_the_build_takes_again_as_it_goes_back_does_not_break_the_cap() {
+        use std::io::{Read, Write};
+        let (broker, mut client) = PlayedBroker::start("retake");
+        let mut feeder = Feeder::new(Fifo::create(&broker.dir).unwrap(), 1);
+        let path = feeder.fifo.path().to_path_buf();
+        let build = std::thread::spawn(move || {
+            use std::os::unix::fs::OpenOptionsExt;
+            let mut fifo = std::fs::OpenOptions::new().read(true).write(true).custom_flags(libc::O_NONBLOCK).open(path).unwrap();
+            let deadline = Instant::now() + Duration::from_millis(500);
+            let mut token = [0u8];
+            while Instant::now() < deadline {
+                if fifo.read(&mut token).is_ok() {
+                    std::thread::sleep(Duration::from_micros(20));
+                    fifo.write_all(&token).unwrap();
+                }
+            }
+        });
+        let deadline = Instant::now() + Duration::from_millis(500);
+        while Instant::now() < deadline {
+            feeder.on_fifo_event();
+            feeder.step(&mut client).unwrap();
+            if feeder.is_waiting() {
+                let reply = client.read_reply().unwrap();
+                feeder.on_reply(reply).unwrap();
+            }
+        }
+        build.join().unwrap();
+        feeder.withdraw(&mut client).unwrap();
+        drop(client);
+        let (requests, most) = broker.finish();
+        assert!(requests.contains("RELEASE"), "the build never gave a token back to the feeder: {requests}");
+        assert!(most <= 1, "the feeder held {most} tokens under --max 1");
     }
 }
