@@ -8,7 +8,7 @@
 use crate::broker::{Broker, ClientMeta, Transport};
 use crate::log;
 use crate::spin::SpinPolicy;
-use crate::uring::SendAndWait;
+use crate::uring::{SendAndWait, Sent};
 use baton_core::protocol::{self, ErrorCode, Reply, Request, MAX_LINE};
 use baton_core::{Acquired, ClientId, Grant, PoolError};
 use mio::net::{UnixListener, UnixStream};
@@ -168,7 +168,7 @@ impl SocketServer {
         let early = self.unsent.len().saturating_sub(batch);
         let held: Vec<Token> = self.unsent.drain(..).collect();
         let (early, last) = held.split_at(early);
-        early.iter().for_each(|&token| self.finish_send(token, Ok(0)));
+        early.iter().for_each(|&token| self.finish_send(token, Sent::Bytes(0)));
         let last: Vec<Token> = last.iter().copied().filter(|token| self.conns.contains_key(token)).collect();
         let sends: Vec<(RawFd, &[u8])> = last.iter().map(|token| &self.conns[token]).map(|conn| (conn.stream.as_raw_fd(), &conn.outbuf[..])).collect();
         match self.sender.as_mut().expect("checked above").send_then_wait(&sends) {
@@ -181,21 +181,26 @@ impl SocketServer {
             Err(e) => {
                 log::warn(format_args!("io_uring failed ({e}): from now on replies are written, then the loop sleeps"));
                 self.sender = None;
-                last.into_iter().for_each(|token| self.finish_send(token, Ok(0)));
+                last.into_iter().for_each(|token| self.finish_send(token, Sent::Bytes(0)));
                 self.poll.poll(events, None)
             }
         }
     }
 
     /// Takes note of what a send of held output did, then writes whatever
-    /// is left as `flush_or_close` would have.
-    fn finish_send(&mut self, token: Token, sent: io::Result<usize>) {
+    /// is left as `flush_or_close` would have: a send that failed is tried
+    /// once more by a plain write, which closes the connection if its peer
+    /// is gone.
+    fn finish_send(&mut self, token: Token, sent: Sent) {
         let Some(conn) = self.conns.get_mut(&token) else { return };
         conn.unsent = false;
         match sent {
-            Ok(n) => drop(conn.outbuf.drain(..n)),
-            Err(e) if e.kind() == ErrorKind::WouldBlock => {}
-            Err(_) => return self.close(token),
+            Sent::Bytes(n) => drop(conn.outbuf.drain(..n)),
+            Sent::Failed(e) if e.kind() == ErrorKind::WouldBlock => {}
+            Sent::Failed(e) => log::debug(format_args!("pid {}: a send through io_uring failed ({e}); writing instead", conn.pid)),
+            // Sending again could repeat a reply; closing cannot lose a
+            // token (the pool takes back what the connection held).
+            Sent::Unknown => return self.close(token),
         }
         self.send_now(token, false);
     }
@@ -203,7 +208,7 @@ impl SocketServer {
     /// Sends the output held for the next sleep now, by plain writes.
     fn send_unsent_now(&mut self) {
         for token in std::mem::take(&mut self.unsent) {
-            self.finish_send(token, Ok(0));
+            self.finish_send(token, Sent::Bytes(0));
         }
     }
 

@@ -17,12 +17,25 @@
 //! Where io_uring is missing (old kernels, seccomp profiles that forbid
 //! it), `SendAndWait::new` fails and the caller writes, then waits.
 
-use io_uring::{opcode, squeue, types, IoUring};
+use io_uring::{opcode, squeue, types, IoUring, Probe};
 use std::io;
 use std::os::fd::RawFd;
 
 /// Marks the completion of the wait, as opposed to a send's.
 const WAIT: u64 = u64::MAX;
+
+/// What one send did.
+#[derive(Debug)]
+pub enum Sent {
+    /// These many bytes went out (fewer than asked if the socket filled).
+    Bytes(usize),
+    /// Nothing went out: the socket was full (`WouldBlock`), its peer gone,
+    /// or the kernel refused the operation. A plain write tells which.
+    Failed(io::Error),
+    /// The ring failed before the send completed: whether it went out is
+    /// not known.
+    Unknown,
+}
 
 /// An io_uring that sends buffers to sockets, then sleeps until an epoll
 /// instance has events.
@@ -41,9 +54,17 @@ pub struct SendAndWait {
 
 impl SendAndWait {
     /// A ring for `epoll` (the event loop's epoll file descriptor), with
-    /// room for `batch` sends per call.
+    /// room for `batch` sends per call. Fails where the kernel has no
+    /// io_uring, refuses it, or lacks the two operations (before 5.6).
     pub fn new(epoll: RawFd, batch: u32) -> io::Result<Self> {
         let ring = IoUring::new((batch + 1).next_power_of_two())?;
+        let mut probe = Probe::new();
+        ring.submitter().register_probe(&mut probe)?;
+        for (code, name) in [(opcode::Send::CODE, "IORING_OP_SEND"), (opcode::PollAdd::CODE, "IORING_OP_POLL_ADD")] {
+            if !probe.is_supported(code) {
+                return Err(io::Error::new(io::ErrorKind::Unsupported, format!("this kernel's io_uring has no {name}")));
+            }
+        }
         Ok(SendAndWait { ring, epoll, buffers: Vec::new(), broken: false, enters: 0 })
     }
 
@@ -54,10 +75,9 @@ impl SendAndWait {
 
     /// Sends each buffer to its socket without blocking, then sleeps until
     /// `epoll` has events, or a signal interrupts the sleep. Returns what
-    /// each send did, in order: the bytes sent, or an error (`WouldBlock`
-    /// if the socket was full). `Err` only if nothing could be submitted:
+    /// each send did, in order. `Err` only if nothing could be submitted:
     /// then nothing was sent and the caller should stop using the ring.
-    pub fn send_then_wait(&mut self, sends: &[(RawFd, &[u8])]) -> io::Result<Vec<io::Result<usize>>> {
+    pub fn send_then_wait(&mut self, sends: &[(RawFd, &[u8])]) -> io::Result<Vec<Sent>> {
         if self.broken {
             return Err(io::Error::other("an earlier io_uring call failed"));
         }
@@ -83,8 +103,8 @@ impl SendAndWait {
     }
 
     /// Collects the sends' completions and the wait's.
-    fn complete(&mut self, sends: usize) -> io::Result<Vec<io::Result<usize>>> {
-        let mut results: Vec<Option<io::Result<usize>>> = (0..sends).map(|_| None).collect();
+    fn complete(&mut self, sends: usize) -> io::Result<Vec<Sent>> {
+        let mut results: Vec<Option<Sent>> = (0..sends).map(|_| None).collect();
         let mut submitted = false;
         let mut woken = false;
         loop {
@@ -122,15 +142,15 @@ impl SendAndWait {
                 }
             }
         }
-        Ok(results.into_iter().map(|r| r.unwrap_or_else(|| Err(io::Error::other("the send's outcome was lost")))).collect())
+        Ok(results.into_iter().map(|r| r.unwrap_or(Sent::Unknown)).collect())
     }
 }
 
-fn outcome(result: i32) -> io::Result<usize> {
+fn outcome(result: i32) -> Sent {
     if result < 0 {
-        Err(io::Error::from_raw_os_error(-result))
+        Sent::Failed(io::Error::from_raw_os_error(-result))
     } else {
-        Ok(result as usize)
+        Sent::Bytes(result as usize)
     }
 }
 
@@ -208,8 +228,7 @@ mod tests {
         let results = ring.send_then_wait(&[(ours.as_raw_fd(), b"GRANTED 1")]).unwrap();
         assert!(poked.load(SeqCst), "returned before the epoll had events");
         assert_eq!(ring.enters, 1, "the send and the sleep took more than one system call");
-        assert_eq!(results.len(), 1);
-        assert_eq!(results[0].as_ref().unwrap(), &9);
+        assert!(matches!(results[..], [Sent::Bytes(9)]), "{results:?}");
         let (got, _poker) = poke.join().unwrap();
         assert_eq!(&got, b"GRANTED 1");
     }
@@ -237,8 +256,7 @@ mod tests {
         let epoll = Epoll::watching(watched.as_raw_fd());
         let Some(mut ring) = ring(&epoll) else { return };
         let results = ring.send_then_wait(&[(full.as_raw_fd(), b"lost"), (ok.as_raw_fd(), b"kept")]).unwrap();
-        assert_eq!(results[0].as_ref().unwrap_err().kind(), io::ErrorKind::WouldBlock);
-        assert_eq!(results[1].as_ref().unwrap(), &4);
+        assert!(matches!(&results[..], [Sent::Failed(e), Sent::Bytes(4)] if e.kind() == io::ErrorKind::WouldBlock), "{results:?}");
         let mut got = [0u8; 4];
         ok_peer.read_exact(&mut got).unwrap();
         assert_eq!(&got, b"kept");
@@ -253,6 +271,6 @@ mod tests {
         let epoll = Epoll::watching(watched.as_raw_fd());
         let Some(mut ring) = ring(&epoll) else { return };
         let results = ring.send_then_wait(&[(ours.as_raw_fd(), b"GRANTED 1")]).unwrap();
-        assert_eq!(results[0].as_ref().unwrap_err().raw_os_error(), Some(libc::EPIPE));
+        assert!(matches!(&results[..], [Sent::Failed(e)] if e.raw_os_error() == Some(libc::EPIPE)), "{results:?}");
     }
 }
