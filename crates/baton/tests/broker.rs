@@ -483,7 +483,6 @@ fn a_client_that_reads_late_gets_every_reply_in_order() {
     }
 }
 
-
 #[test]
 fn a_client_that_shuts_down_its_writing_side_gives_its_tokens_back_and_gets_its_replies() {
     let broker = Broker::start(2);
