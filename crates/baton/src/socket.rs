@@ -148,7 +148,8 @@ impl SocketServer {
             self.spin.waited(started.elapsed(), false, false);
             return Ok(());
         }
-        self.send_unsent_now();
+        let unsent = std::mem::take(&mut self.unsent);
+        self.write_held(unsent);
         let before = preemptions();
         let caught = self.spin_wait(events, started, spin)?;
         let preempted = preemptions() != before;
@@ -168,7 +169,7 @@ impl SocketServer {
         let early = self.unsent.len().saturating_sub(batch);
         let held: Vec<Token> = self.unsent.drain(..).collect();
         let (early, last) = held.split_at(early);
-        early.iter().for_each(|&token| self.finish_send(token, Sent::Bytes(0)));
+        self.write_held(early.iter().copied());
         let last: Vec<Token> = last.iter().copied().filter(|token| self.conns.contains_key(token)).collect();
         let sends: Vec<(RawFd, &[u8])> = last.iter().map(|token| &self.conns[token]).map(|conn| (conn.stream.as_raw_fd(), &conn.outbuf[..])).collect();
         match self.sender.as_mut().expect("checked above").send_then_wait(&sends) {
@@ -181,7 +182,7 @@ impl SocketServer {
             Err(e) => {
                 log::warn(format_args!("io_uring failed ({e}): from now on replies are written, then the loop sleeps"));
                 self.sender = None;
-                last.into_iter().for_each(|token| self.finish_send(token, Sent::Bytes(0)));
+                self.write_held(last);
                 self.poll.poll(events, None)
             }
         }
@@ -205,9 +206,9 @@ impl SocketServer {
         self.send_now(token, false);
     }
 
-    /// Sends the output held for the next sleep now, by plain writes.
-    fn send_unsent_now(&mut self) {
-        for token in std::mem::take(&mut self.unsent) {
+    /// Sends these connections' held output now, by plain writes.
+    fn write_held(&mut self, tokens: impl IntoIterator<Item = Token>) {
+        for token in tokens {
             self.finish_send(token, Sent::Bytes(0));
         }
     }
