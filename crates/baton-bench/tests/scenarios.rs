@@ -103,7 +103,7 @@ impl Drop for Harness {
     }
 }
 
-/// The fields issue 5 requires of every document and row.
+/// The fields every document and row must have (docs/benchmarks.md).
 fn check_document(doc: &Value) -> Result<()> {
     ensure!(doc["scenario"].is_string(), "no scenario in {doc}");
     ensure!(doc["machine"]["kernel"].as_str().is_some_and(|k| !k.is_empty()), "no kernel in {doc}");

@@ -17,6 +17,7 @@ use std::io::{self, BufRead, BufReader, Read, Write};
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 
+pub use baton_core::paths::default_socket_path;
 pub use baton_core::status::Status;
 
 /// What can go wrong talking to the broker.
@@ -66,21 +67,6 @@ pub enum Error {
 
 /// Shorthand for results of this crate.
 pub type Result<T> = std::result::Result<T, Error>;
-
-/// Where the broker's socket is when nobody says otherwise:
-/// `$BATON_SOCKET`, else `$XDG_RUNTIME_DIR/baton/socket`, else
-/// `/tmp/baton-$UID/socket`.
-pub fn default_socket_path() -> PathBuf {
-    if let Some(p) = std::env::var_os("BATON_SOCKET").filter(|p| !p.is_empty()) {
-        return PathBuf::from(p);
-    }
-    if let Some(dir) = std::env::var_os("XDG_RUNTIME_DIR").filter(|p| !p.is_empty()) {
-        return Path::new(&dir).join("baton").join("socket");
-    }
-    // SAFETY: getuid cannot fail and touches no memory.
-    let uid = unsafe { libc::getuid() };
-    PathBuf::from(format!("/tmp/baton-{uid}/socket"))
-}
 
 /// A connection to the broker. Tokens acquired through it are held until
 /// released or until the connection closes.

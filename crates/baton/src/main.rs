@@ -4,18 +4,16 @@
 //! one waiter, oldest first, so nobody is woken to find nothing. See
 //! README.md and docs/.
 
-mod broker;
-mod fuse;
-mod jobserver;
-mod log;
-mod paths;
-mod run;
-mod serve;
-mod socket;
-mod spin;
-mod status;
-mod uring;
+//!
+//! This crate is only the command line: the clap definitions, dispatch,
+//! rendering and exit codes. The broker is `baton-broker`, the jobserver
+//! bridge `baton-jobserver`, the experiments `baton-bench` (ARCHITECTURE.md).
 
+mod status;
+
+use baton_broker::{FuseMode, LogLevel, ServeOptions};
+use baton_core::paths::socket_path;
+use baton_jobserver::RunOptions;
 use clap::{Parser, Subcommand};
 use std::ffi::OsString;
 use std::path::PathBuf;
@@ -97,7 +95,7 @@ killed too."
         tokens: u32,
         /// How CMD finds its GNU jobserver (docs/jobserver.md).
         #[arg(long, value_enum, default_value = "auto", value_name = "STYLE")]
-        jobserver_style: jobserver::Style,
+        jobserver_style: baton_jobserver::Style,
         /// At most this many tokens for the whole build, CMD's own included.
         #[arg(long, value_name = "K", value_parser = clap::value_parser!(u32).range(1..))]
         max: Option<u32>,
@@ -143,20 +141,20 @@ fn main() -> ExitCode {
 fn dispatch(command: Cmd) -> anyhow::Result<u8> {
     match command {
         Cmd::Serve { jobs, socket, verbose, quiet, no_fuse, fuse_notify_all, spin_us, no_io_uring } => {
-            log::set_level(if quiet { 0 } else if verbose { 2 } else { 1 });
+            let log_level = if quiet { LogLevel::Warn } else if verbose { LogLevel::Debug } else { LogLevel::Info };
             let fuse = match (no_fuse, fuse_notify_all) {
                 (true, _) => None,
-                (false, true) => Some(fuse::Mode::NotifyAll),
-                (false, false) => Some(fuse::Mode::OneAtATime),
+                (false, true) => Some(FuseMode::NotifyAll),
+                (false, false) => Some(FuseMode::OneAtATime),
             };
-            serve::serve(serve::ServeOptions { jobs, socket, fuse, spin_us, io_uring: !no_io_uring })?;
+            baton_broker::serve(ServeOptions { jobs, socket, fuse, spin_us, io_uring: !no_io_uring, log_level })?;
         }
         Cmd::Run { socket, tokens, jobserver_style, max, command } => {
-            let code = run::run(run::RunOptions { socket, tokens, max, style: jobserver_style, command })?;
+            let code = baton_jobserver::run(RunOptions { socket, tokens, max, style: jobserver_style, command })?;
             return Ok(u8::try_from(code).unwrap_or(1));
         }
-        Cmd::Status { socket, json } => status::print_status(&paths::socket_path(socket), json)?,
-        Cmd::Limit { jobs, socket } => status::set_limit(&paths::socket_path(socket), jobs)?,
+        Cmd::Status { socket, json } => status::print_status(&socket_path(socket), json)?,
+        Cmd::Limit { jobs, socket } => status::set_limit(&socket_path(socket), jobs)?,
         Cmd::Bench(args) => baton_bench::run(args)?,
     }
     Ok(0)

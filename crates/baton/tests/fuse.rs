@@ -1,4 +1,4 @@
-//! The FUSE token file (issue 4) against the real binary, real FUSE, GNU
+//! The FUSE token file (docs/fuse.md) against the real binary, real FUSE, GNU
 //! make 4.4.1 and cargo.
 //!
 //! Where FUSE cannot be mounted every test here prints a note and passes,

@@ -1,9 +1,12 @@
 //! `baton serve`: start the broker, serve until SIGTERM/SIGINT, clean up.
 
 use crate::broker::{Broker, Transport};
+use crate::fuse::Mode as FuseMode;
+use crate::log::LogLevel;
 use crate::socket::SocketServer;
 use crate::spin::SpinPolicy;
 use crate::{fuse, log, paths};
+use baton_core::paths::{is_chosen_by_baton, private_dir, socket_path};
 use anyhow::{Context, Result};
 use nix::sys::signal::{SigSet, Signal};
 use nix::sys::signalfd::{SfdFlags, SignalFd};
@@ -12,23 +15,35 @@ use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 
 /// What `baton serve` was asked to do.
+#[derive(Debug, Clone)]
 pub struct ServeOptions {
+    /// The pool's limit.
     pub jobs: u32,
+    /// Where to listen; None: `baton_core::paths::default_socket_path`.
     pub socket: Option<PathBuf>,
     /// How the FUSE token files wake pollers; None: no FUSE mount.
-    pub fuse: Option<fuse::Mode>,
-    /// Longest spin of the socket loop before it sleeps, in µs (crate::spin).
+    pub fuse: Option<FuseMode>,
+    /// Longest spin of the socket loop before it sleeps, in µs (the spin
+    /// module says when it engages).
     pub spin_us: u64,
     /// Send replies and sleep in one system call where io_uring allows
-    /// (crate::uring).
+    /// (the uring module says why).
     pub io_uring: bool,
+    /// How much the broker logs on stderr.
+    pub log_level: LogLevel,
 }
 
+/// Serves until SIGTERM or SIGINT, then removes the socket and unmounts.
+///
+/// # Errors
+/// The socket's directory is not ours, another broker serves the path, or
+/// the socket or the event loop cannot be set up.
 pub fn serve(opts: ServeOptions) -> Result<()> {
+    log::set_level(opts.log_level);
     // Only the directories baton chooses itself are tightened to 0700.
-    let chosen_by_us = opts.socket.is_none() && std::env::var_os("BATON_SOCKET").is_none_or(|v| v.is_empty());
-    let socket = paths::socket_path(opts.socket);
-    let dir = paths::private_dir(&socket);
+    let chosen_by_us = is_chosen_by_baton(opts.socket.as_deref());
+    let socket = socket_path(opts.socket);
+    let dir = private_dir(&socket);
     paths::prepare_private_dir(&dir, chosen_by_us)?;
     let _lock = paths::lock_socket(&socket)?;
     paths::clear_stale_socket(&socket)?;
@@ -72,7 +87,7 @@ pub fn serve(opts: ServeOptions) -> Result<()> {
     Ok(())
 }
 
-pub fn stop_signals() -> SigSet {
+fn stop_signals() -> SigSet {
     let mut set = SigSet::empty();
     set.add(Signal::SIGTERM);
     set.add(Signal::SIGINT);

@@ -1,5 +1,7 @@
-//! Where the broker lives on disk: its socket, the private directory around
-//! it, and the lock that keeps two brokers from serving one path.
+//! The broker's side of its files: the private directory around the
+//! socket, the lock that keeps two brokers from serving one path, and the
+//! stale socket a killed broker leaves. Where the files are is decided in
+//! `baton_core::paths`.
 
 use anyhow::{bail, Context, Result};
 use nix::fcntl::{Flock, FlockArg};
@@ -8,21 +10,6 @@ use std::io::ErrorKind;
 use std::os::unix::fs::{DirBuilderExt, FileTypeExt, MetadataExt, OpenOptionsExt, PermissionsExt};
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
-
-/// `--socket`, else the client library's default (`$BATON_SOCKET`,
-/// `$XDG_RUNTIME_DIR/baton/socket`, `/tmp/baton-$UID/socket`).
-pub fn socket_path(explicit: Option<PathBuf>) -> PathBuf {
-    explicit.unwrap_or_else(baton_client::default_socket_path)
-}
-
-/// The directory holding the socket, and the broker's other files (the lock,
-/// jobserver FIFOs, the FUSE mount).
-pub fn private_dir(socket: &Path) -> PathBuf {
-    match socket.parent() {
-        Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
-        _ => PathBuf::from("."),
-    }
-}
 
 /// Makes sure the socket's directory exists and only we can use it. A
 /// directory we create is made 0700. One that exists must belong to us; we

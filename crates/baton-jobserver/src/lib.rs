@@ -1,4 +1,5 @@
-//! The GNU jobserver bridge: a private FIFO per build, fed from the pool.
+//! The GNU jobserver bridge that `baton run` drives: a private FIFO (or
+//! pipe, or FUSE token file) per build, fed from the pool.
 //!
 //! Unmodified make, ninja and cargo take tokens by reading a byte from a
 //! pipe or FIFO named in MAKEFLAGS and give them back by writing one. The
@@ -18,16 +19,24 @@
 //! style (`R,W`, what GNU make 4.3 knows) closes that gap: R reads the FIFO,
 //! but W is a separate pipe only we read, so every token given back reaches
 //! the pool's queue. The FUSE style closes it for `fifo:` clients.
+//!
+//! It reaches the broker only through `baton-client` and the documented
+//! protocol (docs/protocol.md), never through the broker's internals.
+#![deny(missing_docs)]
+
+mod build_file;
+mod feeder;
+mod fifo;
+mod log;
+mod run;
+
+use feeder::Feeder;
+use fifo::Fifo;
+pub use run::{run, RunOptions};
 
 use std::ffi::OsString;
 use std::path::{Path, PathBuf};
 use std::process::Command;
-
-mod feeder;
-mod fifo;
-
-pub use feeder::Feeder;
-pub use fifo::Fifo;
 
 /// How the build is told where its jobserver is. The variants' docs are
 /// `baton run --help`'s text.
@@ -59,7 +68,7 @@ pub enum Style {
 /// - anything else (cmake, a script) → `fifo`, unless the `make` first on
 ///   PATH is older than 4.4: a script or build script that runs it would
 ///   stop on `fifo:`, and every client here also speaks `R,W`.
-pub fn choose_style(command: &[OsString]) -> Style {
+fn choose_style(command: &[OsString]) -> Style {
     let program = Path::new(&command[0]);
     let name = program.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
     if name == "ninja" {
@@ -93,7 +102,7 @@ fn gnu_make_version(make: &Path) -> Option<(u32, u32)> {
 /// `MAKEFLAGS` for the build: the flags it already had, without any older
 /// jobserver or `-j` settings (clients use the last `--jobserver-auth`, but a
 /// stale one is a trap for tools that take the first), then ours.
-pub fn makeflags(inherited: Option<&str>, auth: &str) -> String {
+fn makeflags(inherited: Option<&str>, auth: &str) -> String {
     let kept: Vec<&str> = inherited
         .unwrap_or("")
         .split_whitespace()

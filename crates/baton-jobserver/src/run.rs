@@ -1,12 +1,13 @@
 //! `baton run -- CMD`: hold tokens from the broker while CMD runs, and give
-//! CMD a GNU jobserver fed from the pool (see jobserver/).
+//! CMD a GNU jobserver fed from the pool (see the crate's docs).
 //!
 //! Every token of the build belongs to this process's connection, so if it
 //! is killed the broker takes them all back at once; CMD gets SIGKILL
 //! through the parent-death signal, so it cannot run on holding nothing.
 
-use crate::jobserver::{self, Feeder, Fifo, Style};
-use crate::{fuse, log, paths};
+use crate::build_file::{self, BuildFile};
+use crate::{choose_style, log, makeflags, Feeder, Fifo, Style};
+use baton_core::paths::{private_dir, socket_path};
 use anyhow::{bail, Context, Result};
 use baton_client::{Client, Error as ClientError};
 use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
@@ -21,19 +22,29 @@ use std::process::{Child, Command, ExitStatus};
 use std::time::Duration;
 
 /// What `baton run` was asked to do.
+#[derive(Debug, Clone)]
 pub struct RunOptions {
+    /// The broker's socket; None: `baton_core::paths::default_socket_path`.
     pub socket: Option<PathBuf>,
     /// Held for CMD itself the whole time (1: make's implicit slot).
     pub tokens: u32,
     /// At most this many tokens for the whole build, implicit ones included.
     pub max: Option<u32>,
+    /// How CMD finds its jobserver.
     pub style: Style,
+    /// CMD and its arguments.
     pub command: Vec<OsString>,
 }
 
-/// Runs the command; returns the exit code `baton run` should exit with.
+/// Runs the command under the broker; returns the exit code `baton run`
+/// should exit with (CMD's, or 128 + the signal that killed it; 127 and
+/// 126 when it could not be started).
+///
+/// # Errors
+/// No broker answers, the broker refuses the request, or the jobserver
+/// cannot be set up.
 pub fn run(opts: RunOptions) -> Result<i32> {
-    let socket = absolute(&paths::socket_path(opts.socket));
+    let socket = absolute(&socket_path(opts.socket));
     let label = label(&opts.command);
     let mut client = Client::connect(&socket, &label)?;
     let max = opts.max.unwrap_or(client.limit());
@@ -50,7 +61,7 @@ pub fn run(opts: RunOptions) -> Result<i32> {
     command.args(&opts.command[1..]).env("BATON_SOCKET", &socket);
     let style = match opts.style {
         // The FUSE file has no per-build cap: --max needs the bridge.
-        Style::Auto => match jobserver::choose_style(&opts.command) {
+        Style::Auto => match choose_style(&opts.command) {
             Style::Fuse if opts.max.is_some() => Style::Fifo,
             style => style,
         },
@@ -83,7 +94,7 @@ enum Jobserver {
     /// child inherits (closed in the parent once it has started).
     Bridge { fifo: Fifo, pipe_ends: Option<(OwnedFd, OwnedFd)> },
     /// A token file on the broker's FUSE mount, served by the broker.
-    Fuse(fuse::BuildFile),
+    Fuse(BuildFile),
 }
 
 /// Sets up the jobserver of `style` and points MAKEFLAGS and CARGO_MAKEFLAGS
@@ -92,7 +103,7 @@ enum Jobserver {
 fn set_up_jobserver(command: &mut Command, socket: &Path, style: Style, auto: bool, label: &str) -> Result<Jobserver> {
     let (jobserver, auth) = match style {
         Style::None | Style::Auto => return Ok(Jobserver::None),
-        Style::Fuse => match fuse::build_file(socket, label)? {
+        Style::Fuse => match build_file::create(socket, label)? {
             Some(file) => {
                 let auth = format!("fifo:{}", file.path().display());
                 (Jobserver::Fuse(file), auth)
@@ -105,7 +116,7 @@ fn set_up_jobserver(command: &mut Command, socket: &Path, style: Style, auto: bo
             ),
         },
         Style::Pipe => {
-            let mut fifo = Fifo::create(&paths::private_dir(socket))?;
+            let mut fifo = Fifo::create(&private_dir(socket))?;
             let (read, write) = fifo.open_pipe_ends()?;
             for fd in [&read, &write] {
                 inheritable(fd)?;
@@ -114,14 +125,14 @@ fn set_up_jobserver(command: &mut Command, socket: &Path, style: Style, auto: bo
             (Jobserver::Bridge { fifo, pipe_ends: Some((read, write)) }, auth)
         }
         Style::Fifo => {
-            let fifo = Fifo::create(&paths::private_dir(socket))?;
+            let fifo = Fifo::create(&private_dir(socket))?;
             let auth = format!("fifo:{}", fifo.path().display());
             (Jobserver::Bridge { fifo, pipe_ends: None }, auth)
         }
     };
     for var in ["MAKEFLAGS", "CARGO_MAKEFLAGS"] {
         let inherited = std::env::var(var).ok();
-        command.env(var, jobserver::makeflags(inherited.as_deref(), &auth));
+        command.env(var, makeflags(inherited.as_deref(), &auth));
     }
     Ok(jobserver)
 }

@@ -3,8 +3,8 @@
 //!
 //! Every process using the file is one broker client (accounting is per
 //! process: make reads through one handle and writes through another, the
-//! jobserver crate reads from a helper thread; see DESIGN.md "GNU jobserver
-//! facts"). Its waits go into the broker's one FIFO queue beside the socket
+//! jobserver crate reads from a helper thread; see docs/jobserver.md,
+//! "What clients do"). Its waits go into the broker's one FIFO queue beside the socket
 //! clients':
 //!
 //! - a blocking read is a request tagged with the FUSE request's id; the
@@ -14,8 +14,8 @@
 //!   counts as held by the poller's process until it reads (the reservation
 //!   becomes a taken token) or [`RESERVATION`] passes (the token is released
 //!   to the next waiter), so no token sits free while a poller sleeps and a
-//!   poller that found other work cannot keep one (seed 003: one token,
-//!   hundreds of woken pollers).
+//!   poller that found other work cannot keep one (one token, hundreds of
+//!   woken pollers, as in FreeBSD's `make universe`: docs/benchmarks.md).
 //!
 //! No I/O here: replies and notifications go through the [`ReadReply`] and
 //! [`PollWaker`] traits and the clock is passed in, so the unit tests below

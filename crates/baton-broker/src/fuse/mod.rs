@@ -1,11 +1,12 @@
-//! The FUSE token file (issue 4): GNU make ≥ 4.4 and the jobserver crate
-//! open `--jobserver-auth=fifo:PATH` by path, and a file we serve answers
-//! each read ourselves, so a freed token wakes one poll()ing make instead
-//! of all of them (seed 003: hundreds of sub-makes polling one pipe, 88%
-//! system time).
+//! The FUSE token file (docs/fuse.md): GNU make ≥ 4.4 and the jobserver
+//! crate open `--jobserver-auth=fifo:PATH` by path, and a file we serve
+//! answers each read ourselves, so a freed token wakes one poll()ing make
+//! instead of all of them (FreeBSD's `make universe`, with hundreds of
+//! sub-makes polling one token pipe, spent 88% of its time in the kernel:
+//! docs/benchmarks.md).
 //!
 //! `baton serve` mounts the filesystem at `<socket's dir>/fuse` ([`mount`]);
-//! `baton run` makes one file there per build ([`build_file`]).
+//! `baton run` makes one file there per build (in baton-jobserver).
 //!
 //! - `waiters`: who waits, reservations for notified pollers (pure).
 //! - `procs`: thread → process, pidfds, pending-SIGKILL checks.
@@ -20,7 +21,7 @@ mod waiters;
 pub use waiters::Mode;
 
 use crate::broker::{Broker, Transport};
-use crate::{log, paths};
+use crate::log;
 use anyhow::{bail, Context, Result};
 use control::{Control, WAKER};
 use fs::{Shared, TokenFs};
@@ -28,17 +29,11 @@ use fuser::{BackgroundSession, Config, MountOption, Session};
 use mio::{Poll, Waker};
 use nix::errno::Errno;
 use nix::sys::statfs::{statfs, FUSE_SUPER_MAGIC};
-use std::fs::OpenOptions;
 use std::io::ErrorKind;
 use std::os::unix::ffi::OsStrExt;
-use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
+use std::os::unix::fs::DirBuilderExt;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
-
-/// Where the broker serving `socket` mounts its token files.
-pub fn mount_point(socket: &Path) -> PathBuf {
-    paths::private_dir(socket).join("fuse")
-}
 
 /// The mounted token filesystem. Dropping it unmounts.
 pub struct FuseMount {
@@ -51,7 +46,7 @@ pub struct FuseMount {
 /// not available, says why in one log line and returns None: builds then
 /// use the FIFO bridge.
 pub fn mount(socket: &Path, broker: Arc<Mutex<Broker>>, mode: Mode) -> Option<FuseMount> {
-    let path = mount_point(socket);
+    let path = baton_core::paths::fuse_mount_point(socket);
     match try_mount(&path, broker, mode) {
         Ok(mount) => {
             log::info(format_args!("FUSE token files at {}", path.display()));
@@ -136,56 +131,3 @@ fn detach(path: &Path) {
     let _ = std::process::Command::new("fusermount3").arg("-uz").arg(path).stderr(std::process::Stdio::null()).status();
 }
 
-/// A build's token file; removed on drop.
-#[derive(Debug)]
-pub struct BuildFile {
-    path: PathBuf,
-}
-
-impl BuildFile {
-    /// What to put after `--jobserver-auth=fifo:`.
-    pub fn path(&self) -> &Path {
-        &self.path
-    }
-}
-
-impl Drop for BuildFile {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_file(&self.path);
-    }
-}
-
-/// Makes a token file for one build in the FUSE mount of the broker at
-/// `socket`, named after our pid and `label` so that `ls` and `baton
-/// status` tell builds apart. None if that broker has no FUSE mount (the
-/// caller then uses the FIFO bridge).
-///
-/// # Errors
-/// The mount exists but the file cannot be created there.
-pub fn build_file(socket: &Path, label: &str) -> Result<Option<BuildFile>> {
-    let dir = mount_point(socket);
-    if !statfs(&dir).is_ok_and(|fs| fs.filesystem_type() == FUSE_SUPER_MAGIC) {
-        return Ok(None);
-    }
-    let path = dir.join(file_name(std::process::id(), label));
-    let create = || OpenOptions::new().write(true).create_new(true).mode(0o600).open(&path);
-    // A file of the same name was left by a killed run with our pid.
-    let created = create().or_else(|e| if e.kind() == ErrorKind::AlreadyExists { std::fs::remove_file(&path).and_then(|_| create()) } else { Err(e) });
-    created.with_context(|| format!("cannot create the token file {}", path.display()))?;
-    Ok(Some(BuildFile { path }))
-}
-
-/// `<pid>-<label>`, with the label reduced to characters safe in a path
-/// and in MAKEFLAGS (which splits on spaces).
-fn file_name(pid: u32, label: &str) -> String {
-    let safe: String = label.chars().take(80).map(|c| if c.is_ascii_alphanumeric() || "._-".contains(c) { c } else { '_' }).collect();
-    format!("{pid}-{safe}")
-}
-
-#[cfg(test)]
-mod tests {
-    #[test]
-    fn build_file_names_are_safe_in_makeflags() {
-        assert_eq!(super::file_name(42, "baton run -- make -C a/b"), "42-baton_run_--_make_-C_a_b");
-    }
-}

@@ -2,7 +2,7 @@
 //! reservations that run out, blocked readers that a signal would interrupt, and
 //! grants caused by socket clients, and acts on each.
 
-use super::fs::{Inner, Shared};
+use super::fs::{Shared, KILL_SCAN};
 use super::procs;
 use crate::log;
 use mio::{Events, Poll, Token, Waker};
@@ -10,15 +10,10 @@ use std::io::ErrorKind;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 /// The waker's token; pidfds use `Token(pid)`, and pids are below this.
 pub const WAKER: Token = Token(usize::MAX);
-
-/// How often threads blocked in a read are checked for a pending signal
-/// (see `Waiters::interrupt`); a killed reader's tokens must be back within
-/// 1 s (issue 4).
-const KILL_SCAN: Duration = Duration::from_millis(100);
 
 /// The running control thread; stopped and joined on drop.
 pub struct Control {
@@ -46,18 +41,11 @@ impl Drop for Control {
     }
 }
 
-/// When the control thread must next act by itself: a reservation runs
-/// out, or blocked readers are due for a signal check.
-pub fn next_wakeup(inner: &Inner) -> Option<Instant> {
-    let scan = inner.waiters.blocked_threads().next().map(|_| inner.scanned_at + KILL_SCAN);
-    [inner.waiters.next_deadline(), scan].into_iter().flatten().min()
-}
-
 fn run(shared: &Shared, mut poll: Poll, stop: &AtomicBool) {
     let mut events = Events::with_capacity(256);
     while !stop.load(Ordering::Relaxed) {
         let timeout = shared.with(|inner, _| {
-            inner.control_sleeps_until = next_wakeup(inner);
+            inner.control_sleeps_until = inner.next_wakeup();
             inner.control_sleeps_until.map(|t| t.saturating_duration_since(Instant::now()))
         });
         match poll.poll(&mut events, timeout) {

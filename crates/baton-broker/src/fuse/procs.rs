@@ -1,6 +1,6 @@
 //! The processes behind FUSE requests: a request carries the calling
-//! thread's id, tokens belong to its process (DESIGN.md "GNU jobserver
-//! facts"), and a pidfd per process tells us when it is gone.
+//! thread's id, tokens belong to its process (docs/jobserver.md, "What
+//! clients do"), and a pidfd per process tells us when it is gone.
 
 use mio::unix::SourceFd;
 use mio::{Interest, Registry, Token};

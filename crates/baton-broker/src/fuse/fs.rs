@@ -8,7 +8,6 @@
 //! reservation timeouts, grants caused by socket clients) shares the
 //! state below. Lock order: `Inner`, then the broker.
 
-use super::control;
 use super::procs::{Exits, Threads};
 use super::waiters::{Fh, Pid, PollWaker, ReadReply, Waiters};
 use crate::broker::{Broker, ClientMeta, Transport};
@@ -112,7 +111,7 @@ impl Shared {
         let out = f(&mut inner, &mut broker);
         inner.waiters.settle(&mut broker, Instant::now());
         DELIVERING.with(|d| d.set(false));
-        let due = control::next_wakeup(&inner);
+        let due = inner.next_wakeup();
         if due.is_some_and(|due| inner.control_sleeps_until.is_none_or(|planned| due < planned)) {
             inner.control_sleeps_until = due;
             let _ = self.control.wake();
@@ -121,7 +120,20 @@ impl Shared {
     }
 }
 
+/// How often threads blocked in a read are checked for a pending signal
+/// (see `Waiters::interrupt`): fuser cannot take the kernel's interrupt, so
+/// a reader killed while blocked is found this way, and its tokens come
+/// back within about this long.
+pub const KILL_SCAN: Duration = Duration::from_millis(100);
+
 impl Inner {
+    /// When the control thread must next act by itself: a reservation runs
+    /// out, or blocked readers are due for a signal check.
+    pub fn next_wakeup(&self) -> Option<Instant> {
+        let scan = self.waiters.blocked_threads().next().map(|_| self.scanned_at + KILL_SCAN);
+        [self.waiters.next_deadline(), scan].into_iter().flatten().min()
+    }
+
     /// The process behind a request, registered with the broker and
     /// watched for its exit on first sight.
     fn process(&mut self, broker: &mut Broker, tid: u32, fh: Fh) -> Option<Pid> {
@@ -276,7 +288,7 @@ impl Filesystem for TokenFs {
             return reply.data(&[]);
         }
         // make ≥ 4.3 reads with O_NONBLOCK after pselect(); the jobserver
-        // crate reads blocking first (DESIGN.md "GNU jobserver facts").
+        // crate reads blocking first (docs/jobserver.md, "What clients do").
         let blocking = flags.0 & libc::O_NONBLOCK == 0;
         let tid = req.pid();
         self.with(|inner, broker| match inner.process(broker, tid, fh.0) {

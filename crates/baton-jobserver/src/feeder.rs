@@ -2,8 +2,7 @@
 //! tested on their own) and the `Feeder` that carries them out over the
 //! broker connection.
 
-use super::Fifo;
-use crate::log;
+use crate::{log, Fifo};
 use baton_client::{Client, Error as ClientError};
 use baton_core::protocol::{Reply, Request};
 use std::time::{Duration, Instant};

@@ -1,0 +1,30 @@
+//! The baton broker: one process that owns a pool of job tokens and serves
+//! it over a Unix socket (the native protocol, docs/protocol.md) and a FUSE
+//! token file (docs/fuse.md).
+//!
+//! Its public face is what `baton serve` needs and no more: a
+//! [`ServeOptions`] value and [`serve`], which runs until SIGTERM or SIGINT.
+//! The pool and its policy live in `baton-core`; this crate turns sockets,
+//! FUSE requests and process exits into calls on it.
+//!
+//! - `broker`: the shared pool with each client's metadata and the grants
+//!   each transport still has to deliver.
+//! - `socket`: the native protocol's event loop (mio), with `spin` (when to
+//!   look for the next message before sleeping) and `uring` (send replies
+//!   and sleep in one system call).
+//! - `fuse`: the FUSE token file server.
+//! - `paths`: the socket's directory, lock and stale-socket checks.
+#![deny(missing_docs)]
+
+mod broker;
+mod fuse;
+mod log;
+mod paths;
+mod serve;
+mod socket;
+mod spin;
+mod uring;
+
+pub use fuse::Mode as FuseMode;
+pub use log::LogLevel;
+pub use serve::{serve, ServeOptions};

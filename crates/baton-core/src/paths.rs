@@ -1,0 +1,68 @@
+//! Where a broker's files are, in one place for the broker, the client
+//! library, the jobserver bridge and the command line.
+//!
+//! The socket is chosen by whoever asks (`--socket`), else the environment
+//! (`$BATON_SOCKET`), else the per-user runtime directory. Every other file
+//! of a broker (its lock, the jobserver FIFOs, the FUSE mount) lives in the
+//! socket's directory, so one path names a whole broker.
+
+use std::path::{Path, PathBuf};
+
+/// `explicit` (a `--socket` option) if given, else [`default_socket_path`].
+pub fn socket_path(explicit: Option<PathBuf>) -> PathBuf {
+    explicit.unwrap_or_else(default_socket_path)
+}
+
+/// Where the broker's socket is when nobody says otherwise:
+/// `$BATON_SOCKET`, else `$XDG_RUNTIME_DIR/baton/socket`, else
+/// `/tmp/baton-$UID/socket`.
+pub fn default_socket_path() -> PathBuf {
+    if let Some(p) = std::env::var_os("BATON_SOCKET").filter(|p| !p.is_empty()) {
+        return PathBuf::from(p);
+    }
+    if let Some(dir) = std::env::var_os("XDG_RUNTIME_DIR").filter(|p| !p.is_empty()) {
+        return Path::new(&dir).join("baton").join("socket");
+    }
+    // SAFETY: getuid cannot fail and touches no memory.
+    let uid = unsafe { libc::getuid() };
+    PathBuf::from(format!("/tmp/baton-{uid}/socket"))
+}
+
+/// Whether [`socket_path`] with `explicit` falls back to a directory baton
+/// picks itself (and may therefore make private), rather than one the user
+/// named.
+pub fn is_chosen_by_baton(explicit: Option<&Path>) -> bool {
+    explicit.is_none() && std::env::var_os("BATON_SOCKET").is_none_or(|v| v.is_empty())
+}
+
+/// The directory holding the socket, and the broker's other files (the lock,
+/// jobserver FIFOs, the FUSE mount).
+pub fn private_dir(socket: &Path) -> PathBuf {
+    match socket.parent() {
+        Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
+        _ => PathBuf::from("."),
+    }
+}
+
+/// Where the broker serving `socket` mounts its FUSE token files.
+pub fn fuse_mount_point(socket: &Path) -> PathBuf {
+    private_dir(socket).join("fuse")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_broker_s_files_sit_beside_its_socket() {
+        assert_eq!(private_dir(Path::new("/run/u/baton/socket")), Path::new("/run/u/baton"));
+        assert_eq!(private_dir(Path::new("socket")), Path::new("."));
+        assert_eq!(fuse_mount_point(Path::new("/run/u/baton/socket")), Path::new("/run/u/baton/fuse"));
+    }
+
+    #[test]
+    fn an_explicit_path_wins() {
+        assert_eq!(socket_path(Some("/x/s".into())), Path::new("/x/s"));
+        assert!(!is_chosen_by_baton(Some(Path::new("/x/s"))));
+    }
+}
