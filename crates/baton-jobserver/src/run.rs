@@ -208,7 +208,12 @@ fn supervise(mut child: Child, signals: &SignalFd, mut broker: Broker, mut feede
         }
         let client_fd = unsafe { BorrowedFd::borrow_raw(broker.client.as_raw_fd()) };
         let mut fds = vec![PollFd::new(pidfd.as_fd(), PollFlags::POLLIN), PollFd::new(signals.as_fd(), PollFlags::POLLIN)];
-        fds.push(PollFd::new(client_fd, if broker.alive { PollFlags::POLLIN } else { PollFlags::empty() }));
+        // A lost broker's socket stays out of the set: poll reports its
+        // hang-up whatever events are asked for, and would never sleep.
+        if broker.alive {
+            fds.push(PollFd::new(client_fd, PollFlags::POLLIN));
+        }
+        let feeder_at = fds.len();
         if let Some(f) = &feeder {
             fds.extend(f.event_fds().into_iter().map(|fd| PollFd::new(fd, PollFlags::POLLIN)));
         }
@@ -219,7 +224,9 @@ fn supervise(mut child: Child, signals: &SignalFd, mut broker: Broker, mut feede
             Err(e) => return Err(e).context("poll failed"),
         }
         let ready = |i: usize| fds.get(i).and_then(|f| f.revents()).is_some_and(|r| !r.is_empty());
-        let (child_done, got_signal, broker_event, fifo_event) = (ready(0), ready(1), ready(2), ready(3) || ready(4));
+        let (child_done, got_signal) = (ready(0), ready(1));
+        let broker_event = broker.alive && ready(2);
+        let fifo_event = (feeder_at..fds.len()).any(ready);
         drop(fds);
         if got_signal {
             forward_signals(signals, child.id());

@@ -62,7 +62,7 @@ fn a_freed_token_goes_to_the_longest_waiter() {
 #[test]
 fn kill_9_of_holders_returns_their_tokens_within_100ms() {
     let broker = Broker::start(2);
-    let mut holders: Vec<_> = (0..2).map(|_| broker.run(&["--", "sleep", "600"]).spawn().unwrap()).collect();
+    let mut holders: Vec<_> = (0..2).map(|_| broker.run(&["--jobserver-style", "none", "--", "sleep", "600"]).spawn().unwrap()).collect();
     wait_for(Duration::from_secs(10), "two holders", || broker.status().held == 2);
     // A waiter blocked in ACQUIRE measures how soon each token comes back.
     let socket = broker.socket.clone();
@@ -121,7 +121,7 @@ fn human_status_lists_holders_and_waiters() {
     let broker = Broker::start(1);
     let mut holder = broker.client("the-holder");
     holder.acquire(1).unwrap();
-    let mut waiter = broker.run(&["--", "true"]).spawn().unwrap();
+    let mut waiter = broker.run(&["--jobserver-style", "none", "--", "true"]).spawn().unwrap();
     wait_for(Duration::from_secs(5), "a waiter", || broker.status().waiters.len() == 1);
     let out = baton().args(["status", "--socket"]).arg(&broker.socket).output().unwrap();
     let text = String::from_utf8(out.stdout).unwrap();
@@ -339,7 +339,7 @@ fn raising_the_limit_by_k_wakes_exactly_k_waiters() {
     let broker = Broker::start(1);
     let mut holder = broker.client("holder");
     holder.acquire(1).unwrap();
-    let waiters: Vec<_> = (0..6).map(|_| broker.run(&["--", "sleep", "600"]).spawn().unwrap()).collect();
+    let waiters: Vec<_> = (0..6).map(|_| broker.run(&["--jobserver-style", "none", "--", "sleep", "600"]).spawn().unwrap()).collect();
     wait_for(Duration::from_secs(10), "six waiters", || broker.status().waiters.len() == 6);
     let out = baton().args(["limit", "4", "--socket"]).arg(&broker.socket).output().unwrap();
     assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), "limit 1 -> 4");
@@ -359,15 +359,6 @@ fn child_pids(pid: u32) -> Vec<u32> {
         .split_whitespace()
         .filter_map(|p| p.parse().ok())
         .collect()
-}
-
-/// CPU time (user + system) a process has used, in clock ticks.
-fn cpu_ticks(pid: u32) -> u64 {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap();
-    // Fields after the parenthesised name; utime and stime are 14th and 15th.
-    let after_name = &stat[stat.rfind(')').unwrap() + 2..];
-    let fields: Vec<&str> = after_name.split(' ').collect();
-    fields[11].parse::<u64>().unwrap() + fields[12].parse::<u64>().unwrap()
 }
 
 /// `members` clients, each taking and giving back a token `rounds` times;

@@ -259,8 +259,15 @@ fn a_build_survives_its_broker_going_away() {
     let run = broker.run(&["--jobserver-style", "fifo", "--", make44().to_str().unwrap()]).current_dir(dir.path()).env_remove("MAKEFLAGS").stderr(Stdio::piped()).stdout(Stdio::null()).spawn().unwrap();
     wait_for(Duration::from_secs(10), "the build to start", || log.exists());
     broker.stop_with(libc::SIGKILL);
+    // Once the broker is gone, baton run waits for its build in poll(); a
+    // loop that polled the dead socket would burn a CPU until the end.
+    let before = cpu_ticks(run.id());
+    std::thread::sleep(Duration::from_millis(1000));
+    let used = cpu_ticks(run.id()) - before;
+    let ticks_per_s = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as u64;
     let out = run.wait_with_output().unwrap();
     assert!(out.status.success(), "the build finished");
+    assert!(used * 4 < ticks_per_s, "baton run used {used} of {ticks_per_s} CPU ticks in the second after its broker died");
     let err = String::from_utf8_lossy(&out.stderr);
     assert_eq!(err.matches("lost the broker").count(), 1, "said once: {err}");
     assert_eq!(max_overlap(&log).1, 12);

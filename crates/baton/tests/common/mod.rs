@@ -275,3 +275,12 @@ pub fn cargo_build(broker: &Broker, dir: &Path, run_args: &[&str]) -> std::proce
         .output()
         .unwrap()
 }
+
+/// CPU time (user + system) a process has used, in clock ticks.
+pub fn cpu_ticks(pid: u32) -> u64 {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap();
+    // Fields after the parenthesised name; utime and stime are 14th and 15th.
+    let after_name = &stat[stat.rfind(')').unwrap() + 2..];
+    let fields: Vec<&str> = after_name.split(' ').collect();
+    fields[11].parse::<u64>().unwrap() + fields[12].parse::<u64>().unwrap()
+}
