@@ -24,7 +24,10 @@ pub struct Version(pub u32, pub u32, pub u32);
 
 impl fmt::Display for Version {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}.{}.{}", self.0, self.1, self.2)
+        match self.2 {
+            0 => write!(f, "{}.{}", self.0, self.1),
+            patch => write!(f, "{}.{}.{patch}", self.0, self.1),
+        }
     }
 }
 
@@ -107,11 +110,11 @@ pub fn choose(tree: &Tree) -> Choice {
             Style::Pipe
         }
         Top::Make(make) => {
-            why.push(format!("make {make} reads fifo:, where the FUSE file wakes one waiter per token"));
+            why.push(format!("make {make} reads both forms"));
             pipe_if_needed(&rw_only, &mut why, Style::Fuse)
         }
         Top::Cargo => {
-            why.push("cargo reads both forms; the FUSE file wakes one waiter per token".to_string());
+            why.push("cargo reads both forms".to_string());
             pipe_if_needed(&rw_only, &mut why, Style::Fuse)
         }
         Top::Other => pipe_if_needed(&rw_only, &mut why, Style::Fifo),
@@ -136,7 +139,10 @@ fn rw_only_readers(tree: &Tree) -> Vec<String> {
 
 fn pipe_if_needed(rw_only: &[String], why: &mut Vec<String>, otherwise: Style) -> Style {
     if rw_only.is_empty() {
-        why.push("no client that reads only R,W was found (make on PATH, cc)".to_string());
+        why.push("no client that reads only R,W was found (make on PATH or $MAKE, $CC or cc)".to_string());
+        if otherwise == Style::Fuse {
+            why.push("the FUSE file wakes one waiter per token".to_string());
+        }
         return otherwise;
     }
     why.extend(rw_only.iter().cloned());
@@ -203,16 +209,17 @@ fn c_compiler() -> PathBuf {
     PathBuf::from(cc.split_whitespace().next().unwrap_or("cc"))
 }
 
-/// gcc at `program` (whatever it is called), with its version.
+/// gcc at `program` (whatever it is called), with its version: clang
+/// prints no FSF copyright line, other GNU programs no -dumpfullversion.
 fn gcc(program: &Path) -> Option<Found> {
-    let out = Command::new(program).arg("--version").output().ok()?;
-    let text = String::from_utf8_lossy(&out.stdout);
-    // clang and others print no FSF copyright line.
-    if !text.contains("Free Software Foundation") {
-        return None;
-    }
-    let version = parse_version(text.lines().next()?.rsplit(' ').next()?)?;
-    Some(Found { path: resolve(program), version })
+    let about = version_line_containing(program, "--version", "Free Software Foundation")?;
+    let version = parse_version(&version_line(program, &["-dumpfullversion"])?)?;
+    about.then(|| Found { path: resolve(program), version })
+}
+
+fn version_line_containing(program: &Path, arg: &str, needle: &str) -> Option<bool> {
+    let out = Command::new(program).arg(arg).output().ok()?;
+    Some(String::from_utf8_lossy(&out.stdout).contains(needle))
 }
 
 fn version_line(program: &Path, args: &[&str]) -> Option<String> {
@@ -341,7 +348,7 @@ mod tests {
         assert!(choice.warnings[0].contains("ninja 1.11.1 (/bin/ninja) is no jobserver client"), "{choice:?}");
         let forced = Tree { forced_jobs: Some("-j8".into()), ..tree(Top::Make(found("/m", Version(4, 3, 0)).unwrap())) };
         let choice = choose(&forced);
-        assert!(choice.warnings[0].starts_with("make 4.3.0 (/m) was given -j8"), "{choice:?}");
+        assert!(choice.warnings[0].starts_with("make 4.3 (/m) was given -j8"), "{choice:?}");
     }
 
     #[test]
