@@ -60,6 +60,8 @@ pub struct Tree {
     pub gcc: Option<Found>,
     /// The build's ninja file asks for link-time optimisation.
     pub lto: bool,
+    /// The build's ninja file runs `make` (an external project, say).
+    pub ninja_runs_make: bool,
     /// `-jN` (or `-j`, `--jobs`) on the top-level tool's own command line.
     pub forced_jobs: Option<String>,
 }
@@ -84,6 +86,11 @@ pub fn choose(tree: &Tree) -> Choice {
     let mut why = Vec::new();
     let mut warnings = Vec::new();
     let style = match &tree.top {
+        Top::Ninja { path, version: Some(v) } if *v >= NINJA_CLIENT && tree.ninja_runs_make && !rw_only.is_empty() => {
+            why.push(format!("ninja {v} ({}) reads both forms (R,W with a warning, and slower)", path.display()));
+            why.push("build.ninja runs make".to_string());
+            pipe_if_needed(&rw_only, &mut why, Style::Fifo)
+        }
         Top::Ninja { path, version: Some(v) } if *v >= NINJA_CLIENT => {
             why.push(format!("ninja {v} ({}) reads fifo: best (R,W only with a warning, and slower)", path.display()));
             if let (Some(gcc), true) = (&tree.gcc, tree.lto) {
@@ -171,11 +178,15 @@ pub fn inspect(command: &[OsString]) -> Tree {
             (top, forced, ninja_dir(&args[1..]))
         }
     };
-    let lto = matches!(top, Top::Ninja { .. }) && mentions_lto(&dir.join("build.ninja"));
+    let ninja_file = match top {
+        Top::Ninja { .. } => std::fs::read_to_string(dir.join("build.ninja")).unwrap_or_default(),
+        _ => String::new(),
+    };
+    let (lto, ninja_runs_make) = (ninja_file.contains("-flto"), runs_make(&ninja_file));
     let make_program = std::env::var_os("MAKE").map_or(PathBuf::from("make"), PathBuf::from);
     let make = gnu_make(&make_program);
     let gcc = gcc(&c_compiler());
-    Tree { top, make, gcc, lto, forced_jobs }
+    Tree { top, make, gcc, lto, ninja_runs_make, forced_jobs }
 }
 
 fn top_for(program: &Path) -> Top {
@@ -268,8 +279,14 @@ fn ninja_dir(args: &[String]) -> PathBuf {
     PathBuf::from(dir.or(attached).unwrap_or("."))
 }
 
-fn mentions_lto(file: &Path) -> bool {
-    std::fs::read_to_string(file).is_ok_and(|text| text.contains("-flto"))
+/// Whether a command in `text` runs `make` (`make`, `/usr/bin/make`,
+/// `&& make install`), not `cmake` or `-E make_directory`.
+fn runs_make(text: &str) -> bool {
+    text.match_indices("make").any(|(at, _)| {
+        let before = text[..at].chars().next_back();
+        let after = text[at + 4..].chars().next();
+        before.is_none_or(|c| c.is_whitespace() || "/;&|(".contains(c)) && after.is_none_or(|c| c.is_whitespace() || c == ';')
+    })
 }
 
 /// `-j`, `-j8`, `-j 8`, `--jobs`, `--jobs=8` among the tool's own arguments
@@ -303,7 +320,8 @@ mod tests {
     }
 
     fn tree(top: Top) -> Tree {
-        Tree { top, make: found("/usr/bin/make", Version(4, 4, 1)), gcc: found("/usr/bin/cc", Version(13, 2, 0)), lto: false, forced_jobs: None }
+        let (make, gcc) = (found("/usr/bin/make", Version(4, 4, 1)), found("/usr/bin/cc", Version(13, 2, 0)));
+        Tree { top, make, gcc, lto: false, ninja_runs_make: false, forced_jobs: None }
     }
 
     fn ninja(v: Version) -> Top {
@@ -317,7 +335,7 @@ mod tests {
         let with_gcc12 = Tree { gcc: found("/usr/bin/cc", Version(12, 2, 0)), ..tree(make44.clone()) };
         let choice = choose(&with_gcc12);
         assert_eq!(choice.style, Style::Pipe);
-        assert!(choice.why.iter().any(|w| w.contains("gcc 12.2.0")), "{choice:?}");
+        assert!(choice.why.iter().any(|w| w.contains("gcc 12.2 ")), "{choice:?}");
         let with_make43 = Tree { make: found("/usr/bin/make", Version(4, 3, 0)), ..tree(make44) };
         assert_eq!(choose(&with_make43).style, Style::Pipe);
     }
@@ -338,7 +356,16 @@ mod tests {
         assert!(choice.warnings.is_empty(), "no LTO, nothing to warn about: {choice:?}");
         let choice = choose(&Tree { lto: true, ..old_tools });
         assert_eq!(choice.warnings.len(), 1);
-        assert!(choice.warnings[0].contains("gcc 12.2.0") && choice.warnings[0].contains("--jobserver-style pipe"), "{choice:?}");
+        assert!(choice.warnings[0].contains("gcc 12.2 ") && choice.warnings[0].contains("--jobserver-style pipe"), "{choice:?}");
+    }
+
+    #[test]
+    fn ninja_that_runs_make_4_3_gets_pipe() {
+        let runs_make43 = Tree { make: found("/usr/bin/make", Version(4, 3, 0)), ninja_runs_make: true, ..tree(ninja(Version(1, 13, 2))) };
+        assert_eq!(choose(&runs_make43).style, Style::Pipe);
+        assert_eq!(choose(&Tree { make: found("/m", Version(4, 4, 1)), ..runs_make43 }).style, Style::Fifo);
+        assert!(runs_make("  command = cd /x && make install") && runs_make("command = /usr/bin/make -C ext\n"));
+        assert!(!runs_make("command = /usr/bin/cmake -E make_directory out && cmake --build .") && !runs_make("CMAKE_MAKE_PROGRAM"));
     }
 
     #[test]

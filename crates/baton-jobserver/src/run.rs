@@ -49,10 +49,6 @@ pub struct RunOptions {
 pub fn run(opts: RunOptions) -> Result<i32> {
     let socket = absolute(&socket_path(opts.socket.clone()));
     let label = label(&opts.command);
-    let choice = choice::choose(&choice::inspect(&opts.command));
-    for warning in &choice.warnings {
-        log::warn(format_args!("{warning}"));
-    }
     let mut client = Client::connect(&socket, &label)?;
     let max = opts.max.unwrap_or(client.limit());
     if max < opts.tokens {
@@ -63,6 +59,14 @@ pub fn run(opts: RunOptions) -> Result<i32> {
     let forwarded = forwarded_signals();
     forwarded.thread_block().context("cannot block signals")?;
     let signals = SignalFd::with_flags(&forwarded, SfdFlags::SFD_CLOEXEC | SfdFlags::SFD_NONBLOCK)?;
+
+    // After the signals are blocked: a stop signal sent now waits for CMD,
+    // as it would once CMD runs (the tools asked for their versions start
+    // with the mask cleared).
+    let choice = choice::choose(&choice::inspect(&opts.command));
+    for warning in &choice.warnings {
+        log::warn(format_args!("{warning}"));
+    }
 
     let mut command = Command::new(&opts.command[0]);
     command.args(&opts.command[1..]).env("BATON_SOCKET", &socket);

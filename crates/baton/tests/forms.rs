@@ -7,7 +7,7 @@ mod common;
 
 use common::*;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+use std::process::{Command, Output, Stdio};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
@@ -123,13 +123,13 @@ fn lto_objects(dir: &Path) {
     std::fs::write(dir.join("Makefile"), format!("all: p q\np q: {objects}\n{link}")).unwrap();
 }
 
-/// LTRANS compilers (`lto1 -fltrans`) running now in `dir` (other tests
+/// LTRANS compilers (`lto1 -fltrans`) running now in `dirs` (other tests
 /// may link at the same time).
-fn ltrans_running(dir: &Path) -> usize {
+fn ltrans_running(dirs: &[&Path]) -> usize {
     let Ok(procs) = std::fs::read_dir("/proc") else { return 0 };
     procs
         .flatten()
-        .filter(|p| std::fs::read_link(p.path().join("cwd")).is_ok_and(|cwd| cwd == dir))
+        .filter(|p| std::fs::read_link(p.path().join("cwd")).is_ok_and(|cwd| dirs.contains(&cwd.as_path())))
         .filter_map(|p| std::fs::read(p.path().join("cmdline")).ok())
         .filter(|c| {
             let words: Vec<&[u8]> = c.split(|b| *b == 0).collect();
@@ -138,35 +138,46 @@ fn ltrans_running(dir: &Path) -> usize {
         .count()
 }
 
-/// Runs `cmd` while sampling /proc; returns its output and the most LTRANS
-/// compilers seen at once.
-fn sample_ltrans(mut cmd: Command, dir: &Path) -> (Output, usize) {
+/// Runs the builds at once while sampling /proc; returns their outputs
+/// and the most LTRANS compilers seen at once in their directories.
+fn sample_ltrans(builds: Vec<Command>, dirs: &[&Path]) -> (Vec<Output>, usize) {
     let done = AtomicBool::new(false);
     std::thread::scope(|s| {
         let sampler = s.spawn(|| {
             let mut most = 0;
             while !done.load(Ordering::Relaxed) {
-                most = most.max(ltrans_running(dir));
+                most = most.max(ltrans_running(dirs));
                 std::thread::sleep(Duration::from_millis(1));
             }
             most
         });
-        let out = cmd.output().unwrap();
+        let children: Vec<_> = builds
+            .into_iter()
+            .map(|mut b| b.stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap())
+            .collect();
+        let outputs = children.into_iter().map(|c| c.wait_with_output().unwrap()).collect();
         done.store(true, Ordering::Relaxed);
-        (out, sampler.join().unwrap())
+        (outputs, sampler.join().unwrap())
     })
+}
+
+/// Both links of a build used the R,W jobserver, in parallel through make
+/// (gcc -v says so), with no fallback to serial or to its own -j.
+fn assert_lto_used_the_jobserver(out: &Output) {
+    assert_success(out);
+    let err = stderr(out);
+    assert!(err.contains("jobserver: pipe"), "{err}");
+    assert_eq!(err.matches("Using make jobserver").count(), 2, "both links used the jobserver: {err}");
+    assert!(!err.contains("serial compilation") && !err.contains("jobserver is not available"), "{err}");
 }
 
 fn check_lto_links(make: PathBuf, make_args: &[&str]) {
     let broker = Broker::start(2);
     let dir = TempDir::new("lto");
     lto_objects(dir.path());
-    let (out, most) = sample_ltrans(run_in(&broker, dir.path(), &["--explain"], &make, make_args), dir.path());
-    assert_success(&out);
-    let err = stderr(&out);
-    assert!(err.contains("jobserver: pipe"), "{err}");
-    assert_eq!(err.matches("Using make jobserver").count(), 2, "both links used the jobserver: {err}");
-    assert!(!err.contains("serial compilation") && !err.contains("jobserver is not available"), "{err}");
+    let build = run_in(&broker, dir.path(), &["--explain"], &make, make_args);
+    let (outs, most) = sample_ltrans(vec![build], &[dir.path()]);
+    assert_lto_used_the_jobserver(&outs[0]);
     assert!((1..=2).contains(&most), "{most} LTRANS compilers at once under --jobs 2");
     broker.assert_all_free();
 }
@@ -181,6 +192,43 @@ fn lto_links_stay_within_the_limit_under_make_4_3() {
 fn lto_links_stay_within_the_limit_under_make_4_4() {
     check_lto_links(make44(), &["-s"]);
     check_lto_links(make44(), &[]);
+}
+
+#[test]
+fn two_lto_builds_at_once_stay_within_one_limit() {
+    let broker = Broker::start(2);
+    let dirs = [TempDir::new("lto-a"), TempDir::new("lto-b")];
+    for dir in &dirs {
+        lto_objects(dir.path());
+    }
+    let builds = vec![
+        run_in(&broker, dirs[0].path(), &["--explain"], &make43(), &["-s"]),
+        run_in(&broker, dirs[1].path(), &["--explain"], &make44(), &["-s"]),
+    ];
+    let (outs, most) = sample_ltrans(builds, &[dirs[0].path(), dirs[1].path()]);
+    for out in &outs {
+        assert_lto_used_the_jobserver(out);
+    }
+    assert!((1..=2).contains(&most), "{most} LTRANS compilers at once in two builds under --jobs 2");
+    broker.assert_all_free();
+}
+
+#[test]
+fn ninja_that_runs_make_4_3_gets_the_pipe_form_and_builds() {
+    let broker = Broker::start(2);
+    let dir = TempDir::new("ninja-make");
+    let sub = dir.path().join("sub");
+    std::fs::create_dir_all(&sub).unwrap();
+    let log = dir.path().join("jobs.log");
+    flat_makefile(&sub, &log, 4, "0.05");
+    std::fs::write(dir.path().join("build.ninja"), "rule ext\n  command = make -s -C sub && touch $out\nbuild ext.stamp: ext\n").unwrap();
+    let out = run_in(&broker, dir.path(), &["--explain"], &ninja(), &[]).env("PATH", "/usr/bin:/bin").output().unwrap();
+    assert_success(&out);
+    assert!(stderr(&out).contains("jobserver: pipe"), "{}", stderr(&out));
+    let (max, started) = max_overlap(&log);
+    assert_eq!(started, 4);
+    assert!(max <= 2, "{max} jobs at once under --jobs 2");
+    broker.assert_all_free();
 }
 
 fn assert_ninja_used_fifo(out: &Output) {
