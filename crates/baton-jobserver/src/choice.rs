@@ -223,14 +223,12 @@ fn c_compiler() -> PathBuf {
 /// gcc at `program` (whatever it is called), with its version: clang
 /// prints no FSF copyright line, other GNU programs no -dumpfullversion.
 fn gcc(program: &Path) -> Option<Found> {
-    let about = version_line_containing(program, "--version", "Free Software Foundation")?;
+    let out = Command::new(program).arg("--version").output().ok()?;
+    if !String::from_utf8_lossy(&out.stdout).contains("Free Software Foundation") {
+        return None;
+    }
     let version = parse_version(&version_line(program, &["-dumpfullversion"])?)?;
-    about.then(|| Found { path: resolve(program), version })
-}
-
-fn version_line_containing(program: &Path, arg: &str, needle: &str) -> Option<bool> {
-    let out = Command::new(program).arg(arg).output().ok()?;
-    Some(String::from_utf8_lossy(&out.stdout).contains(needle))
+    Some(Found { path: resolve(program), version })
 }
 
 fn version_line(program: &Path, args: &[&str]) -> Option<String> {
