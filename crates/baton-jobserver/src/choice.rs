@@ -214,10 +214,14 @@ fn gnu_make(program: &Path) -> Option<Found> {
     Some(Found { path: resolve(program), version })
 }
 
-/// `$CC`'s first word, else `cc`.
+/// The compiler `$CC` names (past a launcher such as ccache), else `cc`.
 fn c_compiler() -> PathBuf {
-    let cc = std::env::var("CC").unwrap_or_default();
-    PathBuf::from(cc.split_whitespace().next().unwrap_or("cc"))
+    PathBuf::from(compiler_in(&std::env::var("CC").unwrap_or_default()))
+}
+
+fn compiler_in(cc: &str) -> &str {
+    let is_launcher = |w: &&str| matches!(Path::new(w).file_name().and_then(|n| n.to_str()), Some("ccache" | "sccache" | "distcc"));
+    cc.split_whitespace().find(|w| !is_launcher(w)).unwrap_or("cc")
 }
 
 /// gcc at `program` (whatever it is called), with its version: clang
@@ -395,6 +399,14 @@ mod tests {
         assert_eq!(forced_jobs(&words("--jobs=2")), Some("--jobs=2".into()));
         assert_eq!(forced_jobs(&words("-s all -- -j8")), None);
         assert_eq!(forced_jobs(&words("-k JOBS=-jx")), None);
+    }
+
+    #[test]
+    fn the_compiler_is_found_past_a_launcher() {
+        assert_eq!(compiler_in(""), "cc");
+        assert_eq!(compiler_in("gcc-12 -std=c99"), "gcc-12");
+        assert_eq!(compiler_in("/usr/bin/ccache gcc"), "gcc");
+        assert_eq!(compiler_in("sccache"), "cc");
     }
 
     #[test]
