@@ -40,7 +40,7 @@ pub use run::{run, RunOptions};
 /// `baton run --help`'s text.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub enum Style {
-    /// --jobserver-auth=R,W (GNU make 4.3 and 4.4, cargo): tokens come back
+    /// --jobserver-auth=R,W (GNU make 4.3 and 4.4, gcc's LTO, cargo): tokens come back
     /// through a pipe only baton reads, so builds take strict turns
     Pipe,
     /// --jobserver-auth=fifo:PATH, a private FIFO (make >= 4.4, ninja 1.13,
@@ -49,9 +49,9 @@ pub enum Style {
     /// fifo: a file on the broker's FUSE mount, one wake-up per token even
     /// for make's pselect() (make >= 4.4, cargo; not ninja)
     Fuse,
-    /// A form every client the build may start reads: pipe where make < 4.4
-    /// or gcc < 13 is found; else make >= 4.4 and cargo: fuse (fifo without
-    /// a mount); ninja 1.13: fifo; anything else: fifo (docs/jobserver.md)
+    /// the form every client the build may start reads: pipe where make < 4.4
+    /// or gcc < 13 is found (ninja 1.13: only if it runs make); else make >=
+    /// 4.4 and cargo: fuse (fifo without a mount); ninja and the rest: fifo
     Auto,
     /// No jobserver: only hold the tokens
     None,
