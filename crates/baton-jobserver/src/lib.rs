@@ -25,6 +25,7 @@
 #![deny(missing_docs)]
 
 mod build_file;
+mod choice;
 mod feeder;
 mod fifo;
 mod log;
@@ -34,15 +35,12 @@ use feeder::Feeder;
 use fifo::Fifo;
 pub use run::{run, RunOptions};
 
-use std::ffi::OsString;
-use std::path::{Path, PathBuf};
-use std::process::Command;
 
 /// How the build is told where its jobserver is. The variants' docs are
 /// `baton run --help`'s text.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub enum Style {
-    /// --jobserver-auth=R,W (GNU make 4.3 and 4.4, cargo): tokens come back
+    /// --jobserver-auth=R,W (GNU make 4.3 and 4.4, gcc's LTO, cargo): tokens come back
     /// through a pipe only baton reads, so builds take strict turns
     Pipe,
     /// --jobserver-auth=fifo:PATH, a private FIFO (make >= 4.4, ninja 1.13,
@@ -51,69 +49,46 @@ pub enum Style {
     /// fifo: a file on the broker's FUSE mount, one wake-up per token even
     /// for make's pselect() (make >= 4.4, cargo; not ninja)
     Fuse,
-    /// ninja: fifo; GNU make < 4.4: pipe; make >= 4.4 and cargo: fuse if the
-    /// broker has a mount, else fifo; anything else: fifo, or pipe if the
-    /// make on PATH is older than 4.4
+    /// the form every client the build may start reads: pipe where make < 4.4
+    /// or gcc < 13 is found (ninja 1.13: only if it runs make); else make >=
+    /// 4.4 and cargo: fuse (fifo without a mount); ninja and the rest: fifo
     Auto,
     /// No jobserver: only hold the tokens
     None,
 }
 
-/// What `auto` picks for a command.
-///
-/// - ninja → `fifo` (ninja 1.13 accepts only a real FIFO);
-/// - GNU make older than 4.4 → `pipe` (it rejects `fifo:` and stops);
-/// - GNU make 4.4 or later, and cargo → `fuse` (one wake-up per token),
-///   which falls back to `fifo` where the broker has no FUSE mount;
-/// - anything else (cmake, a script) → `fifo`, unless the `make` first on
-///   PATH is older than 4.4: a script or build script that runs it would
-///   stop on `fifo:`, and every client here also speaks `R,W`.
-fn choose_style(command: &[OsString]) -> Style {
-    let program = Path::new(&command[0]);
-    let name = program.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
-    if name == "ninja" {
-        return Style::Fifo;
+/// `MAKEFLAGS` for the build, laid out as GNU make writes its own
+/// (`s -j2 --jobserver-auth=3,4 --no-print-directory -- V=1`): the cluster
+/// of one-letter flags first (empty: a leading space), then `-jN` and the
+/// auth string, then the other long options, then `--` and the variables.
+/// Any older `-j` or jobserver setting is dropped (clients use the last
+/// `--jobserver-auth`, but gcc's lto-wrapper takes the first), and the
+/// variables are kept as they were, escaped spaces and all.
+fn makeflags(inherited: Option<&str>, jobs: u32, auth: &str) -> String {
+    let inherited = inherited.unwrap_or("");
+    let (options, variables) = split_variables(inherited);
+    let mut words = options.split_whitespace().peekable();
+    let letters = words.next_if(|w| !w.starts_with('-')).unwrap_or("");
+    let mut flags = format!("{letters} -j{jobs} --jobserver-auth={auth}");
+    for word in words.filter(|w| !is_jobs_flag(w)) {
+        flags.push(' ');
+        flags.push_str(word);
     }
-    if name == "cargo" {
-        return Style::Fuse;
+    if let Some(variables) = variables {
+        flags.push_str(" -- ");
+        flags.push_str(variables);
     }
-    let is_make = is_make_name(&name);
-    let make = if is_make { program.to_path_buf() } else { PathBuf::from("make") };
-    match gnu_make_version(&make) {
-        Some(version) if version < (4, 4) => Style::Pipe,
-        Some(_) if is_make => Style::Fuse,
-        _ => Style::Fifo,
-    }
+    flags
 }
 
-fn is_make_name(name: &str) -> bool {
-    matches!(name, "make" | "gmake" | "gnumake") || (name.ends_with("make") && !name.ends_with("cmake") && !name.ends_with("bmake"))
-}
-
-/// `(major, minor)` from `make --version`, if it is GNU make.
-fn gnu_make_version(make: &Path) -> Option<(u32, u32)> {
-    let out = Command::new(make).arg("--version").env_remove("MAKEFLAGS").output().ok()?;
-    let text = String::from_utf8_lossy(&out.stdout);
-    let version = text.lines().next()?.strip_prefix("GNU Make ")?;
-    let mut parts = version.split('.').map(|p| p.parse::<u32>().ok());
-    Some((parts.next()??, parts.next().flatten().unwrap_or(0)))
-}
-
-/// `MAKEFLAGS` for the build: the flags it already had, without any older
-/// jobserver or `-j` settings (clients use the last `--jobserver-auth`, but a
-/// stale one is a trap for tools that take the first), then ours.
-fn makeflags(inherited: Option<&str>, auth: &str) -> String {
-    let kept: Vec<&str> = inherited
-        .unwrap_or("")
-        .split_whitespace()
-        .filter(|w| !is_jobs_flag(w))
-        .collect();
-    let ours = format!("-j --jobserver-auth={auth}");
-    match kept.first() {
-        // A first word without a dash is a cluster of one-letter flags
-        // ("ks" is -k -s); it must stay first to keep that meaning.
-        Some(_) => format!("{} {ours}", kept.join(" ")),
-        None => ours,
+/// MAKEFLAGS's options, and the variable definitions after its ` -- `.
+fn split_variables(makeflags: &str) -> (&str, Option<&str>) {
+    if let Some(rest) = makeflags.strip_prefix("-- ") {
+        return ("", Some(rest));
+    }
+    match makeflags.split_once(" -- ") {
+        Some((options, variables)) => (options, Some(variables)),
+        None => (makeflags, None),
     }
 }
 
@@ -128,21 +103,24 @@ fn is_jobs_flag(word: &str) -> bool {
 mod tests {
     use super::*;
 
+    /// Each expectation is what GNU make 4.3 and 4.4.1 write themselves
+    /// (`make -j2 …` with a recipe that prints $MAKEFLAGS).
     #[test]
-    fn makeflags_keep_other_flags_and_replace_jobserver_ones() {
-        assert_eq!(makeflags(None, "fifo:/x"), "-j --jobserver-auth=fifo:/x");
-        assert_eq!(makeflags(Some("ks -j8 --jobserver-auth=3,4 --no-print-directory"), "5,6"), "ks --no-print-directory -j --jobserver-auth=5,6");
-        assert_eq!(makeflags(Some(" -j --jobserver-fds=3,4"), "fifo:/y"), "-j --jobserver-auth=fifo:/y");
+    fn makeflags_are_laid_out_as_gnu_make_writes_them() {
+        assert_eq!(makeflags(None, 2, "3,4"), " -j2 --jobserver-auth=3,4");
+        assert_eq!(makeflags(Some("s"), 2, "3,4"), "s -j2 --jobserver-auth=3,4");
+        assert_eq!(makeflags(Some("ks --no-print-directory"), 2, "3,4"), "ks -j2 --jobserver-auth=3,4 --no-print-directory");
+        assert_eq!(makeflags(Some(" -- V=1"), 2, "fifo:/f"), " -j2 --jobserver-auth=fifo:/f -- V=1");
+        assert_eq!(makeflags(Some("-- V=1"), 2, "3,4"), " -j2 --jobserver-auth=3,4 -- V=1");
     }
 
     #[test]
-    fn make_names() {
-        assert!(is_make_name("make") && is_make_name("gmake") && is_make_name("gnumake"));
-        assert!(!is_make_name("cmake") && !is_make_name("ninja") && !is_make_name("bmake"));
-    }
-
-    #[test]
-    fn ninja_gets_a_fifo() {
-        assert_eq!(choose_style(&["ninja".into(), "-C".into(), "out".into()]), Style::Fifo);
+    fn makeflags_replace_older_jobserver_settings_and_keep_variables_whole() {
+        assert_eq!(
+            makeflags(Some("ks -j8 --jobserver-auth=3,4 --no-print-directory"), 4, "5,6"),
+            "ks -j4 --jobserver-auth=5,6 --no-print-directory"
+        );
+        assert_eq!(makeflags(Some(" -j --jobserver-fds=3,4 --jobserver-auth=3,4"), 3, "fifo:/y"), " -j3 --jobserver-auth=fifo:/y");
+        assert_eq!(makeflags(Some("s -j2 -- CFLAGS=-O2\\ -j8"), 2, "3,4"), "s -j2 --jobserver-auth=3,4 -- CFLAGS=-O2\\ -j8");
     }
 }

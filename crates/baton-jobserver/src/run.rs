@@ -6,7 +6,8 @@
 //! through the parent-death signal, so it cannot run on holding nothing.
 
 use crate::build_file::{self, BuildFile};
-use crate::{choose_style, log, makeflags, Feeder, Fifo, Style};
+use crate::choice::{self, Choice};
+use crate::{log, makeflags, Feeder, Fifo, Style};
 use baton_core::paths::{private_dir, socket_path};
 use anyhow::{bail, Context, Result};
 use baton_client::{Client, Error as ClientError};
@@ -34,6 +35,8 @@ pub struct RunOptions {
     pub style: Style,
     /// CMD and its arguments.
     pub command: Vec<OsString>,
+    /// Say on stderr which jobserver form the build gets, and why.
+    pub explain: bool,
 }
 
 /// Runs the command under the broker; returns the exit code `baton run`
@@ -44,7 +47,7 @@ pub struct RunOptions {
 /// No broker answers, the broker refuses the request, or the jobserver
 /// cannot be set up.
 pub fn run(opts: RunOptions) -> Result<i32> {
-    let socket = absolute(&socket_path(opts.socket));
+    let socket = absolute(&socket_path(opts.socket.clone()));
     let label = label(&opts.command);
     let mut client = Client::connect(&socket, &label)?;
     let max = opts.max.unwrap_or(client.limit());
@@ -57,18 +60,30 @@ pub fn run(opts: RunOptions) -> Result<i32> {
     forwarded.thread_block().context("cannot block signals")?;
     let signals = SignalFd::with_flags(&forwarded, SfdFlags::SFD_CLOEXEC | SfdFlags::SFD_NONBLOCK)?;
 
+    // After the signals are blocked: a stop signal sent now waits for CMD,
+    // as it would once CMD runs (the tools asked for their versions start
+    // with the mask cleared).
+    let choice = choice::choose(&choice::inspect(&opts.command));
+    for warning in &choice.warnings {
+        log::warn(format_args!("{warning}"));
+    }
+
     let mut command = Command::new(&opts.command[0]);
     command.args(&opts.command[1..]).env("BATON_SOCKET", &socket);
     let style = match opts.style {
         // The FUSE file has no per-build cap: --max needs the bridge.
-        Style::Auto => match choose_style(&opts.command) {
+        Style::Auto => match choice.style {
             Style::Fuse if opts.max.is_some() => Style::Fifo,
             style => style,
         },
         Style::Fuse if opts.max.is_some() => bail!("--max works with the pipe and fifo styles, not with fuse"),
         style => style,
     };
-    let jobserver = set_up_jobserver(&mut command, &socket, style, opts.style == Style::Auto, &label)?;
+    let setup = Setup { socket: &socket, auto: opts.style == Style::Auto, label: &label, jobs: max };
+    let jobserver = set_up_jobserver(&mut command, &setup, style)?;
+    if opts.explain {
+        explain(&opts, &choice, &jobserver);
+    }
     let child = match spawn_tied_to_us(&mut command, forwarded) {
         Ok(child) => child,
         Err(e) => return Ok(report_spawn_error(&opts.command[0], e)),
@@ -97,10 +112,49 @@ enum Jobserver {
     Fuse(BuildFile),
 }
 
+impl Jobserver {
+    /// The form the build got, for --explain.
+    fn form(&self) -> &'static str {
+        match self {
+            Jobserver::None => "none",
+            Jobserver::Bridge { pipe_ends: Some(_), .. } => "pipe (R,W)",
+            Jobserver::Bridge { pipe_ends: None, .. } => "fifo (fifo:PATH)",
+            Jobserver::Fuse(_) => "fuse (fifo:PATH on the broker's FUSE mount)",
+        }
+    }
+}
+
+/// What the jobserver is set up with.
+struct Setup<'a> {
+    socket: &'a Path,
+    /// `auto` chose the style: FUSE may fall back to the FIFO.
+    auto: bool,
+    label: &'a str,
+    /// The build's cap, written as MAKEFLAGS's `-jN`.
+    jobs: u32,
+}
+
+/// Says which form the build got and why, one line each.
+fn explain(opts: &RunOptions, choice: &Choice, jobserver: &Jobserver) {
+    if opts.style != Style::Auto {
+        log::warn(format_args!("jobserver: {}, as --jobserver-style asked", jobserver.form()));
+        return;
+    }
+    log::warn(format_args!("jobserver: {} (auto)", jobserver.form()));
+    for why in &choice.why {
+        log::warn(format_args!("  because {why}"));
+    }
+    if choice.style == Style::Fuse && !matches!(jobserver, Jobserver::Fuse(_)) {
+        let reason = if opts.max.is_some() { "--max needs the bridge" } else { "the broker has no FUSE mount" };
+        log::warn(format_args!("  not fuse: {reason}"));
+    }
+}
+
 /// Sets up the jobserver of `style` and points MAKEFLAGS and CARGO_MAKEFLAGS
 /// at it. FUSE falls back to the FIFO when `auto` chose it and the broker
 /// has no mount.
-fn set_up_jobserver(command: &mut Command, socket: &Path, style: Style, auto: bool, label: &str) -> Result<Jobserver> {
+fn set_up_jobserver(command: &mut Command, setup: &Setup, style: Style) -> Result<Jobserver> {
+    let Setup { socket, auto, label, .. } = *setup;
     let (jobserver, auth) = match style {
         Style::None | Style::Auto => return Ok(Jobserver::None),
         Style::Fuse => match build_file::create(socket, label)? {
@@ -108,7 +162,7 @@ fn set_up_jobserver(command: &mut Command, socket: &Path, style: Style, auto: bo
                 let auth = format!("fifo:{}", file.path().display());
                 (Jobserver::Fuse(file), auth)
             }
-            None if auto => return set_up_jobserver(command, socket, Style::Fifo, auto, label),
+            None if auto => return set_up_jobserver(command, setup, Style::Fifo),
             None => bail!(
                 "the broker at {} has no FUSE mount (it was started with --no-fuse, or FUSE is not available there): \
                  use --jobserver-style fifo",
@@ -132,7 +186,7 @@ fn set_up_jobserver(command: &mut Command, socket: &Path, style: Style, auto: bo
     };
     for var in ["MAKEFLAGS", "CARGO_MAKEFLAGS"] {
         let inherited = std::env::var(var).ok();
-        command.env(var, makeflags(inherited.as_deref(), &auth));
+        command.env(var, makeflags(inherited.as_deref(), setup.jobs, &auth));
     }
     Ok(jobserver)
 }

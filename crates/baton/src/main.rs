@@ -99,6 +99,9 @@ killed too."
         /// At most this many tokens for the whole build, CMD's own included.
         #[arg(long, value_name = "K", value_parser = clap::value_parser!(u32).range(1..))]
         max: Option<u32>,
+        /// Say which jobserver form CMD gets, and why, before it starts.
+        #[arg(long)]
+        explain: bool,
         /// The command and its arguments.
         #[arg(required = true, trailing_var_arg = true, value_name = "CMD")]
         command: Vec<OsString>,
@@ -149,8 +152,8 @@ fn dispatch(command: Cmd) -> anyhow::Result<u8> {
             };
             baton_broker::serve(ServeOptions { jobs, socket, fuse, spin_us, io_uring: !no_io_uring, log_level })?;
         }
-        Cmd::Run { socket, tokens, jobserver_style, max, command } => {
-            let code = baton_jobserver::run(RunOptions { socket, tokens, max, style: jobserver_style, command })?;
+        Cmd::Run { socket, tokens, jobserver_style, max, explain, command } => {
+            let code = baton_jobserver::run(RunOptions { socket, tokens, max, style: jobserver_style, command, explain })?;
             return Ok(u8::try_from(code).unwrap_or(1));
         }
         Cmd::Status { socket, json } => status::print_status(&socket_path(socket), json)?,

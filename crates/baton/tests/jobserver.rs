@@ -282,11 +282,13 @@ fn auto_picks_pipe_when_the_make_on_path_is_older_than_4_4() {
         let out = broker
             .run(&["--", "sh", "-c", "echo $MAKEFLAGS"])
             .env("PATH", format!("{}:/usr/bin:/bin", bin.path().display()))
+            // No gcc older than 13 (whose lto-wrapper reads only R,W) as CC.
+            .env("CC", "/bin/true")
             .env_remove("MAKEFLAGS")
             .output()
             .unwrap();
         let text = String::from_utf8(out.stdout).unwrap();
-        let auth = text.trim().strip_prefix("-j --jobserver-auth=").unwrap_or_else(|| panic!("{text}"));
+        let auth = text.trim().strip_prefix("-j2 --jobserver-auth=").unwrap_or_else(|| panic!("{text}"));
         assert_eq!(auth.starts_with("fifo:"), expect_fifo, "{make:?}: {auth}");
         if !expect_fifo {
             assert!(auth.split(',').all(|fd| fd.parse::<u32>().is_ok()), "{auth}");

@@ -1,0 +1,417 @@
+//! What `auto` gives a build: a form every jobserver client the build may
+//! start can read, and the one its top-level tool reads best, chosen once
+//! for the whole build before it starts (docs/jobserver.md has the table).
+//!
+//! `inspect` looks at what can be seen from outside (the command, the make
+//! and C compiler on PATH, their versions); `choose` is the pure rule.
+
+use crate::Style;
+use std::ffi::OsString;
+use std::fmt;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+/// A tool found before the build, with its version.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Found {
+    pub path: PathBuf,
+    pub version: Version,
+}
+
+/// `major.minor.patch`, as the tool printed it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub struct Version(pub u32, pub u32, pub u32);
+
+impl fmt::Display for Version {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self.2 {
+            0 => write!(f, "{}.{}", self.0, self.1),
+            patch => write!(f, "{}.{}.{patch}", self.0, self.1),
+        }
+    }
+}
+
+impl fmt::Display for Found {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{} ({})", self.version, self.path.display())
+    }
+}
+
+/// The tool that reads the build's MAKEFLAGS first.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Top {
+    /// GNU make.
+    Make(Found),
+    /// ninja; None when it did not say its version.
+    Ninja { path: PathBuf, version: Option<Version> },
+    Cargo,
+    /// cmake with another generator, a script, anything else.
+    Other,
+}
+
+/// What `auto` saw before the build started.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Tree {
+    pub top: Top,
+    /// The GNU make a script or build script runs: `$MAKE`, else `make` on
+    /// PATH.
+    pub make: Option<Found>,
+    /// The C compiler (`$CC`, else `cc` on PATH) if it is gcc.
+    pub gcc: Option<Found>,
+    /// The build's ninja file asks for link-time optimisation.
+    pub lto: bool,
+    /// The build's ninja file runs `make` (an external project, say).
+    pub ninja_runs_make: bool,
+    /// `-jN` (or `-j`, `--jobs`) on the top-level tool's own command line.
+    pub forced_jobs: Option<String>,
+}
+
+/// The form for the build, why, and what no form can fix.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Choice {
+    pub style: Style,
+    pub why: Vec<String>,
+    pub warnings: Vec<String>,
+}
+
+/// GNU make reads `fifo:` from 4.4 on; gcc's lto-wrapper from 13 on;
+/// ninja is a jobserver client from 1.13 on.
+const MAKE_FIFO: Version = Version(4, 4, 0);
+const GCC_FIFO: Version = Version(13, 0, 0);
+const NINJA_CLIENT: Version = Version(1, 13, 0);
+
+/// The pure rule: see docs/jobserver.md, "How `auto` chooses".
+pub fn choose(tree: &Tree) -> Choice {
+    let rw_only = rw_only_readers(tree);
+    let mut why = Vec::new();
+    let mut warnings = Vec::new();
+    let style = match &tree.top {
+        Top::Ninja { path, version: Some(v) } if *v >= NINJA_CLIENT && tree.ninja_runs_make && !rw_only.is_empty() => {
+            why.push(format!("ninja {v} ({}) reads both forms (R,W with a warning, and slower)", path.display()));
+            why.push("build.ninja runs make".to_string());
+            pipe_if_needed(&rw_only, &mut why, Style::Fifo)
+        }
+        Top::Ninja { path, version: Some(v) } if *v >= NINJA_CLIENT => {
+            why.push(format!("ninja {v} ({}) reads fifo: best (R,W only with a warning, and slower)", path.display()));
+            if let (Some(gcc), true) = (&tree.gcc, tree.lto) {
+                if gcc.version < GCC_FIFO {
+                    warnings.push(format!(
+                        "gcc {gcc} reads only the R,W jobserver form, not ninja's fifo: its -flto=auto links \
+                         will run their own LTRANS jobs past the limit (use --jobserver-style pipe)"
+                    ));
+                }
+            }
+            Style::Fifo
+        }
+        Top::Ninja { path, version } => {
+            let version = version.map_or("of unknown version".to_string(), |v| v.to_string());
+            warnings.push(format!(
+                "ninja {version} ({}) is no jobserver client: it runs its own jobs past baton's limit \
+                 (use ninja 1.13 or later, e.g. pip install ninja)",
+                path.display()
+            ));
+            pipe_if_needed(&rw_only, &mut why, Style::Fifo)
+        }
+        Top::Make(make) if make.version < MAKE_FIFO => {
+            why.push(format!("make {make} reads only R,W"));
+            Style::Pipe
+        }
+        Top::Make(make) => {
+            why.push(format!("make {make} reads both forms"));
+            pipe_if_needed(&rw_only, &mut why, Style::Fuse)
+        }
+        Top::Cargo => {
+            why.push("cargo reads both forms".to_string());
+            pipe_if_needed(&rw_only, &mut why, Style::Fuse)
+        }
+        Top::Other => pipe_if_needed(&rw_only, &mut why, Style::Fifo),
+    };
+    if let Some(jobs) = &tree.forced_jobs {
+        warnings.push(forced_jobs_warning(&tree.top, jobs));
+    }
+    Choice { style, why, warnings }
+}
+
+/// Clients the build may start that read only `R,W`, each with why.
+fn rw_only_readers(tree: &Tree) -> Vec<String> {
+    let mut readers = Vec::new();
+    if let Some(make) = tree.make.as_ref().filter(|m| m.version < MAKE_FIFO) {
+        readers.push(format!("make {make}, which scripts and build scripts run, reads only R,W"));
+    }
+    if let Some(gcc) = tree.gcc.as_ref().filter(|g| g.version < GCC_FIFO) {
+        readers.push(format!("gcc {gcc}: its lto-wrapper reads only R,W"));
+    }
+    readers
+}
+
+fn pipe_if_needed(rw_only: &[String], why: &mut Vec<String>, otherwise: Style) -> Style {
+    if rw_only.is_empty() {
+        why.push("no client that reads only R,W was found (make on PATH or $MAKE, $CC or cc)".to_string());
+        if otherwise == Style::Fuse {
+            why.push("the FUSE file wakes one waiter per token".to_string());
+        }
+        return otherwise;
+    }
+    why.extend(rw_only.iter().cloned());
+    Style::Pipe
+}
+
+fn forced_jobs_warning(top: &Top, jobs: &str) -> String {
+    let tool = match top {
+        Top::Make(make) => format!("make {make}"),
+        Top::Ninja { path, version: Some(v) } => format!("ninja {v} ({})", path.display()),
+        Top::Ninja { path, version: None } => format!("ninja ({})", path.display()),
+        Top::Cargo | Top::Other => "the command".to_string(),
+    };
+    format!("{tool} was given {jobs} on its own command line: it ignores baton's jobserver and runs that many jobs past the limit (drop {jobs})")
+}
+
+/// Looks at the command and the tools it will find, without running the
+/// build.
+pub fn inspect(command: &[OsString]) -> Tree {
+    let args: Vec<String> = command.iter().map(|a| a.to_string_lossy().into_owned()).collect();
+    let (top, forced_jobs, dir) = match cmake_build_dir(&args) {
+        Some(dir) => (cmake_make_program(&dir).map_or(Top::Other, |p| top_for(&p)), None, dir),
+        None => {
+            let top = top_for(Path::new(&args[0]));
+            let forced = matches!(top, Top::Make(_) | Top::Ninja { .. }).then(|| forced_jobs(&args[1..])).flatten();
+            (top, forced, ninja_dir(&args[1..]))
+        }
+    };
+    let ninja_file = match top {
+        Top::Ninja { .. } => std::fs::read_to_string(dir.join("build.ninja")).unwrap_or_default(),
+        _ => String::new(),
+    };
+    let (lto, ninja_runs_make) = (ninja_file.contains("-flto"), runs_make(&ninja_file));
+    let make_program = std::env::var_os("MAKE").map_or(PathBuf::from("make"), PathBuf::from);
+    let make = gnu_make(&make_program);
+    let gcc = gcc(&c_compiler());
+    Tree { top, make, gcc, lto, ninja_runs_make, forced_jobs }
+}
+
+fn top_for(program: &Path) -> Top {
+    let name = program.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+    if name == "ninja" {
+        return Top::Ninja { path: program.to_path_buf(), version: version_line(program, &["--version"]).and_then(|l| parse_version(&l)) };
+    }
+    if name == "cargo" {
+        return Top::Cargo;
+    }
+    match is_make_name(&name).then(|| gnu_make(program)).flatten() {
+        Some(make) => Top::Make(make),
+        None => Top::Other,
+    }
+}
+
+pub fn is_make_name(name: &str) -> bool {
+    matches!(name, "make" | "gmake" | "gnumake") || (name.ends_with("make") && !name.ends_with("cmake") && !name.ends_with("bmake"))
+}
+
+/// GNU make at `program`, with its version; None for any other make.
+fn gnu_make(program: &Path) -> Option<Found> {
+    let line = version_line(program, &["--version"])?;
+    let version = parse_version(line.strip_prefix("GNU Make ")?)?;
+    Some(Found { path: resolve(program), version })
+}
+
+/// The compiler `$CC` names (past a launcher such as ccache), else `cc`.
+fn c_compiler() -> PathBuf {
+    PathBuf::from(compiler_in(&std::env::var("CC").unwrap_or_default()))
+}
+
+fn compiler_in(cc: &str) -> &str {
+    let is_launcher = |w: &&str| matches!(Path::new(w).file_name().and_then(|n| n.to_str()), Some("ccache" | "sccache" | "distcc"));
+    cc.split_whitespace().find(|w| !is_launcher(w)).unwrap_or("cc")
+}
+
+/// gcc at `program` (whatever it is called), with its version: clang
+/// prints no FSF copyright line, other GNU programs no -dumpfullversion.
+fn gcc(program: &Path) -> Option<Found> {
+    let out = Command::new(program).arg("--version").output().ok()?;
+    if !String::from_utf8_lossy(&out.stdout).contains("Free Software Foundation") {
+        return None;
+    }
+    let version = parse_version(&version_line(program, &["-dumpfullversion"])?)?;
+    Some(Found { path: resolve(program), version })
+}
+
+fn version_line(program: &Path, args: &[&str]) -> Option<String> {
+    let out = Command::new(program).args(args).env_remove("MAKEFLAGS").output().ok()?;
+    String::from_utf8_lossy(&out.stdout).lines().next().map(str::to_string)
+}
+
+/// The leading `1.13.2` of `1.13.2.git.kitware…`, `4.3`, `12.2.0`.
+fn parse_version(text: &str) -> Option<Version> {
+    let mut parts = text.trim().split(|c: char| !c.is_ascii_digit()).map(|p| p.parse::<u32>().ok());
+    let major = parts.next()??;
+    let minor = parts.next().flatten().unwrap_or(0);
+    let patch = parts.next().flatten().unwrap_or(0);
+    Some(Version(major, minor, patch))
+}
+
+/// Where the program is on PATH, for messages.
+fn resolve(program: &Path) -> PathBuf {
+    if program.components().count() > 1 {
+        return program.to_path_buf();
+    }
+    let path = std::env::var_os("PATH").unwrap_or_default();
+    std::env::split_paths(&path).map(|dir| dir.join(program)).find(|p| p.is_file()).unwrap_or_else(|| program.to_path_buf())
+}
+
+/// `cmake --build DIR …` → DIR.
+fn cmake_build_dir(args: &[String]) -> Option<PathBuf> {
+    let name = Path::new(&args[0]).file_name()?.to_string_lossy().into_owned();
+    if name != "cmake" {
+        return None;
+    }
+    let at = args.iter().position(|a| a == "--build")?;
+    args.get(at + 1).map(PathBuf::from)
+}
+
+/// The tool a CMake build directory was generated for.
+fn cmake_make_program(dir: &Path) -> Option<PathBuf> {
+    let cache = std::fs::read_to_string(dir.join("CMakeCache.txt")).ok()?;
+    cache.lines().find_map(|l| l.strip_prefix("CMAKE_MAKE_PROGRAM:")).and_then(|l| l.split_once('=')).map(|(_, p)| PathBuf::from(p))
+}
+
+/// ninja's `-C DIR`, else the current directory.
+fn ninja_dir(args: &[String]) -> PathBuf {
+    let dir = args.iter().position(|a| a == "-C").and_then(|i| args.get(i + 1)).map(String::as_str);
+    let attached = args.iter().find_map(|a| a.strip_prefix("-C").filter(|d| !d.is_empty()));
+    PathBuf::from(dir.or(attached).unwrap_or("."))
+}
+
+/// Whether a command in `text` runs `make` (`make`, `/usr/bin/make`,
+/// `&& make install`), not `cmake` or `-E make_directory`.
+fn runs_make(text: &str) -> bool {
+    text.match_indices("make").any(|(at, _)| {
+        let before = text[..at].chars().next_back();
+        let after = text[at + 4..].chars().next();
+        before.is_none_or(|c| c.is_whitespace() || "/;&|(".contains(c)) && after.is_none_or(|c| c.is_whitespace() || c == ';')
+    })
+}
+
+/// `-j`, `-j8`, `-j 8`, `--jobs`, `--jobs=8` among the tool's own arguments
+/// (before a `--`).
+fn forced_jobs(args: &[String]) -> Option<String> {
+    let mut words = args.iter().take_while(|a| *a != "--");
+    while let Some(word) = words.next() {
+        if word == "--jobs" || word.starts_with("--jobs=") {
+            return Some(word.clone());
+        }
+        if let Some(n) = word.strip_prefix("-j") {
+            if n.is_empty() {
+                // make's -j takes an optional separate number.
+                let next = words.next().filter(|w| w.bytes().all(|b| b.is_ascii_digit()));
+                return Some(next.map_or("-j".to_string(), |n| format!("-j {n}")));
+            }
+            if n.bytes().all(|b| b.is_ascii_digit()) {
+                return Some(word.clone());
+            }
+        }
+    }
+    None
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn found(path: &str, v: Version) -> Option<Found> {
+        Some(Found { path: path.into(), version: v })
+    }
+
+    fn tree(top: Top) -> Tree {
+        let (make, gcc) = (found("/usr/bin/make", Version(4, 4, 1)), found("/usr/bin/cc", Version(13, 2, 0)));
+        Tree { top, make, gcc, lto: false, ninja_runs_make: false, forced_jobs: None }
+    }
+
+    fn ninja(v: Version) -> Top {
+        Top::Ninja { path: "/bin/ninja".into(), version: Some(v) }
+    }
+
+    #[test]
+    fn make_4_4_gets_fuse_unless_a_reader_of_r_w_only_is_found() {
+        let make44 = Top::Make(found("/m", Version(4, 4, 1)).unwrap());
+        assert_eq!(choose(&tree(make44.clone())).style, Style::Fuse);
+        let with_gcc12 = Tree { gcc: found("/usr/bin/cc", Version(12, 2, 0)), ..tree(make44.clone()) };
+        let choice = choose(&with_gcc12);
+        assert_eq!(choice.style, Style::Pipe);
+        assert!(choice.why.iter().any(|w| w.contains("gcc 12.2 ")), "{choice:?}");
+        let with_make43 = Tree { make: found("/usr/bin/make", Version(4, 3, 0)), ..tree(make44) };
+        assert_eq!(choose(&with_make43).style, Style::Pipe);
+    }
+
+    #[test]
+    fn make_4_3_and_cargo_beside_make_4_3_get_pipe() {
+        assert_eq!(choose(&tree(Top::Make(found("/m", Version(4, 3, 0)).unwrap()))).style, Style::Pipe);
+        assert_eq!(choose(&tree(Top::Cargo)).style, Style::Fuse);
+        let cargo = Tree { make: found("/usr/bin/make", Version(4, 3, 0)), ..tree(Top::Cargo) };
+        assert_eq!(choose(&cargo).style, Style::Pipe);
+    }
+
+    #[test]
+    fn ninja_1_13_keeps_fifo_even_beside_make_4_3_and_gcc_12() {
+        let old_tools = Tree { make: found("/usr/bin/make", Version(4, 3, 0)), gcc: found("/usr/bin/cc", Version(12, 2, 0)), ..tree(ninja(Version(1, 13, 2))) };
+        let choice = choose(&old_tools);
+        assert_eq!(choice.style, Style::Fifo);
+        assert!(choice.warnings.is_empty(), "no LTO, nothing to warn about: {choice:?}");
+        let choice = choose(&Tree { lto: true, ..old_tools });
+        assert_eq!(choice.warnings.len(), 1);
+        assert!(choice.warnings[0].contains("gcc 12.2 ") && choice.warnings[0].contains("--jobserver-style pipe"), "{choice:?}");
+    }
+
+    #[test]
+    fn ninja_that_runs_make_4_3_gets_pipe() {
+        let runs_make43 = Tree { make: found("/usr/bin/make", Version(4, 3, 0)), ninja_runs_make: true, ..tree(ninja(Version(1, 13, 2))) };
+        assert_eq!(choose(&runs_make43).style, Style::Pipe);
+        assert_eq!(choose(&Tree { make: found("/m", Version(4, 4, 1)), ..runs_make43 }).style, Style::Fifo);
+        assert!(runs_make("  command = cd /x && make install") && runs_make("command = /usr/bin/make -C ext\n"));
+        assert!(!runs_make("command = /usr/bin/cmake -E make_directory out && cmake --build .") && !runs_make("CMAKE_MAKE_PROGRAM"));
+    }
+
+    #[test]
+    fn old_ninja_and_forced_jobs_are_warned_about() {
+        let choice = choose(&tree(ninja(Version(1, 11, 1))));
+        assert_eq!(choice.warnings.len(), 1);
+        assert!(choice.warnings[0].contains("ninja 1.11.1 (/bin/ninja) is no jobserver client"), "{choice:?}");
+        let forced = Tree { forced_jobs: Some("-j8".into()), ..tree(Top::Make(found("/m", Version(4, 3, 0)).unwrap())) };
+        let choice = choose(&forced);
+        assert!(choice.warnings[0].starts_with("make 4.3 (/m) was given -j8"), "{choice:?}");
+    }
+
+    #[test]
+    fn other_commands_get_fifo_or_pipe() {
+        assert_eq!(choose(&tree(Top::Other)).style, Style::Fifo);
+        let beside_gcc12 = Tree { gcc: found("/usr/bin/cc", Version(12, 2, 0)), ..tree(Top::Other) };
+        assert_eq!(choose(&beside_gcc12).style, Style::Pipe);
+    }
+
+    #[test]
+    fn versions_and_job_flags_parse() {
+        assert_eq!(parse_version("1.13.2.git.kitware.jobserver-pipe-1"), Some(Version(1, 13, 2)));
+        assert_eq!(parse_version("4.3"), Some(Version(4, 3, 0)));
+        assert_eq!(parse_version("x"), None);
+        let words = |s: &str| s.split(' ').map(String::from).collect::<Vec<_>>();
+        assert_eq!(forced_jobs(&words("-s -j8 all")), Some("-j8".into()));
+        assert_eq!(forced_jobs(&words("-j 3 all")), Some("-j 3".into()));
+        assert_eq!(forced_jobs(&words("-j all")), Some("-j".into()));
+        assert_eq!(forced_jobs(&words("--jobs=2")), Some("--jobs=2".into()));
+        assert_eq!(forced_jobs(&words("-s all -- -j8")), None);
+        assert_eq!(forced_jobs(&words("-k JOBS=-jx")), None);
+    }
+
+    #[test]
+    fn the_compiler_is_found_past_a_launcher() {
+        assert_eq!(compiler_in(""), "cc");
+        assert_eq!(compiler_in("gcc-12 -std=c99"), "gcc-12");
+        assert_eq!(compiler_in("/usr/bin/ccache gcc"), "gcc");
+        assert_eq!(compiler_in("sccache"), "cc");
+    }
+
+    #[test]
+    fn make_names() {
+        assert!(is_make_name("make") && is_make_name("gmake") && is_make_name("gnumake"));
+        assert!(!is_make_name("cmake") && !is_make_name("ninja") && !is_make_name("bmake"));
+    }
+}

@@ -1,0 +1,309 @@
+//! `auto` gives each build a jobserver form every client in its tree can
+//! read: checked with the real readers (make 4.3 and 4.4.1, gcc 12's
+//! lto-wrapper, cargo's jobserver crate, ninja 1.13 and Debian's 1.11,
+//! cmake), each build ending with every token back.
+
+mod common;
+
+use common::*;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output, Stdio};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+fn stderr(out: &Output) -> String {
+    String::from_utf8_lossy(&out.stderr).into_owned()
+}
+
+fn stdout(out: &Output) -> String {
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+fn assert_success(out: &Output) {
+    assert!(out.status.success(), "build failed:\n{}\n{}", stdout(out), stderr(out));
+}
+
+/// A tool the Debian system provides (installed by scripts/test).
+fn system_tool(path: &str) -> PathBuf {
+    let path = PathBuf::from(path);
+    assert!(path.exists(), "{} not found: run scripts/test, which installs it", path.display());
+    path
+}
+
+/// `baton run ARGS -- TOOL TOOL_ARGS` in `dir`, without the caller's
+/// MAKEFLAGS.
+fn run_in(broker: &Broker, dir: &Path, run_args: &[&str], tool: &Path, tool_args: &[&str]) -> Command {
+    let mut args = run_args.to_vec();
+    args.push("--");
+    args.push(tool.to_str().unwrap());
+    args.extend_from_slice(tool_args);
+    let mut cmd = broker.run(&args);
+    cmd.current_dir(dir).env_remove("MAKEFLAGS").env_remove("CARGO_MAKEFLAGS").env_remove("MAKE").env_remove("CC");
+    cmd
+}
+
+const PRINT_MAKEFLAGS: &str = "all:\n\t@echo \"[$$MAKEFLAGS]\"\n";
+
+#[test]
+fn makeflags_carry_the_builds_cap_as_gnu_make_writes_it() {
+    let broker = Broker::start(3);
+    let dir = TempDir::new("makeflags");
+    std::fs::write(dir.path().join("Makefile"), PRINT_MAKEFLAGS).unwrap();
+    let cases: [(&[&str], PathBuf, &[&str], &str); 4] = [
+        (&[], make43(), &["-s"], "[s -j3 --jobserver-auth="),
+        (&["--max", "2"], make43(), &[], "[ -j2 --jobserver-auth="),
+        (&["--jobserver-style", "fifo"], make44(), &["-s"], "[s -j3 --jobserver-auth=fifo:"),
+        (&["--jobserver-style", "fuse"], make44(), &["-k", "--no-print-directory"], "[k -j3 --jobserver-auth=fifo:"),
+    ];
+    for (run_args, make, make_args, expected) in cases {
+        let out = run_in(&broker, dir.path(), run_args, &make, make_args).output().unwrap();
+        assert_success(&out);
+        assert!(stdout(&out).starts_with(expected), "{run_args:?} {make_args:?}: {}", stdout(&out));
+    }
+    broker.assert_all_free();
+}
+
+/// A crate whose build script runs Debian's make 4.3 with cargo's
+/// jobserver, as openssl-src and many -sys crates do.
+fn crate_running_make(dir: &Path, log: &Path) {
+    std::fs::create_dir_all(dir.join("src")).unwrap();
+    std::fs::write(dir.join("Cargo.toml"), "[package]\nname = \"runs-make\"\nversion = \"0.1.0\"\nedition = \"2021\"\n").unwrap();
+    std::fs::write(dir.join("src/lib.rs"), "pub fn f() -> u32 { 1 }\n").unwrap();
+    flat_makefile(dir, log, 6, "0.1");
+    let script = r#"fn main() {
+    let flags = std::env::var("CARGO_MAKEFLAGS").unwrap_or_default();
+    let out = std::process::Command::new("/usr/bin/make").env("MAKEFLAGS", &flags).output().unwrap();
+    if !out.status.success() {
+        panic!("make failed under MAKEFLAGS={flags}: {}", String::from_utf8_lossy(&out.stderr));
+    }
+}
+"#;
+    std::fs::write(dir.join("build.rs"), script).unwrap();
+}
+
+#[test]
+fn a_build_script_running_make_4_3_builds_under_auto() {
+    let broker = Broker::start(2);
+    let dir = TempDir::new("cargo-make");
+    let log = dir.path().join("jobs.log");
+    crate_running_make(dir.path(), &log);
+    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+    let out = run_in(&broker, dir.path(), &["--explain"], Path::new(&cargo), &["build", "--offline", "--quiet"])
+        .env("CARGO_TARGET_DIR", dir.path().join("target"))
+        .env("PATH", format!("/usr/bin:{}", std::env::var("PATH").unwrap()))
+        .output()
+        .unwrap();
+    assert_success(&out);
+    assert!(stderr(&out).contains("jobserver: pipe"), "{}", stderr(&out));
+    let (max, started) = max_overlap(&log);
+    assert_eq!(started, 6, "make ran every job");
+    assert!((1..=2).contains(&max), "{max} jobs at once under --jobs 2");
+    broker.assert_all_free();
+}
+
+/// Object files for two LTO links, each with several functions gcc keeps
+/// apart (one LTRANS partition each) and long enough to see in /proc.
+fn lto_objects(dir: &Path) {
+    let mut main = String::from("#include <stdio.h>\n");
+    for f in 0..4 {
+        let mut body = format!("__attribute__((noinline)) unsigned f{f}(unsigned x) {{\n");
+        for i in 0..1500 {
+            body.push_str(&format!("  x = x * {} + (x >> {}) ^ {i}u;\n", 2 * i + 3, i % 13 + 1));
+        }
+        body.push_str("  return x;\n}\n");
+        std::fs::write(dir.join(format!("f{f}.c")), body).unwrap();
+        main.push_str(&format!("unsigned f{f}(unsigned);\n"));
+    }
+    main.push_str("int main(int c, char **v) { printf(\"%u\\n\", f0(c) + f1(c) + f2(c) + f3(c)); return 0; }\n");
+    std::fs::write(dir.join("main.c"), main).unwrap();
+    let out = Command::new("gcc").args(["-O1", "-flto", "-c", "f0.c", "f1.c", "f2.c", "f3.c", "main.c"]).current_dir(dir).output().unwrap();
+    assert_success(&out);
+    let objects = "f0.o f1.o f2.o f3.o main.o";
+    let link = format!("\t+gcc -v -O1 -flto=auto -flto-partition=max -o $@ {objects}\n");
+    std::fs::write(dir.join("Makefile"), format!("all: p q\np q: {objects}\n{link}")).unwrap();
+}
+
+/// LTRANS compilers (`lto1 -fltrans`) running now in `dirs` (other tests
+/// may link at the same time).
+fn ltrans_running(dirs: &[&Path]) -> usize {
+    let Ok(procs) = std::fs::read_dir("/proc") else { return 0 };
+    procs
+        .flatten()
+        .filter(|p| std::fs::read_link(p.path().join("cwd")).is_ok_and(|cwd| dirs.contains(&cwd.as_path())))
+        .filter_map(|p| std::fs::read(p.path().join("cmdline")).ok())
+        .filter(|c| {
+            let words: Vec<&[u8]> = c.split(|b| *b == 0).collect();
+            words.first().is_some_and(|w| w.ends_with(b"lto1")) && words.iter().any(|w| *w == b"-fltrans")
+        })
+        .count()
+}
+
+/// Runs the builds at once while sampling /proc; returns their outputs
+/// and the most LTRANS compilers seen at once in their directories.
+fn sample_ltrans(builds: Vec<Command>, dirs: &[&Path]) -> (Vec<Output>, usize) {
+    let done = AtomicBool::new(false);
+    std::thread::scope(|s| {
+        let sampler = s.spawn(|| {
+            let mut most = 0;
+            while !done.load(Ordering::Relaxed) {
+                most = most.max(ltrans_running(dirs));
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            most
+        });
+        let children: Vec<_> = builds
+            .into_iter()
+            .map(|mut b| b.stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap())
+            .collect();
+        let outputs = children.into_iter().map(|c| c.wait_with_output().unwrap()).collect();
+        done.store(true, Ordering::Relaxed);
+        (outputs, sampler.join().unwrap())
+    })
+}
+
+/// Both links of a build used the R,W jobserver, in parallel through make
+/// (gcc -v says so), with no fallback to serial or to its own -j.
+fn assert_lto_used_the_jobserver(out: &Output) {
+    assert_success(out);
+    let err = stderr(out);
+    assert!(err.contains("jobserver: pipe"), "{err}");
+    assert_eq!(err.matches("Using make jobserver").count(), 2, "both links used the jobserver: {err}");
+    assert!(!err.contains("serial compilation") && !err.contains("jobserver is not available"), "{err}");
+}
+
+fn check_lto_links(make: PathBuf, make_args: &[&str]) {
+    let broker = Broker::start(2);
+    let dir = TempDir::new("lto");
+    lto_objects(dir.path());
+    let build = run_in(&broker, dir.path(), &["--explain"], &make, make_args);
+    let (outs, most) = sample_ltrans(vec![build], &[dir.path()]);
+    assert_lto_used_the_jobserver(&outs[0]);
+    assert!((1..=2).contains(&most), "{most} LTRANS compilers at once under --jobs 2");
+    broker.assert_all_free();
+}
+
+#[test]
+fn lto_links_stay_within_the_limit_under_make_4_3() {
+    check_lto_links(make43(), &["-s"]);
+    check_lto_links(make43(), &[]);
+}
+
+#[test]
+fn lto_links_stay_within_the_limit_under_make_4_4() {
+    check_lto_links(make44(), &["-s"]);
+    check_lto_links(make44(), &[]);
+}
+
+#[test]
+fn two_lto_builds_at_once_stay_within_one_limit() {
+    let broker = Broker::start(2);
+    let dirs = [TempDir::new("lto-a"), TempDir::new("lto-b")];
+    for dir in &dirs {
+        lto_objects(dir.path());
+    }
+    let builds = vec![
+        run_in(&broker, dirs[0].path(), &["--explain"], &make43(), &["-s"]),
+        run_in(&broker, dirs[1].path(), &["--explain"], &make44(), &["-s"]),
+    ];
+    let (outs, most) = sample_ltrans(builds, &[dirs[0].path(), dirs[1].path()]);
+    for out in &outs {
+        assert_lto_used_the_jobserver(out);
+    }
+    assert!((1..=2).contains(&most), "{most} LTRANS compilers at once in two builds under --jobs 2");
+    broker.assert_all_free();
+}
+
+#[test]
+fn ninja_that_runs_make_4_3_gets_the_pipe_form_and_builds() {
+    let broker = Broker::start(2);
+    let dir = TempDir::new("ninja-make");
+    let sub = dir.path().join("sub");
+    std::fs::create_dir_all(&sub).unwrap();
+    let log = dir.path().join("jobs.log");
+    flat_makefile(&sub, &log, 4, "0.05");
+    std::fs::write(dir.path().join("build.ninja"), "rule ext\n  command = make -s -C sub && touch $out\nbuild ext.stamp: ext\n").unwrap();
+    let out = run_in(&broker, dir.path(), &["--explain"], &ninja(), &[]).env("PATH", "/usr/bin:/bin").output().unwrap();
+    assert_success(&out);
+    assert!(stderr(&out).contains("jobserver: pipe"), "{}", stderr(&out));
+    let (max, started) = max_overlap(&log);
+    assert_eq!(started, 4);
+    assert!(max <= 2, "{max} jobs at once under --jobs 2");
+    broker.assert_all_free();
+}
+
+fn assert_ninja_used_fifo(out: &Output) {
+    let text = stdout(out);
+    assert!(text.contains("Jobserver mode detected") && text.contains("--jobserver-auth=fifo:"), "{text}");
+    assert!(!text.contains("'pipe' mode"), "{text}");
+}
+
+#[test]
+fn ninja_1_13_keeps_the_fifo_form_beside_make_4_3() {
+    let broker = Broker::start(2);
+    let dir = TempDir::new("ninja-fifo");
+    let log = dir.path().join("jobs.log");
+    flat_ninja(dir.path(), &log, 8, "0.05");
+    let out = run_in(&broker, dir.path(), &["--explain"], &ninja(), &[]).env("PATH", "/usr/bin:/bin").output().unwrap();
+    assert_success(&out);
+    assert!(stderr(&out).contains("jobserver: fifo"), "{}", stderr(&out));
+    assert_ninja_used_fifo(&out);
+    let (max, started) = max_overlap(&log);
+    assert_eq!(started, 8);
+    assert!(max <= 2, "{max} jobs at once under --jobs 2");
+    broker.assert_all_free();
+}
+
+#[test]
+fn cmake_build_of_a_ninja_project_gets_the_fifo_form() {
+    let cmake = system_tool("/usr/bin/cmake");
+    let broker = Broker::start(2);
+    let dir = TempDir::new("cmake");
+    let src = dir.path().join("src");
+    std::fs::create_dir_all(&src).unwrap();
+    std::fs::write(src.join("CMakeLists.txt"), "cmake_minimum_required(VERSION 3.13)\nproject(p C)\nadd_executable(p a.c b.c)\n").unwrap();
+    std::fs::write(src.join("a.c"), "int b(void);\nint main(void) { return b(); }\n").unwrap();
+    std::fs::write(src.join("b.c"), "int b(void) { return 0; }\n").unwrap();
+    let build_dir = dir.path().join("build");
+    let configure = Command::new(&cmake)
+        .args(["-G", "Ninja", "-S"])
+        .arg(&src)
+        .arg("-B")
+        .arg(&build_dir)
+        .arg(format!("-DCMAKE_MAKE_PROGRAM={}", ninja().display()))
+        .env_remove("MAKEFLAGS")
+        .output()
+        .unwrap();
+    assert_success(&configure);
+    let out = run_in(&broker, dir.path(), &["--explain"], &cmake, &["--build", "build"]).output().unwrap();
+    assert_success(&out);
+    assert!(stderr(&out).contains("jobserver: fifo"), "{}", stderr(&out));
+    assert_ninja_used_fifo(&out);
+    broker.assert_all_free();
+}
+
+#[test]
+fn debian_ninja_1_11_gets_a_warning() {
+    let old_ninja = system_tool("/usr/bin/ninja");
+    let broker = Broker::start(2);
+    let dir = TempDir::new("ninja-old");
+    let log = dir.path().join("jobs.log");
+    flat_ninja(dir.path(), &log, 2, "0.01");
+    let out = run_in(&broker, dir.path(), &[], &old_ninja, &[]).output().unwrap();
+    assert_success(&out);
+    let warning = stderr(&out).lines().find(|l| l.contains("is no jobserver client")).map(str::to_string);
+    let warning = warning.unwrap_or_else(|| panic!("no warning: {}", stderr(&out)));
+    assert!(warning.starts_with("baton: ninja 1.11") && warning.contains("/usr/bin/ninja") && warning.contains("1.13"), "{warning}");
+    broker.assert_all_free();
+}
+
+#[test]
+fn make_with_its_own_jobs_gets_a_warning() {
+    let broker = Broker::start(2);
+    let dir = TempDir::new("forced-jobs");
+    std::fs::write(dir.path().join("Makefile"), PRINT_MAKEFLAGS).unwrap();
+    let out = run_in(&broker, dir.path(), &[], &make43(), &["-j3"]).output().unwrap();
+    assert_success(&out);
+    let err = stderr(&out);
+    assert!(err.lines().any(|l| l.starts_with("baton: make 4.3") && l.contains("-j3") && l.contains("drop -j3")), "{err}");
+    broker.assert_all_free();
+}
