@@ -193,3 +193,27 @@ fn bad_gate_values_are_refused_with_a_clear_message() {
         assert!(err.contains("/proc/nope"), "{good}: {err}");
     }
 }
+
+#[test]
+fn the_load_gate_holds_a_build_to_one_job_while_the_cpus_are_busy() {
+    let name = "the_load_gate_holds_a_build_to_one_job_while_the_cpus_are_busy";
+    let Ok(stress_ng) = which("stress-ng") else { return skip(name, "stress-ng is not installed (scripts/test installs it)") };
+    let mut stress = Command::new(stress_ng).args(["--cpu", "4", "--timeout", "120", "--quiet"]).spawn().unwrap();
+    let broker = Broker::start_with(4, &["--max-load", "3"]);
+    wait_for(Duration::from_secs(30), "the load gate to close under stress-ng --cpu 4", || broker.status().gates.iter().any(|g| g.name == "load" && !g.open));
+    let dir = TempDir::new("load-gate");
+    let log = dir.path().join("jobs.log");
+    flat_makefile(dir.path(), &log, 6, "0.2");
+    let out = broker.run(&["--", make43().to_str().unwrap(), "-s"]).current_dir(dir.path()).env_remove("MAKEFLAGS").output().unwrap();
+    let load_gate_stayed_closed = broker.status().gates.iter().any(|g| g.name == "load" && !g.open);
+    unsafe { libc::kill(stress.id() as i32, libc::SIGTERM) };
+    stress.wait().unwrap();
+    assert!(out.status.success(), "the build finishes under a closed gate: {}", String::from_utf8_lossy(&out.stderr));
+    assert!(load_gate_stayed_closed, "stress-ng kept the gate closed for the whole build");
+    assert_eq!(max_overlap(&log), (1, 6), "a closed gate lets only the build's own slot run jobs");
+    broker.assert_all_free();
+}
+
+fn which(program: &str) -> Result<PathBuf, ()> {
+    std::env::split_paths(&std::env::var_os("PATH").unwrap_or_default()).map(|d| d.join(program)).find(|p| p.exists()).ok_or(())
+}
