@@ -6,10 +6,11 @@
 //! transport that owns the client, and that transport's thread is woken to
 //! deliver them. Nothing here blocks or does I/O besides reading the clock.
 
+use baton_core::gates::{GateConfig, Gates, Reading};
 use baton_core::status::{self, Status};
 use baton_core::{Acquired, ClientId, Grant, Pool, PoolError, Tag};
 use std::collections::HashMap;
-use std::time::SystemTime;
+use std::time::{Duration, Instant, SystemTime};
 
 /// Which way a client came in. Grants are routed by it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -62,11 +63,21 @@ pub struct Broker {
     pool: Pool<ClientMeta>,
     undelivered: HashMap<Transport, Vec<Grant>>,
     hooks: HashMap<Transport, GrantHook>,
+    /// The memory and load gates (none configured: no cap).
+    gates: Gates,
+    /// The clock the gates' times are measured on.
+    started: (Instant, SystemTime),
 }
 
 impl Broker {
     pub fn new(limit: u32) -> Result<Self, PoolError> {
-        Ok(Broker { pool: Pool::new(limit)?, undelivered: HashMap::new(), hooks: HashMap::new() })
+        Ok(Broker {
+            pool: Pool::new(limit)?,
+            undelivered: HashMap::new(),
+            hooks: HashMap::new(),
+            gates: Gates::new(GateConfig::default()),
+            started: (Instant::now(), SystemTime::now()),
+        })
     }
 
     /// Calls `hook` whenever a call files grants for `transport`, so that
@@ -88,7 +99,10 @@ impl Broker {
         let outcome = self.pool.acquire(id, tag, tokens)?;
         let meta = self.pool.meta_mut(id).expect("acquire checked the client");
         match outcome {
-            Acquired::Granted => Self::note_holding(meta),
+            Acquired::Granted => {
+                Self::note_holding(meta);
+                self.note_granted(tokens);
+            }
             Acquired::Queued => {
                 meta.waiting_since.insert(tag, SystemTime::now());
             }
@@ -100,6 +114,7 @@ impl Broker {
         let granted = self.pool.try_acquire(id, tokens)?;
         if granted {
             Self::note_holding(self.pool.meta_mut(id).expect("try_acquire checked the client"));
+            self.note_granted(tokens);
         }
         Ok(granted)
     }
@@ -149,7 +164,69 @@ impl Broker {
         self.undelivered.remove(&transport).unwrap_or_default()
     }
 
+    /// Configures the gates (`--min-mem-available` and the others); an
+    /// empty configuration removes them and lifts the cap they set.
+    pub fn set_gates(&mut self, config: GateConfig) {
+        let now = self.clock();
+        self.gates.set_config(config, now);
+        self.refresh_cap();
+    }
+
+    /// Sets one gate by its protocol name; returns its threshold now.
+    ///
+    /// # Errors
+    /// The name or the value is not valid, in words for the client.
+    pub fn set_gate(&mut self, name: &str, value: Option<f64>) -> Result<Option<f64>, String> {
+        let config = self.gate_config().with(name, value)?;
+        self.set_gates(config);
+        Ok(config.value_of(name))
+    }
+
+    /// The gates' configuration (all off if none).
+    pub fn gate_config(&self) -> GateConfig {
+        self.gates.config()
+    }
+
+    /// A new measurement of the machine: the gates open or close on it.
+    pub fn observe(&mut self, reading: Reading) {
+        let (held, now) = (self.pool.held(), self.clock());
+        self.gates.observe(reading, held, now);
+        self.refresh_cap();
+    }
+
+    fn clock(&self) -> Duration {
+        self.started.0.elapsed()
+    }
+
+    /// Tokens just handed out count as young jobs for the memory gate, and
+    /// use up part of what it allows.
+    fn note_granted(&mut self, tokens: u32) {
+        if self.gates.config().any() {
+            let now = self.clock();
+            self.gates.granted(tokens, now);
+            self.refresh_cap();
+        }
+    }
+
+    /// Sets the pool's admission cap to what the gates allow now, and
+    /// delivers any grants a higher cap lets through.
+    fn refresh_cap(&mut self) {
+        let cap = self.gates.allowance(self.pool.held(), self.started.0.elapsed());
+        let grants = self.pool.set_admission_cap(cap);
+        self.route(grants);
+    }
+
     fn route(&mut self, grants: Vec<Grant>) {
+        if grants.is_empty() {
+            return;
+        }
+        let granted = grants.iter().map(|g| g.tokens).sum();
+        self.file(grants);
+        self.note_granted(granted);
+    }
+
+    /// Files each grant under its client's transport and wakes those.
+    fn file(&mut self, grants: Vec<Grant>) {
         let now = SystemTime::now();
         let mut woken = Vec::new();
         for grant in grants {
@@ -198,6 +275,7 @@ impl Broker {
             })
             .collect();
         let t = self.pool.totals();
+        let gates = self.gates.views().into_iter().map(|v| self.gate_status(v)).collect();
         Status {
             version: baton_core::protocol::VERSION,
             broker_pid: std::process::id(),
@@ -213,6 +291,17 @@ impl Broker {
                 waits: t.waits,
                 clients: self.pool.clients().count() as u64,
             },
+            gates,
+        }
+    }
+
+    fn gate_status(&self, view: baton_core::gates::GateView) -> status::Gate {
+        status::Gate {
+            name: view.kind.name().to_string(),
+            open: view.open,
+            value: view.value,
+            threshold: view.threshold,
+            closed_since: view.closed_since.map(|d| epoch_seconds(self.started.1 + d)),
         }
     }
 }

@@ -13,11 +13,14 @@
 //!   look for the next message before sleeping) and `uring` (send replies
 //!   and sleep in one system call).
 //! - `fuse`: the FUSE token file server.
+//! - `gates`: measuring memory, memory pressure and the run queue for
+//!   the gates (`baton_core::gates` decides).
 //! - `paths`: the socket's directory, lock and stale-socket checks.
 #![deny(missing_docs)]
 
 mod broker;
 mod fuse;
+mod gates;
 mod log;
 mod paths;
 mod serve;

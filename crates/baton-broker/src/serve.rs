@@ -2,7 +2,9 @@
 
 use crate::broker::{Broker, Transport};
 use crate::fuse::Mode as FuseMode;
+use crate::gates::{Probe, Sampler};
 use crate::log::LogLevel;
+use baton_core::gates::GateConfig;
 use crate::socket::SocketServer;
 use crate::spin::SpinPolicy;
 use crate::{fuse, log, paths};
@@ -31,6 +33,8 @@ pub struct ServeOptions {
     pub io_uring: bool,
     /// How much the broker logs on stderr.
     pub log_level: LogLevel,
+    /// Memory and load gates (docs/adaptive.md); the default has none.
+    pub gates: GateConfig,
 }
 
 /// Serves until SIGTERM or SIGINT, then removes the socket and unmounts.
@@ -56,6 +60,8 @@ pub fn serve(opts: ServeOptions) -> Result<()> {
     let signals = SignalFd::with_flags(&stop, SfdFlags::SFD_NONBLOCK | SfdFlags::SFD_CLOEXEC).context("cannot create a signalfd")?;
 
     let broker = Arc::new(Mutex::new(Broker::new(opts.jobs)?));
+    broker.lock().expect("broker lock").set_gates(opts.gates);
+    let _sampler = Sampler::spawn(broker.clone(), Probe::new(opts.gates.max_mem_pressure.is_some())).context("cannot start the gates' thread")?;
     // Mounted before the socket listens: whoever finds the broker ready finds
     // its token files too (`baton run --jobserver-style auto`).
     let _fuse = opts.fuse.and_then(|mode| fuse::mount(&socket, broker.clone(), mode));

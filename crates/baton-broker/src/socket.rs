@@ -484,6 +484,13 @@ fn apply(broker: &mut Broker, id: ClientId, request: Request) -> Result<Option<R
             log::info(format_args!("limit changed from {old} to {n}"));
             Reply::Limit { old, new: n }
         }
+        Request::Gate { name, value } => match broker.set_gate(&name, value) {
+            Ok(value) => {
+                log::info(format_args!("gate {name} set to {}", value.map_or("off".to_string(), |v| v.to_string())));
+                Reply::Gate { name, value }
+            }
+            Err(message) => Reply::Err { code: ErrorCode::Range, message },
+        },
         Request::Hello { .. } | Request::Cancel => unreachable!("handled by the caller"),
     }))
 }

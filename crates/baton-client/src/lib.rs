@@ -179,6 +179,16 @@ impl Client {
         }
     }
 
+    /// Sets one gate of the broker (`mem-available` in bytes,
+    /// `mem-pressure` in percent, `load` in runnable tasks, `min-jobs`);
+    /// None turns it off. Returns its threshold now.
+    pub fn set_gate(&mut self, name: &str, value: Option<f64>) -> Result<Option<f64>> {
+        match self.call(&Request::Gate { name: name.to_string(), value })? {
+            Reply::Gate { value, .. } => Ok(value),
+            other => Err(unexpected(other)),
+        }
+    }
+
     /// Sends one request without waiting for its reply. With
     /// [`Client::read_reply`] this lets a caller wait in its own poll loop
     /// (see [`Client::as_raw_fd`]) or cancel a pending ACQUIRE.

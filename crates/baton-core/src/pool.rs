@@ -139,6 +139,9 @@ pub struct Pool<M> {
     queue: VecDeque<Waiter>,
     next_id: u64,
     totals: Totals,
+    /// At most this many tokens held in all while set (the gates' word on
+    /// what the machine can take now); never below what is already held.
+    cap: Option<u32>,
 }
 
 impl<M> Pool<M> {
@@ -152,6 +155,7 @@ impl<M> Pool<M> {
             queue: VecDeque::new(),
             next_id: 1,
             totals: Totals::default(),
+            cap: None,
         })
     }
 
@@ -210,7 +214,7 @@ impl<M> Pool<M> {
         if self.queue.iter().any(|w| w.client == id && w.tag == tag) {
             return Err(PoolError::DuplicateTag(tag));
         }
-        if self.queue.is_empty() && self.free >= tokens {
+        if self.queue.is_empty() && self.fits(tokens) {
             self.hand_out(id, tokens);
             return Ok(Acquired::Granted);
         }
@@ -223,7 +227,7 @@ impl<M> Pool<M> {
     /// the queue; never queues.
     pub fn try_acquire(&mut self, id: ClientId, tokens: u32) -> Result<bool, PoolError> {
         self.check_request(id, tokens)?;
-        if self.queue.is_empty() && self.free >= tokens {
+        if self.queue.is_empty() && self.fits(tokens) {
             self.hand_out(id, tokens);
             return Ok(true);
         }
@@ -282,6 +286,20 @@ impl<M> Pool<M> {
         Ok(self.serve_queue())
     }
 
+    /// Caps how many tokens may be held in all, without touching the limit:
+    /// a closed gate (memory, load) holds free tokens back this way. Tokens
+    /// already held are never taken back; a cap above what is held lets
+    /// the queue be served up to it. None lifts the cap.
+    pub fn set_admission_cap(&mut self, cap: Option<u32>) -> Vec<Grant> {
+        self.cap = cap;
+        self.serve_queue()
+    }
+
+    /// The cap [`Pool::set_admission_cap`] set, if any.
+    pub fn admission_cap(&self) -> Option<u32> {
+        self.cap
+    }
+
     /// Every client with what it holds and waits for, in connection order.
     pub fn clients(&self) -> impl Iterator<Item = ClientView<'_, M>> {
         self.clients.iter().map(|(&id, c)| ClientView {
@@ -307,7 +325,7 @@ impl<M> Pool<M> {
             assert_eq!(self.free, 0, "a draining pool has no free tokens");
         }
         if let Some(head) = self.queue.front() {
-            assert!(head.tokens > self.free, "the head of the queue waits although its tokens are free");
+            assert!(!self.fits(head.tokens), "the head of the queue waits although its tokens are free and the cap allows them");
         }
         for w in &self.queue {
             assert!(self.clients.contains_key(&w.client), "a waiter belongs to no client");
@@ -329,6 +347,12 @@ impl<M> Pool<M> {
         Ok(())
     }
 
+    /// Whether `tokens` more can be handed out now: they are free and the
+    /// admission cap, if any, allows them.
+    fn fits(&self, tokens: u32) -> bool {
+        tokens <= self.free && self.cap.is_none_or(|cap| self.held().saturating_add(tokens) <= cap)
+    }
+
     fn hand_out(&mut self, id: ClientId, tokens: u32) {
         self.free -= tokens;
         self.clients.get_mut(&id).expect("caller checked the client").held += tokens;
@@ -345,7 +369,7 @@ impl<M> Pool<M> {
     fn serve_queue(&mut self) -> Vec<Grant> {
         let mut grants = Vec::new();
         while let Some(head) = self.queue.front().copied() {
-            if head.tokens > self.free {
+            if !self.fits(head.tokens) {
                 break;
             }
             self.queue.pop_front();
@@ -490,5 +514,22 @@ mod tests {
         p.acquire(b, 5, 1).unwrap();
         assert_eq!(p.acquire(b, 5, 1), Err(PoolError::DuplicateTag(5)));
         assert_eq!(p.acquire(b, 6, 1), Ok(Acquired::Queued));
+    }
+
+    #[test]
+    fn an_admission_cap_holds_free_tokens_back_and_never_revokes() {
+        let mut p = pool(4);
+        let (a, b) = (p.connect(()), p.connect(()));
+        assert_eq!(p.acquire(a, 0, 2), Ok(Acquired::Granted));
+        assert!(p.set_admission_cap(Some(1)).is_empty());
+        assert_eq!(p.held_by(a), 2, "held tokens stay held");
+        assert_eq!(p.acquire(b, 0, 1), Ok(Acquired::Queued));
+        assert_eq!(p.try_acquire(a, 1), Ok(false));
+        p.assert_invariants();
+        assert!(p.release(a, 1).unwrap().is_empty(), "held 1 is at the cap");
+        let grants = p.set_admission_cap(Some(2));
+        assert_eq!(grants, vec![Grant { client: b, tag: 0, tokens: 1 }]);
+        assert_eq!(p.free(), 2);
+        p.assert_invariants();
     }
 }

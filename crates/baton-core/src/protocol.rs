@@ -20,7 +20,7 @@ pub const MAX_LINE: usize = 256;
 pub const MAX_LABEL: usize = 200;
 
 /// A request from client to broker.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub enum Request {
     /// `HELLO <version> [<label>]`: must come first.
     Hello {
@@ -41,10 +41,22 @@ pub enum Request {
     Status,
     /// `LIMIT <n>`: change the pool's limit.
     Limit(u32),
+    /// `GATE <name> <value|off>`: set or clear one gate's threshold
+    /// (docs/adaptive.md): `mem-available` in bytes, `mem-pressure` in
+    /// percent, `load` in runnable tasks, `min-jobs` in tokens.
+    Gate {
+        /// Which gate.
+        name: String,
+        /// The new threshold; None: `off`.
+        value: Option<f64>,
+    },
 }
 
+/// The names GATE accepts.
+pub const GATE_NAMES: [&str; 4] = ["mem-available", "mem-pressure", "load", "min-jobs"];
+
 /// A reply from broker to client.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub enum Reply {
     /// `OK <version> <client-id> <limit>`: answer to HELLO.
     Hello {
@@ -91,6 +103,13 @@ pub enum Reply {
         old: u32,
         /// The limit now.
         new: u32,
+    },
+    /// `GATE <name> <value|off>`: the gate's threshold now.
+    Gate {
+        /// Which gate.
+        name: String,
+        /// Its threshold; None: off.
+        value: Option<f64>,
     },
     /// `ERR <code> <message>`.
     Err {
@@ -192,12 +211,36 @@ pub fn parse_request(line: &[u8]) -> Result<Request, ParseError> {
         "TRY" => count("TRY").map(Request::Try),
         "RELEASE" => count("RELEASE").map(Request::Release),
         "LIMIT" => count("LIMIT").map(Request::Limit),
+        "GATE" => parse_gate(rest).map(|(name, value)| Request::Gate { name, value }),
         "CANCEL" if rest.is_empty() => Ok(Request::Cancel),
         "STATUS" if rest.is_empty() => Ok(Request::Status),
         "CANCEL" | "STATUS" => Err(malformed(format!("{verb} takes no arguments"))),
         "" => Err(malformed("empty request")),
         _ => Err(malformed(format!("unknown request {:?}", truncate(verb, 32)))),
     }
+}
+
+fn parse_gate(rest: &str) -> Result<(String, Option<f64>), ParseError> {
+    let usage = || malformed(format!("GATE needs a name ({}) and a value or off: GATE mem-available 2147483648", GATE_NAMES.join(", ")));
+    let (name, value) = rest.split_once(' ').ok_or_else(usage)?;
+    if !GATE_NAMES.contains(&name) {
+        return Err(usage());
+    }
+    let value = match value {
+        "off" => None,
+        v => Some(parse_decimal(v).ok_or_else(usage)?),
+    };
+    Ok((name.to_string(), value))
+}
+
+/// A non-negative decimal such as `12` or `12.5`: digits, at most one dot.
+fn parse_decimal(word: &str) -> Option<f64> {
+    let plain = !word.is_empty() && word.len() <= 24 && word.bytes().all(|b| b.is_ascii_digit() || b == b'.') && word.bytes().filter(|&b| b == b'.').count() <= 1;
+    plain.then(|| word.parse().ok()).flatten()
+}
+
+fn gate_value(value: Option<f64>) -> String {
+    value.map_or_else(|| "off".to_string(), |v| v.to_string())
 }
 
 fn parse_count(rest: &str, verb: &str) -> Result<u32, ParseError> {
@@ -231,6 +274,7 @@ impl fmt::Display for Request {
             Request::Cancel => f.write_str("CANCEL"),
             Request::Status => f.write_str("STATUS"),
             Request::Limit(n) => write!(f, "LIMIT {n}"),
+            Request::Gate { name, value } => write!(f, "GATE {name} {}", gate_value(*value)),
         }
     }
 }
@@ -246,6 +290,7 @@ impl Reply {
             Reply::Cancelled { tokens } => format!("CANCELLED {tokens}\n"),
             Reply::Status { json } => format!("STATUS {}\n{json}\n", json.len()),
             Reply::Limit { old, new } => format!("LIMIT {old} {new}\n"),
+            Reply::Gate { name, value } => format!("GATE {name} {}\n", gate_value(*value)),
             Reply::Err { code, message } => format!("ERR {code} {}\n", message.replace('\n', " ")),
         };
         line.into_bytes()
@@ -267,6 +312,10 @@ pub fn parse_reply_line(line: &str) -> Result<ReplyHead, ParseError> {
         "CANCELLED" => Reply::Cancelled { tokens: num()? },
         "LIMIT" => Reply::Limit { old: num()?, new: num()? },
         "STATUS" => return Ok(ReplyHead::StatusFollows(num()? as usize)),
+        "GATE" => {
+            let (name, value) = parse_gate(line.strip_prefix("GATE ").unwrap_or("")).map_err(|_| malformed(format!("bad reply {line:?}")))?;
+            Reply::Gate { name, value }
+        }
         "ERR" => {
             let rest = line.strip_prefix("ERR ").unwrap_or("");
             let (code, message) = rest.split_once(' ').unwrap_or((rest, ""));
@@ -279,7 +328,7 @@ pub fn parse_reply_line(line: &str) -> Result<ReplyHead, ParseError> {
 }
 
 /// The first line of a reply, parsed.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub enum ReplyHead {
     /// A reply of one line.
     Complete(Reply),
@@ -302,6 +351,9 @@ mod tests {
             Request::Cancel,
             Request::Status,
             Request::Limit(8),
+            Request::Gate { name: "mem-available".into(), value: Some(2147483648.0) },
+            Request::Gate { name: "mem-pressure".into(), value: Some(12.5) },
+            Request::Gate { name: "load".into(), value: None },
         ];
         for r in requests {
             assert_eq!(parse_request(r.to_string().as_bytes()), Ok(r));
@@ -331,6 +383,8 @@ mod tests {
             Reply::Released { tokens: 1, held: 0 },
             Reply::Cancelled { tokens: 1 },
             Reply::Limit { old: 4, new: 8 },
+            Reply::Gate { name: "load".into(), value: Some(3.0) },
+            Reply::Gate { name: "min-jobs".into(), value: None },
             Reply::Err { code: ErrorCode::OverRelease, message: "cannot give back 2 tokens: only 1 held".into() },
         ];
         for r in replies {
@@ -345,5 +399,13 @@ mod tests {
         let wire = Reply::Status { json: "{\"limit\":4}".into() }.encode();
         assert_eq!(wire, b"STATUS 11\n{\"limit\":4}\n");
         assert_eq!(parse_reply_line("STATUS 11"), Ok(ReplyHead::StatusFollows(11)));
+    }
+
+    #[test]
+    fn bad_gate_requests_are_malformed() {
+        for line in ["GATE", "GATE load", "GATE load -1", "GATE load abc", "GATE nope 3", "GATE load 1.2.3", "GATE load 3 4"] {
+            assert!(parse_request(line.as_bytes()).is_err(), "{line} accepted");
+        }
+        assert_eq!(parse_request(b"GATE min-jobs 2"), Ok(Request::Gate { name: "min-jobs".into(), value: Some(2.0) }));
     }
 }

@@ -23,6 +23,27 @@ pub struct Status {
     pub waiters: Vec<Waiter>,
     /// Running totals since the broker started.
     pub totals: Totals,
+    /// The memory and load gates that are configured (docs/adaptive.md);
+    /// empty if none.
+    #[serde(default)]
+    pub gates: Vec<Gate>,
+}
+
+/// A gate that holds tokens back while the machine is short of memory or
+/// CPU.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Gate {
+    /// "mem-available", "mem-pressure" or "load".
+    pub name: String,
+    /// Whether it lets new tokens out.
+    pub open: bool,
+    /// The last reading: bytes, percent, or runnable tasks; null if this
+    /// machine does not offer the figure.
+    pub value: Option<f64>,
+    /// The configured threshold, in the same unit.
+    pub threshold: f64,
+    /// When it closed: seconds since the Unix epoch; null while open.
+    pub closed_since: Option<f64>,
 }
 
 /// A client holding tokens.

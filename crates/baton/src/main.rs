@@ -12,6 +12,7 @@
 mod status;
 
 use baton_broker::{FuseMode, LogLevel, ServeOptions};
+use baton_core::gates::GateConfig;
 use baton_core::paths::socket_path;
 use baton_jobserver::RunOptions;
 use clap::{Parser, Subcommand};
@@ -75,6 +76,13 @@ enum Cmd {
         /// comparison, or if io_uring misbehaves here.
         #[arg(long)]
         no_io_uring: bool,
+        #[command(flatten)]
+        gates: GateArgs,
+        /// How long a newly granted job counts as young for the memory
+        /// gate: about the time your jobs take to reach most of their
+        /// memory.
+        #[arg(long, value_name = "MS", default_value_t = 1000, value_parser = clap::value_parser!(u64).range(1..=600_000))]
+        mem_settle: u64,
     },
     /// Run CMD holding tokens from the broker, with a GNU jobserver (MAKEFLAGS)
     /// fed from the pool; every token goes back when CMD ends.
@@ -115,19 +123,81 @@ killed too."
         #[arg(long)]
         json: bool,
     },
-    /// Change the limit of a running broker. Raising it by K wakes exactly K
-    /// waiters; lowering it retires tokens as their holders give them back.
+    /// Change the limit or the gates of a running broker. Raising the limit
+    /// by K wakes exactly K waiters; lowering it retires tokens as their
+    /// holders give them back.
+    #[command(after_help = "Examples:\n  baton limit 12\n  baton limit --min-mem-available 2G --max-load 8\n  baton limit --max-load off")]
     Limit {
         /// The new limit.
-        #[arg(value_parser = clap::value_parser!(u32).range(1..=i64::from(baton_core::MAX_LIMIT)))]
-        jobs: u32,
+        #[arg(value_parser = clap::value_parser!(u32).range(1..=i64::from(baton_core::MAX_LIMIT)), required_unless_present_any = ["min_mem_available", "max_mem_pressure", "max_load", "min_jobs"])]
+        jobs: Option<u32>,
         /// Socket of the broker.
         #[arg(long, value_name = "PATH")]
         socket: Option<PathBuf>,
+        #[command(flatten)]
+        gates: GateArgs,
     },
     /// Re-run the seeds' wake-up experiments: baton beside pipes, semaphores,
     /// futexes and condition variables, measured in the same run.
     Bench(baton_bench::BenchArgs),
+}
+
+/// The gates (docs/adaptive.md). In `baton limit`, `off` removes one.
+#[derive(clap::Args, Debug, Default)]
+#[command(next_help_heading = "Gates: hold new tokens back while the machine is short (docs/adaptive.md)")]
+struct GateArgs {
+    /// Grant no new token while available memory (the lower of
+    /// MemAvailable and the broker's memory cgroup's room) is below SIZE
+    /// (e.g. 2G, 512M, 1.5G). Jobs granted a moment ago count at the
+    /// memory jobs were seen to take.
+    #[arg(long, value_name = "SIZE", value_parser = parse_size_setting, allow_hyphen_values = true)]
+    min_mem_available: Option<Setting>,
+    /// Grant no new token while memory pressure (PSI some avg10) is above
+    /// PCT percent.
+    #[arg(long, value_name = "PCT", value_parser = parse_setting, allow_hyphen_values = true)]
+    max_mem_pressure: Option<Setting>,
+    /// Grant no new token while more than LOAD tasks are runnable
+    /// (averaged over the last second).
+    #[arg(long, value_name = "LOAD", value_parser = parse_setting, allow_hyphen_values = true)]
+    max_load: Option<Setting>,
+    /// However closed the gates, never hold back tokens while fewer than N
+    /// are held: a build always makes progress [default: 1].
+    #[arg(long, value_name = "N", value_parser = parse_setting, allow_hyphen_values = true)]
+    min_jobs: Option<Setting>,
+}
+
+/// A gate's threshold, or None for `off`.
+type Setting = Option<f64>;
+
+impl GateArgs {
+    /// (protocol name, setting) for each option given.
+    fn settings(&self) -> Vec<(&'static str, Setting)> {
+        [("mem-available", self.min_mem_available), ("mem-pressure", self.max_mem_pressure), ("load", self.max_load), ("min-jobs", self.min_jobs)]
+            .into_iter()
+            .filter_map(|(name, setting)| setting.map(|s| (name, s)))
+            .collect()
+    }
+
+    fn config(&self) -> anyhow::Result<GateConfig> {
+        self.settings().into_iter().try_fold(GateConfig::default(), |c, (name, value)| c.with(name, value).map_err(anyhow::Error::msg))
+    }
+}
+
+fn parse_size_setting(text: &str) -> Result<Setting, String> {
+    if text == "off" {
+        return Ok(None);
+    }
+    baton_core::gates::parse_size(text).map(|bytes| Some(bytes as f64))
+}
+
+fn parse_setting(text: &str) -> Result<Setting, String> {
+    match text {
+        "off" => Ok(None),
+        _ => match text.parse::<f64>() {
+            Ok(v) if v.is_finite() && v >= 0.0 => Ok(Some(v)),
+            _ => Err(format!("invalid value '{text}': expected a number, or off")),
+        },
+    }
 }
 
 fn main() -> ExitCode {
@@ -143,21 +213,22 @@ fn main() -> ExitCode {
 
 fn dispatch(command: Cmd) -> anyhow::Result<u8> {
     match command {
-        Cmd::Serve { jobs, socket, verbose, quiet, no_fuse, fuse_notify_all, spin_us, no_io_uring } => {
+        Cmd::Serve { jobs, socket, verbose, quiet, no_fuse, fuse_notify_all, spin_us, no_io_uring, gates, mem_settle } => {
             let log_level = if quiet { LogLevel::Warn } else if verbose { LogLevel::Debug } else { LogLevel::Info };
             let fuse = match (no_fuse, fuse_notify_all) {
                 (true, _) => None,
                 (false, true) => Some(FuseMode::NotifyAll),
                 (false, false) => Some(FuseMode::OneAtATime),
             };
-            baton_broker::serve(ServeOptions { jobs, socket, fuse, spin_us, io_uring: !no_io_uring, log_level })?;
+            let gates = GateConfig { settle: std::time::Duration::from_millis(mem_settle), ..gates.config()? };
+            baton_broker::serve(ServeOptions { jobs, socket, fuse, spin_us, io_uring: !no_io_uring, log_level, gates })?;
         }
         Cmd::Run { socket, tokens, jobserver_style, max, explain, command } => {
             let code = baton_jobserver::run(RunOptions { socket, tokens, max, style: jobserver_style, command, explain })?;
             return Ok(u8::try_from(code).unwrap_or(1));
         }
         Cmd::Status { socket, json } => status::print_status(&socket_path(socket), json)?,
-        Cmd::Limit { jobs, socket } => status::set_limit(&socket_path(socket), jobs)?,
+        Cmd::Limit { jobs, socket, gates } => status::set_limit(&socket_path(socket), jobs, &gates.settings())?,
         Cmd::Bench(args) => baton_bench::run(args)?,
     }
     Ok(0)

@@ -15,10 +15,36 @@ pub fn print_status(socket: &Path, json: bool) -> Result<()> {
     Ok(())
 }
 
-pub fn set_limit(socket: &Path, limit: u32) -> Result<()> {
-    let old = Client::connect(socket, "baton limit")?.set_limit(limit)?;
-    println!("limit {old} -> {limit}");
+/// `baton limit`: the gates first, then the limit, each change printed.
+pub fn set_limit(socket: &Path, limit: Option<u32>, gates: &[(&str, Option<f64>)]) -> Result<()> {
+    let mut client = Client::connect(socket, "baton limit")?;
+    for &(name, value) in gates {
+        let now = client.set_gate(name, value)?;
+        println!("gate {name} {}", show_gate(name, now));
+    }
+    if let Some(limit) = limit {
+        let old = client.set_limit(limit)?;
+        println!("limit {old} -> {limit}");
+    }
     Ok(())
+}
+
+/// A gate's threshold as people read it: sizes in MiB or GiB.
+fn show_gate(name: &str, value: Option<f64>) -> String {
+    match value {
+        None => "off".to_string(),
+        Some(bytes) if name.starts_with("mem-available") => human_bytes(bytes),
+        Some(v) => format!("{}", (v * 10.0).round() / 10.0),
+    }
+}
+
+fn human_bytes(bytes: f64) -> String {
+    const GIB: f64 = (1u64 << 30) as f64;
+    if bytes >= GIB {
+        format!("{:.1}G", bytes / GIB)
+    } else {
+        format!("{:.0}M", bytes / (1u64 << 20) as f64)
+    }
 }
 
 fn now() -> f64 {
@@ -50,6 +76,16 @@ fn render(s: &Status, now: f64) -> String {
             out.push_str(&format!("{pid:>8} {tokens:>6} {:>7.1}s {via:<9} {command}\n", (now - since).max(0.0)));
         }
     };
+    for g in &s.gates {
+        let value = g.value.map_or("n/a".to_string(), |v| show_gate(&g.name, Some(v)));
+        let state = match g.closed_since {
+            Some(since) => format!("CLOSED for {:.1}s", (now - since).max(0.0)),
+            None if g.open => "open".to_string(),
+            None => "CLOSED".to_string(),
+        };
+        let (relation, threshold) = if g.name == "mem-available" { ("min", show_gate(&g.name, Some(g.threshold))) } else { ("max", format!("{}", g.threshold)) };
+        out.push_str(&format!("gate {:<13} {state:<16} now {value}  {relation} {threshold}\n", g.name));
+    }
     rows("HOLDERS", s.holders.iter().map(|h| (h.pid, h.tokens, h.since, h.transport.as_str(), h.command.as_str())).collect(), &mut out);
     rows("WAITERS", s.waiters.iter().map(|w| (w.pid, w.tokens, w.since, w.transport.as_str(), w.command.as_str())).collect(), &mut out);
     out

@@ -54,12 +54,26 @@ impl Broker {
     }
 
     pub fn start_with(jobs: u32, extra: &[&str]) -> Self {
+        Self::start_under(&[], jobs, extra)
+    }
+
+    /// The broker started through `wrapper` (a command that ends by running
+    /// its arguments, such as one that enters a cgroup first).
+    pub fn start_under(wrapper: &[&str], jobs: u32, extra: &[&str]) -> Self {
         let dir = TempDir::new("broker");
         let socket = dir.path().join("run").join("socket");
         // A file, not a pipe: nobody reads a pipe while the test runs, and
         // a full one would block the broker.
         let log = std::fs::File::create(dir.path().join("broker.log")).unwrap();
-        let child = baton()
+        let mut serve = match wrapper.split_first() {
+            Some((program, args)) => {
+                let mut c = Command::new(program);
+                c.args(args).arg(baton_bin());
+                c
+            }
+            None => baton(),
+        };
+        let child = serve
             .args(["serve", "--jobs", &jobs.to_string(), "--socket"])
             .arg(&socket)
             .args(extra)

@@ -1,0 +1,511 @@
+//! Gates: whether the machine can take one more job now.
+//!
+//! The pool decides *who* gets a token; the gates decide *whether* a free
+//! token may be handed out at all, from what the broker measured: available
+//! memory, memory pressure (PSI), and the run queue. A closed gate never
+//! takes a token back; it only stops new grants, and never below
+//! `min_jobs` tokens held, so a build always makes progress.
+//!
+//! Admission alone cannot see a job that was granted a moment ago and has
+//! not yet grown: eight tokens granted in the same millisecond all see the
+//! same free memory. So the memory gate also counts what *young* jobs
+//! (granted less than [`GateConfig::settle`] ago) are expected to take, and
+//! learns that expectation from the machine: how far available memory fell
+//! while each grant was young, per token granted. The estimate follows a
+//! larger figure at once and a smaller one slowly. Until it has measured
+//! one grant, it admits one young job at a time. docs/adaptive.md explains
+//! the choice.
+//!
+//! Nothing here reads a file or a clock: the broker passes readings and
+//! times in, so every rule is tested on its own.
+
+use std::time::Duration;
+
+/// What the user asked the gates to keep.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct GateConfig {
+    /// Grant nothing while available memory is below this many bytes.
+    pub min_mem_available: Option<u64>,
+    /// Grant nothing while memory pressure (PSI `some avg10`, percent) is
+    /// above this.
+    pub max_mem_pressure: Option<f64>,
+    /// Grant nothing while the run queue (runnable tasks) is above this.
+    pub max_load: Option<f64>,
+    /// Never hold back tokens while fewer than this many are held.
+    pub min_jobs: u32,
+    /// How long a newly granted job counts as young: the time a job needs
+    /// to show the memory it will use.
+    pub settle: Duration,
+}
+
+/// How long a new job counts as young unless told otherwise: compilers and
+/// linkers show most of their memory within their first second.
+pub const DEFAULT_SETTLE: Duration = Duration::from_secs(1);
+
+impl Default for GateConfig {
+    fn default() -> Self {
+        GateConfig { min_mem_available: None, max_mem_pressure: None, max_load: None, min_jobs: 1, settle: DEFAULT_SETTLE }
+    }
+}
+
+impl GateConfig {
+    /// Whether any gate is configured (the broker measures nothing if not).
+    pub fn any(&self) -> bool {
+        self.min_mem_available.is_some() || self.max_mem_pressure.is_some() || self.max_load.is_some()
+    }
+
+    /// The configuration with one threshold changed, by the names of the
+    /// protocol's `GATE` request; `None` turns that gate off (`min-jobs`:
+    /// back to 1).
+    ///
+    /// # Errors
+    /// An unknown name, or a value out of range, with what is expected.
+    pub fn with(mut self, name: &str, value: Option<f64>) -> Result<Self, String> {
+        let positive = |v: f64| if v > 0.0 && v.is_finite() { Ok(v) } else { Err(format!("{name} must be above 0")) };
+        match name {
+            "mem-available" => self.min_mem_available = value.map(positive).transpose()?.map(|v| v as u64),
+            "mem-pressure" => {
+                self.max_mem_pressure = value.map(|v| if (0.0..=100.0).contains(&v) { Ok(v) } else { Err("mem-pressure is a percentage: 0 to 100".to_string()) }).transpose()?
+            }
+            "load" => self.max_load = value.map(positive).transpose()?,
+            "min-jobs" => {
+                self.min_jobs = match value {
+                    None => 1,
+                    Some(v) if v >= 1.0 && v.fract() == 0.0 && v <= f64::from(u32::MAX) => v as u32,
+                    Some(_) => return Err("min-jobs must be a whole number, at least 1".to_string()),
+                }
+            }
+            _ => return Err(format!("unknown gate {name:?}")),
+        }
+        Ok(self)
+    }
+
+    /// The threshold `GATE <name>` reports.
+    pub fn value_of(&self, name: &str) -> Option<f64> {
+        match name {
+            "mem-available" => self.min_mem_available.map(|v| v as f64),
+            "mem-pressure" => self.max_mem_pressure,
+            "load" => self.max_load,
+            "min-jobs" => Some(f64::from(self.min_jobs)),
+            _ => None,
+        }
+    }
+}
+
+/// One measurement of the machine. A `None` is a figure this machine does
+/// not offer (no PSI on an old kernel): its gate stays open.
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct Reading {
+    /// Bytes of memory available to new jobs.
+    pub mem_available: Option<u64>,
+    /// PSI memory `some avg10`, percent.
+    pub mem_pressure: Option<f64>,
+    /// Runnable tasks now.
+    pub runnable: Option<f64>,
+}
+
+/// The three gates, in the order `baton status` lists them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum GateKind {
+    /// `--min-mem-available`.
+    MemAvailable,
+    /// `--max-mem-pressure`.
+    MemPressure,
+    /// `--max-load`.
+    Load,
+}
+
+impl GateKind {
+    /// The name in `baton status` and its JSON.
+    pub fn name(self) -> &'static str {
+        match self {
+            GateKind::MemAvailable => "mem-available",
+            GateKind::MemPressure => "mem-pressure",
+            GateKind::Load => "load",
+        }
+    }
+}
+
+/// One gate as `baton status` shows it.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct GateView {
+    /// Which gate.
+    pub kind: GateKind,
+    /// Whether it lets new tokens out.
+    pub open: bool,
+    /// The last reading (bytes, percent or tasks); None if not measured.
+    pub value: Option<f64>,
+    /// The configured threshold, in the same unit.
+    pub threshold: f64,
+    /// Since when it has been closed (the broker's clock, as passed in).
+    pub closed_since: Option<Duration>,
+}
+
+/// The gates' state: the configuration, the last reading, what was learned
+/// about the jobs' memory, and the young grants.
+#[derive(Debug, Clone)]
+pub struct Gates {
+    config: GateConfig,
+    reading: Reading,
+    /// Expected memory of one job, learned; None until measured.
+    per_job: Option<u64>,
+    /// Available memory while no token was held: the machine without jobs.
+    idle_available: Option<u64>,
+    /// Grants still young, oldest first.
+    young: Vec<YoungGrant>,
+    closed_since: [Option<Duration>; 3],
+}
+
+impl Gates {
+    /// Gates with nothing measured yet.
+    pub fn new(config: GateConfig) -> Self {
+        Gates { config, reading: Reading::default(), per_job: None, idle_available: None, young: Vec::new(), closed_since: [None; 3] }
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> GateConfig {
+        self.config
+    }
+
+    /// Changes the configuration at `now` (`baton limit`); what was
+    /// learned stays.
+    pub fn set_config(&mut self, config: GateConfig, now: Duration) {
+        self.config = config;
+        self.note_closed(now);
+    }
+
+    /// The memory one job is expected to take, once measured.
+    pub fn per_job(&self) -> Option<u64> {
+        self.per_job
+    }
+
+    /// Takes a new reading, made at `now` while `held` tokens were held.
+    pub fn observe(&mut self, reading: Reading, held: u32, now: Duration) {
+        self.reading = reading;
+        if let Some(available) = reading.mem_available {
+            for grant in &mut self.young {
+                grant.lowest = Some(grant.lowest.map_or(available, |l| l.min(available)));
+            }
+        }
+        self.settle(now);
+        if let Some(available) = reading.mem_available {
+            self.learn_from_all(available, held);
+        }
+        self.note_closed(now);
+    }
+
+    /// Remembers since when each gate has been closed.
+    fn note_closed(&mut self, now: Duration) {
+        for kind in [GateKind::MemAvailable, GateKind::MemPressure, GateKind::Load] {
+            let open = self.is_open(kind);
+            let slot = &mut self.closed_since[kind as usize];
+            *slot = if open { None } else { Some(slot.unwrap_or(now)) };
+        }
+    }
+
+    /// Notes `tokens` granted at `now`: they are young jobs until settled.
+    pub fn granted(&mut self, tokens: u32, now: Duration) {
+        let available = self.reading.mem_available;
+        self.young.push(YoungGrant { at: now, tokens, available, lowest: available });
+    }
+
+    /// How many tokens may be held in all right now, given `held`: at least
+    /// `min_jobs`, and no more than `held` while any gate is closed. None:
+    /// no gate is configured, so no cap.
+    pub fn allowance(&mut self, held: u32, now: Duration) -> Option<u32> {
+        if !self.config.any() {
+            return None;
+        }
+        self.settle(now);
+        let extra = if self.is_open(GateKind::MemPressure) && self.is_open(GateKind::Load) { self.memory_room(held) } else { 0 };
+        Some(held.saturating_add(extra).max(self.config.min_jobs))
+    }
+
+    /// Every configured gate, for `baton status`.
+    pub fn views(&self) -> Vec<GateView> {
+        let c = self.config;
+        let r = self.reading;
+        let to_f64 = |v: Option<u64>| v.map(|v| v as f64);
+        [
+            c.min_mem_available.map(|t| (GateKind::MemAvailable, to_f64(r.mem_available), t as f64)),
+            c.max_mem_pressure.map(|t| (GateKind::MemPressure, r.mem_pressure, t)),
+            c.max_load.map(|t| (GateKind::Load, r.runnable, t)),
+        ]
+        .into_iter()
+        .flatten()
+        .map(|(kind, value, threshold)| GateView {
+            kind,
+            open: self.is_open(kind),
+            value,
+            threshold,
+            closed_since: self.closed_since[kind as usize],
+        })
+        .collect()
+    }
+
+    /// Whether one gate lets tokens out on the last reading. A gate whose
+    /// figure this machine does not offer stays open.
+    pub fn is_open(&self, kind: GateKind) -> bool {
+        let (c, r) = (self.config, self.reading);
+        match kind {
+            GateKind::MemAvailable => match (c.min_mem_available, r.mem_available) {
+                (Some(min), Some(available)) => available >= min,
+                _ => true,
+            },
+            GateKind::MemPressure => match (c.max_mem_pressure, r.mem_pressure) {
+                (Some(max), Some(pressure)) => pressure <= max,
+                _ => true,
+            },
+            GateKind::Load => match (c.max_load, r.runnable) {
+                (Some(max), Some(runnable)) => runnable <= max,
+                _ => true,
+            },
+        }
+    }
+
+    /// How many more jobs the memory gate admits now, `held` being held:
+    /// the room above the threshold, less what young jobs are expected to
+    /// take, in jobs of the learned size (one young job at a time before
+    /// anything is learned); and, like TCP's slow start, no more young jobs
+    /// than settled ones, so that admissions at most double per settle
+    /// time while the estimate catches up with what the jobs really take.
+    fn memory_room(&self, held: u32) -> u32 {
+        let (Some(min), Some(available)) = (self.config.min_mem_available, self.reading.mem_available) else {
+            return u32::MAX;
+        };
+        let young: u32 = self.young.iter().map(|g| g.tokens).sum();
+        let settled = held.saturating_sub(young);
+        let slow_start = settled.max(1).saturating_sub(young);
+        let room = match self.per_job {
+            None => u32::from(available >= min && young == 0),
+            Some(per_job) => {
+                let room = available.saturating_sub(u64::from(young).saturating_mul(per_job)).saturating_sub(min);
+                u32::try_from(room / per_job.max(1)).unwrap_or(u32::MAX)
+            }
+        };
+        room.min(slow_start)
+    }
+
+    /// Grants older than the settle time are no longer young: each tells
+    /// how much memory its jobs took (how far available memory fell while
+    /// it was young, per token), and that updates the estimate.
+    fn settle(&mut self, now: Duration) {
+        let settle = self.config.settle;
+        let (settled, young): (Vec<_>, Vec<_>) = self.young.drain(..).partition(|g| now.saturating_sub(g.at) >= settle);
+        self.young = young;
+        for grant in settled {
+            if let (Some(before), Some(lowest)) = (grant.available, grant.lowest) {
+                self.learn(before.saturating_sub(lowest) / u64::from(grant.tokens.max(1)));
+            }
+        }
+    }
+
+    /// What all settled holders take together, per token, is a floor for
+    /// the estimate: it catches jobs that grew after their grant settled.
+    /// (It counts a build's own slot as a job, so alone it would be low.)
+    fn learn_from_all(&mut self, available: u64, held: u32) {
+        if held == 0 {
+            self.idle_available = Some(available);
+            return;
+        }
+        let settled = held.saturating_sub(self.young.iter().map(|g| g.tokens).sum());
+        if let (Some(idle), true) = (self.idle_available, settled > 0) {
+            let per_token = idle.saturating_sub(available) / u64::from(held);
+            if self.per_job.is_some_and(|p| per_token > p) {
+                self.per_job = Some(per_token);
+            }
+        }
+    }
+
+    /// A larger figure is taken at once, so that one big job is enough to
+    /// slow admissions down; a smaller one only moves the estimate an
+    /// eighth of the way, so that a quiet moment does not invite a burst.
+    fn learn(&mut self, measured: u64) {
+        self.per_job = Some(match self.per_job {
+            Some(old) if measured < old => old - (old - measured) / 8,
+            _ => measured,
+        });
+    }
+}
+
+/// Tokens granted together, while they are young.
+#[derive(Debug, Clone, Copy)]
+struct YoungGrant {
+    at: Duration,
+    tokens: u32,
+    /// Available memory when they were granted.
+    available: Option<u64>,
+    /// The lowest available memory seen since.
+    lowest: Option<u64>,
+}
+
+/// Parses a size such as `2G`, `512M`, `1.5G`, `4096` (bytes; K, M, G, T
+/// are powers of 1024, an optional `B` or `iB` after them is accepted).
+///
+/// # Errors
+/// Anything else, zero or negative, with a message saying what is expected.
+pub fn parse_size(text: &str) -> Result<u64, String> {
+    let t = text.trim();
+    let expected = || format!("invalid size '{text}': expected a positive number of bytes with an optional K, M, G or T suffix (e.g. 2G, 512M, 1.5G)");
+    let lower = t.to_ascii_lowercase();
+    let body = lower.trim_end_matches("ib").trim_end_matches('b');
+    let (number, unit) = match body.char_indices().last() {
+        Some((i, c)) if c.is_ascii_alphabetic() => (&body[..i], c),
+        _ => (body, ' '),
+    };
+    let shift = match unit {
+        ' ' => 0,
+        'k' => 10,
+        'm' => 20,
+        'g' => 30,
+        't' => 40,
+        _ => return Err(expected()),
+    };
+    let value: f64 = number.trim().parse().map_err(|_| expected())?;
+    if !value.is_finite() || value <= 0.0 {
+        return Err(format!("invalid size '{text}': it must be above zero"));
+    }
+    let bytes = value * (1u64 << shift) as f64;
+    if bytes < 1.0 || bytes >= u64::MAX as f64 {
+        return Err(expected());
+    }
+    Ok(bytes as u64)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MIB: u64 = 1 << 20;
+    const SETTLE: Duration = Duration::from_millis(500);
+
+    fn memory_gate(min: u64) -> Gates {
+        Gates::new(GateConfig { min_mem_available: Some(min), settle: SETTLE, ..GateConfig::default() })
+    }
+
+    fn at(ms: u64) -> Duration {
+        Duration::from_millis(ms)
+    }
+
+    fn mem(available: u64) -> Reading {
+        Reading { mem_available: Some(available), ..Reading::default() }
+    }
+
+    #[test]
+    fn no_gate_no_cap() {
+        let mut g = Gates::new(GateConfig::default());
+        g.observe(mem(0), 1, at(0));
+        assert_eq!(g.allowance(5, at(0)), None);
+    }
+
+    #[test]
+    fn before_learning_one_young_job_at_a_time() {
+        let mut g = memory_gate(300 * MIB);
+        g.observe(mem(1000 * MIB), 1, at(0));
+        assert_eq!(g.allowance(0, at(0)), Some(1));
+        g.granted(1, at(0));
+        // Eight requests in the same millisecond: still only the one.
+        assert_eq!(g.allowance(1, at(1)), Some(1));
+    }
+
+    #[test]
+    fn learns_the_job_size_and_leaves_the_threshold_free() {
+        let mut g = memory_gate(200 * MIB);
+        g.observe(mem(1000 * MIB), 1, at(0));
+        g.granted(1, at(0));
+        g.observe(mem(760 * MIB), 1, at(100));
+        g.observe(mem(750 * MIB), 1, at(300));
+        assert_eq!(g.allowance(1, at(300)), Some(1), "still young: nothing learned");
+        g.observe(mem(750 * MIB), 1, at(600));
+        assert_eq!(g.per_job(), Some(250 * MIB));
+        // 750 - 200 leaves room for two more jobs of 250, but with one
+        // settled job, slow start admits one young one.
+        assert_eq!(g.allowance(1, at(600)), Some(2));
+        // With two settled (the build's own slot and the job), both.
+        assert_eq!(g.allowance(2, at(600)), Some(4));
+        g.granted(2, at(600));
+        // Young jobs count at the learned size before they show: no room.
+        g.observe(mem(740 * MIB), 1, at(650));
+        assert_eq!(g.allowance(4, at(650)), Some(4));
+    }
+
+    #[test]
+    fn a_smaller_job_lowers_the_estimate_slowly() {
+        let mut g = memory_gate(100 * MIB);
+        g.observe(mem(1000 * MIB), 1, at(0));
+        g.granted(1, at(0));
+        g.observe(mem(200 * MIB), 1, at(600));
+        assert_eq!(g.per_job(), Some(800 * MIB));
+        g.granted(1, at(600));
+        g.observe(mem(200 * MIB), 1, at(1200));
+        assert_eq!(g.per_job(), Some(700 * MIB), "a job that took nothing moves it by an eighth");
+    }
+
+    #[test]
+    fn closed_memory_gate_holds_at_min_jobs_and_never_revokes() {
+        let mut g = memory_gate(500 * MIB);
+        g.observe(mem(100 * MIB), 1, at(0));
+        assert!(!g.is_open(GateKind::MemAvailable));
+        assert_eq!(g.allowance(4, at(0)), Some(4), "what is held stays held");
+        assert_eq!(g.allowance(0, at(0)), Some(1), "one job always runs");
+    }
+
+    #[test]
+    fn pressure_and_load_gates_close_above_their_threshold() {
+        let config = GateConfig { max_mem_pressure: Some(10.0), max_load: Some(3.0), min_jobs: 1, settle: SETTLE, ..GateConfig::default() };
+        let mut g = Gates::new(config);
+        g.observe(Reading { mem_pressure: Some(5.0), runnable: Some(2.0), ..Reading::default() }, 1, at(0));
+        assert_eq!(g.allowance(2, at(0)), Some(u32::MAX));
+        g.observe(Reading { mem_pressure: Some(25.0), runnable: Some(2.0), ..Reading::default() }, 1, at(10));
+        assert_eq!(g.allowance(2, at(10)), Some(2));
+        assert_eq!(g.views()[0].closed_since, Some(at(10)));
+        g.observe(Reading { mem_pressure: Some(1.0), runnable: Some(7.0), ..Reading::default() }, 1, at(20));
+        assert_eq!(g.allowance(2, at(20)), Some(2));
+        assert!(g.views()[0].open && !g.views()[1].open);
+    }
+
+    #[test]
+    fn a_figure_the_machine_lacks_leaves_its_gate_open() {
+        let config = GateConfig { max_mem_pressure: Some(10.0), min_jobs: 1, settle: SETTLE, ..GateConfig::default() };
+        let mut g = Gates::new(config);
+        g.observe(Reading::default(), 0, at(0));
+        assert!(g.is_open(GateKind::MemPressure));
+        assert_eq!(g.views()[0].value, None);
+    }
+
+    #[test]
+    fn sizes() {
+        assert_eq!(parse_size("2G"), Ok(2 << 30));
+        assert_eq!(parse_size("512M"), Ok(512 << 20));
+        assert_eq!(parse_size("1.5G"), Ok(3 << 29));
+        assert_eq!(parse_size("64KiB"), Ok(64 << 10));
+        assert_eq!(parse_size("4096"), Ok(4096));
+        for bad in ["-1", "abc", "0", "", "1.5X", "G", "nan"] {
+            assert!(parse_size(bad).is_err(), "{bad} accepted");
+        }
+    }
+
+    #[test]
+    fn gate_settings_by_name() {
+        let c = GateConfig::default().with("mem-available", Some(2e9)).unwrap().with("load", Some(3.0)).unwrap();
+        assert_eq!((c.min_mem_available, c.max_load), (Some(2_000_000_000), Some(3.0)));
+        assert_eq!(c.with("load", None).unwrap().max_load, None);
+        assert_eq!(c.with("min-jobs", Some(2.0)).unwrap().min_jobs, 2);
+        for (name, value) in [("mem-available", 0.0), ("mem-pressure", 101.0), ("load", 0.0), ("min-jobs", 0.0), ("min-jobs", 1.5), ("nope", 1.0)] {
+            assert!(c.with(name, Some(value)).is_err(), "{name} {value} accepted");
+        }
+    }
+
+    #[test]
+    fn a_job_that_grows_after_it_settled_raises_the_estimate() {
+        let mut g = memory_gate(100 * MIB);
+        g.observe(mem(1000 * MIB), 0, at(0));
+        g.granted(1, at(0));
+        // The job started slowly: nothing shows while it is young.
+        g.observe(mem(990 * MIB), 1, at(600));
+        assert_eq!(g.per_job(), Some(10 * MIB));
+        // Then it grows: 400 MiB for the one token held.
+        g.observe(mem(600 * MIB), 1, at(700));
+        assert_eq!(g.per_job(), Some(400 * MIB));
+    }
+}

@@ -1,0 +1,219 @@
+//! The memory and load gates against the real binary, a real memory cgroup
+//! and real make: a build that the OOM killer ends under plain `make -j8`
+//! finishes under baton's memory gate in the same cgroup.
+//!
+//! Needs root and a writable memory cgroup (v1 here; v2 where mounted with
+//! the memory controller). Without them the tests say they were skipped.
+
+mod common;
+
+use common::*;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::Duration;
+
+/// A memory cgroup of our own with a limit; removed on drop (after its
+/// processes are gone).
+struct MemCgroup {
+    path: PathBuf,
+}
+
+impl MemCgroup {
+    /// None (with the reason) where this machine will not give us one.
+    fn new(name: &str, limit: u64) -> Result<Self, String> {
+        let root = Path::new("/sys/fs/cgroup/memory");
+        if !root.join("memory.limit_in_bytes").exists() {
+            return Err("no cgroup v1 memory controller at /sys/fs/cgroup/memory".into());
+        }
+        let path = root.join(format!("baton-test-{name}-{}", std::process::id()));
+        std::fs::create_dir(&path).map_err(|e| format!("cannot create {}: {e} (root needed)", path.display()))?;
+        let cgroup = MemCgroup { path };
+        cgroup.write("memory.limit_in_bytes", &limit.to_string())?;
+        // No swap: a job over the limit is killed, not slowed.
+        let _ = cgroup.write("memory.swappiness", "0");
+        Ok(cgroup)
+    }
+
+    fn write(&self, file: &str, value: &str) -> Result<(), String> {
+        std::fs::write(self.path.join(file), value).map_err(|e| format!("cannot write {value} to {}: {e}", self.path.join(file).display()))
+    }
+
+    /// Processes the OOM killer has killed in this cgroup.
+    fn oom_kills(&self) -> u64 {
+        let text = std::fs::read_to_string(self.path.join("memory.oom_control")).unwrap();
+        text.lines().find_map(|l| l.strip_prefix("oom_kill ")).and_then(|n| n.trim().parse().ok()).expect("oom_kill in memory.oom_control (Linux 4.13 or later)")
+    }
+
+    /// A shell prefix that moves itself into the cgroup, then runs its
+    /// arguments.
+    fn enter(&self) -> Vec<String> {
+        let procs = self.path.join("cgroup.procs");
+        vec!["sh".into(), "-c".into(), format!("echo $$ > {} && exec \"$@\"", procs.display()), "enter-cgroup".into()]
+    }
+
+    fn pids(&self) -> Vec<i32> {
+        std::fs::read_to_string(self.path.join("cgroup.procs")).unwrap_or_default().lines().filter_map(|l| l.parse().ok()).collect()
+    }
+}
+
+impl Drop for MemCgroup {
+    fn drop(&mut self) {
+        for pid in self.pids() {
+            unsafe { libc::kill(pid, libc::SIGKILL) };
+        }
+        let _ = wait_for_quietly(|| self.pids().is_empty());
+        let _ = std::fs::remove_dir(&self.path);
+    }
+}
+
+fn wait_for_quietly(mut cond: impl FnMut() -> bool) -> bool {
+    for _ in 0..500 {
+        if cond() {
+            return true;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    false
+}
+
+/// Says the test was skipped, where the harness and the closing tally can
+/// see it.
+fn skip(test: &str, why: &str) {
+    eprintln!("SKIPPED: {test}: {why}");
+    if let Some(file) = std::env::var_os("BATON_TEST_SKIPS") {
+        use std::io::Write;
+        let mut f = std::fs::OpenOptions::new().create(true).append(true).open(file).unwrap();
+        writeln!(f, "{test}: {why}").unwrap();
+    }
+}
+
+/// A Makefile of `jobs` jobs, each touching `mib` MiB for `secs` seconds
+/// and logging its start and end.
+fn memory_makefile(dir: &Path, log: &Path, jobs: usize, mib: u64, secs: f64) {
+    let targets: Vec<String> = (0..jobs).map(|i| format!("j{i}")).collect();
+    let job = format!(
+        "echo S >> {log}; python3 -c 'import time; x = b\"1\" * ({mib} << 20); time.sleep({secs})' && echo E >> {log}",
+        log = log.display()
+    );
+    let text = format!("all: {all}\n{all}:\n\t@{job}\n.PHONY: all {all}\n", all = targets.join(" "));
+    std::fs::write(dir.join("Makefile"), text).unwrap();
+}
+
+const MIB: u64 = 1 << 20;
+
+#[test]
+fn a_build_the_oom_killer_ends_under_make_j8_finishes_under_the_memory_gate() {
+    let name = "a_build_the_oom_killer_ends_under_make_j8_finishes_under_the_memory_gate";
+    let cgroup = match MemCgroup::new("oom", 1024 * MIB) {
+        Ok(c) => c,
+        Err(why) => return skip(name, &why),
+    };
+    let enter = cgroup.enter();
+    let enter: Vec<&str> = enter.iter().map(String::as_str).collect();
+    let make = make43();
+
+    // The control: plain make -j8 in the same cgroup gets jobs killed.
+    let control = TempDir::new("oom-control");
+    let control_log = control.path().join("jobs.log");
+    memory_makefile(control.path(), &control_log, 12, 250, 1.0);
+    let before = cgroup.oom_kills();
+    let out = Command::new(enter[0]).args(&enter[1..]).arg(&make).args(["-j8", "-k", "-s"]).current_dir(control.path()).env_remove("MAKEFLAGS").output().unwrap();
+    let control_kills = cgroup.oom_kills() - before;
+    assert!(control_kills > 0 && !out.status.success(), "the scenario must bite: make -j8 in 1 GiB had {control_kills} OOM kills, exit {:?}", out.status);
+
+    // The same build under baton's memory gate, broker and build inside
+    // the cgroup.
+    let broker = Broker::start_under(&enter, 8, &["--min-mem-available", "200M", "--mem-settle", "2000"]);
+    let dir = TempDir::new("oom-gated");
+    let log = dir.path().join("jobs.log");
+    memory_makefile(dir.path(), &log, 12, 250, 1.0);
+    let before = cgroup.oom_kills();
+    let mut run: Vec<&str> = enter.clone();
+    let socket = broker.socket.to_str().unwrap().to_string();
+    run.extend([baton_bin(), "run", "--socket", &socket, "--", make.to_str().unwrap(), "-s"]);
+    let out = Command::new(run[0]).args(&run[1..]).current_dir(dir.path()).env_remove("MAKEFLAGS").output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "the gated build failed: {err}");
+    assert_eq!(cgroup.oom_kills() - before, 0, "no OOM kill under the gate");
+    let (most, started) = max_overlap(&log);
+    assert_eq!(started, 12);
+    assert!(most >= 2, "the gate must not run the build one job at a time: at most {most} at once");
+    broker.assert_all_free();
+}
+
+#[test]
+fn gates_are_shown_by_status_and_set_live() {
+    let broker = Broker::start_with(4, &["--min-mem-available", "1.5G", "--max-load", "1000"]);
+    let s = broker.status();
+    let names: Vec<&str> = s.gates.iter().map(|g| g.name.as_str()).collect();
+    assert_eq!(names, ["mem-available", "load"]);
+    assert_eq!(s.gates[0].threshold, 1.5 * 1024.0 * 1024.0 * 1024.0);
+    assert!(s.gates.iter().all(|g| g.value.is_some()), "{:?}", s.gates);
+    let out = baton().args(["limit", "--socket"]).arg(&broker.socket).args(["--max-load", "off", "--max-mem-pressure", "50"]).output().unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let names: Vec<String> = broker.status().gates.into_iter().map(|g| g.name).collect();
+    assert_eq!(names, ["mem-available", "mem-pressure"]);
+    // A closed gate holds new tokens back, but never below one job.
+    baton().args(["limit", "--socket"]).arg(&broker.socket).args(["--min-mem-available", "1000T"]).status().unwrap();
+    let mut a = broker.client("a");
+    a.acquire(1).expect("one job always runs");
+    let mut b = broker.client("b");
+    assert!(!b.try_acquire(1).unwrap(), "the memory gate is closed");
+    let s = broker.status();
+    assert!(!s.gates[0].open && s.gates[0].closed_since.is_some(), "{:?}", s.gates);
+    let text = String::from_utf8(baton().args(["status", "--socket"]).arg(&broker.socket).output().unwrap().stdout).unwrap();
+    assert!(text.contains("gate mem-available CLOSED"), "{text}");
+    // Opening it lets the waiter through.
+    let waiter = std::thread::spawn(move || b.acquire(1).map(|_| b));
+    wait_for(Duration::from_secs(10), "the waiter to queue", || broker.status().waiters.len() == 1);
+    baton().args(["limit", "--socket"]).arg(&broker.socket).args(["--min-mem-available", "off"]).status().unwrap();
+    let mut b = waiter.join().unwrap().expect("granted once the gate opened");
+    b.release(1).unwrap();
+    a.release(1).unwrap();
+    broker.assert_all_free();
+}
+
+#[test]
+fn bad_gate_values_are_refused_with_a_clear_message() {
+    for (flag, value, says) in [
+        ("--min-mem-available", "-1", "above zero"),
+        ("--min-mem-available", "abc", "expected a positive number of bytes"),
+        ("--min-mem-available", "0", "above zero"),
+        ("--max-mem-pressure", "101", "percentage"),
+        ("--max-load", "0", "above 0"),
+    ] {
+        let out = baton().args(["serve", "--jobs", "2", "--socket", "/nonexistent/s", flag, value]).output().unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success() && err.contains(says), "{flag} {value}: {err}");
+    }
+    for good in ["2G", "512M", "1.5G"] {
+        // Accepted: the broker gets as far as the socket's directory.
+        let out = baton().args(["serve", "--jobs", "2", "--socket", "/proc/nope/s", "--min-mem-available", good]).output().unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains("/proc/nope"), "{good}: {err}");
+    }
+}
+
+#[test]
+fn the_load_gate_holds_a_build_to_one_job_while_the_cpus_are_busy() {
+    let name = "the_load_gate_holds_a_build_to_one_job_while_the_cpus_are_busy";
+    let Ok(stress_ng) = which("stress-ng") else { return skip(name, "stress-ng is not installed (scripts/test installs it)") };
+    let mut stress = Command::new(stress_ng).args(["--cpu", "4", "--timeout", "120", "--quiet"]).spawn().unwrap();
+    let broker = Broker::start_with(4, &["--max-load", "3"]);
+    wait_for(Duration::from_secs(30), "the load gate to close under stress-ng --cpu 4", || broker.status().gates.iter().any(|g| g.name == "load" && !g.open));
+    let dir = TempDir::new("load-gate");
+    let log = dir.path().join("jobs.log");
+    flat_makefile(dir.path(), &log, 6, "0.2");
+    let out = broker.run(&["--", make43().to_str().unwrap(), "-s"]).current_dir(dir.path()).env_remove("MAKEFLAGS").output().unwrap();
+    let load_gate_stayed_closed = broker.status().gates.iter().any(|g| g.name == "load" && !g.open);
+    unsafe { libc::kill(stress.id() as i32, libc::SIGTERM) };
+    stress.wait().unwrap();
+    assert!(out.status.success(), "the build finishes under a closed gate: {}", String::from_utf8_lossy(&out.stderr));
+    assert!(load_gate_stayed_closed, "stress-ng kept the gate closed for the whole build");
+    assert_eq!(max_overlap(&log), (1, 6), "a closed gate lets only the build's own slot run jobs");
+    broker.assert_all_free();
+}
+
+fn which(program: &str) -> Result<PathBuf, ()> {
+    std::env::split_paths(&std::env::var_os("PATH").unwrap_or_default()).map(|d| d.join(program)).find(|p| p.exists()).ok_or(())
+}
