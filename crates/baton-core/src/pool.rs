@@ -130,6 +130,8 @@ pub struct Totals {
 pub struct ClientView<'a, M> {
     /// The client.
     pub id: ClientId,
+    /// The build it belongs to.
+    pub build: BuildId,
     /// Tokens it holds.
     pub held: u32,
     /// Tokens this client is waiting for, over all its pending requests.
@@ -382,6 +384,7 @@ impl<M> Pool<M> {
     pub fn clients(&self) -> impl Iterator<Item = ClientView<'_, M>> {
         self.clients.iter().map(|(&id, c)| ClientView {
             id,
+            build: c.build,
             held: c.held,
             waiting: self.queue.iter().filter(|w| w.client == id).map(|w| w.tokens).sum(),
             meta: &c.meta,

@@ -32,6 +32,10 @@ pub struct RunOptions {
     pub max: Option<u32>,
     /// How CMD finds its jobserver.
     pub style: Style,
+    /// The build's name in status; None: the command line.
+    pub name: Option<String>,
+    /// The build's share of a busy pool, against other builds' weights.
+    pub weight: u32,
     /// CMD and its arguments.
     pub command: Vec<OsString>,
 }
@@ -47,6 +51,7 @@ pub fn run(opts: RunOptions) -> Result<i32> {
     let socket = absolute(&socket_path(opts.socket));
     let label = label(&opts.command);
     let mut client = Client::connect(&socket, &label)?;
+    client.start_build(opts.weight, opts.name.as_deref().unwrap_or(""))?;
     let max = opts.max.unwrap_or(client.limit());
     if max < opts.tokens {
         bail!("--max {max} is below --tokens {}: the build could never start", opts.tokens);

@@ -99,6 +99,13 @@ killed too."
         /// At most this many tokens for the whole build, CMD's own included.
         #[arg(long, value_name = "K", value_parser = clap::value_parser!(u32).range(1..))]
         max: Option<u32>,
+        /// The build's name in `baton status` (default: the command line).
+        #[arg(long, value_name = "NAME")]
+        name: Option<String>,
+        /// The build's share of a busy pool, against other builds' weights
+        /// (each has 1 unless told).
+        #[arg(long, value_name = "W", default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=i64::from(baton_core::MAX_WEIGHT)))]
+        weight: u32,
         /// The command and its arguments.
         #[arg(required = true, trailing_var_arg = true, value_name = "CMD")]
         command: Vec<OsString>,
@@ -149,8 +156,8 @@ fn dispatch(command: Cmd) -> anyhow::Result<u8> {
             };
             baton_broker::serve(ServeOptions { jobs, socket, fuse, spin_us, io_uring: !no_io_uring, log_level })?;
         }
-        Cmd::Run { socket, tokens, jobserver_style, max, command } => {
-            let code = baton_jobserver::run(RunOptions { socket, tokens, max, style: jobserver_style, command })?;
+        Cmd::Run { socket, tokens, jobserver_style, max, name, weight, command } => {
+            let code = baton_jobserver::run(RunOptions { socket, tokens, max, style: jobserver_style, name, weight, command })?;
             return Ok(u8::try_from(code).unwrap_or(1));
         }
         Cmd::Status { socket, json } => status::print_status(&socket_path(socket), json)?,
