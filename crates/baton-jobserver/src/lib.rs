@@ -86,6 +86,24 @@ fn choose_style(command: &[OsString]) -> Style {
     }
 }
 
+/// Why `style` cannot work for the command, if it cannot: GNU make older
+/// than 4.4 stops with "internal error: invalid --jobserver-auth string" on
+/// `fifo:`, which both the fifo and the fuse styles hand it.
+fn unusable_style(command: &[OsString], style: Style) -> Option<String> {
+    if !matches!(style, Style::Fifo | Style::Fuse) {
+        return None;
+    }
+    let program = Path::new(&command[0]);
+    let name = program.file_name()?.to_string_lossy().into_owned();
+    if !is_make_name(&name) {
+        return None;
+    }
+    let (major, minor) = gnu_make_version(program).filter(|&v| v < (4, 4))?;
+    Some(format!(
+        "GNU make {major}.{minor} cannot open a fifo: jobserver (only make 4.4 and later can): use --jobserver-style pipe or auto"
+    ))
+}
+
 fn is_make_name(name: &str) -> bool {
     matches!(name, "make" | "gmake" | "gnumake") || (name.ends_with("make") && !name.ends_with("cmake") && !name.ends_with("bmake"))
 }
@@ -139,6 +157,22 @@ mod tests {
     fn make_names() {
         assert!(is_make_name("make") && is_make_name("gmake") && is_make_name("gnumake"));
         assert!(!is_make_name("cmake") && !is_make_name("ninja") && !is_make_name("bmake"));
+    }
+
+    #[test]
+    fn make_4_3_is_refused_a_fifo_but_not_a_pipe() {
+        let make43 = || vec![OsString::from("/usr/bin/make")];
+        if gnu_make_version(Path::new("/usr/bin/make")).is_none_or(|v| v >= (4, 4)) {
+            eprintln!("skipped: /usr/bin/make is not GNU make older than 4.4");
+            return;
+        }
+        for style in [Style::Fifo, Style::Fuse] {
+            assert!(unusable_style(&make43(), style).is_some_and(|e| e.contains("pipe or auto")), "{style:?}");
+        }
+        for style in [Style::Pipe, Style::Auto, Style::None] {
+            assert_eq!(unusable_style(&make43(), style), None, "{style:?}");
+        }
+        assert_eq!(unusable_style(&["ninja".into()], Style::Fifo), None);
     }
 
     #[test]

@@ -6,7 +6,7 @@
 //! through the parent-death signal, so it cannot run on holding nothing.
 
 use crate::build_file::{self, BuildFile};
-use crate::{choose_style, log, makeflags, Feeder, Fifo, Style};
+use crate::{choose_style, log, makeflags, unusable_style, Feeder, Fifo, Style};
 use baton_core::paths::{private_dir, socket_path};
 use anyhow::{bail, Context, Result};
 use baton_client::{Client, Error as ClientError};
@@ -48,6 +48,9 @@ pub struct RunOptions {
 /// No broker answers, the broker refuses the request, or the jobserver
 /// cannot be set up.
 pub fn run(opts: RunOptions) -> Result<i32> {
+    if let Some(why) = unusable_style(&opts.command, opts.style) {
+        bail!(why);
+    }
     let socket = absolute(&socket_path(opts.socket));
     let label = label(&opts.command);
     let mut client = Client::connect(&socket, &label)?;
