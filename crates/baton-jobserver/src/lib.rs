@@ -3,14 +3,13 @@
 //!
 //! Unmodified make, ninja and cargo take tokens by reading a byte from a
 //! pipe or FIFO named in MAKEFLAGS and give them back by writing one. The
-//! bridge keeps at most one fresh token waiting in the build's FIFO. When the
-//! build reads it, inotify tells us (IN_ACCESS) and we queue at the pool for
-//! the next one, behind every other waiter. A token the build writes back
-//! (IN_MODIFY) goes straight back to the pool, not to the build's next job:
-//! otherwise a busy build would recycle its tokens forever and a build that
-//! started later would never get a turn. So tokens enter a build only as it
-//! uses them, the herd a FIFO causes is bounded by one build, and builds
-//! take turns at the pool's one queue (oldest request first).
+//! bridge keeps a build's tokens, written back or unread, and fills its FIFO
+//! with every free token ahead of its reads, as long as no other build waits
+//! (ninja 1.13 reads a token only as it starts a job and stops at the first
+//! empty read). While the build has spare tokens, the feeder asks the broker
+//! whether other builds wait, at most every 50 ms (and on every change while
+//! they do), and gives them the spare tokens: see `feeder`. The broker
+//! decides which waiting build is served next (fair shares by weight).
 //!
 //! Both styles read from the same FIFO. `fifo:PATH` clients (make ≥ 4.4,
 //! ninja 1.13, cargo) open it by path for reading and writing, so a busy

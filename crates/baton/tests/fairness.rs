@@ -140,3 +140,72 @@ fn a_weight_out_of_range_is_refused_by_the_cli() {
         assert_eq!(out.status.code(), Some(2), "--weight {bad}");
     }
 }
+
+/// A client in a process of its own that says each line it is given to
+/// the broker and prints the reply: a build apart from the test's process.
+struct WireClient {
+    child: Child,
+    reader: std::io::BufReader<std::process::ChildStdout>,
+}
+
+impl WireClient {
+    const RELAY: &'static str = "import socket,sys\n\
+s=socket.socket(socket.AF_UNIX); s.connect(sys.argv[1]); f=s.makefile('rw')\n\
+for line in sys.stdin:\n    f.write(line); f.flush(); print(f.readline().rstrip(), flush=True)\n";
+
+    fn start(broker: &Broker) -> Self {
+        let mut child = std::process::Command::new("python3")
+            .args(["-c", Self::RELAY, broker.socket.to_str().unwrap()])
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .expect("python3");
+        let reader = std::io::BufReader::new(child.stdout.take().unwrap());
+        WireClient { child, reader }
+    }
+
+    fn say(&mut self, line: &str) -> String {
+        use std::io::{BufRead, Write};
+        writeln!(self.child.stdin.as_mut().unwrap(), "{line}").unwrap();
+        let mut reply = String::new();
+        self.reader.read_line(&mut reply).unwrap();
+        reply.trim_end().to_string()
+    }
+}
+
+impl Drop for WireClient {
+    fn drop(&mut self) {
+        drop(self.child.stdin.take());
+        let _ = self.child.wait();
+    }
+}
+
+/// BUILD and WANTED on the wire, as docs/protocol.md shows them. WANTED
+/// counts only other builds' waits: a client in the same process as the
+/// build's start is in the build.
+#[test]
+fn build_and_wanted_on_the_wire() {
+    use std::io::Write;
+    let broker = Broker::start(1);
+    let mut a = WireClient::start(&broker);
+    assert!(a.say("HELLO 1 a").starts_with("OK 1 "));
+    let reply = a.say("BUILD 2 nightly");
+    let words: Vec<&str> = reply.split(' ').collect();
+    assert_eq!((words[0], words[2], words.len()), ("BUILD", "2", 3), "{reply}");
+    assert_eq!(a.say("BUILD 0"), "ERR range a weight must be from 1 to 1000, not 0");
+    assert_eq!(a.say("ACQUIRE 1"), "GRANTED 1 1");
+    assert_eq!(a.say("WANTED"), "WANTED 0 0");
+    // The test's own client is under no build: it is another build.
+    let b = std::os::unix::net::UnixStream::connect(&broker.socket).unwrap();
+    (&b).write_all(b"HELLO 1 b\nACQUIRE 1\n").unwrap();
+    wait_for(Duration::from_secs(10), "b to wait", || broker.status().waiters.len() == 1);
+    assert_eq!(a.say("WANTED"), "WANTED 1 0");
+    let s = broker.status();
+    let nightly = s.builds.iter().find(|b| b.name == "nightly").expect("the build shows");
+    assert_eq!((nightly.weight, nightly.held, nightly.grants, nightly.pid), (2, 1, 1, a.child.id()));
+    assert_eq!(a.say("RELEASE 1"), "RELEASED 1 0");
+    drop(a);
+    drop(b);
+    wait_for(Duration::from_secs(10), "b's token to come back", || broker.status().held == 0);
+    broker.assert_all_free();
+}
