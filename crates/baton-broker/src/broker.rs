@@ -129,10 +129,12 @@ impl Broker {
         Ok((build, weight))
     }
 
-    /// Tokens other builds wait for, and tokens free: a build that sits on
-    /// tokens it does not use gives them back when others wait.
-    pub fn wanted(&self, id: ClientId) -> (u32, u32) {
-        (self.pool.waiting_elsewhere(id), self.pool.free())
+    /// Tokens that builds served before this one wait for, and tokens
+    /// free: a build that sits on tokens it does not use gives them back
+    /// to those builds.
+    pub fn wanted(&mut self, id: ClientId) -> (u32, u32) {
+        self.tick();
+        (self.pool.waiting_ahead(id), self.pool.free())
     }
 
     pub fn acquire(&mut self, id: ClientId, tag: Tag, tokens: u32) -> Result<Acquired, PoolError> {

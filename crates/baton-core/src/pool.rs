@@ -284,11 +284,16 @@ impl<M> Pool<M> {
         })
     }
 
-    /// Tokens that requests of builds other than the client's wait for:
-    /// what a build that sits on unused tokens should give back.
-    pub fn waiting_elsewhere(&self, id: ClientId) -> u32 {
-        let build = self.build_of(id);
-        self.queue.iter().filter(|w| Some(w.build) != build).map(|w| w.tokens).sum()
+    /// Tokens that requests of other builds wait for, of the builds the
+    /// share policy would serve before this client's (those that used no
+    /// more token-time for their weight): what a build that sits on unused
+    /// tokens should give back. A build that is behind its share keeps
+    /// them: they would come back to it first anyway.
+    pub fn waiting_ahead(&self, id: ClientId) -> u32 {
+        let Some(build) = self.build_of(id) else { return 0 };
+        let mine = self.shares.get(build).vtime;
+        let ahead = |w: &&Waiter| w.build != build && self.shares.get(w.build).vtime <= mine;
+        self.queue.iter().filter(ahead).map(|w| w.tokens).sum()
     }
 
     /// Asks for `tokens` tokens. Granted at once only if they are free and
@@ -598,6 +603,24 @@ mod tests {
         p.release(a, 1).unwrap();
         assert_eq!(p.free(), 1);
         p.assert_invariants();
+    }
+
+    #[test]
+    fn only_builds_served_first_count_as_waiting_ahead() {
+        let mut p = pool(2);
+        let [a, b, c] = [p.connect(()), p.connect(()), p.connect(())];
+        p.acquire(a, 0, 1).unwrap();
+        p.acquire(b, 0, 1).unwrap();
+        p.advance(100);
+        p.release(b, 1).unwrap();
+        p.acquire(a, 1, 1).unwrap(); // a holds 2 from now on
+        assert_eq!(p.acquire(b, 0, 1), Ok(Acquired::Queued));
+        assert_eq!(p.waiting_ahead(a), 1, "b is behind a: a gives way");
+        assert_eq!(p.acquire(c, 0, 1), Ok(Acquired::Queued));
+        p.advance(200);
+        assert_eq!(p.waiting_ahead(b), 1, "c started level with b, and b has used no more since");
+        assert_eq!(p.waiting_ahead(c), 1);
+        assert_eq!(p.waiting_ahead(a), 2);
     }
 
     #[test]
