@@ -209,3 +209,31 @@ fn build_and_wanted_on_the_wire() {
     wait_for(Duration::from_secs(10), "b's token to come back", || broker.status().held == 0);
     broker.assert_all_free();
 }
+
+/// `baton bench builds` at a small scale, with the real tools: every case
+/// and tool has its row, the alone rows their ratios, and the shares of
+/// each three-at-once case add up to the whole.
+#[test]
+fn bench_builds_measures_every_case_with_the_real_tools() {
+    let out = std::process::Command::new(baton_bin())
+        .args(["bench", "builds", "--ops", "20", "--tokens", "4", "--job-us", "50000", "--json"])
+        .env("BATON_BENCH_MAKE43", make43())
+        .env("BATON_BENCH_MAKE44", make44())
+        .env("BATON_BENCH_NINJA", ninja())
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let doc: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let rows = doc["results"].as_array().unwrap();
+    assert_eq!(rows.len(), 6 + 3 * 3, "{doc:#}");
+    for row in rows.iter().filter(|r| r["case"] == "alone" && r["mechanism"] == "baton run") {
+        assert!(row["running_ratio"].as_f64().is_some_and(|x| x > 0.0) && row["wall_ratio"].as_f64().is_some_and(|x| x > 0.0), "{row}");
+    }
+    for case in ["three at once, baton", "three at once, one shared FIFO", "weights 1:1:2, baton"] {
+        let shares: Vec<f64> = rows.iter().filter(|r| r["case"] == case).map(|r| r["share"].as_f64().unwrap()).collect();
+        assert_eq!(shares.len(), 3, "{case}");
+        assert!((shares.iter().sum::<f64>() - 1.0).abs() < 0.01, "{case}: {shares:?}");
+    }
+    let weights: Vec<f64> = rows.iter().filter(|r| r["case"] == "weights 1:1:2, baton").map(|r| r["fair_share"].as_f64().unwrap()).collect();
+    assert_eq!(weights, vec![0.25, 0.25, 0.5]);
+}
