@@ -168,6 +168,20 @@ impl Client {
         }
     }
 
+    /// Takes up to `n` tokens, as many as are free, if nobody waits (TRY,
+    /// then TRY of what the broker said was free); returns how many.
+    pub fn try_up_to(&mut self, n: u32) -> Result<u32> {
+        match self.call(&Request::Try(n))? {
+            Reply::Granted { held, .. } => {
+                self.held = held;
+                Ok(n)
+            }
+            Reply::Busy { free } if free > 0 && free < n => Ok(if self.try_acquire(free)? { free } else { 0 }),
+            Reply::Busy { .. } => Ok(0),
+            other => Err(unexpected(other)),
+        }
+    }
+
     /// Starts a build (as `baton run` does): clients started under this
     /// process join it, and its share of a busy pool is in proportion to
     /// `weight`. Returns the weight the build has (a `baton run` inside

@@ -29,10 +29,11 @@ pub struct Plan {
     /// Tokens in the return pipe (pipe style) that go back into the FIFO
     /// for the build's next job.
     pub recycle: u32,
-    /// Take this many more from the pool if they are free and nobody
-    /// waits (`TRY`), straight into the FIFO.
+    /// Take up to this many more from the pool, as many as are free, if
+    /// nobody waits (`TRY`), straight into the FIFO.
     pub top_up: u32,
-    /// Queue at the pool for one more token (`ACQUIRE 1`).
+    /// Queue at the pool for one more token (`ACQUIRE 1`), if the top-up
+    /// got none.
     pub ask: bool,
 }
 
@@ -88,8 +89,11 @@ pub fn plan(seen: Seen) -> Plan {
     let spare = seen.ours();
     let returned_left = seen.returned - seen.returned.min(discard);
     let Some(wanted) = seen.wanted else {
+        // Out of tokens: fill up at once if the pool is idle (ninja reads
+        // its first wave of tokens in one burst as it starts), else queue.
         let ask = spare == 0 && seen.lent < seen.max_lent && !seen.pending;
-        return Plan { discard, recycle: returned_left, ask, ..Plan::default() };
+        let top_up = if ask { seen.max_lent - seen.lent } else { 0 };
+        return Plan { discard, recycle: returned_left, top_up, ask, ..Plan::default() };
     };
     let give_back = wanted.others.min(spare);
     let recycle = returned_left - returned_left.min(give_back);
@@ -202,10 +206,12 @@ impl Feeder {
         if !self.fifo.in_use() || self.pending {
             return Ok(());
         }
-        let top_up = plan.top_up.min(room);
-        if top_up > 0 && client.try_acquire(top_up)? {
-            self.lend(top_up)?;
-        } else if plan.ask && room > 0 && self.fifo.queued() + self.fifo.returned() == 0 {
+        let got = match plan.top_up.min(room) {
+            0 => 0,
+            n => client.try_up_to(n)?,
+        };
+        self.lend(got)?;
+        if got == 0 && plan.ask && room > 0 && self.fifo.queued() + self.fifo.returned() == 0 {
             client.send(&Request::Acquire(1))?;
             self.pending = true;
         }
@@ -284,8 +290,9 @@ mod tests {
 
     #[test]
     fn asks_for_a_token_when_the_fifo_is_empty() {
-        assert_eq!(plan(seen(0, 0, false)), Plan { ask: true, ..Plan::default() });
-        assert_eq!(plan(seen(0, 2, false)), Plan { ask: true, ..Plan::default() });
+        // As many as free right away if nobody waits, else queue for one.
+        assert_eq!(plan(seen(0, 0, false)), Plan { top_up: 3, ask: true, ..Plan::default() });
+        assert_eq!(plan(seen(0, 2, false)), Plan { top_up: 1, ask: true, ..Plan::default() });
     }
 
     #[test]
@@ -315,6 +322,7 @@ mod tests {
         assert_eq!(plan(looked(seen(3, 3, false), 1, 0)), Plan { give_back: 1, ..Plan::default() });
         // All spare tokens given back: the build queues again, behind them.
         assert_eq!(plan(looked(seen(1, 2, false), 4, 0)), Plan { give_back: 1, ask: true, ..Plan::default() });
+        assert_eq!(plan(looked(seen(1, 3, false), 0, 0)), Plan::default());
         // The return pipe first; what is left goes back into the FIFO.
         let s = Seen { returned: 2, ..seen(1, 3, false) };
         assert_eq!(plan(looked(s, 1, 0)), Plan { give_back: 1, recycle: 1, ..Plan::default() });
@@ -333,14 +341,14 @@ mod tests {
     fn bytes_beyond_what_was_lent_are_thrown_away() {
         // Lent 1, which is in use; the client wrote 10 bytes it never took.
         assert_eq!(plan(looked(seen(10, 1, false), 1, 0)), Plan { discard: 9, give_back: 1, ask: true, ..Plan::default() });
-        assert_eq!(plan(seen(10, 0, false)), Plan { discard: 10, ask: true, ..Plan::default() });
+        assert_eq!(plan(seen(10, 0, false)), Plan { discard: 10, top_up: 3, ask: true, ..Plan::default() });
         // Ten bytes written to W by a client that took one token.
         let s = Seen { returned: 10, ..seen(0, 1, false) };
         assert_eq!(plan(s), Plan { discard: 9, recycle: 1, ..Plan::default() });
     }
 
     /// The broker's side of the feeder's connection, played by a thread:
-    /// it grants every ACQUIRE at once, answers WANTED with `others`
+    /// it grants every ACQUIRE and TRY at once, answers WANTED with `others`
     /// tokens waited for elsewhere and none free, and notes every request
     /// after HELLO and the most tokens the connection ever held.
     struct PlayedBroker {
@@ -362,7 +370,7 @@ mod tests {
                     let line = line.unwrap();
                     let reply = match line.split_once(' ') {
                         _ if i == 0 => "OK 1 1 8".to_string(),
-                        Some(("ACQUIRE", n)) => {
+                        Some(("ACQUIRE" | "TRY", n)) => {
                             held += n.parse::<u32>().unwrap();
                             format!("GRANTED {n} {held}")
                         }
