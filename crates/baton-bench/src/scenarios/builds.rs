@@ -130,24 +130,22 @@ enum Slots<'a> {
 }
 
 fn command(bench: &Bench, tool: &Tool, graph: &Graph, slots: &Slots) -> Result<Command> {
-    let mut cmd = match slots {
+    let program = match slots {
+        Slots::Baton { .. } => &bench.env.baton_bin,
+        _ => &tool.path,
+    };
+    let mut cmd = Command::new(program);
+    // Only the jobserver this case gives: none inherited from our caller.
+    cmd.current_dir(&graph.dir).env_remove("MAKEFLAGS").env_remove("CARGO_MAKEFLAGS").stdout(Stdio::null()).stderr(Stdio::null());
+    match slots {
         Slots::Own(n) => {
-            let mut cmd = Command::new(&tool.path);
             cmd.arg(format!("-j{n}"));
-            cmd
         }
         Slots::Baton { broker, weight } => {
-            let mut cmd = Command::new(&bench.env.baton_bin);
             cmd.args(["run", "--socket"]).arg(broker.socket()).args(["--weight", &weight.to_string(), "--name", tool.name, "--"]).arg(&tool.path);
-            cmd
         }
-        Slots::Shared(fifo) => {
-            let mut cmd = Command::new(&tool.path);
-            fifo.hand_to(&mut cmd, tool.fifo)?;
-            cmd
-        }
-    };
-    cmd.current_dir(&graph.dir).env_remove("MAKEFLAGS").env_remove("CARGO_MAKEFLAGS").stdout(Stdio::null()).stderr(Stdio::null());
+        Slots::Shared(fifo) => fifo.hand_to(&mut cmd, tool.fifo)?,
+    }
     Ok(cmd)
 }
 
@@ -229,14 +227,23 @@ fn run_together(builds: Vec<(Command, &Graph)>) -> Result<(Vec<Ran>, Usage)> {
     for (mut cmd, graph) in builds {
         children.push((cmd.spawn().context("starting a build")?, graph));
     }
-    let mut ran = Vec::new();
-    for (mut child, graph) in children {
-        let status = child.wait()?;
-        if !status.success() {
-            bail!("a build in {} failed: {status}", graph.dir.display());
+    // Each build's wall time ends when it does, whatever the order.
+    let mut walls: Vec<Option<f64>> = vec![None; children.len()];
+    while walls.iter().any(Option::is_none) {
+        for ((child, graph), wall) in children.iter_mut().zip(&mut walls) {
+            if wall.is_some() {
+                continue;
+            }
+            if let Some(status) = child.try_wait()? {
+                if !status.success() {
+                    bail!("a build in {} failed: {status}", graph.dir.display());
+                }
+                *wall = Some(started.elapsed().as_secs_f64());
+            }
         }
-        ran.push(Ran { wall: started.elapsed().as_secs_f64(), events: graph.events()? });
+        std::thread::sleep(Duration::from_millis(2));
     }
+    let ran = children.iter().zip(walls).map(|((_, graph), wall)| Ok(Ran { wall: wall.expect("every build ended"), events: graph.events()? })).collect::<Result<_>>()?;
     Ok((ran, children_usage() - before))
 }
 
