@@ -121,6 +121,9 @@ pub struct Feeder {
     last_look: Option<Instant>,
     /// That look found other builds waiting.
     contended: bool,
+    /// The command is a known jobserver client: fill its FIFO before it
+    /// opens it, so its first reads find tokens.
+    eager: bool,
     warned_extra: bool,
 }
 
@@ -147,8 +150,10 @@ impl Feeder {
         self.step(client)
     }
 
-    pub fn new(fifo: Fifo, max_lent: u32) -> Self {
-        Feeder { fifo, lent: 0, max_lent, pending: false, last_look: None, contended: false, warned_extra: false }
+    /// `eager`: the command is known to read its jobserver (make, ninja,
+    /// cargo); otherwise nothing is fetched until it opens the FIFO.
+    pub fn new(fifo: Fifo, max_lent: u32, eager: bool) -> Self {
+        Feeder { fifo, lent: 0, max_lent, pending: false, last_look: None, contended: false, eager, warned_extra: false }
     }
 
     fn seen(&self) -> Seen {
@@ -199,11 +204,11 @@ impl Feeder {
         if plan.recycle > 0 {
             self.fifo.recycle(plan.recycle).map_err(|e| ClientError::Protocol(e.to_string()))?;
         }
-        // A command that never opened the FIFO (not a jobserver client)
+        // A command that never opens the FIFO (not a jobserver client)
         // would only sit on tokens. The build reads the FIFO too: the cap
         // is checked against what is lent now, not the plan's look.
         let room = self.max_lent - self.lent;
-        if !self.fifo.in_use() || self.pending {
+        if !(self.eager || self.fifo.in_use()) || self.pending {
             return Ok(());
         }
         let got = match plan.top_up.min(room) {
@@ -412,7 +417,7 @@ mod tests {
     fn a_token_read_as_its_idle_time_comes_does_not_break_the_cap() {
         use std::io::Read;
         let (broker, mut client) = PlayedBroker::start("idle", 1);
-        let mut feeder = Feeder::new(Fifo::create(&broker.dir).unwrap(), 1);
+        let mut feeder = Feeder::new(Fifo::create(&broker.dir).unwrap(), 1, false);
         let mut build = std::fs::File::open(feeder.fifo.path()).unwrap();
         feeder.on_fifo_event();
         feeder.pending = true;
@@ -439,7 +444,7 @@ mod tests {
     fn a_token_the_build_takes_again_as_it_goes_back_does_not_break_the_cap() {
         use std::io::{Read, Write};
         let (broker, mut client) = PlayedBroker::start("retake", 1);
-        let mut feeder = Feeder::new(Fifo::create(&broker.dir).unwrap(), 1);
+        let mut feeder = Feeder::new(Fifo::create(&broker.dir).unwrap(), 1, false);
         let path = feeder.fifo.path().to_path_buf();
         let build = std::thread::spawn(move || {
             use std::os::unix::fs::OpenOptionsExt;

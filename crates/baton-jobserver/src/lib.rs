@@ -85,6 +85,14 @@ fn choose_style(command: &[OsString]) -> Style {
     }
 }
 
+/// Whether the command is a jobserver client that reads its jobserver as
+/// soon as it starts (GNU make, ninja, cargo): its tokens can be put in
+/// reach before it opens the FIFO.
+fn reads_its_jobserver(command: &[OsString]) -> bool {
+    let name = Path::new(&command[0]).file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+    matches!(name.as_str(), "ninja" | "cargo") || is_make_name(&name)
+}
+
 /// Why `style` cannot work for the command, if it cannot: GNU make older
 /// than 4.4 stops with "internal error: invalid --jobserver-auth string" on
 /// `fifo:`, which both the fifo and the fuse styles hand it.
@@ -172,6 +180,16 @@ mod tests {
             assert_eq!(unusable_style(&make43(), style), None, "{style:?}");
         }
         assert_eq!(unusable_style(&["ninja".into()], Style::Fifo), None);
+    }
+
+    #[test]
+    fn known_clients_read_their_jobserver() {
+        for yes in ["ninja", "/usr/bin/make", "cargo", "gmake"] {
+            assert!(reads_its_jobserver(&[yes.into()]), "{yes}");
+        }
+        for no in ["sh", "cmake", "bmake", "sleep"] {
+            assert!(!reads_its_jobserver(&[no.into()]), "{no}");
+        }
     }
 
     #[test]

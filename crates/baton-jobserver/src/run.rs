@@ -6,7 +6,7 @@
 //! through the parent-death signal, so it cannot run on holding nothing.
 
 use crate::build_file::{self, BuildFile};
-use crate::{choose_style, log, makeflags, unusable_style, Feeder, Fifo, Style};
+use crate::{choose_style, log, makeflags, reads_its_jobserver, unusable_style, Feeder, Fifo, Style};
 use baton_core::paths::{private_dir, socket_path};
 use anyhow::{bail, Context, Result};
 use baton_client::{Client, Error as ClientError};
@@ -85,7 +85,7 @@ pub fn run(opts: RunOptions) -> Result<i32> {
         Jobserver::None => (None, None),
         Jobserver::Bridge { fifo, pipe_ends } => {
             drop(pipe_ends); // the child has its copies
-            (Some(Feeder::new(fifo, max - opts.tokens)), None)
+            (Some(Feeder::new(fifo, max - opts.tokens, reads_its_jobserver(&opts.command))), None)
         }
         // The broker serves the file itself; we only keep it until the end.
         Jobserver::Fuse(file) => (None, Some(file)),
