@@ -104,7 +104,13 @@ impl Broker {
     /// started one, or is a build of its own.
     pub fn connect(&mut self, meta: ClientMeta) -> ClientId {
         self.tick();
-        match crate::fuse::procs::ancestors(meta.pid).find_map(|pid| self.roots.get(&pid).copied()) {
+        // Reading /proc costs a little at every connect: only when a build exists.
+        let root = if self.roots.is_empty() {
+            None
+        } else {
+            crate::fuse::procs::ancestors(meta.pid).find_map(|pid| self.roots.get(&pid).copied())
+        };
+        match root {
             Some(root) => self.pool.connect_beside(root, meta),
             None => self.pool.connect(meta),
         }
@@ -230,6 +236,28 @@ impl Broker {
         }
     }
 
+    /// Every build, for status.
+    fn builds(&self) -> Vec<status::Build> {
+        self.pool
+            .builds()
+            .map(|b| {
+                let first = self.pool.clients().find(|c| c.build == b.id);
+                let root = self.roots.values().find(|&&root| self.pool.build_of(root) == Some(b.id));
+                let pid = root.and_then(|&r| self.pool.meta(r)).or(first.as_ref().map(|c| c.meta)).map_or(0, |m| m.pid);
+                let name = self.names.get(&b.id).cloned().or_else(|| first.map(|c| c.meta.command.clone())).unwrap_or_default();
+                status::Build {
+                    name,
+                    pid,
+                    weight: b.weight,
+                    held: b.held,
+                    waiting: b.waiting,
+                    grants: b.granted,
+                    token_seconds: b.token_time as f64 / 1e9,
+                }
+            })
+            .collect()
+    }
+
     /// The document `STATUS` returns.
     pub fn status(&self) -> Status {
         let mut holders: Vec<_> = self
@@ -277,29 +305,6 @@ impl Broker {
                 clients: self.pool.clients().count() as u64,
             },
         }
-    }
-}
-
-impl Broker {
-    fn builds(&self) -> Vec<status::Build> {
-        self.pool
-            .builds()
-            .map(|b| {
-                let first = self.pool.clients().find(|c| c.build == b.id);
-                let root = self.roots.values().find(|&&root| self.pool.build_of(root) == Some(b.id));
-                let pid = root.and_then(|&r| self.pool.meta(r)).or(first.as_ref().map(|c| c.meta)).map_or(0, |m| m.pid);
-                let name = self.names.get(&b.id).cloned().or_else(|| first.map(|c| c.meta.command.clone())).unwrap_or_default();
-                status::Build {
-                    name,
-                    pid,
-                    weight: b.weight,
-                    held: b.held,
-                    waiting: b.waiting,
-                    grants: b.granted,
-                    token_seconds: b.token_time as f64 / 1e9,
-                }
-            })
-            .collect()
     }
 }
 

@@ -57,17 +57,10 @@ pub struct Seen {
     pub wanted: Option<Wanted>,
 }
 
-impl Seen {
-    /// Bytes that are ours, beyond any the build made up.
-    fn ours(&self) -> u32 {
-        (self.queued + self.returned).min(self.lent)
-    }
-}
-
 /// Tokens of ours that the build is not using: unread in the FIFO or
-/// written back.
+/// written back (bytes beyond what we lent were made up by the build).
 pub fn spare(seen: Seen) -> u32 {
-    seen.ours()
+    (seen.queued + seen.returned).min(seen.lent)
 }
 
 /// Whether to ask the broker who else waits before acting: only with
@@ -85,8 +78,8 @@ pub fn should_look(seen: Seen, due: bool, contended: bool) -> bool {
 /// back as soon as a look finds one waiting.
 pub fn plan(seen: Seen) -> Plan {
     let total = seen.queued + seen.returned;
-    let discard = total - seen.ours();
-    let spare = seen.ours();
+    let spare = spare(seen);
+    let discard = total - spare;
     let returned_left = seen.returned - seen.returned.min(discard);
     let Some(wanted) = seen.wanted else {
         // Out of tokens: fill up at once if the pool is idle (ninja reads

@@ -89,8 +89,13 @@ fn choose_style(command: &[OsString]) -> Style {
 /// soon as it starts (GNU make, ninja, cargo): its tokens can be put in
 /// reach before it opens the FIFO.
 fn reads_its_jobserver(command: &[OsString]) -> bool {
-    let name = Path::new(&command[0]).file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+    let name = program_name(command);
     matches!(name.as_str(), "ninja" | "cargo") || is_make_name(&name)
+}
+
+/// The file name of the command's program ("make" for "/usr/bin/make").
+fn program_name(command: &[OsString]) -> String {
+    Path::new(&command[0]).file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default()
 }
 
 /// Why `style` cannot work for the command, if it cannot: GNU make older
@@ -101,8 +106,7 @@ fn unusable_style(command: &[OsString], style: Style) -> Option<String> {
         return None;
     }
     let program = Path::new(&command[0]);
-    let name = program.file_name()?.to_string_lossy().into_owned();
-    if !is_make_name(&name) {
+    if !is_make_name(&program_name(command)) {
         return None;
     }
     let (major, minor) = gnu_make_version(program).filter(|&v| v < (4, 4))?;
