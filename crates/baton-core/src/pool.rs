@@ -110,6 +110,8 @@ struct Waiter {
     build: BuildId,
     tag: Tag,
     tokens: u32,
+    /// Order of arrival: the queue is sorted by it.
+    seq: u64,
 }
 
 /// Running totals, for `baton status`.
@@ -168,6 +170,7 @@ pub struct Pool<M> {
     next_id: u64,
     totals: Totals,
     shares: Shares,
+    next_seq: u64,
 }
 
 impl<M> Pool<M> {
@@ -182,6 +185,7 @@ impl<M> Pool<M> {
             next_id: 1,
             totals: Totals::default(),
             shares: Shares::default(),
+            next_seq: 0,
         })
     }
 
@@ -309,8 +313,13 @@ impl<M> Pool<M> {
             self.hand_out(id, tokens);
             return Ok(Acquired::Granted);
         }
-        self.queue.push_back(Waiter { client: id, build, tag, tokens });
+        let seq = self.next_seq;
+        self.next_seq += 1;
+        self.queue.push_back(Waiter { client: id, build, tag, tokens, seq });
         self.shares.get_mut(build).waiting += tokens;
+        if self.shares.oldest(build).is_none() {
+            self.shares.set_oldest(build, Some(seq));
+        }
         self.totals.waits += 1;
         Ok(Acquired::Queued)
     }
@@ -350,8 +359,7 @@ impl<M> Pool<M> {
         let Some(pos) = self.queue.iter().position(|w| w.client == id && w.tag == tag) else {
             return (0, Vec::new());
         };
-        let waiter = self.queue.remove(pos).expect("position is in range");
-        self.shares.get_mut(waiter.build).waiting -= waiter.tokens;
+        let waiter = self.remove_waiter(pos);
         (waiter.tokens, self.serve_queue())
     }
 
@@ -361,10 +369,10 @@ impl<M> Pool<M> {
         let Some(client) = self.clients.remove(&id) else {
             return (0, Vec::new());
         };
-        self.queue.retain(|w| w.client != id);
-        let build = self.shares.get_mut(client.build);
-        build.held -= client.held;
-        build.waiting = self.queue.iter().filter(|w| w.build == client.build).map(|w| w.tokens).sum();
+        while let Some(pos) = self.queue.iter().position(|w| w.client == id) {
+            self.remove_waiter(pos);
+        }
+        self.shares.get_mut(client.build).held -= client.held;
         self.shares.leave(client.build);
         self.totals.reclaimed += u64::from(client.held);
         self.put_back(client.held);
@@ -416,7 +424,10 @@ impl<M> Pool<M> {
         for w in &self.queue {
             assert!(self.clients.contains_key(&w.client), "a waiter belongs to no client");
         }
+        assert!(self.queue.iter().zip(self.queue.iter().skip(1)).all(|(a, b)| a.seq < b.seq), "the queue is in order of arrival");
         for b in self.builds() {
+            let oldest = self.queue.iter().find(|w| w.build == b.id).map(|w| w.seq);
+            assert_eq!(self.shares.oldest(b.id), oldest, "the share policy knows each build's oldest request");
             let members = self.clients.values().filter(|c| c.build == b.id);
             assert_eq!(b.held, members.map(|c| c.held).sum::<u32>(), "a build holds what its clients hold");
             let waits = self.queue.iter().filter(|w| w.build == b.id);
@@ -459,8 +470,22 @@ impl<M> Pool<M> {
     /// Where in the queue the request served next is: the oldest of the
     /// build the share policy picks.
     fn next_waiter(&self) -> Option<usize> {
-        let build = self.shares.pick(self.queue.iter().map(|w| w.build))?;
-        self.queue.iter().position(|w| w.build == build)
+        let (_, seq) = self.shares.pick()?;
+        Some(self.queue.binary_search_by_key(&seq, |w| w.seq).expect("the policy's requests are queued"))
+    }
+
+    /// Takes a request out of the queue, keeping its build's books.
+    fn remove_waiter(&mut self, pos: usize) -> Waiter {
+        let w = self.queue.remove(pos).expect("position is in range");
+        self.shares.get_mut(w.build).waiting -= w.tokens;
+        if self.shares.oldest(w.build) == Some(w.seq) {
+            let next = match self.shares.get(w.build).waiting {
+                0 => None,
+                _ => self.queue.iter().skip(pos).find(|o| o.build == w.build).map(|o| o.seq),
+            };
+            self.shares.set_oldest(w.build, next);
+        }
+        w
     }
 
     fn serve_queue(&mut self) -> Vec<Grant> {
@@ -470,8 +495,7 @@ impl<M> Pool<M> {
             if w.tokens > self.free {
                 break;
             }
-            self.queue.remove(next);
-            self.shares.get_mut(w.build).waiting -= w.tokens;
+            self.remove_waiter(next);
             self.hand_out(w.client, w.tokens);
             grants.push(Grant { client: w.client, tag: w.tag, tokens: w.tokens });
         }

@@ -17,7 +17,7 @@
 //! nanoseconds of a monotonic clock). Without it every virtual time stays
 //! 0, and ties go to the oldest request: plain first come, first served.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 
 /// Identifies a build. Chosen by the pool.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -47,6 +47,8 @@ pub(crate) struct Build {
     pub granted: u64,
     /// Token-time used, in the caller's time unit × tokens.
     pub token_time: u128,
+    /// The sequence number of its oldest waiting request, if any.
+    oldest: Option<u64>,
 }
 
 impl Build {
@@ -59,6 +61,11 @@ impl Build {
 #[derive(Debug, Clone, Default)]
 pub(crate) struct Shares {
     pub builds: BTreeMap<BuildId, Build>,
+    /// The builds with waiting requests, in the order they are served:
+    /// least virtual time first, then oldest request. Kept in step with
+    /// every change, so the next build is found without a scan (a broker
+    /// may have thousands of single-client builds waiting).
+    ready: BTreeSet<(u128, u64, BuildId)>,
     now: u64,
     next_id: u64,
 }
@@ -88,11 +95,35 @@ impl Shares {
         if dt == 0 {
             return;
         }
-        for b in self.builds.values_mut().filter(|b| b.held > 0) {
+        for (&id, b) in self.builds.iter_mut().filter(|(_, b)| b.held > 0) {
+            if let Some(seq) = b.oldest {
+                self.ready.remove(&(b.vtime, seq, id));
+            }
             let used = u128::from(b.held) * dt;
             b.token_time += used;
             b.vtime += used * SCALE / u128::from(b.weight);
+            if let Some(seq) = b.oldest {
+                self.ready.insert((b.vtime, seq, id));
+            }
         }
+    }
+
+    /// The build's oldest waiting request is now `oldest` (None: it has
+    /// none left).
+    pub fn set_oldest(&mut self, id: BuildId, oldest: Option<u64>) {
+        let b = self.builds.get_mut(&id).expect("every client's build exists");
+        if let Some(seq) = b.oldest {
+            self.ready.remove(&(b.vtime, seq, id));
+        }
+        b.oldest = oldest;
+        if let Some(seq) = oldest {
+            self.ready.insert((b.vtime, seq, id));
+        }
+    }
+
+    /// The build's oldest waiting request, if any.
+    pub fn oldest(&self, id: BuildId) -> Option<u64> {
+        self.get(id).oldest
     }
 
     /// Called before a build's first hold or wait after being idle: it
@@ -108,18 +139,11 @@ impl Shares {
         }
     }
 
-    /// Which build's waiting request goes first: the least virtual time.
-    /// `first` has the builds in the order of their oldest requests, so a
-    /// tie goes to the oldest request.
-    pub fn pick(&self, first: impl Iterator<Item = BuildId>) -> Option<BuildId> {
-        let mut best: Option<(u128, BuildId)> = None;
-        for id in first {
-            let vtime = self.get(id).vtime;
-            if best.is_none_or(|(v, _)| vtime < v) {
-                best = Some((vtime, id));
-            }
-        }
-        best.map(|(_, id)| id)
+    /// Whose request goes first: the waiting build with the least virtual
+    /// time, a tie going to the oldest request; and that request's
+    /// sequence number.
+    pub fn pick(&self) -> Option<(BuildId, u64)> {
+        self.ready.first().map(|&(_, seq, id)| (id, seq))
     }
 
     /// A member left; a build without members is forgotten.
@@ -127,6 +151,7 @@ impl Shares {
         let b = self.get_mut(id);
         b.members -= 1;
         if b.members == 0 {
+            debug_assert!(b.oldest.is_none(), "a build without members has no waiters");
             self.builds.remove(&id);
         }
     }
