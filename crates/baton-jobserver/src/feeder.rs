@@ -430,9 +430,9 @@ mod tests {
     /// the feeder's look at the FIFO and its taking the token out; the
     /// feeder gave nothing back but asked for another as if it had, one
     /// past the limit (the broker refused, and `baton run` lost it). A
-    /// build that holds each token a moment, gives it back and at once
-    /// takes it again runs against the feeder for a while; the broker's
-    /// side checks the cap.
+    /// build that holds each token a moment, gives it back and soon takes
+    /// it again runs against the feeder for a while; the broker's side
+    /// checks the cap.
     #[test]
     fn a_token_the_build_takes_again_as_it_goes_back_does_not_break_the_cap() {
         use std::io::{Read, Write};
@@ -448,6 +448,9 @@ mod tests {
                 if fifo.read(&mut token).is_ok() {
                     std::thread::sleep(Duration::from_micros(20));
                     fifo.write_all(&token).unwrap();
+                    // About a round trip to the broker: the feeder, which
+                    // asks who waits before taking, wins some races.
+                    std::thread::sleep(Duration::from_micros(100));
                 }
             }
         });
