@@ -29,7 +29,8 @@ use std::path::PathBuf;
 #[derive(clap::Args, Debug, Clone)]
 pub struct BenchArgs {
     /// The experiment: token-ring (seed 000), blocking-vs-polling (001),
-    /// bulk-wake (002), mass-poll (003) or broadcast (004).
+    /// bulk-wake (002), mass-poll (003), broadcast (004), or builds (real
+    /// make and ninja under one limit).
     #[arg(value_enum)]
     pub scenario: Scenario,
 
@@ -47,16 +48,18 @@ pub struct BenchArgs {
     #[arg(long, alias = "processes", value_delimiter = ',', value_name = "N[,N...]")]
     pub waiters: Vec<usize>,
 
-    /// Operations per measurement: acquisitions, transfers or wake-ups.
+    /// Operations per measurement: acquisitions, transfers or wake-ups
+    /// (builds: jobs per build).
     #[arg(long, value_name = "N")]
     pub ops: Option<u64>,
 
-    /// Tokens shared by the waiters (blocking-vs-polling, mass-poll).
+    /// Tokens shared by the waiters (blocking-vs-polling, mass-poll; builds:
+    /// the limit).
     #[arg(long, value_name = "N")]
     pub tokens: Option<u32>,
 
     /// Microseconds each acquired token is held for, sleeping, as a job
-    /// would (blocking-vs-polling, mass-poll).
+    /// would (blocking-vs-polling, mass-poll; builds: each job's sleep).
     #[arg(long, value_name = "US")]
     pub job_us: Option<u64>,
 

@@ -8,7 +8,7 @@
 
 use baton_core::gates::{GateConfig, Gates, Reading};
 use baton_core::status::{self, Status};
-use baton_core::{Acquired, ClientId, Grant, Pool, PoolError, Tag};
+use baton_core::{Acquired, BuildId, ClientId, Grant, Pool, PoolError, Tag};
 use std::collections::HashMap;
 use std::time::{Duration, Instant, SystemTime};
 
@@ -65,7 +65,13 @@ pub struct Broker {
     hooks: HashMap<Transport, GrantHook>,
     /// The memory and load gates (none configured: no cap).
     gates: Gates,
-    /// The clock the gates' times are measured on.
+    /// The clients that started builds (BUILD), by pid: a client whose
+    /// process descends from one joins its build.
+    roots: HashMap<u32, ClientId>,
+    /// Names given with BUILD.
+    names: HashMap<BuildId, String>,
+    /// The pool's clock and the gates' start here (see [`Pool::advance`]),
+    /// with the wall-clock time that instant was.
     started: (Instant, SystemTime),
 }
 
@@ -76,8 +82,16 @@ impl Broker {
             undelivered: HashMap::new(),
             hooks: HashMap::new(),
             gates: Gates::new(GateConfig::default()),
+            roots: HashMap::new(),
+            names: HashMap::new(),
             started: (Instant::now(), SystemTime::now()),
         })
+    }
+
+    /// Brings the pool's clock to now, so that what each build held
+    /// meanwhile counts towards its share. Called before every change.
+    fn tick(&mut self) {
+        self.pool.advance(self.started.0.elapsed().as_nanos() as u64);
     }
 
     /// Calls `hook` whenever a call files grants for `transport`, so that
@@ -91,11 +105,51 @@ impl Broker {
         &self.pool
     }
 
+    /// A new client joins the build of the nearest ancestor process that
+    /// started one, or is a build of its own.
     pub fn connect(&mut self, meta: ClientMeta) -> ClientId {
-        self.pool.connect(meta)
+        self.tick();
+        // Reading /proc costs a little at every connect: only when a build exists.
+        let root = if self.roots.is_empty() {
+            None
+        } else {
+            crate::fuse::procs::ancestors(meta.pid).find_map(|pid| self.roots.get(&pid).copied())
+        };
+        match root {
+            Some(root) => self.pool.connect_beside(root, meta),
+            None => self.pool.connect(meta),
+        }
+    }
+
+    /// The client starts a build (`baton run`): processes under it join
+    /// it. A client already in a build started above it (a `baton run`
+    /// inside another) stays there, and the outer build's name and weight
+    /// hold.
+    pub fn start_build(&mut self, id: ClientId, weight: u32, name: String) -> Result<(BuildId, u32), PoolError> {
+        let build = self.pool.build_of(id).ok_or(PoolError::UnknownClient(id))?;
+        let meta = self.pool.meta(id).expect("the client is connected");
+        let (pid, command) = (meta.pid, meta.command.clone());
+        let nested = crate::fuse::procs::ancestors(pid).skip(1).any(|p| self.roots.contains_key(&p));
+        if !nested {
+            self.pool.set_weight(id, weight)?;
+            let name = if name.is_empty() { command } else { name };
+            self.names.insert(build, name);
+            self.roots.insert(pid, id);
+        }
+        let weight = self.pool.builds().find(|b| b.id == build).map_or(1, |b| b.weight);
+        Ok((build, weight))
+    }
+
+    /// Tokens that builds served before this one wait for, and tokens
+    /// free: a build that sits on tokens it does not use gives them back
+    /// to those builds.
+    pub fn wanted(&mut self, id: ClientId) -> (u32, u32) {
+        self.tick();
+        (self.pool.waiting_ahead(id), self.pool.free())
     }
 
     pub fn acquire(&mut self, id: ClientId, tag: Tag, tokens: u32) -> Result<Acquired, PoolError> {
+        self.tick();
         let outcome = self.pool.acquire(id, tag, tokens)?;
         let meta = self.pool.meta_mut(id).expect("acquire checked the client");
         match outcome {
@@ -111,6 +165,7 @@ impl Broker {
     }
 
     pub fn try_acquire(&mut self, id: ClientId, tokens: u32) -> Result<bool, PoolError> {
+        self.tick();
         let granted = self.pool.try_acquire(id, tokens)?;
         if granted {
             Self::note_holding(self.pool.meta_mut(id).expect("try_acquire checked the client"));
@@ -127,6 +182,7 @@ impl Broker {
 
     /// Gives tokens back; grants that follow are routed to their transports.
     pub fn release(&mut self, id: ClientId, tokens: u32) -> Result<(), PoolError> {
+        self.tick();
         let grants = self.pool.release(id, tokens)?;
         if self.pool.held_by(id) == 0 {
             self.pool.meta_mut(id).expect("release checked the client").holding_since = None;
@@ -137,6 +193,7 @@ impl Broker {
 
     /// Withdraws a pending request; returns the tokens it waited for.
     pub fn cancel(&mut self, id: ClientId, tag: Tag) -> u32 {
+        self.tick();
         let (tokens, grants) = self.pool.cancel(id, tag);
         if let Some(meta) = self.pool.meta_mut(id) {
             meta.waiting_since.remove(&tag);
@@ -147,12 +204,17 @@ impl Broker {
 
     /// Forgets a client; returns the tokens reclaimed from it.
     pub fn disconnect(&mut self, id: ClientId) -> u32 {
+        self.tick();
+        self.roots.retain(|_, &mut root| root != id);
         let (reclaimed, grants) = self.pool.disconnect(id);
+        let pool = &self.pool;
+        self.names.retain(|&build, _| pool.builds().any(|b| b.id == build));
         self.route(grants);
         reclaimed
     }
 
     pub fn set_limit(&mut self, limit: u32) -> Result<u32, PoolError> {
+        self.tick();
         let old = self.pool.limit();
         let grants = self.pool.set_limit(limit)?;
         self.route(grants);
@@ -245,6 +307,28 @@ impl Broker {
         }
     }
 
+    /// Every build, for status.
+    fn builds(&self) -> Vec<status::Build> {
+        self.pool
+            .builds()
+            .map(|b| {
+                let first = self.pool.clients().find(|c| c.build == b.id);
+                let root = self.roots.values().find(|&&root| self.pool.build_of(root) == Some(b.id));
+                let pid = root.and_then(|&r| self.pool.meta(r)).or(first.as_ref().map(|c| c.meta)).map_or(0, |m| m.pid);
+                let name = self.names.get(&b.id).cloned().or_else(|| first.map(|c| c.meta.command.clone())).unwrap_or_default();
+                status::Build {
+                    name,
+                    pid,
+                    weight: b.weight,
+                    held: b.held,
+                    waiting: b.waiting,
+                    grants: b.granted,
+                    token_seconds: b.token_time as f64 / 1e9,
+                }
+            })
+            .collect()
+    }
+
     /// The document `STATUS` returns.
     pub fn status(&self) -> Status {
         let mut holders: Vec<_> = self
@@ -277,6 +361,7 @@ impl Broker {
         let t = self.pool.totals();
         let gates = self.gates.views().into_iter().map(|v| self.gate_status(v)).collect();
         Status {
+            builds: self.builds(),
             version: baton_core::protocol::VERSION,
             broker_pid: std::process::id(),
             limit: self.pool.limit(),

@@ -491,6 +491,14 @@ fn apply(broker: &mut Broker, id: ClientId, request: Request) -> Result<Option<R
             }
             Err(message) => Reply::Err { code: ErrorCode::Range, message },
         },
+        Request::Build { weight, name } => {
+            let (build, weight) = broker.start_build(id, weight, name)?;
+            Reply::Build { build: build.0, weight }
+        }
+        Request::Wanted => {
+            let (tokens, free) = broker.wanted(id);
+            Reply::Wanted { tokens, free }
+        }
         Request::Hello { .. } | Request::Cancel => unreachable!("handled by the caller"),
     }))
 }

@@ -168,6 +168,39 @@ impl Client {
         }
     }
 
+    /// Takes up to `n` tokens, as many as are free, if nobody waits (TRY,
+    /// then TRY of what the broker said was free); returns how many.
+    pub fn try_up_to(&mut self, n: u32) -> Result<u32> {
+        match self.call(&Request::Try(n))? {
+            Reply::Granted { held, .. } => {
+                self.held = held;
+                Ok(n)
+            }
+            Reply::Busy { free } if free > 0 && free < n => Ok(if self.try_acquire(free)? { free } else { 0 }),
+            Reply::Busy { .. } => Ok(0),
+            other => Err(unexpected(other)),
+        }
+    }
+
+    /// Starts a build (as `baton run` does): clients started under this
+    /// process join it, and its share of a busy pool is in proportion to
+    /// `weight`. Returns the weight the build has (a `baton run` inside
+    /// another stays in the outer build, with its weight).
+    pub fn start_build(&mut self, weight: u32, name: &str) -> Result<u32> {
+        match self.call(&Request::Build { weight, name: name.to_string() })? {
+            Reply::Build { weight, .. } => Ok(weight),
+            other => Err(unexpected(other)),
+        }
+    }
+
+    /// Tokens that other builds wait for, and tokens free now.
+    pub fn wanted(&mut self) -> Result<(u32, u32)> {
+        match self.call(&Request::Wanted)? {
+            Reply::Wanted { tokens, free } => Ok((tokens, free)),
+            other => Err(unexpected(other)),
+        }
+    }
+
     /// Changes the pool's limit; returns the old one.
     pub fn set_limit(&mut self, limit: u32) -> Result<u32> {
         match self.call(&Request::Limit(limit))? {

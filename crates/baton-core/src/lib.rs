@@ -10,6 +10,8 @@ pub mod gates;
 pub mod paths;
 mod pool;
 pub mod protocol;
+mod share;
 pub mod status;
 
-pub use pool::{Acquired, ClientId, ClientView, Grant, Pool, PoolError, Tag, Totals, MAX_LIMIT};
+pub use pool::{Acquired, BuildView, ClientId, ClientView, Grant, Pool, PoolError, Tag, Totals, MAX_LIMIT};
+pub use share::{BuildId, MAX_WEIGHT};

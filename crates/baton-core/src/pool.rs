@@ -9,14 +9,18 @@
 //! - Nothing creates a token except the limit. `free + held == limit`, except
 //!   while a lowered limit drains: then `free == 0` and `held > limit`, and
 //!   tokens given back are retired until the books balance again.
-//! - A freed token goes to exactly one waiter: the one that has waited
-//!   longest. Requests are served strictly first come, first served and
-//!   all-or-nothing, so a request for several tokens is never starved by
-//!   smaller ones behind it, and no client ever holds part of a request
-//!   while waiting for the rest (which could deadlock two such clients).
-//! - No waiter waits while the request at the head of the queue could be
-//!   served: every call that frees tokens serves the queue before returning.
+//! - Every client belongs to a build (see [`crate::share`]). A freed token
+//!   goes to exactly one waiter: the oldest request of the waiting build
+//!   that has used the least token-time for its weight. Within a build,
+//!   and between builds that have used the same, first come, first served.
+//! - Requests are all-or-nothing and the one chosen next is never
+//!   overtaken, so a request for several tokens is never starved by
+//!   smaller ones, and no client ever holds part of a request while waiting
+//!   for the rest (which could deadlock two such clients).
+//! - No waiter waits while the request chosen next could be served: every
+//!   call that frees tokens serves the queue before returning.
 
+use crate::share::{BuildId, Shares, MAX_WEIGHT};
 use std::collections::{BTreeMap, VecDeque};
 
 /// Identifies one client of the pool: a socket connection, a build, or a
@@ -76,6 +80,9 @@ pub enum PoolError {
     #[error("a request with tag {0} is already waiting")]
     /// The client already has a pending request with this tag.
     DuplicateTag(Tag),
+    /// A build's weight is from 1 to [`MAX_WEIGHT`].
+    #[error("a weight must be from 1 to {max}, not {0}", max = MAX_WEIGHT)]
+    BadWeight(u32),
     #[error("cannot give back {asked} tokens: only {held} held")]
     /// A client gave back more than it holds; the pool never grows.
     OverRelease {
@@ -93,14 +100,18 @@ pub const MAX_LIMIT: u32 = 1 << 20;
 #[derive(Debug, Clone)]
 struct Client<M> {
     held: u32,
+    build: BuildId,
     meta: M,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 struct Waiter {
     client: ClientId,
+    build: BuildId,
     tag: Tag,
     tokens: u32,
+    /// Order of arrival: the queue is sorted by it.
+    seq: u64,
 }
 
 /// Running totals, for `baton status`.
@@ -121,12 +132,31 @@ pub struct Totals {
 pub struct ClientView<'a, M> {
     /// The client.
     pub id: ClientId,
+    /// The build it belongs to.
+    pub build: BuildId,
     /// Tokens it holds.
     pub held: u32,
     /// Tokens this client is waiting for, over all its pending requests.
     pub waiting: u32,
     /// What the transport remembers about it.
     pub meta: &'a M,
+}
+
+/// One build's view, for status reports.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BuildView {
+    /// The build.
+    pub id: BuildId,
+    /// Its share of the pool is in proportion to this.
+    pub weight: u32,
+    /// Tokens its clients hold.
+    pub held: u32,
+    /// Tokens its clients wait for.
+    pub waiting: u32,
+    /// Tokens granted to it so far.
+    pub granted: u64,
+    /// Tokens held × time, in the unit of [`Pool::advance`].
+    pub token_time: u128,
 }
 
 /// A pool of `limit` interchangeable tokens. `M` is whatever the transport
@@ -142,6 +172,8 @@ pub struct Pool<M> {
     /// At most this many tokens held in all while set (the gates' word on
     /// what the machine can take now); never below what is already held.
     cap: Option<u32>,
+    shares: Shares,
+    next_seq: u64,
 }
 
 impl<M> Pool<M> {
@@ -156,6 +188,8 @@ impl<M> Pool<M> {
             next_id: 1,
             totals: Totals::default(),
             cap: None,
+            shares: Shares::default(),
+            next_seq: 0,
         })
     }
 
@@ -199,12 +233,75 @@ impl<M> Pool<M> {
         self.queue.len()
     }
 
-    /// Registers a new client holding nothing.
+    /// Registers a new client holding nothing, a build of its own.
     pub fn connect(&mut self, meta: M) -> ClientId {
+        let build = self.shares.create();
+        self.join(build, meta)
+    }
+
+    /// Registers a new client holding nothing, in the build of `peer`
+    /// (in a build of its own if `peer` is gone).
+    pub fn connect_beside(&mut self, peer: ClientId, meta: M) -> ClientId {
+        match self.build_of(peer) {
+            Some(build) => self.join(build, meta),
+            None => self.connect(meta),
+        }
+    }
+
+    fn join(&mut self, build: BuildId, meta: M) -> ClientId {
         let id = ClientId(self.next_id);
         self.next_id += 1;
-        self.clients.insert(id, Client { held: 0, meta });
+        self.shares.get_mut(build).members += 1;
+        self.clients.insert(id, Client { held: 0, build, meta });
         id
+    }
+
+    /// The build a client belongs to.
+    pub fn build_of(&self, id: ClientId) -> Option<BuildId> {
+        self.clients.get(&id).map(|c| c.build)
+    }
+
+    /// Sets the weight of a client's build: its share of a saturated pool
+    /// is in proportion to it.
+    pub fn set_weight(&mut self, id: ClientId, weight: u32) -> Result<(), PoolError> {
+        let build = self.build_of(id).ok_or(PoolError::UnknownClient(id))?;
+        if !(1..=MAX_WEIGHT).contains(&weight) {
+            return Err(PoolError::BadWeight(weight));
+        }
+        self.shares.get_mut(build).weight = weight;
+        Ok(())
+    }
+
+    /// Brings the clock to `now` (any unit, never going back; the broker
+    /// uses nanoseconds): every build is charged for the tokens it held
+    /// meanwhile. Call it before every other call for fair shares; without
+    /// it, requests are served first come, first served.
+    pub fn advance(&mut self, now: u64) {
+        self.shares.advance(now);
+    }
+
+    /// Every build, in the order they began.
+    pub fn builds(&self) -> impl Iterator<Item = BuildView> + '_ {
+        self.shares.builds.iter().map(|(&id, b)| BuildView {
+            id,
+            weight: b.weight,
+            held: b.held,
+            waiting: b.waiting,
+            granted: b.granted,
+            token_time: b.token_time,
+        })
+    }
+
+    /// Tokens that requests of other builds wait for, of the builds the
+    /// share policy would serve before this client's (those that used no
+    /// more token-time for their weight): what a build that sits on unused
+    /// tokens should give back. A build that is behind its share keeps
+    /// them: they would come back to it first anyway.
+    pub fn waiting_ahead(&self, id: ClientId) -> u32 {
+        let Some(build) = self.build_of(id) else { return 0 };
+        let mine = self.shares.get(build).vtime;
+        let ahead = |w: &&Waiter| w.build != build && self.shares.get(w.build).vtime <= mine;
+        self.queue.iter().filter(ahead).map(|w| w.tokens).sum()
     }
 
     /// Asks for `tokens` tokens. Granted at once only if they are free and
@@ -214,11 +311,19 @@ impl<M> Pool<M> {
         if self.queue.iter().any(|w| w.client == id && w.tag == tag) {
             return Err(PoolError::DuplicateTag(tag));
         }
+        let build = self.clients[&id].build;
+        self.shares.wake(build);
         if self.queue.is_empty() && self.fits(tokens) {
             self.hand_out(id, tokens);
             return Ok(Acquired::Granted);
         }
-        self.queue.push_back(Waiter { client: id, tag, tokens });
+        let seq = self.next_seq;
+        self.next_seq += 1;
+        self.queue.push_back(Waiter { client: id, build, tag, tokens, seq });
+        self.shares.get_mut(build).waiting += tokens;
+        if self.shares.oldest(build).is_none() {
+            self.shares.set_oldest(build, Some(seq));
+        }
         self.totals.waits += 1;
         Ok(Acquired::Queued)
     }
@@ -228,6 +333,7 @@ impl<M> Pool<M> {
     pub fn try_acquire(&mut self, id: ClientId, tokens: u32) -> Result<bool, PoolError> {
         self.check_request(id, tokens)?;
         if self.queue.is_empty() && self.fits(tokens) {
+            self.shares.wake(self.clients[&id].build);
             self.hand_out(id, tokens);
             return Ok(true);
         }
@@ -244,6 +350,7 @@ impl<M> Pool<M> {
             return Err(PoolError::OverRelease { asked: tokens, held: client.held });
         }
         client.held -= tokens;
+        self.shares.get_mut(client.build).held -= tokens;
         self.totals.released += u64::from(tokens);
         self.put_back(tokens);
         Ok(self.serve_queue())
@@ -256,7 +363,7 @@ impl<M> Pool<M> {
         let Some(pos) = self.queue.iter().position(|w| w.client == id && w.tag == tag) else {
             return (0, Vec::new());
         };
-        let waiter = self.queue.remove(pos).expect("position is in range");
+        let waiter = self.remove_waiter(pos);
         (waiter.tokens, self.serve_queue())
     }
 
@@ -266,7 +373,11 @@ impl<M> Pool<M> {
         let Some(client) = self.clients.remove(&id) else {
             return (0, Vec::new());
         };
-        self.queue.retain(|w| w.client != id);
+        while let Some(pos) = self.queue.iter().position(|w| w.client == id) {
+            self.remove_waiter(pos);
+        }
+        self.shares.get_mut(client.build).held -= client.held;
+        self.shares.leave(client.build);
         self.totals.reclaimed += u64::from(client.held);
         self.put_back(client.held);
         (client.held, self.serve_queue())
@@ -304,6 +415,7 @@ impl<M> Pool<M> {
     pub fn clients(&self) -> impl Iterator<Item = ClientView<'_, M>> {
         self.clients.iter().map(|(&id, c)| ClientView {
             id,
+            build: c.build,
             held: c.held,
             waiting: self.queue.iter().filter(|w| w.client == id).map(|w| w.tokens).sum(),
             meta: &c.meta,
@@ -324,11 +436,20 @@ impl<M> Pool<M> {
         } else {
             assert_eq!(self.free, 0, "a draining pool has no free tokens");
         }
-        if let Some(head) = self.queue.front() {
-            assert!(!self.fits(head.tokens), "the head of the queue waits although its tokens are free and the cap allows them");
+        if let Some(next) = self.next_waiter() {
+            assert!(!self.fits(self.queue[next].tokens), "the request chosen next waits although its tokens are free and the cap allows them");
         }
         for w in &self.queue {
             assert!(self.clients.contains_key(&w.client), "a waiter belongs to no client");
+        }
+        assert!(self.queue.iter().zip(self.queue.iter().skip(1)).all(|(a, b)| a.seq < b.seq), "the queue is in order of arrival");
+        for b in self.builds() {
+            let oldest = self.queue.iter().find(|w| w.build == b.id).map(|w| w.seq);
+            assert_eq!(self.shares.oldest(b.id), oldest, "the share policy knows each build's oldest request");
+            let members = self.clients.values().filter(|c| c.build == b.id);
+            assert_eq!(b.held, members.map(|c| c.held).sum::<u32>(), "a build holds what its clients hold");
+            let waits = self.queue.iter().filter(|w| w.build == b.id);
+            assert_eq!(b.waiting, waits.map(|w| w.tokens).sum::<u32>(), "a build waits for what its clients wait for");
         }
     }
 
@@ -355,7 +476,11 @@ impl<M> Pool<M> {
 
     fn hand_out(&mut self, id: ClientId, tokens: u32) {
         self.free -= tokens;
-        self.clients.get_mut(&id).expect("caller checked the client").held += tokens;
+        let client = self.clients.get_mut(&id).expect("caller checked the client");
+        client.held += tokens;
+        let build = self.shares.get_mut(client.build);
+        build.held += tokens;
+        build.granted += u64::from(tokens);
         self.totals.granted += u64::from(tokens);
     }
 
@@ -366,15 +491,37 @@ impl<M> Pool<M> {
         self.free = (self.free + tokens).min(self.limit.saturating_sub(held));
     }
 
+    /// Where in the queue the request served next is: the oldest of the
+    /// build the share policy picks.
+    fn next_waiter(&self) -> Option<usize> {
+        let (_, seq) = self.shares.pick()?;
+        Some(self.queue.binary_search_by_key(&seq, |w| w.seq).expect("the policy's requests are queued"))
+    }
+
+    /// Takes a request out of the queue, keeping its build's books.
+    fn remove_waiter(&mut self, pos: usize) -> Waiter {
+        let w = self.queue.remove(pos).expect("position is in range");
+        self.shares.get_mut(w.build).waiting -= w.tokens;
+        if self.shares.oldest(w.build) == Some(w.seq) {
+            let next = match self.shares.get(w.build).waiting {
+                0 => None,
+                _ => self.queue.iter().skip(pos).find(|o| o.build == w.build).map(|o| o.seq),
+            };
+            self.shares.set_oldest(w.build, next);
+        }
+        w
+    }
+
     fn serve_queue(&mut self) -> Vec<Grant> {
         let mut grants = Vec::new();
-        while let Some(head) = self.queue.front().copied() {
-            if !self.fits(head.tokens) {
+        while let Some(next) = self.next_waiter() {
+            let w = self.queue[next];
+            if !self.fits(w.tokens) {
                 break;
             }
-            self.queue.pop_front();
-            self.hand_out(head.client, head.tokens);
-            grants.push(Grant { client: head.client, tag: head.tag, tokens: head.tokens });
+            self.remove_waiter(next);
+            self.hand_out(w.client, w.tokens);
+            grants.push(Grant { client: w.client, tag: w.tag, tokens: w.tokens });
         }
         grants
     }
@@ -504,6 +651,24 @@ mod tests {
         p.release(a, 1).unwrap();
         assert_eq!(p.free(), 1);
         p.assert_invariants();
+    }
+
+    #[test]
+    fn only_builds_served_first_count_as_waiting_ahead() {
+        let mut p = pool(2);
+        let [a, b, c] = [p.connect(()), p.connect(()), p.connect(())];
+        p.acquire(a, 0, 1).unwrap();
+        p.acquire(b, 0, 1).unwrap();
+        p.advance(100);
+        p.release(b, 1).unwrap();
+        p.acquire(a, 1, 1).unwrap(); // a holds 2 from now on
+        assert_eq!(p.acquire(b, 0, 1), Ok(Acquired::Queued));
+        assert_eq!(p.waiting_ahead(a), 1, "b is behind a: a gives way");
+        assert_eq!(p.acquire(c, 0, 1), Ok(Acquired::Queued));
+        p.advance(200);
+        assert_eq!(p.waiting_ahead(b), 1, "c started level with b, and b has used no more since");
+        assert_eq!(p.waiting_ahead(c), 1);
+        assert_eq!(p.waiting_ahead(a), 2);
     }
 
     #[test]

@@ -50,6 +50,17 @@ pub enum Request {
         /// The new threshold; None: `off`.
         value: Option<f64>,
     },
+    /// `BUILD <weight> [<name>]`: this connection starts a build (a
+    /// `baton run`): clients under its process join it, and the build's
+    /// share of a busy pool is in proportion to `weight`.
+    Build {
+        /// The build's weight, 1 to [`crate::MAX_WEIGHT`].
+        weight: u32,
+        /// Shown by status; empty: the connection's label.
+        name: String,
+    },
+    /// `WANTED`: how many tokens other builds wait for, and how many are free.
+    Wanted,
 }
 
 /// The names GATE accepts.
@@ -110,6 +121,20 @@ pub enum Reply {
         name: String,
         /// Its threshold; None: off.
         value: Option<f64>,
+    },
+    /// `BUILD <build-id> <weight>`: answer to BUILD.
+    Build {
+        /// The broker's id for the build.
+        build: u64,
+        /// The build's weight now.
+        weight: u32,
+    },
+    /// `WANTED <tokens> <free>`: answer to WANTED.
+    Wanted {
+        /// Tokens that requests of other builds wait for.
+        tokens: u32,
+        /// Tokens nobody holds.
+        free: u32,
     },
     /// `ERR <code> <message>`.
     Err {
@@ -202,9 +227,7 @@ pub fn parse_request(line: &[u8]) -> Result<Request, ParseError> {
         "HELLO" => {
             let (version, label) = rest.split_once(' ').unwrap_or((rest, ""));
             let version = parse_number(version).ok_or_else(|| malformed("HELLO needs a protocol version: HELLO 1 [label]"))?;
-            if label.len() > MAX_LABEL || label.chars().any(char::is_control) {
-                return Err(malformed(format!("HELLO label must be at most {MAX_LABEL} bytes of printable text")));
-            }
+            check_label(label, "HELLO label")?;
             Ok(Request::Hello { version, label: label.to_string() })
         }
         "ACQUIRE" => count("ACQUIRE").map(Request::Acquire),
@@ -212,9 +235,16 @@ pub fn parse_request(line: &[u8]) -> Result<Request, ParseError> {
         "RELEASE" => count("RELEASE").map(Request::Release),
         "LIMIT" => count("LIMIT").map(Request::Limit),
         "GATE" => parse_gate(rest).map(|(name, value)| Request::Gate { name, value }),
+        "BUILD" => {
+            let (weight, name) = rest.split_once(' ').unwrap_or((rest, ""));
+            let weight = parse_number(weight).ok_or_else(|| malformed("BUILD needs a weight: BUILD <weight> [name]"))?;
+            check_label(name, "BUILD name")?;
+            Ok(Request::Build { weight, name: name.to_string() })
+        }
+        "WANTED" if rest.is_empty() => Ok(Request::Wanted),
         "CANCEL" if rest.is_empty() => Ok(Request::Cancel),
         "STATUS" if rest.is_empty() => Ok(Request::Status),
-        "CANCEL" | "STATUS" => Err(malformed(format!("{verb} takes no arguments"))),
+        "CANCEL" | "STATUS" | "WANTED" => Err(malformed(format!("{verb} takes no arguments"))),
         "" => Err(malformed("empty request")),
         _ => Err(malformed(format!("unknown request {:?}", truncate(verb, 32)))),
     }
@@ -241,6 +271,13 @@ fn parse_decimal(word: &str) -> Option<f64> {
 
 fn gate_value(value: Option<f64>) -> String {
     value.map_or_else(|| "off".to_string(), |v| v.to_string())
+}
+
+fn check_label(label: &str, what: &str) -> Result<(), ParseError> {
+    if label.len() > MAX_LABEL || label.chars().any(char::is_control) {
+        return Err(malformed(format!("{what} must be at most {MAX_LABEL} bytes of printable text")));
+    }
+    Ok(())
 }
 
 fn parse_count(rest: &str, verb: &str) -> Result<u32, ParseError> {
@@ -275,6 +312,9 @@ impl fmt::Display for Request {
             Request::Status => f.write_str("STATUS"),
             Request::Limit(n) => write!(f, "LIMIT {n}"),
             Request::Gate { name, value } => write!(f, "GATE {name} {}", gate_value(*value)),
+            Request::Build { weight, name } if name.is_empty() => write!(f, "BUILD {weight}"),
+            Request::Build { weight, name } => write!(f, "BUILD {weight} {name}"),
+            Request::Wanted => f.write_str("WANTED"),
         }
     }
 }
@@ -291,6 +331,8 @@ impl Reply {
             Reply::Status { json } => format!("STATUS {}\n{json}\n", json.len()),
             Reply::Limit { old, new } => format!("LIMIT {old} {new}\n"),
             Reply::Gate { name, value } => format!("GATE {name} {}\n", gate_value(*value)),
+            Reply::Build { build, weight } => format!("BUILD {build} {weight}\n"),
+            Reply::Wanted { tokens, free } => format!("WANTED {tokens} {free}\n"),
             Reply::Err { code, message } => format!("ERR {code} {}\n", message.replace('\n', " ")),
         };
         line.into_bytes()
@@ -311,6 +353,8 @@ pub fn parse_reply_line(line: &str) -> Result<ReplyHead, ParseError> {
         "RELEASED" => Reply::Released { tokens: num()?, held: num()? },
         "CANCELLED" => Reply::Cancelled { tokens: num()? },
         "LIMIT" => Reply::Limit { old: num()?, new: num()? },
+        "BUILD" => Reply::Build { build: u64::from(num()?), weight: num()? },
+        "WANTED" => Reply::Wanted { tokens: num()?, free: num()? },
         "STATUS" => return Ok(ReplyHead::StatusFollows(num()? as usize)),
         "GATE" => {
             let (name, value) = parse_gate(line.strip_prefix("GATE ").unwrap_or("")).map_err(|_| malformed(format!("bad reply {line:?}")))?;
@@ -354,6 +398,9 @@ mod tests {
             Request::Gate { name: "mem-available".into(), value: Some(2147483648.0) },
             Request::Gate { name: "mem-pressure".into(), value: Some(12.5) },
             Request::Gate { name: "load".into(), value: None },
+            Request::Build { weight: 2, name: "ninja -C out".into() },
+            Request::Build { weight: 1, name: String::new() },
+            Request::Wanted,
         ];
         for r in requests {
             assert_eq!(parse_request(r.to_string().as_bytes()), Ok(r));
@@ -369,7 +416,7 @@ mod tests {
 
     #[test]
     fn garbage_is_refused() {
-        for bad in [&b""[..], b"acquire 1", b"STATUS now", b"\xff\xfe", b"HELLO", b"HELLO 1 a\x07b"] {
+        for bad in [&b""[..], b"acquire 1", b"STATUS now", b"WANTED 1", b"BUILD", b"BUILD x", b"\xff\xfe", b"HELLO", b"HELLO 1 a\x07b"] {
             assert!(parse_request(bad).is_err(), "{bad:?} should be refused");
         }
     }
@@ -385,6 +432,8 @@ mod tests {
             Reply::Limit { old: 4, new: 8 },
             Reply::Gate { name: "load".into(), value: Some(3.0) },
             Reply::Gate { name: "min-jobs".into(), value: None },
+            Reply::Build { build: 3, weight: 2 },
+            Reply::Wanted { tokens: 2, free: 0 },
             Reply::Err { code: ErrorCode::OverRelease, message: "cannot give back 2 tokens: only 1 held".into() },
         ];
         for r in replies {

@@ -21,6 +21,11 @@ pub struct Status {
     pub holders: Vec<Holder>,
     /// Pending requests, oldest first.
     pub waiters: Vec<Waiter>,
+    /// Every build (a `baton run` and the clients under it, or a native
+    /// client on its own), in the order they began. Absent from brokers
+    /// that predate builds.
+    #[serde(default)]
+    pub builds: Vec<Build>,
     /// Running totals since the broker started.
     pub totals: Totals,
     /// The memory and load gates that are configured (docs/adaptive.md);
@@ -76,6 +81,25 @@ pub struct Waiter {
     pub since: f64,
     /// Which way it came in.
     pub transport: String,
+}
+
+/// A build and its use of the pool.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Build {
+    /// Its name (`baton run --name`), or its first client's label.
+    pub name: String,
+    /// Process id of the client that started it.
+    pub pid: u32,
+    /// Its share of a busy pool is in proportion to this.
+    pub weight: u32,
+    /// Tokens its clients hold.
+    pub held: u32,
+    /// Tokens its clients wait for.
+    pub waiting: u32,
+    /// Tokens granted to it so far.
+    pub grants: u64,
+    /// Tokens held × seconds, so far: its use of the pool.
+    pub token_seconds: f64,
 }
 
 /// Counters since the broker started.

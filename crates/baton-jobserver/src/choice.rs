@@ -208,7 +208,7 @@ pub fn is_make_name(name: &str) -> bool {
 }
 
 /// GNU make at `program`, with its version; None for any other make.
-fn gnu_make(program: &Path) -> Option<Found> {
+pub(crate) fn gnu_make(program: &Path) -> Option<Found> {
     let line = version_line(program, &["--version"])?;
     let version = parse_version(line.strip_prefix("GNU Make ")?)?;
     Some(Found { path: resolve(program), version })

@@ -7,16 +7,33 @@ use baton_client::{Client, Error as ClientError};
 use baton_core::protocol::{Reply, Request};
 use std::time::{Duration, Instant};
 
+/// What the broker said when the feeder last looked (`WANTED`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Wanted {
+    /// Tokens that requests of other builds wait for.
+    pub others: u32,
+    /// Tokens nobody holds.
+    pub free: u32,
+}
+
 /// What the feeder should do, from what it sees. Pure, so the rules are
 /// tested on their own.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct Plan {
-    /// Bytes in the FIFO beyond what we put in: written by a client that
-    /// gave back more than it took. Taken out and thrown away.
+    /// Bytes beyond what we put in: written by a client that gave back
+    /// more than it took. Taken out (return pipe first) and thrown away.
     pub discard: u32,
-    /// Tokens the build wrote back: back to the pool.
+    /// Spare tokens that go back to the pool for other builds (return
+    /// pipe first, then the FIFO).
     pub give_back: u32,
-    /// Ask the pool for one more token.
+    /// Tokens in the return pipe (pipe style) that go back into the FIFO
+    /// for the build's next job.
+    pub recycle: u32,
+    /// Take up to this many more from the pool, as many as are free, if
+    /// nobody waits (`TRY`), straight into the FIFO.
+    pub top_up: u32,
+    /// Queue at the pool for one more token (`ACQUIRE 1`), if the top-up
+    /// got none.
     pub ask: bool,
 }
 
@@ -27,34 +44,63 @@ pub struct Seen {
     pub queued: u32,
     /// Bytes in the return pipe (pipe style).
     pub returned: u32,
-    /// Pool tokens the build has beyond CMD's own: in the FIFO or in use.
+    /// Pool tokens the build has beyond CMD's own: in the FIFO, in the
+    /// return pipe or in use.
     pub lent: u32,
-    /// The token we put in last is still there, unread.
-    pub fresh: bool,
     /// A request for one more token is waiting at the pool.
     pub pending: bool,
     /// At most this many may be lent.
     pub max_lent: u32,
+    /// The broker's answer, if the feeder looked this step (see
+    /// [`should_look`]); None: the last look, at most [`LOOK_EVERY`] ago,
+    /// found nobody else waiting.
+    pub wanted: Option<Wanted>,
 }
 
+/// Tokens of ours that the build is not using: unread in the FIFO or
+/// written back (bytes beyond what we lent were made up by the build).
+pub fn spare(seen: Seen) -> u32 {
+    (seen.queued + seen.returned).min(seen.lent)
+}
+
+/// Whether to ask the broker who else waits before acting: only with
+/// spare tokens (there is nothing to decide without), and then when the
+/// last look is [`LOOK_EVERY`] old, or found other builds waiting (while
+/// they wait, every token the build writes back is a candidate for them).
+pub fn should_look(seen: Seen, due: bool, contended: bool) -> bool {
+    !seen.pending && spare(seen) > 0 && (due || contended)
+}
+
+/// The rules. A build keeps every token it has and may take every free one,
+/// unread in its FIFO ahead of its reads (ninja 1.13 reads a token only as
+/// it starts a job, and after finding the FIFO empty takes none until one
+/// of its jobs ends), as long as no other build waits; spare tokens go
+/// back as soon as a look finds one waiting.
 pub fn plan(seen: Seen) -> Plan {
     let total = seen.queued + seen.returned;
-    let discard = total.saturating_sub(seen.lent);
-    // Whatever was discarded, the fresh token can only be in the FIFO.
-    let fresh = seen.queued.min(total - discard).min(u32::from(seen.fresh));
-    let give_back = total - discard - fresh;
-    // Giving a token back withdraws a pending request first (the protocol
-    // allows nothing else while ACQUIRE waits), so the build asks again.
-    let waiting = seen.pending && give_back == 0;
-    Plan { discard, give_back, ask: !waiting && fresh == 0 && seen.lent - give_back < seen.max_lent }
+    let spare = spare(seen);
+    let discard = total - spare;
+    let returned_left = seen.returned - seen.returned.min(discard);
+    let Some(wanted) = seen.wanted else {
+        // Out of tokens: fill up at once if the pool is idle (ninja reads
+        // its first wave of tokens in one burst as it starts), else queue.
+        let ask = spare == 0 && seen.lent < seen.max_lent && !seen.pending;
+        let top_up = if ask { seen.max_lent - seen.lent } else { 0 };
+        return Plan { discard, recycle: returned_left, top_up, ask, ..Plan::default() };
+    };
+    let give_back = wanted.others.min(spare);
+    let recycle = returned_left - returned_left.min(give_back);
+    let lent = seen.lent - give_back;
+    let top_up = if wanted.others == 0 { wanted.free.min(seen.max_lent - lent) } else { 0 };
+    let ask = spare - give_back + top_up == 0 && lent < seen.max_lent && !seen.pending;
+    Plan { discard, give_back, recycle, top_up, ask }
 }
 
-/// How long a token may wait unread in the FIFO before it goes back to the
-/// pool for others (and we queue for it again). Doubles while nobody else
-/// wants it, up to the maximum, so an idle build costs a couple of round
-/// trips per second at most.
-pub const IDLE_FIRST: Duration = Duration::from_millis(100);
-pub const IDLE_MAX: Duration = Duration::from_millis(1600);
+/// How often, at most, the feeder asks the broker whether other builds
+/// wait while the build has spare tokens, unless the last look found some
+/// waiting. It bounds how long a token sits unread in one build's FIFO
+/// while another build waits: this, plus a round trip to the broker.
+pub const LOOK_EVERY: Duration = Duration::from_millis(50);
 
 /// Moves tokens between the pool and the build's FIFO.
 pub struct Feeder {
@@ -64,11 +110,13 @@ pub struct Feeder {
     max_lent: u32,
     /// An ACQUIRE 1 is waiting at the broker.
     pending: bool,
-    /// The token we put in last has not been read yet.
-    fresh: bool,
-    /// Since when a token has waited unread in the FIFO.
-    bait_since: Option<Instant>,
-    idle_wait: Duration,
+    /// When we last asked the broker who else waits.
+    last_look: Option<Instant>,
+    /// That look found other builds waiting.
+    contended: bool,
+    /// The command is a known jobserver client: fill its FIFO before it
+    /// opens it, so its first reads find tokens.
+    eager: bool,
     warned_extra: bool,
 }
 
@@ -89,51 +137,88 @@ impl Feeder {
         self.fifo.drain_events();
     }
 
-    /// Gives an idle token back if its time has come, then steps.
+    /// Brings the FIFO in line with the rules; the same as [`Feeder::step`],
+    /// also called when [`Feeder::idle_timeout`] runs out.
     pub fn tend(&mut self, client: &mut Client) -> Result<(), ClientError> {
-        self.on_idle(client)?;
         self.step(client)
     }
 
-    pub fn new(fifo: Fifo, max_lent: u32) -> Self {
-        Feeder { fifo, lent: 0, max_lent, pending: false, fresh: false, bait_since: None, idle_wait: IDLE_FIRST, warned_extra: false }
+    /// `eager`: the command is known to read its jobserver (make, ninja,
+    /// cargo); otherwise nothing is fetched until it opens the FIFO.
+    pub fn new(fifo: Fifo, max_lent: u32, eager: bool) -> Self {
+        Feeder { fifo, lent: 0, max_lent, pending: false, last_look: None, contended: false, eager, warned_extra: false }
+    }
+
+    fn seen(&self) -> Seen {
+        Seen {
+            queued: self.fifo.queued(),
+            returned: self.fifo.returned(),
+            lent: self.lent,
+            pending: self.pending,
+            max_lent: self.max_lent,
+            wanted: None,
+        }
+    }
+
+    fn look_due(&self) -> bool {
+        self.last_look.is_none_or(|t| t.elapsed() >= LOOK_EVERY)
     }
 
     /// Brings the FIFO in line with the plan for what is in it now.
     pub fn step(&mut self, client: &mut Client) -> Result<(), ClientError> {
-        let queued = self.fifo.queued();
-        if queued == 0 {
-            self.fresh = false; // the build took it
+        // The build wrote a token back while we queue for one: we no longer
+        // need it (and the protocol allows nothing else while it waits).
+        if self.pending && spare(self.seen()) > 0 {
+            self.cancel(client)?;
         }
-        let returned = self.fifo.returned();
-        let seen = Seen { queued, returned, lent: self.lent, fresh: self.fresh, pending: self.pending, max_lent: self.max_lent };
-        let plan = plan(seen);
+        let mut seen = self.seen();
+        if should_look(seen, self.look_due(), self.contended) {
+            let (others, free) = client.wanted()?;
+            self.last_look = Some(Instant::now());
+            self.contended = others > 0;
+            seen = Seen { wanted: Some(Wanted { others, free }), ..self.seen() };
+        }
+        self.carry_out(plan(seen), client)
+    }
+
+    fn carry_out(&mut self, plan: Plan, client: &mut Client) -> Result<(), ClientError> {
         if plan.discard > 0 {
             self.discard(plan.discard);
         }
         if plan.give_back > 0 {
-            // RELEASE is not allowed while ACQUIRE waits: withdraw it, and
-            // queue again below, behind whoever the token goes to.
-            if self.pending {
-                self.cancel(client)?;
-            }
+            // The build may have taken some since we looked: give back
+            // what is still there.
             let taken = self.fifo.take(plan.give_back);
             if taken > 0 {
                 client.release(taken)?;
                 self.lent -= taken;
             }
         }
-        // A cancel that raced with a grant left a fresh token: enough. A
-        // command that never opened the FIFO (not a jobserver client) would
-        // only sit on the token. And the build reads the FIFO too: a token
-        // it wrote back may be in use again before we could take it out, so
-        // the cap is checked against what is lent now, not the plan's look.
-        if plan.ask && self.lent < self.max_lent && !self.pending && !self.fresh && self.fifo.in_use() {
+        if plan.recycle > 0 {
+            self.fifo.recycle(plan.recycle).map_err(|e| ClientError::Protocol(e.to_string()))?;
+        }
+        // A command that never opens the FIFO (not a jobserver client)
+        // would only sit on tokens. The build reads the FIFO too: the cap
+        // is checked against what is lent now, not the plan's look.
+        let room = self.max_lent - self.lent;
+        if !(self.eager || self.fifo.in_use()) || self.pending {
+            return Ok(());
+        }
+        let got = match plan.top_up.min(room) {
+            0 => 0,
+            n => client.try_up_to(n)?,
+        };
+        self.lend(got)?;
+        if got == 0 && plan.ask && room > 0 && self.fifo.queued() + self.fifo.returned() == 0 {
             client.send(&Request::Acquire(1))?;
             self.pending = true;
         }
-        self.note_bait();
         Ok(())
+    }
+
+    fn lend(&mut self, tokens: u32) -> Result<(), ClientError> {
+        self.lent += tokens;
+        (0..tokens).try_for_each(|_| self.fifo.put()).map_err(|e| ClientError::Protocol(e.to_string()))
     }
 
     fn discard(&mut self, n: u32) {
@@ -151,10 +236,7 @@ impl Feeder {
         match reply {
             Reply::Granted { tokens, .. } => {
                 self.pending = false;
-                self.fresh = true;
-                self.lent += tokens;
-                (0..tokens).try_for_each(|_| self.fifo.put()).map_err(|e| ClientError::Protocol(e.to_string()))?;
-                Ok(())
+                self.lend(tokens)
             }
             other => Err(ClientError::Protocol(format!("unexpected {other:?}"))),
         }
@@ -182,44 +264,13 @@ impl Feeder {
         Ok(())
     }
 
-    fn note_bait(&mut self) {
-        match (self.fifo.queued() > 0, self.bait_since) {
-            (true, None) => self.bait_since = Some(Instant::now()),
-            (false, Some(_)) => {
-                // The build took it: it is busy, so start idling afresh.
-                self.bait_since = None;
-                self.idle_wait = IDLE_FIRST;
-            }
-            _ => {}
-        }
-    }
-
-    /// How long until an unread token should go back to the pool.
+    /// How long until the feeder should look again: only while the build
+    /// has spare tokens, which may be wanted elsewhere.
     pub fn idle_timeout(&self) -> Option<Duration> {
-        let since = self.bait_since?;
-        (!self.pending).then(|| self.idle_wait.saturating_sub(since.elapsed()))
-    }
-
-    /// A token sat unread too long: give it back, so a build that waits
-    /// elsewhere gets its turn; `step` then queues for one again, within the
-    /// cap. If nobody else wants it, it comes straight back, and we wait
-    /// twice as long before trying again.
-    fn on_idle(&mut self, client: &mut Client) -> Result<(), ClientError> {
-        if self.idle_timeout() != Some(Duration::ZERO) {
-            return Ok(());
+        if self.pending || spare(self.seen()) == 0 {
+            return None;
         }
-        self.bait_since = None;
-        self.fresh = false;
-        // The build may have read it since we looked: then nothing goes
-        // back, and asking for another here would exceed the cap.
-        if self.fifo.take(1) == 1 {
-            client.release(1)?;
-            self.lent -= 1;
-            self.idle_wait = (self.idle_wait * 2).min(IDLE_MAX);
-        } else {
-            self.idle_wait = IDLE_FIRST;
-        }
-        Ok(())
+        Some(self.last_look.map_or(Duration::ZERO, |t| LOOK_EVERY.saturating_sub(t.elapsed())))
     }
 }
 
@@ -227,63 +278,84 @@ impl Feeder {
 mod tests {
     use super::*;
 
-    fn seen(queued: u32, lent: u32, fresh: bool, pending: bool) -> Seen {
-        Seen { queued, returned: 0, lent, fresh, pending, max_lent: 3 }
+    fn seen(queued: u32, lent: u32, pending: bool) -> Seen {
+        Seen { queued, returned: 0, lent, pending, max_lent: 3, wanted: None }
     }
 
-    #[test]
-    fn tokens_in_the_return_pipe_all_go_back() {
-        let s = Seen { queued: 1, returned: 2, lent: 3, fresh: true, pending: false, max_lent: 3 };
-        assert_eq!(plan(s), Plan { give_back: 2, ..Plan::default() });
-        // Ten bytes written to W by a client that took one token.
-        let s = Seen { queued: 0, returned: 10, lent: 1, fresh: false, pending: false, max_lent: 3 };
-        assert_eq!(plan(s), Plan { discard: 9, give_back: 1, ask: true });
+    fn looked(seen: Seen, others: u32, free: u32) -> Seen {
+        Seen { wanted: Some(Wanted { others, free }), ..seen }
     }
 
     #[test]
     fn asks_for_a_token_when_the_fifo_is_empty() {
-        assert_eq!(plan(seen(0, 0, false, false)), Plan { ask: true, ..Plan::default() });
-        assert_eq!(plan(seen(0, 2, false, false)), Plan { ask: true, ..Plan::default() });
+        // As many as free right away if nobody waits, else queue for one.
+        assert_eq!(plan(seen(0, 0, false)), Plan { top_up: 3, ask: true, ..Plan::default() });
+        assert_eq!(plan(seen(0, 2, false)), Plan { top_up: 1, ask: true, ..Plan::default() });
     }
 
     #[test]
     fn respects_the_cap_and_a_pending_request() {
-        assert_eq!(plan(seen(0, 3, false, false)), Plan::default());
-        assert_eq!(plan(seen(0, 1, false, true)), Plan::default());
+        assert_eq!(plan(seen(0, 3, false)), Plan::default());
+        assert_eq!(plan(seen(0, 1, true)), Plan::default());
+        assert_eq!(plan(looked(seen(1, 3, false), 0, 5)), Plan::default(), "no top-up past the cap");
     }
 
     #[test]
-    fn keeps_the_fresh_token_and_asks_for_nothing_more() {
-        assert_eq!(plan(seen(1, 1, true, false)), Plan::default());
+    fn fills_the_fifo_with_every_free_token_while_nobody_else_waits() {
+        assert_eq!(plan(looked(seen(1, 1, false), 0, 5)), Plan { top_up: 2, ..Plan::default() });
+        assert_eq!(plan(looked(seen(1, 1, false), 0, 1)), Plan { top_up: 1, ..Plan::default() });
+        assert_eq!(plan(looked(seen(1, 1, false), 0, 0)), Plan::default(), "nothing free: keep what we have");
     }
 
     #[test]
-    fn tokens_written_back_go_to_the_pool_and_the_build_queues_again() {
-        assert_eq!(plan(seen(1, 2, false, false)), Plan { give_back: 1, ask: true, ..Plan::default() });
-        assert_eq!(plan(seen(3, 3, true, false)), Plan { give_back: 2, ..Plan::default() });
-        // At the cap, giving one back makes room to ask again.
-        assert_eq!(plan(seen(1, 3, false, false)), Plan { give_back: 1, ask: true, ..Plan::default() });
-        // A pending request is withdrawn to give back, then made again.
-        assert_eq!(plan(seen(1, 2, false, true)), Plan { give_back: 1, ask: true, ..Plan::default() });
+    fn keeps_tokens_written_back_while_nobody_else_waits() {
+        // Without a fresh look, the last one found nobody: keep them.
+        assert_eq!(plan(seen(2, 3, false)), Plan::default());
+        let s = Seen { returned: 2, ..seen(0, 3, false) };
+        assert_eq!(plan(s), Plan { recycle: 2, ..Plan::default() }, "the pipe style's returns go back into the FIFO");
+    }
+
+    #[test]
+    fn spare_tokens_go_to_builds_that_wait() {
+        assert_eq!(plan(looked(seen(3, 3, false), 1, 0)), Plan { give_back: 1, ..Plan::default() });
+        // All spare tokens given back: the build queues again, behind them.
+        assert_eq!(plan(looked(seen(1, 2, false), 4, 0)), Plan { give_back: 1, ask: true, ..Plan::default() });
+        assert_eq!(plan(looked(seen(1, 3, false), 0, 0)), Plan::default());
+        // The return pipe first; what is left goes back into the FIFO.
+        let s = Seen { returned: 2, ..seen(1, 3, false) };
+        assert_eq!(plan(looked(s, 1, 0)), Plan { give_back: 1, recycle: 1, ..Plan::default() });
+    }
+
+    #[test]
+    fn looks_only_with_spare_tokens_when_due_or_contended() {
+        assert!(!should_look(seen(0, 3, false), true, true), "nothing to decide");
+        assert!(!should_look(seen(1, 3, false), false, false), "looked a moment ago and nobody waited");
+        assert!(should_look(seen(1, 3, false), true, false));
+        assert!(should_look(seen(1, 3, false), false, true));
+        assert!(!should_look(seen(1, 3, true), true, true), "nothing but CANCEL while ACQUIRE waits");
     }
 
     #[test]
     fn bytes_beyond_what_was_lent_are_thrown_away() {
         // Lent 1, which is in use; the client wrote 10 bytes it never took.
-        assert_eq!(plan(seen(10, 1, false, false)), Plan { discard: 9, give_back: 1, ask: true });
-        assert_eq!(plan(seen(10, 0, false, false)), Plan { discard: 10, ask: true, ..Plan::default() });
+        assert_eq!(plan(looked(seen(10, 1, false), 1, 0)), Plan { discard: 9, give_back: 1, ask: true, ..Plan::default() });
+        assert_eq!(plan(seen(10, 0, false)), Plan { discard: 10, top_up: 3, ask: true, ..Plan::default() });
+        // Ten bytes written to W by a client that took one token.
+        let s = Seen { returned: 10, ..seen(0, 1, false) };
+        assert_eq!(plan(s), Plan { discard: 9, recycle: 1, ..Plan::default() });
     }
 
     /// The broker's side of the feeder's connection, played by a thread:
-    /// it grants every ACQUIRE at once and notes every request after
-    /// HELLO and the most tokens the connection ever held.
+    /// it grants every ACQUIRE and TRY at once, answers WANTED with `others`
+    /// tokens waited for elsewhere and none free, and notes every request
+    /// after HELLO and the most tokens the connection ever held.
     struct PlayedBroker {
         dir: std::path::PathBuf,
         thread: std::thread::JoinHandle<(String, u32)>,
     }
 
     impl PlayedBroker {
-        fn start(name: &str) -> (PlayedBroker, Client) {
+        fn start(name: &str, others: u32) -> (PlayedBroker, Client) {
             use std::io::{BufRead, BufReader, Write};
             let dir = std::env::temp_dir().join(format!("baton-feeder-{name}-{}", std::process::id()));
             std::fs::create_dir_all(&dir).unwrap();
@@ -296,7 +368,7 @@ mod tests {
                     let line = line.unwrap();
                     let reply = match line.split_once(' ') {
                         _ if i == 0 => "OK 1 1 8".to_string(),
-                        Some(("ACQUIRE", n)) => {
+                        Some(("ACQUIRE" | "TRY", n)) => {
                             held += n.parse::<u32>().unwrap();
                             format!("GRANTED {n} {held}")
                         }
@@ -305,6 +377,7 @@ mod tests {
                             format!("RELEASED {n} {held}")
                         }
                         _ if line == "CANCEL" => "CANCELLED 0".to_string(),
+                        _ if line == "WANTED" => format!("WANTED {others} 0"),
                         _ => panic!("unexpected request {line:?}"),
                     };
                     if i > 0 {
@@ -336,15 +409,14 @@ mod tests {
     #[test]
     fn a_token_read_as_its_idle_time_comes_does_not_break_the_cap() {
         use std::io::Read;
-        let (broker, mut client) = PlayedBroker::start("idle");
-        let mut feeder = Feeder::new(Fifo::create(&broker.dir).unwrap(), 1);
+        let (broker, mut client) = PlayedBroker::start("idle", 1);
+        let mut feeder = Feeder::new(Fifo::create(&broker.dir).unwrap(), 1, false);
         let mut build = std::fs::File::open(feeder.fifo.path()).unwrap();
         feeder.on_fifo_event();
         feeder.pending = true;
         feeder.on_reply(Reply::Granted { tokens: 1, held: 2 }).unwrap();
-        feeder.note_bait();
-        // Unread for longer than the feeder waits before giving it back ...
-        feeder.bait_since = Some(Instant::now() - IDLE_MAX * 2);
+        // Unread for longer than the feeder waits before looking again ...
+        feeder.last_look = Some(Instant::now() - LOOK_EVERY * 2);
         // ... and read by the build just before the feeder looks.
         build.read_exact(&mut [0u8]).unwrap();
         feeder.tend(&mut client).unwrap();
@@ -358,14 +430,14 @@ mod tests {
     /// the feeder's look at the FIFO and its taking the token out; the
     /// feeder gave nothing back but asked for another as if it had, one
     /// past the limit (the broker refused, and `baton run` lost it). A
-    /// build that holds each token a moment, gives it back and at once
-    /// takes it again runs against the feeder for a while; the broker's
-    /// side checks the cap.
+    /// build that holds each token a moment, gives it back and soon takes
+    /// it again runs against the feeder for a while; the broker's side
+    /// checks the cap.
     #[test]
     fn a_token_the_build_takes_again_as_it_goes_back_does_not_break_the_cap() {
         use std::io::{Read, Write};
-        let (broker, mut client) = PlayedBroker::start("retake");
-        let mut feeder = Feeder::new(Fifo::create(&broker.dir).unwrap(), 1);
+        let (broker, mut client) = PlayedBroker::start("retake", 1);
+        let mut feeder = Feeder::new(Fifo::create(&broker.dir).unwrap(), 1, false);
         let path = feeder.fifo.path().to_path_buf();
         let build = std::thread::spawn(move || {
             use std::os::unix::fs::OpenOptionsExt;
@@ -376,6 +448,9 @@ mod tests {
                 if fifo.read(&mut token).is_ok() {
                     std::thread::sleep(Duration::from_micros(20));
                     fifo.write_all(&token).unwrap();
+                    // About a round trip to the broker: the feeder, which
+                    // asks who waits before taking, wins some races.
+                    std::thread::sleep(Duration::from_micros(100));
                 }
             }
         });

@@ -89,6 +89,14 @@ impl Fifo {
         from_returns + read_up_to(&self.handle, n - from_returns)
     }
 
+    /// Moves up to `n` tokens from the return pipe into the FIFO, for the
+    /// build's next job; returns how many.
+    pub fn recycle(&mut self, n: u32) -> Result<u32> {
+        let moved = self.returns.as_ref().map_or(0, |r| read_up_to(r, n));
+        (0..moved).try_for_each(|_| self.put())?;
+        Ok(moved)
+    }
+
     /// Puts one token in. GNU make writes `+`; any byte will do.
     pub fn put(&mut self) -> Result<()> {
         (&self.handle).write_all(b"+").context("cannot write a token to the jobserver FIFO")

@@ -3,14 +3,13 @@
 //!
 //! Unmodified make, ninja and cargo take tokens by reading a byte from a
 //! pipe or FIFO named in MAKEFLAGS and give them back by writing one. The
-//! bridge keeps at most one fresh token waiting in the build's FIFO. When the
-//! build reads it, inotify tells us (IN_ACCESS) and we queue at the pool for
-//! the next one, behind every other waiter. A token the build writes back
-//! (IN_MODIFY) goes straight back to the pool, not to the build's next job:
-//! otherwise a busy build would recycle its tokens forever and a build that
-//! started later would never get a turn. So tokens enter a build only as it
-//! uses them, the herd a FIFO causes is bounded by one build, and builds
-//! take turns at the pool's one queue (oldest request first).
+//! bridge keeps a build's tokens, written back or unread, and fills its FIFO
+//! with every free token ahead of its reads, as long as no other build waits
+//! (ninja 1.13 reads a token only as it starts a job and stops at the first
+//! empty read). While the build has spare tokens, the feeder asks the broker
+//! whether other builds wait, at most every 50 ms (and on every change while
+//! they do), and gives them the spare tokens: see `feeder`. The broker
+//! decides which waiting build is served next (fair shares by weight).
 //!
 //! Both styles read from the same FIFO. `fifo:PATH` clients (make ≥ 4.4,
 //! ninja 1.13, cargo) open it by path for reading and writing, so a busy
@@ -34,6 +33,9 @@ mod run;
 use feeder::Feeder;
 use fifo::Fifo;
 pub use run::{run, RunOptions};
+
+use std::ffi::OsString;
+use std::path::Path;
 
 
 /// How the build is told where its jobserver is. The variants' docs are
@@ -92,6 +94,33 @@ fn split_variables(makeflags: &str) -> (&str, Option<&str>) {
     }
 }
 
+/// Whether the command is a jobserver client that reads its jobserver as
+/// soon as it starts (GNU make, ninja, cargo): its tokens can be put in
+/// reach before it opens the FIFO.
+fn reads_its_jobserver(command: &[OsString]) -> bool {
+    let name = program_name(command);
+    matches!(name.as_str(), "ninja" | "cargo") || choice::is_make_name(&name)
+}
+
+/// The file name of the command's program ("make" for "/usr/bin/make").
+fn program_name(command: &[OsString]) -> String {
+    Path::new(&command[0]).file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default()
+}
+
+/// Why `style` cannot work for the command, if it cannot: GNU make older
+/// than 4.4 stops with "internal error: invalid --jobserver-auth string" on
+/// `fifo:`, which both the fifo and the fuse styles hand it.
+fn unusable_style(command: &[OsString], style: Style) -> Option<String> {
+    if !matches!(style, Style::Fifo | Style::Fuse) || !choice::is_make_name(&program_name(command)) {
+        return None;
+    }
+    let make = choice::gnu_make(Path::new(&command[0])).filter(|m| m.version < choice::Version(4, 4, 0))?;
+    Some(format!(
+        "GNU make {} cannot open a fifo: jobserver (only make 4.4 and later can): use --jobserver-style pipe or auto",
+        make.version
+    ))
+}
+
 fn is_jobs_flag(word: &str) -> bool {
     word.starts_with("--jobserver-auth=")
         || word.starts_with("--jobserver-fds=")
@@ -122,5 +151,31 @@ mod tests {
         );
         assert_eq!(makeflags(Some(" -j --jobserver-fds=3,4 --jobserver-auth=3,4"), 3, "fifo:/y"), " -j3 --jobserver-auth=fifo:/y");
         assert_eq!(makeflags(Some("s -j2 -- CFLAGS=-O2\\ -j8"), 2, "3,4"), "s -j2 --jobserver-auth=3,4 -- CFLAGS=-O2\\ -j8");
+    }
+
+    #[test]
+    fn make_4_3_is_refused_a_fifo_but_not_a_pipe() {
+        let make43 = || vec![OsString::from("/usr/bin/make")];
+        if choice::gnu_make(Path::new("/usr/bin/make")).is_none_or(|m| m.version >= choice::Version(4, 4, 0)) {
+            eprintln!("skipped: /usr/bin/make is not GNU make older than 4.4");
+            return;
+        }
+        for style in [Style::Fifo, Style::Fuse] {
+            assert!(unusable_style(&make43(), style).is_some_and(|e| e.contains("pipe or auto")), "{style:?}");
+        }
+        for style in [Style::Pipe, Style::Auto, Style::None] {
+            assert_eq!(unusable_style(&make43(), style), None, "{style:?}");
+        }
+        assert_eq!(unusable_style(&["ninja".into()], Style::Fifo), None);
+    }
+
+    #[test]
+    fn known_clients_read_their_jobserver() {
+        for yes in ["ninja", "/usr/bin/make", "cargo", "gmake"] {
+            assert!(reads_its_jobserver(&[yes.into()]), "{yes}");
+        }
+        for no in ["sh", "cmake", "bmake", "sleep"] {
+            assert!(!reads_its_jobserver(&[no.into()]), "{no}");
+        }
     }
 }

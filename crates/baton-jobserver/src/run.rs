@@ -7,7 +7,7 @@
 
 use crate::build_file::{self, BuildFile};
 use crate::choice::{self, Choice};
-use crate::{log, makeflags, Feeder, Fifo, Style};
+use crate::{log, makeflags, reads_its_jobserver, unusable_style, Feeder, Fifo, Style};
 use baton_core::paths::{private_dir, socket_path};
 use anyhow::{bail, Context, Result};
 use baton_client::{Client, Error as ClientError};
@@ -33,6 +33,10 @@ pub struct RunOptions {
     pub max: Option<u32>,
     /// How CMD finds its jobserver.
     pub style: Style,
+    /// The build's name in status; None: the command line.
+    pub name: Option<String>,
+    /// The build's share of a busy pool, against other builds' weights.
+    pub weight: u32,
     /// CMD and its arguments.
     pub command: Vec<OsString>,
     /// Say on stderr which jobserver form the build gets, and why.
@@ -47,9 +51,13 @@ pub struct RunOptions {
 /// No broker answers, the broker refuses the request, or the jobserver
 /// cannot be set up.
 pub fn run(opts: RunOptions) -> Result<i32> {
+    if let Some(why) = unusable_style(&opts.command, opts.style) {
+        bail!(why);
+    }
     let socket = absolute(&socket_path(opts.socket.clone()));
     let label = label(&opts.command);
     let mut client = Client::connect(&socket, &label)?;
+    client.start_build(opts.weight, opts.name.as_deref().unwrap_or(""))?;
     let max = opts.max.unwrap_or(client.limit());
     if max < opts.tokens {
         bail!("--max {max} is below --tokens {}: the build could never start", opts.tokens);
@@ -92,7 +100,7 @@ pub fn run(opts: RunOptions) -> Result<i32> {
         Jobserver::None => (None, None),
         Jobserver::Bridge { fifo, pipe_ends } => {
             drop(pipe_ends); // the child has its copies
-            (Some(Feeder::new(fifo, max - opts.tokens)), None)
+            (Some(Feeder::new(fifo, max - opts.tokens, reads_its_jobserver(&opts.command))), None)
         }
         // The broker serves the file itself; we only keep it until the end.
         Jobserver::Fuse(file) => (None, Some(file)),

@@ -110,6 +110,13 @@ killed too."
         /// Say which jobserver form CMD gets, and why, before it starts.
         #[arg(long)]
         explain: bool,
+        /// The build's name in `baton status` (default: the command line).
+        #[arg(long, value_name = "NAME")]
+        name: Option<String>,
+        /// The build's share of a busy pool, against other builds' weights
+        /// (each has 1 unless told).
+        #[arg(long, value_name = "W", default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=i64::from(baton_core::MAX_WEIGHT)))]
+        weight: u32,
         /// The command and its arguments.
         #[arg(required = true, trailing_var_arg = true, value_name = "CMD")]
         command: Vec<OsString>,
@@ -223,8 +230,8 @@ fn dispatch(command: Cmd) -> anyhow::Result<u8> {
             let gates = GateConfig { settle: std::time::Duration::from_millis(mem_settle), ..gates.config()? };
             baton_broker::serve(ServeOptions { jobs, socket, fuse, spin_us, io_uring: !no_io_uring, log_level, gates })?;
         }
-        Cmd::Run { socket, tokens, jobserver_style, max, explain, command } => {
-            let code = baton_jobserver::run(RunOptions { socket, tokens, max, style: jobserver_style, command, explain })?;
+        Cmd::Run { socket, tokens, jobserver_style, max, explain, name, weight, command } => {
+            let code = baton_jobserver::run(RunOptions { socket, tokens, max, style: jobserver_style, name, weight, command, explain })?;
             return Ok(u8::try_from(code).unwrap_or(1));
         }
         Cmd::Status { socket, json } => status::print_status(&socket_path(socket), json)?,

@@ -88,5 +88,24 @@ fn render(s: &Status, now: f64) -> String {
     }
     rows("HOLDERS", s.holders.iter().map(|h| (h.pid, h.tokens, h.since, h.transport.as_str(), h.command.as_str())).collect(), &mut out);
     rows("WAITERS", s.waiters.iter().map(|w| (w.pid, w.tokens, w.since, w.transport.as_str(), w.command.as_str())).collect(), &mut out);
+    render_builds(s, &mut out);
     out
+}
+
+/// Builds that hold or wait for tokens, with their use of the pool so far.
+fn render_builds(s: &Status, out: &mut String) {
+    let active: Vec<_> = s.builds.iter().filter(|b| b.held + b.waiting > 0).collect();
+    if active.is_empty() {
+        return;
+    }
+    out.push_str(&format!("
+BUILDS
+{:>8} {:>6} {:>6} {:>7} {:>8} {:>12} NAME
+", "PID", "WEIGHT", "HELD", "WAITING", "GRANTS", "TOKEN-TIME"));
+    for b in active {
+        out.push_str(&format!(
+            "{:>8} {:>6} {:>6} {:>7} {:>8} {:>11.1}s {}\n",
+            b.pid, b.weight, b.held, b.waiting, b.grants, b.token_seconds, b.name
+        ));
+    }
 }

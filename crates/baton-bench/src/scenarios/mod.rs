@@ -3,6 +3,7 @@
 
 mod blocking_vs_polling;
 mod broadcast;
+mod builds;
 mod bulk_wake;
 mod job_runners;
 mod mass_poll;
@@ -30,6 +31,9 @@ pub enum Scenario {
     MassPoll,
     /// Seed 004: N threads on a condition, broadcast vs directed hand-off.
     Broadcast,
+    /// Real make 4.3, make 4.4.1 and ninja 1.13: each alone against its own
+    /// -jN, and three at once (fair shares, weights) against one shared FIFO.
+    Builds,
 }
 
 impl Scenario {
@@ -40,6 +44,7 @@ impl Scenario {
             Scenario::BulkWake => "bulk-wake",
             Scenario::MassPoll => "mass-poll",
             Scenario::Broadcast => "broadcast",
+            Scenario::Builds => "builds",
         }
     }
 
@@ -50,6 +55,7 @@ impl Scenario {
             Scenario::BulkWake => bulk_wake::DEFAULTS,
             Scenario::MassPoll => mass_poll::DEFAULTS,
             Scenario::Broadcast => broadcast::DEFAULTS,
+            Scenario::Builds => builds::DEFAULTS,
         }
     }
 }
@@ -150,6 +156,7 @@ pub fn run(args: &BenchArgs, baton_bin: PathBuf) -> Result<Report> {
         Scenario::BulkWake => bulk_wake::run(&bench, &scale)?,
         Scenario::MassPoll => mass_poll::run(&bench, &scale)?,
         Scenario::Broadcast => broadcast::run(&bench, &scale)?,
+        Scenario::Builds => builds::run(&bench, &scale)?,
     };
     let parameters = match serde_json::to_value(&scale)? {
         Value::Object(map) => map,

@@ -15,7 +15,7 @@
 
 mod control;
 mod fs;
-mod procs;
+pub(crate) mod procs;
 mod waiters;
 
 pub use waiters::Mode;

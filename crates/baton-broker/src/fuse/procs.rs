@@ -25,6 +25,12 @@ pub fn signal_pending(tid: u32) -> bool {
     pending & !mask("SigBlk:") & !mask("SigIgn:") != 0
 }
 
+/// The process and its ancestors, nearest first, up to (not including)
+/// init. Ends early where a process is gone.
+pub fn ancestors(pid: u32) -> impl Iterator<Item = u32> {
+    std::iter::successors(Some(pid), |&p| field(&status(p)?, "PPid:")?.parse().ok()).take_while(|&p| p > 1)
+}
+
 fn status(tid: u32) -> Option<String> {
     std::fs::read_to_string(format!("/proc/{tid}/status")).ok()
 }
@@ -95,6 +101,13 @@ fn pidfd_open(pid: u32) -> io::Result<OwnedFd> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn our_ancestors_start_with_us_and_our_parent() {
+        let mut up = ancestors(std::process::id());
+        assert_eq!(up.next(), Some(std::process::id()));
+        assert_eq!(up.next(), Some(std::os::unix::process::parent_id()).filter(|&p| p > 1));
+    }
 
     #[test]
     fn a_thread_maps_to_its_process() {

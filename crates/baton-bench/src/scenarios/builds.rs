@@ -1,0 +1,330 @@
+//! Real builds under one limit: GNU make 4.3, GNU make 4.4.1 and ninja 1.13
+//! on generated graphs of independent jobs that sleep (a compiler waiting
+//! on its disk), each job logging when it starts and ends.
+//!
+//! 1. Each tool alone: under `baton run` on a pool of N, against the tool's
+//!    own `-jN`: mean jobs running at once, and wall time.
+//! 2. The three at once on one limit of N: each build's share of the
+//!    token-time while all three run, under baton and under one shared GNU
+//!    FIFO (a machine-wide jobserver as its peers offer it: N - 3 tokens in
+//!    the FIFO, as every top-level client runs one job on its own).
+//! 3. The three at once under baton, with weights 1:1:2 (ninja 2).
+//!
+//! The tools come from `BATON_BENCH_MAKE43` (default /usr/bin/make),
+//! `BATON_BENCH_MAKE44` and `BATON_BENCH_NINJA` (default: `make` and
+//! `ninja` on PATH, if they are those versions).
+
+use super::{Bench, Defaults, Findings, Scale};
+use crate::measure::Usage;
+use crate::mechanisms::baton::{Broker, Wait};
+use crate::report::Row;
+use anyhow::{bail, Context, Result};
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+/// Jobs per build (`--ops`), the limit (`--tokens`), each job's length.
+pub const DEFAULTS: Defaults = Defaults { waiters: &[3], ops: 40, tokens: 6, job_us: 100_000, wake: 0 };
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Kind {
+    Make,
+    Ninja,
+}
+
+struct Tool {
+    name: &'static str,
+    path: PathBuf,
+    kind: Kind,
+    /// Speaks `fifo:` (make 4.3 knows only `R,W`).
+    fifo: bool,
+}
+
+fn tools() -> Result<Vec<Tool>> {
+    let from = |var: &str, default: &str| std::env::var_os(var).map_or_else(|| PathBuf::from(default), PathBuf::from);
+    let tools = vec![
+        Tool { name: "make 4.3", path: from("BATON_BENCH_MAKE43", "/usr/bin/make"), kind: Kind::Make, fifo: false },
+        Tool { name: "make 4.4.1", path: from("BATON_BENCH_MAKE44", "make"), kind: Kind::Make, fifo: true },
+        Tool { name: "ninja 1.13", path: from("BATON_BENCH_NINJA", "ninja"), kind: Kind::Ninja, fifo: true },
+    ];
+    for (tool, version) in tools.iter().zip(["GNU Make 4.3", "GNU Make 4.4", "1.13"]) {
+        let out = Command::new(&tool.path).arg("--version").env_remove("MAKEFLAGS").output();
+        let said = out.map(|o| String::from_utf8_lossy(&o.stdout).into_owned()).unwrap_or_default();
+        if !said.starts_with(version) {
+            bail!("{} not found at {} (set BATON_BENCH_{}; it said {:?})", tool.name, tool.path.display(), tool.name.replace([' ', '.'], "").to_uppercase(), said.lines().next().unwrap_or(""));
+        }
+    }
+    Ok(tools)
+}
+
+/// A build's directory with its graph and the log its jobs write.
+struct Graph {
+    dir: PathBuf,
+    log: PathBuf,
+}
+
+impl Graph {
+    fn write(root: &Path, name: &str, kind: Kind, jobs: u64, job_us: u64) -> Result<Graph> {
+        let dir = root.join(name.replace(' ', "-"));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir)?;
+        let log = dir.join("jobs.log");
+        // $$ is a literal $ in both make and ninja.
+        let job = format!(
+            "echo S $$EPOCHREALTIME >> {log}; sleep {secs}; echo E $$EPOCHREALTIME >> {log}",
+            log = log.display(),
+            secs = job_us as f64 / 1e6
+        );
+        let targets: Vec<String> = (0..jobs).map(|i| format!("j{i}")).collect();
+        let (file, text) = match kind {
+            Kind::Make => ("Makefile", format!("SHELL := /bin/bash\nall: {t}\n{t}:\n\t@{job}\n.PHONY: all {t}\n", t = targets.join(" "))),
+            Kind::Ninja => {
+                let mut text = format!("rule job\n  command = bash -c '{job}; touch $out'\n");
+                for t in &targets {
+                    text.push_str(&format!("build {t}: job\n"));
+                }
+                ("build.ninja", text)
+            }
+        };
+        std::fs::write(dir.join(file), text)?;
+        Ok(Graph { dir, log })
+    }
+
+    /// (time, +1 start / -1 end) of every job, in seconds.
+    fn events(&self) -> Result<Vec<(f64, i32)>> {
+        let text = std::fs::read_to_string(&self.log).with_context(|| format!("reading {}", self.log.display()))?;
+        let mut events: Vec<(f64, i32)> = text
+            .lines()
+            .filter_map(|l| {
+                let (what, at) = l.split_once(' ')?;
+                Some((at.parse().ok()?, if what == "S" { 1 } else { -1 }))
+            })
+            .collect();
+        events.sort_by(|a, b| a.0.total_cmp(&b.0));
+        Ok(events)
+    }
+}
+
+/// Job-seconds spent between `from` and `to`: the integral of the number of
+/// jobs running.
+fn busy(events: &[(f64, i32)], from: f64, to: f64) -> f64 {
+    let (mut running, mut at, mut total) = (0i32, from, 0.0);
+    for &(t, delta) in events {
+        let t = t.clamp(from, to);
+        total += f64::from(running) * (t - at);
+        at = t;
+        running += delta;
+    }
+    total + f64::from(running) * (to - at).max(0.0)
+}
+
+/// How one build is given its job slots.
+enum Slots<'a> {
+    /// The tool's own `-jN`.
+    Own(u32),
+    /// `baton run --weight W`.
+    Baton { broker: &'a Broker, weight: u32 },
+    /// One GNU jobserver FIFO shared by every build.
+    Shared(&'a SharedFifo),
+}
+
+fn command(bench: &Bench, tool: &Tool, graph: &Graph, slots: &Slots) -> Result<Command> {
+    let program = match slots {
+        Slots::Baton { .. } => &bench.env.baton_bin,
+        _ => &tool.path,
+    };
+    let mut cmd = Command::new(program);
+    // Only the jobserver this case gives: none inherited from our caller.
+    cmd.current_dir(&graph.dir).env_remove("MAKEFLAGS").env_remove("CARGO_MAKEFLAGS").stdout(Stdio::null()).stderr(Stdio::null());
+    match slots {
+        Slots::Own(n) => {
+            cmd.arg(format!("-j{n}"));
+        }
+        Slots::Baton { broker, weight } => {
+            cmd.args(["run", "--socket"]).arg(broker.socket()).args(["--weight", &weight.to_string(), "--name", tool.name, "--"]).arg(&tool.path);
+        }
+        Slots::Shared(fifo) => fifo.hand_to(&mut cmd, tool.fifo)?,
+    }
+    Ok(cmd)
+}
+
+/// A machine-wide jobserver as today's peers give it: one FIFO, one byte
+/// per token, read and written by every build.
+struct SharedFifo {
+    path: PathBuf,
+    /// Our handle keeps the FIFO open, so clients never see end of file.
+    _keep: std::fs::File,
+}
+
+/// Where make 4.3 finds the shared FIFO's descriptors (`R,W`).
+const SHARED_FDS: (i32, i32) = (100, 101);
+
+impl SharedFifo {
+    fn create(dir: &Path, tokens: u32) -> Result<SharedFifo> {
+        use std::io::Write;
+        let path = dir.join("shared.fifo");
+        let _ = std::fs::remove_file(&path);
+        let c = std::ffi::CString::new(path.as_os_str().as_encoded_bytes())?;
+        // SAFETY: mkfifo reads the path it is given.
+        if unsafe { libc::mkfifo(c.as_ptr(), 0o600) } != 0 {
+            return Err(std::io::Error::last_os_error()).context("mkfifo");
+        }
+        let mut keep = std::fs::OpenOptions::new().read(true).write(true).open(&path)?;
+        keep.write_all(&vec![b'+'; tokens as usize])?;
+        Ok(SharedFifo { path, _keep: keep })
+    }
+
+    fn hand_to(&self, cmd: &mut Command, fifo: bool) -> Result<()> {
+        if fifo {
+            cmd.env("MAKEFLAGS", format!("-j --jobserver-auth=fifo:{}", self.path.display()));
+            return Ok(());
+        }
+        let read = std::fs::File::open(&self.path)?;
+        let write = std::fs::OpenOptions::new().write(true).open(&self.path)?;
+        cmd.env("MAKEFLAGS", format!("-j --jobserver-auth={},{}", SHARED_FDS.0, SHARED_FDS.1));
+        use std::os::fd::AsRawFd;
+        let (r, w) = (read.as_raw_fd(), write.as_raw_fd());
+        // SAFETY: dup2 is async-signal-safe; the files outlive the spawn
+        // (the closure holds them).
+        unsafe {
+            cmd.pre_exec(move || {
+                let _ = (&read, &write);
+                for (from, to) in [(r, SHARED_FDS.0), (w, SHARED_FDS.1)] {
+                    if libc::dup2(from, to) < 0 {
+                        return Err(std::io::Error::last_os_error());
+                    }
+                }
+                Ok(())
+            });
+        }
+        Ok(())
+    }
+}
+
+/// A finished build: its wall time and job events.
+struct Ran {
+    wall: f64,
+    events: Vec<(f64, i32)>,
+}
+
+fn children_usage() -> Usage {
+    // SAFETY: getrusage fills the struct it is given and nothing else.
+    let ru = unsafe {
+        let mut ru = std::mem::zeroed::<libc::rusage>();
+        libc::getrusage(libc::RUSAGE_CHILDREN, &mut ru);
+        ru
+    };
+    Usage::from_rusage(&ru)
+}
+
+/// Starts every build at once and waits for all; returns each build's
+/// outcome and what all of them spent.
+fn run_together(builds: Vec<(Command, &Graph)>) -> Result<(Vec<Ran>, Usage)> {
+    let before = children_usage();
+    let started = Instant::now();
+    let mut children: Vec<(Child, &Graph)> = Vec::new();
+    for (mut cmd, graph) in builds {
+        children.push((cmd.spawn().context("starting a build")?, graph));
+    }
+    // Each build's wall time ends when it does, whatever the order.
+    let mut walls: Vec<Option<f64>> = vec![None; children.len()];
+    while walls.iter().any(Option::is_none) {
+        for ((child, graph), wall) in children.iter_mut().zip(&mut walls) {
+            if wall.is_some() {
+                continue;
+            }
+            if let Some(status) = child.try_wait()? {
+                if !status.success() {
+                    bail!("a build in {} failed: {status}", graph.dir.display());
+                }
+                *wall = Some(started.elapsed().as_secs_f64());
+            }
+        }
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    let ran = children.iter().zip(walls).map(|((_, graph), wall)| Ok(Ran { wall: wall.expect("every build ended"), events: graph.events()? })).collect::<Result<_>>()?;
+    Ok((ran, children_usage() - before))
+}
+
+pub fn run(bench: &Bench, scale: &Scale) -> Result<Findings> {
+    let tools = tools()?;
+    let root = bench.env.tmp.join("builds");
+    let n = scale.tokens;
+    anyhow::ensure!(n >= 4, "--tokens must be at least 4: three builds each run one job of their own");
+    let mut rows = alone(bench, scale, &tools, &root)?;
+    let broker = Broker::start_with(n, &bench.env, Wait::Blocking, &[])?;
+    rows.extend(together(bench, scale, &tools, &root, "three at once, baton", |_| Slots::Baton { broker: &broker, weight: 1 })?);
+    let fifo = SharedFifo::create(&root, n - tools.len() as u32)?;
+    rows.extend(together(bench, scale, &tools, &root, "three at once, one shared FIFO", |_| Slots::Shared(&fifo))?);
+    let weight = |t: &Tool| if t.kind == Kind::Ninja { 2 } else { 1 };
+    rows.extend(together(bench, scale, &tools, &root, "weights 1:1:2, baton", |t| Slots::Baton { broker: &broker, weight: weight(t) })?);
+    let notes = vec![
+        format!("{} jobs per build, each sleeping {} ms; limit {n}", scale.ops, scale.job_us / 1000),
+        "alone: running and wall are baton run's over the tool's own -jN (same run)".into(),
+        "share: the build's part of the job-seconds spent while all three builds ran jobs; fair_share by weight".into(),
+        "shared FIFO: N - 3 tokens in one FIFO, as each top-level client runs one job of its own".into(),
+        "context switches and CPU: every process of the builds (jobs included), not the broker".into(),
+    ];
+    Ok(Findings { rows, notes })
+}
+
+/// Each tool alone: its own -jN, then baton run on a pool of N.
+fn alone(bench: &Bench, scale: &Scale, tools: &[Tool], root: &Path) -> Result<Vec<Row>> {
+    let n = scale.tokens;
+    let broker = Broker::start_with(n, &bench.env, Wait::Blocking, &[])?;
+    let mut rows = Vec::new();
+    for tool in tools {
+        let mut measured = Vec::new();
+        for (label, slots) in [(format!("own -j{n}"), Slots::Own(n)), ("baton run".to_string(), Slots::Baton { broker: &broker, weight: 1 })] {
+            // Afresh: nothing built, nothing logged.
+            let graph = Graph::write(root, tool.name, tool.kind, scale.ops, scale.job_us)?;
+            let (ran, usage) = run_together(vec![(command(bench, tool, &graph, &slots)?, &graph)])?;
+            let ran = &ran[0];
+            let running = busy(&ran.events, 0.0, f64::MAX) / ran.wall;
+            measured.push((running, ran.wall));
+            let row = Row::new(&label, 1, scale.ops, usage, None, Duration::from_secs_f64(ran.wall)).with("case", "alone").with("tool", tool.name).with("running", round(running));
+            rows.push(row);
+        }
+        let (own, baton) = (measured[0], measured[1]);
+        let last = rows.pop().expect("baton's row");
+        rows.push(last.with("running_ratio", round(baton.0 / own.0)).with("wall_ratio", round(baton.1 / own.1)));
+    }
+    Ok(rows)
+}
+
+/// The three tools at once, each given its slots by `slots`.
+fn together<'a>(bench: &Bench, scale: &Scale, tools: &'a [Tool], root: &Path, case: &str, slots: impl Fn(&'a Tool) -> Slots<'a>) -> Result<Vec<Row>> {
+    let graphs: Vec<Graph> = tools.iter().map(|t| Graph::write(root, t.name, t.kind, scale.ops, scale.job_us)).collect::<Result<_>>()?;
+    let weights: Vec<u32> = tools.iter().map(|t| match slots(t) {
+        Slots::Baton { weight, .. } => weight,
+        _ => 1,
+    }).collect();
+    let builds = tools.iter().zip(&graphs).map(|(t, g)| Ok((command(bench, t, g, &slots(t))?, g))).collect::<Result<Vec<_>>>()?;
+    let (ran, usage) = run_together(builds)?;
+    // While all three ran jobs: from the last first start to the first last end.
+    let from = ran.iter().map(|r| r.events.first().map_or(0.0, |e| e.0)).fold(f64::MIN, f64::max);
+    let to = ran.iter().map(|r| r.events.last().map_or(0.0, |e| e.0)).fold(f64::MAX, f64::min);
+    let spent: Vec<f64> = ran.iter().map(|r| busy(&r.events, from, to)).collect();
+    let total: f64 = spent.iter().sum();
+    let total_weight: u32 = weights.iter().sum();
+    let mechanism = if case.contains("FIFO") { "shared FIFO" } else { "baton run" };
+    Ok(tools
+        .iter()
+        .zip(&ran)
+        .zip(spent.iter().zip(&weights))
+        .map(|((tool, r), (&s, &w))| {
+            Row::new(mechanism, tools.len(), scale.ops, usage, None, Duration::from_secs_f64(r.wall))
+                .with("case", case)
+                .with("tool", tool.name)
+                .with("running", round(busy(&r.events, 0.0, f64::MAX) / r.wall))
+                .with("share", round(if total > 0.0 { s / total } else { 0.0 }))
+                .with("fair_share", round(f64::from(w) / f64::from(total_weight)))
+                .with("window_s", round(to - from))
+        })
+        .collect())
+}
+
+fn round(x: f64) -> f64 {
+    (x * 1000.0).round() / 1000.0
+}

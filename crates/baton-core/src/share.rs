@@ -1,0 +1,158 @@
+//! Weighted fair shares of token-time between builds.
+//!
+//! A build is a group of clients (a `baton run` and everything under it, or
+//! a native client on its own) with a weight. Each build has a virtual time:
+//! the token-time it has used, divided by its weight. When tokens free up,
+//! the waiting build with the least virtual time is served first, so over a
+//! long window every build that keeps asking gets token-time in proportion
+//! to its weight (start-time fair queueing, as in Goyal, Vin and Cheng,
+//! "Start-time Fair Queueing", SIGCOMM 1996; Linux's CFS does the same with
+//! its `min_vruntime`).
+//!
+//! A build that was idle (holding and waiting for nothing) starts again at
+//! the least virtual time of the builds that are active, not below it: time
+//! spent idle is not saved up as credit to crowd others out later.
+//!
+//! Time is whatever the caller passes to [`Shares::advance`] (the broker:
+//! nanoseconds of a monotonic clock). Without it every virtual time stays
+//! 0, and ties go to the oldest request: plain first come, first served.
+
+use std::collections::{BTreeMap, BTreeSet};
+
+/// Identifies a build. Chosen by the pool.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct BuildId(pub u64);
+
+/// The largest weight a build may have. Far above any useful ratio; it
+/// keeps virtual time arithmetic far from overflow.
+pub const MAX_WEIGHT: u32 = 1000;
+
+/// Virtual time is token-time × this / weight, so that integer division by
+/// a weight keeps enough precision.
+const SCALE: u128 = 1 << 20;
+
+/// One build's books.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct Build {
+    pub weight: u32,
+    /// Token-time used / weight, × SCALE.
+    pub vtime: u128,
+    /// Tokens its clients hold now.
+    pub held: u32,
+    /// Tokens its clients wait for now.
+    pub waiting: u32,
+    /// Clients that belong to it.
+    pub members: u32,
+    /// Tokens granted to it since it began.
+    pub granted: u64,
+    /// Token-time used, in the caller's time unit × tokens.
+    pub token_time: u128,
+    /// The sequence number of its oldest waiting request, if any.
+    oldest: Option<u64>,
+}
+
+impl Build {
+    pub fn is_active(&self) -> bool {
+        self.held > 0 || self.waiting > 0
+    }
+}
+
+/// Every build's books and the clock they were last brought up to.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct Shares {
+    pub builds: BTreeMap<BuildId, Build>,
+    /// The builds with waiting requests, in the order they are served:
+    /// least virtual time first, then oldest request. Kept in step with
+    /// every change, so the next build is found without a scan (a broker
+    /// may have thousands of single-client builds waiting).
+    ready: BTreeSet<(u128, u64, BuildId)>,
+    now: u64,
+    next_id: u64,
+}
+
+impl Shares {
+    /// A new build of weight 1 with no members yet.
+    pub fn create(&mut self) -> BuildId {
+        self.next_id += 1;
+        let id = BuildId(self.next_id);
+        self.builds.insert(id, Build { weight: 1, ..Build::default() });
+        id
+    }
+
+    pub fn get(&self, id: BuildId) -> &Build {
+        &self.builds[&id]
+    }
+
+    pub fn get_mut(&mut self, id: BuildId) -> &mut Build {
+        self.builds.get_mut(&id).expect("every client's build exists")
+    }
+
+    /// Charges every build for the tokens it held since the last call.
+    /// A clock that goes backwards charges nothing.
+    pub fn advance(&mut self, now: u64) {
+        let dt = u128::from(now.saturating_sub(self.now));
+        self.now = self.now.max(now);
+        if dt == 0 {
+            return;
+        }
+        for (&id, b) in self.builds.iter_mut().filter(|(_, b)| b.held > 0) {
+            if let Some(seq) = b.oldest {
+                self.ready.remove(&(b.vtime, seq, id));
+            }
+            let used = u128::from(b.held) * dt;
+            b.token_time += used;
+            b.vtime += used * SCALE / u128::from(b.weight);
+            if let Some(seq) = b.oldest {
+                self.ready.insert((b.vtime, seq, id));
+            }
+        }
+    }
+
+    /// The build's oldest waiting request is now `oldest` (None: it has
+    /// none left).
+    pub fn set_oldest(&mut self, id: BuildId, oldest: Option<u64>) {
+        let b = self.builds.get_mut(&id).expect("every client's build exists");
+        if let Some(seq) = b.oldest {
+            self.ready.remove(&(b.vtime, seq, id));
+        }
+        b.oldest = oldest;
+        if let Some(seq) = oldest {
+            self.ready.insert((b.vtime, seq, id));
+        }
+    }
+
+    /// The build's oldest waiting request, if any.
+    pub fn oldest(&self, id: BuildId) -> Option<u64> {
+        self.get(id).oldest
+    }
+
+    /// Called before a build's first hold or wait after being idle: it
+    /// starts no further behind than the least active build.
+    pub fn wake(&mut self, id: BuildId) {
+        if self.get(id).is_active() {
+            return;
+        }
+        let floor = self.builds.iter().filter(|(&other, b)| other != id && b.is_active()).map(|(_, b)| b.vtime).min();
+        if let Some(floor) = floor {
+            let b = self.get_mut(id);
+            b.vtime = b.vtime.max(floor);
+        }
+    }
+
+    /// Whose request goes first: the waiting build with the least virtual
+    /// time, a tie going to the oldest request; and that request's
+    /// sequence number.
+    pub fn pick(&self) -> Option<(BuildId, u64)> {
+        self.ready.first().map(|&(_, seq, id)| (id, seq))
+    }
+
+    /// A member left; a build without members is forgotten.
+    pub fn leave(&mut self, id: BuildId) {
+        let b = self.get_mut(id);
+        b.members -= 1;
+        if b.members == 0 {
+            debug_assert!(b.oldest.is_none(), "a build without members has no waiters");
+            self.builds.remove(&id);
+        }
+    }
+}
