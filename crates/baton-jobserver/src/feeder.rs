@@ -2,7 +2,7 @@
 //! tested on their own) and the `Feeder` that carries them out over the
 //! broker connection.
 
-use crate::{log, Fifo};
+use crate::{bmake, log, Fifo};
 use baton_client::{Client, Error as ClientError};
 use baton_core::protocol::{Reply, Request};
 use std::time::{Duration, Instant};
@@ -70,6 +70,8 @@ pub struct Feeder {
     bait_since: Option<Instant>,
     idle_wait: Duration,
     warned_extra: bool,
+    /// A bmake build aborted and its abort token is in the FIFO.
+    stopper_placed: bool,
 }
 
 impl Feeder {
@@ -91,16 +93,22 @@ impl Feeder {
 
     /// Gives an idle token back if its time has come, then steps.
     pub fn tend(&mut self, client: &mut Client) -> Result<(), ClientError> {
-        self.on_idle(client)?;
+        // An abort token waits unread on purpose.
+        if self.fifo.bmake_abort().is_none() {
+            self.on_idle(client)?;
+        }
         self.step(client)
     }
 
     pub fn new(fifo: Fifo, max_lent: u32) -> Self {
-        Feeder { fifo, lent: 0, max_lent, pending: false, fresh: false, bait_since: None, idle_wait: IDLE_FIRST, warned_extra: false }
+        Feeder { fifo, lent: 0, max_lent, pending: false, fresh: false, bait_since: None, idle_wait: IDLE_FIRST, warned_extra: false, stopper_placed: false }
     }
 
     /// Brings the FIFO in line with the plan for what is in it now.
     pub fn step(&mut self, client: &mut Client) -> Result<(), ClientError> {
+        if let Some(stopper) = self.fifo.bmake_abort() {
+            return self.wind_down(client, stopper);
+        }
         let queued = self.fifo.queued();
         if queued == 0 {
             self.fresh = false; // the build took it
@@ -133,6 +141,25 @@ impl Feeder {
             self.pending = true;
         }
         self.note_bait();
+        Ok(())
+    }
+
+    /// A bmake build aborted: see `bmake::wind_down`.
+    fn wind_down(&mut self, client: &mut Client, stopper: u8) -> Result<(), ClientError> {
+        self.withdraw(client)?;
+        let plan = bmake::wind_down(self.fifo.queued(), self.stopper_placed);
+        let unread = if plan.drain_fifo { self.fifo.queued() } else { 0 };
+        let back = self.fifo.take(self.fifo.returned() + unread).min(self.lent);
+        if back > 0 {
+            client.release(back)?;
+            self.lent -= back;
+        }
+        if plan.put_stopper {
+            self.fifo.put_byte(stopper).map_err(|e| ClientError::Protocol(e.to_string()))?;
+            self.stopper_placed = true;
+        }
+        self.fresh = false;
+        self.bait_since = None;
         Ok(())
     }
 

@@ -6,7 +6,7 @@
 //! through the parent-death signal, so it cannot run on holding nothing.
 
 use crate::build_file::{self, BuildFile};
-use crate::{choose_style, log, makeflags, Feeder, Fifo, Style};
+use crate::{bmake, choose_style, log, makeflags, Feeder, Fifo, Style};
 use baton_core::paths::{private_dir, socket_path};
 use anyhow::{bail, Context, Result};
 use baton_client::{Client, Error as ClientError};
@@ -59,7 +59,12 @@ pub fn run(opts: RunOptions) -> Result<i32> {
 
     let mut command = Command::new(&opts.command[0]);
     command.args(&opts.command[1..]).env("BATON_SOCKET", &socket);
+    let is_bmake = bmake::is_bmake(Path::new(&opts.command[0]));
     let style = match opts.style {
+        Style::Auto if is_bmake => Style::Pipe,
+        Style::Fifo | Style::Fuse if is_bmake => {
+            bail!("bmake takes its jobserver only as inherited descriptors (-J R,W): use --jobserver-style pipe")
+        }
         // The FUSE file has no per-build cap: --max needs the bridge.
         Style::Auto => match choose_style(&opts.command) {
             Style::Fuse if opts.max.is_some() => Style::Fifo,
@@ -68,7 +73,8 @@ pub fn run(opts: RunOptions) -> Result<i32> {
         Style::Fuse if opts.max.is_some() => bail!("--max works with the pipe and fifo styles, not with fuse"),
         style => style,
     };
-    let jobserver = set_up_jobserver(&mut command, &socket, style, opts.style == Style::Auto, &label)?;
+    let bmake_jobs = is_bmake.then_some(max);
+    let jobserver = set_up_jobserver(&mut command, &socket, style, opts.style == Style::Auto, &label, bmake_jobs)?;
     let child = match spawn_tied_to_us(&mut command, forwarded) {
         Ok(child) => child,
         Err(e) => return Ok(report_spawn_error(&opts.command[0], e)),
@@ -99,8 +105,8 @@ enum Jobserver {
 
 /// Sets up the jobserver of `style` and points MAKEFLAGS and CARGO_MAKEFLAGS
 /// at it. FUSE falls back to the FIFO when `auto` chose it and the broker
-/// has no mount.
-fn set_up_jobserver(command: &mut Command, socket: &Path, style: Style, auto: bool, label: &str) -> Result<Jobserver> {
+/// has no mount. A bmake build (`bmake_jobs`: its `-j`) gets bmake's form.
+fn set_up_jobserver(command: &mut Command, socket: &Path, style: Style, auto: bool, label: &str, bmake_jobs: Option<u32>) -> Result<Jobserver> {
     let (jobserver, auth) = match style {
         Style::None | Style::Auto => return Ok(Jobserver::None),
         Style::Fuse => match build_file::create(socket, label)? {
@@ -108,7 +114,7 @@ fn set_up_jobserver(command: &mut Command, socket: &Path, style: Style, auto: bo
                 let auth = format!("fifo:{}", file.path().display());
                 (Jobserver::Fuse(file), auth)
             }
-            None if auto => return set_up_jobserver(command, socket, Style::Fifo, auto, label),
+            None if auto => return set_up_jobserver(command, socket, Style::Fifo, auto, label, bmake_jobs),
             None => bail!(
                 "the broker at {} has no FUSE mount (it was started with --no-fuse, or FUSE is not available there): \
                  use --jobserver-style fifo",
@@ -120,6 +126,10 @@ fn set_up_jobserver(command: &mut Command, socket: &Path, style: Style, auto: bo
             let (read, write) = fifo.open_pipe_ends()?;
             for fd in [&read, &write] {
                 inheritable(fd)?;
+            }
+            if bmake_jobs.is_some() {
+                bmake::make_non_blocking(&read).context("cannot make the jobserver's read end non-blocking")?;
+                fifo.sort_bmake_returns();
             }
             let auth = format!("{},{}", read.as_raw_fd(), write.as_raw_fd());
             (Jobserver::Bridge { fifo, pipe_ends: Some((read, write)) }, auth)
@@ -133,6 +143,10 @@ fn set_up_jobserver(command: &mut Command, socket: &Path, style: Style, auto: bo
     for var in ["MAKEFLAGS", "CARGO_MAKEFLAGS"] {
         let inherited = std::env::var(var).ok();
         command.env(var, makeflags(inherited.as_deref(), &auth));
+    }
+    if let (Some(jobs), Jobserver::Bridge { pipe_ends: Some((read, write)), .. }) = (bmake_jobs, &jobserver) {
+        let inherited = std::env::var("MAKEFLAGS").ok();
+        command.env("MAKEFLAGS", bmake::makeflags(inherited.as_deref(), read.as_raw_fd(), write.as_raw_fd(), jobs));
     }
     Ok(jobserver)
 }
