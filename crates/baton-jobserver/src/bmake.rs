@@ -102,33 +102,6 @@ impl Returns {
     }
 }
 
-/// What the feeder does once a bmake build has aborted. The abort token is
-/// never a token: it only ever sits in the build's own FIFO, one at a
-/// time as in bmake's own pipe, and the pool never sees it. Tokens that
-/// come back go to the pool; no new ones go in, since bmake starts no job
-/// after an abort and its readers drain the pipe. Tokens a sub-make
-/// drained stay counted as the build's until it ends, when they all go
-/// back: the pool is never promised a token the build might still use.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct WindDown {
-    /// Take these bytes out of the FIFO (tokens put in before the abort)
-    /// and give them back.
-    pub drain_fifo: bool,
-    /// Put the abort token into the FIFO.
-    pub put_stopper: bool,
-}
-
-/// `queued`: bytes in the FIFO now; `stopper_placed`: the abort token was
-/// put in before (after which nothing else goes in, so any byte there is
-/// it).
-pub fn wind_down(queued: u32, stopper_placed: bool) -> WindDown {
-    if !stopper_placed {
-        return WindDown { drain_fifo: queued > 0, put_stopper: true };
-    }
-    // A reader took it and writes it back to us: put it in again.
-    WindDown { drain_fifo: false, put_stopper: queued == 0 }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -147,14 +120,6 @@ mod tests {
         assert_eq!(Returns::sort(b"++"), Returns { tokens: 2, abort: None });
         assert_eq!(Returns::sort(b"+E+E"), Returns { tokens: 2, abort: Some(b'E') });
         assert_eq!(Returns::sort(b"I"), Returns { tokens: 0, abort: Some(b'I') });
-    }
-
-    #[test]
-    fn one_abort_token_in_the_fifo_at_a_time() {
-        assert_eq!(wind_down(2, false), WindDown { drain_fifo: true, put_stopper: true });
-        assert_eq!(wind_down(0, false), WindDown { drain_fifo: false, put_stopper: true });
-        assert_eq!(wind_down(1, true), WindDown { drain_fifo: false, put_stopper: false });
-        assert_eq!(wind_down(0, true), WindDown { drain_fifo: false, put_stopper: true });
     }
 
     #[test]

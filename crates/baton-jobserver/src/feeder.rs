@@ -2,7 +2,7 @@
 //! tested on their own) and the `Feeder` that carries them out over the
 //! broker connection.
 
-use crate::{bmake, log, Fifo};
+use crate::{log, Fifo};
 use baton_client::{Client, Error as ClientError};
 use baton_core::protocol::{Reply, Request};
 use std::time::{Duration, Instant};
@@ -70,7 +70,7 @@ pub struct Feeder {
     bait_since: Option<Instant>,
     idle_wait: Duration,
     warned_extra: bool,
-    /// A bmake build aborted and its abort token is in the FIFO.
+    /// A bmake build aborted and the tokens put in before were taken out.
     stopper_placed: bool,
 }
 
@@ -144,19 +144,27 @@ impl Feeder {
         Ok(())
     }
 
-    /// A bmake build aborted: see `bmake::wind_down`.
+    /// A bmake build aborted. The abort token is never a token: it only
+    /// ever sits in the build's own FIFO, as in bmake's own pipe, and the
+    /// pool never sees it. Tokens put in before the abort are taken out
+    /// (a sub-make would otherwise start a job past it), tokens that come
+    /// back go to the pool, and none go in: bmake starts no job after an
+    /// abort, and its readers drain the pipe. Tokens a sub-make drained
+    /// stay counted as the build's until it ends, when they all go back,
+    /// so the pool is never promised a token the build might still use.
     fn wind_down(&mut self, client: &mut Client, stopper: u8) -> Result<(), ClientError> {
         self.withdraw(client)?;
-        let plan = bmake::wind_down(self.fifo.queued(), self.stopper_placed);
-        let unread = if plan.drain_fifo { self.fifo.queued() } else { 0 };
+        let unread = if self.stopper_placed { 0 } else { self.fifo.queued() };
         let back = self.fifo.take(self.fifo.returned() + unread).min(self.lent);
         if back > 0 {
             client.release(back)?;
             self.lent -= back;
         }
-        if plan.put_stopper {
+        self.stopper_placed = true;
+        // A reader took it and puts it back (through us, in the pipe
+        // style): until then, one for the next reader.
+        if self.fifo.queued() == 0 {
             self.fifo.put_byte(stopper).map_err(|e| ClientError::Protocol(e.to_string()))?;
-            self.stopper_placed = true;
         }
         self.fresh = false;
         self.bait_since = None;

@@ -76,6 +76,24 @@ impl Fifo {
         Ok((OwnedFd::from(read), write))
     }
 
+    /// Opens the two descriptors bmake's shape of the fifo style passes
+    /// (both on the FIFO: R non-blocking, W blocking, as in bmake's own
+    /// pipe), then unlinks the FIFO. A token bmake gives back is there for
+    /// its next job at once, and its abort token reaches its other
+    /// sub-makes without us. The caller makes them inheritable.
+    pub fn open_both_ends(&mut self) -> Result<(OwnedFd, OwnedFd)> {
+        let open = |write: bool| {
+            let flags = if write { 0 } else { libc::O_NONBLOCK };
+            OpenOptions::new().read(!write).write(write).custom_flags(flags).open(&self.path)
+        };
+        let read = open(false).with_context(|| format!("cannot open {}", self.path.display()))?;
+        let write = open(true).with_context(|| format!("cannot open {}", self.path.display()))?;
+        std::fs::remove_file(&self.path).ok();
+        self.unlinked = true;
+        self.in_use = true;
+        Ok((OwnedFd::from(read), OwnedFd::from(write)))
+    }
+
     /// Bytes in the FIFO now: tokens the build has not taken (and, in the
     /// fifo style, tokens it wrote back).
     pub fn queued(&self) -> u32 {
@@ -101,11 +119,27 @@ impl Fifo {
             }
             None => self.returns.as_ref().map_or(0, |r| read_up_to(r, n)),
         };
-        from_returns + read_up_to(&self.handle, n - from_returns)
+        from_returns + self.take_from_fifo(n - from_returns)
     }
 
-    /// From now on, read the return pipe as it fills and keep bmake's
-    /// abort token apart from the tokens.
+    /// Takes up to `n` tokens out of the FIFO. In a bmake build an abort
+    /// token found there is noted and put back at once, for the build's
+    /// other sub-makes: it is never a token.
+    fn take_from_fifo(&mut self, n: u32) -> u32 {
+        let Some(sorted) = self.bmake_returns.as_mut() else { return read_up_to(&self.handle, n) };
+        let mut buf = vec![0u8; n as usize];
+        let got = (&self.handle).read(&mut buf).unwrap_or(0);
+        let found = bmake::Returns::sort(&buf[..got]);
+        if let Some(abort) = found.abort {
+            sorted.abort = sorted.abort.or(Some(abort));
+            let _ = (&self.handle).write_all(&[abort]);
+        }
+        found.tokens
+    }
+
+    /// From now on, keep bmake's abort token apart from the tokens: read
+    /// the return pipe (if any) as it fills, and look at what we take out
+    /// of the FIFO.
     pub fn sort_bmake_returns(&mut self) {
         self.bmake_returns = Some(bmake::Returns::default());
     }

@@ -61,10 +61,8 @@ pub fn run(opts: RunOptions) -> Result<i32> {
     command.args(&opts.command[1..]).env("BATON_SOCKET", &socket);
     let is_bmake = bmake::is_bmake(Path::new(&opts.command[0]));
     let style = match opts.style {
-        Style::Auto if is_bmake => Style::Pipe,
-        Style::Fifo | Style::Fuse if is_bmake => {
-            bail!("bmake takes its jobserver only as inherited descriptors (-J R,W): use --jobserver-style pipe")
-        }
+        Style::Auto if is_bmake => Style::Fifo,
+        Style::Fuse if is_bmake => bail!("bmake takes its jobserver only as a pipe's two ends (-J R,W): use --jobserver-style fifo or pipe"),
         // The FUSE file has no per-build cap: --max needs the bridge.
         Style::Auto => match choose_style(&opts.command) {
             Style::Fuse if opts.max.is_some() => Style::Fifo,
@@ -131,6 +129,16 @@ fn set_up_jobserver(command: &mut Command, socket: &Path, style: Style, auto: bo
                 bmake::make_non_blocking(&read).context("cannot make the jobserver's read end non-blocking")?;
                 fifo.sort_bmake_returns();
             }
+            let auth = format!("{},{}", read.as_raw_fd(), write.as_raw_fd());
+            (Jobserver::Bridge { fifo, pipe_ends: Some((read, write)) }, auth)
+        }
+        Style::Fifo if bmake_jobs.is_some() => {
+            let mut fifo = Fifo::create(&private_dir(socket))?;
+            let (read, write) = fifo.open_both_ends()?;
+            for fd in [&read, &write] {
+                inheritable(fd)?;
+            }
+            fifo.sort_bmake_returns();
             let auth = format!("{},{}", read.as_raw_fd(), write.as_raw_fd());
             (Jobserver::Bridge { fifo, pipe_ends: Some((read, write)) }, auth)
         }
