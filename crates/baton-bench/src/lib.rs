@@ -29,7 +29,8 @@ use std::path::PathBuf;
 #[derive(clap::Args, Debug, Clone)]
 pub struct BenchArgs {
     /// The experiment: token-ring (seed 000), blocking-vs-polling (001),
-    /// bulk-wake (002), mass-poll (003) or broadcast (004).
+    /// bulk-wake (002), mass-poll (003), broadcast (004) or universe (003 on
+    /// real bmake).
     #[arg(value_enum)]
     pub scenario: Scenario,
 

@@ -7,6 +7,7 @@ mod bulk_wake;
 mod job_runners;
 mod mass_poll;
 mod token_ring;
+mod universe;
 
 use crate::mechanisms::{Env, Mechanism};
 use crate::progress::Progress;
@@ -30,6 +31,9 @@ pub enum Scenario {
     MassPoll,
     /// Seed 004: N threads on a condition, broadcast vs directed hand-off.
     Broadcast,
+    /// Seed 003 on real bmake: a `make universe`-shaped tree and a flat one,
+    /// bmake's own -jN against baton run, at -j96 and 4 × CPUs.
+    Universe,
 }
 
 impl Scenario {
@@ -40,6 +44,7 @@ impl Scenario {
             Scenario::BulkWake => "bulk-wake",
             Scenario::MassPoll => "mass-poll",
             Scenario::Broadcast => "broadcast",
+            Scenario::Universe => "universe",
         }
     }
 
@@ -50,6 +55,7 @@ impl Scenario {
             Scenario::BulkWake => bulk_wake::DEFAULTS,
             Scenario::MassPoll => mass_poll::DEFAULTS,
             Scenario::Broadcast => broadcast::DEFAULTS,
+            Scenario::Universe => universe::DEFAULTS,
         }
     }
 }
@@ -150,6 +156,7 @@ pub fn run(args: &BenchArgs, baton_bin: PathBuf) -> Result<Report> {
         Scenario::BulkWake => bulk_wake::run(&bench, &scale)?,
         Scenario::MassPoll => mass_poll::run(&bench, &scale)?,
         Scenario::Broadcast => broadcast::run(&bench, &scale)?,
+        Scenario::Universe => universe::run(&bench, &scale)?,
     };
     let parameters = match serde_json::to_value(&scale)? {
         Value::Object(map) => map,
