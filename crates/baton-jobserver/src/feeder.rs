@@ -109,6 +109,9 @@ impl Feeder {
         if let Some(stopper) = self.fifo.bmake_abort() {
             return self.wind_down(client, stopper);
         }
+        if self.fifo.keeps_bmake_returns() {
+            return self.fill(client);
+        }
         let queued = self.fifo.queued();
         if queued == 0 {
             self.fresh = false; // the build took it
@@ -137,6 +140,26 @@ impl Feeder {
         // it wrote back may be in use again before we could take it out, so
         // the cap is checked against what is lent now, not the plan's look.
         if plan.ask && self.lent < self.max_lent && !self.pending && !self.fresh && self.fifo.in_use() {
+            client.send(&Request::Acquire(1))?;
+            self.pending = true;
+        }
+        self.note_bait();
+        Ok(())
+    }
+
+    /// bmake's shape of the fifo style. bmake does not wait on its pipe:
+    /// after an empty read it looks again only when one of its own jobs
+    /// ends, so a token must be there when it looks, as in its own pipe,
+    /// which its top make fills at the start. So every token the build may
+    /// have waits in its FIFO, asked for one at a time at the pool's queue,
+    /// and a token it gives back stays there for its next job. A token left
+    /// unread for the idle time still goes back to the pool (`on_idle`).
+    fn fill(&mut self, client: &mut Client) -> Result<(), ClientError> {
+        let extra = self.fifo.queued().saturating_sub(self.lent);
+        if extra > 0 {
+            self.discard(extra);
+        }
+        if self.lent < self.max_lent && !self.pending {
             client.send(&Request::Acquire(1))?;
             self.pending = true;
         }
@@ -232,7 +255,8 @@ impl Feeder {
     /// How long until an unread token should go back to the pool.
     pub fn idle_timeout(&self) -> Option<Duration> {
         let since = self.bait_since?;
-        (!self.pending).then(|| self.idle_wait.saturating_sub(since.elapsed()))
+        // A bmake build asks while tokens wait unread (see `fill`).
+        (!self.pending || self.fifo.keeps_bmake_returns()).then(|| self.idle_wait.saturating_sub(since.elapsed()))
     }
 
     /// A token sat unread too long: give it back, so a build that waits
@@ -245,6 +269,7 @@ impl Feeder {
         }
         self.bait_since = None;
         self.fresh = false;
+        self.withdraw(client)?;
         // The build may have read it since we looked: then nothing goes
         // back, and asking for another here would exceed the cap.
         if self.fifo.take(1) == 1 {

@@ -144,6 +144,12 @@ impl Fifo {
         self.bmake_returns = Some(bmake::Returns::default());
     }
 
+    /// bmake's shape of the fifo style: what it gives back stays in the
+    /// FIFO for its next job.
+    pub fn keeps_bmake_returns(&self) -> bool {
+        self.bmake_returns.is_some() && self.returns.is_none()
+    }
+
     /// The abort token a bmake build wrote, if it did.
     pub fn bmake_abort(&self) -> Option<u8> {
         self.bmake_returns.and_then(|sorted| sorted.abort)

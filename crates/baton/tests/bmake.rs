@@ -183,3 +183,38 @@ fn children(pid: u32) -> Vec<u32> {
     let path = format!("/proc/{pid}/task/{pid}/children");
     std::fs::read_to_string(path).unwrap_or_default().split_whitespace().filter_map(|p| p.parse().ok()).collect()
 }
+
+/// bmake does not wait on its pipe, so baton keeps every token the build
+/// may use waiting in it; tokens left unread must still reach a build that
+/// waits at the pool, while the bmake build runs on.
+#[test]
+fn tokens_an_idle_bmake_build_leaves_unread_go_to_a_waiting_build() {
+    use std::os::unix::process::CommandExt;
+    let broker = Broker::start(4);
+    let dir = TempDir::new("bmake-idle");
+    let started = dir.path().join("started");
+    // One long job: bmake holds its own slot and reads nothing more.
+    std::fs::write(dir.path().join("Makefile"), format!("all:\n\t@touch {}; sleep 30\n", started.display())).unwrap();
+    let bmake = bmake();
+    let mut idle = broker
+        .run(&["--", bmake.to_str().unwrap()])
+        .current_dir(dir.path())
+        .env_remove("MAKEFLAGS")
+        .stdout(Stdio::null())
+        .process_group(0)
+        .spawn()
+        .unwrap();
+    wait_for(Duration::from_secs(20), "the bmake build to fill its pipe", || started.exists() && broker.status().held == 4);
+    let other = TempDir::new("bmake-idle-other");
+    let log = other.path().join("jobs.log");
+    flat_makefile(other.path(), &log, 12, "0.1");
+    let out = broker.run(&["--", make44().to_str().unwrap()]).current_dir(other.path()).env_remove("MAKEFLAGS").output().unwrap();
+    assert!(out.status.success(), "{}", text(&out));
+    let (max, started_jobs) = max_overlap(&log);
+    assert_eq!(started_jobs, 12);
+    assert!(max >= 2, "the waiting build got no token beyond its own slot");
+    assert!(idle.try_wait().unwrap().is_none(), "the bmake build ended first: the test proves nothing");
+    unsafe { libc::kill(-(idle.id() as i32), libc::SIGKILL) };
+    idle.wait().unwrap();
+    wait_for(Duration::from_secs(10), "every token to be free", || broker.status().free == 4);
+}
