@@ -37,14 +37,15 @@ use std::process::{Command, Stdio};
 /// bmake's token byte; any other byte in its pipe is an abort token.
 pub const TOKEN: u8 = b'+';
 
-/// Whether `program` is bmake, asked of the program itself: FreeBSD's
-/// `make` is bmake, and a bmake may have any name. Only programs whose
-/// name says "make" are asked, so that a build command is never run with
-/// flags it does not know. `-V` prints a variable and builds nothing; GNU
-/// make rejects it.
+/// Whether `program` is bmake, asked of the program itself: FreeBSD's and
+/// NetBSD's `make` are bmake, and so may be a `make` first on PATH. Only
+/// the names bmake goes by are asked (`make`, `bmake`, `pmake`, `bsdmake`,
+/// and `bmake-VERSION`), so that no other tool (qmake, automake) is ever
+/// run with flags it might act on. `-V` prints a variable and builds
+/// nothing; GNU make rejects it.
 pub fn is_bmake(program: &Path) -> bool {
     let name = program.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
-    if !name.ends_with("make") || name.ends_with("cmake") {
+    if !(matches!(name.as_str(), "make" | "bmake" | "pmake" | "bsdmake") || name.starts_with("bmake-")) {
         return false;
     }
     let probe = Command::new(program)
@@ -124,6 +125,6 @@ mod tests {
 
     #[test]
     fn only_make_names_are_asked() {
-        assert!(!is_bmake(Path::new("cmake")) && !is_bmake(Path::new("ninja")) && !is_bmake(Path::new("/no/such/bmake")));
+        assert!(!is_bmake(Path::new("cmake")) && !is_bmake(Path::new("qmake")) && !is_bmake(Path::new("/no/such/bmake")));
     }
 }
