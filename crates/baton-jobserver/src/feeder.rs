@@ -389,6 +389,37 @@ mod tests {
         }
     }
 
+    /// bmake does not wait on its pipe: its fifo style is filled to the
+    /// cap, one request at a time, and a token bmake gives back stays for
+    /// its next job instead of going back to the pool.
+    #[test]
+    fn a_bmake_fifo_is_filled_to_the_cap_and_keeps_what_bmake_gives_back() {
+        use std::io::{Read, Write};
+        let (broker, mut client) = PlayedBroker::start("bmake-fill");
+        let mut fifo = Fifo::create(&broker.dir).unwrap();
+        let (read, write) = fifo.open_both_ends().unwrap();
+        fifo.sort_bmake_returns();
+        let mut feeder = Feeder::new(fifo, 3);
+        for _ in 0..4 {
+            feeder.step(&mut client).unwrap();
+            if feeder.is_waiting() {
+                let reply = client.read_reply().unwrap();
+                feeder.on_reply(reply).unwrap();
+            }
+        }
+        assert_eq!((feeder.fifo.queued(), feeder.is_waiting()), (3, false));
+        let (mut bmake_read, mut bmake_write) = (std::fs::File::from(read), std::fs::File::from(write));
+        let mut token = [0u8];
+        bmake_read.read_exact(&mut token).unwrap();
+        bmake_write.write_all(&token).unwrap();
+        feeder.on_fifo_event();
+        feeder.step(&mut client).unwrap();
+        assert_eq!(feeder.fifo.queued(), 3, "the token bmake gave back was taken out");
+        drop(client);
+        let (requests, most) = broker.finish();
+        assert_eq!((requests.as_str(), most), ("ACQUIRE 1\nACQUIRE 1\nACQUIRE 1\n", 3));
+    }
+
     /// Regression: the idle timer came due just as the build read the
     /// token; the feeder gave nothing back and asked for one more anyway,
     /// one past `--max`. The broker's side is played by the test, to see
