@@ -60,9 +60,8 @@ pub fn is_bmake(program: &Path) -> bool {
 
 /// `MAKEFLAGS` for a bmake build: the flags it already had, without any
 /// jobserver or `-j` setting (bmake's two-word `-J R,W` and `-j N`, GNU's
-/// one-word forms), then `-J R,W -j N`. GNU make reads `-J` as its
-/// `--jobserver-auth`, so a GNU make run inside the build finds the same
-/// pipe.
+/// one-word forms), then `-J R,W -j N`. (GNU make 4.3 reads `-J` as its
+/// `--jobserver-auth` and finds the same pipe; make 4.4.1 rejects it.)
 pub fn makeflags(inherited: Option<&str>, read: RawFd, write: RawFd, jobs: u32) -> String {
     let mut kept = Vec::new();
     let mut words = inherited.unwrap_or("").split_whitespace();
