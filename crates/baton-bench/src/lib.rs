@@ -29,8 +29,8 @@ use std::path::PathBuf;
 #[derive(clap::Args, Debug, Clone)]
 pub struct BenchArgs {
     /// The experiment: token-ring (seed 000), blocking-vs-polling (001),
-    /// bulk-wake (002), mass-poll (003), broadcast (004), or builds (real
-    /// make and ninja under one limit).
+    /// bulk-wake (002), mass-poll (003), broadcast (004), builds (real make
+    /// and ninja under one limit) or universe (003 on real bmake).
     #[arg(value_enum)]
     pub scenario: Scenario,
 

@@ -25,6 +25,7 @@ const TESTS: &[(&str, Test)] = &[
     ("mass_poll_sweeps_waiters_and_plots", mass_poll_sweeps_waiters_and_plots),
     ("bulk_wake_counts_every_wake_up", bulk_wake_counts_every_wake_up),
     ("broadcast_counts_items_and_wake_ups", broadcast_counts_items_and_wake_ups),
+    ("universe_counts_every_job_of_both_trees", universe_counts_every_job_of_both_trees),
     ("bad_scale_is_refused", bad_scale_is_refused),
 ];
 
@@ -211,6 +212,24 @@ fn broadcast_counts_items_and_wake_ups(h: &Harness) -> Result<()> {
         ensure!(u64_of(row, "operations") == 200, "items in {row}");
         // Every item taken needed at least one wake-up to take it.
         ensure!(f64_of(row, "wakeups_per_op") >= 1.0, "wake-ups in {row}");
+    }
+    Ok(())
+}
+
+fn universe_counts_every_job_of_both_trees(h: &Harness) -> Result<()> {
+    let doc = h.bench(&["universe", "--waiters", "4", "--ops", "1", "--job-us", "1000"])?;
+    let ways = h.expected(&["bmake -jN", "baton run (fifo)", "baton run (pipe)"]);
+    // One block of rows per tree.
+    ensure!(mechanisms(&doc) == ways.repeat(2), "mechanisms {:?}", mechanisms(&doc));
+    for (shape, jobs) in [("universe", 600), ("flat", 1200)] {
+        let of_shape: Vec<&Value> = doc["results"].as_array().into_iter().flatten().filter(|r| r["shape"] == shape).collect();
+        ensure!(of_shape.len() == ways.len(), "{shape}: {of_shape:?}");
+        for row in of_shape {
+            ensure!(u64_of(row, "operations") == jobs && u64_of(row, "waiters") == 4, "{shape}: {row}");
+            ensure!(u64_of(row, "csw") > 0 && f64_of(row, "user_s") > 0.0, "nothing counted: {row}");
+            // The ratios are to bmake's own row of the same shape.
+            ensure!(row["mechanism"] != "bmake -jN" || f64_of(row, "csw_x") == 1.0, "{row}");
+        }
     }
     Ok(())
 }

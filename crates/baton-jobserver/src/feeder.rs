@@ -118,6 +118,8 @@ pub struct Feeder {
     /// opens it, so its first reads find tokens.
     eager: bool,
     warned_extra: bool,
+    /// A bmake build aborted and the tokens put in before were taken out.
+    stopper_placed: bool,
 }
 
 impl Feeder {
@@ -146,7 +148,7 @@ impl Feeder {
     /// `eager`: the command is known to read its jobserver (make, ninja,
     /// cargo); otherwise nothing is fetched until it opens the FIFO.
     pub fn new(fifo: Fifo, max_lent: u32, eager: bool) -> Self {
-        Feeder { fifo, lent: 0, max_lent, pending: false, last_look: None, contended: false, eager, warned_extra: false }
+        Feeder { fifo, lent: 0, max_lent, pending: false, last_look: None, contended: false, eager, warned_extra: false, stopper_placed: false }
     }
 
     fn seen(&self) -> Seen {
@@ -166,6 +168,9 @@ impl Feeder {
 
     /// Brings the FIFO in line with the plan for what is in it now.
     pub fn step(&mut self, client: &mut Client) -> Result<(), ClientError> {
+        if let Some(stopper) = self.fifo.bmake_abort() {
+            return self.wind_down(client, stopper);
+        }
         // The build wrote a token back while we queue for one: we no longer
         // need it (and the protocol allows nothing else while it waits).
         if self.pending && spare(self.seen()) > 0 {
@@ -212,6 +217,31 @@ impl Feeder {
         if got == 0 && plan.ask && room > 0 && self.fifo.queued() + self.fifo.returned() == 0 {
             client.send(&Request::Acquire(1))?;
             self.pending = true;
+        }
+        Ok(())
+    }
+
+    /// A bmake build aborted. The abort token is never a token: it only
+    /// ever sits in the build's own FIFO, as in bmake's own pipe, and the
+    /// pool never sees it. Tokens put in before the abort are taken out
+    /// (a sub-make would otherwise start a job past it), tokens that come
+    /// back go to the pool, and none go in: bmake starts no job after an
+    /// abort, and its readers drain the pipe. Tokens a sub-make drained
+    /// stay counted as the build's until it ends, when they all go back,
+    /// so the pool is never promised a token the build might still use.
+    fn wind_down(&mut self, client: &mut Client, stopper: u8) -> Result<(), ClientError> {
+        self.withdraw(client)?;
+        let unread = if self.stopper_placed { 0 } else { self.fifo.queued() };
+        let back = self.fifo.take(self.fifo.returned() + unread).min(self.lent);
+        if back > 0 {
+            client.release(back)?;
+            self.lent -= back;
+        }
+        self.stopper_placed = true;
+        // A reader took it and puts it back (through us, in the pipe
+        // style): until then, one for the next reader.
+        if self.fifo.queued() == 0 {
+            self.fifo.put_byte(stopper).map_err(|e| ClientError::Protocol(e.to_string()))?;
         }
         Ok(())
     }
@@ -267,7 +297,8 @@ impl Feeder {
     /// How long until the feeder should look again: only while the build
     /// has spare tokens, which may be wanted elsewhere.
     pub fn idle_timeout(&self) -> Option<Duration> {
-        if self.pending || spare(self.seen()) == 0 {
+        // After a bmake abort, the abort token waits unread on purpose.
+        if self.pending || self.stopper_placed || spare(self.seen()) == 0 {
             return None;
         }
         Some(self.last_look.map_or(Duration::ZERO, |t| LOOK_EVERY.saturating_sub(t.elapsed())))

@@ -1,6 +1,7 @@
 //! The build's FIFO, and in the pipe style the separate pipe its tokens
 //! come back through.
 
+use crate::bmake;
 use anyhow::{Context, Result};
 use nix::sys::inotify::{AddWatchFlags, InitFlags, Inotify};
 use nix::sys::stat::Mode;
@@ -26,6 +27,10 @@ pub struct Fifo {
     /// Someone in the build has opened the FIFO (or, in the pipe style,
     /// could use it): until then there is no point putting a token in.
     in_use: bool,
+    /// A bmake build's return pipe is read as it fills, to sort its abort
+    /// token out of the tokens (see `bmake`): tokens read but not yet
+    /// taken, and the abort token if one came.
+    bmake_returns: Option<bmake::Returns>,
 }
 
 impl Fifo {
@@ -45,7 +50,7 @@ impl Fifo {
         inotify
             .add_watch(&path, AddWatchFlags::IN_ACCESS | AddWatchFlags::IN_MODIFY | AddWatchFlags::IN_OPEN)
             .with_context(|| format!("cannot watch {}", path.display()))?;
-        Ok(Fifo { path, handle, inotify, unlinked: false, returns: None, in_use: false })
+        Ok(Fifo { path, handle, inotify, unlinked: false, returns: None, in_use: false, bmake_returns: None })
     }
 
     pub fn path(&self) -> &Path {
@@ -71,6 +76,24 @@ impl Fifo {
         Ok((OwnedFd::from(read), write))
     }
 
+    /// Opens the two descriptors bmake's shape of the fifo style passes
+    /// (both on the FIFO: R non-blocking, W blocking, as in bmake's own
+    /// pipe), then unlinks the FIFO. A token bmake gives back is there for
+    /// its next job at once, and its abort token reaches its other
+    /// sub-makes without us. The caller makes them inheritable.
+    pub fn open_both_ends(&mut self) -> Result<(OwnedFd, OwnedFd)> {
+        let open = |write: bool| {
+            let flags = if write { 0 } else { libc::O_NONBLOCK };
+            OpenOptions::new().read(!write).write(write).custom_flags(flags).open(&self.path)
+        };
+        let read = open(false).with_context(|| format!("cannot open {}", self.path.display()))?;
+        let write = open(true).with_context(|| format!("cannot open {}", self.path.display()))?;
+        std::fs::remove_file(&self.path).ok();
+        self.unlinked = true;
+        self.in_use = true;
+        Ok((OwnedFd::from(read), OwnedFd::from(write)))
+    }
+
     /// Bytes in the FIFO now: tokens the build has not taken (and, in the
     /// fifo style, tokens it wrote back).
     pub fn queued(&self) -> u32 {
@@ -79,14 +102,61 @@ impl Fifo {
 
     /// Bytes in the return pipe: tokens the build gave back.
     pub fn returned(&self) -> u32 {
-        self.returns.as_ref().map_or(0, bytes_in)
+        match &self.bmake_returns {
+            Some(sorted) => sorted.tokens,
+            None => self.returns.as_ref().map_or(0, bytes_in),
+        }
     }
 
     /// Takes up to `n` bytes out, from the return pipe first; returns how
     /// many there were.
     pub fn take(&mut self, n: u32) -> u32 {
-        let from_returns = self.returns.as_ref().map_or(0, |r| read_up_to(r, n));
-        from_returns + read_up_to(&self.handle, n - from_returns)
+        let from_returns = match self.bmake_returns.as_mut() {
+            Some(sorted) => {
+                let taken = sorted.tokens.min(n);
+                sorted.tokens -= taken;
+                taken
+            }
+            None => self.returns.as_ref().map_or(0, |r| read_up_to(r, n)),
+        };
+        from_returns + self.take_from_fifo(n - from_returns)
+    }
+
+    /// Takes up to `n` tokens out of the FIFO. In a bmake build an abort
+    /// token found there is noted and put back at once, for the build's
+    /// other sub-makes: it is never a token.
+    fn take_from_fifo(&mut self, n: u32) -> u32 {
+        let Some(sorted) = self.bmake_returns.as_mut() else { return read_up_to(&self.handle, n) };
+        let mut buf = vec![0u8; n as usize];
+        let got = (&self.handle).read(&mut buf).unwrap_or(0);
+        let found = bmake::Returns::sort(&buf[..got]);
+        if let Some(abort) = found.abort {
+            sorted.abort = sorted.abort.or(Some(abort));
+            let _ = (&self.handle).write_all(&[abort]);
+        }
+        found.tokens
+    }
+
+    /// From now on, keep bmake's abort token apart from the tokens: read
+    /// the return pipe (if any) as it fills, and look at what we take out
+    /// of the FIFO.
+    pub fn sort_bmake_returns(&mut self) {
+        self.bmake_returns = Some(bmake::Returns::default());
+    }
+
+    /// The abort token a bmake build wrote, if it did.
+    pub fn bmake_abort(&self) -> Option<u8> {
+        self.bmake_returns.and_then(|sorted| sorted.abort)
+    }
+
+    fn read_bmake_returns(&mut self) {
+        let (Some(sorted), Some(returns)) = (self.bmake_returns.as_mut(), self.returns.as_ref()) else { return };
+        let mut buf = [0u8; 512];
+        while let Ok(got @ 1..) = (&*returns).read(&mut buf) {
+            let new = bmake::Returns::sort(&buf[..got]);
+            sorted.tokens += new.tokens;
+            sorted.abort = sorted.abort.or(new.abort);
+        }
     }
 
     /// Moves up to `n` tokens from the return pipe into the FIFO, for the
@@ -99,7 +169,12 @@ impl Fifo {
 
     /// Puts one token in. GNU make writes `+`; any byte will do.
     pub fn put(&mut self) -> Result<()> {
-        (&self.handle).write_all(b"+").context("cannot write a token to the jobserver FIFO")
+        self.put_byte(bmake::TOKEN)
+    }
+
+    /// Puts one byte in: a token, or bmake's abort token.
+    pub fn put_byte(&mut self, byte: u8) -> Result<()> {
+        (&self.handle).write_all(&[byte]).context("cannot write a token to the jobserver FIFO")
     }
 
     /// Readable when the build has read or written the FIFO, or given a
@@ -116,7 +191,8 @@ impl Fifo {
     }
 
     /// Consumes pending inotify events. Reads and writes need no detail
-    /// (we look at the FIFO itself); an open means the build uses it.
+    /// (we look at the FIFO itself); an open means the build uses it. A
+    /// bmake build's return pipe is read here too.
     pub fn drain_events(&mut self) {
         while let Ok(events) = self.inotify.read_events() {
             if events.is_empty() {
@@ -124,6 +200,7 @@ impl Fifo {
             }
             self.in_use |= events.iter().any(|e| e.mask.contains(AddWatchFlags::IN_OPEN));
         }
+        self.read_bmake_returns();
     }
 }
 

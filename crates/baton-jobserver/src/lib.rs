@@ -23,6 +23,7 @@
 //! protocol (docs/protocol.md), never through the broker's internals.
 #![deny(missing_docs)]
 
+mod bmake;
 mod build_file;
 mod choice;
 mod feeder;

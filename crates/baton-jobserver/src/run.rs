@@ -7,7 +7,7 @@
 
 use crate::build_file::{self, BuildFile};
 use crate::choice::{self, Choice};
-use crate::{log, makeflags, reads_its_jobserver, unusable_style, Feeder, Fifo, Style};
+use crate::{bmake, log, makeflags, reads_its_jobserver, unusable_style, Feeder, Fifo, Style};
 use baton_core::paths::{private_dir, socket_path};
 use anyhow::{bail, Context, Result};
 use baton_client::{Client, Error as ClientError};
@@ -78,7 +78,10 @@ pub fn run(opts: RunOptions) -> Result<i32> {
 
     let mut command = Command::new(&opts.command[0]);
     command.args(&opts.command[1..]).env("BATON_SOCKET", &socket);
+    let is_bmake = bmake::is_bmake(Path::new(&opts.command[0]));
     let style = match opts.style {
+        Style::Auto if is_bmake => Style::Fifo,
+        Style::Fuse if is_bmake => bail!("bmake takes its jobserver only as a pipe's two ends (-J R,W): use --jobserver-style fifo or pipe"),
         // The FUSE file has no per-build cap: --max needs the bridge.
         Style::Auto => match choice.style {
             Style::Fuse if opts.max.is_some() => Style::Fifo,
@@ -87,7 +90,7 @@ pub fn run(opts: RunOptions) -> Result<i32> {
         Style::Fuse if opts.max.is_some() => bail!("--max works with the pipe and fifo styles, not with fuse"),
         style => style,
     };
-    let setup = Setup { socket: &socket, auto: opts.style == Style::Auto, label: &label, jobs: max };
+    let setup = Setup { socket: &socket, auto: opts.style == Style::Auto, label: &label, jobs: max, bmake: is_bmake };
     let jobserver = set_up_jobserver(&mut command, &setup, style)?;
     if opts.explain {
         explain(&opts, &choice, &jobserver);
@@ -100,7 +103,7 @@ pub fn run(opts: RunOptions) -> Result<i32> {
         Jobserver::None => (None, None),
         Jobserver::Bridge { fifo, pipe_ends } => {
             drop(pipe_ends); // the child has its copies
-            (Some(Feeder::new(fifo, max - opts.tokens, reads_its_jobserver(&opts.command))), None)
+            (Some(Feeder::new(fifo, max - opts.tokens, is_bmake || reads_its_jobserver(&opts.command))), None)
         }
         // The broker serves the file itself; we only keep it until the end.
         Jobserver::Fuse(file) => (None, Some(file)),
@@ -140,6 +143,8 @@ struct Setup<'a> {
     label: &'a str,
     /// The build's cap, written as MAKEFLAGS's `-jN`.
     jobs: u32,
+    /// CMD is bmake: it gets bmake's own form (`-J R,W -j N`).
+    bmake: bool,
 }
 
 /// Says which form the build got and why, one line each.
@@ -183,6 +188,20 @@ fn set_up_jobserver(command: &mut Command, setup: &Setup, style: Style) -> Resul
             for fd in [&read, &write] {
                 inheritable(fd)?;
             }
+            if setup.bmake {
+                bmake::make_non_blocking(&read).context("cannot make the jobserver's read end non-blocking")?;
+                fifo.sort_bmake_returns();
+            }
+            let auth = format!("{},{}", read.as_raw_fd(), write.as_raw_fd());
+            (Jobserver::Bridge { fifo, pipe_ends: Some((read, write)) }, auth)
+        }
+        Style::Fifo if setup.bmake => {
+            let mut fifo = Fifo::create(&private_dir(socket))?;
+            let (read, write) = fifo.open_both_ends()?;
+            for fd in [&read, &write] {
+                inheritable(fd)?;
+            }
+            fifo.sort_bmake_returns();
             let auth = format!("{},{}", read.as_raw_fd(), write.as_raw_fd());
             (Jobserver::Bridge { fifo, pipe_ends: Some((read, write)) }, auth)
         }
@@ -195,6 +214,10 @@ fn set_up_jobserver(command: &mut Command, setup: &Setup, style: Style) -> Resul
     for var in ["MAKEFLAGS", "CARGO_MAKEFLAGS"] {
         let inherited = std::env::var(var).ok();
         command.env(var, makeflags(inherited.as_deref(), setup.jobs, &auth));
+    }
+    if let (true, Jobserver::Bridge { pipe_ends: Some((read, write)), .. }) = (setup.bmake, &jobserver) {
+        let inherited = std::env::var("MAKEFLAGS").ok();
+        command.env("MAKEFLAGS", bmake::makeflags(inherited.as_deref(), read.as_raw_fd(), write.as_raw_fd(), setup.jobs));
     }
     Ok(jobserver)
 }

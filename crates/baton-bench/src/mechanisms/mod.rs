@@ -7,7 +7,7 @@
 //! A new way in (baton's FUSE token file) is one more variant and one more
 //! module.
 
-pub(crate) mod baton;
+pub mod baton;
 mod eventfd;
 mod fuse;
 mod futex;

@@ -8,6 +8,7 @@ mod bulk_wake;
 mod job_runners;
 mod mass_poll;
 mod token_ring;
+mod universe;
 
 use crate::mechanisms::{Env, Mechanism};
 use crate::progress::Progress;
@@ -34,6 +35,9 @@ pub enum Scenario {
     /// Real make 4.3, make 4.4.1 and ninja 1.13: each alone against its own
     /// -jN, and three at once (fair shares, weights) against one shared FIFO.
     Builds,
+    /// Seed 003 on real bmake: a `make universe`-shaped tree and a flat one,
+    /// bmake's own -jN against baton run, at -j96 and 4 × CPUs.
+    Universe,
 }
 
 impl Scenario {
@@ -45,6 +49,7 @@ impl Scenario {
             Scenario::MassPoll => "mass-poll",
             Scenario::Broadcast => "broadcast",
             Scenario::Builds => "builds",
+            Scenario::Universe => "universe",
         }
     }
 
@@ -56,6 +61,7 @@ impl Scenario {
             Scenario::MassPoll => mass_poll::DEFAULTS,
             Scenario::Broadcast => broadcast::DEFAULTS,
             Scenario::Builds => builds::DEFAULTS,
+            Scenario::Universe => universe::DEFAULTS,
         }
     }
 }
@@ -157,6 +163,7 @@ pub fn run(args: &BenchArgs, baton_bin: PathBuf) -> Result<Report> {
         Scenario::MassPoll => mass_poll::run(&bench, &scale)?,
         Scenario::Broadcast => broadcast::run(&bench, &scale)?,
         Scenario::Builds => builds::run(&bench, &scale)?,
+        Scenario::Universe => universe::run(&bench, &scale)?,
     };
     let parameters = match serde_json::to_value(&scale)? {
         Value::Object(map) => map,

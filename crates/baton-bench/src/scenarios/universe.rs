@@ -1,0 +1,254 @@
+//! Seed 003 on real bmake, at this machine's scale: a tree shaped like
+//! FreeBSD's `make universe -DNO_CLEAN` (hundreds of sub-makes, most of
+//! their targets up to date, a few short jobs each) and a flat one (hundreds
+//! of sub-makes that all want tokens at once), built by bmake with its own
+//! `-jN` token pipe and under `baton run` in each style baton offers bmake,
+//! in alternating rounds. Everything the build and the broker spent is
+//! counted by the kernel: the build's from getrusage(RUSAGE_CHILDREN) around
+//! it, the broker's from /proc over the same window.
+
+use super::{Bench, Defaults, Findings, Scale};
+use crate::measure::Usage;
+use crate::mechanisms::baton::{Broker, Wait};
+use crate::mechanisms::Pool;
+use crate::report::Row;
+use anyhow::{bail, Context, Result};
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+/// waiters: the `-jN`s (none given: 96, as in the seed, and 4 × CPUs); ops:
+/// rounds; job_us: each job's sleep.
+pub const DEFAULTS: Defaults = Defaults { waiters: &[], ops: 3, tokens: 0, job_us: 20_000, wake: 0 };
+
+/// The two trees.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Shape {
+    /// 200 sub-makes, each 30 up-to-date targets and 3 jobs.
+    Universe,
+    /// 300 sub-makes of 4 jobs each.
+    Flat,
+}
+
+impl Shape {
+    fn name(self) -> &'static str {
+        match self {
+            Shape::Universe => "universe",
+            Shape::Flat => "flat",
+        }
+    }
+
+    /// (sub-makes, up-to-date targets each, jobs each)
+    fn size(self) -> (usize, usize, usize) {
+        match self {
+            Shape::Universe => (200, 30, 3),
+            Shape::Flat => (300, 0, 4),
+        }
+    }
+}
+
+/// How the build gets its tokens.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Way {
+    /// bmake's own `-jN` token pipe.
+    Own,
+    /// `baton run --jobserver-style STYLE -- bmake` against a broker with
+    /// `--jobs N`.
+    Baton(&'static str),
+}
+
+impl Way {
+    fn name(self) -> String {
+        match self {
+            Way::Own => "bmake -jN".to_string(),
+            Way::Baton(style) => format!("baton run ({style})"),
+        }
+    }
+}
+
+const WAYS: [Way; 3] = [Way::Own, Way::Baton("fifo"), Way::Baton("pipe")];
+
+/// What one build spent.
+#[derive(Debug, Clone, Copy, Default)]
+struct Sample {
+    wall_s: f64,
+    user_s: f64,
+    sys_s: f64,
+    usage: Usage,
+    broker: Option<Usage>,
+}
+
+pub fn run(bench: &Bench, scale: &Scale) -> Result<Findings> {
+    let bmake = find_bmake()?;
+    let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let ns = if scale.waiters.is_empty() { vec![96, 4 * cpus] } else { scale.waiters.clone() };
+    let ways: Vec<Way> = WAYS.into_iter().filter(|w| bench.with_baton() || *w == Way::Own).collect();
+    let shapes = [Shape::Universe, Shape::Flat];
+    let trees: Vec<PathBuf> = shapes.iter().map(|&s| write_tree(&bench.env.tmp, s, scale.job_us)).collect::<Result<_>>()?;
+    let cases: Vec<(usize, usize, Way)> =
+        (0..shapes.len()).flat_map(|s| ns.iter().flat_map(move |&n| WAYS.into_iter().map(move |w| (s, n, w)))).filter(|c| ways.contains(&c.2)).collect();
+    let rounds = scale.ops.max(1) as usize;
+    let mut samples: Vec<Vec<Sample>> = vec![Vec::new(); cases.len()];
+    for round in 0..rounds {
+        // Alternating: each round starts with a different case.
+        for i in (0..cases.len()).map(|i| (i + round) % cases.len()) {
+            let (s, n, way) = cases[i];
+            let sample = build(bench, &bmake, &trees[s], n, way)
+                .with_context(|| format!("round {}: {} at -j{n} ({})", round + 1, way.name(), shapes[s].name()))?;
+            samples[i].push(sample);
+        }
+    }
+    let mut rows = Vec::new();
+    for (i, &(s, n, way)) in cases.iter().enumerate() {
+        let own = cases.iter().position(|&(s2, n2, w2)| (s2, n2, w2) == (s, n, Way::Own)).map(|j| median_sample(&samples[j]));
+        let m = median_sample(&samples[i]);
+        let (subs, _, jobs) = shapes[s].size();
+        let wall = Duration::from_secs_f64(m.wall_s);
+        let mut row = Row::new(&way.name(), n, (subs * jobs) as u64, m.usage, m.broker, wall)
+            .with("shape", shapes[s].name())
+            .with("user_s", round2(m.user_s))
+            .with("sys_s", round2(m.sys_s))
+            .with("sys_share", round2(m.sys_s / (m.user_s + m.sys_s).max(1e-9)))
+            .with("csw", m.usage.context_switches());
+        if let Some(own) = own {
+            row = row
+                .with("wall_x", round2(m.wall_s / own.wall_s))
+                .with("sys_x", round2(m.sys_s / own.sys_s.max(1e-9)))
+                .with("csw_x", round2(m.usage.context_switches() as f64 / own.usage.context_switches().max(1) as f64));
+        }
+        rows.push(row);
+    }
+    let notes = vec![
+        format!("medians of {rounds} alternating rounds; _x columns: ratio to bmake's own -jN at the same N and shape, same run"),
+        "ops are the jobs run; CPU, user, sys and csw include every process of the build and, for baton, the broker".to_string(),
+        "universe: 200 sub-makes, 30 up-to-date targets and 3 jobs each; flat: 300 sub-makes of 4 jobs".to_string(),
+    ];
+    Ok(Findings { rows, notes })
+}
+
+fn round2(x: f64) -> f64 {
+    (x * 100.0).round() / 100.0
+}
+
+fn find_bmake() -> Result<PathBuf> {
+    let path = std::env::var_os("BATON_BENCH_BMAKE").map(PathBuf::from).unwrap_or_else(|| PathBuf::from("/usr/bin/bmake"));
+    if !path.exists() {
+        bail!("{} not found (install bmake, e.g. apt-get install bmake, or set BATON_BENCH_BMAKE)", path.display());
+    }
+    Ok(path)
+}
+
+/// Writes the tree of `shape` under `tmp` and brings its targets up to date
+/// (sources first, then targets, so that every target is newer).
+fn write_tree(tmp: &Path, shape: Shape, job_us: u64) -> Result<PathBuf> {
+    let (subs, up_to_date, jobs) = shape.size();
+    let dir = tmp.join(shape.name());
+    let names = |prefix: &str, n: usize| (0..n).map(|i| format!("{prefix}{i}")).collect::<Vec<_>>().join(" ");
+    let top = format!("SUBS = {}\nall: ${{SUBS}}\n${{SUBS}}:\n\t@cd ${{.CURDIR}}/$@ && ${{MAKE}} -f ../sub.mk\n.PHONY: all ${{SUBS}}\n", names("s", subs));
+    std::fs::create_dir_all(&dir)?;
+    std::fs::write(dir.join("Makefile"), top)?;
+    let sleep = format!("{}.{:06}", job_us / 1_000_000, job_us % 1_000_000);
+    let sub = format!(
+        "OBJS = {objs}\nJOBS = {jobs}\nall: ${{OBJS}} ${{JOBS}}\n.for o in ${{OBJS}}\n${{o}}: ${{o:R}}.c\n\t@touch $@\n.endfor\n${{JOBS}}:\n\t@sleep {sleep}\n.PHONY: all ${{JOBS}}\n",
+        objs = (0..up_to_date).map(|i| format!("o{i}.o")).collect::<Vec<_>>().join(" "),
+        jobs = names("j", jobs),
+    );
+    std::fs::write(dir.join("sub.mk"), sub)?;
+    for s in 0..subs {
+        let sub_dir = dir.join(format!("s{s}"));
+        std::fs::create_dir_all(&sub_dir)?;
+        for i in 0..up_to_date {
+            std::fs::write(sub_dir.join(format!("o{i}.c")), "")?;
+        }
+        for i in 0..up_to_date {
+            std::fs::write(sub_dir.join(format!("o{i}.o")), "")?;
+        }
+    }
+    Ok(dir)
+}
+
+fn build(bench: &Bench, bmake: &Path, tree: &Path, n: usize, way: Way) -> Result<Sample> {
+    let (mut command, broker) = match way {
+        Way::Own => {
+            let mut command = Command::new(bmake);
+            command.arg(format!("-j{n}"));
+            (command, None)
+        }
+        Way::Baton(style) => {
+            let broker = Broker::start(n as u32, &bench.env, Wait::Blocking)?;
+            let mut command = Command::new(&bench.env.baton_bin);
+            command.arg("run").arg("--socket").arg(broker.socket()).args(["--jobserver-style", style, "--"]).arg(bmake);
+            (command, Some(broker))
+        }
+    };
+    command.current_dir(tree).env_remove("MAKEFLAGS").env_remove("MAKELEVEL").stdin(Stdio::null()).stdout(Stdio::null());
+    let broker_pid = broker.as_ref().and_then(|b| b.broker_pid());
+    let broker_before = broker_pid.map(Usage::of_process).transpose()?;
+    let before = children_rusage();
+    let start = Instant::now();
+    let status = command.status().with_context(|| format!("running {}", way.name()))?;
+    let wall = start.elapsed();
+    let after = children_rusage();
+    let broker_after = broker_pid.map(Usage::of_process).transpose()?;
+    if !status.success() {
+        bail!("{} failed ({status}) in {}", way.name(), tree.display());
+    }
+    let broker_usage = broker_before.zip(broker_after).map(|(b, a)| a - b);
+    let spent = |f: fn(&libc::rusage) -> libc::timeval| secs(f(&after)) - secs(f(&before));
+    let mut usage = Usage::from_rusage(&after) - Usage::from_rusage(&before);
+    let (mut user_s, mut sys_s) = (spent(|r| r.ru_utime), spent(|r| r.ru_stime));
+    if let (Some(b), Some(pid)) = (broker_usage, broker_pid) {
+        usage = usage + b;
+        // The broker's CPU split by /proc's ticks, its total by its clock.
+        let (user, sys) = proc_user_sys(pid);
+        let share = user / (user + sys).max(1e-9);
+        user_s += b.cpu_us as f64 / 1e6 * share;
+        sys_s += b.cpu_us as f64 / 1e6 * (1.0 - share);
+    }
+    Ok(Sample { wall_s: wall.as_secs_f64(), user_s, sys_s, usage, broker: broker_usage })
+}
+
+fn secs(tv: libc::timeval) -> f64 {
+    tv.tv_sec as f64 + tv.tv_usec as f64 / 1e6
+}
+
+fn children_rusage() -> libc::rusage {
+    // SAFETY: getrusage fills the struct it is given and nothing else.
+    unsafe {
+        let mut ru = std::mem::zeroed::<libc::rusage>();
+        libc::getrusage(libc::RUSAGE_CHILDREN, &mut ru);
+        ru
+    }
+}
+
+/// A process's user and system time so far, in /proc's ticks (seconds).
+fn proc_user_sys(pid: libc::pid_t) -> (f64, f64) {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+    let fields: Vec<&str> = stat.rsplit(')').next().unwrap_or("").split_whitespace().collect();
+    // SAFETY: sysconf only reads a system constant.
+    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as f64;
+    let tick = |i: usize| fields.get(i).and_then(|f| f.parse::<f64>().ok()).unwrap_or(0.0) / hz;
+    (tick(11), tick(12))
+}
+
+/// The median of each figure on its own.
+fn median_sample(samples: &[Sample]) -> Sample {
+    fn median<T: Copy + PartialOrd>(mut xs: Vec<T>) -> T {
+        xs.sort_by(|a, b| a.partial_cmp(b).unwrap_or(std::cmp::Ordering::Equal));
+        xs[xs.len() / 2]
+    }
+    let of = |f: fn(&Sample) -> f64| median(samples.iter().map(f).collect());
+    let usage_of = |f: fn(&Usage) -> u64| median(samples.iter().map(|s| f(&s.usage)).collect());
+    let broker = samples[0].broker.map(|_| Usage {
+        voluntary_switches: median(samples.iter().filter_map(|s| s.broker.map(|b| b.voluntary_switches)).collect()),
+        involuntary_switches: median(samples.iter().filter_map(|s| s.broker.map(|b| b.involuntary_switches)).collect()),
+        cpu_us: median(samples.iter().filter_map(|s| s.broker.map(|b| b.cpu_us)).collect()),
+    });
+    Sample {
+        wall_s: of(|s| s.wall_s),
+        user_s: of(|s| s.user_s),
+        sys_s: of(|s| s.sys_s),
+        usage: Usage { voluntary_switches: usage_of(|u| u.voluntary_switches), involuntary_switches: usage_of(|u| u.involuntary_switches), cpu_us: usage_of(|u| u.cpu_us) },
+        broker,
+    }
+}

@@ -1,0 +1,220 @@
+//! `baton run -- bmake` with the real bmake (Debian's `bmake`): its own
+//! jobserver form, one limit with GNU make and ninja, abort tokens, and
+//! kill -9.
+
+mod common;
+
+use common::*;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Output, Stdio};
+use std::time::Duration;
+
+/// bmake (Debian's `bmake`, installed by scripts/test).
+fn bmake() -> PathBuf {
+    tool("BATON_TEST_BMAKE", || PathBuf::from("/usr/bin/bmake"))
+}
+
+/// A recursive bmake tree: the top runs `subs` sub-makes (s0, s1, ...),
+/// each `jobs` logged jobs (j0, j1, ...); the job named `fail` (say
+/// "s1j1") logs its run and then fails.
+fn bmake_tree(dir: &Path, log: &Path, subs: usize, jobs: usize, fail: &str) {
+    let names = |prefix: &str, n: usize| (0..n).map(|i| format!("{prefix}{i}")).collect::<Vec<_>>().join(" ");
+    let top = format!("SUBS = {}\nall: ${{SUBS}}\n${{SUBS}}:\n\t@${{MAKE}} -f ${{.CURDIR}}/sub.mk NAME=$@\n.PHONY: all ${{SUBS}}\n", names("s", subs));
+    std::fs::write(dir.join("Makefile"), top).unwrap();
+    let job = logged_job(log, "0.2");
+    let sub = format!("JOBS = {}\nall: ${{JOBS}}\n${{JOBS}}:\n\t@{job}; test ${{NAME}}$@ != {fail} || exit 3\n.PHONY: all ${{JOBS}}\n", names("j", jobs));
+    std::fs::write(dir.join("sub.mk"), sub).unwrap();
+}
+
+fn run_bmake(broker: &Broker, dir: &Path, run_args: &[&str], bmake_args: &[&str]) -> Output {
+    let bmake = bmake();
+    let mut args = run_args.to_vec();
+    args.extend(["--", bmake.to_str().unwrap()]);
+    args.extend_from_slice(bmake_args);
+    broker.run(&args).current_dir(dir).env_remove("MAKEFLAGS").env_remove("MAKELEVEL").output().unwrap()
+}
+
+fn text(out: &Output) -> String {
+    format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr))
+}
+
+/// The styles baton offers bmake: `fifo` (auto: both ends on the build's
+/// FIFO, bmake's own shape) and `pipe` (tokens come back through a pipe
+/// only baton reads).
+const STYLES: [&str; 2] = ["fifo", "pipe"];
+
+#[test]
+fn a_recursive_bmake_tree_holds_the_limit_and_reaches_it() {
+    for style in STYLES {
+        let broker = Broker::start(4);
+        let dir = TempDir::new("bmake-tree");
+        let log = dir.path().join("jobs.log");
+        bmake_tree(dir.path(), &log, 4, 8, "none");
+        let out = run_bmake(&broker, dir.path(), &["--jobserver-style", style], &[]);
+        assert!(out.status.success(), "bmake failed under baton run ({style}):\n{}", text(&out));
+        let (max, started) = max_overlap(&log);
+        assert_eq!(started, 32);
+        assert_eq!(max, 4, "most jobs at once under --jobs 4 ({style})");
+        broker.assert_all_free();
+        assert_eq!(broker.status().totals.reclaimed, 0);
+    }
+}
+
+#[test]
+fn bmake_asks_for_the_pipe_style_by_name_and_otherwise() {
+    let broker = Broker::start(2);
+    let dir = TempDir::new("bmake-style");
+    let out = run_bmake(&broker, dir.path(), &["--jobserver-style", "fuse"], &[]);
+    assert_eq!(out.status.code(), Some(1), "{}", text(&out));
+    assert!(text(&out).contains("use --jobserver-style fifo or pipe"), "{}", text(&out));
+    // Found by what it is, under another name: FreeBSD's make is bmake.
+    let link = dir.path().join("make");
+    std::os::unix::fs::symlink(bmake(), &link).unwrap();
+    std::fs::write(dir.path().join("Makefile"), "all:\n\t@echo \"$$MAKEFLAGS\"\n").unwrap();
+    let out = broker.run(&["--", link.to_str().unwrap()]).current_dir(dir.path()).env_remove("MAKEFLAGS").output().unwrap();
+    assert!(out.status.success(), "{}", text(&out));
+    let flags = String::from_utf8_lossy(&out.stdout);
+    assert!(flags.contains(" -J ") && flags.contains("-j 2"), "bmake's form: {flags}");
+    broker.assert_all_free();
+}
+
+#[test]
+fn bmake_beside_gnu_make_and_ninja_shares_one_limit() {
+    let broker = Broker::start(6);
+    let log = broker.dir.path().join("all-jobs.log");
+    let dirs: Vec<TempDir> = (0..4).map(|i| TempDir::new(&format!("bmake-mix{i}"))).collect();
+    bmake_tree(dirs[0].path(), &log, 4, 6, "none");
+    flat_makefile(dirs[1].path(), &log, 20, "0.2");
+    flat_makefile(dirs[2].path(), &log, 20, "0.2");
+    flat_ninja(dirs[3].path(), &log, 20, "0.2");
+    let spawn = |dir: &Path, tool: PathBuf| -> Child {
+        broker.run(&["--", tool.to_str().unwrap()]).current_dir(dir).env_remove("MAKEFLAGS").stdout(Stdio::null()).spawn().unwrap()
+    };
+    let builds = [spawn(dirs[0].path(), bmake()), spawn(dirs[1].path(), make43()), spawn(dirs[2].path(), make44()), spawn(dirs[3].path(), ninja())];
+    for mut b in builds {
+        assert!(b.wait().unwrap().success());
+    }
+    let (max, started) = max_overlap(&log);
+    assert_eq!(started, 24 + 60);
+    assert!(max <= 6, "{max} jobs at once across four builds under --jobs 6");
+    broker.assert_all_free();
+}
+
+/// Regression: in the pipe style the abort token a failing bmake job
+/// writes went to baton only, through the return pipe, and the other
+/// sub-makes never saw it.
+#[test]
+fn a_failing_bmake_job_stops_its_build_but_no_other_and_every_token_comes_back() {
+    for style in STYLES {
+        a_failing_bmake_job_stops_its_build(style);
+    }
+}
+
+fn a_failing_bmake_job_stops_its_build(style: &str) {
+    let broker = Broker::start(4);
+    let dir = TempDir::new("bmake-fail");
+    let log = dir.path().join("jobs.log");
+    // Fewer sub-makes than tokens: all run before s1j2 fails.
+    bmake_tree(dir.path(), &log, 3, 8, "s1j2");
+    // Another build at the same time must not see the abort token.
+    let other = TempDir::new("bmake-fail-other");
+    let other_log = other.path().join("jobs.log");
+    flat_makefile(other.path(), &other_log, 30, "0.1");
+    let mut neighbour = broker.run(&["--", make44().to_str().unwrap()]).current_dir(other.path()).env_remove("MAKEFLAGS").stdout(Stdio::null()).spawn().unwrap();
+    // -dj: each bmake says when it reads an abort token (and none dies
+    // quietly).
+    let out = run_bmake(&broker, dir.path(), &["--jobserver-style", style], &["-dj"]);
+    let said = format!("({style}) {}", text(&out));
+    assert_eq!(out.status.code(), Some(2), "{said}");
+    assert!(said.contains("*** [j2] Error code 3"), "bmake's own report of the failure: {said}");
+    assert!(said.contains("aborted by token E"), "no other bmake saw the abort: {said}");
+    assert!(said.contains("A failure has been detected in another branch of the parallel make"), "{said}");
+    // Had the abort stayed in s1, every job of the two others would run.
+    let (_, started) = max_overlap(&log);
+    assert!(started < 2 * 8 + 3, "{started} jobs ran ({style}): the abort stopped no other sub-make");
+    assert!(neighbour.wait().unwrap().success(), "the abort reached another build");
+    assert_eq!(max_overlap(&other_log).1, 30);
+    broker.assert_all_free();
+}
+
+#[test]
+fn with_dash_k_bmake_goes_on_past_a_failing_job() {
+    let broker = Broker::start(4);
+    let dir = TempDir::new("bmake-k");
+    let log = dir.path().join("jobs.log");
+    bmake_tree(dir.path(), &log, 4, 6, "s1j1");
+    let out = run_bmake(&broker, dir.path(), &[], &["-k", ".MAKE.DIE_QUIETLY=no"]);
+    let said = text(&out);
+    assert!(!out.status.success(), "{said}");
+    assert!(said.contains("*** [j1] Error code 3"), "{said}");
+    assert!(!said.contains("another branch"), "-k wrote an abort token: {said}");
+    assert_eq!(max_overlap(&log).1, 24, "-k ran every job: {said}");
+    broker.assert_all_free();
+}
+
+#[test]
+fn kill_9_of_the_top_bmake_gives_every_token_back() {
+    use std::os::unix::process::CommandExt;
+    let broker = Broker::start(4);
+    let dir = TempDir::new("bmake-kill");
+    let log = dir.path().join("jobs.log");
+    bmake_tree(dir.path(), &log, 4, 20, "none");
+    let bmake = bmake();
+    let mut run = broker
+        .run(&["--", bmake.to_str().unwrap()])
+        .current_dir(dir.path())
+        .env_remove("MAKEFLAGS")
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .process_group(0) // so the test can end the orphaned sub-makes
+        .spawn()
+        .unwrap();
+    wait_for(Duration::from_secs(20), "the tree to hold every token", || broker.status().held == 4);
+    let top = children(run.id());
+    assert_eq!(top.len(), 1, "baton run has one child, the top bmake");
+    unsafe { libc::kill(top[0] as i32, libc::SIGKILL) };
+    let status = wait_timeout(&mut run, Duration::from_secs(10)).expect("baton run ends with its command");
+    assert_eq!(status.code(), Some(128 + 9));
+    broker.assert_all_free();
+    unsafe { libc::kill(-(run.id() as i32), libc::SIGKILL) };
+}
+
+fn children(pid: u32) -> Vec<u32> {
+    let path = format!("/proc/{pid}/task/{pid}/children");
+    std::fs::read_to_string(path).unwrap_or_default().split_whitespace().filter_map(|p| p.parse().ok()).collect()
+}
+
+/// bmake does not wait on its pipe, so baton keeps every token the build
+/// may use waiting in it; tokens left unread must still reach a build that
+/// waits at the pool, while the bmake build runs on.
+#[test]
+fn tokens_an_idle_bmake_build_leaves_unread_go_to_a_waiting_build() {
+    use std::os::unix::process::CommandExt;
+    let broker = Broker::start(4);
+    let dir = TempDir::new("bmake-idle");
+    let started = dir.path().join("started");
+    // One long job: bmake holds its own slot and reads nothing more.
+    std::fs::write(dir.path().join("Makefile"), format!("all:\n\t@touch {}; sleep 30\n", started.display())).unwrap();
+    let bmake = bmake();
+    let mut idle = broker
+        .run(&["--", bmake.to_str().unwrap()])
+        .current_dir(dir.path())
+        .env_remove("MAKEFLAGS")
+        .stdout(Stdio::null())
+        .process_group(0)
+        .spawn()
+        .unwrap();
+    wait_for(Duration::from_secs(20), "the bmake build to fill its pipe", || started.exists() && broker.status().held == 4);
+    let other = TempDir::new("bmake-idle-other");
+    let log = other.path().join("jobs.log");
+    flat_makefile(other.path(), &log, 12, "0.1");
+    let out = broker.run(&["--", make44().to_str().unwrap()]).current_dir(other.path()).env_remove("MAKEFLAGS").output().unwrap();
+    assert!(out.status.success(), "{}", text(&out));
+    let (max, started_jobs) = max_overlap(&log);
+    assert_eq!(started_jobs, 12);
+    assert!(max >= 2, "the waiting build got no token beyond its own slot");
+    assert!(idle.try_wait().unwrap().is_none(), "the bmake build ended first: the test proves nothing");
+    unsafe { libc::kill(-(idle.id() as i32), libc::SIGKILL) };
+    idle.wait().unwrap();
+    wait_for(Duration::from_secs(10), "every token to be free", || broker.status().free == 4);
+}
