@@ -111,15 +111,21 @@ impl Fifo {
     /// Takes up to `n` bytes out, from the return pipe first; returns how
     /// many there were.
     pub fn take(&mut self, n: u32) -> u32 {
-        let from_returns = match self.bmake_returns.as_mut() {
+        let from_returns = self.take_returned(n);
+        from_returns + self.take_from_fifo(n - from_returns)
+    }
+
+    /// Takes up to `n` tokens the build gave back through the return pipe
+    /// (already sorted from abort tokens, in a bmake build).
+    fn take_returned(&mut self, n: u32) -> u32 {
+        match self.bmake_returns.as_mut() {
             Some(sorted) => {
                 let taken = sorted.tokens.min(n);
                 sorted.tokens -= taken;
                 taken
             }
             None => self.returns.as_ref().map_or(0, |r| read_up_to(r, n)),
-        };
-        from_returns + self.take_from_fifo(n - from_returns)
+        }
     }
 
     /// Takes up to `n` tokens out of the FIFO. In a bmake build an abort
@@ -162,7 +168,7 @@ impl Fifo {
     /// Moves up to `n` tokens from the return pipe into the FIFO, for the
     /// build's next job; returns how many.
     pub fn recycle(&mut self, n: u32) -> Result<u32> {
-        let moved = self.returns.as_ref().map_or(0, |r| read_up_to(r, n));
+        let moved = self.take_returned(n);
         (0..moved).try_for_each(|_| self.put())?;
         Ok(moved)
     }
