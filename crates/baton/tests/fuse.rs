@@ -1,8 +1,8 @@
 //! The FUSE token file (docs/fuse.md) against the real binary, real FUSE, GNU
 //! make 4.4.1 and cargo.
 //!
-//! Where FUSE cannot be mounted every test here prints a note and passes,
-//! except with CI=true: CI has FUSE, so a skip there is a failure.
+//! Where FUSE cannot be mounted every test here records a skip
+//! (`common::skip`): scripts/test counts it, and fails on CI, which has FUSE.
 
 mod common;
 
@@ -16,16 +16,14 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command};
 use std::time::{Duration, Instant};
 
-/// A broker with its FUSE mount, or None (after saying so) where FUSE is
-/// not available.
+/// A broker with its FUSE mount, or None (after recording a skip) where
+/// FUSE is not available.
 pub fn fuse_broker(jobs: u32, extra: &[&str]) -> Option<Broker> {
     let broker = Broker::start_with(jobs, extra);
     if is_fuse(&mount_point(&broker)) {
         return Some(broker);
     }
-    let why = broker.log();
-    assert!(std::env::var("CI").as_deref() != Ok("true"), "CI=true but the FUSE tests would be skipped: {why}");
-    eprintln!("NOTE: FUSE test skipped, FUSE is not available here: {}", why.trim());
+    common::skip(common::Missing::Fuse, &format!("FUSE is not available here: {}", broker.log()));
     None
 }
 
@@ -392,8 +390,7 @@ fn without_a_mount_auto_falls_back_to_the_fifo_and_fuse_is_refused() {
 /// /dev/fuse) says why, once, and serves everyone through the socket.
 #[test]
 fn a_broker_that_cannot_mount_says_why_once_and_serves_on() {
-    if unsafe { libc::getuid() } != 0 || Command::new("setpriv").arg("--version").output().is_err() {
-        eprintln!("NOTE: skipped, needs root and setpriv to run a broker as another user");
+    if !common::can_act_as_another_user() {
         return;
     }
     let dir = TempDir::new("unprivileged");
