@@ -630,3 +630,119 @@ fn a_client_that_shuts_down_its_writing_side_gives_its_tokens_back_and_gets_its_
     holder.release(1).unwrap();
     broker.assert_all_free();
 }
+
+/// `baton limit N` against `broker`: its output and exit code.
+fn set_limit(broker: &Broker, limit: u32) -> std::process::Output {
+    baton().args(["limit", &limit.to_string(), "--socket"]).arg(&broker.socket).output().unwrap()
+}
+
+/// A client waiting in ACQUIRE on its own thread; joining gives it back.
+fn queued_acquire(broker: &Broker, label: &str, tokens: u32) -> std::thread::JoinHandle<baton_client::Client> {
+    let before = broker.status().waiters.len();
+    let mut c = broker.client(label);
+    let thread = std::thread::spawn(move || {
+        c.acquire(tokens).unwrap();
+        c
+    });
+    wait_for(Duration::from_secs(20), &format!("{label} to queue"), || broker.status().waiters.len() == before + 1);
+    thread
+}
+
+#[test]
+fn a_lowered_limit_drains_before_anyone_is_served() {
+    let broker = Broker::start(4);
+    let mut holder = broker.client("holder");
+    holder.acquire(4).unwrap();
+    let waiter = queued_acquire(&broker, "waiter", 1);
+    let out = set_limit(&broker, 2);
+    assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), "limit 4 -> 2");
+    let s = broker.status();
+    assert_eq!((s.limit, s.held, s.free), (2, 4, 0), "held above the limit while it drains: {s:#?}");
+    // Each release retires a token until fewer than the limit are held.
+    for held in [3, 2] {
+        holder.release(1).unwrap();
+        let s = broker.status();
+        assert_eq!((s.held, s.free, s.waiters.len()), (held, 0, 1), "served while {held} held under a limit of 2: {s:#?}");
+    }
+    holder.release(1).unwrap();
+    let mut waiter = waiter.join().unwrap();
+    let s = broker.status();
+    assert_eq!((s.held, s.free, s.waiters.len()), (2, 0, 0), "{s:#?}");
+    // A limit below what a waiting request asks is refused, and changes nothing.
+    let big = queued_acquire(&broker, "big", 2);
+    let out = set_limit(&broker, 1);
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("range") || err.contains("waiting"), "{err}");
+    assert_eq!(broker.status().limit, 2);
+    holder.release(1).unwrap();
+    waiter.release(1).unwrap();
+    big.join().unwrap().release(2).unwrap();
+    let s = broker.status();
+    assert_eq!(s.totals.granted, s.totals.released, "{s:#?}");
+    broker.assert_all_free();
+}
+
+#[test]
+fn a_client_killed_while_queued_never_gets_the_token() {
+    let broker = Broker::start(1);
+    let mut holder = broker.client("holder");
+    holder.acquire(1).unwrap();
+    let mut doomed = broker.run(&["--jobserver-style", "none", "--", "true"]).spawn().unwrap();
+    wait_for(Duration::from_secs(20), "the doomed run to queue", || broker.status().waiters.len() == 1);
+    let live = queued_acquire(&broker, "live", 1);
+    doomed.kill().unwrap();
+    doomed.wait().unwrap();
+    wait_for(Duration::from_secs(20), "the dead waiter to leave the queue", || broker.status().waiters.len() == 1);
+    holder.release(1).unwrap();
+    let mut live = live.join().unwrap();
+    let s = broker.status();
+    assert_eq!((s.held, s.holders.len(), s.holders[0].command.as_str()), (1, 1, "live"), "{s:#?}");
+    assert_eq!((s.totals.granted, s.totals.reclaimed), (2, 0), "the dead waiter was never granted: {s:#?}");
+    live.release(1).unwrap();
+    broker.assert_all_free();
+}
+
+#[test]
+fn protocol_edges_get_the_documented_answers() {
+    let broker = Broker::start(2);
+    // HELLO twice is fatal.
+    let reply = raw_exchange(&broker, b"HELLO 1 a\nHELLO 1 b\n");
+    assert!(reply.lines().nth(1).is_some_and(|l| l.starts_with("ERR hello")), "{reply:?}");
+    // \r\n ends a line as \n does, and is not part of the label.
+    let mut crlf = RawSession::open(&broker, "HELLO 1 crlf\r");
+    crlf.send("ACQUIRE 1\r\nSTATUS\r\n");
+    assert_eq!(crlf.line(), "GRANTED 1 1");
+    let status = crlf.status();
+    assert_eq!(status["holders"][0]["command"], "crlf", "{status}");
+    // A label over 200 bytes is refused, though the line is under 256.
+    let long = format!("HELLO 1 {}\n", "x".repeat(201));
+    let reply = raw_exchange(&broker, long.as_bytes());
+    assert!(reply.starts_with("ERR malformed"), "{reply:?}");
+    // TRY never jumps the queue: with a token free, it is BUSY behind a waiter.
+    let waiter = queued_acquire(&broker, "waits for two", 2);
+    let mut tryer = RawSession::open(&broker, "HELLO 1 tryer");
+    tryer.send("TRY 1\n");
+    assert_eq!(tryer.line(), "BUSY 1");
+    crlf.send("RELEASE 1\n");
+    assert_eq!(crlf.line(), "RELEASED 1 0");
+    let mut waiter = waiter.join().unwrap();
+    waiter.release(2).unwrap();
+    broker.assert_all_free();
+}
+
+#[test]
+fn a_client_that_never_reads_is_cut_off_past_1_mib_and_its_token_comes_back() {
+    let broker = Broker::start(1);
+    let mut hog = RawSession::open(&broker, "HELLO 1 never reads");
+    hog.send("ACQUIRE 1\n");
+    assert_eq!(hog.line(), "GRANTED 1 1");
+    // Some 3 MB of replies, asked for in 70 kB: the socket's buffers hold
+    // far less, so the rest piles up in the broker until it gives up.
+    let _ = hog.0.get_mut().write_all("STATUS\n".repeat(10_000).as_bytes());
+    wait_for(Duration::from_secs(60), "the hog to be cut off", || broker.status().totals.reclaimed == 1);
+    let mut other = broker.client("other");
+    other.acquire(1).unwrap();
+    other.release(1).unwrap();
+    broker.assert_all_free();
+}
