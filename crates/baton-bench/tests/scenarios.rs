@@ -117,7 +117,6 @@ fn check_document(doc: &Value) -> Result<()> {
         for key in ["context_switches_per_op", "voluntary_context_switches_per_op", "cpu_us_per_op", "wall_s"] {
             ensure!(row[key].as_f64().is_some_and(|x| x.is_finite() && x >= 0.0), "bad {key} in {row}");
         }
-        ensure!(row["voluntary_context_switches_per_op"].as_f64() <= row["context_switches_per_op"].as_f64(), "more voluntary switches than switches in {row}");
         ensure!(row["wall_s"].as_f64() > Some(0.0), "no wall time in {row}");
     }
     Ok(())
@@ -199,7 +198,10 @@ fn bulk_wake_counts_every_wake_up(h: &Harness) -> Result<()> {
     ensure!(mechanisms(&doc) == h.expected(&["SysV semaphore", "futex, FUTEX_WAKE 1", "baton native", "baton native, no spin", "baton native, no io_uring"]), "mechanisms {:?}", mechanisms(&doc));
     for row in doc["results"].as_array().into_iter().flatten() {
         ensure!(u64_of(row, "operations") == 300, "wake-ups in {row}");
-        ensure!(u64_of(row, "min_per_waiter") <= u64_of(row, "max_per_waiter"), "fairness columns in {row}");
+        // The per-waiter counts add up to the wake-ups: the fewest any
+        // waiter got cannot be above the mean, the most not below it.
+        let (min, max, waiters) = (u64_of(row, "min_per_waiter"), u64_of(row, "max_per_waiter"), u64_of(row, "waiters"));
+        ensure!(waiters == 6 && min * waiters <= 300 && max * waiters >= 300, "fairness columns in {row}");
     }
     Ok(())
 }
