@@ -62,7 +62,10 @@ impl Harness {
             built.is_file().then_some(built)
         });
         if baton.is_none() {
-            println!("note: no baton binary (set BATON_BIN or build target/debug/baton): baton rows skipped");
+            record_skip("Baton", "no baton binary (set BATON_BIN or build target/debug/baton): baton rows skipped");
+        }
+        if !std::path::Path::new("/dev/fuse").exists() {
+            record_skip("Fuse", "no /dev/fuse: baton FUSE rows skipped");
         }
         let tmp = std::env::temp_dir().join(format!("baton-bench-test-{}", std::process::id()));
         std::fs::create_dir_all(&tmp).expect("creating a temporary directory");
@@ -94,6 +97,18 @@ impl Harness {
             .filter(|m| self.baton.is_some() || !m.starts_with("baton"))
             .filter(|m| fuse || !m.starts_with("baton FUSE"))
             .collect()
+    }
+}
+
+/// Counts the skipped rows in scripts/test's tally: a line in the file
+/// `BATON_TEST_SKIPS` names, as crates/baton/tests/common writes.
+fn record_skip(kind: &str, reason: &str) {
+    let line = format!("{kind}\tscenarios\t{reason}\n");
+    print!("SKIPPED: {line}");
+    if let Some(path) = std::env::var_os("BATON_TEST_SKIPS") {
+        use std::io::Write;
+        let mut file = std::fs::OpenOptions::new().append(true).create(true).open(path).expect("open BATON_TEST_SKIPS");
+        file.write_all(line.as_bytes()).expect("record a skip");
     }
 }
 

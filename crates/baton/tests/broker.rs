@@ -53,7 +53,7 @@ fn a_freed_token_goes_to_the_longest_waiter() {
         wait_for(Duration::from_secs(5), "the waiter to queue", || broker.status().waiters.len() == i + 1);
     }
     holder.release(1).unwrap();
-    let order: Vec<_> = (0..5).map(|_| rx.recv().unwrap()).collect();
+    let order: Vec<_> = (0..5).map(|_| rx.recv_timeout(Duration::from_secs(30)).expect("a grant")).collect();
     assert_eq!(order, vec![0, 1, 2, 3, 4]);
     threads.into_iter().for_each(|t| t.join().unwrap());
     broker.assert_all_free();
@@ -75,7 +75,7 @@ fn kill_9_of_holders_gives_their_tokens_to_the_waiter() {
     for h in &mut holders {
         h.kill().unwrap(); // SIGKILL
     }
-    let mut waiter = waiter.join().unwrap();
+    let mut waiter = join_within(waiter, Duration::from_secs(30), "the waiter to get the killed holders' tokens");
     let s = broker.status();
     assert_eq!((s.totals.reclaimed, s.held, s.holders.len()), (2, 2, 1), "the waiter holds both reclaimed tokens: {s:#?}");
     waiter.release(2).unwrap();
@@ -561,7 +561,7 @@ fn a_raise_wakes_more_waiters_than_one_send_batch_holds() {
         wait_for(Duration::from_secs(10), "100 waiters", || broker.status().waiters.len() == 100);
         let out = baton().args(["limit", "101", "--socket"]).arg(&broker.socket).output().unwrap();
         assert!(out.status.success(), "{flags:?}: {}", String::from_utf8_lossy(&out.stderr));
-        let mut granted: Vec<_> = waiters.into_iter().map(|t| t.join().unwrap()).collect();
+        let mut granted: Vec<_> = waiters.into_iter().map(|t| join_within(t, Duration::from_secs(60), "every waiter to be served")).collect();
         assert_eq!(broker.status().held, 101, "{flags:?}");
         granted.iter_mut().for_each(|c| c.release(1).unwrap());
         holder.release(1).unwrap();
@@ -665,7 +665,7 @@ fn a_lowered_limit_drains_before_anyone_is_served() {
         assert_eq!((s.held, s.free, s.waiters.len()), (held, 0, 1), "served while {held} held under a limit of 2: {s:#?}");
     }
     holder.release(1).unwrap();
-    let mut waiter = waiter.join().unwrap();
+    let mut waiter = join_within(waiter, Duration::from_secs(30), "the waiter to be served");
     let s = broker.status();
     assert_eq!((s.held, s.free, s.waiters.len()), (2, 0, 0), "{s:#?}");
     // A limit below what a waiting request asks is refused, and changes nothing.
@@ -677,7 +677,7 @@ fn a_lowered_limit_drains_before_anyone_is_served() {
     assert_eq!(broker.status().limit, 2);
     holder.release(1).unwrap();
     waiter.release(1).unwrap();
-    big.join().unwrap().release(2).unwrap();
+    join_within(big, Duration::from_secs(30), "the big request to be served").release(2).unwrap();
     let s = broker.status();
     assert_eq!(s.totals.granted, s.totals.released, "{s:#?}");
     broker.assert_all_free();
@@ -695,7 +695,7 @@ fn a_client_killed_while_queued_never_gets_the_token() {
     doomed.wait().unwrap();
     wait_for(Duration::from_secs(20), "the dead waiter to leave the queue", || broker.status().waiters.len() == 1);
     holder.release(1).unwrap();
-    let mut live = live.join().unwrap();
+    let mut live = join_within(live, Duration::from_secs(30), "the live waiter to be served");
     let s = broker.status();
     assert_eq!((s.held, s.holders.len(), s.holders[0].command.as_str()), (1, 1, "live"), "{s:#?}");
     assert_eq!((s.totals.granted, s.totals.reclaimed), (2, 0), "the dead waiter was never granted: {s:#?}");
@@ -726,7 +726,7 @@ fn protocol_edges_get_the_documented_answers() {
     assert_eq!(tryer.line(), "BUSY 1");
     crlf.send("RELEASE 1\n");
     assert_eq!(crlf.line(), "RELEASED 1 0");
-    let mut waiter = waiter.join().unwrap();
+    let mut waiter = join_within(waiter, Duration::from_secs(30), "the waiter to be served");
     waiter.release(2).unwrap();
     broker.assert_all_free();
 }

@@ -155,6 +155,23 @@ fn a_freed_token_wakes_exactly_one_poller() {
 }
 
 #[test]
+fn a_poller_that_closes_its_file_stops_waiting() {
+    let Some(broker) = fuse_broker(1, &[]) else { return };
+    let path = token_file(&broker, "quitter");
+    let mut holder = broker.client("holder");
+    holder.acquire(1).unwrap();
+    let file = open_nonblocking(&path);
+    let mut fd = libc::pollfd { fd: file.as_raw_fd(), events: libc::POLLIN, revents: 0 };
+    // A short poll: it returns with nothing, and leaves the wait queued.
+    assert_eq!(unsafe { libc::poll(&mut fd, 1, 10) }, 0);
+    assert_eq!(broker.status().waiters.len(), 1, "the poll queued for a token");
+    drop(file);
+    wait_for(Duration::from_secs(20), "the closed poller's wait to go", || broker.status().waiters.is_empty());
+    holder.release(1).unwrap();
+    broker.assert_all_free();
+}
+
+#[test]
 fn a_blocked_reader_gets_the_token_a_socket_client_frees() {
     let Some(broker) = fuse_broker(1, &[]) else { return };
     let path = token_file(&broker, "blocking");

@@ -389,3 +389,51 @@ fn max_below_the_tokens_a_build_needs_or_with_fuse_is_refused() {
     assert!(err.contains("--max works with the pipe and fifo styles, not with fuse"), "{err}");
     broker.assert_all_free();
 }
+
+/// The feeder's cap against the real broker, where its requests queue:
+/// a build that gives each token back and at once takes it again, beside
+/// a client that takes and gives back the pool's other token, so that the
+/// feeder's CANCEL races with grants. Under a limit of 2 (the run's own
+/// slot and the one `--max 2` lets it lend), one request past the cap
+/// would be refused and end the run; the feeder's unit tests play a broker
+/// that never queues.
+#[test]
+fn the_cap_holds_against_a_broker_that_queues() {
+    let broker = Broker::start(2);
+    let socket = broker.socket.clone();
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let rival = std::thread::spawn({
+        let stop = stop.clone();
+        move || {
+            let mut c = baton_client::Client::connect(&socket, "rival").unwrap();
+            let mut rounds = 0u32;
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                c.acquire(1).unwrap();
+                std::thread::sleep(Duration::from_millis(1));
+                c.release(1).unwrap();
+                rounds += 1;
+            }
+            rounds
+        }
+    });
+    let churn = "import os\n\
+        fd = os.open(os.environ['MAKEFLAGS'].split('fifo:')[1], os.O_RDWR)\n\
+        for _ in range(3000):\n\
+        \x20   os.write(fd, os.read(fd, 1))\n\
+        print('done')\n";
+    let mut run = broker.run(&["--max", "2", "--jobserver-style", "fifo", "--", "python3", "-c", churn]).env_remove("MAKEFLAGS").stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap();
+    let finished = wait_timeout(&mut run, Duration::from_secs(120));
+    if finished.is_none() {
+        let _ = run.kill();
+    }
+    let out = run.wait_with_output().unwrap();
+    assert!(finished.is_some(), "the build hung: {}", String::from_utf8_lossy(&out.stderr));
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let rounds = join_within(rival, Duration::from_secs(60), "the rival to stop");
+    assert_built(&out);
+    assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), "done");
+    assert!(rounds > 0, "the rival never got a token: nothing raced");
+    let s = broker.status();
+    assert!(s.totals.waits > 0, "no request ever queued: {s:#?}");
+    assert_clean_end(&broker);
+}

@@ -196,6 +196,14 @@ pub fn wait_for(limit: Duration, what: &str, mut cond: impl FnMut() -> bool) {
     }
 }
 
+/// Joins `thread` once it has finished; panics after `limit` naming
+/// `what`, so that a grant that never comes fails the test instead of
+/// hanging it.
+pub fn join_within<T>(thread: std::thread::JoinHandle<T>, limit: Duration, what: &str) -> T {
+    wait_for(limit, what, || thread.is_finished());
+    thread.join().unwrap()
+}
+
 pub fn pid_alive(pid: u32) -> bool {
     // A zombie still answers kill(0): look at /proc state too.
     match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
