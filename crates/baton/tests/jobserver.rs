@@ -183,9 +183,7 @@ fn kill_9_of_a_recursive_make_tree_returns_every_token() {
             unsafe { libc::kill(pid as i32, libc::SIGKILL) };
         }
         wait_for(Duration::from_secs(20), "the tree to be gone", || tree.iter().all(|&p| !pid_alive(p)));
-        // baton run lives on and takes back what the dead tree held.
         wait_for(Duration::from_secs(20), "every token to be free", || broker.status().free == 6);
-        assert!(pid_alive(run.id()), "{make:?}: baton run died with its build");
         kill_group(run.id());
         run.wait().unwrap();
     }
