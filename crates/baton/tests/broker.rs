@@ -746,3 +746,59 @@ fn a_client_that_never_reads_is_cut_off_past_1_mib_and_its_token_comes_back() {
     other.release(1).unwrap();
     broker.assert_all_free();
 }
+
+/// ^C on a terminal signals the whole foreground group, baton run and its
+/// command alike: the command sees it (one SIGINT counted; a second one
+/// from baton run is caught only when it comes after the first was
+/// handled, since a pending signal absorbs its twin). A SIGHUP sent to
+/// baton run alone is forwarded. baton run runs here as the session
+/// leader of a pseudo-terminal, as in a shell.
+#[test]
+fn a_terminal_sigint_reaches_the_command_and_sighup_is_forwarded() {
+    use std::os::unix::process::CommandExt;
+    let broker = Broker::start(1);
+    let dir = TempDir::new("tty");
+    let (ready, counts) = (dir.path().join("ready"), dir.path().join("counts"));
+    let script = "import signal, sys, time\n\
+        seen = {'INT': 0, 'HUP': 0}\n\
+        def note(name):\n\
+        \x20   seen[name] += 1\n\
+        \x20   open(sys.argv[2], 'w').write('INT=%d HUP=%d' % (seen['INT'], seen['HUP']))\n\
+        signal.signal(signal.SIGINT, lambda *_: note('INT'))\n\
+        signal.signal(signal.SIGHUP, lambda *_: note('HUP'))\n\
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))\n\
+        open(sys.argv[1], 'w').close()\n\
+        while True: time.sleep(1)\n";
+    let (mut master, mut slave) = (0, 0);
+    // SAFETY: openpty fills in two new descriptors.
+    assert_eq!(unsafe { libc::openpty(&mut master, &mut slave, std::ptr::null_mut(), std::ptr::null(), std::ptr::null()) }, 0);
+    let mut cmd = broker.run(&["--jobserver-style", "none", "--", "python3", "-c", script]);
+    cmd.arg(&ready).arg(&counts);
+    // SAFETY: only async-signal-safe calls between fork and exec.
+    unsafe {
+        cmd.pre_exec(move || {
+            libc::setsid();
+            libc::ioctl(slave, libc::TIOCSCTTY, 0);
+            for fd in 0..3 {
+                libc::dup2(slave, fd);
+            }
+            Ok(())
+        });
+    }
+    let mut run = cmd.spawn().unwrap();
+    unsafe { libc::close(slave) };
+    wait_for(Duration::from_secs(30), "the command to set its handlers", || ready.exists());
+    // ^C, as typed: the terminal sends SIGINT to baton run and python.
+    let counted = |text: &str| std::fs::read_to_string(&counts).is_ok_and(|c| c == text);
+    assert_eq!(unsafe { libc::write(master, b"\x03".as_ptr().cast(), 1) }, 1);
+    wait_for(Duration::from_secs(30), "the command to see ^C", || counted("INT=1 HUP=0"));
+    unsafe { libc::kill(run.id() as i32, libc::SIGHUP) };
+    wait_for(Duration::from_secs(30), "the command to get SIGHUP", || !counted("INT=1 HUP=0"));
+    // Forwarded last, after any second SIGINT baton run would have sent.
+    unsafe { libc::kill(run.id() as i32, libc::SIGTERM) };
+    let status = wait_timeout(&mut run, Duration::from_secs(30));
+    unsafe { libc::close(master) };
+    assert!(status.is_some(), "baton run did not end on SIGTERM");
+    assert_eq!(std::fs::read_to_string(&counts).unwrap_or_default(), "INT=1 HUP=1");
+    broker.assert_all_free();
+}
