@@ -451,3 +451,21 @@ fn a_broker_that_cannot_mount_says_why_once_and_serves_on() {
     assert_eq!(text.matches("no FUSE token files").count(), 1, "{text}");
     assert!(text.contains("builds will use the FIFO bridge"), "{text}");
 }
+
+/// The mount sits in the broker's private directory (0700), and the
+/// mount itself is not shared with other users: either refuses them.
+#[test]
+fn a_second_user_is_refused_at_the_token_file() {
+    let Some(broker) = fuse_broker(1, &[]) else { return };
+    if !common::can_act_as_another_user() {
+        return;
+    }
+    let path = token_file(&broker, "private");
+    let out = Command::new("setpriv").args(["--reuid=nobody", "--regid=nogroup", "--clear-groups", "head", "-c", "1"]).arg(&path).output().unwrap();
+    assert!(!out.status.success(), "nobody read a token");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("Permission denied"), "{err}");
+    let s = broker.status();
+    assert!(s.holders.is_empty() && s.waiters.is_empty(), "{s:#?}");
+    broker.assert_all_free();
+}

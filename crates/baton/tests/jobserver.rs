@@ -435,3 +435,20 @@ fn the_cap_holds_against_a_broker_that_queues() {
     assert!(s.totals.waits > 0, "no request ever queued: {s:#?}");
     assert_clean_end(&broker);
 }
+
+#[test]
+fn a_recursive_make_stays_within_a_binding_limit() {
+    for (make, style) in [(make43(), "pipe"), (make44(), "fifo")] {
+        let broker = Broker::start(3);
+        let dir = TempDir::new("recursive");
+        let log = dir.path().join("jobs.log");
+        recursive_tree(dir.path(), &log, 4, 10, "0.05");
+        let out = build(&broker, dir.path(), &["--jobserver-style", style], &make, &[]);
+        assert_built(&out);
+        let (max, started) = max_overlap(&log);
+        assert_eq!(started, 40, "{style}: every job ran");
+        assert!(max <= 3, "{style}: {max} jobs at once under --jobs 3 across sub-makes");
+        assert!(max >= 2, "{style}: the tree ran in parallel (at most {max} at once)");
+        assert_clean_end(&broker);
+    }
+}
