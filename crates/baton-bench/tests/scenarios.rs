@@ -63,7 +63,10 @@ impl Harness {
             built.is_file().then_some(built)
         });
         if baton.is_none() {
-            println!("note: no baton binary (set BATON_BIN or build target/debug/baton): baton rows skipped");
+            record_skip("Baton", "no baton binary (set BATON_BIN or build target/debug/baton): baton rows skipped");
+        }
+        if !std::path::Path::new("/dev/fuse").exists() {
+            record_skip("Fuse", "no /dev/fuse: baton FUSE rows skipped");
         }
         let tmp = std::env::temp_dir().join(format!("baton-bench-test-{}", std::process::id()));
         std::fs::create_dir_all(&tmp).expect("creating a temporary directory");
@@ -98,6 +101,18 @@ impl Harness {
     }
 }
 
+/// Counts the skipped rows in scripts/test's tally: a line in the file
+/// `BATON_TEST_SKIPS` names, as crates/baton/tests/common writes.
+fn record_skip(kind: &str, reason: &str) {
+    let line = format!("{kind}\tscenarios\t{reason}\n");
+    print!("SKIPPED: {line}");
+    if let Some(path) = std::env::var_os("BATON_TEST_SKIPS") {
+        use std::io::Write;
+        let mut file = std::fs::OpenOptions::new().append(true).create(true).open(path).expect("open BATON_TEST_SKIPS");
+        file.write_all(line.as_bytes()).expect("record a skip");
+    }
+}
+
 impl Drop for Harness {
     fn drop(&mut self) {
         let _ = std::fs::remove_dir_all(&self.tmp);
@@ -118,7 +133,6 @@ fn check_document(doc: &Value) -> Result<()> {
         for key in ["context_switches_per_op", "voluntary_context_switches_per_op", "cpu_us_per_op", "wall_s"] {
             ensure!(row[key].as_f64().is_some_and(|x| x.is_finite() && x >= 0.0), "bad {key} in {row}");
         }
-        ensure!(row["voluntary_context_switches_per_op"].as_f64() <= row["context_switches_per_op"].as_f64(), "more voluntary switches than switches in {row}");
         ensure!(row["wall_s"].as_f64() > Some(0.0), "no wall time in {row}");
     }
     Ok(())
@@ -200,7 +214,10 @@ fn bulk_wake_counts_every_wake_up(h: &Harness) -> Result<()> {
     ensure!(mechanisms(&doc) == h.expected(&["SysV semaphore", "futex, FUTEX_WAKE 1", "baton native", "baton native, no spin", "baton native, no io_uring"]), "mechanisms {:?}", mechanisms(&doc));
     for row in doc["results"].as_array().into_iter().flatten() {
         ensure!(u64_of(row, "operations") == 300, "wake-ups in {row}");
-        ensure!(u64_of(row, "min_per_waiter") <= u64_of(row, "max_per_waiter"), "fairness columns in {row}");
+        // The per-waiter counts add up to the wake-ups: the fewest any
+        // waiter got cannot be above the mean, the most not below it.
+        let (min, max, waiters) = (u64_of(row, "min_per_waiter"), u64_of(row, "max_per_waiter"), u64_of(row, "waiters"));
+        ensure!(waiters == 6 && min * waiters <= 300 && max * waiters >= 300, "fairness columns in {row}");
     }
     Ok(())
 }

@@ -557,6 +557,7 @@ fn flush(conn: &mut Conn) -> io::Result<()> {
 /// lets us have one.
 fn io_uring_sender(poll: &Poll) -> Option<SendAndWait> {
     SendAndWait::new(poll.as_raw_fd(), SEND_BATCH)
+        .inspect(|_| log::info(format_args!("replies go out through io_uring as the loop sleeps")))
         .inspect_err(|e| log::info(format_args!("no io_uring here ({e}): replies are written, then the loop sleeps")))
         .ok()
 }

@@ -1,8 +1,8 @@
 //! The FUSE token file (docs/fuse.md) against the real binary, real FUSE, GNU
 //! make 4.4.1 and cargo.
 //!
-//! Where FUSE cannot be mounted every test here prints a note and passes,
-//! except with CI=true: CI has FUSE, so a skip there is a failure.
+//! Where FUSE cannot be mounted every test here records a skip
+//! (`common::skip`): scripts/test counts it, and fails on CI, which has FUSE.
 
 mod common;
 
@@ -16,16 +16,14 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command};
 use std::time::{Duration, Instant};
 
-/// A broker with its FUSE mount, or None (after saying so) where FUSE is
-/// not available.
+/// A broker with its FUSE mount, or None (after recording a skip) where
+/// FUSE is not available.
 pub fn fuse_broker(jobs: u32, extra: &[&str]) -> Option<Broker> {
     let broker = Broker::start_with(jobs, extra);
     if is_fuse(&mount_point(&broker)) {
         return Some(broker);
     }
-    let why = broker.log();
-    assert!(std::env::var("CI").as_deref() != Ok("true"), "CI=true but the FUSE tests would be skipped: {why}");
-    eprintln!("NOTE: FUSE test skipped, FUSE is not available here: {}", why.trim());
+    common::skip(common::Missing::Fuse, &format!("FUSE is not available here: {}", broker.log()));
     None
 }
 
@@ -118,31 +116,58 @@ fn a_freed_token_wakes_exactly_one_poller() {
     let mut holder = broker.client("holder");
     holder.acquire(4).unwrap();
 
+    // Each poller reports whether poll() woke it and whether its read then
+    // got a token, and keeps that token until told to give it back.
+    let (report_tx, reports) = std::sync::mpsc::channel();
+    let (give_back, give_back_rx) = std::sync::mpsc::channel::<()>();
+    let give_back_rx = std::sync::Arc::new(std::sync::Mutex::new(give_back_rx));
     let pollers: Vec<_> = (0..4)
         .map(|_| {
-            let path = path.clone();
+            let (path, report_tx, give_back_rx) = (path.clone(), report_tx.clone(), give_back_rx.clone());
             std::thread::spawn(move || {
                 let mut file = open_nonblocking(&path);
                 let mut fd = libc::pollfd { fd: file.as_raw_fd(), events: libc::POLLIN, revents: 0 };
-                let woken = unsafe { libc::poll(&mut fd, 1, 1500) } == 1;
+                // A long timeout: only a hang guard.
+                let woken = unsafe { libc::poll(&mut fd, 1, 60_000) } == 1;
                 let got = woken && read_token(&mut file).is_ok();
+                report_tx.send((woken, got)).unwrap();
                 if got {
+                    give_back_rx.lock().unwrap().recv().unwrap();
                     file.write_all(b"+").unwrap();
                 }
-                (woken, got)
             })
         })
         .collect();
-    wait_for(Duration::from_secs(5), "4 pollers waiting", || broker.status().waiters.len() == 4);
+    wait_for(Duration::from_secs(10), "4 pollers waiting", || broker.status().waiters.len() == 4);
+    // One token at a time: each wakes one poller, which takes it; the
+    // others still sleep in poll(), still counted as waiting.
+    for freed in 1..=4 {
+        holder.release(1).unwrap();
+        let report = reports.recv_timeout(Duration::from_secs(60)).expect("a poller woken");
+        assert_eq!(report, (true, true), "token {freed}: a poller was woken without a token");
+        wait_for(Duration::from_secs(10), "the woken poller to stop waiting", || broker.status().waiters.len() == 4 - freed);
+        assert!(reports.try_recv().is_err(), "token {freed} woke a second poller");
+    }
+    (0..4).for_each(|_| give_back.send(()).unwrap());
+    pollers.into_iter().for_each(|t| t.join().unwrap());
+    assert!(reports.try_recv().is_err(), "a poller was woken for nothing");
+    broker.assert_all_free();
+}
+
+#[test]
+fn a_poller_that_closes_its_file_stops_waiting() {
+    let Some(broker) = fuse_broker(1, &[]) else { return };
+    let path = token_file(&broker, "quitter");
+    let mut holder = broker.client("holder");
+    holder.acquire(1).unwrap();
+    let file = open_nonblocking(&path);
+    let mut fd = libc::pollfd { fd: file.as_raw_fd(), events: libc::POLLIN, revents: 0 };
+    // A short poll: it returns with nothing, and leaves the wait queued.
+    assert_eq!(unsafe { libc::poll(&mut fd, 1, 10) }, 0);
+    assert_eq!(broker.status().waiters.len(), 1, "the poll queued for a token");
+    drop(file);
+    wait_for(Duration::from_secs(20), "the closed poller's wait to go", || broker.status().waiters.is_empty());
     holder.release(1).unwrap();
-    std::thread::sleep(Duration::from_millis(200));
-    holder.release(3).unwrap();
-    let results: Vec<(bool, bool)> = pollers.into_iter().map(|t| t.join().unwrap()).collect();
-    // The first one gives its token back, which wakes the next, and so on:
-    // every poller gets a turn, but never two at once, and nobody is woken
-    // for nothing.
-    assert!(results.iter().all(|&(woken, got)| woken == got), "a poller was woken without a token: {results:?}");
-    assert!(results.iter().filter(|r| r.1).count() >= 1);
     broker.assert_all_free();
 }
 
@@ -150,23 +175,28 @@ fn a_freed_token_wakes_exactly_one_poller() {
 fn a_blocked_reader_gets_the_token_a_socket_client_frees() {
     let Some(broker) = fuse_broker(1, &[]) else { return };
     let path = token_file(&broker, "blocking");
+    let path_back = path.clone();
     let mut holder = broker.client("holder");
     holder.acquire(1).unwrap();
     let reader = std::thread::spawn(move || {
         let mut file = File::open(&path).unwrap();
-        let start = Instant::now();
         read_token(&mut file).unwrap();
-        start.elapsed()
+        file
     });
-    wait_for(Duration::from_secs(5), "the reader to wait", || broker.status().waiters.len() == 1);
-    std::thread::sleep(Duration::from_millis(100));
+    wait_for(Duration::from_secs(10), "the reader to wait", || broker.status().waiters.len() == 1);
+    assert!(!reader.is_finished(), "the read returned with no token free");
     holder.release(1).unwrap();
-    assert!(reader.join().unwrap() >= Duration::from_millis(100));
+    drop(reader.join().unwrap());
+    let s = broker.status();
+    assert!(s.holders.iter().any(|h| h.transport == "fuse" && h.tokens == 1), "the reader holds the token: {s:#?}");
+    OpenOptions::new().write(true).open(&path_back).unwrap().write_all(b"+").unwrap();
+    broker.assert_all_free();
 }
 
 #[test]
-fn the_issue_tree_runs_all_5120_jobs_within_512_and_returns_every_token() {
-    let Some(broker) = fuse_broker(512, &[]) else { return };
+fn the_issue_tree_runs_all_5120_jobs_within_a_binding_limit_and_returns_every_token() {
+    // A limit two cores reach: 512 would never bind here.
+    let Some(broker) = fuse_broker(16, &[]) else { return };
     let dir = TempDir::new("fuse-tree");
     let log = dir.path().join("jobs.log");
     make_tree(dir.path(), &log, 16, 20, "0.02");
@@ -174,9 +204,10 @@ fn the_issue_tree_runs_all_5120_jobs_within_512_and_returns_every_token() {
     assert!(status.success(), "make failed: {status}");
     let (max, started) = max_overlap(&log);
     assert_eq!(started, 16 * 16 * 20);
-    assert!(max <= 512, "{max} jobs at once under a limit of 512");
+    assert!(max <= 16, "{max} jobs at once under a limit of 16");
+    assert!(max >= 2, "the build ran in parallel (at most {max} at once)");
     broker.assert_all_free();
-    assert!(broker.status().totals.granted > 512, "the build did not take its tokens from the FUSE file");
+    assert!(broker.status().totals.granted > 16, "the build did not take its tokens from the FUSE file");
 }
 
 /// Pids of FUSE holders whose command contains `what`.
@@ -185,7 +216,7 @@ fn fuse_holders(broker: &Broker, what: &str) -> Vec<u32> {
 }
 
 #[test]
-fn killing_a_sub_make_or_the_whole_tree_returns_its_tokens_within_a_second() {
+fn killing_a_sub_make_or_the_whole_tree_returns_its_tokens() {
     let Some(broker) = fuse_broker(64, &[]) else { return };
     let dir = TempDir::new("fuse-kill");
     let log = dir.path().join("jobs.log");
@@ -195,17 +226,14 @@ fn killing_a_sub_make_or_the_whole_tree_returns_its_tokens_within_a_second() {
 
     let victim = fuse_holders(&broker, "leaf.mk")[0];
     unsafe { libc::kill(victim as i32, libc::SIGKILL) };
-    let killed = Instant::now();
-    wait_for(Duration::from_secs(5), "the killed sub-make's tokens", || !fuse_holders(&broker, "leaf.mk").contains(&victim));
-    assert!(killed.elapsed() < Duration::from_secs(1), "took {:?}", killed.elapsed());
+    wait_for(Duration::from_secs(20), "the killed sub-make's tokens", || !fuse_holders(&broker, "leaf.mk").contains(&victim));
     assert!(!pid_alive(victim));
+    assert!(broker.status().totals.reclaimed >= 1, "the sub-make's tokens were reclaimed");
 
     kill_group(&make);
-    let killed = Instant::now();
     let _ = make.wait();
     // baton run is in the group too: the build's own slot comes back with it.
-    wait_for(Duration::from_secs(5), "every token of the tree", || broker.status().free == 64);
-    assert!(killed.elapsed() < Duration::from_secs(1), "took {:?}", killed.elapsed());
+    wait_for(Duration::from_secs(20), "every token of the tree", || broker.status().free == 64);
     broker.assert_all_free();
 }
 
@@ -219,9 +247,10 @@ fn a_cargo_build_through_the_fuse_file_completes_and_returns_every_token() {
     assert!(out.status.success(), "cargo build failed: {}", String::from_utf8_lossy(&out.stderr));
     assert_eq!(max_overlap(&log).1, 4, "every build script ran");
     // cargo's process may be gone a moment before its last handle closes.
-    wait_for(Duration::from_secs(2), "every token back", || broker.status().free == 4);
+    wait_for(Duration::from_secs(20), "every token back", || broker.status().free == 4);
     let s = broker.status();
     assert!(s.totals.granted > 1, "cargo took no token from the FUSE file: {s:#?}");
+    assert!(max_overlap(&log).0 >= 2, "cargo ran one build script at a time: it read no token");
 }
 
 #[test]
@@ -259,13 +288,13 @@ fn a_process_exiting_with_a_thread_blocked_in_a_read_exits_at_once() {
         os._exit(0)\n";
     let mut child = Command::new("python3").arg("-c").arg(script).arg(&path).spawn().unwrap();
     wait_for(Duration::from_secs(5), "the helper thread to wait", || broker.status().waiters.len() == 1);
-    let status = common::wait_timeout(&mut child, Duration::from_secs(2)).unwrap_or_else(|| {
+    let status = common::wait_timeout(&mut child, Duration::from_secs(30)).unwrap_or_else(|| {
         let _ = child.kill();
         panic!("the process hung on exit")
     });
     assert!(status.success());
     OpenOptions::new().write(true).open(&path).unwrap().write_all(b"+").unwrap();
-    wait_for(Duration::from_secs(1), "every token back", || broker.status().free == 2);
+    wait_for(Duration::from_secs(20), "every token back", || broker.status().free == 2);
 }
 
 /// Context switches, CPU and wall time of one run of the tree.
@@ -381,6 +410,11 @@ fn without_a_mount_auto_falls_back_to_the_fifo_and_fuse_is_refused() {
     assert_eq!(started, 12);
     assert!((2..=4).contains(&max), "the FIFO bridge fed the build: {max} at once");
     broker.assert_all_free();
+    // The build was told about a FIFO: it did not merely run on its own.
+    std::fs::write(dir.path().join("flags.mk"), "all:\n\t@echo \"$$MAKEFLAGS\"\n").unwrap();
+    let out = broker.run(&["--", make.to_str().unwrap(), "-f", "flags.mk"]).current_dir(dir.path()).env_remove("MAKEFLAGS").output().unwrap();
+    let flags = String::from_utf8_lossy(&out.stdout);
+    assert!(flags.contains("--jobserver-auth=fifo:") && !flags.contains("/fuse/"), "auto gave {flags:?}");
 
     let out = broker.run(&["--jobserver-style", "fuse", "--", "true"]).output().unwrap();
     assert_eq!(out.status.code(), Some(1));
@@ -392,8 +426,7 @@ fn without_a_mount_auto_falls_back_to_the_fifo_and_fuse_is_refused() {
 /// /dev/fuse) says why, once, and serves everyone through the socket.
 #[test]
 fn a_broker_that_cannot_mount_says_why_once_and_serves_on() {
-    if unsafe { libc::getuid() } != 0 || Command::new("setpriv").arg("--version").output().is_err() {
-        eprintln!("NOTE: skipped, needs root and setpriv to run a broker as another user");
+    if !common::can_act_as_another_user() {
         return;
     }
     let dir = TempDir::new("unprivileged");
@@ -417,4 +450,22 @@ fn a_broker_that_cannot_mount_says_why_once_and_serves_on() {
     let text = std::fs::read_to_string(&log).unwrap();
     assert_eq!(text.matches("no FUSE token files").count(), 1, "{text}");
     assert!(text.contains("builds will use the FIFO bridge"), "{text}");
+}
+
+/// The mount sits in the broker's private directory (0700), and the
+/// mount itself is not shared with other users: either refuses them.
+#[test]
+fn a_second_user_is_refused_at_the_token_file() {
+    let Some(broker) = fuse_broker(1, &[]) else { return };
+    if !common::can_act_as_another_user() {
+        return;
+    }
+    let path = token_file(&broker, "private");
+    let out = Command::new("setpriv").args(["--reuid=nobody", "--regid=nogroup", "--clear-groups", "head", "-c", "1"]).arg(&path).output().unwrap();
+    assert!(!out.status.success(), "nobody read a token");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("Permission denied"), "{err}");
+    let s = broker.status();
+    assert!(s.holders.is_empty() && s.waiters.is_empty(), "{s:#?}");
+    broker.assert_all_free();
 }

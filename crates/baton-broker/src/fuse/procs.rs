@@ -127,7 +127,23 @@ mod tests {
     }
 
     #[test]
-    fn no_signal_is_pending_for_a_running_thread() {
+    fn a_signal_is_pending_only_while_it_waits_to_be_delivered() {
         assert!(!signal_pending(std::process::id()));
+        // A stopped process keeps a SIGTERM pending until it runs again.
+        let mut child = std::process::Command::new("sleep").arg("600").spawn().unwrap();
+        let pid = child.id();
+        unsafe { libc::kill(pid as i32, libc::SIGSTOP) };
+        let stopped = || status(pid).is_some_and(|s| field(&s, "State:").is_some_and(|v| v.starts_with('T')));
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+        while !stopped() {
+            assert!(std::time::Instant::now() < deadline, "sleep never stopped");
+            std::thread::sleep(std::time::Duration::from_millis(2));
+        }
+        assert!(!signal_pending(pid), "nothing sent yet");
+        unsafe { libc::kill(pid as i32, libc::SIGTERM) };
+        let pending = signal_pending(pid);
+        let _ = child.kill();
+        let _ = child.wait();
+        assert!(pending, "a SIGTERM sent to a stopped process is pending");
     }
 }

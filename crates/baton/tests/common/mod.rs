@@ -7,6 +7,45 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command};
 use std::time::{Duration, Instant};
 
+/// What a skipped test could not find. scripts/test fails a CI run that
+/// skipped for something it installs itself (`Fuse`, `Root`); `IoUring`
+/// depends on the kernel, which no script installs.
+#[derive(Debug, Clone, Copy)]
+pub enum Missing {
+    Fuse,
+    Root,
+    IoUring,
+}
+
+/// Records that the running test could not do its work here, so that the
+/// run's tally counts it as skipped instead of passed: libtest has no skip
+/// and keeps a passing test's output to itself. One line, `KIND\tTEST\t
+/// REASON`, appended to the file `BATON_TEST_SKIPS` names (set by
+/// scripts/test); without it, stderr is all there is.
+pub fn skip(missing: Missing, reason: &str) {
+    let test = std::thread::current().name().unwrap_or("?").to_owned();
+    let line = format!("{missing:?}\t{test}\t{}\n", reason.trim().replace(['\n', '\t'], " "));
+    eprint!("SKIPPED: {line}");
+    if let Some(path) = std::env::var_os("BATON_TEST_SKIPS") {
+        use std::io::Write;
+        let mut file = std::fs::OpenOptions::new().append(true).create(true).open(path).expect("open BATON_TEST_SKIPS");
+        file.write_all(line.as_bytes()).expect("record a skip");
+    }
+}
+
+/// Root and setpriv, to act as a second user; records a skip without them.
+pub fn can_act_as_another_user() -> bool {
+    if unsafe { libc::getuid() } != 0 {
+        skip(Missing::Root, "needs root to act as another user");
+        return false;
+    }
+    if Command::new("setpriv").arg("--version").output().is_err() {
+        skip(Missing::Root, "needs setpriv (util-linux) to act as another user");
+        return false;
+    }
+    true
+}
+
 pub fn baton_bin() -> &'static str {
     env!("CARGO_BIN_EXE_baton")
 }
@@ -169,6 +208,14 @@ pub fn wait_for(limit: Duration, what: &str, mut cond: impl FnMut() -> bool) {
         assert!(start.elapsed() < limit, "timed out after {limit:?} waiting for {what}");
         std::thread::sleep(Duration::from_millis(2));
     }
+}
+
+/// Joins `thread` once it has finished; panics after `limit` naming
+/// `what`, so that a grant that never comes fails the test instead of
+/// hanging it.
+pub fn join_within<T>(thread: std::thread::JoinHandle<T>, limit: Duration, what: &str) -> T {
+    wait_for(limit, what, || thread.is_finished());
+    thread.join().unwrap()
 }
 
 pub fn pid_alive(pid: u32) -> bool {
