@@ -76,17 +76,6 @@ fn wait_for_quietly(mut cond: impl FnMut() -> bool) -> bool {
     false
 }
 
-/// Says the test was skipped, where the harness and the closing tally can
-/// see it.
-fn skip(test: &str, why: &str) {
-    eprintln!("SKIPPED: {test}: {why}");
-    if let Some(file) = std::env::var_os("BATON_TEST_SKIPS") {
-        use std::io::Write;
-        let mut f = std::fs::OpenOptions::new().create(true).append(true).open(file).unwrap();
-        writeln!(f, "{test}: {why}").unwrap();
-    }
-}
-
 /// A Makefile of `jobs` jobs, each touching `mib` MiB for `secs` seconds
 /// and logging its start and end.
 fn memory_makefile(dir: &Path, log: &Path, jobs: usize, mib: u64, secs: f64) {
@@ -103,10 +92,9 @@ const MIB: u64 = 1 << 20;
 
 #[test]
 fn a_build_the_oom_killer_ends_under_make_j8_finishes_under_the_memory_gate() {
-    let name = "a_build_the_oom_killer_ends_under_make_j8_finishes_under_the_memory_gate";
     let cgroup = match MemCgroup::new("oom", 1024 * MIB) {
         Ok(c) => c,
-        Err(why) => return skip(name, &why),
+        Err(why) => return skip(Missing::Root, &why),
     };
     let enter = cgroup.enter();
     let enter: Vec<&str> = enter.iter().map(String::as_str).collect();
@@ -196,8 +184,7 @@ fn bad_gate_values_are_refused_with_a_clear_message() {
 
 #[test]
 fn the_load_gate_holds_a_build_to_one_job_while_the_cpus_are_busy() {
-    let name = "the_load_gate_holds_a_build_to_one_job_while_the_cpus_are_busy";
-    let Ok(stress_ng) = which("stress-ng") else { return skip(name, "stress-ng is not installed (scripts/test installs it)") };
+    let stress_ng = which("stress-ng").expect("stress-ng (scripts/test installs it)");
     let mut stress = Command::new(stress_ng).args(["--cpu", "4", "--timeout", "120", "--quiet"]).spawn().unwrap();
     let broker = Broker::start_with(4, &["--max-load", "3"]);
     wait_for(Duration::from_secs(30), "the load gate to close under stress-ng --cpu 4", || broker.status().gates.iter().any(|g| g.name == "load" && !g.open));
