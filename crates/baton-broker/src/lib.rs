@@ -14,8 +14,10 @@
 //!   and sleep in one system call).
 //! - `fuse`: the FUSE token file server.
 //! - `paths`: the socket's directory, lock and stale-socket checks.
+//! - `activation`: the listening socket systemd passes (socket activation).
 #![deny(missing_docs)]
 
+mod activation;
 mod broker;
 mod fuse;
 mod log;

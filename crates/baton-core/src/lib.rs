@@ -6,6 +6,7 @@
 //! types, which keeps the invariants testable step by step.
 #![deny(missing_docs)]
 
+pub mod idle;
 pub mod paths;
 mod pool;
 pub mod protocol;

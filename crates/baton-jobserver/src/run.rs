@@ -5,6 +5,7 @@
 //! is killed the broker takes them all back at once; CMD gets SIGKILL
 //! through the parent-death signal, so it cannot run on holding nothing.
 
+use crate::autostart::{self, Autostart};
 use crate::build_file::{self, BuildFile};
 use crate::{choose_style, log, makeflags, Feeder, Fifo, Style};
 use baton_core::paths::{private_dir, socket_path};
@@ -34,6 +35,8 @@ pub struct RunOptions {
     pub style: Style,
     /// CMD and its arguments.
     pub command: Vec<OsString>,
+    /// How to start a broker if none answers; None: fail instead.
+    pub autostart: Option<Autostart>,
 }
 
 /// Runs the command under the broker; returns the exit code `baton run`
@@ -46,7 +49,7 @@ pub struct RunOptions {
 pub fn run(opts: RunOptions) -> Result<i32> {
     let socket = absolute(&socket_path(opts.socket));
     let label = label(&opts.command);
-    let mut client = Client::connect(&socket, &label)?;
+    let mut client = autostart::connect(&socket, &label, opts.autostart.as_ref())?;
     let max = opts.max.unwrap_or(client.limit());
     if max < opts.tokens {
         bail!("--max {max} is below --tokens {}: the build could never start", opts.tokens);

@@ -9,15 +9,19 @@
 //! rendering and exit codes. The broker is `baton-broker`, the jobserver
 //! bridge `baton-jobserver`, the experiments `baton-bench` (ARCHITECTURE.md).
 
+mod config;
+mod shell_init;
 mod status;
 
 use baton_broker::{FuseMode, LogLevel, ServeOptions};
 use baton_core::paths::socket_path;
-use baton_jobserver::RunOptions;
-use clap::{Parser, Subcommand};
+use baton_jobserver::{Autostart, RunOptions};
+use clap::{CommandFactory, Parser, Subcommand};
+use config::Config;
 use std::ffi::OsString;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
+use std::time::Duration;
 
 #[derive(Parser)]
 #[command(
@@ -43,9 +47,10 @@ struct Cli {
 enum Cmd {
     /// Run the broker in the foreground until SIGTERM or SIGINT.
     Serve {
-        /// How many tokens the pool holds: the machine-wide job limit.
+        /// How many tokens the pool holds: the machine-wide job limit
+        /// [default: the config file's jobs, else the number of CPUs].
         #[arg(short, long, value_parser = clap::value_parser!(u32).range(1..=i64::from(baton_core::MAX_LIMIT)))]
-        jobs: u32,
+        jobs: Option<u32>,
         /// Socket to listen on.
         #[arg(long, value_name = "PATH")]
         socket: Option<PathBuf>,
@@ -75,6 +80,10 @@ enum Cmd {
         /// comparison, or if io_uring misbehaves here.
         #[arg(long)]
         no_io_uring: bool,
+        /// Stop after SECS with no clients at all (what brokers started by
+        /// `baton run` do; the config file's idle-timeout).
+        #[arg(long, value_name = "SECS", value_parser = clap::value_parser!(u64).range(1..))]
+        idle_timeout: Option<u64>,
     },
     /// Run CMD holding tokens from the broker, with a GNU jobserver (MAKEFLAGS)
     /// fed from the pool; every token goes back when CMD ends.
@@ -125,6 +134,26 @@ killed too."
     /// Re-run the seeds' wake-up experiments: baton beside pipes, semaphores,
     /// futexes and condition variables, measured in the same run.
     Bench(baton_bench::BenchArgs),
+    /// Show the settings in effect and where each comes from (the config
+    /// file, $XDG_CONFIG_HOME/baton/config.toml, or a default).
+    Config,
+    /// Print lines for a shell profile after which plain make, ninja, cargo
+    /// and cmake --build run under the broker's limit:
+    /// eval "$(baton shell-init bash)".
+    ShellInit {
+        /// The shell to write for.
+        #[arg(value_enum)]
+        shell: shell_init::Shell,
+    },
+    /// Print the completion script for SHELL (e.g. baton completions bash >
+    /// ~/.local/share/bash-completion/completions/baton).
+    Completions {
+        /// The shell to write for.
+        #[arg(value_enum)]
+        shell: clap_complete::Shell,
+    },
+    /// Print the manual page (roff): baton man > baton.1; man ./baton.1
+    Man,
 }
 
 fn main() -> ExitCode {
@@ -140,24 +169,56 @@ fn main() -> ExitCode {
 
 fn dispatch(command: Cmd) -> anyhow::Result<u8> {
     match command {
-        Cmd::Serve { jobs, socket, verbose, quiet, no_fuse, fuse_notify_all, spin_us, no_io_uring } => {
+        Cmd::Serve { jobs, socket, verbose, quiet, no_fuse, fuse_notify_all, spin_us, no_io_uring, idle_timeout } => {
             let log_level = if quiet { LogLevel::Warn } else if verbose { LogLevel::Debug } else { LogLevel::Info };
             let fuse = match (no_fuse, fuse_notify_all) {
                 (true, _) => None,
                 (false, true) => Some(FuseMode::NotifyAll),
                 (false, false) => Some(FuseMode::OneAtATime),
             };
-            baton_broker::serve(ServeOptions { jobs, socket, fuse, spin_us, io_uring: !no_io_uring, log_level })?;
+            let jobs = Config::load()?.jobs(jobs).value;
+            let idle_timeout = idle_timeout.map(Duration::from_secs);
+            baton_broker::serve(ServeOptions { jobs, socket, fuse, spin_us, io_uring: !no_io_uring, log_level, idle_timeout })?;
         }
         Cmd::Run { socket, tokens, jobserver_style, max, command } => {
-            let code = baton_jobserver::run(RunOptions { socket, tokens, max, style: jobserver_style, command })?;
+            let autostart = autostart(socket.as_deref(), &Config::load()?)?;
+            let code = baton_jobserver::run(RunOptions { socket, tokens, max, style: jobserver_style, command, autostart })?;
             return Ok(u8::try_from(code).unwrap_or(1));
         }
         Cmd::Status { socket, json } => status::print_status(&socket_path(socket), json)?,
         Cmd::Limit { jobs, socket } => status::set_limit(&socket_path(socket), jobs)?,
         Cmd::Bench(args) => baton_bench::run(args)?,
+        Cmd::Config => print!("{}", config::describe(&Config::load()?, autostart_enabled())),
+        Cmd::ShellInit { shell } => print!("{}", shell_init::script(shell, &std::env::current_exe()?)),
+        Cmd::Completions { shell } => clap_complete::generate(shell, &mut Cli::command(), "baton", &mut std::io::stdout()),
+        Cmd::Man => clap_mangen::Man::new(Cli::command()).render(&mut std::io::stdout())?,
     }
     Ok(0)
+}
+
+/// How `baton run` starts a broker when none answers: this same binary,
+/// serving the same socket with the config file's limit, and stopping
+/// once idle. None when BATON_NO_AUTOSTART is set.
+fn autostart(socket: Option<&Path>, config: &Config) -> anyhow::Result<Option<Autostart>> {
+    if !autostart_enabled() {
+        return Ok(None);
+    }
+    let mut args: Vec<OsString> = vec!["serve".into(), "--jobs".into(), config.jobs(None).value.to_string().into()];
+    if let Some(timeout) = config.idle_duration() {
+        args.extend(["--idle-timeout".into(), timeout.as_secs().to_string().into()]);
+    }
+    // Without --socket the broker finds the same path as we do (the
+    // environment is the same) and may make its default directory private.
+    if let Some(socket) = socket {
+        // The broker starts in /, not here.
+        args.extend(["--socket".into(), std::path::absolute(socket)?.into_os_string()]);
+    }
+    Ok(Some(Autostart { program: std::env::current_exe()?, args }))
+}
+
+/// BATON_NO_AUTOSTART set to anything but "" or "0" turns auto-start off.
+fn autostart_enabled() -> bool {
+    std::env::var_os("BATON_NO_AUTOSTART").is_none_or(|v| v.is_empty() || v == "0")
 }
 
 /// `outer: inner: innermost`, without repeating a cause already quoted.
