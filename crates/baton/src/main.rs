@@ -131,7 +131,7 @@ killed too."
         #[arg(long, value_name = "PATH")]
         socket: Option<PathBuf>,
     },
-    /// Re-run the seeds' wake-up experiments: baton beside pipes, semaphores,
+    /// Re-run published wake-up experiments: baton beside pipes, semaphores,
     /// futexes and condition variables, measured in the same run.
     Bench(baton_bench::BenchArgs),
     /// Show the settings in effect and where each comes from (the config
