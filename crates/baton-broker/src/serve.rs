@@ -93,7 +93,7 @@ pub fn serve(opts: ServeOptions) -> Result<()> {
         }
     });
     if let Some(timeout) = opts.idle_timeout {
-        stop_when_idle(broker.clone(), timeout);
+        stop_when_idle(broker.clone(), timeout, _remove_socket.as_ref().map(|s| s.0.clone()));
     }
     let noun = if opts.jobs == 1 { "token" } else { "tokens" };
     log::info(format_args!("serving {} {noun} at {} (pid {})", opts.jobs, socket.display(), std::process::id()));
@@ -118,15 +118,21 @@ fn listen(socket: &Path) -> Result<UnixListener> {
 /// Stops the broker, as SIGTERM would, once it has had no client for
 /// `timeout`: a broker started on demand does not outlive its use. The
 /// signal reaches the event loop's signalfd, so shutdown takes one path.
-fn stop_when_idle(broker: Arc<Mutex<Broker>>, timeout: Duration) {
+/// Our own socket goes first, under the broker's lock: from then on a new
+/// client finds no broker (and `baton run` starts a fresh one) rather than
+/// one about to leave.
+fn stop_when_idle(broker: Arc<Mutex<Broker>>, timeout: Duration, own_socket: Option<PathBuf>) {
     // Often enough that a short timeout is kept to within a second.
     let check_every = timeout.clamp(Duration::from_millis(100), Duration::from_secs(1));
     std::thread::spawn(move || {
         let mut timer = IdleTimer::new(timeout);
         loop {
             std::thread::sleep(check_every);
-            let clients = broker.lock().expect("broker lock").pool().clients().count();
-            if timer.expired(clients, Instant::now()) {
+            let broker = broker.lock().expect("broker lock");
+            if timer.expired(broker.pool().clients().count(), Instant::now()) {
+                if let Some(socket) = &own_socket {
+                    let _ = std::fs::remove_file(socket);
+                }
                 log::info(format_args!("no clients for {} s: stopping", timeout.as_secs()));
                 let _ = kill(Pid::this(), Signal::SIGTERM);
                 return;

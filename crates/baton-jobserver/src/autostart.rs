@@ -24,6 +24,9 @@ use std::time::{Duration, Instant};
 /// A broker that takes longer than this to listen is taken to be stuck
 /// (a FUSE mount that hangs, say); its log says why.
 const START_LIMIT: Duration = Duration::from_secs(30);
+/// Brokers started, one after the other, before giving up (see
+/// `start_then_connect`).
+const START_ATTEMPTS: u32 = 3;
 
 /// How to start a broker for a socket nobody serves.
 #[derive(Debug, Clone)]
@@ -42,7 +45,8 @@ pub struct Autostart {
 /// refuses the connection.
 pub fn connect(socket: &Path, label: &str, autostart: Option<&Autostart>) -> Result<Client> {
     match (Client::connect(socket, label), autostart) {
-        (Err(ClientError::NoBroker { .. }), Some(start)) => start_then_connect(socket, label, start),
+        // Disconnected: we reached a broker that was stopping, idle.
+        (Err(ClientError::NoBroker { .. } | ClientError::Disconnected), Some(start)) => start_then_connect(socket, label, start),
         (client, _) => Ok(client?),
     }
 }
@@ -57,10 +61,18 @@ fn start_then_connect(socket: &Path, label: &str, start: &Autostart) -> Result<C
     DirBuilder::new().recursive(true).mode(0o700).create(&dir).with_context(|| format!("cannot create the directory {}", dir.display()))?;
     let _only_us = lock_autostart(socket)?;
     // Whoever held the lock before us has started one.
-    if !serving(socket) {
+    let mut attempts = 1;
+    while !serving(socket) {
         let log = log_path(socket);
         let mut broker = spawn_detached(start, &log)?;
-        wait_until_serving(socket, &mut broker, &log)?;
+        match wait_until_serving(socket, &mut broker, &log) {
+            Ok(()) => break,
+            // A broker stopping as idle holds its lock until it is gone;
+            // ours then finds the socket taken and stops at once.
+            Err(_) if attempts < START_ATTEMPTS => std::thread::sleep(Duration::from_millis(100)),
+            Err(e) => return Err(e),
+        }
+        attempts += 1;
     }
     Ok(Client::connect(socket, label)?)
 }

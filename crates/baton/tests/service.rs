@@ -151,6 +151,14 @@ fn a_started_broker_stops_once_idle_and_not_while_used() {
     wait_for(Duration::from_secs(20), "the idle broker to stop", || !pid_alive(pid));
     assert!(home.broker_log().contains("no clients for 1 s: stopping"), "{}", home.broker_log());
     assert!(!home.socket().exists(), "the stopped broker left its socket");
+
+    // The next build starts a fresh one.
+    let out = home.baton(&["run", "--", "true"]).output().unwrap();
+    assert!(out.status.success(), "{}", stderr(&out));
+    let pids = home.brokers_started();
+    assert_eq!(pids.len(), 2, "broker log:\n{}", home.broker_log());
+    let _second = Started { pid: pids[1] };
+    wait_for(Duration::from_secs(20), "the second idle broker to stop", || !pid_alive(pids[1]));
 }
 
 #[test]
