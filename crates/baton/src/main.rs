@@ -31,10 +31,11 @@ use std::time::Duration;
     long_about = "baton owns a pool of job slots (tokens) and hands each freed token to exactly one \
 waiter, the one that has waited longest. It knows who holds what, so the tokens of a client that \
 dies come back at once, and one limit holds across any number of concurrent builds.\n\n\
-Start a broker, then run commands under it:\n\n  \
-baton serve --jobs 8 &\n  \
+Run commands under it; the first `baton run` starts a broker if none is running \
+(or start one yourself: baton serve --jobs 8):\n\n  \
 baton run -- ./build.sh\n  \
-baton status",
+baton status\n\n\
+Setting up (config file, systemd, shell integration): docs/setup.md.",
     after_help = "The broker's socket is --socket, else $BATON_SOCKET, else $XDG_RUNTIME_DIR/baton/socket, \
 else /tmp/baton-$UID/socket."
 )]
@@ -92,7 +93,10 @@ enum Cmd {
 line ignores the jobserver and starts its own.\n\n\
 baton run exits with CMD's exit status (128 + signal if CMD was killed; 127 if CMD was not found, \
 126 if it could not be run). If baton run is killed, the broker takes its tokens back and CMD is \
-killed too."
+killed too.\n\n\
+With no broker at the socket, baton run starts one in the background (jobs from the config file, \
+else one per CPU; it stops after idle-timeout seconds without clients; its log is broker.log beside \
+the socket). BATON_NO_AUTOSTART=1 turns that off."
     )]
     Run {
         /// Socket of the broker.

@@ -70,8 +70,11 @@ struct Started {
 
 impl Drop for Started {
     fn drop(&mut self) {
-        unsafe { libc::kill(self.pid as i32, libc::SIGTERM) };
-        wait_for(Duration::from_secs(10), "the auto-started broker to stop", || !pid_alive(self.pid));
+        // Gone already (stopped as idle): its pid may be someone else's.
+        if pid_alive(self.pid) {
+            unsafe { libc::kill(self.pid as i32, libc::SIGTERM) };
+            wait_for(Duration::from_secs(10), "the auto-started broker to stop", || !pid_alive(self.pid));
+        }
     }
 }
 
