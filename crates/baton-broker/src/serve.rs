@@ -78,7 +78,7 @@ pub fn serve(opts: ServeOptions) -> Result<()> {
     let _fuse = opts.fuse.and_then(|mode| fuse::mount(&socket, broker.clone(), mode));
 
     // A socket systemd bound is systemd's to remove.
-    let (listener, _remove_socket) = match activated {
+    let (listener, owned_socket) = match activated {
         Some((listener, _)) => (listener, None),
         None => (listen(&socket)?, Some(RemoveOnDrop(socket.clone()))),
     };
@@ -93,7 +93,7 @@ pub fn serve(opts: ServeOptions) -> Result<()> {
         }
     });
     if let Some(timeout) = opts.idle_timeout {
-        stop_when_idle(broker.clone(), timeout, _remove_socket.as_ref().map(|s| s.0.clone()));
+        stop_when_idle(broker.clone(), timeout, owned_socket.as_ref().map(|s| s.0.clone()));
     }
     let noun = if opts.jobs == 1 { "token" } else { "tokens" };
     log::info(format_args!("serving {} {noun} at {} (pid {})", opts.jobs, socket.display(), std::process::id()));

@@ -50,7 +50,7 @@ enum Cmd {
     Serve {
         /// How many tokens the pool holds: the machine-wide job limit
         /// [default: the config file's jobs, else the number of CPUs].
-        #[arg(short, long, value_parser = clap::value_parser!(u32).range(1..=i64::from(baton_core::MAX_LIMIT)))]
+        #[arg(short, long, allow_negative_numbers = true, value_parser = clap::value_parser!(u32).range(1..=i64::from(baton_core::MAX_LIMIT)))]
         jobs: Option<u32>,
         /// Socket to listen on.
         #[arg(long, value_name = "PATH")]
@@ -180,12 +180,17 @@ fn dispatch(command: Cmd) -> anyhow::Result<u8> {
                 (false, true) => Some(FuseMode::NotifyAll),
                 (false, false) => Some(FuseMode::OneAtATime),
             };
-            let jobs = Config::load()?.jobs(jobs).value;
+            // The file is read only when it is needed: a broker started as
+            // another user need not be able to read the caller's home.
+            let jobs = match jobs {
+                Some(jobs) => jobs,
+                None => Config::load()?.jobs(None).value,
+            };
             let idle_timeout = idle_timeout.map(Duration::from_secs);
             baton_broker::serve(ServeOptions { jobs, socket, fuse, spin_us, io_uring: !no_io_uring, log_level, idle_timeout })?;
         }
         Cmd::Run { socket, tokens, jobserver_style, max, command } => {
-            let autostart = autostart(socket.as_deref(), &Config::load()?)?;
+            let autostart = autostart(socket.as_deref())?;
             let code = baton_jobserver::run(RunOptions { socket, tokens, max, style: jobserver_style, command, autostart })?;
             return Ok(u8::try_from(code).unwrap_or(1));
         }
@@ -203,10 +208,11 @@ fn dispatch(command: Cmd) -> anyhow::Result<u8> {
 /// How `baton run` starts a broker when none answers: this same binary,
 /// serving the same socket with the config file's limit, and stopping
 /// once idle. None when BATON_NO_AUTOSTART is set.
-fn autostart(socket: Option<&Path>, config: &Config) -> anyhow::Result<Option<Autostart>> {
+fn autostart(socket: Option<&Path>) -> anyhow::Result<Option<Autostart>> {
     if !autostart_enabled() {
         return Ok(None);
     }
+    let config = Config::load()?;
     let mut args: Vec<OsString> = vec!["serve".into(), "--jobs".into(), config.jobs(None).value.to_string().into()];
     if let Some(timeout) = config.idle_duration() {
         args.extend(["--idle-timeout".into(), timeout.as_secs().to_string().into()]);
