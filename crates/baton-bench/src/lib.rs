@@ -1,5 +1,6 @@
-//! `baton bench`: the seeds' wake-up experiments (../shared/seeds/), with
-//! baton measured beside the mechanisms it replaces, in the same run.
+//! `baton bench`: five published wake-up problems (docs/benchmarks.md,
+//! "Sources"), with baton measured beside the mechanisms it replaces, in
+//! the same run.
 //!
 //! Every scenario runs each mechanism in forked child processes (threads
 //! where the pattern is about threads) and counts the context switches and
@@ -28,9 +29,12 @@ use std::path::PathBuf;
 /// `baton bench SCENARIO [--json] [--plot FILE.svg] [scale options]`.
 #[derive(clap::Args, Debug, Clone)]
 pub struct BenchArgs {
-    /// The experiment: token-ring (seed 000), blocking-vs-polling (001),
-    /// bulk-wake (002), mass-poll (003), broadcast (004), builds (real make
-    /// and ninja under one limit) or universe (003 on real bmake).
+    /// The experiment: token-ring (a pipe passed around, as in Linux's
+    /// exclusive pipe waits), blocking-vs-polling (make's pselect()),
+    /// bulk-wake (sembench's semaphores), mass-poll (FreeBSD's make
+    /// universe), broadcast (the futex requeue), builds (real make and
+    /// ninja under one limit) or universe (FreeBSD's make universe on real
+    /// bmake).
     #[arg(value_enum)]
     pub scenario: Scenario,
 

@@ -1,5 +1,5 @@
 //! Just enough of POSIX threads' mutex and condition variable for the
-//! broadcast scenario: seed 004 is about glibc's pthread_cond_broadcast, so
+//! broadcast scenario: the futex requeue problem is about glibc's pthread_cond_broadcast, so
 //! the real thing is measured, not Rust's own futex-based Condvar.
 
 use std::cell::UnsafeCell;

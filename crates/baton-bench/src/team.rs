@@ -9,7 +9,7 @@
 //! same window from /proc.
 //!
 //! Children are forked, not exec'ed: the mechanisms (pipes, semaphores in
-//! shared memory, futex words) are inherited exactly as the seeds' test
+//! shared memory, futex words) are inherited exactly as the published test
 //! programs inherit theirs. fork is only sound from a single-threaded
 //! process, which [`run`] checks.
 

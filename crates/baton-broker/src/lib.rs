@@ -16,8 +16,10 @@
 //! - `gates`: measuring memory, memory pressure and the run queue for
 //!   the gates (`baton_core::gates` decides).
 //! - `paths`: the socket's directory, lock and stale-socket checks.
+//! - `activation`: the listening socket systemd passes (socket activation).
 #![deny(missing_docs)]
 
+mod activation;
 mod broker;
 mod fuse;
 mod gates;

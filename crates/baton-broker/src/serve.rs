@@ -7,14 +7,18 @@ use crate::log::LogLevel;
 use baton_core::gates::GateConfig;
 use crate::socket::SocketServer;
 use crate::spin::SpinPolicy;
-use crate::{fuse, log, paths};
+use crate::{activation, fuse, log, paths};
+use baton_core::idle::IdleTimer;
 use baton_core::paths::{is_chosen_by_baton, private_dir, socket_path};
 use anyhow::{Context, Result};
-use nix::sys::signal::{SigSet, Signal};
+use nix::sys::signal::{kill, SigSet, Signal};
 use nix::sys::signalfd::{SfdFlags, SignalFd};
+use nix::unistd::Pid;
 use std::os::unix::fs::PermissionsExt;
-use std::path::PathBuf;
+use std::os::unix::net::UnixListener;
+use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 /// What `baton serve` was asked to do.
 #[derive(Debug, Clone)]
@@ -35,22 +39,35 @@ pub struct ServeOptions {
     pub log_level: LogLevel,
     /// Memory and load gates (docs/adaptive.md); the default has none.
     pub gates: GateConfig,
+    /// Stop after this long with no clients at all (brokers started on
+    /// demand); None: serve until stopped.
+    pub idle_timeout: Option<Duration>,
 }
 
-/// Serves until SIGTERM or SIGINT, then removes the socket and unmounts.
+/// Serves until SIGTERM or SIGINT (or, with `idle_timeout`, until nobody
+/// has been connected that long), then removes the socket (unless systemd
+/// passed it) and unmounts. Serves on the socket systemd passes if there is
+/// one (socket activation), else binds its own.
 ///
 /// # Errors
 /// The socket's directory is not ours, another broker serves the path, or
 /// the socket or the event loop cannot be set up.
 pub fn serve(opts: ServeOptions) -> Result<()> {
     log::set_level(opts.log_level);
+    // Taken before any thread starts: it edits the environment.
+    let activated = activation::inherited_listener()?;
     // Only the directories baton chooses itself are tightened to 0700.
     let chosen_by_us = is_chosen_by_baton(opts.socket.as_deref());
-    let socket = socket_path(opts.socket);
+    let socket = match &activated {
+        Some((_, path)) => path.clone(),
+        None => socket_path(opts.socket),
+    };
     let dir = private_dir(&socket);
     paths::prepare_private_dir(&dir, chosen_by_us)?;
     let _lock = paths::lock_socket(&socket)?;
-    paths::clear_stale_socket(&socket)?;
+    if activated.is_none() {
+        paths::clear_stale_socket(&socket)?;
+    }
     raise_fd_limit();
 
     // Block the stop signals before any thread starts so that every thread
@@ -66,10 +83,11 @@ pub fn serve(opts: ServeOptions) -> Result<()> {
     // its token files too (`baton run --jobserver-style auto`).
     let _fuse = opts.fuse.and_then(|mode| fuse::mount(&socket, broker.clone(), mode));
 
-    let listener = std::os::unix::net::UnixListener::bind(&socket).with_context(|| format!("cannot listen at {}", socket.display()))?;
-    let _remove_socket = RemoveOnDrop(socket.clone());
-    std::fs::set_permissions(&socket, std::fs::Permissions::from_mode(0o600))
-        .with_context(|| format!("cannot make {} private (chmod 0600)", socket.display()))?;
+    // A socket systemd bound is systemd's to remove.
+    let (listener, owned_socket) = match activated {
+        Some((listener, _)) => (listener, None),
+        None => (listen(&socket)?, Some(RemoveOnDrop(socket.clone()))),
+    };
 
     let (mut server, waker) = SocketServer::new(listener, signals, broker.clone(), SpinPolicy::for_this_machine(opts.spin_us), opts.io_uring).context("cannot start the event loop")?;
     // Grants other transports cause for socket clients wake the socket
@@ -80,6 +98,9 @@ pub fn serve(opts: ServeOptions) -> Result<()> {
             let _ = waker.wake();
         }
     });
+    if let Some(timeout) = opts.idle_timeout {
+        stop_when_idle(broker.clone(), timeout, owned_socket.as_ref().map(|s| s.0.clone()));
+    }
     let noun = if opts.jobs == 1 { "token" } else { "tokens" };
     log::info(format_args!("serving {} {noun} at {} (pid {})", opts.jobs, socket.display(), std::process::id()));
     let signal = server.run().context("the event loop failed")?;
@@ -91,6 +112,39 @@ pub fn serve(opts: ServeOptions) -> Result<()> {
         broker.pool().clients().count()
     ));
     Ok(())
+}
+
+fn listen(socket: &Path) -> Result<UnixListener> {
+    let listener = UnixListener::bind(socket).with_context(|| format!("cannot listen at {}", socket.display()))?;
+    std::fs::set_permissions(socket, std::fs::Permissions::from_mode(0o600))
+        .with_context(|| format!("cannot make {} private (chmod 0600)", socket.display()))?;
+    Ok(listener)
+}
+
+/// Stops the broker, as SIGTERM would, once it has had no client for
+/// `timeout`: a broker started on demand does not outlive its use. The
+/// signal reaches the event loop's signalfd, so shutdown takes one path.
+/// Our own socket goes first, under the broker's lock: from then on a new
+/// client finds no broker (and `baton run` starts a fresh one) rather than
+/// one about to leave.
+fn stop_when_idle(broker: Arc<Mutex<Broker>>, timeout: Duration, own_socket: Option<PathBuf>) {
+    // Often enough that a short timeout is kept to within a second.
+    let check_every = timeout.clamp(Duration::from_millis(100), Duration::from_secs(1));
+    std::thread::spawn(move || {
+        let mut timer = IdleTimer::new(timeout);
+        loop {
+            std::thread::sleep(check_every);
+            let broker = broker.lock().expect("broker lock");
+            if timer.expired(broker.pool().clients().count(), Instant::now()) {
+                if let Some(socket) = &own_socket {
+                    let _ = std::fs::remove_file(socket);
+                }
+                log::info(format_args!("no clients for {} s: stopping", timeout.as_secs()));
+                let _ = kill(Pid::this(), Signal::SIGTERM);
+                return;
+            }
+        }
+    });
 }
 
 fn stop_signals() -> SigSet {

@@ -7,6 +7,7 @@
 #![deny(missing_docs)]
 
 pub mod gates;
+pub mod idle;
 pub mod paths;
 mod pool;
 pub mod protocol;

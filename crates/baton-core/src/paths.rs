@@ -17,15 +17,21 @@ pub fn socket_path(explicit: Option<PathBuf>) -> PathBuf {
 /// `$BATON_SOCKET`, else `$XDG_RUNTIME_DIR/baton/socket`, else
 /// `/tmp/baton-$UID/socket`.
 pub fn default_socket_path() -> PathBuf {
+    default_socket().0
+}
+
+/// [`default_socket_path`], and which rule chose it (`$BATON_SOCKET`,
+/// `$XDG_RUNTIME_DIR`, or `/tmp/baton-$UID`), for `baton config`.
+pub fn default_socket() -> (PathBuf, &'static str) {
     if let Some(p) = std::env::var_os("BATON_SOCKET").filter(|p| !p.is_empty()) {
-        return PathBuf::from(p);
+        return (PathBuf::from(p), "$BATON_SOCKET");
     }
     if let Some(dir) = std::env::var_os("XDG_RUNTIME_DIR").filter(|p| !p.is_empty()) {
-        return Path::new(&dir).join("baton").join("socket");
+        return (Path::new(&dir).join("baton").join("socket"), "$XDG_RUNTIME_DIR");
     }
     // SAFETY: getuid cannot fail and touches no memory.
     let uid = unsafe { libc::getuid() };
-    PathBuf::from(format!("/tmp/baton-{uid}/socket"))
+    (PathBuf::from(format!("/tmp/baton-{uid}/socket")), "/tmp/baton-$UID")
 }
 
 /// Whether [`socket_path`] with `explicit` falls back to a directory baton

@@ -23,6 +23,7 @@
 //! protocol (docs/protocol.md), never through the broker's internals.
 #![deny(missing_docs)]
 
+mod autostart;
 mod bmake;
 mod build_file;
 mod choice;
@@ -33,6 +34,7 @@ mod run;
 
 use feeder::Feeder;
 use fifo::Fifo;
+pub use autostart::{log_path as autostart_log_path, Autostart};
 pub use run::{run, RunOptions};
 
 use std::ffi::OsString;

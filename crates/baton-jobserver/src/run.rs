@@ -5,6 +5,7 @@
 //! is killed the broker takes them all back at once; CMD gets SIGKILL
 //! through the parent-death signal, so it cannot run on holding nothing.
 
+use crate::autostart::{self, Autostart};
 use crate::build_file::{self, BuildFile};
 use crate::choice::{self, Choice};
 use crate::{bmake, log, makeflags, reads_its_jobserver, unusable_style, Feeder, Fifo, Style};
@@ -41,6 +42,8 @@ pub struct RunOptions {
     pub command: Vec<OsString>,
     /// Say on stderr which jobserver form the build gets, and why.
     pub explain: bool,
+    /// How to start a broker if none answers; None: fail instead.
+    pub autostart: Option<Autostart>,
 }
 
 /// Runs the command under the broker; returns the exit code `baton run`
@@ -56,7 +59,7 @@ pub fn run(opts: RunOptions) -> Result<i32> {
     }
     let socket = absolute(&socket_path(opts.socket.clone()));
     let label = label(&opts.command);
-    let mut client = Client::connect(&socket, &label)?;
+    let mut client = autostart::connect(&socket, &label, opts.autostart.as_ref())?;
     client.start_build(opts.weight, opts.name.as_deref().unwrap_or(""))?;
     let max = opts.max.unwrap_or(client.limit());
     if max < opts.tokens {

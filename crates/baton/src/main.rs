@@ -9,16 +9,20 @@
 //! rendering and exit codes. The broker is `baton-broker`, the jobserver
 //! bridge `baton-jobserver`, the experiments `baton-bench` (ARCHITECTURE.md).
 
+mod config;
+mod shell_init;
 mod status;
 
 use baton_broker::{FuseMode, LogLevel, ServeOptions};
 use baton_core::gates::GateConfig;
 use baton_core::paths::socket_path;
-use baton_jobserver::RunOptions;
-use clap::{Parser, Subcommand};
+use baton_jobserver::{Autostart, RunOptions};
+use clap::{CommandFactory, Parser, Subcommand};
+use config::Config;
 use std::ffi::OsString;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
+use std::time::Duration;
 
 #[derive(Parser)]
 #[command(
@@ -28,10 +32,11 @@ use std::process::ExitCode;
     long_about = "baton owns a pool of job slots (tokens) and hands each freed token to exactly one \
 waiter, the one that has waited longest. It knows who holds what, so the tokens of a client that \
 dies come back at once, and one limit holds across any number of concurrent builds.\n\n\
-Start a broker, then run commands under it:\n\n  \
-baton serve --jobs 8 &\n  \
+Run commands under it; the first `baton run` starts a broker if none is running \
+(or start one yourself: baton serve --jobs 8):\n\n  \
 baton run -- ./build.sh\n  \
-baton status",
+baton status\n\n\
+Setting up (config file, systemd, shell integration): docs/setup.md.",
     after_help = "The broker's socket is --socket, else $BATON_SOCKET, else $XDG_RUNTIME_DIR/baton/socket, \
 else /tmp/baton-$UID/socket."
 )]
@@ -44,9 +49,10 @@ struct Cli {
 enum Cmd {
     /// Run the broker in the foreground until SIGTERM or SIGINT.
     Serve {
-        /// How many tokens the pool holds: the machine-wide job limit.
-        #[arg(short, long, value_parser = clap::value_parser!(u32).range(1..=i64::from(baton_core::MAX_LIMIT)))]
-        jobs: u32,
+        /// How many tokens the pool holds: the machine-wide job limit
+        /// [default: the config file's jobs, else the number of CPUs].
+        #[arg(short, long, allow_negative_numbers = true, value_parser = clap::value_parser!(u32).range(1..=i64::from(baton_core::MAX_LIMIT)))]
+        jobs: Option<u32>,
         /// Socket to listen on.
         #[arg(long, value_name = "PATH")]
         socket: Option<PathBuf>,
@@ -83,6 +89,10 @@ enum Cmd {
         /// memory.
         #[arg(long, value_name = "MS", default_value_t = 1000, value_parser = clap::value_parser!(u64).range(1..=600_000))]
         mem_settle: u64,
+        /// Stop after SECS with no clients at all (what brokers started by
+        /// `baton run` do; the config file's idle-timeout).
+        #[arg(long, value_name = "SECS", value_parser = clap::value_parser!(u64).range(1..))]
+        idle_timeout: Option<u64>,
     },
     /// Run CMD holding tokens from the broker, with a GNU jobserver (MAKEFLAGS)
     /// fed from the pool; every token goes back when CMD ends.
@@ -91,7 +101,10 @@ enum Cmd {
 line ignores the jobserver and starts its own.\n\n\
 baton run exits with CMD's exit status (128 + signal if CMD was killed; 127 if CMD was not found, \
 126 if it could not be run). If baton run is killed, the broker takes its tokens back and CMD is \
-killed too."
+killed too.\n\n\
+With no broker at the socket, baton run starts one in the background (jobs from the config file, \
+else one per CPU; it stops after idle-timeout seconds without clients; its log is broker.log beside \
+the socket). BATON_NO_AUTOSTART=1 turns that off."
     )]
     Run {
         /// Socket of the broker.
@@ -114,9 +127,9 @@ killed too."
         #[arg(long, value_name = "NAME")]
         name: Option<String>,
         /// The build's share of a busy pool, against other builds' weights
-        /// (each has 1 unless told).
-        #[arg(long, value_name = "W", default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=i64::from(baton_core::MAX_WEIGHT)))]
-        weight: u32,
+        /// [default: the config file's weight, else 1].
+        #[arg(long, value_name = "W", value_parser = clap::value_parser!(u32).range(1..=i64::from(baton_core::MAX_WEIGHT)))]
+        weight: Option<u32>,
         /// The command and its arguments.
         #[arg(required = true, trailing_var_arg = true, value_name = "CMD")]
         command: Vec<OsString>,
@@ -144,9 +157,29 @@ killed too."
         #[command(flatten)]
         gates: GateArgs,
     },
-    /// Re-run the seeds' wake-up experiments: baton beside pipes, semaphores,
+    /// Re-run published wake-up experiments: baton beside pipes, semaphores,
     /// futexes and condition variables, measured in the same run.
     Bench(baton_bench::BenchArgs),
+    /// Show the settings in effect and where each comes from (the config
+    /// file, $XDG_CONFIG_HOME/baton/config.toml, or a default).
+    Config,
+    /// Print lines for a shell profile after which plain make, ninja, cargo
+    /// and cmake --build run under the broker's limit:
+    /// eval "$(baton shell-init bash)".
+    ShellInit {
+        /// The shell to write for.
+        #[arg(value_enum)]
+        shell: shell_init::Shell,
+    },
+    /// Print the completion script for SHELL (e.g. baton completions bash >
+    /// ~/.local/share/bash-completion/completions/baton).
+    Completions {
+        /// The shell to write for.
+        #[arg(value_enum)]
+        shell: clap_complete::Shell,
+    },
+    /// Print the manual page (roff): baton man > baton.1; man ./baton.1
+    Man,
 }
 
 /// The gates (docs/adaptive.md). In `baton limit`, `off` removes one.
@@ -220,25 +253,67 @@ fn main() -> ExitCode {
 
 fn dispatch(command: Cmd) -> anyhow::Result<u8> {
     match command {
-        Cmd::Serve { jobs, socket, verbose, quiet, no_fuse, fuse_notify_all, spin_us, no_io_uring, gates, mem_settle } => {
+        Cmd::Serve { jobs, socket, verbose, quiet, no_fuse, fuse_notify_all, spin_us, no_io_uring, gates, mem_settle, idle_timeout } => {
             let log_level = if quiet { LogLevel::Warn } else if verbose { LogLevel::Debug } else { LogLevel::Info };
             let fuse = match (no_fuse, fuse_notify_all) {
                 (true, _) => None,
                 (false, true) => Some(FuseMode::NotifyAll),
                 (false, false) => Some(FuseMode::OneAtATime),
             };
-            let gates = GateConfig { settle: std::time::Duration::from_millis(mem_settle), ..gates.config()? };
-            baton_broker::serve(ServeOptions { jobs, socket, fuse, spin_us, io_uring: !no_io_uring, log_level, gates })?;
+            let gates = GateConfig { settle: Duration::from_millis(mem_settle), ..gates.config()? };
+            // The file is read only when it is needed: a broker started as
+            // another user need not be able to read the caller's home.
+            let jobs = match jobs {
+                Some(jobs) => jobs,
+                None => Config::load()?.jobs(None).value,
+            };
+            let idle_timeout = idle_timeout.map(Duration::from_secs);
+            baton_broker::serve(ServeOptions { jobs, socket, fuse, spin_us, io_uring: !no_io_uring, log_level, gates, idle_timeout })?;
         }
         Cmd::Run { socket, tokens, jobserver_style, max, explain, name, weight, command } => {
-            let code = baton_jobserver::run(RunOptions { socket, tokens, max, style: jobserver_style, name, weight, command, explain })?;
+            let autostart = autostart(socket.as_deref())?;
+            let weight = match weight {
+                Some(weight) => weight,
+                None => Config::load()?.weight().value,
+            };
+            let code = baton_jobserver::run(RunOptions { socket, tokens, max, style: jobserver_style, name, weight, command, explain, autostart })?;
             return Ok(u8::try_from(code).unwrap_or(1));
         }
         Cmd::Status { socket, json } => status::print_status(&socket_path(socket), json)?,
         Cmd::Limit { jobs, socket, gates } => status::set_limit(&socket_path(socket), jobs, &gates.settings())?,
         Cmd::Bench(args) => baton_bench::run(args)?,
+        Cmd::Config => print!("{}", config::describe(&Config::load()?, autostart_enabled())),
+        Cmd::ShellInit { shell } => print!("{}", shell_init::script(shell, &std::env::current_exe()?)),
+        Cmd::Completions { shell } => clap_complete::generate(shell, &mut Cli::command(), "baton", &mut std::io::stdout()),
+        Cmd::Man => clap_mangen::Man::new(Cli::command()).render(&mut std::io::stdout())?,
     }
     Ok(0)
+}
+
+/// How `baton run` starts a broker when none answers: this same binary,
+/// serving the same socket with the config file's limit, and stopping
+/// once idle. None when BATON_NO_AUTOSTART is set.
+fn autostart(socket: Option<&Path>) -> anyhow::Result<Option<Autostart>> {
+    if !autostart_enabled() {
+        return Ok(None);
+    }
+    let config = Config::load()?;
+    let mut args: Vec<OsString> = vec!["serve".into(), "--jobs".into(), config.jobs(None).value.to_string().into()];
+    if let Some(timeout) = config.idle_duration() {
+        args.extend(["--idle-timeout".into(), timeout.as_secs().to_string().into()]);
+    }
+    // Without --socket the broker finds the same path as we do (the
+    // environment is the same) and may make its default directory private.
+    if let Some(socket) = socket {
+        // The broker starts in /, not here.
+        args.extend(["--socket".into(), std::path::absolute(socket)?.into_os_string()]);
+    }
+    Ok(Some(Autostart { program: std::env::current_exe()?, args }))
+}
+
+/// BATON_NO_AUTOSTART set to anything but "" or "0" turns auto-start off.
+fn autostart_enabled() -> bool {
+    std::env::var_os("BATON_NO_AUTOSTART").is_none_or(|v| v.is_empty() || v == "0")
 }
 
 /// `outer: inner: innermost`, without repeating a cause already quoted.

@@ -21,14 +21,14 @@ use std::path::PathBuf;
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Mechanism {
     /// A pipe holding one byte per token; blocking `read` takes one. Since
-    /// Linux 5.6 only one blocked reader wakes per byte (seed 000).
+    /// Linux 5.6 only one blocked reader wakes per byte (commit 0ddad21d3e).
     PipeBlocking,
     /// The same pipe, O_NONBLOCK, waited on with poll() as GNU make ≥ 4.3
-    /// and bmake do: every poller wakes on every byte (seeds 001, 003).
+    /// and bmake do: every poller wakes on every byte.
     PipePoll,
     /// An unnamed process-shared POSIX semaphore (a futex underneath).
     PosixSemaphore,
-    /// A System V semaphore (seed 002).
+    /// A System V semaphore (sembench's).
     SysvSemaphore,
     /// An eventfd in EFD_SEMAPHORE mode: each read takes one.
     Eventfd,
@@ -46,7 +46,7 @@ pub enum Mechanism {
     /// baton's native protocol waited on with poll(), as an event loop would.
     BatonPoll,
     /// baton's FUSE token file, polled as GNU make 4.4 polls its jobserver:
-    /// the broker notifies one poller per freed token (seed 003's fix).
+    /// the broker notifies one poller per freed token.
     BatonFuse,
     /// The same file with the broker notifying every poller: the herd, as a
     /// control measured in the same run.

@@ -1,5 +1,5 @@
 //! Semaphores: POSIX (unnamed, process-shared, in shared memory) and
-//! System V (the kernel's semaphore arrays, seed 002).
+//! System V (the kernel's semaphore arrays, as in sembench).
 
 use super::{Pool, Tokens};
 use crate::sys::{self, Shared};

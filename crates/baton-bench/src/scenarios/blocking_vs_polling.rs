@@ -1,4 +1,4 @@
-//! Seed 001: GNU make waits in pselect() and a non-blocking read, so it
+//! GNU make waits in pselect() and a non-blocking read, so it
 //! herds even on a kernel whose pipe wakes one blocked reader per byte.
 //! The same job runners wait in each way, on a pipe and on baton.
 

@@ -1,10 +1,10 @@
-//! Seed 004 (futex requeue): N threads wait on a condition; each round a
+//! The futex requeue problem (Ingo Molnar, 2003): N threads wait on a condition; each round a
 //! producer posts K work items and wakes waiters to take them, then waits
 //! until all K are taken. pthread_cond_broadcast wakes all N for K items;
 //! a directed hand-off wakes exactly the K that get one. baton's own case:
 //! raising a running broker's limit by K grants exactly K waiters.
 //!
-//! The waiters are threads of one process, as in the seed; wake-ups (returns
+//! The waiters are threads of one process, as in that test; wake-ups (returns
 //! from waiting) are counted beside the context switches.
 
 use super::{Bench, Defaults, Findings, Scale};

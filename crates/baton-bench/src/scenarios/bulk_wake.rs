@@ -1,4 +1,4 @@
-//! Seed 002 (sembench): a waker puts W tokens in per round for N waiters;
+//! Chris Mason's sembench (LKML, 2010): a waker puts W tokens in per round for N waiters;
 //! each of W waiters wakes, takes one, uses it up and reports done; the
 //! waker waits for all W before the next round. Reports wake-ups per second
 //! and how evenly they fell on the waiters.

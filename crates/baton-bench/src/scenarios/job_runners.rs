@@ -1,4 +1,4 @@
-//! The workload of seeds 001 and 003: N job runners share a few tokens;
+//! The workload of blocking-vs-polling and mass-poll: N job runners share a few tokens;
 //! each takes one, holds it for a job, gives it back and asks again, until
 //! the run's budget of acquisitions is spent. Every acquisition is counted,
 //! including each runner's last one, which finds the budget spent and hands

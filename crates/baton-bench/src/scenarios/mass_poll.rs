@@ -1,4 +1,4 @@
-//! Seed 003 (FreeBSD `make universe`): hundreds of sub-makes poll one token
+//! FreeBSD's `make universe` (scalebsd.org, 2018): hundreds of sub-makes poll one token
 //! pipe, and every freed token wakes them all. Measured against N, beside
 //! baton's ways in and, where installed, stress-ng's pipe-herd figure.
 

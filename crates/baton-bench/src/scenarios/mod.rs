@@ -22,15 +22,15 @@ use std::path::PathBuf;
 /// The experiments, named after what they reproduce.
 #[derive(clap::ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Scenario {
-    /// Seed 000: P processes pass one token around T times.
+    /// P processes pass one token around T times (Linux's pipe commit).
     TokenRing,
-    /// Seed 001: the same job runners waiting in blocking reads or in poll().
+    /// Job runners waiting in blocking reads or in poll() (GNU make).
     BlockingVsPolling,
-    /// Seed 002: a waker releases W tokens per round to N waiters.
+    /// A waker releases W tokens per round to N waiters (sembench).
     BulkWake,
-    /// Seed 003: N ∈ {16, 64, 256, 1024} pollers on one token pipe.
+    /// N ∈ {16, 64, 256, 1024} pollers on one token pipe (make universe).
     MassPoll,
-    /// Seed 004: N threads on a condition, broadcast vs directed hand-off.
+    /// N threads on a condition, broadcast vs directed hand-off (futex requeue).
     Broadcast,
     /// Real make 4.3, make 4.4.1 and ninja 1.13: each alone against its own
     /// -jN, and three at once (fair shares, weights) against one shared FIFO.

@@ -1,5 +1,6 @@
-//! Seed 000 (Linux 0ddad21d3e, "pipe: use exclusive waits"): P processes
-//! pass one token around T times. As in the seed's program, every second
+//! Linux commit 0ddad21d3e ("pipe: use exclusive waits when reading or
+//! writing"): P processes pass one token around T times. As in its test
+//! program, every second
 //! transfer also puts an extra token in, which whoever takes it consumes
 //! without passing on: it checks that a wake-up nobody uses still hands
 //! the turn to the next waiter. baton cannot take part in that detail:
@@ -13,9 +14,9 @@ use crate::team::{self, Counts};
 use anyhow::Result;
 use std::sync::atomic::{AtomicU64, Ordering::SeqCst};
 
-/// The seed passes the token 1,000,000 times among 64 processes; that takes
-/// minutes on two cores with six mechanisms, so the default is smaller
-/// (`--ops 1000000` reproduces the seed's size).
+/// The commit's test passes the token 1,000,000 times among 64 processes;
+/// that takes minutes on two cores with six mechanisms, so the default is
+/// smaller (`--ops 1000000` reproduces its size).
 pub const DEFAULTS: Defaults = Defaults { waiters: &[64], ops: 20_000, tokens: 1, job_us: 0, wake: 1 };
 
 const MECHANISMS: &[Mechanism] = &[
@@ -42,7 +43,7 @@ pub fn run(bench: &Bench, scale: &Scale) -> Result<Findings> {
     let cases = cases(&scale.waiters, &bench.mechanisms(MECHANISMS));
     let rows = bench.each(&cases, |(n, m)| format!("token-ring: {} among {n} processes", m.name()), |&(processes, mechanism)| measure(bench, mechanism, processes, scale.ops))?;
     let notes = vec![
-        "operations are token transfers; every second one also puts in an extra token that its taker consumes (seed 000), except for baton, where only the limit makes tokens".to_string(),
+        "operations are token transfers; every second one also puts in an extra token that its taker consumes (as in the Linux commit's test program), except for baton, where only the limit makes tokens".to_string(),
     ];
     Ok(Findings { rows, notes })
 }
@@ -65,7 +66,7 @@ fn pass_token(tokens: &mut dyn Tokens, ring: &Ring, transfers: u64, with_extra: 
     tokens.acquire(1)?;
     loop {
         if take_extra(ring) {
-            // The seed's ignored token: consumed, not passed on.
+            // The test program's ignored token: consumed, not passed on.
             tokens.acquire(1)?;
             continue;
         }

@@ -141,6 +141,8 @@ impl Broker {
     pub fn run(&self, args: &[&str]) -> Command {
         let mut cmd = baton();
         cmd.arg("run").arg("--socket").arg(&self.socket).args(args);
+        // A test that stopped its broker must not start a stray one.
+        cmd.env("BATON_NO_AUTOSTART", "1");
         cmd
     }
 

@@ -1,0 +1,287 @@
+//! The config file, `$XDG_CONFIG_HOME/baton/config.toml` (else
+//! `~/.config/baton/config.toml`): the defaults of `baton serve` and of the
+//! brokers `baton run` starts. Options on the command line win.
+//!
+//! A file that does not parse, names a key we do not know, or gives a value
+//! out of range is refused whole, naming the file, line and key: a broker
+//! never starts on half of a config.
+
+use anyhow::{bail, Result};
+use serde::Deserialize;
+use std::fmt;
+use std::ops::Range;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+use toml::Spanned;
+
+/// How long a broker `baton run` started waits with no clients before it
+/// stops, when the file does not say.
+const DEFAULT_IDLE_TIMEOUT_SECS: u64 = 600;
+const DEFAULT_WEIGHT: u32 = 1;
+/// Far beyond any sensible share; keeps the arithmetic of shares small.
+const MAX_WEIGHT: u32 = 1000;
+
+/// The keys a config file may hold. Unknown keys are refused, so a typo
+/// is an error rather than a setting silently ignored. (Gates for memory
+/// and load are to come as a `[gates]` table.)
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "kebab-case")]
+struct FileValues {
+    jobs: Option<Spanned<u32>>,
+    idle_timeout: Option<Spanned<u64>>,
+    weight: Option<Spanned<u32>>,
+}
+
+/// The config file as read (or its absence).
+#[derive(Debug)]
+pub struct Config {
+    path: PathBuf,
+    found: bool,
+    text: String,
+    values: FileValues,
+}
+
+/// Where an effective value came from.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Source {
+    CommandLine,
+    File { line: usize },
+    Cpus,
+    Default,
+}
+
+/// A value and where it came from.
+#[derive(Debug, Clone)]
+pub struct Setting<T> {
+    pub value: T,
+    pub source: Source,
+}
+
+impl Config {
+    /// Reads the config file at its usual place; a missing file is an
+    /// empty config.
+    ///
+    /// # Errors
+    /// The file cannot be read, or is not a valid config.
+    pub fn load() -> Result<Config> {
+        Config::load_from(config_path())
+    }
+
+    fn load_from(path: PathBuf) -> Result<Config> {
+        match std::fs::read_to_string(&path) {
+            Ok(text) => Config::parse(path, text),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(Config { path, found: false, text: String::new(), values: FileValues::default() }),
+            Err(e) => bail!("cannot read the config file {}: {e}", path.display()),
+        }
+    }
+
+    fn parse(path: PathBuf, text: String) -> Result<Config> {
+        let values: FileValues = match toml::from_str(&text) {
+            Ok(values) => values,
+            Err(e) => return Err(bad_config(&path, &text, e.span(), e.message().trim())),
+        };
+        let config = Config { path, found: true, text, values };
+        config.check_ranges()?;
+        Ok(config)
+    }
+
+    fn check_ranges(&self) -> Result<()> {
+        if let Some(jobs) = &self.values.jobs {
+            if !(1..=baton_core::MAX_LIMIT).contains(jobs.get_ref()) {
+                let message = format!("jobs must be between 1 and {}", baton_core::MAX_LIMIT);
+                return Err(bad_config(&self.path, &self.text, Some(jobs.span()), &message));
+            }
+        }
+        if let Some(weight) = &self.values.weight {
+            if !(1..=MAX_WEIGHT).contains(weight.get_ref()) {
+                let message = format!("weight must be between 1 and {MAX_WEIGHT}");
+                return Err(bad_config(&self.path, &self.text, Some(weight.span()), &message));
+            }
+        }
+        Ok(())
+    }
+
+    /// The file's path, and whether it exists.
+    pub fn path(&self) -> (&Path, bool) {
+        (&self.path, self.found)
+    }
+
+    /// The pool's limit: `cli`, else the file's `jobs`, else the number of
+    /// CPUs.
+    pub fn jobs(&self, cli: Option<u32>) -> Setting<u32> {
+        let cpus = || std::thread::available_parallelism().map_or(1, |n| u32::try_from(n.get()).unwrap_or(u32::MAX));
+        self.pick(cli, &self.values.jobs).unwrap_or_else(|| Setting { value: cpus().min(baton_core::MAX_LIMIT), source: Source::Cpus })
+    }
+
+    /// How long a broker `baton run` started stays with no clients, in
+    /// seconds; 0: until stopped.
+    pub fn idle_timeout(&self) -> Setting<u64> {
+        self.pick(None, &self.values.idle_timeout).unwrap_or(Setting { value: DEFAULT_IDLE_TIMEOUT_SECS, source: Source::Default })
+    }
+
+    /// [`Config::idle_timeout`] as the broker takes it.
+    pub fn idle_duration(&self) -> Option<Duration> {
+        Some(self.idle_timeout().value).filter(|&secs| secs > 0).map(Duration::from_secs)
+    }
+
+    /// A build's share of the pool relative to others (fair shares).
+    pub fn weight(&self) -> Setting<u32> {
+        self.pick(None, &self.values.weight).unwrap_or(Setting { value: DEFAULT_WEIGHT, source: Source::Default })
+    }
+
+    fn pick<T: Copy>(&self, cli: Option<T>, file: &Option<Spanned<T>>) -> Option<Setting<T>> {
+        if let Some(value) = cli {
+            return Some(Setting { value, source: Source::CommandLine });
+        }
+        file.as_ref().map(|v| Setting { value: *v.get_ref(), source: Source::File { line: line_of(&self.text, v.span().start) } })
+    }
+}
+
+impl fmt::Display for Source {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Source::CommandLine => write!(f, "command line"),
+            Source::File { line } => write!(f, "config file, line {line}"),
+            Source::Cpus => write!(f, "the number of CPUs"),
+            Source::Default => write!(f, "default"),
+        }
+    }
+}
+
+/// `baton config`: each setting in effect, and where it came from.
+pub fn describe(config: &Config, autostart: bool) -> String {
+    let (path, found) = config.path();
+    let file = if found { String::new() } else { " (no such file: defaults in effect)".to_string() };
+    let (socket, socket_from) = baton_core::paths::default_socket();
+    let jobs = config.jobs(None);
+    let idle = config.idle_timeout();
+    let weight = config.weight();
+    let autostart = if autostart { "on" } else { "off (BATON_NO_AUTOSTART is set)" };
+    let rows = [
+        ("config file", format!("{}{file}", path.display()), String::new()),
+        ("socket", socket.display().to_string(), socket_from.to_string()),
+        ("jobs", jobs.value.to_string(), jobs.source.to_string()),
+        ("idle-timeout", format!("{} s", idle.value), idle.source.to_string()),
+        ("weight", weight.value.to_string(), weight.source.to_string()),
+        ("autostart", autostart.to_string(), String::new()),
+    ];
+    let value_width = rows.iter().filter(|(_, _, from)| !from.is_empty()).map(|(_, value, _)| value.len()).max().unwrap_or(0);
+    rows.iter()
+        .map(|(name, value, from)| match from.is_empty() {
+            true => format!("{name:<13} {value}\n"),
+            false => format!("{name:<13} {value:<value_width$}  ({from})\n"),
+        })
+        .collect()
+}
+
+/// `$XDG_CONFIG_HOME/baton/config.toml`, else `$HOME/.config/baton/config.toml`.
+fn config_path() -> PathBuf {
+    let base = std::env::var_os("XDG_CONFIG_HOME")
+        .filter(|d| !d.is_empty())
+        .map(PathBuf::from)
+        .unwrap_or_else(|| Path::new(&std::env::var_os("HOME").unwrap_or_default()).join(".config"));
+    base.join("baton").join("config.toml")
+}
+
+/// `bad config file PATH, line N (key K): what is wrong (what to do)`.
+fn bad_config(path: &Path, text: &str, span: Option<Range<usize>>, message: &str) -> anyhow::Error {
+    let message = message.lines().next().unwrap_or(message);
+    let fix = "fix the file, or remove it to use the defaults";
+    let Some(span) = span else {
+        return anyhow::anyhow!("bad config file {}: {message} ({fix})", path.display());
+    };
+    let line = line_of(text, span.start);
+    let key = match key_on_line(text, line) {
+        Some(key) => format!(", key {key}"),
+        None => String::new(),
+    };
+    anyhow::anyhow!("bad config file {}, line {line}{key}: {message} ({fix})", path.display())
+}
+
+/// The 1-based line holding byte `offset`.
+fn line_of(text: &str, offset: usize) -> usize {
+    text[..offset.min(text.len())].matches('\n').count() + 1
+}
+
+/// The key a `key = value` line sets, if the line is one.
+fn key_on_line(text: &str, line: usize) -> Option<&str> {
+    let (key, _) = text.lines().nth(line - 1)?.split_once('=')?;
+    let key = key.trim();
+    let bare = !key.is_empty() && key.chars().all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_');
+    bare.then_some(key)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(text: &str) -> Result<Config> {
+        Config::parse(PathBuf::from("/home/u/.config/baton/config.toml"), text.to_string())
+    }
+
+    fn error(text: &str) -> String {
+        format!("{:#}", parse(text).unwrap_err())
+    }
+
+    #[test]
+    fn values_and_where_they_came_from() {
+        let config = parse("# mine\njobs = 6\n\nidle-timeout = 30\n").unwrap();
+        let jobs = config.jobs(None);
+        assert_eq!((jobs.value, jobs.source), (6, Source::File { line: 2 }));
+        let idle = config.idle_timeout();
+        assert_eq!((idle.value, idle.source), (30, Source::File { line: 4 }));
+        assert_eq!(config.weight().source, Source::Default);
+    }
+
+    #[test]
+    fn the_command_line_wins() {
+        let config = parse("jobs = 6\n").unwrap();
+        let jobs = config.jobs(Some(3));
+        assert_eq!((jobs.value, jobs.source), (3, Source::CommandLine));
+    }
+
+    #[test]
+    fn without_a_file_jobs_is_the_number_of_cpus() {
+        let config = parse("").unwrap();
+        assert_eq!(config.jobs(None).source, Source::Cpus);
+        assert_eq!(config.idle_timeout().value, DEFAULT_IDLE_TIMEOUT_SECS);
+    }
+
+    #[test]
+    fn idle_timeout_zero_means_never() {
+        assert_eq!(parse("idle-timeout = 0\n").unwrap().idle_duration(), None);
+        assert_eq!(parse("").unwrap().idle_duration(), Some(Duration::from_secs(DEFAULT_IDLE_TIMEOUT_SECS)));
+    }
+
+    #[test]
+    fn a_typo_names_file_line_and_key() {
+        let e = error("jobs = 4\njbos = 8\n");
+        assert!(e.starts_with("bad config file /home/u/.config/baton/config.toml, line 2, key jbos: unknown field `jbos`"), "{e}");
+    }
+
+    #[test]
+    fn a_negative_value_names_file_line_and_key() {
+        let e = error("\nidle-timeout = -5\n");
+        assert!(e.starts_with("bad config file /home/u/.config/baton/config.toml, line 2, key idle-timeout: "), "{e}");
+    }
+
+    #[test]
+    fn a_line_that_is_not_toml_names_file_and_line() {
+        let e = error("jobs = 4\nthis is not toml\n");
+        assert!(e.starts_with("bad config file /home/u/.config/baton/config.toml, line 2: "), "{e}");
+    }
+
+    #[test]
+    fn a_value_out_of_range_names_file_line_and_key() {
+        let e = error("jobs = 0\n");
+        assert!(e.starts_with("bad config file /home/u/.config/baton/config.toml, line 1, key jobs: jobs must be between 1 and"), "{e}");
+        let e = error("weight = 0\n");
+        assert!(e.contains("line 1, key weight: weight must be between 1 and 1000"), "{e}");
+    }
+
+    #[test]
+    fn a_value_of_the_wrong_type_is_refused() {
+        let e = error("jobs = \"eight\"\n");
+        assert!(e.contains("line 1, key jobs:"), "{e}");
+    }
+}
