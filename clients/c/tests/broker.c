@@ -12,6 +12,27 @@
 #include <time.h>
 #include <unistd.h>
 
+/* Brokers still running, stopped at exit: a failed CHECK exits at once,
+ * and a broker left behind would keep the pipe of whoever ran the tests
+ * open. */
+static struct broker *running[8];
+static pid_t owner;
+
+static void stop_left_over(void) {
+    if (getpid() != owner) return; /* a forked test child exiting */
+    for (size_t i = 0; i < sizeof running / sizeof *running; i++)
+        if (running[i]) broker_stop(running[i]);
+}
+
+static void track(struct broker *b, struct broker *instead) {
+    for (size_t i = 0; i < sizeof running / sizeof *running; i++)
+        if (running[i] == instead) {
+            running[i] = b;
+            return;
+        }
+    CHECK(!"more brokers at once than tracked");
+}
+
 static const char *baton_bin(void) {
     const char *bin = getenv("BATON_BIN");
     return bin && *bin ? bin : "../../target/debug/baton";
@@ -37,10 +58,16 @@ void broker_start(struct broker *b, unsigned jobs) {
     char log[96], jobs_text[16];
     snprintf(log, sizeof log, "%s/broker.log", b->dir);
     snprintf(jobs_text, sizeof jobs_text, "%u", jobs);
+    if (!owner) {
+        owner = getpid();
+        atexit(stop_left_over);
+    }
     b->pid = fork();
     CHECK(b->pid >= 0);
+    track(b, NULL);
     if (b->pid == 0) {
         int fd = open(log, O_WRONLY | O_CREAT | O_TRUNC, 0600);
+        dup2(fd, 1);
         dup2(fd, 2);
         execl(baton_bin(), "baton", "serve", "--jobs", jobs_text, "--socket", b->socket, (char *)NULL);
         _exit(127);
@@ -58,6 +85,7 @@ void broker_start(struct broker *b, unsigned jobs) {
 }
 
 void broker_stop(struct broker *b) {
+    track(NULL, b);
     kill(b->pid, SIGTERM);
     CHECK(waitpid(b->pid, NULL, 0) == b->pid);
     /* Whatever the broker leaves (its log, lock, an emptied mount point). */
