@@ -20,4 +20,4 @@ status=$("$baton" status --json --socket "$dir/socket")
 for want in '"free": 2,' '"held": 0,' '"granted": 24,'; do
     echo "$status" | grep -q "$want" || { echo "tokens missing at the end: no $want in $status" >&2; exit 1; }
 done
-echo "c example: 1 passed, 0 failed"
+echo "clients: 1 passed, 0 failed, 0 skipped (C example)"

@@ -249,6 +249,6 @@ int main(void) {
         tests[i].run();
         printf("test %s ... ok\n", tests[i].name);
     }
-    printf("c api: %zu passed, 0 failed\n", n);
+    printf("clients: %zu passed, 0 failed, 0 skipped (C API)\n", n);
     return 0;
 }

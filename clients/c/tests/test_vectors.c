@@ -178,7 +178,7 @@ int main(int argc, char **argv) {
         }
     }
     CHECK(replayed >= 15);
-    printf("c vectors: %d passed, 0 failed, %d skipped\n", replayed, skipped);
+    printf("clients: %d passed, 0 failed, %d skipped (C vectors)\n", replayed, skipped);
     json_free(doc);
     free(text);
     return 0;
