@@ -169,7 +169,9 @@ int baton__read_reply(baton_t *c, char *line, size_t size, struct baton_reply *r
 
 int baton__call(baton_t *c, const char *request, const char *want, const char *also, char *line, size_t size,
                 struct baton_reply *r, const struct timespec *deadline) {
-    if (baton__send(c, request, strlen(request), deadline) < 0) return -1;
+    /* A broker that turned us away (ERR full, at connect) may have closed
+     * before the request went out: its reply is still there to read. */
+    if (baton__send(c, request, strlen(request), deadline) < 0 && errno != ECONNRESET) return -1;
     if (baton__read_reply(c, line, size, r, deadline) < 0) return -1;
     if (strcmp(r->kind, want) != 0 && !(also && strcmp(r->kind, also) == 0)) {
         errno = EPROTO;

@@ -9,6 +9,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/socket.h>
+#include <sys/un.h>
 #include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
@@ -229,6 +231,34 @@ static void a_stopped_broker_is_econnreset(void) {
     baton_close(c);
 }
 
+/* Filling a real broker takes 60,000 connections, more than most systems
+ * allow one process (test_vectors replays it where they do); a stand-in
+ * sends the broker's line at connect and closes, as the broker does. */
+static void a_full_broker_is_eusers(void) {
+    char dir[] = "/tmp/baton-c-full-XXXXXX", path[64];
+    CHECK(mkdtemp(dir));
+    snprintf(path, sizeof path, "%s/socket", dir);
+    struct sockaddr_un addr = {.sun_family = AF_UNIX};
+    snprintf(addr.sun_path, sizeof addr.sun_path, "%s", path);
+    int server = socket(AF_UNIX, SOCK_STREAM, 0);
+    CHECK(server >= 0 && bind(server, (struct sockaddr *)&addr, sizeof addr) == 0 && listen(server, 1) == 0);
+    pid_t stand_in = fork();
+    CHECK(stand_in >= 0);
+    if (stand_in == 0) {
+        static const char full[] = "ERR full the broker already serves 60000 clients\n";
+        int conn = accept(server, NULL, NULL);
+        _exit(conn >= 0 && write(conn, full, sizeof full - 1) == (ssize_t)(sizeof full - 1) ? 0 : 1);
+    }
+    errno = 0;
+    baton_t *c = baton_connect(path, "one too many", NULL);
+    CHECK(c == NULL && errno == EUSERS);
+    int status;
+    CHECK(waitpid(stand_in, &status, 0) == stand_in && WIFEXITED(status) && WEXITSTATUS(status) == 0);
+    close(server);
+    unlink(path);
+    rmdir(dir);
+}
+
 int main(void) {
     signal(SIGPIPE, SIG_DFL); /* the library must not need SIGPIPE ignored */
     struct {
@@ -243,6 +273,7 @@ int main(void) {
         {"a_holder_killed_with_9_gives_its_tokens_back", a_holder_killed_with_9_gives_its_tokens_back},
         {"threads_with_a_connection_each_stay_under_the_limit", threads_with_a_connection_each_stay_under_the_limit},
         {"a_stopped_broker_is_econnreset", a_stopped_broker_is_econnreset},
+        {"a_full_broker_is_eusers", a_full_broker_is_eusers},
     };
     size_t n = sizeof tests / sizeof *tests;
     for (size_t i = 0; i < n; i++) {

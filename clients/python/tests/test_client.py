@@ -175,3 +175,34 @@ def test_cancelling_a_waiting_async_acquire_gives_nothing_away(start_broker):
 
     asyncio.run(main())
     all_free(broker)
+
+
+def test_a_full_broker_turns_the_client_away_with_its_code(tmp_path):
+    # Filling a real broker takes 60,000 connections, more than most systems
+    # allow one process (test_vectors.py replays it where they do); a stand-in
+    # sends the vector's bytes at connect and closes, as the broker does.
+    import json
+    import socket
+    import threading
+
+    from conftest import REPO
+
+    vectors = json.loads((REPO / "docs" / "protocol-vectors.json").read_text())["vectors"]
+    full = next(step[2] for v in vectors for step in v["steps"] if step[1] == "recv" and step[2].startswith("ERR full "))
+    path = str(tmp_path / "full.sock")
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    server.bind(path)
+    server.listen()
+
+    def turn_away() -> None:
+        conn, _ = server.accept()
+        conn.sendall(full.encode())
+        conn.close()
+
+    stand_in = threading.Thread(target=turn_away)
+    stand_in.start()
+    with pytest.raises(RefusedError) as refused:
+        Client(path, "one too many")
+    stand_in.join()
+    server.close()
+    assert refused.value.code == "full"

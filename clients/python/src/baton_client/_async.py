@@ -152,7 +152,11 @@ class AsyncClient:
             if self._jobserver is None:
                 raise NoBrokerError(f"baton: no broker at {path} (start one with: baton serve --jobs N)") from e
             return
-        self.limit = (await self._call(hello_line(self._label), "OK")).numbers[2]
+        try:
+            self.limit = (await self._call(hello_line(self._label), "OK")).numbers[2]
+        except BaseException:
+            await self.close()
+            raise
 
     async def _acquire(self, n: int, timeout: Optional[float]) -> AsyncToken:
         async with self._lock:
@@ -264,7 +268,10 @@ class AsyncClient:
         return reply
 
     async def _call(self, line: bytes, *kinds: str) -> Reply:
-        await self._send(line)
+        try:
+            await self._send(line)
+        except (BrokenPipeError, ConnectionResetError):
+            pass  # a broker that turned us away (ERR full) may have closed first: its reply is still there to read
         return self._check(await self._read_reply(), *kinds)
 
     @staticmethod

@@ -11,6 +11,7 @@ from . import _jobserver
 from ._wire import (
     BatonError,
     Connection,
+    DisconnectedError,
     NoBrokerError,
     RefusedError,
     Reply,
@@ -78,7 +79,11 @@ class Client:
             if self._jobserver is None:
                 raise
             return
-        hello = self._call(hello_line(label), "OK")
+        try:
+            hello = self._call(hello_line(label), "OK")
+        except BaseException:
+            self._conn.close()
+            raise
         self.limit = hello.numbers[2]
 
     @property
@@ -198,7 +203,10 @@ class Client:
 
     def _call(self, line: bytes, *kinds: str) -> Reply:
         assert self._conn
-        self._conn.send(line)
+        try:
+            self._conn.send(line)
+        except DisconnectedError:
+            pass  # a broker that turned us away (ERR full) may have closed first: its reply is still there to read
         return self._check(self._conn.read_reply(None), *kinds)
 
     @staticmethod
