@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
+import threading
 
 import pytest
-from conftest import wait_for
+from conftest import REPO, wait_for
 
 from baton_client import AsyncClient, Client, NoBrokerError, RefusedError, socket_path
 
@@ -181,12 +184,6 @@ def test_a_full_broker_turns_the_client_away_with_its_code(tmp_path):
     # Filling a real broker takes 60,000 connections, more than most systems
     # allow one process (test_vectors.py replays it where they do); a stand-in
     # sends the vector's bytes at connect and closes, as the broker does.
-    import json
-    import socket
-    import threading
-
-    from conftest import REPO
-
     vectors = json.loads((REPO / "docs" / "protocol-vectors.json").read_text())["vectors"]
     full = next(step[2] for v in vectors for step in v["steps"] if step[1] == "recv" and step[2].startswith("ERR full "))
     path = str(tmp_path / "full.sock")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import resource
 import socket
+import time
 
 import pytest
 from conftest import REPO
@@ -33,8 +34,6 @@ def status(conn: Connection) -> dict:
 
 
 def _deadline() -> float:
-    import time
-
     return time.monotonic() + HANG_GUARD
 
 
@@ -74,8 +73,6 @@ def replay(vector: dict, path: str) -> None:
                 got = status(conn)
                 assert matches(arg, got), f"{vector['name']}: {who}'s status {got} does not match {arg}"
             elif op == "status_until":
-                import time
-
                 until = time.monotonic() + HANG_GUARD
                 while not matches(arg, status(conn)):
                     assert time.monotonic() < until, f"{vector['name']}: status never matched {arg}"
