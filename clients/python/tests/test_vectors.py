@@ -44,7 +44,7 @@ def make_room(files: int) -> None:
     try:
         resource.setrlimit(resource.RLIMIT_NOFILE, (files, max(files, hard)))
     except (ValueError, OSError):
-        pytest.skip(f"skipped: needs {files} open files, and the limit here is {hard} (raising it needs root)")
+        pytest.skip(f"skipped: needs {files} open files; the hard limit here is {hard} and this process may not raise it")
 
 
 def replay(vector: dict, path: str) -> None:
