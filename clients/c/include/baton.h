@@ -1,0 +1,117 @@
+/* libbaton: C client for the baton token broker.
+ *
+ * A process takes job slots ("tokens") from the machine-wide pool before
+ * running jobs and gives them back after; the broker hands each freed token
+ * to the one waiter that has waited longest. The wire protocol is
+ * docs/protocol.md of the baton project.
+ *
+ *   baton_t *c = baton_connect(NULL, "my-tool", NULL);
+ *   if (!c || baton_acquire(c, 1, NULL) < 0) err(1, "baton");
+ *   run_one_job();
+ *   baton_release(c, 1, NULL);
+ *   baton_close(c);
+ *
+ * Tokens belong to the connection: when the process exits, crashes or is
+ * killed (even with SIGKILL), the broker takes them back at once.
+ *
+ * Deadlines: every call that waits for the broker takes `deadline`, an
+ * absolute time on CLOCK_MONOTONIC (baton_deadline() makes one), or NULL to
+ * wait as long as it takes. A call whose deadline passes fails with
+ * ETIMEDOUT.
+ *
+ * Errors: functions return -1 (or NULL) and set errno. Each function lists
+ * its errno values; any call may also fail with
+ *   ECONNRESET  the broker closed the connection (it stopped or was killed);
+ *               the connection is dead: baton_close() it.
+ *   EPROTO      the broker said something this library does not expect, or
+ *               refused a request as malformed (a bug here or a broker of
+ *               another protocol version); the connection is dead.
+ * baton_refusal() gives the broker's own words for the last refusal.
+ *
+ * Threads: the library has no global state. A connection must be used by
+ * one thread at a time; give each thread its own connection (a waiting
+ * baton_acquire() holds it, and the protocol allows nothing else on it
+ * meanwhile). Writes use MSG_NOSIGNAL: a dead broker never raises SIGPIPE.
+ */
+#ifndef BATON_H
+#define BATON_H
+
+#include <stddef.h>
+#include <time.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef struct baton baton_t;
+
+/* Writes the socket path used when baton_connect() is given NULL, the same
+ * as the baton CLI's: $BATON_SOCKET, else $XDG_RUNTIME_DIR/baton/socket,
+ * else /tmp/baton-$UID/socket. Returns its length, or -1 with
+ *   ENAMETOOLONG  it does not fit in `size` bytes (NUL included). */
+int baton_socket_path(char *buf, size_t size);
+
+/* Now + `ms` milliseconds on CLOCK_MONOTONIC, for the calls below. */
+struct timespec baton_deadline(unsigned long ms);
+
+/* Connects to the broker at `path` (NULL: baton_socket_path()) and says
+ * HELLO. `label` (NULL: none) is shown by `baton status`; control characters
+ * are dropped and it is cut to 200 bytes. Returns the connection, or NULL:
+ *   ENOENT, ECONNREFUSED  no broker listens there (start one with:
+ *                         baton serve --jobs N)
+ *   EACCES        the socket belongs to another user
+ *   ENAMETOOLONG  the path does not fit a Unix socket address
+ *   EUSERS        the broker already serves its maximum of connections
+ *   ETIMEDOUT     no answer before the deadline
+ *   ENOMEM        out of memory
+ *   and any other errno of socket(2) or connect(2). */
+baton_t *baton_connect(const char *path, const char *label, const struct timespec *deadline);
+
+/* Waits until `n` more tokens are this connection's, all at once (first
+ * come, first served). Returns 0, or -1:
+ *   ETIMEDOUT  the deadline passed: the request was withdrawn, nothing is
+ *              held for it. (If the grant raced the deadline and won, the
+ *              call returns 0: the tokens are yours.)
+ *   ERANGE     n is 0, or held + n exceeds the pool's limit (it could never
+ *              be granted); the connection stays usable. */
+int baton_acquire(baton_t *c, unsigned n, const struct timespec *deadline);
+
+/* Takes `n` tokens only if they are free now and nobody is waiting.
+ * Returns 1 (taken), 0 (not free: nothing taken), or -1:
+ *   ERANGE     as for baton_acquire()
+ *   ETIMEDOUT  no answer before the deadline (the connection is then in
+ *              an unknown state: close it). */
+int baton_try_acquire(baton_t *c, unsigned n, const struct timespec *deadline);
+
+/* Gives back `n` tokens. Returns 0, or -1:
+ *   EINVAL     n is more than this connection holds: nothing was given
+ *              back; the connection stays usable
+ *   ERANGE     n is 0
+ *   ETIMEDOUT  as for baton_try_acquire(). */
+int baton_release(baton_t *c, unsigned n, const struct timespec *deadline);
+
+/* The broker's state as the JSON document `baton status --json` prints
+ * (docs/protocol.md lists its fields), NUL-terminated, to free() by the
+ * caller. Returns NULL on error:
+ *   ENOMEM     out of memory (the connection is then unusable: close it)
+ *   ETIMEDOUT  as for baton_try_acquire(). */
+char *baton_status_json(baton_t *c, const struct timespec *deadline);
+
+/* Tokens this connection holds now. */
+unsigned baton_held(const baton_t *c);
+
+/* The pool's limit when the connection was made. */
+unsigned baton_limit(const baton_t *c);
+
+/* The broker's message for the last request it refused ("" if none). */
+const char *baton_refusal(const baton_t *c);
+
+/* Closes the connection (the broker takes back every token it held) and
+ * frees it. NULL is allowed. */
+void baton_close(baton_t *c);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif

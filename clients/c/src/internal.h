@@ -1,0 +1,64 @@
+/* What the library's files share: the connection and the wire. */
+#ifndef BATON_INTERNAL_H
+#define BATON_INTERNAL_H
+
+#include <stddef.h>
+#include <time.h>
+
+#include "baton.h"
+
+/* A request line is at most 256 bytes; a reply line (an ERR message
+ * included) stays well below this. */
+#define BATON_LINE_MAX 1024
+
+struct baton {
+    int fd;
+    unsigned limit;
+    unsigned held;
+    size_t len;                 /* bytes in buf not yet consumed */
+    char buf[4096];
+    char refusal[BATON_LINE_MAX];
+};
+
+/* One decoded reply line. kind: "OK", "GRANTED", "ERR", ...; num: its
+ * numbers; code, message: for ERR. Points into the line it came from. */
+struct baton_reply {
+    const char *kind;
+    unsigned long long num[3];
+    int count;
+    const char *code;
+    const char *message;
+};
+
+/* Decodes `line` (no newline; modified in place). 0, or -1 with EPROTO. */
+int baton__parse_reply(char *line, struct baton_reply *r);
+
+/* The errno a refusal's code stands for. */
+int baton__errno_of(const char *code);
+
+/* Writes all of `data`; -1 with ETIMEDOUT, ECONNRESET, ... */
+int baton__send(baton_t *c, const char *data, size_t len, const struct timespec *deadline);
+
+/* Reads the next line into `line` (newline stripped, NUL-terminated).
+ * Returns its length; -1 with ETIMEDOUT, ECONNRESET (end of file), EPROTO
+ * (longer than `size`). */
+int baton__read_line(baton_t *c, char *line, size_t size, const struct timespec *deadline);
+
+/* Reads exactly `len` bytes. */
+int baton__read_exact(baton_t *c, char *out, size_t len, const struct timespec *deadline);
+
+/* Reads and decodes the next reply. An ERR reply is kept in c->refusal
+ * and returns -1 with errno from its code. GRANTED and RELEASED update
+ * c->held. */
+int baton__read_reply(baton_t *c, char *line, size_t size, struct baton_reply *r, const struct timespec *deadline);
+
+/* Sends `request` and reads its reply, which must be of kind `want` (or,
+ * if not NULL, `also`). */
+int baton__call(baton_t *c, const char *request, const char *want, const char *also, char *line, size_t size,
+                struct baton_reply *r, const struct timespec *deadline);
+
+/* Waits in poll() for `events` on fd until the deadline: 0, or -1 with
+ * ETIMEDOUT. */
+int baton__wait(int fd, short events, const struct timespec *deadline);
+
+#endif

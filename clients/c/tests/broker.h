@@ -1,0 +1,33 @@
+/* Test fixture: a real `baton serve` in a temporary directory, stopped by
+ * pid; and the checks every test shares. */
+#ifndef BATON_TEST_BROKER_H
+#define BATON_TEST_BROKER_H
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <sys/types.h>
+
+struct broker {
+    pid_t pid;
+    char dir[64];
+    char socket[128];
+};
+
+/* Starts `$BATON_BIN serve --jobs N` and waits until it listens. */
+void broker_start(struct broker *b, unsigned jobs);
+
+/* SIGTERM by pid, reap, remove the directory. */
+void broker_stop(struct broker *b);
+
+/* A bare connection that says nothing (-1 if nobody listens). */
+int broker_connect_raw(const char *path);
+
+#define CHECK(cond)                                                                                    \
+    do {                                                                                               \
+        if (!(cond)) {                                                                                 \
+            fprintf(stderr, "%s:%d: check failed: %s\n", __FILE__, __LINE__, #cond);                   \
+            exit(1);                                                                                   \
+        }                                                                                              \
+    } while (0)
+
+#endif

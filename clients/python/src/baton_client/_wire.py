@@ -1,0 +1,184 @@
+"""The native protocol's framing (docs/protocol.md): where the socket is,
+request lines, reply lines, and a blocking connection with deadlines."""
+
+from __future__ import annotations
+
+import os
+import select
+import socket
+import time
+from typing import NamedTuple, Optional
+
+VERSION = 1
+MAX_LABEL = 200
+
+
+class BatonError(Exception):
+    """Something went wrong talking to the broker or the jobserver."""
+
+
+class NoBrokerError(BatonError, ConnectionError):
+    """Nothing listens at the socket path (and no jobserver to fall back on)."""
+
+
+class DisconnectedError(BatonError, ConnectionError):
+    """The broker closed the connection (it stopped, or refused us fatally)."""
+
+
+class RefusedError(BatonError):
+    """The broker answered ``ERR <code> <message>``; ``code`` is the
+    protocol's error code (``range``, ``over-release``, ...)."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(f"baton: broker refused: {message} ({code})")
+        self.code = code
+        self.message = message
+
+
+def socket_path(explicit: Optional[str] = None) -> str:
+    """`explicit`, else $BATON_SOCKET, else $XDG_RUNTIME_DIR/baton/socket,
+    else /tmp/baton-$UID/socket: the same order as the ``baton`` CLI."""
+    if explicit:
+        return explicit
+    if os.environ.get("BATON_SOCKET"):
+        return os.environ["BATON_SOCKET"]
+    if os.environ.get("XDG_RUNTIME_DIR"):
+        return os.path.join(os.environ["XDG_RUNTIME_DIR"], "baton", "socket")
+    return f"/tmp/baton-{os.getuid()}/socket"
+
+
+def hello_line(label: Optional[str]) -> bytes:
+    """``HELLO 1 [label]``, the label cut to what the broker accepts:
+    printable, at most MAX_LABEL bytes."""
+    if not label:
+        return b"HELLO %d\n" % VERSION
+    text = "".join(c for c in label if c.isprintable())
+    raw = text.encode()[:MAX_LABEL].decode(errors="ignore").encode()
+    return b"HELLO %d %s\n" % (VERSION, raw) if raw else b"HELLO %d\n" % VERSION
+
+
+def request_line(verb: str, n: Optional[int] = None) -> bytes:
+    return f"{verb}\n".encode() if n is None else f"{verb} {n}\n".encode()
+
+
+class Reply(NamedTuple):
+    """One decoded reply: its first word, its numbers, and for ``ERR`` the
+    code and message; for ``STATUS`` the JSON body."""
+
+    kind: str
+    numbers: tuple
+    code: str = ""
+    message: str = ""
+    body: str = ""
+
+
+_ARITY = {"OK": 3, "GRANTED": 2, "BUSY": 1, "RELEASED": 2, "CANCELLED": 1, "STATUS": 1, "LIMIT": 2}
+
+
+def parse_reply(line: bytes) -> Reply:
+    """Decodes one reply line (without its newline)."""
+    text = line.decode("utf-8", errors="replace")
+    kind, _, rest = text.partition(" ")
+    if kind == "ERR":
+        code, _, message = rest.partition(" ")
+        return Reply(kind, (), code, message)
+    words = rest.split(" ") if rest else []
+    if kind not in _ARITY or len(words) != _ARITY[kind] or not all(w.isdigit() for w in words):
+        raise BatonError(f"baton: unexpected reply from the broker: {text!r}")
+    return Reply(kind, tuple(int(w) for w in words))
+
+
+class Connection:
+    """A blocking connection to the broker; every read takes a deadline
+    (time.monotonic() seconds, or None to wait as long as it takes)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            self.sock.connect(path)
+        except (FileNotFoundError, ConnectionRefusedError) as e:
+            self.sock.close()
+            raise NoBrokerError(f"baton: no broker at {path} (start one with: baton serve --jobs N)") from e
+        except PermissionError as e:
+            self.sock.close()
+            raise BatonError(f"baton: permission denied connecting to {path} (the broker belongs to another user?)") from e
+        except OSError:
+            self.sock.close()
+            raise
+        self.buf = bytearray()
+
+    def fileno(self) -> int:
+        return self.sock.fileno()
+
+    def close(self) -> None:
+        self.sock.close()
+
+    def send(self, data: bytes) -> None:
+        try:
+            self.sock.sendall(data)
+        except (BrokenPipeError, ConnectionResetError) as e:
+            raise DisconnectedError("baton: the broker closed the connection") from e
+
+    def read_line(self, deadline: Optional[float]) -> bytes:
+        """The next line, newline included; b"" at end of file.
+        TimeoutError when the deadline passes first."""
+        while b"\n" not in self.buf:
+            if not self._fill(deadline):
+                return b""
+        end = self.buf.index(b"\n") + 1
+        line = bytes(self.buf[:end])
+        del self.buf[:end]
+        return line
+
+    def read_exact(self, n: int, deadline: Optional[float]) -> bytes:
+        while len(self.buf) < n:
+            if not self._fill(deadline):
+                raise DisconnectedError("baton: the broker closed the connection mid-reply")
+        data = bytes(self.buf[:n])
+        del self.buf[:n]
+        return data
+
+    def read_reply(self, deadline: Optional[float]) -> Reply:
+        """The next reply, decoded; the STATUS body read with it."""
+        line = self.read_line(deadline)
+        if not line.endswith(b"\n"):
+            raise DisconnectedError("baton: the broker closed the connection")
+        reply = parse_reply(line[:-1])
+        if reply.kind == "STATUS":
+            body = self.read_exact(reply.numbers[0] + 1, deadline)
+            if not body.endswith(b"\n"):
+                raise BatonError("baton: status body not followed by a newline")
+            reply = reply._replace(body=body[:-1].decode())
+        return reply
+
+    def _fill(self, deadline: Optional[float]) -> bool:
+        """Reads what has arrived, waiting until the deadline; False at
+        end of file."""
+        if not wait_readable(self.sock.fileno(), deadline):
+            raise TimeoutError("baton: deadline passed waiting for the broker")
+        try:
+            chunk = self.sock.recv(65536)
+        except ConnectionResetError:
+            chunk = b""
+        self.buf += chunk
+        return bool(chunk)
+
+
+def wait_readable(fd: int, deadline: Optional[float]) -> bool:
+    """Waits in poll() until fd is readable; False if the deadline passes."""
+    poller = select.poll()
+    poller.register(fd, select.POLLIN)
+    while True:
+        if deadline is None:
+            wait_ms = None
+        else:
+            wait_ms = max(0, int((deadline - time.monotonic()) * 1000 + 0.999))
+        if poller.poll(wait_ms):
+            return True
+        if deadline is not None and time.monotonic() >= deadline:
+            return False
+
+
+def deadline_after(timeout: Optional[float]) -> Optional[float]:
+    return None if timeout is None else time.monotonic() + timeout

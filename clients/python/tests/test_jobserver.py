@@ -1,0 +1,44 @@
+"""The fallback on a real GNU make jobserver: pytest runs jobserver_inner.py
+inside a make recipe, with make 4.3 (a pipe, `R,W`) and make 4.4.1 (a FIFO,
+`fifo:PATH`). make itself checks at exit that every token came back."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import re
+import subprocess
+import sys
+
+import pytest
+
+HERE = pathlib.Path(__file__).resolve().parent
+
+
+def make(env: str, fallback: str) -> str:
+    path = os.environ.get(env) or fallback
+    if not os.access(path, os.X_OK):
+        pytest.fail(f"{path} not found ({env} unset or wrong): run scripts/test, which installs it")
+    return path
+
+
+@pytest.mark.parametrize("env,fallback,style", [("BATON_TEST_MAKE43", "/usr/bin/make", r"\d+,\d+"), ("BATON_TEST_MAKE44", os.path.join(os.path.dirname(sys.executable), "make"), "fifo:")])
+def test_the_client_takes_tokens_from_a_real_make_jobserver(tmp_path, env, fallback, style):
+    (tmp_path / "Makefile").write_text(
+        "all:\n\t@echo \"auth: $(filter --jobserver-auth=%,$(MAKEFLAGS))\"\n"
+        "\t+@$(PY) -m pytest -q -p no:cacheprovider $(INNER)\n"
+    )
+    environment = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL")}
+    environment["BATON_SOCKET"] = str(tmp_path / "no-broker-here")
+    run = subprocess.run(
+        [make(env, fallback), "-j3", "-C", str(tmp_path), f"PY={sys.executable}", f"INNER={HERE / 'jobserver_inner.py'}"],
+        env=environment,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    out = run.stdout + run.stderr
+    assert run.returncode == 0, out
+    assert re.search(f"--jobserver-auth={style}", out), out
+    assert "4 passed" in out, out
+    assert "INTERNAL" not in out, out  # make's own check: every token back at exit
