@@ -17,7 +17,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-/// waiters: the `-jN`s (none given: 96, as in the seed, and 4 × CPUs); ops:
+/// waiters: the `-jN`s (none given: 96, as in the FreeBSD post, and 4 × CPUs); ops:
 /// rounds; job_us: each job's sleep.
 pub const DEFAULTS: Defaults = Defaults { waiters: &[], ops: 3, tokens: 0, job_us: 20_000, wake: 0 };
 
