@@ -10,6 +10,7 @@ from typing import Any, Generator, Optional
 from . import _jobserver
 from ._client import NOT_A_BROKER
 from ._wire import (
+    expect,
     BatonError,
     DisconnectedError,
     NoBrokerError,
@@ -181,7 +182,7 @@ class AsyncClient:
             raise
         if not read.done() and not await self._stop(read):
             return await self._withdraw()
-        self._check(read.result(), "GRANTED")
+        expect(read.result(), "GRANTED")
         return True
 
     @staticmethod
@@ -192,7 +193,7 @@ class AsyncClient:
             reply = await read
         except asyncio.CancelledError:
             return False
-        AsyncClient._check(reply, "GRANTED")
+        expect(reply, "GRANTED")
         return True
 
     async def _withdraw(self) -> bool:
@@ -200,9 +201,9 @@ class AsyncClient:
         await self._send(request_line("CANCEL"))
         reply = await self._read_reply()
         if reply.kind == "GRANTED":
-            self._check(await self._read_reply(), "CANCELLED")
+            expect(await self._read_reply(), "CANCELLED")
             return True
-        self._check(reply, "CANCELLED")
+        expect(reply, "CANCELLED")
         return False
 
     async def _take_from_jobserver(self, n: int, timeout: Optional[float]) -> bytes:
@@ -272,12 +273,5 @@ class AsyncClient:
             await self._send(line)
         except (BrokenPipeError, ConnectionResetError):
             pass  # a broker that turned us away (ERR full) may have closed first: its reply is still there to read
-        return self._check(await self._read_reply(), *kinds)
+        return expect(await self._read_reply(), *kinds)
 
-    @staticmethod
-    def _check(reply: Reply, *kinds: str) -> Reply:
-        if reply.kind == "ERR":
-            raise RefusedError(reply.code, reply.message)
-        if reply.kind not in kinds:
-            raise BatonError(f"baton: unexpected reply from the broker: {reply}")
-        return reply

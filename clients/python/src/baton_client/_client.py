@@ -9,6 +9,7 @@ from typing import Any, Optional
 
 from . import _jobserver
 from ._wire import (
+    expect,
     BatonError,
     Connection,
     DisconnectedError,
@@ -177,7 +178,7 @@ class Client:
         it withdraws the request and gives back a grant that won the race."""
         assert self._conn
         try:
-            self._check(self._conn.read_reply(deadline), "GRANTED")
+            expect(self._conn.read_reply(deadline), "GRANTED")
             return True
         except TimeoutError:
             return self._withdraw()
@@ -192,9 +193,9 @@ class Client:
         self._send(request_line("CANCEL"))
         reply = self._conn.read_reply(None)
         if reply.kind == "GRANTED":
-            self._check(self._conn.read_reply(None), "CANCELLED")
+            expect(self._conn.read_reply(None), "CANCELLED")
             return True
-        self._check(reply, "CANCELLED")
+        expect(reply, "CANCELLED")
         return False
 
     def _send(self, line: bytes) -> None:
@@ -207,12 +208,5 @@ class Client:
             self._conn.send(line)
         except DisconnectedError:
             pass  # a broker that turned us away (ERR full) may have closed first: its reply is still there to read
-        return self._check(self._conn.read_reply(None), *kinds)
+        return expect(self._conn.read_reply(None), *kinds)
 
-    @staticmethod
-    def _check(reply: Reply, *kinds: str) -> Reply:
-        if reply.kind == "ERR":
-            raise RefusedError(reply.code, reply.message)
-        if reply.kind not in kinds:
-            raise BatonError(f"baton: unexpected reply from the broker: {reply}")
-        return reply

@@ -75,6 +75,15 @@ class Reply(NamedTuple):
 _ARITY = {"OK": 3, "GRANTED": 2, "BUSY": 1, "RELEASED": 2, "CANCELLED": 1, "STATUS": 1, "LIMIT": 2}
 
 
+def expect(reply: Reply, *kinds: str) -> Reply:
+    """The reply if it is one of `kinds`; a refusal or anything else raises."""
+    if reply.kind == "ERR":
+        raise RefusedError(reply.code, reply.message)
+    if reply.kind not in kinds:
+        raise BatonError(f"baton: unexpected reply from the broker: {reply}")
+    return reply
+
+
 def parse_reply(line: bytes) -> Reply:
     """Decodes one reply line (without its newline)."""
     text = line.decode("utf-8", errors="replace")
