@@ -87,7 +87,8 @@ fn kill_9_of_holders_gives_their_tokens_to_the_waiter() {
 
 #[test]
 fn status_json_has_the_documented_keys() {
-    let broker = Broker::start(3);
+    // A gate, so that the gates' fields are there to check.
+    let broker = Broker::start_with(3, &["--max-load", "100000"]);
     let mut holder = broker.client("holder");
     holder.acquire(2).unwrap();
     let mut waiter = broker.run(&["--jobserver-style", "none", "--tokens", "2", "--", "true"]).spawn().unwrap();
