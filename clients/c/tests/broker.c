@@ -48,6 +48,10 @@ int broker_connect_raw(const char *path) {
 }
 
 void broker_start(struct broker *b, unsigned jobs) {
+    broker_start_with(b, jobs, 0);
+}
+
+void broker_start_with(struct broker *b, unsigned jobs, unsigned max_clients) {
     if (access(baton_bin(), X_OK) != 0) {
         fprintf(stderr, "%s not found (BATON_BIN unset or wrong): run scripts/test, which builds it\n", baton_bin());
         exit(1);
@@ -55,9 +59,10 @@ void broker_start(struct broker *b, unsigned jobs) {
     snprintf(b->dir, sizeof b->dir, "/tmp/baton-c-XXXXXX");
     CHECK(mkdtemp(b->dir));
     snprintf(b->socket, sizeof b->socket, "%s/run/socket", b->dir);
-    char log[96], jobs_text[16];
+    char log[96], jobs_text[16], max_text[16];
     snprintf(log, sizeof log, "%s/broker.log", b->dir);
     snprintf(jobs_text, sizeof jobs_text, "%u", jobs);
+    snprintf(max_text, sizeof max_text, "%u", max_clients ? max_clients : 60000);
     if (!owner) {
         owner = getpid();
         atexit(stop_left_over);
@@ -69,7 +74,7 @@ void broker_start(struct broker *b, unsigned jobs) {
         int fd = open(log, O_WRONLY | O_CREAT | O_TRUNC, 0600);
         dup2(fd, 1);
         dup2(fd, 2);
-        execl(baton_bin(), "baton", "serve", "--jobs", jobs_text, "--socket", b->socket, (char *)NULL);
+        execl(baton_bin(), "baton", "serve", "--jobs", jobs_text, "--socket", b->socket, "--max-clients", max_text, (char *)NULL);
         _exit(127);
     }
     /* A bare connect, no HELLO: the probe takes no client id. */

@@ -15,6 +15,8 @@ struct broker {
 
 /* Starts `$BATON_BIN serve --jobs N` and waits until it listens. */
 void broker_start(struct broker *b, unsigned jobs);
+/* The same with `--max-clients max_clients` (0: the broker's default). */
+void broker_start_with(struct broker *b, unsigned jobs, unsigned max_clients);
 
 /* SIGTERM by pid, reap, remove the directory. */
 void broker_stop(struct broker *b);

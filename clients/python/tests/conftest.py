@@ -24,14 +24,14 @@ def baton_bin() -> str:
 
 
 class Broker:
-    def __init__(self, jobs: int) -> None:
+    def __init__(self, jobs: int, *extra: str) -> None:
         # A short directory of our own: a socket path must fit in 108 bytes.
         self.dir = pathlib.Path(tempfile.mkdtemp(prefix="baton-py-"))
         tmp = self.dir
         self.socket = str(tmp / "run" / "socket")
         self.log = tmp / "broker.log"
         with open(self.log, "wb") as log:
-            self.proc = subprocess.Popen([baton_bin(), "serve", "--jobs", str(jobs), "--socket", self.socket], stderr=log)
+            self.proc = subprocess.Popen([baton_bin(), "serve", "--jobs", str(jobs), "--socket", self.socket, *extra], stderr=log)
         self._wait_until_listening()
 
     def _wait_until_listening(self) -> None:
@@ -57,11 +57,11 @@ class Broker:
 
 @pytest.fixture
 def start_broker():
-    """start_broker(jobs) -> a running Broker, stopped when the test ends."""
+    """start_broker(jobs, *serve_options) -> a running Broker, stopped when the test ends."""
     started = []
 
-    def start(jobs: int) -> Broker:
-        broker = Broker(jobs)
+    def start(jobs: int, *extra: str) -> Broker:
+        broker = Broker(jobs, *extra)
         started.append(broker)
         return broker
 

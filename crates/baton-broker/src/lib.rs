@@ -33,3 +33,4 @@ mod uring;
 pub use fuse::Mode as FuseMode;
 pub use log::LogLevel;
 pub use serve::{serve, ServeOptions};
+pub use socket::MAX_CLIENTS;

@@ -37,6 +37,8 @@ pub struct ServeOptions {
     pub io_uring: bool,
     /// How much the broker logs on stderr.
     pub log_level: LogLevel,
+    /// At most this many connections at once; more get `ERR full`.
+    pub max_clients: usize,
     /// Memory and load gates (docs/adaptive.md); the default has none.
     pub gates: GateConfig,
     /// Stop after this long with no clients at all (brokers started on
@@ -89,7 +91,7 @@ pub fn serve(opts: ServeOptions) -> Result<()> {
         None => (listen(&socket)?, Some(RemoveOnDrop(socket.clone()))),
     };
 
-    let (mut server, waker) = SocketServer::new(listener, signals, broker.clone(), SpinPolicy::for_this_machine(opts.spin_us), opts.io_uring).context("cannot start the event loop")?;
+    let (mut server, waker) = SocketServer::new(listener, signals, broker.clone(), SpinPolicy::for_this_machine(opts.spin_us), opts.io_uring, opts.max_clients).context("cannot start the event loop")?;
     // Grants other transports cause for socket clients wake the socket
     // thread; it delivers its own at the end of each round.
     let socket_thread = std::thread::current().id();

@@ -34,8 +34,9 @@ const ACQUIRE_TAG: u64 = 0;
 /// without end: past this much unsent output it is disconnected.
 const MAX_UNSENT: usize = 1 << 20;
 
-/// At most this many connections at once; more get `ERR full`. Bounded by
-/// the file descriptor limit, which `serve` raises to its hard maximum.
+/// At most this many connections at once unless told otherwise
+/// (`--max-clients`); more get `ERR full`. Bounded by the file descriptor
+/// limit, which `serve` raises to its hard maximum.
 pub const MAX_CLIENTS: usize = 60_000;
 
 /// Replies sent in the system call that sleeps; more go out by plain writes
@@ -76,12 +77,14 @@ pub struct SocketServer {
     sender: Option<SendAndWait>,
     /// Connections whose output waits for the next sleep, in order.
     unsent: Vec<Token>,
+    /// More connections than this get `ERR full`.
+    max_clients: usize,
 }
 
 impl SocketServer {
     /// `io_uring`: send replies in the system call that sleeps, where the
     /// kernel allows (crate::uring).
-    pub fn new(listener: std::os::unix::net::UnixListener, signals: SignalFd, broker: Arc<Mutex<Broker>>, spin: SpinPolicy, io_uring: bool) -> io::Result<(Self, Arc<Waker>)> {
+    pub fn new(listener: std::os::unix::net::UnixListener, signals: SignalFd, broker: Arc<Mutex<Broker>>, spin: SpinPolicy, io_uring: bool, max_clients: usize) -> io::Result<(Self, Arc<Waker>)> {
         let poll = Poll::new()?;
         listener.set_nonblocking(true)?;
         let mut listener = UnixListener::from_std(listener);
@@ -101,6 +104,7 @@ impl SocketServer {
             replied: 0,
             sender,
             unsent: Vec::new(),
+            max_clients,
         };
         Ok((server, waker))
     }
@@ -253,8 +257,8 @@ impl SocketServer {
 
     fn add_conn(&mut self, mut stream: UnixStream) {
         let pid = peer_pid(&stream).unwrap_or(0);
-        if self.conns.len() >= MAX_CLIENTS {
-            let reply = Reply::Err { code: ErrorCode::Full, message: format!("the broker already serves {MAX_CLIENTS} clients") };
+        if self.conns.len() >= self.max_clients {
+            let reply = Reply::Err { code: ErrorCode::Full, message: format!("the broker already serves {} clients", self.max_clients) };
             let _ = stream.write(&reply.encode());
             return;
         }

@@ -51,30 +51,11 @@ fn matches(expected: &Value, actual: &Value) -> bool {
     }
 }
 
-/// Raises this process's open-file limit (the broker inherits it) to
-/// `files`; false if this system does not allow it.
-fn make_room(files: u64) -> bool {
-    let mut lim = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
-    // SAFETY: getrlimit/setrlimit read and write one rlimit struct.
-    unsafe {
-        libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim);
-        if lim.rlim_cur >= files {
-            return true;
-        }
-        let want = libc::rlimit { rlim_cur: files, rlim_max: lim.rlim_max.max(files) };
-        libc::setrlimit(libc::RLIMIT_NOFILE, &want) == 0
-    }
-}
-
 fn replay(vector: &Value) {
     let name = vector["name"].as_str().unwrap();
-    if let Some(files) = vector.get("needs_files").and_then(Value::as_u64) {
-        if !make_room(files) {
-            eprintln!("SKIPPED vector {name:?}: needs {files} open files, more than this system allows");
-            return;
-        }
-    }
-    let broker = Broker::start(vector["jobs"].as_u64().unwrap() as u32);
+    let max_clients = vector.get("max_clients").map(|n| n.as_u64().unwrap().to_string());
+    let extra: Vec<&str> = max_clients.iter().flat_map(|n| ["--max-clients", n.as_str()]).collect();
+    let broker = Broker::start_with(vector["jobs"].as_u64().unwrap() as u32, &extra);
     let mut conns: HashMap<String, Conn> = HashMap::new();
     let mut fillers = Vec::new();
     for step in vector["steps"].as_array().unwrap() {
