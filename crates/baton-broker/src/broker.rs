@@ -145,7 +145,11 @@ impl Broker {
     /// to those builds.
     pub fn wanted(&mut self, id: ClientId) -> (u32, u32) {
         self.tick();
-        (self.pool.waiting_ahead(id), self.pool.free())
+        // While a gate is set, the machine wants every token back to decide
+        // anew: a build that kept the tokens its jobs wrote back would
+        // start new jobs the gates never saw.
+        let machine = u32::from(self.gates.config().any());
+        (self.pool.waiting_ahead(id).max(machine), self.pool.free())
     }
 
     pub fn acquire(&mut self, id: ClientId, tag: Tag, tokens: u32) -> Result<Acquired, PoolError> {

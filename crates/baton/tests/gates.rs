@@ -204,3 +204,13 @@ fn the_load_gate_holds_a_build_to_one_job_while_the_cpus_are_busy() {
 fn which(program: &str) -> Result<PathBuf, ()> {
     std::env::split_paths(&std::env::var_os("PATH").unwrap_or_default()).map(|d| d.join(program)).find(|p| p.exists()).ok_or(())
 }
+
+#[test]
+fn while_a_gate_is_set_builds_are_asked_to_give_back_what_their_jobs_return() {
+    // A build keeps the tokens its jobs write back only while nobody wants
+    // them (WANTED 0); with a gate set, the gates must see every new job.
+    let plain = Broker::start(4);
+    assert_eq!(plain.client("build").wanted().unwrap(), (0, 4));
+    let gated = Broker::start_with(4, &["--max-load", "100000"]);
+    assert_eq!(gated.client("build").wanted().unwrap(), (1, 4));
+}
