@@ -58,6 +58,9 @@ pub fn run(opts: RunOptions) -> Result<i32> {
         bail!(why);
     }
     let socket = absolute(&socket_path(opts.socket.clone()));
+    if opts.tokens == 1 && is_a_job_of_a_baton_build(&socket) {
+        return Ok(run_in_the_outer_build(&opts.command));
+    }
     let label = label(&opts.command);
     let mut client = autostart::connect(&socket, &label, opts.autostart.as_ref())?;
     client.start_build(opts.weight, opts.name.as_deref().unwrap_or(""))?;
@@ -428,6 +431,25 @@ fn exit_code(status: ExitStatus) -> i32 {
 fn label(command: &[OsString]) -> String {
     let words: Vec<_> = command.iter().map(|w| w.to_string_lossy()).collect();
     format!("baton run -- {}", words.join(" "))
+}
+
+/// Whether we run as a job of a build that a `baton run` of this broker
+/// feeds: it set BATON_SOCKET to this socket for its command, and a make
+/// under it started us as a recipe (MAKEFLAGS names a jobserver, even a
+/// `-2,-2` one for a recipe make keeps it from). Such a job already holds
+/// a slot of the pool: asking for another would wait on our own build,
+/// forever when the limit is 1.
+fn is_a_job_of_a_baton_build(socket: &Path) -> bool {
+    let outer = std::env::var_os("BATON_SOCKET").map(|s| absolute(Path::new(&s)));
+    let under_jobserver = std::env::var("MAKEFLAGS").is_ok_and(|flags| flags.contains("--jobserver-auth="));
+    outer.as_deref() == Some(socket) && under_jobserver
+}
+
+/// Runs CMD in the job slot we were started in, with the outer build's
+/// jobserver (MAKEFLAGS as inherited); returns the code to exit with.
+fn run_in_the_outer_build(command: &[OsString]) -> i32 {
+    let err = Command::new(&command[0]).args(&command[1..]).exec();
+    report_spawn_error(&command[0], err)
 }
 
 /// CMD may change directory; the socket path it inherits must still work.

@@ -454,3 +454,28 @@ fn a_recursive_make_stays_within_a_binding_limit() {
         assert_clean_end(&broker);
     }
 }
+
+/// A recipe of a build already under baton that runs `baton run` again
+/// (a script that wraps its tools, a build that calls another): it already
+/// holds its job slot, so it runs at once in the outer build instead of
+/// waiting for a token its own build holds (forever under --jobs 1).
+#[test]
+fn baton_run_inside_a_recipe_of_a_build_under_baton_runs_in_its_job_slot() {
+    for make in [make43(), make44()] {
+        let broker = Broker::start(1);
+        let dir = TempDir::new("nested-run");
+        let log = dir.path().join("jobs.log");
+        let job = logged_job(&log, "0.1");
+        let targets: Vec<String> = (0..4).map(|i| format!("j{i}")).collect();
+        let text = format!("all: {all}\n{all}:\n\t+@{baton} run -- sh -c '{job}'\n.PHONY: all {all}\n", all = targets.join(" "), baton = baton_bin());
+        std::fs::write(dir.path().join("Makefile"), text).unwrap();
+        let mut build = broker.run(&["--", make.to_str().unwrap(), "-s"]).current_dir(dir.path()).env_remove("MAKEFLAGS").spawn().unwrap();
+        let status = wait_timeout(&mut build, Duration::from_secs(60)).unwrap_or_else(|| {
+            let _ = build.kill();
+            panic!("{}: the nested baton runs waited for a token their own build holds", make.display())
+        });
+        assert!(status.success(), "{}", make.display());
+        assert_eq!(max_overlap(&log), (1, 4), "{}: one job at a time under --jobs 1", make.display());
+        broker.assert_all_free();
+    }
+}
