@@ -227,8 +227,11 @@ fn broadcast_counts_items_and_wake_ups(h: &Harness) -> Result<()> {
     ensure!(mechanisms(&doc) == h.expected(&["pthread_cond_broadcast", "pthread directed hand-off", "baton native, limit +K"]), "mechanisms {:?}", mechanisms(&doc));
     for row in doc["results"].as_array().into_iter().flatten() {
         ensure!(u64_of(row, "operations") == 200, "items in {row}");
-        // Every item taken needed at least one wake-up to take it.
-        ensure!(f64_of(row, "wakeups_per_op") >= 1.0, "wake-ups in {row}");
+        // A waiter that finds an item posted before it went to sleep takes
+        // it without a wake-up (often, on a busy machine: 0.71 per item was
+        // seen beside stress-ng), so the count per item has no floor of 1;
+        // that wake-ups are counted at all is what this checks.
+        ensure!(f64_of(row, "wakeups_per_op") > 0.0, "no wake-ups counted in {row}");
     }
     Ok(())
 }
