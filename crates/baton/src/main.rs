@@ -275,11 +275,11 @@ fn dispatch(command: Cmd) -> anyhow::Result<u8> {
             baton_broker::serve(ServeOptions { jobs, socket, fuse, spin_us, io_uring: !no_io_uring, log_level, gates, idle_timeout, max_clients })?;
         }
         Cmd::Run { socket, tokens, jobserver_style, max, explain, name, weight, command } => {
-            let autostart = autostart(socket.as_deref())?;
-            let weight = match weight {
-                Some(weight) => weight,
-                None => Config::load()?.weight().value,
-            };
+            // Read once, and only where needed: to start a broker, or for
+            // the default weight.
+            let config = if autostart_enabled() || weight.is_none() { Some(Config::load()?) } else { None };
+            let autostart = config.as_ref().filter(|_| autostart_enabled()).map(|c| autostart(socket.as_deref(), c)).transpose()?;
+            let weight = weight.unwrap_or_else(|| config.as_ref().expect("read when --weight is not given").weight().value);
             let code = baton_jobserver::run(RunOptions { socket, tokens, max, style: jobserver_style, name, weight, command, explain, autostart })?;
             return Ok(u8::try_from(code).unwrap_or(1));
         }
@@ -296,12 +296,8 @@ fn dispatch(command: Cmd) -> anyhow::Result<u8> {
 
 /// How `baton run` starts a broker when none answers: this same binary,
 /// serving the same socket with the config file's limit, and stopping
-/// once idle. None when BATON_NO_AUTOSTART is set.
-fn autostart(socket: Option<&Path>) -> anyhow::Result<Option<Autostart>> {
-    if !autostart_enabled() {
-        return Ok(None);
-    }
-    let config = Config::load()?;
+/// once idle (the caller skips it when BATON_NO_AUTOSTART is set).
+fn autostart(socket: Option<&Path>, config: &Config) -> anyhow::Result<Autostart> {
     let mut args: Vec<OsString> = vec!["serve".into(), "--jobs".into(), config.jobs(None).value.to_string().into()];
     if let Some(timeout) = config.idle_duration() {
         args.extend(["--idle-timeout".into(), timeout.as_secs().to_string().into()]);
@@ -312,7 +308,7 @@ fn autostart(socket: Option<&Path>) -> anyhow::Result<Option<Autostart>> {
         // The broker starts in /, not here.
         args.extend(["--socket".into(), std::path::absolute(socket)?.into_os_string()]);
     }
-    Ok(Some(Autostart { program: std::env::current_exe()?, args }))
+    Ok(Autostart { program: std::env::current_exe()?, args })
 }
 
 /// BATON_NO_AUTOSTART set to anything but "" or "0" turns auto-start off.
