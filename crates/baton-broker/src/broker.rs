@@ -230,6 +230,15 @@ impl Broker {
         self.undelivered.remove(&transport).unwrap_or_default()
     }
 
+    /// Takes one client's grant that is filed but not yet delivered, if
+    /// any: a CANCEL read before the transport delivered it must be
+    /// answered after it, so the client learns it holds the tokens.
+    pub fn take_grant_of(&mut self, transport: Transport, client: ClientId, tag: Tag) -> Option<Grant> {
+        let filed = self.undelivered.get_mut(&transport)?;
+        let pos = filed.iter().position(|g| g.client == client && g.tag == tag)?;
+        Some(filed.remove(pos))
+    }
+
     /// Configures the gates (`--min-mem-available` and the others); an
     /// empty configuration removes them and lifts the cap they set.
     pub fn set_gates(&mut self, config: GateConfig) {

@@ -397,7 +397,14 @@ impl SocketServer {
             (None, _) => return self.reply_error(token, ErrorCode::Hello, "the first request must be HELLO 1 [label]".into()),
             (Some(_), Request::Hello { .. }) => return self.reply_error(token, ErrorCode::Hello, "HELLO was already said".into()),
             (Some(id), Request::Cancel) => {
-                let tokens = self.broker.lock().expect("broker lock").cancel(id, ACQUIRE_TAG);
+                let mut broker = self.broker.lock().expect("broker lock");
+                // The grant won the race (another client's RELEASE earlier
+                // in this round): GRANTED goes first, as the protocol says.
+                if let Some(grant) = broker.take_grant_of(Transport::Socket, id, ACQUIRE_TAG) {
+                    let held = broker.pool().held_by(id);
+                    conn.outbuf.extend_from_slice(&Reply::Granted { tokens: grant.tokens, held }.encode());
+                }
+                let tokens = broker.cancel(id, ACQUIRE_TAG);
                 conn.waiting = false;
                 Reply::Cancelled { tokens }
             }

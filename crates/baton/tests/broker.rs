@@ -300,6 +300,30 @@ fn cancel_withdraws_a_pending_acquire() {
     broker.assert_all_free();
 }
 
+/// The grant is filed by another client's RELEASE and the CANCEL read in
+/// the same round of the broker's loop (both sent while the broker is
+/// stopped): the client must read GRANTED before CANCELLED 0, or it would
+/// take the grant for a stray reply and never give the token back.
+#[test]
+fn a_cancel_that_loses_the_race_to_a_grant_is_answered_after_it() {
+    let broker = Broker::start(1);
+    let mut holder = broker.client("holder");
+    holder.acquire(1).unwrap();
+    let mut waiter = RawSession::open(&broker, "HELLO 1 w");
+    waiter.send("ACQUIRE 1\n");
+    wait_for(Duration::from_secs(30), "the ACQUIRE to queue", || broker.status().waiters.len() == 1);
+    let signal = |sig| assert_eq!(unsafe { libc::kill(broker.pid() as i32, sig) }, 0);
+    signal(libc::SIGSTOP);
+    holder.send(&baton_core::protocol::Request::Release(1)).unwrap();
+    waiter.send("CANCEL\n");
+    signal(libc::SIGCONT);
+    assert_eq!(holder.read_reply().unwrap(), baton_core::protocol::Reply::Released { tokens: 1, held: 0 });
+    assert_eq!((waiter.line(), waiter.line()), ("GRANTED 1 1".to_owned(), "CANCELLED 0".to_owned()));
+    waiter.send("RELEASE 1\n");
+    assert_eq!(waiter.line(), "RELEASED 1 0");
+    broker.assert_all_free();
+}
+
 /// A connection speaking the protocol by hand, for what the client library
 /// would never send; a reply that does not come within many seconds fails.
 struct RawSession(std::io::BufReader<UnixStream>);
