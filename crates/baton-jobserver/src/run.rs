@@ -101,20 +101,32 @@ pub fn run(opts: RunOptions) -> Result<i32> {
     if opts.explain {
         explain(&opts, &choice, &jobserver);
     }
-    let child = match spawn_tied_to_us(&mut command, forwarded) {
-        Ok(child) => child,
-        Err(e) => return Ok(report_spawn_error(&opts.command[0], e)),
-    };
-    let (feeder, build_file) = match jobserver {
-        Jobserver::None => (None, None),
+    let (mut feeder, pipe_ends, build_file) = match jobserver {
+        Jobserver::None => (None, None, None),
         Jobserver::Bridge { fifo, pipe_ends } => {
-            drop(pipe_ends); // the child has its copies
-            (Some(Feeder::new(fifo, max - opts.tokens, is_bmake || reads_its_jobserver(&opts.command))), None)
+            let eager = is_bmake || reads_its_jobserver(&opts.command);
+            (Some(Feeder::new(fifo, max - opts.tokens, eager)), pipe_ends, None)
         }
         // The broker serves the file itself; we only keep it until the end.
-        Jobserver::Fuse(file) => (None, Some(file)),
+        Jobserver::Fuse(file) => (None, None, Some(file)),
     };
-    let broker = Broker { client, alive: true, socket, fuse: build_file.is_some() };
+    let mut broker = Broker { client, alive: true, socket, fuse: build_file.is_some() };
+    // Fill the FIFO before the build starts: ninja reads its first wave of
+    // tokens in one burst as it starts, and takes no more after finding it
+    // empty until a job of its own ends.
+    if let Some(f) = feeder.as_mut() {
+        if let Err(e) = f.step(&mut broker.client) {
+            broker.lost(&e);
+        }
+    }
+    let child = match spawn_tied_to_us(&mut command, forwarded) {
+        Ok(child) => child,
+        Err(e) => {
+            broker.give_back_all(feeder);
+            return Ok(report_spawn_error(&opts.command[0], e));
+        }
+    };
+    drop(pipe_ends); // the child has its copies
     let status = supervise(child, &signals, broker, feeder)?;
     Ok(exit_code(status))
 }
@@ -258,6 +270,18 @@ impl Broker {
             log::warn(format_args!("lost the broker at {} ({e}); {outlook}", self.socket.display()));
         }
     }
+
+    /// The build is over: every token it has goes back, and its FIFO goes.
+    fn give_back_all(&mut self, mut feeder: Option<Feeder>) {
+        if self.alive {
+            // RELEASE may not follow a pending ACQUIRE: withdraw it first.
+            let withdrawn = feeder.as_mut().map_or(Ok(()), |f| f.withdraw(&mut self.client));
+            if withdrawn.is_ok() {
+                give_back(&mut self.client);
+            }
+        }
+        drop(feeder); // removes the FIFO
+    }
 }
 
 /// Starts CMD with the signal mask restored and the parent-death signal set,
@@ -286,12 +310,6 @@ fn spawn_tied_to_us(command: &mut Command, blocked: SigSet) -> std::io::Result<C
 /// notices (once) if the broker goes away.
 fn supervise(mut child: Child, signals: &SignalFd, mut broker: Broker, mut feeder: Option<Feeder>) -> Result<ExitStatus> {
     let pidfd = pidfd_open(child.id())?;
-    if let Some(f) = feeder.as_mut() {
-        // Put the first token in reach before the build asks for it.
-        if let Err(e) = f.step(&mut broker.client) {
-            broker.lost(&e);
-        }
-    }
     loop {
         if broker.alive && broker.client.has_buffered_reply() {
             on_broker_readable(&mut broker, feeder.as_mut());
@@ -337,14 +355,7 @@ fn supervise(mut child: Child, signals: &SignalFd, mut broker: Broker, mut feede
         }
         if child_done {
             let status = child.wait().context("cannot collect the command's status")?;
-            if broker.alive {
-                // RELEASE may not follow a pending ACQUIRE: withdraw it first.
-                let withdrawn = feeder.as_mut().map_or(Ok(()), |f| f.withdraw(&mut broker.client));
-                if withdrawn.is_ok() {
-                    give_back(&mut broker.client);
-                }
-            }
-            drop(feeder); // removes the FIFO
+            broker.give_back_all(feeder);
             return Ok(status);
         }
     }

@@ -169,7 +169,10 @@ fn kill_9_of_the_top_bmake_gives_every_token_back() {
         .process_group(0) // so the test can end the orphaned sub-makes
         .spawn()
         .unwrap();
-    wait_for(Duration::from_secs(20), "the tree to hold every token", || broker.status().held == 4);
+    // The tokens are in the build's FIFO before bmake starts: wait for both.
+    wait_for(Duration::from_secs(20), "the tree to start and hold every token", || {
+        broker.status().held == 4 && !children(run.id()).is_empty()
+    });
     let top = children(run.id());
     assert_eq!(top.len(), 1, "baton run has one child, the top bmake");
     unsafe { libc::kill(top[0] as i32, libc::SIGKILL) };

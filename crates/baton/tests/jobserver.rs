@@ -168,6 +168,12 @@ fn group_members(pgid: u32) -> Vec<u32> {
         .collect()
 }
 
+/// The build holds `tokens` and has started as many jobs: its tokens are
+/// in its jobs' hands, not only in its FIFO (filled before it starts).
+fn tree_running(broker: &Broker, log: &std::path::Path, tokens: u32) -> bool {
+    broker.status().held == tokens && max_overlap(log).1 >= tokens as usize
+}
+
 #[test]
 fn kill_9_of_a_recursive_make_tree_returns_every_token() {
     for make in [make43(), make44()] {
@@ -176,7 +182,7 @@ fn kill_9_of_a_recursive_make_tree_returns_every_token() {
         let log = dir.path().join("jobs.log");
         recursive_tree(dir.path(), &log, 4, 20, "0.2");
         let mut run = spawn_tree(&broker, dir.path(), &make);
-        wait_for(Duration::from_secs(20), "the tree to hold every token", || broker.status().held == 6);
+        wait_for(Duration::from_secs(20), "the tree to run and hold every token", || tree_running(&broker, &log, 6));
         // The tree: everything in the group but baton run itself.
         let tree: Vec<u32> = group_members(run.id()).into_iter().filter(|&p| p != run.id()).collect();
         for &pid in &tree {
@@ -196,7 +202,7 @@ fn kill_9_of_baton_run_returns_every_token_of_its_build() {
     let log = dir.path().join("jobs.log");
     recursive_tree(dir.path(), &log, 4, 20, "0.2");
     let mut run = spawn_tree(&broker, dir.path(), &make44());
-    wait_for(Duration::from_secs(20), "the tree to hold every token", || broker.status().held == 6);
+    wait_for(Duration::from_secs(20), "the tree to run and hold every token", || tree_running(&broker, &log, 6));
     run.kill().unwrap();
     run.wait().unwrap();
     wait_for(Duration::from_secs(20), "every token to be free", || broker.status().free == 6);
