@@ -41,6 +41,7 @@ pub fn create(socket: &Path, label: &str) -> Result<Option<BuildFile>> {
     if !statfs(&dir).is_ok_and(|fs| fs.filesystem_type() == FUSE_SUPER_MAGIC) {
         return Ok(None);
     }
+    crate::sweep_left_by_dead_runs(&dir, |name| name.split_once('-')?.0.parse().ok());
     let path = dir.join(file_name(std::process::id(), label));
     let create = || OpenOptions::new().write(true).create_new(true).mode(0o600).open(&path);
     // A file of the same name was left by a killed run with our pid.

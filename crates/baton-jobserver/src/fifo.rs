@@ -35,7 +35,7 @@ pub struct Fifo {
 
 impl Fifo {
     pub fn create(dir: &Path) -> Result<Fifo> {
-        sweep_stale_fifos(dir);
+        crate::sweep_left_by_dead_runs(dir, |name| name.strip_prefix("jobserver-")?.strip_suffix(".fifo")?.parse().ok());
         let path = dir.join(format!("jobserver-{}.fifo", std::process::id()));
         let _ = std::fs::remove_file(&path);
         nix::unistd::mkfifo(&path, Mode::from_bits_truncate(0o600))
@@ -241,18 +241,3 @@ fn read_up_to(mut pipe: &File, n: u32) -> u32 {
         Err(_) => 0,
     }
 }
-
-/// FIFOs of `baton run`s that were killed before they could remove theirs.
-fn sweep_stale_fifos(dir: &Path) {
-    let Ok(entries) = std::fs::read_dir(dir) else { return };
-    for entry in entries.flatten() {
-        let name = entry.file_name().to_string_lossy().into_owned();
-        let pid = name.strip_prefix("jobserver-").and_then(|r| r.strip_suffix(".fifo"));
-        if let Some(pid) = pid.and_then(|p| p.parse::<u32>().ok()) {
-            if !Path::new(&format!("/proc/{pid}")).exists() {
-                let _ = std::fs::remove_file(entry.path());
-            }
-        }
-    }
-}
-

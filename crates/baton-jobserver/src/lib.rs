@@ -182,3 +182,16 @@ mod tests {
         }
     }
 }
+
+/// Removes the files in `dir` that `baton run`s killed before they could
+/// remove their own left behind: those whose name gives (`pid_in`) the
+/// pid of a process that no longer runs.
+fn sweep_left_by_dead_runs(dir: &std::path::Path, pid_in: impl Fn(&str) -> Option<u32>) {
+    let Ok(entries) = std::fs::read_dir(dir) else { return };
+    for entry in entries.flatten() {
+        let Some(pid) = pid_in(&entry.file_name().to_string_lossy()) else { continue };
+        if !std::path::Path::new(&format!("/proc/{pid}")).exists() {
+            let _ = std::fs::remove_file(entry.path());
+        }
+    }
+}

@@ -237,6 +237,29 @@ fn killing_a_sub_make_or_the_whole_tree_returns_its_tokens() {
     broker.assert_all_free();
 }
 
+/// Files in the mount, but for ones the test made itself.
+fn build_files(broker: &Broker) -> Vec<PathBuf> {
+    std::fs::read_dir(mount_point(broker)).unwrap().map(|e| e.unwrap().path()).collect()
+}
+
+#[test]
+fn the_token_file_of_a_killed_baton_run_is_swept_by_the_next() {
+    let Some(broker) = fuse_broker(2, &[]) else { return };
+    let mut killed = broker.run(&["--jobserver-style", "fuse", "--", "sleep", "600"]).env_remove("MAKEFLAGS").process_group(0).spawn().unwrap();
+    wait_for(Duration::from_secs(20), "its token file", || build_files(&broker).len() == 1);
+    let left = build_files(&broker).remove(0);
+    kill_group(&killed); // baton run and its sleep: nobody removes the file
+    killed.wait().unwrap();
+    wait_for(Duration::from_secs(20), "its token back", || broker.status().free == 2);
+    assert!(left.exists(), "kill -9 left nothing to sweep: the test proves nothing");
+    let other = token_file(&broker, "not-a-build");
+    let out = broker.run(&["--jobserver-style", "fuse", "--", "true"]).env_remove("MAKEFLAGS").output().unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(!left.exists(), "{left:?} outlived the next baton run");
+    assert_eq!(build_files(&broker), vec![other], "only the file no baton run made is left");
+    broker.assert_all_free();
+}
+
 #[test]
 fn a_cargo_build_through_the_fuse_file_completes_and_returns_every_token() {
     let Some(broker) = fuse_broker(4, &[]) else { return };
