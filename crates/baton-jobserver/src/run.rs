@@ -57,6 +57,10 @@ pub fn run(opts: RunOptions) -> Result<i32> {
     if let Some(why) = unusable_style(&opts.command, opts.style) {
         bail!(why);
     }
+    // The FUSE file has no per-build cap: --max needs the bridge.
+    if opts.style == Style::Fuse && opts.max.is_some() {
+        bail!("--max works with the pipe and fifo styles, not with fuse");
+    }
     let socket = absolute(&socket_path(opts.socket.clone()));
     if opts.tokens == 1 && is_a_job_of_a_baton_build(&socket) {
         return Ok(run_in_the_outer_build(&opts.command));
@@ -93,7 +97,6 @@ pub fn run(opts: RunOptions) -> Result<i32> {
             Style::Fuse if opts.max.is_some() => Style::Fifo,
             style => style,
         },
-        Style::Fuse if opts.max.is_some() => bail!("--max works with the pipe and fifo styles, not with fuse"),
         style => style,
     };
     let setup = Setup { socket: &socket, auto: opts.style == Style::Auto, label: &label, jobs: max, bmake: is_bmake };

@@ -286,12 +286,30 @@ fn dispatch(command: Cmd) -> anyhow::Result<u8> {
         Cmd::Status { socket, json } => status::print_status(&socket_path(socket), json)?,
         Cmd::Limit { jobs, socket, gates } => status::set_limit(&socket_path(socket), jobs, &gates.settings())?,
         Cmd::Bench(args) => baton_bench::run(args)?,
-        Cmd::Config => print!("{}", config::describe(&Config::load()?, autostart_enabled())),
-        Cmd::ShellInit { shell } => print!("{}", shell_init::script(shell, &std::env::current_exe()?)),
-        Cmd::Completions { shell } => clap_complete::generate(shell, &mut Cli::command(), "baton", &mut std::io::stdout()),
-        Cmd::Man => clap_mangen::Man::new(Cli::command()).render(&mut std::io::stdout())?,
+        Cmd::Config => emit(config::describe(&Config::load()?, autostart_enabled()).as_bytes())?,
+        Cmd::ShellInit { shell } => emit(shell_init::script(shell, &std::env::current_exe()?).as_bytes())?,
+        Cmd::Completions { shell } => {
+            let mut text = Vec::new();
+            clap_complete::generate(shell, &mut Cli::command(), "baton", &mut text);
+            emit(&text)?;
+        }
+        Cmd::Man => {
+            let mut text = Vec::new();
+            clap_mangen::Man::new(Cli::command()).render(&mut text)?;
+            emit(&text)?;
+        }
     }
     Ok(0)
+}
+
+/// Writes generated text to stdout. A reader that stops early (`baton man
+/// | head`) is no error: the text was only ever for it.
+fn emit(text: &[u8]) -> std::io::Result<()> {
+    use std::io::Write;
+    match std::io::stdout().lock().write_all(text) {
+        Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => Ok(()),
+        result => result,
+    }
 }
 
 /// How `baton run` starts a broker when none answers: this same binary,

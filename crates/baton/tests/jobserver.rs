@@ -393,6 +393,7 @@ fn max_below_the_tokens_a_build_needs_or_with_fuse_is_refused() {
     assert_eq!(out.status.code(), Some(1));
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("--max works with the pipe and fifo styles, not with fuse"), "{err}");
+    assert_eq!(broker.status().totals.granted, 0, "refused before taking a token");
     broker.assert_all_free();
 }
 

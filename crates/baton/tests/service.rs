@@ -377,3 +377,15 @@ fn completions_and_man_page_come_from_the_command_line() {
     assert!(out.status.success() && page.contains(".TH baton"), "{page}");
     assert!(page.contains("shell\\-init"), "{page}");
 }
+
+/// `baton man | head`: the reader leaves before the page is written.
+#[test]
+fn generated_text_to_a_reader_that_left_is_no_error() {
+    let home = Home::new("epipe");
+    for args in [&["man"][..], &["completions", "bash"], &["shell-init", "bash"], &["config"]] {
+        let (reader, writer) = nix::unistd::pipe().unwrap();
+        drop(reader); // every write now fails with EPIPE
+        let out = home.baton(args).stdout(std::process::Stdio::from(writer)).output().unwrap();
+        assert!(out.status.success() && out.stderr.is_empty(), "{args:?}: {}", stderr(&out));
+    }
+}
