@@ -96,9 +96,17 @@ fn serving(socket: &Path) -> bool {
     UnixStream::connect(socket).is_ok()
 }
 
+/// A log past this size is moved aside (to `broker.log.old`, replacing the
+/// one before) when the next broker starts: a machine's log stays below
+/// about twice this, plus what one broker writes in its life.
+pub const LOG_KEPT_BYTES: u64 = 1 << 20;
+
 /// Starts the broker in a session of its own, so that neither the build's
 /// end nor the terminal's hang-up stops it, with its output in `log`.
 fn spawn_detached(start: &Autostart, log: &Path) -> Result<Child> {
+    if std::fs::metadata(log).is_ok_and(|m| m.len() > LOG_KEPT_BYTES) {
+        let _ = std::fs::rename(log, log.with_extension("log.old"));
+    }
     let log_file = OpenOptions::new()
         .create(true)
         .append(true)

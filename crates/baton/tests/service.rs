@@ -389,3 +389,19 @@ fn generated_text_to_a_reader_that_left_is_no_error() {
         assert!(out.status.success() && out.stderr.is_empty(), "{args:?}: {}", stderr(&out));
     }
 }
+
+#[test]
+fn a_long_broker_log_is_moved_aside_when_the_next_broker_starts() {
+    let home = Home::new("log");
+    home.write_config("jobs = 2\nidle-timeout = 1\n");
+    let log = home.socket().with_file_name("broker.log");
+    std::fs::create_dir_all(log.parent().unwrap()).unwrap();
+    let old = "an old line\n".repeat(100_000); // past the 1 MiB kept
+    std::fs::write(&log, &old).unwrap();
+    let out = home.baton(&["run", "--", "true"]).output().unwrap();
+    assert!(out.status.success(), "{}", stderr(&out));
+    let pids = home.brokers_started();
+    assert_eq!(pids.len(), 1, "the new log has only the new broker: {}", home.broker_log());
+    let _broker = Started { pid: pids[0] };
+    assert_eq!(std::fs::read_to_string(log.with_extension("log.old")).unwrap(), old);
+}
