@@ -127,15 +127,55 @@ impl Report {
     /// Draws context switches and CPU per operation against the number of
     /// waiters, one line per mechanism, on log-log axes (the herd grows by
     /// orders of magnitude where directed wake-ups stay flat).
+    /// Scenarios of real builds (rows with a `case`) get bars instead: see
+    /// [`Report::plot_cases`].
     pub fn plot(&self, path: &Path) -> Result<()> {
         use plotters::prelude::*;
         let root = SVGBackend::new(path, (900, 900)).into_drawing_area();
         root.fill(&WHITE)?;
         let (top, bottom) = root.split_vertically(450);
-        self.plot_panel(&top, "context switches per operation", |r| r.context_switches_per_op)?;
-        self.plot_panel(&bottom, "CPU µs per operation", |r| r.cpu_us_per_op)?;
+        if self.results.iter().any(|r| r.extra.contains_key("case")) {
+            self.plot_cases(&top, &bottom)?;
+        } else {
+            self.plot_panel(&top, "context switches per operation", |r| r.context_switches_per_op)?;
+            self.plot_panel(&bottom, "CPU µs per operation", |r| r.cpu_us_per_op)?;
+        }
         root.present().with_context(|| format!("writing {}", path.display()))?;
         Ok(())
+    }
+
+    /// Real builds: on top, each tool alone under baton as ratios to its
+    /// own -jN (jobs running at once, wall time; the mark at 1 is par);
+    /// below, each build's share of the token-time in every case where
+    /// builds ran together, marked at its fair share.
+    fn plot_cases<DB: plotters::prelude::DrawingBackend>(&self, top: &Area<DB>, bottom: &Area<DB>) -> Result<()>
+    where
+        DB::ErrorType: 'static,
+    {
+        let number = |r: &Row, key: &str| r.extra.get(key).and_then(Value::as_f64);
+        let text = |r: &Row, key: &str| r.extra.get(key).and_then(Value::as_str).unwrap_or("").to_string();
+        let alone: Vec<Bars> = self
+            .results
+            .iter()
+            .filter_map(|r| Some(Bars { group: text(r, "tool"), values: vec![number(r, "running_ratio")?, number(r, "wall_ratio")?], marks: vec![Some(1.0); 2] }))
+            .collect();
+        bar_panel(top, &format!("{}: each alone, baton run / own -jN", self.scenario), &["jobs running at once", "wall time"], &alone)?;
+        let mut tools: Vec<String> = Vec::new();
+        let mut together: Vec<Bars> = Vec::new();
+        for row in self.results.iter().filter(|r| number(r, "share").is_some()) {
+            let (case, tool) = (text(row, "case"), text(row, "tool"));
+            if !tools.contains(&tool) {
+                tools.push(tool);
+            }
+            if together.last().is_none_or(|b| b.group != case) {
+                together.push(Bars { group: case, values: Vec::new(), marks: Vec::new() });
+            }
+            let bars = together.last_mut().expect("pushed above");
+            bars.values.push(number(row, "share").unwrap_or_default());
+            bars.marks.push(number(row, "fair_share"));
+        }
+        let series: Vec<&str> = tools.iter().map(String::as_str).collect();
+        bar_panel(bottom, "builds together: share of token-time (mark: fair share)", &series, &together)
     }
 
     fn plot_panel<DB: plotters::prelude::DrawingBackend>(&self, area: &plotters::prelude::DrawingArea<DB, plotters::coord::Shift>, what: &str, value: impl Fn(&Row) -> f64) -> Result<()>
@@ -181,6 +221,50 @@ impl Report {
         }
         names
     }
+}
+
+type Area<DB> = plotters::prelude::DrawingArea<DB, plotters::coord::Shift>;
+
+/// One group of bars: a value per series, each with a reference mark.
+struct Bars {
+    group: String,
+    values: Vec<f64>,
+    marks: Vec<Option<f64>>,
+}
+
+/// Groups of bars side by side on a linear axis from 0, one colour per
+/// series, a black mark across each bar where it has one, and the group's
+/// name under it.
+fn bar_panel<DB: plotters::prelude::DrawingBackend>(area: &Area<DB>, caption: &str, series: &[&str], groups: &[Bars]) -> Result<()>
+where
+    DB::ErrorType: 'static,
+{
+    use plotters::prelude::*;
+    use plotters::style::text_anchor::{HPos, Pos, VPos};
+    let width = series.len() as f64 + 1.0;
+    let high = groups.iter().flat_map(|g| g.values.iter().copied().chain(g.marks.iter().flatten().copied())).fold(0.0f64, f64::max).max(0.1) * 1.4; // the legend sits above the bars
+    let below = high * 0.1; // room for the groups' names
+    let mut chart = ChartBuilder::on(area)
+        .caption(caption, ("sans-serif", 20))
+        .margin(15)
+        .y_label_area_size(50)
+        .build_cartesian_2d(0.0..width * groups.len().max(1) as f64, -below..high)?;
+    chart.configure_mesh().disable_x_mesh().disable_x_axis().y_labels(8).draw()?;
+    let bar_x = |g: usize, i: usize| g as f64 * width + 0.5 + i as f64;
+    for (i, name) in series.iter().enumerate() {
+        let color = Palette99::pick(i).filled();
+        let bars = groups.iter().enumerate().filter_map(|(g, group)| group.values.get(i).map(|&v| Rectangle::new([(bar_x(g, i), 0.0), (bar_x(g, i) + 0.9, v)], color)));
+        chart.draw_series(bars)?.label(*name).legend(move |(x, y)| Rectangle::new([(x, y - 5), (x + 15, y + 5)], color));
+    }
+    let marks = groups.iter().enumerate().flat_map(|(g, group)| {
+        group.marks.iter().enumerate().filter_map(move |(i, m)| m.map(|m| PathElement::new([(bar_x(g, i) - 0.05, m), (bar_x(g, i) + 0.95, m)], BLACK.stroke_width(2))))
+    });
+    chart.draw_series(marks)?;
+    let style = TextStyle::from(("sans-serif", 13)).pos(Pos::new(HPos::Center, VPos::Center));
+    let names = groups.iter().enumerate().map(|(g, group)| Text::new(group.group.clone(), ((g as f64 + 0.5) * width, -below / 2.0), style.clone()));
+    chart.draw_series(names)?;
+    chart.configure_series_labels().background_style(WHITE.mix(0.8)).border_style(BLACK).position(SeriesLabelPosition::UpperRight).draw()?;
+    Ok(())
 }
 
 fn bounds(values: impl Iterator<Item = f64>) -> (f64, f64) {

@@ -215,8 +215,11 @@ fn build_and_wanted_on_the_wire() {
 /// each three-at-once case add up to the whole.
 #[test]
 fn bench_builds_measures_every_case_with_the_real_tools() {
+    let dir = TempDir::new("bench-builds");
+    let plot = dir.path().join("builds.svg");
     let out = std::process::Command::new(baton_bin())
-        .args(["bench", "builds", "--ops", "20", "--tokens", "4", "--job-us", "50000", "--json"])
+        .args(["bench", "builds", "--ops", "20", "--tokens", "4", "--job-us", "50000", "--json", "--plot"])
+        .arg(&plot)
         .env("BATON_BENCH_MAKE43", make43())
         .env("BATON_BENCH_MAKE44", make44())
         .env("BATON_BENCH_NINJA", ninja())
@@ -225,9 +228,17 @@ fn bench_builds_measures_every_case_with_the_real_tools() {
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let doc: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     let rows = doc["results"].as_array().unwrap();
-    assert_eq!(rows.len(), 6 + 3 * 3, "{doc:#}");
-    for row in rows.iter().filter(|r| r["case"] == "alone" && r["mechanism"] == "baton run") {
+    assert_eq!(rows.len(), 2 * 4 + 3 * 3, "{doc:#}");
+    let alone: Vec<&serde_json::Value> = rows.iter().filter(|r| r["case"] == "alone" && r["mechanism"] == "baton run").collect();
+    let tools: Vec<&str> = alone.iter().map(|r| r["tool"].as_str().unwrap()).collect();
+    assert_eq!(tools, ["make 4.3", "make 4.4.1", "ninja 1.13", "cargo"]);
+    for row in alone {
+        // Every job ran, logged by the job itself (a rustc wrapper for cargo).
         assert!(row["running_ratio"].as_f64().is_some_and(|x| x > 0.0) && row["wall_ratio"].as_f64().is_some_and(|x| x > 0.0), "{row}");
+    }
+    let svg = std::fs::read_to_string(&plot).unwrap();
+    for label in ["each alone", "cargo", "three at once, one shared FIFO", "weights 1:1:2, baton", "fair share"] {
+        assert!(svg.contains(label), "the plot has no {label:?}");
     }
     for case in ["three at once, baton", "three at once, one shared FIFO", "weights 1:1:2, baton"] {
         let shares: Vec<f64> = rows.iter().filter(|r| r["case"] == case).map(|r| r["share"].as_f64().unwrap()).collect();

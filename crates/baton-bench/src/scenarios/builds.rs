@@ -2,8 +2,10 @@
 //! on generated graphs of independent jobs that sleep (a compiler waiting
 //! on its disk), each job logging when it starts and ends.
 //!
-//! 1. Each tool alone: under `baton run` on a pool of N, against the tool's
-//!    own `-jN`: mean jobs running at once, and wall time.
+//! 1. Each tool alone (and cargo, where it is installed): under `baton run`
+//!    on a pool of N, against the tool's own `-jN`: mean jobs running at
+//!    once, and wall time. Cargo's jobs are rustc runs of a workspace of
+//!    empty crates, each behind a wrapper that sleeps first and logs.
 //! 2. The three at once on one limit of N: each build's share of the
 //!    token-time while all three run, under baton and under one shared GNU
 //!    FIFO (a machine-wide jobserver as its peers offer it: N - 3 tokens in
@@ -12,7 +14,8 @@
 //!
 //! The tools come from `BATON_BENCH_MAKE43` (default /usr/bin/make),
 //! `BATON_BENCH_MAKE44` and `BATON_BENCH_NINJA` (default: `make` and
-//! `ninja` on PATH, if they are those versions).
+//! `ninja` on PATH, if they are those versions), and `BATON_BENCH_CARGO`
+//! (default: `cargo` on PATH).
 
 use super::{Bench, Defaults, Findings, Scale};
 use crate::measure::Usage;
@@ -31,6 +34,7 @@ pub const DEFAULTS: Defaults = Defaults { waiters: &[3], ops: 40, tokens: 6, job
 enum Kind {
     Make,
     Ninja,
+    Cargo,
 }
 
 struct Tool {
@@ -58,6 +62,13 @@ fn tools() -> Result<Vec<Tool>> {
     Ok(tools)
 }
 
+/// Cargo, if it runs here: it joins the builds that run alone.
+fn cargo() -> Option<Tool> {
+    let path = std::env::var_os("BATON_BENCH_CARGO").map_or_else(|| PathBuf::from("cargo"), PathBuf::from);
+    let runs = Command::new(&path).arg("--version").env_remove("MAKEFLAGS").output().is_ok_and(|o| o.status.success());
+    runs.then_some(Tool { name: "cargo", path, kind: Kind::Cargo, fifo: true })
+}
+
 /// A build's directory with its graph and the log its jobs write.
 struct Graph {
     dir: PathBuf,
@@ -77,6 +88,10 @@ impl Graph {
             secs = job_us as f64 / 1e6
         );
         let targets: Vec<String> = (0..jobs).map(|i| format!("j{i}")).collect();
+        if kind == Kind::Cargo {
+            write_workspace(&dir, &targets, &job)?;
+            return Ok(Graph { dir, log });
+        }
         let (file, text) = match kind {
             Kind::Make => ("Makefile", format!("SHELL := /bin/bash\nall: {t}\n{t}:\n\t@{job}\n.PHONY: all {t}\n", t = targets.join(" "))),
             Kind::Ninja => {
@@ -86,6 +101,7 @@ impl Graph {
                 }
                 ("build.ninja", text)
             }
+            Kind::Cargo => unreachable!("written above"),
         };
         std::fs::write(dir.join(file), text)?;
         Ok(Graph { dir, log })
@@ -104,6 +120,28 @@ impl Graph {
         events.sort_by(|a, b| a.0.total_cmp(&b.0));
         Ok(events)
     }
+}
+
+/// A workspace of empty library crates named after `targets`, built by
+/// rustc behind `wrap` (the RUSTC_WRAPPER that [`command`] sets): it runs
+/// `job` (the sleep, logged) before compiling one of them, and rustc alone
+/// for what cargo asks it otherwise (its version, say).
+fn write_workspace(dir: &Path, targets: &[String], job: &str) -> Result<()> {
+    let members: Vec<String> = targets.iter().map(|t| format!("\"{t}\"")).collect();
+    std::fs::write(dir.join("Cargo.toml"), format!("[workspace]\nresolver = \"2\"\nmembers = [{}]\n", members.join(", ")))?;
+    for t in targets {
+        std::fs::create_dir_all(dir.join(t).join("src"))?;
+        std::fs::write(dir.join(t).join("Cargo.toml"), format!("[package]\nname = \"{t}\"\nversion = \"0.1.0\"\nedition = \"2021\"\n"))?;
+        std::fs::write(dir.join(t).join("src").join("lib.rs"), "")?;
+    }
+    // make and ninja unescape $$; this script is read by bash as it is.
+    let job = job.replace("$$", "$");
+    let wrap = format!("#!/bin/bash\ncase \" $* \" in *\" --crate-name j\"[0-9]*) {job};; esac\nexec \"$@\"\n");
+    let path = dir.join("wrap.sh");
+    std::fs::write(&path, wrap)?;
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o755))?;
+    Ok(())
 }
 
 /// Job-seconds spent between `from` and `to`: the integral of the number of
@@ -138,13 +176,22 @@ fn command(bench: &Bench, tool: &Tool, graph: &Graph, slots: &Slots) -> Result<C
     // Only the jobserver this case gives: none inherited from our caller.
     cmd.current_dir(&graph.dir).env_remove("MAKEFLAGS").env_remove("CARGO_MAKEFLAGS").stdout(Stdio::null()).stderr(Stdio::null());
     match slots {
+        Slots::Own(n) if tool.kind == Kind::Cargo => {
+            cmd.args(["build", "--offline", "--quiet", &format!("-j{n}")]);
+        }
         Slots::Own(n) => {
             cmd.arg(format!("-j{n}"));
         }
         Slots::Baton { broker, weight } => {
             cmd.args(["run", "--socket"]).arg(broker.socket()).args(["--weight", &weight.to_string(), "--name", tool.name, "--"]).arg(&tool.path);
+            if tool.kind == Kind::Cargo {
+                cmd.args(["build", "--offline", "--quiet"]);
+            }
         }
         Slots::Shared(fifo) => fifo.hand_to(&mut cmd, tool.fifo)?,
+    }
+    if tool.kind == Kind::Cargo {
+        cmd.env("RUSTC_WRAPPER", graph.dir.join("wrap.sh")).env("CARGO_TARGET_DIR", graph.dir.join("target")).env_remove("CARGO_BUILD_JOBS");
     }
     Ok(cmd)
 }
@@ -252,7 +299,7 @@ pub fn run(bench: &Bench, scale: &Scale) -> Result<Findings> {
     let root = bench.env.tmp.join("builds");
     let n = scale.tokens;
     anyhow::ensure!(n >= 4, "--tokens must be at least 4: three builds each run one job of their own");
-    let mut rows = alone(bench, scale, &tools, &root)?;
+    let mut rows = alone(bench, scale, tools.iter().chain(cargo().as_ref()), &root)?;
     let broker = Broker::start_with(n, &bench.env, Wait::Blocking, &[])?;
     rows.extend(together(bench, scale, &tools, &root, "three at once, baton", |_| Slots::Baton { broker: &broker, weight: 1 })?);
     let fifo = SharedFifo::create(&root, n - tools.len() as u32)?;
@@ -270,7 +317,7 @@ pub fn run(bench: &Bench, scale: &Scale) -> Result<Findings> {
 }
 
 /// Each tool alone: its own -jN, then baton run on a pool of N.
-fn alone(bench: &Bench, scale: &Scale, tools: &[Tool], root: &Path) -> Result<Vec<Row>> {
+fn alone<'a>(bench: &Bench, scale: &Scale, tools: impl IntoIterator<Item = &'a Tool>, root: &Path) -> Result<Vec<Row>> {
     let n = scale.tokens;
     let broker = Broker::start_with(n, &bench.env, Wait::Blocking, &[])?;
     let mut rows = Vec::new();
