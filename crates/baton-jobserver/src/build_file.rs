@@ -7,6 +7,7 @@ use baton_core::paths::fuse_mount_point;
 use nix::sys::statfs::{statfs, FUSE_SUPER_MAGIC};
 use std::fs::OpenOptions;
 use std::io::ErrorKind;
+use std::os::fd::OwnedFd;
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 
@@ -20,6 +21,15 @@ impl BuildFile {
     /// What to put after `--jobserver-auth=fifo:`.
     pub fn path(&self) -> &Path {
         &self.path
+    }
+
+    /// A read end (non-blocking) and a write end on the file, for a client
+    /// that takes descriptors (bmake's `-J R,W`).
+    pub fn open_ends(&self) -> Result<(OwnedFd, OwnedFd)> {
+        let open = |options: &mut OpenOptions| options.open(&self.path).with_context(|| format!("cannot open the token file {}", self.path.display()));
+        let read = open(OpenOptions::new().read(true).custom_flags(libc::O_NONBLOCK))?;
+        let write = open(OpenOptions::new().write(true))?;
+        Ok((read.into(), write.into()))
     }
 }
 

@@ -91,7 +91,6 @@ pub fn run(opts: RunOptions) -> Result<i32> {
     let is_bmake = bmake::is_bmake(Path::new(&opts.command[0]));
     let style = match opts.style {
         Style::Auto if is_bmake => Style::Fifo,
-        Style::Fuse if is_bmake => bail!("bmake takes its jobserver only as a pipe's two ends (-J R,W): use --jobserver-style fifo or pipe"),
         // The FUSE file has no per-build cap: --max needs the bridge.
         Style::Auto => match choice.style {
             Style::Fuse if opts.max.is_some() => Style::Fifo,
@@ -111,7 +110,7 @@ pub fn run(opts: RunOptions) -> Result<i32> {
             (Some(Feeder::new(fifo, max - opts.tokens, eager)), pipe_ends, None)
         }
         // The broker serves the file itself; we only keep it until the end.
-        Jobserver::Fuse(file) => (None, None, Some(file)),
+        Jobserver::Fuse { file, ends } => (None, ends, Some(file)),
     };
     let mut broker = Broker { client, alive: true, socket, fuse: build_file.is_some() };
     // Fill the FIFO before the build starts: ninja reads its first wave of
@@ -140,8 +139,9 @@ enum Jobserver {
     /// A FIFO fed by this process; for the pipe style, the descriptors the
     /// child inherits (closed in the parent once it has started).
     Bridge { fifo: Fifo, pipe_ends: Option<(OwnedFd, OwnedFd)> },
-    /// A token file on the broker's FUSE mount, served by the broker.
-    Fuse(BuildFile),
+    /// A token file on the broker's FUSE mount, served by the broker; for
+    /// bmake, two descriptors opened on it that the child inherits.
+    Fuse { file: BuildFile, ends: Option<(OwnedFd, OwnedFd)> },
 }
 
 impl Jobserver {
@@ -151,7 +151,17 @@ impl Jobserver {
             Jobserver::None => "none",
             Jobserver::Bridge { pipe_ends: Some(_), .. } => "pipe (R,W)",
             Jobserver::Bridge { pipe_ends: None, .. } => "fifo (fifo:PATH)",
-            Jobserver::Fuse(_) => "fuse (fifo:PATH on the broker's FUSE mount)",
+            Jobserver::Fuse { ends: None, .. } => "fuse (fifo:PATH on the broker's FUSE mount)",
+            Jobserver::Fuse { ends: Some(_), .. } => "fuse (R,W opened on the broker's FUSE mount)",
+        }
+    }
+
+    /// The descriptors the child inherits, if it gets its jobserver so.
+    fn ends(&self) -> Option<&(OwnedFd, OwnedFd)> {
+        match self {
+            Jobserver::Bridge { pipe_ends, .. } => pipe_ends.as_ref(),
+            Jobserver::Fuse { ends, .. } => ends.as_ref(),
+            Jobserver::None => None,
         }
     }
 }
@@ -178,7 +188,7 @@ fn explain(opts: &RunOptions, choice: &Choice, jobserver: &Jobserver) {
     for why in &choice.why {
         log::warn(format_args!("  because {why}"));
     }
-    if choice.style == Style::Fuse && !matches!(jobserver, Jobserver::Fuse(_)) {
+    if choice.style == Style::Fuse && !matches!(jobserver, Jobserver::Fuse { .. }) {
         let reason = if opts.max.is_some() { "--max needs the bridge" } else { "the broker has no FUSE mount" };
         log::warn(format_args!("  not fuse: {reason}"));
     }
@@ -192,9 +202,19 @@ fn set_up_jobserver(command: &mut Command, setup: &Setup, style: Style) -> Resul
     let (jobserver, auth) = match style {
         Style::None | Style::Auto => return Ok(Jobserver::None),
         Style::Fuse => match build_file::create(socket, label)? {
+            // bmake takes descriptors: the read end non-blocking, as in its
+            // own pipe. A freed token still wakes one of its sub-makes.
+            Some(file) if setup.bmake => {
+                let (read, write) = file.open_ends()?;
+                for fd in [&read, &write] {
+                    inheritable(fd)?;
+                }
+                let auth = format!("{},{}", read.as_raw_fd(), write.as_raw_fd());
+                (Jobserver::Fuse { file, ends: Some((read, write)) }, auth)
+            }
             Some(file) => {
                 let auth = format!("fifo:{}", file.path().display());
-                (Jobserver::Fuse(file), auth)
+                (Jobserver::Fuse { file, ends: None }, auth)
             }
             None if auto => return set_up_jobserver(command, setup, Style::Fifo),
             None => bail!(
@@ -236,7 +256,7 @@ fn set_up_jobserver(command: &mut Command, setup: &Setup, style: Style) -> Resul
         let inherited = std::env::var(var).ok();
         command.env(var, makeflags(inherited.as_deref(), setup.jobs, &auth));
     }
-    if let (true, Jobserver::Bridge { pipe_ends: Some((read, write)), .. }) = (setup.bmake, &jobserver) {
+    if let (true, Some((read, write))) = (setup.bmake, jobserver.ends()) {
         let inherited = std::env::var("MAKEFLAGS").ok();
         command.env("MAKEFLAGS", bmake::makeflags(inherited.as_deref(), read.as_raw_fd(), write.as_raw_fd(), setup.jobs));
     }

@@ -80,6 +80,8 @@ pub struct Inner {
     /// When blocked readers were last checked for pending signals.
     pub scanned_at: Instant,
     files: BTreeMap<u64, String>,
+    /// Files a bmake build wrote abort tokens to (see [`sort_written`]).
+    aborted: BTreeMap<u64, Aborted>,
     next_ino: u64,
     handles: BTreeMap<Fh, u64>,
     next_fh: Fh,
@@ -94,6 +96,7 @@ impl Shared {
             control_sleeps_until: None,
             scanned_at: Instant::now(),
             files: BTreeMap::new(),
+            aborted: BTreeMap::new(),
             next_ino: INodeNo::ROOT.0 + 1,
             handles: BTreeMap::new(),
             next_fh: 1,
@@ -160,8 +163,59 @@ impl Inner {
         fh
     }
 
+    /// The abort state of the file behind `fh`, once an abort token was
+    /// written to it.
+    fn aborted(&mut self, fh: Fh) -> Option<&mut Aborted> {
+        let ino = self.handles.get(&fh)?;
+        self.aborted.get_mut(ino)
+    }
+
+    /// Puts `count` abort tokens in the file behind `fh`.
+    fn abort(&mut self, fh: Fh, byte: u8, count: u32) {
+        if let Some(&ino) = self.handles.get(&fh) {
+            let aborted = self.aborted.entry(ino).or_insert(Aborted { byte, unread: 0 });
+            aborted.unread = aborted.unread.saturating_add(count);
+        }
+    }
+
     fn lookup(&self, name: &OsStr) -> Option<u64> {
         self.files.iter().find(|(_, n)| OsStr::new(n.as_str()) == name).map(|(&ino, _)| ino)
+    }
+}
+
+/// bmake's abort tokens: a bmake whose job failed writes `E` (`I` after an
+/// interrupt) where it would give a token back; a sub-make that reads one
+/// drains the pipe until it finds it empty, writes the abort token back
+/// for the next and stops. They are never tokens. Once a file has had one,
+/// it behaves as bmake's pipe after an abort: a read returns an abort
+/// token while one is unread, and finds the file empty otherwise (no
+/// token is handed out to a build that is stopping); tokens the aborting
+/// sub-makes still hold come back as they exit. Returns the tokens among
+/// `data`, and the abort token and how many of it.
+pub fn sort_written(data: &[u8]) -> (u32, Option<(u8, u32)>) {
+    let is_abort = |b: &u8| matches!(b, b'E' | b'I');
+    let count = |n: usize| u32::try_from(n).unwrap_or(u32::MAX);
+    let aborts = data.iter().filter(|b| is_abort(b)).count();
+    let abort = data.iter().copied().find(is_abort).map(|byte| (byte, count(aborts)));
+    (count(data.len() - aborts), abort)
+}
+
+/// A file's abort tokens (see [`sort_written`]): which, and how many are
+/// there to read.
+#[derive(Debug, Clone, Copy)]
+pub struct Aborted {
+    byte: u8,
+    unread: u32,
+}
+
+impl Aborted {
+    /// The next read's answer: an abort token, or nothing to read.
+    fn read(&mut self) -> Result<u8, i32> {
+        if self.unread == 0 {
+            return Err(libc::EAGAIN);
+        }
+        self.unread -= 1;
+        Ok(self.byte)
     }
 }
 
@@ -257,6 +311,7 @@ impl Filesystem for TokenFs {
     fn unlink(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEmpty) {
         let removed = self.with(|inner, _| {
             let ino = inner.lookup(name).filter(|_| parent == INodeNo::ROOT)?;
+            inner.aborted.remove(&ino);
             inner.files.remove(&ino)
         });
         match removed {
@@ -291,9 +346,17 @@ impl Filesystem for TokenFs {
         // crate reads blocking first (docs/jobserver.md, "What clients do").
         let blocking = flags.0 & libc::O_NONBLOCK == 0;
         let tid = req.pid();
-        self.with(|inner, broker| match inner.process(broker, tid, fh.0) {
-            Some(pid) => inner.waiters.read(broker, pid, tid, fh.0, blocking, FuseRead(reply)),
-            None => reply.error(Errno::ESRCH),
+        self.with(|inner, broker| {
+            if let Some(aborted) = inner.aborted(fh.0) {
+                return match aborted.read() {
+                    Ok(byte) => reply.data(&[byte]),
+                    Err(errno) => reply.error(Errno::from_i32(errno)),
+                };
+            }
+            match inner.process(broker, tid, fh.0) {
+                Some(pid) => inner.waiters.read(broker, pid, tid, fh.0, blocking, FuseRead(reply)),
+                None => reply.error(Errno::ESRCH),
+            }
         });
     }
 
@@ -309,16 +372,20 @@ impl Filesystem for TokenFs {
         _lock_owner: Option<LockOwner>,
         reply: ReplyWrite,
     ) {
-        let Ok(tokens) = u32::try_from(data.len()) else { return reply.error(Errno::ENOSPC) };
-        if tokens == 0 {
-            return reply.written(0);
-        }
+        let Ok(written) = u32::try_from(data.len()) else { return reply.error(Errno::ENOSPC) };
+        let (tokens, abort) = sort_written(data);
         let given = self.with(|inner, broker| {
+            if let Some((byte, count)) = abort {
+                inner.abort(fh.0, byte, count);
+            }
+            if tokens == 0 {
+                return Ok(());
+            }
             let pid = inner.process(broker, req.pid(), fh.0).ok_or(libc::ESRCH)?;
             inner.waiters.write(broker, pid, tokens)
         });
         match given {
-            Ok(()) => reply.written(tokens),
+            Ok(()) => reply.written(written),
             Err(errno) => reply.error(Errno::from_i32(errno)),
         }
     }
@@ -328,6 +395,9 @@ impl Filesystem for TokenFs {
         let wants_token = events.intersects(PollEvents::POLLIN | PollEvents::POLLRDNORM);
         let readable = wants_token
             && self.with(|inner, broker| {
+                if let Some(aborted) = inner.aborted(fh.0) {
+                    return aborted.unread > 0;
+                }
                 let Some(pid) = inner.process(broker, req.pid(), fh.0) else { return false };
                 inner.waiters.poll(broker, pid, fh.0, will_wait, FusePoll(ph), Instant::now())
             });
@@ -368,5 +438,25 @@ impl Filesystem for TokenFs {
             }
         }
         reply.ok();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::sort_written;
+
+    #[test]
+    fn abort_tokens_are_not_tokens() {
+        assert_eq!(sort_written(b"++"), (2, None));
+        assert_eq!(sort_written(b"+E+E"), (2, Some((b'E', 2))));
+        assert_eq!(sort_written(b"I"), (0, Some((b'I', 1))));
+        assert_eq!(sort_written(b""), (0, None));
+    }
+
+    #[test]
+    fn an_abort_token_is_read_once_as_from_a_pipe() {
+        let mut aborted = super::Aborted { byte: b'E', unread: 1 };
+        assert_eq!(aborted.read(), Ok(b'E'));
+        assert_eq!(aborted.read(), Err(libc::EAGAIN), "drained: the sub-make stops and writes it back");
     }
 }
