@@ -170,11 +170,10 @@ impl Inner {
         self.aborted.get_mut(ino)
     }
 
-    /// Puts `count` abort tokens in the file behind `fh`.
-    fn abort(&mut self, fh: Fh, byte: u8, count: u32) {
+    /// Marks the file behind `fh` aborted by `byte` (the first one stays).
+    fn abort(&mut self, fh: Fh, byte: u8) {
         if let Some(&ino) = self.handles.get(&fh) {
-            let aborted = self.aborted.entry(ino).or_insert(Aborted { byte, unread: 0 });
-            aborted.unread = aborted.unread.saturating_add(count);
+            self.aborted.entry(ino).or_insert_with(|| Aborted::new(byte));
         }
     }
 
@@ -186,36 +185,42 @@ impl Inner {
 /// bmake's abort tokens: a bmake whose job failed writes `E` (`I` after an
 /// interrupt) where it would give a token back; a sub-make that reads one
 /// drains the pipe until it finds it empty, writes the abort token back
-/// for the next and stops. They are never tokens. Once a file has had one,
-/// it behaves as bmake's pipe after an abort: a read returns an abort
-/// token while one is unread, and finds the file empty otherwise (no
-/// token is handed out to a build that is stopping); tokens the aborting
-/// sub-makes still hold come back as they exit. Returns the tokens among
-/// `data`, and the abort token and how many of it.
-pub fn sort_written(data: &[u8]) -> (u32, Option<(u8, u32)>) {
+/// for the next reader and stops. They are never tokens. Returns the
+/// tokens among `data` and the first abort token.
+pub fn sort_written(data: &[u8]) -> (u32, Option<u8>) {
     let is_abort = |b: &u8| matches!(b, b'E' | b'I');
-    let count = |n: usize| u32::try_from(n).unwrap_or(u32::MAX);
-    let aborts = data.iter().filter(|b| is_abort(b)).count();
-    let abort = data.iter().copied().find(is_abort).map(|byte| (byte, count(aborts)));
-    (count(data.len() - aborts), abort)
+    let tokens = data.iter().filter(|b| !is_abort(b)).count();
+    (u32::try_from(tokens).unwrap_or(u32::MAX), data.iter().copied().find(is_abort))
 }
 
-/// A file's abort tokens (see [`sort_written`]): which, and how many are
-/// there to read.
-#[derive(Debug, Clone, Copy)]
+/// A file a bmake build wrote an abort token to. It answers as bmake's pipe
+/// does with the stopper always put back, without the window in which a
+/// reader has taken it out: every process's first read returns the abort
+/// token, and its later reads find the file empty, which ends its drain.
+/// No token is handed out to a build that is stopping; tokens its
+/// sub-makes still hold come back as each exits.
+#[derive(Debug, Clone)]
 pub struct Aborted {
     byte: u8,
-    unread: u32,
+    drained: std::collections::BTreeSet<Pid>,
 }
 
 impl Aborted {
-    /// The next read's answer: an abort token, or nothing to read.
-    fn read(&mut self) -> Result<u8, i32> {
-        if self.unread == 0 {
-            return Err(libc::EAGAIN);
+    fn new(byte: u8) -> Self {
+        Aborted { byte, drained: Default::default() }
+    }
+
+    /// What a read by `pid` returns: the abort token, or nothing to read.
+    fn read(&mut self, pid: Pid) -> Result<u8, i32> {
+        match self.drained.insert(pid) {
+            true => Ok(self.byte),
+            false => Err(libc::EAGAIN),
         }
-        self.unread -= 1;
-        Ok(self.byte)
+    }
+
+    /// Whether a read by `pid` would return the abort token.
+    fn readable(&self, pid: Pid) -> bool {
+        !self.drained.contains(&pid)
     }
 }
 
@@ -347,15 +352,11 @@ impl Filesystem for TokenFs {
         let blocking = flags.0 & libc::O_NONBLOCK == 0;
         let tid = req.pid();
         self.with(|inner, broker| {
-            if let Some(aborted) = inner.aborted(fh.0) {
-                return match aborted.read() {
-                    Ok(byte) => reply.data(&[byte]),
-                    Err(errno) => reply.error(Errno::from_i32(errno)),
-                };
-            }
-            match inner.process(broker, tid, fh.0) {
-                Some(pid) => inner.waiters.read(broker, pid, tid, fh.0, blocking, FuseRead(reply)),
-                None => reply.error(Errno::ESRCH),
+            let Some(pid) = inner.process(broker, tid, fh.0) else { return reply.error(Errno::ESRCH) };
+            match inner.aborted(fh.0).map(|aborted| aborted.read(pid)) {
+                Some(Ok(byte)) => reply.data(&[byte]),
+                Some(Err(errno)) => reply.error(Errno::from_i32(errno)),
+                None => inner.waiters.read(broker, pid, tid, fh.0, blocking, FuseRead(reply)),
             }
         });
     }
@@ -375,8 +376,8 @@ impl Filesystem for TokenFs {
         let Ok(written) = u32::try_from(data.len()) else { return reply.error(Errno::ENOSPC) };
         let (tokens, abort) = sort_written(data);
         let given = self.with(|inner, broker| {
-            if let Some((byte, count)) = abort {
-                inner.abort(fh.0, byte, count);
+            if let Some(byte) = abort {
+                inner.abort(fh.0, byte);
             }
             if tokens == 0 {
                 return Ok(());
@@ -395,10 +396,10 @@ impl Filesystem for TokenFs {
         let wants_token = events.intersects(PollEvents::POLLIN | PollEvents::POLLRDNORM);
         let readable = wants_token
             && self.with(|inner, broker| {
-                if let Some(aborted) = inner.aborted(fh.0) {
-                    return aborted.unread > 0;
-                }
                 let Some(pid) = inner.process(broker, req.pid(), fh.0) else { return false };
+                if let Some(aborted) = inner.aborted(fh.0) {
+                    return aborted.readable(pid);
+                }
                 inner.waiters.poll(broker, pid, fh.0, will_wait, FusePoll(ph), Instant::now())
             });
         // Giving a token back never waits.
@@ -448,15 +449,17 @@ mod tests {
     #[test]
     fn abort_tokens_are_not_tokens() {
         assert_eq!(sort_written(b"++"), (2, None));
-        assert_eq!(sort_written(b"+E+E"), (2, Some((b'E', 2))));
-        assert_eq!(sort_written(b"I"), (0, Some((b'I', 1))));
+        assert_eq!(sort_written(b"+E+E"), (2, Some(b'E')));
+        assert_eq!(sort_written(b"I"), (0, Some(b'I')));
         assert_eq!(sort_written(b""), (0, None));
     }
 
     #[test]
-    fn an_abort_token_is_read_once_as_from_a_pipe() {
-        let mut aborted = super::Aborted { byte: b'E', unread: 1 };
-        assert_eq!(aborted.read(), Ok(b'E'));
-        assert_eq!(aborted.read(), Err(libc::EAGAIN), "drained: the sub-make stops and writes it back");
+    fn every_reader_finds_the_abort_token_once_and_then_an_empty_file() {
+        let mut aborted = super::Aborted::new(b'E');
+        assert_eq!(aborted.read(10), Ok(b'E'));
+        assert_eq!(aborted.read(10), Err(libc::EAGAIN), "its drain ends");
+        assert!(aborted.readable(11) && !aborted.readable(10));
+        assert_eq!(aborted.read(11), Ok(b'E'), "the next reader finds it too, however soon");
     }
 }
