@@ -66,7 +66,7 @@ impl Way {
     }
 }
 
-const WAYS: [Way; 3] = [Way::Own, Way::Baton("fifo"), Way::Baton("pipe")];
+const WAYS: [Way; 4] = [Way::Own, Way::Baton("fifo"), Way::Baton("pipe"), Way::Baton("fuse")];
 
 /// What one build spent.
 #[derive(Debug, Clone, Copy, Default)]
@@ -82,7 +82,9 @@ pub fn run(bench: &Bench, scale: &Scale) -> Result<Findings> {
     let bmake = find_bmake()?;
     let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
     let ns = if scale.waiters.is_empty() { vec![96, 4 * cpus] } else { scale.waiters.clone() };
-    let ways: Vec<Way> = WAYS.into_iter().filter(|w| bench.with_baton() || *w == Way::Own).collect();
+    // The FUSE style only where FUSE is.
+    let fuse = Path::new("/dev/fuse").exists();
+    let ways: Vec<Way> = WAYS.into_iter().filter(|w| bench.with_baton() || *w == Way::Own).filter(|w| fuse || *w != Way::Baton("fuse")).collect();
     let shapes = [Shape::Universe, Shape::Flat];
     let trees: Vec<PathBuf> = shapes.iter().map(|&s| write_tree(&bench.env.tmp, s, scale.job_us)).collect::<Result<_>>()?;
     let cases: Vec<(usize, usize, Way)> =
@@ -175,7 +177,11 @@ fn build(bench: &Bench, bmake: &Path, tree: &Path, n: usize, way: Way) -> Result
             (command, None)
         }
         Way::Baton(style) => {
-            let broker = Broker::start(n as u32, &bench.env, Wait::Blocking)?;
+            // The FUSE style needs the broker's mount; the others do without.
+            let broker = match style {
+                "fuse" => Broker::start_with(n as u32, &bench.env, Wait::Blocking, &[])?,
+                _ => Broker::start(n as u32, &bench.env, Wait::Blocking)?,
+            };
             let mut command = Command::new(&bench.env.baton_bin);
             command.arg("run").arg("--socket").arg(broker.socket()).args(["--jobserver-style", style, "--"]).arg(bmake);
             (command, Some(broker))
