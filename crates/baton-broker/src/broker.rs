@@ -6,6 +6,7 @@
 //! transport that owns the client, and that transport's thread is woken to
 //! deliver them. Nothing here blocks or does I/O besides reading the clock.
 
+use baton_core::cluster::Local;
 use baton_core::gates::{GateConfig, Gates, Reading};
 use baton_core::status::{self, Status};
 use baton_core::{Acquired, BuildId, ClientId, Grant, Pool, PoolError, Tag};
@@ -70,6 +71,11 @@ pub struct Broker {
     roots: HashMap<u32, ClientId>,
     /// Names given with BUILD.
     names: HashMap<BuildId, String>,
+    /// A cluster pool's cap (docs/cluster.md): local grants stop at the
+    /// cluster tokens the link holds. None: no cluster pool.
+    cluster_cap: Option<u32>,
+    /// Wakes the cluster link when what the local pool needs changes.
+    demand_hook: Option<GrantHook>,
     /// The pool's clock and the gates' start here (see [`Pool::advance`]),
     /// with the wall-clock time that instant was.
     started: (Instant, SystemTime),
@@ -84,6 +90,8 @@ impl Broker {
             gates: Gates::new(GateConfig::default()),
             roots: HashMap::new(),
             names: HashMap::new(),
+            cluster_cap: None,
+            demand_hook: None,
             started: (Instant::now(), SystemTime::now()),
         })
     }
@@ -148,7 +156,9 @@ impl Broker {
         // While a gate is set, the machine wants every token back to decide
         // anew: a build that kept the tokens its jobs wrote back would
         // start new jobs the gates never saw.
-        let machine = u32::from(self.gates.config().any());
+        // A cluster pool wants them back too: a token parked in a build's
+        // pipe holds a cluster token that another machine may wait for.
+        let machine = u32::from(self.gates.config().any() || self.cluster_cap.is_some());
         (self.pool.waiting_ahead(id).max(machine), self.pool.free())
     }
 
@@ -163,6 +173,7 @@ impl Broker {
             }
             Acquired::Queued => {
                 meta.waiting_since.insert(tag, SystemTime::now());
+                self.demand_changed();
             }
         }
         Ok(outcome)
@@ -192,6 +203,7 @@ impl Broker {
             self.pool.meta_mut(id).expect("release checked the client").holding_since = None;
         }
         self.route(grants);
+        self.demand_changed();
         Ok(())
     }
 
@@ -203,6 +215,7 @@ impl Broker {
             meta.waiting_since.remove(&tag);
         }
         self.route(grants);
+        self.demand_changed();
         tokens
     }
 
@@ -214,6 +227,7 @@ impl Broker {
         let pool = &self.pool;
         self.names.retain(|&build, _| pool.builds().any(|b| b.id == build));
         self.route(grants);
+        self.demand_changed();
         reclaimed
     }
 
@@ -222,6 +236,7 @@ impl Broker {
         let old = self.pool.limit();
         let grants = self.pool.set_limit(limit)?;
         self.route(grants);
+        self.demand_changed();
         Ok(old)
     }
 
@@ -269,6 +284,32 @@ impl Broker {
         self.refresh_cap();
     }
 
+    /// The cluster link holds `cap` cluster tokens (docs/cluster.md):
+    /// grants stop there. Returns the demand under the new cap.
+    pub fn set_cluster_cap(&mut self, cap: u32) -> Local {
+        self.tick();
+        self.cluster_cap = Some(cap);
+        self.refresh_cap();
+        self.cluster_demand()
+    }
+
+    /// What the local pool holds and waits for, for the cluster link.
+    pub fn cluster_demand(&self) -> Local {
+        Local { held: self.pool.held(), waiting: self.pool.queue().map(|(_, _, tokens)| tokens).sum(), limit: self.pool.limit() }
+    }
+
+    /// Calls `hook` whenever what the local pool holds or waits for may
+    /// have changed. It runs under the broker lock: it must only wake.
+    pub fn on_demand(&mut self, hook: impl Fn() + Send + Sync + 'static) {
+        self.demand_hook = Some(GrantHook(Box::new(hook)));
+    }
+
+    fn demand_changed(&self) {
+        if let Some(GrantHook(hook)) = &self.demand_hook {
+            hook();
+        }
+    }
+
     fn clock(&self) -> Duration {
         self.started.0.elapsed()
     }
@@ -286,7 +327,11 @@ impl Broker {
     /// Sets the pool's admission cap to what the gates allow now, and
     /// delivers any grants a higher cap lets through.
     fn refresh_cap(&mut self) {
-        let cap = self.gates.allowance(self.pool.held(), self.started.0.elapsed());
+        let gates = self.gates.allowance(self.pool.held(), self.started.0.elapsed());
+        let cap = match (gates, self.cluster_cap) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        };
         let grants = self.pool.set_admission_cap(cap);
         self.route(grants);
     }

@@ -10,6 +10,40 @@
 
 use std::time::Duration;
 
+/// What `baton serve --etcd` was given.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Config {
+    /// etcd endpoints, e.g. `http://127.0.0.1:2379`.
+    pub endpoints: Vec<String>,
+    /// The pool's name: its keys live under `/baton/NAME/`.
+    pub pool: String,
+    /// The pool's limit across every broker.
+    pub jobs: u32,
+    /// The lease's time to live: how long after a broker dies its tokens
+    /// come back.
+    pub ttl: Duration,
+    /// How long spare tokens are kept for local builds that ask again.
+    pub linger: Duration,
+}
+
+/// Checks a pool's name: it becomes part of etcd keys (`/baton/NAME/`).
+///
+/// # Errors
+/// The name is empty, too long, or has other than letters, digits, `-`,
+/// `_` and `.`.
+pub fn check_pool_name(name: &str) -> Result<(), String> {
+    let fits = |c: char| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.');
+    if name.is_empty() || name.len() > 100 || !name.chars().all(fits) {
+        return Err(format!("cluster pool name {name:?}: use 1 to 100 letters, digits, '-', '_' or '.'"));
+    }
+    Ok(())
+}
+
+/// The lease's time to live unless told otherwise.
+pub const DEFAULT_TTL: Duration = Duration::from_secs(5);
+/// How long spares linger unless told otherwise.
+pub const DEFAULT_LINGER: Duration = Duration::from_millis(200);
+
 /// What the local pool needs, as the broker sees it now.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Local {
@@ -104,6 +138,14 @@ mod tests {
 
     fn situation(held_local: u32, waiting: u32, held: u32) -> Situation {
         Situation { local: Local { held: held_local, waiting, limit: 4 }, held, others_waiting: false, spare_for: Duration::ZERO, linger: Duration::from_millis(200) }
+    }
+
+    #[test]
+    fn pool_names_stay_inside_their_prefix() {
+        assert!(check_pool_name("licences-2.x_y").is_ok());
+        for bad in ["", "a/b", "a b", "é", &"x".repeat(101)] {
+            assert!(check_pool_name(bad).is_err(), "{bad:?}");
+        }
     }
 
     #[test]
