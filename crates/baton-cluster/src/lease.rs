@@ -1,6 +1,6 @@
 //! Keeping a broker's lease alive, and noticing when it may be gone.
 
-use crate::timed;
+use crate::{ask, timed};
 use anyhow::{bail, Context, Result};
 use etcd_client::Client;
 use std::cell::Cell;
@@ -12,8 +12,8 @@ use std::time::{Duration, Instant};
 /// is when the last acknowledged renewal was *sent*: etcd restarted the
 /// lease's clock no earlier than that, so the lease surely lives until
 /// `renewed + ttl`.
-pub async fn keep_alive(mut client: Client, lease: i64, ttl: Duration, renewed: Rc<Cell<Instant>>) -> Result<Infallible> {
-    let (mut keeper, mut replies) = timed(client.lease_keep_alive(lease)).await?;
+pub async fn keep_alive(client: Client, lease: i64, ttl: Duration, renewed: Rc<Cell<Instant>>) -> Result<Infallible> {
+    let (mut keeper, mut replies) = ask(&client, |mut c| async move { c.lease_keep_alive(lease).await }).await?;
     loop {
         tokio::time::sleep(ttl / 3).await;
         let sent = Instant::now();

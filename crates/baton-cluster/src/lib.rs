@@ -29,6 +29,8 @@ use tokio::sync::{oneshot, Notify};
 pub const REQUEST_TIMEOUT: Duration = Duration::from_secs(2);
 /// How often a broker cut off from etcd tries again.
 const RETRY: Duration = Duration::from_secs(1);
+/// How long a failed request waits before it is made again.
+const RETRY_PAUSE: Duration = Duration::from_millis(50);
 
 /// The broker, as the link sees it.
 pub trait LocalPool: Send + Sync + 'static {
@@ -90,13 +92,17 @@ impl Drop for Link {
 async fn connect(config: &Config) -> Result<Client> {
     let endpoints = config.endpoints.join(",");
     let options = ConnectOptions::new().with_connect_timeout(REQUEST_TIMEOUT).with_timeout(REQUEST_TIMEOUT);
-    let mut client = Client::connect(&config.endpoints, Some(options)).await.with_context(|| format!("cannot reach etcd at {endpoints} (is it running? check --etcd)"))?;
+    let client = Client::connect(&config.endpoints, Some(options)).await.with_context(|| format!("cannot reach etcd at {endpoints} (is it running? check --etcd)"))?;
     let key = keys::limit(&config.pool);
     let create = Txn::new()
         .when([Compare::create_revision(key.clone(), CompareOp::Equal, 0)])
         .and_then([TxnOp::put(key.clone(), config.jobs.to_string(), None)])
         .or_else([TxnOp::get(key.clone(), None)]);
-    let reply = timed(client.txn(create)).await.with_context(|| format!("cannot reach etcd at {endpoints} (is it running, with a quorum? check --etcd)"))?;
+    let reply = ask(&client, |mut c| {
+        let create = create.clone();
+        async move { c.txn(create).await }
+    })
+    .await.with_context(|| format!("cannot reach etcd at {endpoints} (is it running, with a quorum? check --etcd)"))?;
     if !reply.succeeded() {
         let found = client_value(&reply);
         if found.as_deref() != Some(config.jobs.to_string().as_str()) {
@@ -118,7 +124,27 @@ fn client_value(reply: &etcd_client::TxnResponse) -> Option<String> {
     })
 }
 
-/// An etcd request that gives up after [`REQUEST_TIMEOUT`].
+/// An etcd request, made again while it fails (a member down: the client
+/// may pick another), for up to [`REQUEST_TIMEOUT`] in all.
+async fn ask<T, F, Fut>(client: &Client, request: F) -> Result<T>
+where
+    F: Fn(Client) -> Fut,
+    Fut: std::future::Future<Output = std::result::Result<T, etcd_client::Error>>,
+{
+    let deadline = Instant::now() + REQUEST_TIMEOUT;
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        match tokio::time::timeout(left, request(client.clone())).await {
+            Ok(Ok(reply)) => return Ok(reply),
+            Ok(Err(_)) if Instant::now() + RETRY_PAUSE < deadline => tokio::time::sleep(RETRY_PAUSE).await,
+            Ok(Err(err)) => return Err(err.into()),
+            Err(_) => bail!("no answer from etcd within {} s", REQUEST_TIMEOUT.as_secs()),
+        }
+    }
+}
+
+/// A message on a stream (a watch, the lease's keep-alive) that gives up
+/// after [`REQUEST_TIMEOUT`].
 async fn timed<T>(request: impl std::future::Future<Output = std::result::Result<T, etcd_client::Error>>) -> Result<T> {
     match tokio::time::timeout(REQUEST_TIMEOUT, request).await {
         Ok(reply) => Ok(reply?),
@@ -154,11 +180,16 @@ impl Runner {
                 Err(err) => err,
             };
             let (held, surely_until) = session.hold();
+            kept = session.into_kept();
+            // A member down breaks the streams through it; the others may answer.
+            if self.answers().await {
+                self.local.log(format_args!("cluster pool {pool}: lost a connection to etcd ({err:#}): going on through the members that answer"));
+                continue;
+            }
             self.local.log(format_args!(
                 "cluster pool {pool}: etcd unreachable ({err:#}): no new cluster tokens; the {held} held here stay in use for at most {:.1} s more",
                 surely_until.saturating_duration_since(Instant::now()).as_secs_f64()
             ));
-            kept = session.into_kept();
             if self.wait_for_etcd(held, surely_until, &mut stopped).await.is_err() {
                 return;
             }
@@ -184,10 +215,20 @@ impl Runner {
                 _ = tokio::time::sleep(pause) => {}
                 _ = &mut *stopped => return Err(()),
             }
-            let mut client = self.client.clone();
-            if timed(client.get(keys::limit(&self.config.pool), None)).await.is_ok() {
+            if self.answers().await {
                 return Ok(());
             }
         }
+    }
+
+    /// Whether etcd answers a read that needs its quorum.
+    async fn answers(&self) -> bool {
+        let key = keys::limit(&self.config.pool);
+        ask(&self.client, |mut c| {
+            let key = key.clone();
+            async move { c.get(key, None).await }
+        })
+        .await
+        .is_ok()
     }
 }

@@ -1,11 +1,11 @@
 //! One lease's life: taking cluster tokens through the queue, giving them
 //! back, lingering (docs/cluster.md says why each step is as it is).
 
-use crate::{keys, lease, timed, LocalPool};
+use crate::{ask, keys, lease, LocalPool};
 use baton_core::cluster::Config;
 use anyhow::Result;
 use baton_core::cluster::{step, Situation, Step};
-use etcd_client::{Client, Compare, CompareOp, EventType, GetOptions, PutOptions, SortOrder, SortTarget, Txn, TxnOp, WatchFilterType, WatchOptions};
+use etcd_client::{Client, Compare, CompareOp, EventType, GetOptions, GetResponse, PutOptions, SortOrder, SortTarget, Txn, TxnOp, TxnResponse, WatchFilterType, WatchOptions};
 use std::cell::Cell;
 use std::rc::Rc;
 use std::convert::Infallible;
@@ -67,7 +67,7 @@ impl<'a> Session<'a> {
     /// lease deletes its keys.
     pub async fn close(&mut self) {
         if let Some(lease) = self.lease.take() {
-            let _ = timed(self.client.lease_revoke(lease)).await;
+            let _ = ask(&self.client, |mut c| async move { c.lease_revoke(lease).await }).await;
         }
         self.local.set_cap(0);
     }
@@ -80,9 +80,14 @@ impl<'a> Session<'a> {
     /// one, holding nothing.
     async fn establish(&mut self) -> Result<i64> {
         if let Some(lease) = self.lease {
-            let alive = timed(self.client.lease_time_to_live(lease, None)).await?.ttl() > 0;
+            let alive = ask(&self.client, |mut c| async move { c.lease_time_to_live(lease, None).await }).await?.ttl() > 0;
             if alive {
-                timed(self.client.delete(keys::waiter(&self.config.pool, lease), None)).await?;
+                let me = keys::waiter(&self.config.pool, lease);
+                ask(&self.client, |mut c| {
+                    let me = me.clone();
+                    async move { c.delete(me, None).await }
+                })
+                .await?;
                 return Ok(lease);
             }
             self.local.log(format_args!(
@@ -93,7 +98,8 @@ impl<'a> Session<'a> {
             self.slots.clear();
         }
         let sent = Instant::now();
-        let lease = timed(self.client.lease_grant(self.config.ttl.as_secs().max(1) as i64, None)).await?.id();
+        let ttl = self.config.ttl.as_secs().max(1) as i64;
+        let lease = ask(&self.client, |mut c| async move { c.lease_grant(ttl, None).await }).await?.id();
         self.lease = Some(lease);
         self.renewed.set(sent);
         Ok(lease)
@@ -134,7 +140,7 @@ impl<'a> Session<'a> {
 
     async fn others_waiting(&mut self) -> Result<bool> {
         let count = GetOptions::new().with_prefix().with_count_only();
-        Ok(timed(self.client.get(keys::queue(&self.config.pool), Some(count))).await?.count() > 0)
+        Ok(self.get(keys::queue(&self.config.pool), count).await?.count() > 0)
     }
 
     /// Gives `n` spare tokens back. The cap comes down first, under the
@@ -145,7 +151,7 @@ impl<'a> Session<'a> {
         let n = held - in_use.max(held - n);
         let gone: Vec<u32> = self.slots.split_off(self.slots.len() - n as usize);
         let deletes: Vec<TxnOp> = gone.iter().map(|&s| TxnOp::delete(keys::token(&self.config.pool, s), None)).collect();
-        timed(self.client.txn(Txn::new().and_then(deletes))).await?;
+        self.txn(Txn::new().and_then(deletes)).await?;
         self.spare_since = None;
         Ok(())
     }
@@ -159,11 +165,19 @@ impl<'a> Session<'a> {
     /// local pool stops needing it (None).
     async fn take(&mut self, lease: i64) -> Result<Option<u32>> {
         let me = keys::waiter(&self.config.pool, lease);
-        let put = timed(self.client.put(me.clone(), self.holder.clone(), Some(PutOptions::new().with_lease(lease)))).await?;
+        let put = ask(&self.client, |mut c| {
+            let (me, holder) = (me.clone(), self.holder.clone());
+            async move { c.put(me, holder, Some(PutOptions::new().with_lease(lease))).await }
+        })
+        .await?;
         let place = put.header().map_or(0, |h| h.revision());
         let taken = self.take_in_turn(&me, lease, place).await?;
         // The next broker in the queue learns it is the head.
-        timed(self.client.delete(me, None)).await?;
+        ask(&self.client, |mut c| {
+            let me = me.clone();
+            async move { c.delete(me, None).await }
+        })
+        .await?;
         Ok(taken)
     }
 
@@ -174,13 +188,13 @@ impl<'a> Session<'a> {
                 return Ok(None);
             }
             let by_age = GetOptions::new().with_prefix().with_keys_only().with_sort(SortTarget::Create, SortOrder::Ascend);
-            let queue = timed(self.client.get(keys::queue(&pool), Some(by_age))).await?;
+            let queue = self.get(keys::queue(&pool), by_age).await?;
             let revision = queue.header().map_or(0, |h| h.revision());
             if let Some(ahead) = queue.kvs().iter().filter(|kv| kv.create_revision() < place && kv.key() != me.as_bytes()).last() {
                 self.wait_for_delete(ahead.key().to_vec(), false, revision + 1).await?;
                 continue;
             }
-            let slots = timed(self.client.get(keys::tokens(&pool), Some(GetOptions::new().with_prefix().with_keys_only()))).await?;
+            let slots = self.get(keys::tokens(&pool), GetOptions::new().with_prefix().with_keys_only()).await?;
             let used: Vec<&[u8]> = slots.kvs().iter().map(|kv| kv.key()).collect();
             let free = (0..self.config.jobs).find(|&s| !used.contains(&keys::token(&pool, s).as_bytes()));
             match free {
@@ -200,7 +214,23 @@ impl<'a> Session<'a> {
         let txn = Txn::new()
             .when([Compare::create_revision(key.clone(), CompareOp::Equal, 0)])
             .and_then([TxnOp::put(key, self.holder.clone(), Some(PutOptions::new().with_lease(lease)))]);
-        Ok(timed(self.client.txn(txn)).await?.succeeded())
+        Ok(self.txn(txn).await?.succeeded())
+    }
+
+    async fn get(&self, key: String, options: GetOptions) -> Result<GetResponse> {
+        ask(&self.client, |mut c| {
+            let (key, options) = (key.clone(), options.clone());
+            async move { c.get(key, Some(options)).await }
+        })
+        .await
+    }
+
+    async fn txn(&self, txn: Txn) -> Result<TxnResponse> {
+        ask(&self.client, |mut c| {
+            let txn = txn.clone();
+            async move { c.txn(txn).await }
+        })
+        .await
     }
 
     /// Waits until `key` (or a key under it, with `prefix`) is deleted at
@@ -210,7 +240,11 @@ impl<'a> Session<'a> {
         if prefix {
             options = options.with_prefix();
         }
-        let (_watcher, mut events) = timed(self.client.watch(key, Some(options))).await?;
+        let (_watcher, mut events) = ask(&self.client, |mut c| {
+            let (key, options) = (key.clone(), options.clone());
+            async move { c.watch(key, Some(options)).await }
+        })
+        .await?;
         loop {
             tokio::select! {
                 reply = events.message() => {

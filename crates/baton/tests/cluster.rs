@@ -1,0 +1,279 @@
+//! Cluster pools against a real etcd (Debian `etcd-server`, and `etcdctl`
+//! from `etcd-client` to look at its keys), started by each test on
+//! loopback ports in a temporary directory and ended by pid: brokers that
+//! share a pool never hold more than its limit together, a broker killed
+//! with SIGKILL gives its tokens back through its lease, and an etcd that
+//! goes away and comes back neither creates nor loses a token.
+
+mod common;
+
+use common::{max_overlap, wait_for, Broker, TempDir};
+use std::net::TcpListener;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+const ETCD: &str = "/usr/bin/etcd";
+const ETCDCTL: &str = "/usr/bin/etcdctl";
+/// Hang guard: far beyond anything the tests wait for.
+const LONG: Duration = Duration::from_secs(60);
+
+/// A loopback port nobody listens on now.
+fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+}
+
+/// One etcd member; stopped by pid on drop.
+struct Member {
+    name: String,
+    client_url: String,
+    peer_url: String,
+    data: PathBuf,
+    log: PathBuf,
+    child: Option<Child>,
+}
+
+impl Member {
+    fn start(&mut self, initial_cluster: &str, state: &str) {
+        assert!(Path::new(ETCD).exists(), "no etcd at {ETCD} (install Debian's etcd-server, or run scripts/test)");
+        let log = std::fs::OpenOptions::new().create(true).append(true).open(&self.log).unwrap();
+        let child = Command::new(ETCD)
+            .args(["--name", &self.name, "--data-dir"])
+            .arg(&self.data)
+            .args(["--listen-client-urls", &self.client_url, "--advertise-client-urls", &self.client_url])
+            .args(["--listen-peer-urls", &self.peer_url, "--initial-advertise-peer-urls", &self.peer_url])
+            .args(["--initial-cluster", initial_cluster, "--initial-cluster-state", state, "--initial-cluster-token", "baton-test"])
+            .stdout(Stdio::null())
+            .stderr(log)
+            .spawn()
+            .expect("start etcd");
+        self.child = Some(child);
+    }
+
+    /// SIGKILL, as a lost machine.
+    fn kill(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            child.kill().unwrap();
+            child.wait().unwrap();
+        }
+    }
+}
+
+impl Drop for Member {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+/// An etcd cluster of `n` members on loopback ports.
+struct Etcd {
+    members: Vec<Member>,
+    initial_cluster: String,
+    _dir: TempDir,
+}
+
+impl Etcd {
+    fn start(n: usize) -> Etcd {
+        let dir = TempDir::new("etcd");
+        let members: Vec<Member> = (0..n)
+            .map(|i| Member {
+                name: format!("m{i}"),
+                client_url: format!("http://127.0.0.1:{}", free_port()),
+                peer_url: format!("http://127.0.0.1:{}", free_port()),
+                data: dir.path().join(format!("m{i}")),
+                log: dir.path().join(format!("m{i}.log")),
+                child: None,
+            })
+            .collect();
+        let initial_cluster = members.iter().map(|m| format!("{}={}", m.name, m.peer_url)).collect::<Vec<_>>().join(",");
+        let mut etcd = Etcd { members, initial_cluster, _dir: dir };
+        for i in 0..n {
+            etcd.start_member(i, "new");
+        }
+        etcd.wait_healthy();
+        etcd
+    }
+
+    fn start_member(&mut self, i: usize, state: &str) {
+        let initial = self.initial_cluster.clone();
+        self.members[i].start(&initial, state);
+    }
+
+    fn endpoints(&self) -> String {
+        self.members.iter().map(|m| m.client_url.clone()).collect::<Vec<_>>().join(",")
+    }
+
+    fn etcdctl(&self, args: &[&str]) -> std::process::Output {
+        assert!(Path::new(ETCDCTL).exists(), "no etcdctl at {ETCDCTL} (install Debian's etcd-client, or run scripts/test)");
+        Command::new(ETCDCTL).env("ETCDCTL_API", "3").args(["--dial-timeout=2s", "--command-timeout=3s", "--endpoints", &self.endpoints()]).args(args).output().unwrap()
+    }
+
+    /// Waits until the cluster has a leader and answers.
+    fn wait_healthy(&self) {
+        wait_for(LONG, "etcd to answer", || self.etcdctl(&["get", "/baton-test-probe"]).status.success());
+    }
+
+    /// How many token keys pool `pool` has: the cluster tokens held.
+    fn tokens(&self, pool: &str) -> usize {
+        let prefix = format!("/baton/{pool}/token/");
+        let out = self.etcdctl(&["get", "--prefix", "--keys-only", &prefix]);
+        assert!(out.status.success(), "etcdctl get: {}", String::from_utf8_lossy(&out.stderr));
+        String::from_utf8_lossy(&out.stdout).lines().filter(|l| l.starts_with(&prefix)).count()
+    }
+
+    /// The holders written into the pool's token keys (`host pid`).
+    fn holders(&self, pool: &str) -> Vec<String> {
+        let out = self.etcdctl(&["get", "--prefix", "--print-value-only", &format!("/baton/{pool}/token/")]);
+        String::from_utf8_lossy(&out.stdout).lines().filter(|l| !l.is_empty()).map(str::to_string).collect()
+    }
+}
+
+fn cluster_broker(etcd: &Etcd, jobs: u32, pool: &str, cluster_jobs: u32, extra: &[&str]) -> Broker {
+    let (endpoints, cluster_jobs) = (etcd.endpoints(), cluster_jobs.to_string());
+    let mut args = vec!["--no-fuse", "--etcd", &endpoints, "--cluster-pool", pool, "--cluster-jobs", &cluster_jobs];
+    args.extend_from_slice(extra);
+    Broker::start_with(jobs, &args)
+}
+
+#[test]
+fn three_brokers_on_three_members_never_run_more_than_the_cluster_limit() {
+    let etcd = Etcd::start(3);
+    let brokers: Vec<Broker> = (0..3).map(|_| cluster_broker(&etcd, 4, "limit", 6, &[])).collect();
+    let work = TempDir::new("cluster-builds");
+    let log = work.path().join("jobs.log");
+    let builds: Vec<Child> = brokers
+        .iter()
+        .enumerate()
+        .map(|(i, broker)| {
+            let dir = work.path().join(format!("b{i}"));
+            std::fs::create_dir(&dir).unwrap();
+            common::flat_makefile(&dir, &log, 10, "0.2");
+            broker.run(&["--", "/usr/bin/make", "-s", "-C"]).arg(&dir).stdout(Stdio::null()).spawn().unwrap()
+        })
+        .collect();
+    // The observer: what etcd holds, sampled while the builds run.
+    let mut most_in_etcd = 0;
+    let mut builds = builds;
+    let deadline = Instant::now() + LONG;
+    while builds.iter_mut().any(|b| b.try_wait().unwrap().is_none()) {
+        assert!(Instant::now() < deadline, "the builds did not finish");
+        most_in_etcd = most_in_etcd.max(etcd.tokens("limit"));
+    }
+    for mut build in builds {
+        assert!(build.wait().unwrap().success(), "a build failed");
+    }
+    let (most_running, started) = max_overlap(&log);
+    eprintln!("cluster limit 6, three brokers of 4: at most {most_running} jobs ran at once, {most_in_etcd} cluster tokens seen in etcd");
+    assert_eq!(started, 30, "every job ran");
+    assert!(most_running <= 6, "{most_running} jobs ran at once across the brokers, above the cluster limit of 6");
+    assert!(most_in_etcd <= 6, "etcd held {most_in_etcd} tokens of a pool of 6");
+    for broker in &brokers {
+        broker.assert_all_free();
+    }
+    // Spares linger, then go back: the pool ends empty.
+    wait_for(LONG, "every cluster token back in etcd", || etcd.tokens("limit") == 0);
+}
+
+#[test]
+fn a_killed_brokers_cluster_tokens_come_back_after_its_lease() {
+    let etcd = Etcd::start(1);
+    let mut doomed = cluster_broker(&etcd, 4, "reclaim", 2, &["--cluster-ttl", "2"]);
+    let survivor = cluster_broker(&etcd, 4, "reclaim", 2, &["--cluster-ttl", "2"]);
+    let mut holder = doomed.client("holds both");
+    holder.acquire(2).unwrap();
+    let pid = doomed.pid().to_string();
+    assert!(etcd.holders("reclaim").iter().all(|h| h.ends_with(&pid)), "the doomed broker holds both: {:?}", etcd.holders("reclaim"));
+
+    let socket = survivor.socket.clone();
+    let waiter = std::thread::spawn(move || {
+        let mut client = baton_client::Client::connect(&socket, "waits").unwrap();
+        client.acquire(1).unwrap();
+        (client, Instant::now())
+    });
+    wait_for(LONG, "the survivor to queue in etcd", || !etcd.etcdctl(&["get", "--prefix", "--keys-only", "/baton/reclaim/queue/"]).stdout.is_empty());
+    assert!(!waiter.is_finished(), "granted while the pool was full");
+
+    let killed = Instant::now();
+    doomed.stop_with(libc::SIGKILL);
+    let (mut client, granted) = common::join_within(waiter, LONG, "the survivor's grant after the kill");
+    eprintln!("cluster token usable {:.2} s after kill -9 (lease TTL 2 s)", granted.duration_since(killed).as_secs_f64());
+    let pid = survivor.pid().to_string();
+    assert!(etcd.holders("reclaim").iter().any(|h| h.ends_with(&pid)), "the survivor holds a slot: {:?}", etcd.holders("reclaim"));
+    client.release(1).unwrap();
+    drop(holder);
+    survivor.assert_all_free();
+    wait_for(LONG, "every cluster token back in etcd", || etcd.tokens("reclaim") == 0);
+}
+
+#[test]
+fn losing_etcd_quorum_stops_new_grants_and_its_return_resumes_them() {
+    let mut etcd = Etcd::start(3);
+    let broker = cluster_broker(&etcd, 4, "quorum", 4, &["--cluster-ttl", "3", "--cluster-linger-ms", "0"]);
+    let mut running = broker.client("a running job");
+    running.acquire(1).unwrap();
+
+    // One member lost: a quorum remains, and the broker takes new tokens.
+    etcd.members[0].kill();
+    let mut second = broker.client("second job");
+    second.acquire(1).unwrap();
+    second.release(1).unwrap();
+
+    // A second member lost: no quorum. The broker says so, and grants
+    // nothing new once its lease may have expired.
+    let before = broker.log().len();
+    etcd.members[1].kill();
+    let since = || broker.log()[before..].to_string();
+    wait_for(LONG, "the broker to notice", || since().contains("cluster pool quorum: etcd unreachable"));
+    wait_for(LONG, "the lease's time to run out", || since().contains("the lease may have expired: granting nothing"));
+    let socket = broker.socket.clone();
+    let waiter = std::thread::spawn(move || {
+        let mut client = baton_client::Client::connect(&socket, "waits out the outage").unwrap();
+        client.acquire(1).unwrap();
+        client
+    });
+    wait_for(LONG, "the request to queue", || broker.status().waiters.len() == 1);
+    // The running job keeps its token; releasing it lets nobody in.
+    running.release(1).unwrap();
+    assert_eq!(broker.status().waiters.len(), 1, "granted while etcd had no quorum: {}", broker.log());
+
+    // Quorum back: the broker resumes by itself.
+    etcd.start_member(1, "existing");
+    let mut client = common::join_within(waiter, LONG, "the grant once etcd answers again");
+    assert!(since().contains("cluster pool quorum: etcd answers again"), "{}", broker.log());
+    assert!(etcd.tokens("quorum") <= 4);
+    client.release(1).unwrap();
+    drop(running);
+    broker.assert_all_free();
+    wait_for(LONG, "every cluster token back in etcd", || etcd.tokens("quorum") == 0);
+}
+
+#[test]
+fn a_broker_given_another_limit_for_the_pool_refuses_to_start() {
+    let etcd = Etcd::start(1);
+    let _first = cluster_broker(&etcd, 2, "agreed", 3, &[]);
+    let dir = TempDir::new("cluster-disagrees");
+    let out = common::baton()
+        .args(["serve", "--no-fuse", "--jobs", "2", "--socket"])
+        .arg(dir.path().join("socket"))
+        .args(["--etcd", &etcd.endpoints(), "--cluster-pool", "agreed", "--cluster-jobs", "5"])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(stderr.contains("cluster pool \"agreed\" has a limit of 3 in etcd, and this broker was given --cluster-jobs 5"), "{stderr}");
+}
+
+#[test]
+fn no_etcd_at_start_is_a_clear_error() {
+    let dir = TempDir::new("cluster-no-etcd");
+    let url = format!("http://127.0.0.1:{}", free_port());
+    let out = common::baton()
+        .args(["serve", "--no-fuse", "--jobs", "2", "--socket"])
+        .arg(dir.path().join("socket"))
+        .args(["--etcd", &url, "--cluster-pool", "p", "--cluster-jobs", "2"])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(stderr.contains(&format!("cannot reach etcd at {url}")), "{stderr}");
+}
