@@ -6,7 +6,7 @@
 //! transport that owns the client, and that transport's thread is woken to
 //! deliver them. Nothing here blocks or does I/O besides reading the clock.
 
-use baton_core::cluster::Local;
+use baton_core::cluster::{admission_cap, Config, Contact, Local};
 use baton_core::gates::{GateConfig, Gates, Reading};
 use baton_core::status::{self, Status};
 use baton_core::{Acquired, BuildId, ClientId, Grant, Pool, PoolError, Tag};
@@ -71,9 +71,10 @@ pub struct Broker {
     roots: HashMap<u32, ClientId>,
     /// Names given with BUILD.
     names: HashMap<BuildId, String>,
-    /// A cluster pool's cap (docs/cluster.md): local grants stop at the
-    /// cluster tokens the link holds. None: no cluster pool.
-    cluster_cap: Option<u32>,
+    /// The cluster pool this broker is in (docs/cluster.md), with the
+    /// cluster tokens its link holds: local grants stop there. None: no
+    /// cluster pool.
+    cluster: Option<status::Cluster>,
     /// Wakes the cluster link when what the local pool needs changes.
     demand_hook: Option<GrantHook>,
     /// The pool's clock and the gates' start here (see [`Pool::advance`]),
@@ -90,7 +91,7 @@ impl Broker {
             gates: Gates::new(GateConfig::default()),
             roots: HashMap::new(),
             names: HashMap::new(),
-            cluster_cap: None,
+            cluster: None,
             demand_hook: None,
             started: (Instant::now(), SystemTime::now()),
         })
@@ -158,7 +159,7 @@ impl Broker {
         // start new jobs the gates never saw.
         // A cluster pool wants them back too: a token parked in a build's
         // pipe holds a cluster token that another machine may wait for.
-        let machine = u32::from(self.gates.config().any() || self.cluster_cap.is_some());
+        let machine = u32::from(self.gates.config().any() || self.cluster.is_some());
         (self.pool.waiting_ahead(id).max(machine), self.pool.free())
     }
 
@@ -284,11 +285,28 @@ impl Broker {
         self.refresh_cap();
     }
 
-    /// The cluster link holds `cap` cluster tokens (docs/cluster.md):
-    /// grants stop there. Returns the demand under the new cap.
-    pub fn set_cluster_cap(&mut self, cap: u32) -> Local {
+    /// Joins a cluster pool: no grant until the link holds cluster tokens.
+    pub fn join_cluster(&mut self, config: &Config) {
+        self.cluster = Some(status::Cluster {
+            pool: config.pool.clone(),
+            endpoints: config.endpoints.clone(),
+            limit: config.jobs,
+            held: 0,
+            contact: Contact::Reachable.name().to_string(),
+            brokers: Vec::new(),
+        });
+        self.refresh_cap();
+    }
+
+    /// The cluster link holds `held` cluster tokens, as sure as `contact`
+    /// says (docs/cluster.md): grants stop at what that allows. Returns
+    /// the demand under the new cap.
+    pub fn set_cluster_held(&mut self, held: u32, contact: Contact) -> Local {
         self.tick();
-        self.cluster_cap = Some(cap);
+        if let Some(cluster) = &mut self.cluster {
+            cluster.held = held;
+            cluster.contact = contact.name().to_string();
+        }
         self.refresh_cap();
         self.cluster_demand()
     }
@@ -328,7 +346,8 @@ impl Broker {
     /// delivers any grants a higher cap lets through.
     fn refresh_cap(&mut self) {
         let gates = self.gates.allowance(self.pool.held(), self.started.0.elapsed());
-        let cap = match (gates, self.cluster_cap) {
+        let cluster = self.cluster.as_ref().map(|c| admission_cap(c.held, Contact::from_name(&c.contact)));
+        let cap = match (gates, cluster) {
             (Some(a), Some(b)) => Some(a.min(b)),
             (a, b) => a.or(b),
         };
@@ -435,6 +454,7 @@ impl Broker {
                 clients: self.pool.clients().count() as u64,
             },
             gates,
+            cluster: self.cluster.clone(),
         }
     }
 

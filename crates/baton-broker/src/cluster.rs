@@ -5,6 +5,8 @@
 use crate::broker::Broker;
 use anyhow::Result;
 use baton_core::cluster::Config;
+#[cfg(feature = "cluster")]
+use baton_core::cluster::Contact;
 use std::sync::{Arc, Mutex};
 
 /// The running link; dropping it gives the cluster tokens back.
@@ -20,6 +22,7 @@ pub type Link = std::convert::Infallible;
 pub fn join(config: Config, broker: &Arc<Mutex<Broker>>) -> Result<Link> {
     let pool = config.pool.clone();
     let (jobs, endpoints) = (config.jobs, config.endpoints.join(","));
+    broker.lock().expect("broker lock").join_cluster(&config);
     let link = baton_cluster::Link::start(config, Arc::new(Shared(broker.clone())))?;
     broker.lock().expect("broker lock").on_demand(link.waker());
     crate::log::info(format_args!("cluster pool {pool}: {jobs} tokens across every broker, in etcd at {endpoints}"));
@@ -40,8 +43,8 @@ impl baton_cluster::LocalPool for Shared {
         self.0.lock().expect("broker lock").cluster_demand()
     }
 
-    fn set_cap(&self, cap: u32) -> baton_core::cluster::Local {
-        self.0.lock().expect("broker lock").set_cluster_cap(cap)
+    fn set_held(&self, held: u32, contact: Contact) -> baton_core::cluster::Local {
+        self.0.lock().expect("broker lock").set_cluster_held(held, contact)
     }
 
     fn log(&self, line: std::fmt::Arguments) {

@@ -32,6 +32,14 @@ pub fn holder() -> String {
     format!("{host} {}", std::process::id())
 }
 
+/// The host and pid a [`holder`] value names.
+pub fn parse_holder(value: &str) -> (String, u32) {
+    match value.rsplit_once(' ') {
+        Some((host, pid)) => (host.to_string(), pid.parse().unwrap_or(0)),
+        None => (value.to_string(), 0),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -41,5 +49,12 @@ mod tests {
         assert!(token("p", 3).starts_with(&tokens("p")));
         assert!(waiter("p", 0x2a).starts_with(&queue("p")));
         assert!(!token("p", 3).starts_with(&tokens("p2")) && !tokens("p").starts_with(&tokens("p2")));
+    }
+
+    #[test]
+    fn a_holder_reads_back() {
+        let (host, pid) = parse_holder(&holder());
+        assert_eq!(pid, std::process::id());
+        assert!(!host.is_empty());
     }
 }

@@ -5,7 +5,7 @@
 //! single-threaded tokio runtime). It holds a lease, keeps it alive, and
 //! takes or gives back cluster tokens as `baton_core::cluster::step`
 //! decides from what the local pool needs; the broker learns what it may
-//! grant through [`LocalPool::set_cap`]. The broker never waits on etcd:
+//! grant through [`LocalPool::set_held`]. The broker never waits on etcd:
 //! it wakes the link ([`Link::waker`]) when its demand changes.
 //!
 //! - `keys`: the pool's key layout.
@@ -18,8 +18,11 @@ mod lease;
 mod session;
 
 use anyhow::{bail, Context, Result};
-use baton_core::cluster::{admission_cap, Config, Contact, Local};
-use etcd_client::{Client, Compare, CompareOp, ConnectOptions, Txn, TxnOp};
+use baton_core::cluster::{Config, Contact, Local};
+#[cfg(doc)]
+use baton_core::cluster::admission_cap;
+use baton_core::status::ClusterBroker;
+use etcd_client::{Client, Compare, CompareOp, ConnectOptions, GetOptions, Txn, TxnOp};
 use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -36,9 +39,10 @@ const RETRY_PAUSE: Duration = Duration::from_millis(50);
 pub trait LocalPool: Send + Sync + 'static {
     /// What the local pool holds and waits for now.
     fn demand(&self) -> Local;
-    /// At most this many local tokens may be held for a new grant; returns
+    /// The link holds `held` cluster tokens, as sure as `contact` says:
+    /// the broker caps its grants at [`admission_cap`] of them. Returns
     /// the demand as it is under the new cap (read under the same lock).
-    fn set_cap(&self, cap: u32) -> Local;
+    fn set_held(&self, held: u32, contact: Contact) -> Local;
     /// One line for the broker's log.
     fn log(&self, line: std::fmt::Arguments);
 }
@@ -59,7 +63,7 @@ impl Link {
     /// # Errors
     /// etcd cannot be reached, or the pool exists with another limit.
     pub fn start(config: Config, local: Arc<dyn LocalPool>) -> Result<Link> {
-        local.set_cap(0);
+        local.set_held(0, Contact::Reachable);
         let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().context("cannot start the etcd client's runtime")?;
         let client = runtime.block_on(connect(&config))?;
         let wake = Arc::new(Notify::new());
@@ -86,6 +90,47 @@ impl Drop for Link {
             let _ = thread.join();
         }
     }
+}
+
+/// Every broker of `pool` that holds or waits, as etcd has them now
+/// (`baton status`), busiest first.
+///
+/// # Errors
+/// etcd cannot be reached.
+pub fn survey(endpoints: &[String], pool: &str) -> Result<Vec<ClusterBroker>> {
+    let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+    runtime.block_on(async {
+        let options = ConnectOptions::new().with_connect_timeout(REQUEST_TIMEOUT).with_timeout(REQUEST_TIMEOUT);
+        let client = Client::connect(endpoints, Some(options)).await?;
+        let read = |prefix: String| {
+            let client = &client;
+            async move {
+                ask(client, |mut c| {
+                    let prefix = prefix.clone();
+                    async move { c.get(prefix, Some(GetOptions::new().with_prefix())).await }
+                })
+                .await
+            }
+        };
+        let (tokens, queue) = (read(keys::tokens(pool)).await?, read(keys::queue(pool)).await?);
+        let mut brokers: Vec<ClusterBroker> = Vec::new();
+        let mut entry = |value: &[u8]| -> usize {
+            let (host, pid) = keys::parse_holder(&String::from_utf8_lossy(value));
+            match brokers.iter().position(|b| b.host == host && b.pid == pid) {
+                Some(i) => i,
+                None => {
+                    brokers.push(ClusterBroker { host, pid, held: 0, waiting: false });
+                    brokers.len() - 1
+                }
+            }
+        };
+        let held: Vec<usize> = tokens.kvs().iter().map(|kv| entry(kv.value())).collect();
+        let waiting: Vec<usize> = queue.kvs().iter().map(|kv| entry(kv.value())).collect();
+        held.into_iter().for_each(|i| brokers[i].held += 1);
+        waiting.into_iter().for_each(|i| brokers[i].waiting = true);
+        brokers.sort_by(|a, b| b.held.cmp(&a.held).then(a.pid.cmp(&b.pid)));
+        Ok(brokers)
+    })
 }
 
 /// Connects, and writes the pool's limit or checks it against ours.
@@ -208,7 +253,7 @@ impl Runner {
                 lost = true;
                 self.local.log(format_args!("cluster pool {}: the lease may have expired: granting nothing until etcd answers", self.config.pool));
             }
-            self.local.set_cap(admission_cap(held, contact));
+            self.local.set_held(held, contact);
             let until_lost = surely_until.saturating_duration_since(Instant::now());
             let pause = if lost { RETRY } else { RETRY.min(until_lost) };
             tokio::select! {

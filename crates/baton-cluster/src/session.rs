@@ -4,7 +4,7 @@
 use crate::{ask, keys, lease, LocalPool};
 use baton_core::cluster::Config;
 use anyhow::Result;
-use baton_core::cluster::{step, Situation, Step};
+use baton_core::cluster::{step, Contact, Situation, Step};
 use etcd_client::{Client, Compare, CompareOp, EventType, GetOptions, GetResponse, PutOptions, SortOrder, SortTarget, Txn, TxnOp, TxnResponse, WatchFilterType, WatchOptions};
 use std::cell::Cell;
 use std::rc::Rc;
@@ -69,7 +69,7 @@ impl<'a> Session<'a> {
         if let Some(lease) = self.lease.take() {
             let _ = ask(&self.client, |mut c| async move { c.lease_revoke(lease).await }).await;
         }
-        self.local.set_cap(0);
+        self.local.set_held(0, Contact::Lost);
     }
 
     fn held(&self) -> u32 {
@@ -112,7 +112,7 @@ impl<'a> Session<'a> {
 
     async fn work(&mut self, lease: i64) -> Result<Infallible> {
         loop {
-            self.local.set_cap(self.held());
+            self.local.set_held(self.held(), Contact::Reachable);
             let mut s = self.situation();
             let mut next = step(s);
             if matches!(next, Step::Linger(_)) && self.others_waiting().await? {
@@ -147,7 +147,7 @@ impl<'a> Session<'a> {
     /// broker's lock; a grant that slipped in before keeps its token.
     async fn give(&mut self, n: u32) -> Result<()> {
         let held = self.held();
-        let in_use = self.local.set_cap(held - n).held;
+        let in_use = self.local.set_held(held - n, Contact::Reachable).held;
         let n = held - in_use.max(held - n);
         let gone: Vec<u32> = self.slots.split_off(self.slots.len() - n as usize);
         let deletes: Vec<TxnOp> = gone.iter().map(|&s| TxnOp::delete(keys::token(&self.config.pool, s), None)).collect();

@@ -122,6 +122,22 @@ pub enum Contact {
     Lost,
 }
 
+impl Contact {
+    /// As `baton status` shows it.
+    pub fn name(self) -> &'static str {
+        match self {
+            Contact::Reachable => "reachable",
+            Contact::Unsure => "unreachable",
+            Contact::Lost => "lost",
+        }
+    }
+
+    /// The contact [`Contact::name`] names; anything else is `Lost`.
+    pub fn from_name(name: &str) -> Contact {
+        [Contact::Reachable, Contact::Unsure].into_iter().find(|c| c.name() == name).unwrap_or(Contact::Lost)
+    }
+}
+
 /// How many local tokens may be held for new grants to happen: the
 /// cluster tokens held while they are surely ours, none once they may not
 /// be. (A cap never takes back what is held: running jobs go on.)

@@ -192,6 +192,12 @@ fn a_killed_brokers_cluster_tokens_come_back_after_its_lease() {
     });
     wait_for(LONG, "the survivor to queue in etcd", || !etcd.etcdctl(&["get", "--prefix", "--keys-only", "/baton/reclaim/queue/"]).stdout.is_empty());
     assert!(!waiter.is_finished(), "granted while the pool was full");
+    // baton status asks etcd who holds the pool, and who waits.
+    let out = common::baton().args(["status", "--socket"]).arg(&survivor.socket).output().unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.contains("CLUSTER reclaim  limit 2  held here 0  elsewhere 2  brokers waiting 1  etcd reachable"), "{text}");
+    let row = |pid: u32, held: u32, waiting: &str| text.lines().any(|l| l.split_whitespace().skip(1).eq([pid.to_string(), held.to_string(), waiting.to_string()]));
+    assert!(row(doomed.pid(), 2, "no") && row(survivor.pid(), 0, "yes"), "{text}");
 
     let killed = Instant::now();
     doomed.stop_with(libc::SIGKILL);
