@@ -10,6 +10,8 @@
 //! docs/benchmarks.md for figures and the commands that produced them.
 #![deny(missing_docs)]
 
+/// A real etcd for the cluster benchmark and tests.
+pub mod etcd;
 mod measure;
 mod mechanisms;
 mod progress;

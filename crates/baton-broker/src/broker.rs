@@ -294,6 +294,7 @@ impl Broker {
             held: 0,
             contact: Contact::Reachable.name().to_string(),
             brokers: Vec::new(),
+            watch_events: 0,
         });
         self.refresh_cap();
     }
@@ -309,6 +310,13 @@ impl Broker {
         }
         self.refresh_cap();
         self.cluster_demand()
+    }
+
+    /// The cluster link received `events` watch events.
+    pub fn note_watch_events(&mut self, events: u64) {
+        if let Some(cluster) = &mut self.cluster {
+            cluster.watch_events += events;
+        }
     }
 
     /// What the local pool holds and waits for, for the cluster link.

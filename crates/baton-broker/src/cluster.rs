@@ -47,6 +47,10 @@ impl baton_cluster::LocalPool for Shared {
         self.0.lock().expect("broker lock").set_cluster_held(held, contact)
     }
 
+    fn watched(&self, events: u64) {
+        self.0.lock().expect("broker lock").note_watch_events(events);
+    }
+
     fn log(&self, line: std::fmt::Arguments) {
         crate::log::warn(line);
     }

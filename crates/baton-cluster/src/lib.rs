@@ -43,6 +43,8 @@ pub trait LocalPool: Send + Sync + 'static {
     /// the broker caps its grants at [`admission_cap`] of them. Returns
     /// the demand as it is under the new cap (read under the same lock).
     fn set_held(&self, held: u32, contact: Contact) -> Local;
+    /// The link received `events` watch events (each one woke it).
+    fn watched(&self, events: u64);
     /// One line for the broker's log.
     fn log(&self, line: std::fmt::Arguments);
 }

@@ -82,6 +82,7 @@ impl<'a> Session<'a> {
         if let Some(lease) = self.lease {
             let alive = ask(&self.client, |mut c| async move { c.lease_time_to_live(lease, None).await }).await?.ttl() > 0;
             if alive {
+                self.slots = self.slots_of(lease).await?;
                 let me = keys::waiter(&self.config.pool, lease);
                 ask(&self.client, |mut c| {
                     let me = me.clone();
@@ -103,6 +104,15 @@ impl<'a> Session<'a> {
         self.lease = Some(lease);
         self.renewed.set(sent);
         Ok(lease)
+    }
+
+    /// The slots etcd has under `lease`: a request that timed out may
+    /// still have taken one (etcd applied it, the answer was lost), and
+    /// such a slot is ours to use or give back, not to leave held.
+    async fn slots_of(&self, lease: i64) -> Result<Vec<u32>> {
+        let prefix = keys::tokens(&self.config.pool);
+        let slots = self.get(prefix.clone(), GetOptions::new().with_prefix()).await?;
+        Ok(slots.kvs().iter().filter(|kv| kv.lease() == lease).filter_map(|kv| kv.key_str().ok()?.strip_prefix(&prefix)?.parse().ok()).collect())
     }
 
     fn situation(&self) -> Situation {
@@ -164,6 +174,9 @@ impl<'a> Session<'a> {
     /// Queues for one token and takes it, or leaves the queue when the
     /// local pool stops needing it (None).
     async fn take(&mut self, lease: i64) -> Result<Option<u32>> {
+        if self.config.watch_all {
+            return self.take_racing(lease).await;
+        }
         let me = keys::waiter(&self.config.pool, lease);
         let put = ask(&self.client, |mut c| {
             let (me, holder) = (me.clone(), self.holder.clone());
@@ -208,6 +221,26 @@ impl<'a> Session<'a> {
         }
     }
 
+    /// The naive design, for `baton bench cluster` to measure beside the
+    /// queue: every waiting broker watches every slot, and races for each
+    /// one freed.
+    async fn take_racing(&mut self, lease: i64) -> Result<Option<u32>> {
+        let pool = self.config.pool.clone();
+        while self.short() {
+            let slots = self.get(keys::tokens(&pool), GetOptions::new().with_prefix().with_keys_only()).await?;
+            let used: Vec<&[u8]> = slots.kvs().iter().map(|kv| kv.key()).collect();
+            match (0..self.config.jobs).find(|&s| !used.contains(&keys::token(&pool, s).as_bytes())) {
+                Some(slot) if self.create(lease, slot).await? => return Ok(Some(slot)),
+                Some(_) => {}
+                None => {
+                    let revision = slots.header().map_or(0, |h| h.revision());
+                    self.wait_for_delete(keys::tokens(&pool).into_bytes(), true, revision + 1).await?;
+                }
+            }
+        }
+        Ok(None)
+    }
+
     /// Creates token slot `slot` under our lease, if nobody holds it.
     async fn create(&mut self, lease: i64, slot: u32) -> Result<bool> {
         let key = keys::token(&self.config.pool, slot);
@@ -249,6 +282,7 @@ impl<'a> Session<'a> {
             tokio::select! {
                 reply = events.message() => {
                     let Some(reply) = reply? else { anyhow::bail!("etcd closed a watch") };
+                    self.local.watched(reply.events().len() as u64);
                     if reply.events().iter().any(|e| e.event_type() == EventType::Delete) {
                         return Ok(());
                     }

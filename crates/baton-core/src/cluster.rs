@@ -24,6 +24,9 @@ pub struct Config {
     pub ttl: Duration,
     /// How long spare tokens are kept for local builds that ask again.
     pub linger: Duration,
+    /// Benchmark control: waiting brokers skip the queue and all watch
+    /// every token slot, the herd the queue avoids (`baton bench cluster`).
+    pub watch_all: bool,
 }
 
 /// Checks a pool's name: it becomes part of etcd keys (`/baton/NAME/`).

@@ -57,6 +57,10 @@ pub struct Cluster {
     /// `baton status` fills it by asking etcd itself.
     #[serde(default)]
     pub brokers: Vec<ClusterBroker>,
+    /// Watch events the broker's link has received from etcd: each one
+    /// woke it (`baton bench cluster` counts them per grant).
+    #[serde(default)]
+    pub watch_events: u64,
 }
 
 /// One broker of a cluster pool, as etcd has it.

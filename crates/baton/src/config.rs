@@ -156,6 +156,7 @@ impl Config {
             jobs: c.jobs,
             ttl: c.ttl.map_or(baton_core::cluster::DEFAULT_TTL, Duration::from_secs),
             linger: c.linger_ms.map_or(baton_core::cluster::DEFAULT_LINGER, Duration::from_millis),
+            watch_all: false,
         })
     }
 

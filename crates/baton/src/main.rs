@@ -210,12 +210,16 @@ struct ClusterArgs {
     /// again, while no other broker waits.
     #[arg(long, value_name = "MS", default_value_t = baton_core::cluster::DEFAULT_LINGER.as_millis() as u64, value_parser = clap::value_parser!(u64).range(0..=60_000))]
     cluster_linger_ms: u64,
+    /// Benchmark control: waiting brokers all watch every token slot
+    /// instead of queueing (the herd the queue avoids).
+    #[arg(long, hide = true, requires = "etcd")]
+    cluster_watch_all: bool,
 }
 
 impl ClusterArgs {
     fn config(self) -> Option<baton_core::cluster::Config> {
         let (pool, jobs) = (self.cluster_pool?, self.cluster_jobs?);
-        Some(baton_core::cluster::Config { endpoints: self.etcd, pool, jobs, ttl: Duration::from_secs(self.cluster_ttl), linger: Duration::from_millis(self.cluster_linger_ms) })
+        Some(baton_core::cluster::Config { endpoints: self.etcd, pool, jobs, ttl: Duration::from_secs(self.cluster_ttl), linger: Duration::from_millis(self.cluster_linger_ms), watch_all: self.cluster_watch_all })
     }
 }
 

@@ -7,125 +7,43 @@
 
 mod common;
 
+use baton_bench::etcd::Etcd;
 use common::{max_overlap, wait_for, Broker, TempDir};
-use std::net::TcpListener;
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Stdio};
 use std::time::{Duration, Instant};
 
-const ETCD: &str = "/usr/bin/etcd";
-const ETCDCTL: &str = "/usr/bin/etcdctl";
 /// Hang guard: far beyond anything the tests wait for.
 const LONG: Duration = Duration::from_secs(60);
 
-/// A loopback port nobody listens on now.
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+/// What the tests read from etcd besides what `baton_bench::etcd` offers.
+trait Keys {
+    fn tokens(&self, pool: &str) -> usize;
+    fn holders(&self, pool: &str) -> Vec<String>;
+    fn queued(&self, pool: &str) -> bool;
 }
 
-/// One etcd member; stopped by pid on drop.
-struct Member {
-    name: String,
-    client_url: String,
-    peer_url: String,
-    data: PathBuf,
-    log: PathBuf,
-    child: Option<Child>,
-}
-
-impl Member {
-    fn start(&mut self, initial_cluster: &str, state: &str) {
-        assert!(Path::new(ETCD).exists(), "no etcd at {ETCD} (install Debian's etcd-server, or run scripts/test)");
-        let log = std::fs::OpenOptions::new().create(true).append(true).open(&self.log).unwrap();
-        let child = Command::new(ETCD)
-            .args(["--name", &self.name, "--data-dir"])
-            .arg(&self.data)
-            .args(["--listen-client-urls", &self.client_url, "--advertise-client-urls", &self.client_url])
-            .args(["--listen-peer-urls", &self.peer_url, "--initial-advertise-peer-urls", &self.peer_url])
-            .args(["--initial-cluster", initial_cluster, "--initial-cluster-state", state, "--initial-cluster-token", "baton-test"])
-            .stdout(Stdio::null())
-            .stderr(log)
-            .spawn()
-            .expect("start etcd");
-        self.child = Some(child);
-    }
-
-    /// SIGKILL, as a lost machine.
-    fn kill(&mut self) {
-        if let Some(mut child) = self.child.take() {
-            child.kill().unwrap();
-            child.wait().unwrap();
-        }
-    }
-}
-
-impl Drop for Member {
-    fn drop(&mut self) {
-        self.kill();
-    }
-}
-
-/// An etcd cluster of `n` members on loopback ports.
-struct Etcd {
-    members: Vec<Member>,
-    initial_cluster: String,
-    _dir: TempDir,
-}
-
-impl Etcd {
-    fn start(n: usize) -> Etcd {
-        let dir = TempDir::new("etcd");
-        let members: Vec<Member> = (0..n)
-            .map(|i| Member {
-                name: format!("m{i}"),
-                client_url: format!("http://127.0.0.1:{}", free_port()),
-                peer_url: format!("http://127.0.0.1:{}", free_port()),
-                data: dir.path().join(format!("m{i}")),
-                log: dir.path().join(format!("m{i}.log")),
-                child: None,
-            })
-            .collect();
-        let initial_cluster = members.iter().map(|m| format!("{}={}", m.name, m.peer_url)).collect::<Vec<_>>().join(",");
-        let mut etcd = Etcd { members, initial_cluster, _dir: dir };
-        for i in 0..n {
-            etcd.start_member(i, "new");
-        }
-        etcd.wait_healthy();
-        etcd
-    }
-
-    fn start_member(&mut self, i: usize, state: &str) {
-        let initial = self.initial_cluster.clone();
-        self.members[i].start(&initial, state);
-    }
-
-    fn endpoints(&self) -> String {
-        self.members.iter().map(|m| m.client_url.clone()).collect::<Vec<_>>().join(",")
-    }
-
-    fn etcdctl(&self, args: &[&str]) -> std::process::Output {
-        assert!(Path::new(ETCDCTL).exists(), "no etcdctl at {ETCDCTL} (install Debian's etcd-client, or run scripts/test)");
-        Command::new(ETCDCTL).env("ETCDCTL_API", "3").args(["--dial-timeout=2s", "--command-timeout=3s", "--endpoints", &self.endpoints()]).args(args).output().unwrap()
-    }
-
-    /// Waits until the cluster has a leader and answers.
-    fn wait_healthy(&self) {
-        wait_for(LONG, "etcd to answer", || self.etcdctl(&["get", "/baton-test-probe"]).status.success());
-    }
-
+impl Keys for Etcd {
     /// How many token keys pool `pool` has: the cluster tokens held.
     fn tokens(&self, pool: &str) -> usize {
         let prefix = format!("/baton/{pool}/token/");
-        let out = self.etcdctl(&["get", "--prefix", "--keys-only", &prefix]);
+        let out = self.etcdctl(&["get", "--prefix", "--keys-only", &prefix]).unwrap();
         assert!(out.status.success(), "etcdctl get: {}", String::from_utf8_lossy(&out.stderr));
         String::from_utf8_lossy(&out.stdout).lines().filter(|l| l.starts_with(&prefix)).count()
     }
 
     /// The holders written into the pool's token keys (`host pid`).
     fn holders(&self, pool: &str) -> Vec<String> {
-        let out = self.etcdctl(&["get", "--prefix", "--print-value-only", &format!("/baton/{pool}/token/")]);
+        let out = self.etcdctl(&["get", "--prefix", "--print-value-only", &format!("/baton/{pool}/token/")]).unwrap();
         String::from_utf8_lossy(&out.stdout).lines().filter(|l| !l.is_empty()).map(str::to_string).collect()
     }
+
+    fn queued(&self, pool: &str) -> bool {
+        !self.etcdctl(&["get", "--prefix", "--keys-only", &format!("/baton/{pool}/queue/")]).unwrap().stdout.is_empty()
+    }
+}
+
+fn start_etcd(members: usize, dir: &TempDir) -> Etcd {
+    Etcd::start(members, dir.path()).unwrap()
 }
 
 fn cluster_broker(etcd: &Etcd, jobs: u32, pool: &str, cluster_jobs: u32, extra: &[&str]) -> Broker {
@@ -137,7 +55,8 @@ fn cluster_broker(etcd: &Etcd, jobs: u32, pool: &str, cluster_jobs: u32, extra: 
 
 #[test]
 fn three_brokers_on_three_members_never_run_more_than_the_cluster_limit() {
-    let etcd = Etcd::start(3);
+    let etcd_dir = TempDir::new("etcd");
+    let etcd = start_etcd(3, &etcd_dir);
     let brokers: Vec<Broker> = (0..3).map(|_| cluster_broker(&etcd, 4, "limit", 6, &[])).collect();
     let work = TempDir::new("cluster-builds");
     let log = work.path().join("jobs.log");
@@ -176,7 +95,8 @@ fn three_brokers_on_three_members_never_run_more_than_the_cluster_limit() {
 
 #[test]
 fn a_killed_brokers_cluster_tokens_come_back_after_its_lease() {
-    let etcd = Etcd::start(1);
+    let etcd_dir = TempDir::new("etcd");
+    let etcd = start_etcd(1, &etcd_dir);
     let mut doomed = cluster_broker(&etcd, 4, "reclaim", 2, &["--cluster-ttl", "2"]);
     let survivor = cluster_broker(&etcd, 4, "reclaim", 2, &["--cluster-ttl", "2"]);
     let mut holder = doomed.client("holds both");
@@ -190,7 +110,7 @@ fn a_killed_brokers_cluster_tokens_come_back_after_its_lease() {
         client.acquire(1).unwrap();
         (client, Instant::now())
     });
-    wait_for(LONG, "the survivor to queue in etcd", || !etcd.etcdctl(&["get", "--prefix", "--keys-only", "/baton/reclaim/queue/"]).stdout.is_empty());
+    wait_for(LONG, "the survivor to queue in etcd", || etcd.queued("reclaim"));
     assert!(!waiter.is_finished(), "granted while the pool was full");
     // baton status asks etcd who holds the pool, and who waits.
     let out = common::baton().args(["status", "--socket"]).arg(&survivor.socket).output().unwrap();
@@ -213,7 +133,8 @@ fn a_killed_brokers_cluster_tokens_come_back_after_its_lease() {
 
 #[test]
 fn losing_etcd_quorum_stops_new_grants_and_its_return_resumes_them() {
-    let mut etcd = Etcd::start(3);
+    let etcd_dir = TempDir::new("etcd");
+    let mut etcd = start_etcd(3, &etcd_dir);
     let broker = cluster_broker(&etcd, 4, "quorum", 4, &["--cluster-ttl", "3", "--cluster-linger-ms", "0"]);
     let mut running = broker.client("a running job");
     running.acquire(1).unwrap();
@@ -243,7 +164,7 @@ fn losing_etcd_quorum_stops_new_grants_and_its_return_resumes_them() {
     assert_eq!(broker.status().waiters.len(), 1, "granted while etcd had no quorum: {}", broker.log());
 
     // Quorum back: the broker resumes by itself.
-    etcd.start_member(1, "existing");
+    etcd.start_member(1, "existing").unwrap();
     let mut client = common::join_within(waiter, LONG, "the grant once etcd answers again");
     assert!(since().contains("cluster pool quorum: etcd answers again"), "{}", broker.log());
     assert!(etcd.tokens("quorum") <= 4);
@@ -255,7 +176,8 @@ fn losing_etcd_quorum_stops_new_grants_and_its_return_resumes_them() {
 
 #[test]
 fn a_broker_given_another_limit_for_the_pool_refuses_to_start() {
-    let etcd = Etcd::start(1);
+    let etcd_dir = TempDir::new("etcd");
+    let etcd = start_etcd(1, &etcd_dir);
     let _first = cluster_broker(&etcd, 2, "agreed", 3, &[]);
     let dir = TempDir::new("cluster-disagrees");
     let out = common::baton()
@@ -272,7 +194,7 @@ fn a_broker_given_another_limit_for_the_pool_refuses_to_start() {
 #[test]
 fn no_etcd_at_start_is_a_clear_error() {
     let dir = TempDir::new("cluster-no-etcd");
-    let url = format!("http://127.0.0.1:{}", free_port());
+    let url = format!("http://127.0.0.1:{}", baton_bench::etcd::free_port().unwrap());
     let out = common::baton()
         .args(["serve", "--no-fuse", "--jobs", "2", "--socket"])
         .arg(dir.path().join("socket"))
