@@ -77,6 +77,9 @@ pub struct Broker {
     cluster: Option<status::Cluster>,
     /// Wakes the cluster link when what the local pool needs changes.
     demand_hook: Option<GrantHook>,
+    /// What the gates allowed at the last look: the cluster link takes no
+    /// token for a request the gates hold back.
+    gate_allowance: Option<u32>,
     /// The pool's clock and the gates' start here (see [`Pool::advance`]),
     /// with the wall-clock time that instant was.
     started: (Instant, SystemTime),
@@ -93,6 +96,7 @@ impl Broker {
             names: HashMap::new(),
             cluster: None,
             demand_hook: None,
+            gate_allowance: None,
             started: (Instant::now(), SystemTime::now()),
         })
     }
@@ -321,7 +325,10 @@ impl Broker {
 
     /// What the local pool holds and waits for, for the cluster link.
     pub fn cluster_demand(&self) -> Local {
-        Local { held: self.pool.held(), waiting: self.pool.queue().map(|(_, _, tokens)| tokens).sum(), limit: self.pool.limit() }
+        let held = self.pool.held();
+        let waiting: u32 = self.pool.queue().map(|(_, _, tokens)| tokens).sum();
+        let room = self.gate_allowance.map_or(u32::MAX, |allowed| allowed.saturating_sub(held));
+        Local { held, waiting: waiting.min(room), limit: self.pool.limit() }
     }
 
     /// Calls `hook` whenever what the local pool holds or waits for may
@@ -354,6 +361,10 @@ impl Broker {
     /// delivers any grants a higher cap lets through.
     fn refresh_cap(&mut self) {
         let gates = self.gates.allowance(self.pool.held(), self.started.0.elapsed());
+        if gates != self.gate_allowance {
+            self.gate_allowance = gates;
+            self.demand_changed();
+        }
         let cluster = self.cluster.as_ref().map(|c| admission_cap(c.held, Contact::from_name(&c.contact)));
         let cap = match (gates, cluster) {
             (Some(a), Some(b)) => Some(a.min(b)),

@@ -205,3 +205,17 @@ fn no_etcd_at_start_is_a_clear_error() {
     assert!(!out.status.success());
     assert!(stderr.contains(&format!("cannot reach etcd at {url}")), "{stderr}");
 }
+
+#[test]
+fn a_broker_that_stops_gives_its_cluster_tokens_back_at_once() {
+    let etcd_dir = TempDir::new("etcd");
+    let etcd = start_etcd(1, &etcd_dir);
+    // A long lease: only the broker's own give-back can empty the pool in time.
+    let mut broker = cluster_broker(&etcd, 2, "stop", 2, &["--cluster-ttl", "600"]);
+    let mut client = broker.client("holds one");
+    client.acquire(1).unwrap();
+    assert_eq!(etcd.tokens("stop"), 1);
+    let (status, log) = broker.stop_with(libc::SIGTERM);
+    assert!(status.success(), "{log}");
+    assert_eq!(etcd.tokens("stop"), 0, "tokens left in etcd after the broker stopped: {log}");
+}
