@@ -6,7 +6,9 @@
 //! transport that owns the client, and that transport's thread is woken to
 //! deliver them. Nothing here blocks or does I/O besides reading the clock.
 
-use baton_core::cluster::{admission_cap, Config, Contact, Local};
+use baton_core::cluster::{admission_cap, Contact};
+#[cfg(feature = "cluster")]
+use baton_core::cluster::{Config, Local};
 use baton_core::gates::{GateConfig, Gates, Reading};
 use baton_core::status::{self, Status};
 use baton_core::{Acquired, BuildId, ClientId, Grant, Pool, PoolError, Tag};
@@ -289,54 +291,6 @@ impl Broker {
         self.refresh_cap();
     }
 
-    /// Joins a cluster pool: no grant until the link holds cluster tokens.
-    pub fn join_cluster(&mut self, config: &Config) {
-        self.cluster = Some(status::Cluster {
-            pool: config.pool.clone(),
-            endpoints: config.endpoints.clone(),
-            limit: config.jobs,
-            held: 0,
-            contact: Contact::Reachable.name().to_string(),
-            brokers: Vec::new(),
-            watch_events: 0,
-        });
-        self.refresh_cap();
-    }
-
-    /// The cluster link holds `held` cluster tokens, as sure as `contact`
-    /// says (docs/cluster.md): grants stop at what that allows. Returns
-    /// the demand under the new cap.
-    pub fn set_cluster_held(&mut self, held: u32, contact: Contact) -> Local {
-        self.tick();
-        if let Some(cluster) = &mut self.cluster {
-            cluster.held = held;
-            cluster.contact = contact.name().to_string();
-        }
-        self.refresh_cap();
-        self.cluster_demand()
-    }
-
-    /// The cluster link received `events` watch events.
-    pub fn note_watch_events(&mut self, events: u64) {
-        if let Some(cluster) = &mut self.cluster {
-            cluster.watch_events += events;
-        }
-    }
-
-    /// What the local pool holds and waits for, for the cluster link.
-    pub fn cluster_demand(&self) -> Local {
-        let held = self.pool.held();
-        let waiting: u32 = self.pool.queue().map(|(_, _, tokens)| tokens).sum();
-        let room = self.gate_allowance.map_or(u32::MAX, |allowed| allowed.saturating_sub(held));
-        Local { held, waiting: waiting.min(room), limit: self.pool.limit() }
-    }
-
-    /// Calls `hook` whenever what the local pool holds or waits for may
-    /// have changed. It runs under the broker lock: it must only wake.
-    pub fn on_demand(&mut self, hook: impl Fn() + Send + Sync + 'static) {
-        self.demand_hook = Some(GrantHook(Box::new(hook)));
-    }
-
     fn demand_changed(&self) {
         if let Some(GrantHook(hook)) = &self.demand_hook {
             hook();
@@ -485,6 +439,58 @@ impl Broker {
             threshold: view.threshold,
             closed_since: view.closed_since.map(|d| epoch_seconds(self.started.1 + d)),
         }
+    }
+}
+
+/// What the cluster link (docs/cluster.md) asks of the broker.
+#[cfg(feature = "cluster")]
+impl Broker {
+    /// Joins a cluster pool: no grant until the link holds cluster tokens.
+    pub fn join_cluster(&mut self, config: &Config) {
+        self.cluster = Some(status::Cluster {
+            pool: config.pool.clone(),
+            endpoints: config.endpoints.clone(),
+            limit: config.jobs,
+            held: 0,
+            contact: Contact::Reachable.name().to_string(),
+            brokers: Vec::new(),
+            watch_events: 0,
+        });
+        self.refresh_cap();
+    }
+
+    /// The cluster link holds `held` cluster tokens, as sure as `contact`
+    /// says (docs/cluster.md): grants stop at what that allows. Returns
+    /// the demand under the new cap.
+    pub fn set_cluster_held(&mut self, held: u32, contact: Contact) -> Local {
+        self.tick();
+        if let Some(cluster) = &mut self.cluster {
+            cluster.held = held;
+            cluster.contact = contact.name().to_string();
+        }
+        self.refresh_cap();
+        self.cluster_demand()
+    }
+
+    /// The cluster link received `events` watch events.
+    pub fn note_watch_events(&mut self, events: u64) {
+        if let Some(cluster) = &mut self.cluster {
+            cluster.watch_events += events;
+        }
+    }
+
+    /// What the local pool holds and waits for, for the cluster link.
+    pub fn cluster_demand(&self) -> Local {
+        let held = self.pool.held();
+        let waiting: u32 = self.pool.queue().map(|(_, _, tokens)| tokens).sum();
+        let room = self.gate_allowance.map_or(u32::MAX, |allowed| allowed.saturating_sub(held));
+        Local { held, waiting: waiting.min(room), limit: self.pool.limit() }
+    }
+
+    /// Calls `hook` whenever what the local pool holds or waits for may
+    /// have changed. It runs under the broker lock: it must only wake.
+    pub fn on_demand(&mut self, hook: impl Fn() + Send + Sync + 'static) {
+        self.demand_hook = Some(GrantHook(Box::new(hook)));
     }
 }
 
