@@ -10,6 +10,8 @@
 //! docs/benchmarks.md for figures and the commands that produced them.
 #![deny(missing_docs)]
 
+/// A real etcd for the cluster benchmark and tests.
+pub mod etcd;
 mod measure;
 mod mechanisms;
 mod progress;
@@ -33,8 +35,8 @@ pub struct BenchArgs {
     /// exclusive pipe waits), blocking-vs-polling (make's pselect()),
     /// bulk-wake (sembench's semaphores), mass-poll (FreeBSD's make
     /// universe), broadcast (the futex requeue), builds (real make and
-    /// ninja under one limit) or universe (FreeBSD's make universe on real
-    /// bmake).
+    /// ninja under one limit), universe (FreeBSD's make universe on real
+    /// bmake) or cluster (brokers sharing a pool in a real etcd).
     #[arg(value_enum)]
     pub scenario: Scenario,
 

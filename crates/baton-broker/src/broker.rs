@@ -6,6 +6,9 @@
 //! transport that owns the client, and that transport's thread is woken to
 //! deliver them. Nothing here blocks or does I/O besides reading the clock.
 
+use baton_core::cluster::{admission_cap, Contact};
+#[cfg(feature = "cluster")]
+use baton_core::cluster::{Config, Local};
 use baton_core::gates::{GateConfig, Gates, Reading};
 use baton_core::status::{self, Status};
 use baton_core::{Acquired, BuildId, ClientId, Grant, Pool, PoolError, Tag};
@@ -70,6 +73,15 @@ pub struct Broker {
     roots: HashMap<u32, ClientId>,
     /// Names given with BUILD.
     names: HashMap<BuildId, String>,
+    /// The cluster pool this broker is in (docs/cluster.md), with the
+    /// cluster tokens its link holds: local grants stop there. None: no
+    /// cluster pool.
+    cluster: Option<status::Cluster>,
+    /// Wakes the cluster link when what the local pool needs changes.
+    demand_hook: Option<GrantHook>,
+    /// What the gates allowed at the last look: the cluster link takes no
+    /// token for a request the gates hold back.
+    gate_allowance: Option<u32>,
     /// The pool's clock and the gates' start here (see [`Pool::advance`]),
     /// with the wall-clock time that instant was.
     started: (Instant, SystemTime),
@@ -84,6 +96,9 @@ impl Broker {
             gates: Gates::new(GateConfig::default()),
             roots: HashMap::new(),
             names: HashMap::new(),
+            cluster: None,
+            demand_hook: None,
+            gate_allowance: None,
             started: (Instant::now(), SystemTime::now()),
         })
     }
@@ -148,7 +163,9 @@ impl Broker {
         // While a gate is set, the machine wants every token back to decide
         // anew: a build that kept the tokens its jobs wrote back would
         // start new jobs the gates never saw.
-        let machine = u32::from(self.gates.config().any());
+        // A cluster pool wants them back too: a token parked in a build's
+        // pipe holds a cluster token that another machine may wait for.
+        let machine = u32::from(self.gates.config().any() || self.cluster.is_some());
         (self.pool.waiting_ahead(id).max(machine), self.pool.free())
     }
 
@@ -163,6 +180,7 @@ impl Broker {
             }
             Acquired::Queued => {
                 meta.waiting_since.insert(tag, SystemTime::now());
+                self.demand_changed();
             }
         }
         Ok(outcome)
@@ -192,6 +210,7 @@ impl Broker {
             self.pool.meta_mut(id).expect("release checked the client").holding_since = None;
         }
         self.route(grants);
+        self.demand_changed();
         Ok(())
     }
 
@@ -203,6 +222,7 @@ impl Broker {
             meta.waiting_since.remove(&tag);
         }
         self.route(grants);
+        self.demand_changed();
         tokens
     }
 
@@ -214,6 +234,7 @@ impl Broker {
         let pool = &self.pool;
         self.names.retain(|&build, _| pool.builds().any(|b| b.id == build));
         self.route(grants);
+        self.demand_changed();
         reclaimed
     }
 
@@ -222,6 +243,7 @@ impl Broker {
         let old = self.pool.limit();
         let grants = self.pool.set_limit(limit)?;
         self.route(grants);
+        self.demand_changed();
         Ok(old)
     }
 
@@ -269,6 +291,12 @@ impl Broker {
         self.refresh_cap();
     }
 
+    fn demand_changed(&self) {
+        if let Some(GrantHook(hook)) = &self.demand_hook {
+            hook();
+        }
+    }
+
     fn clock(&self) -> Duration {
         self.started.0.elapsed()
     }
@@ -286,7 +314,16 @@ impl Broker {
     /// Sets the pool's admission cap to what the gates allow now, and
     /// delivers any grants a higher cap lets through.
     fn refresh_cap(&mut self) {
-        let cap = self.gates.allowance(self.pool.held(), self.started.0.elapsed());
+        let gates = self.gates.allowance(self.pool.held(), self.started.0.elapsed());
+        if gates != self.gate_allowance {
+            self.gate_allowance = gates;
+            self.demand_changed();
+        }
+        let cluster = self.cluster.as_ref().map(|c| admission_cap(c.held, Contact::from_name(&c.contact)));
+        let cap = match (gates, cluster) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        };
         let grants = self.pool.set_admission_cap(cap);
         self.route(grants);
     }
@@ -390,6 +427,7 @@ impl Broker {
                 clients: self.pool.clients().count() as u64,
             },
             gates,
+            cluster: self.cluster.clone(),
         }
     }
 
@@ -401,6 +439,58 @@ impl Broker {
             threshold: view.threshold,
             closed_since: view.closed_since.map(|d| epoch_seconds(self.started.1 + d)),
         }
+    }
+}
+
+/// What the cluster link (docs/cluster.md) asks of the broker.
+#[cfg(feature = "cluster")]
+impl Broker {
+    /// Joins a cluster pool: no grant until the link holds cluster tokens.
+    pub fn join_cluster(&mut self, config: &Config) {
+        self.cluster = Some(status::Cluster {
+            pool: config.pool.clone(),
+            endpoints: config.endpoints.clone(),
+            limit: config.jobs,
+            held: 0,
+            contact: Contact::Reachable.name().to_string(),
+            brokers: Vec::new(),
+            watch_events: 0,
+        });
+        self.refresh_cap();
+    }
+
+    /// The cluster link holds `held` cluster tokens, as sure as `contact`
+    /// says (docs/cluster.md): grants stop at what that allows. Returns
+    /// the demand under the new cap.
+    pub fn set_cluster_held(&mut self, held: u32, contact: Contact) -> Local {
+        self.tick();
+        if let Some(cluster) = &mut self.cluster {
+            cluster.held = held;
+            cluster.contact = contact.name().to_string();
+        }
+        self.refresh_cap();
+        self.cluster_demand()
+    }
+
+    /// The cluster link received `events` watch events.
+    pub fn note_watch_events(&mut self, events: u64) {
+        if let Some(cluster) = &mut self.cluster {
+            cluster.watch_events += events;
+        }
+    }
+
+    /// What the local pool holds and waits for, for the cluster link.
+    pub fn cluster_demand(&self) -> Local {
+        let held = self.pool.held();
+        let waiting: u32 = self.pool.queue().map(|(_, _, tokens)| tokens).sum();
+        let room = self.gate_allowance.map_or(u32::MAX, |allowed| allowed.saturating_sub(held));
+        Local { held, waiting: waiting.min(room), limit: self.pool.limit() }
+    }
+
+    /// Calls `hook` whenever what the local pool holds or waits for may
+    /// have changed. It runs under the broker lock: it must only wake.
+    pub fn on_demand(&mut self, hook: impl Fn() + Send + Sync + 'static) {
+        self.demand_hook = Some(GrantHook(Box::new(hook)));
     }
 }
 

@@ -17,10 +17,12 @@
 //!   the gates (`baton_core::gates` decides).
 //! - `paths`: the socket's directory, lock and stale-socket checks.
 //! - `activation`: the listening socket systemd passes (socket activation).
+//! - `cluster`: joining a cluster pool in etcd (the `cluster` feature).
 #![deny(missing_docs)]
 
 mod activation;
 mod broker;
+mod cluster;
 mod fuse;
 mod gates;
 mod log;

@@ -7,7 +7,7 @@ use crate::log::LogLevel;
 use baton_core::gates::GateConfig;
 use crate::socket::SocketServer;
 use crate::spin::SpinPolicy;
-use crate::{activation, fuse, log, paths};
+use crate::{activation, cluster, fuse, log, paths};
 use baton_core::idle::IdleTimer;
 use baton_core::paths::{is_chosen_by_baton, private_dir, socket_path};
 use anyhow::{Context, Result};
@@ -44,6 +44,9 @@ pub struct ServeOptions {
     /// Stop after this long with no clients at all (brokers started on
     /// demand); None: serve until stopped.
     pub idle_timeout: Option<Duration>,
+    /// A token pool shared with other brokers through etcd
+    /// (docs/cluster.md); None: this machine's pool only.
+    pub cluster: Option<baton_core::cluster::Config>,
 }
 
 /// Serves until SIGTERM or SIGINT (or, with `idle_timeout`, until nobody
@@ -80,6 +83,8 @@ pub fn serve(opts: ServeOptions) -> Result<()> {
 
     let broker = Arc::new(Mutex::new(Broker::new(opts.jobs)?));
     broker.lock().expect("broker lock").set_gates(opts.gates);
+    // Joined before the socket listens: no grant escapes the cluster's cap.
+    let _cluster = opts.cluster.map(|config| cluster::join(config, &broker)).transpose()?;
     let _sampler = Sampler::spawn(broker.clone(), Probe::new(opts.gates.max_mem_pressure.is_some())).context("cannot start the gates' thread")?;
     // Mounted before the socket listens: whoever finds the broker ready finds
     // its token files too (`baton run --jobserver-style auto`).

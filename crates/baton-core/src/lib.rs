@@ -6,6 +6,7 @@
 //! types, which keeps the invariants testable step by step.
 #![deny(missing_docs)]
 
+pub mod cluster;
 pub mod gates;
 pub mod idle;
 pub mod paths;

@@ -32,6 +32,48 @@ pub struct Status {
     /// empty if none.
     #[serde(default)]
     pub gates: Vec<Gate>,
+    /// The cluster pool the broker is in (docs/cluster.md); absent if none.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cluster: Option<Cluster>,
+}
+
+/// A pool shared with other brokers through etcd.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Cluster {
+    /// The pool's name.
+    pub pool: String,
+    /// The etcd endpoints the broker uses.
+    pub endpoints: Vec<String>,
+    /// Tokens in the pool, across every broker.
+    pub limit: u32,
+    /// Cluster tokens this broker holds.
+    pub held: u32,
+    /// "reachable"; "unreachable" (etcd does not answer, the lease surely
+    /// lives: grants go on within what is held); "lost" (the lease may
+    /// have expired: no grant).
+    pub contact: String,
+    /// Every broker of the pool that holds or waits, as etcd has them.
+    /// The broker sends it empty (it never waits on etcd to answer);
+    /// `baton status` fills it by asking etcd itself.
+    #[serde(default)]
+    pub brokers: Vec<ClusterBroker>,
+    /// Watch events the broker's link has received from etcd: each one
+    /// woke it (`baton bench cluster` counts them per grant).
+    #[serde(default)]
+    pub watch_events: u64,
+}
+
+/// One broker of a cluster pool, as etcd has it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ClusterBroker {
+    /// The machine it runs on.
+    pub host: String,
+    /// Its process id there.
+    pub pid: u32,
+    /// Cluster tokens it holds.
+    pub held: u32,
+    /// Whether it is queued for one more.
+    pub waiting: bool,
 }
 
 /// A gate that holds tokens back while the machine is short of memory or

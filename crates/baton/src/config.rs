@@ -30,6 +30,19 @@ struct FileValues {
     jobs: Option<Spanned<u32>>,
     idle_timeout: Option<Spanned<u64>>,
     weight: Option<Spanned<u32>>,
+    cluster: Option<Spanned<ClusterValues>>,
+}
+
+/// The `[cluster]` table: a pool shared with other brokers through etcd
+/// (docs/cluster.md), as `baton serve --etcd` takes it.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "kebab-case")]
+struct ClusterValues {
+    etcd: Vec<String>,
+    pool: String,
+    jobs: u32,
+    ttl: Option<u64>,
+    linger_ms: Option<u64>,
 }
 
 /// The config file as read (or its absence).
@@ -92,6 +105,11 @@ impl Config {
                 return Err(bad_config(&self.path, &self.text, Some(jobs.span()), &message));
             }
         }
+        if let Some(cluster) = &self.values.cluster {
+            if let Err(message) = check_cluster(cluster.get_ref()) {
+                return Err(bad_config(&self.path, &self.text, Some(cluster.span()), &message));
+            }
+        }
         if let Some(weight) = &self.values.weight {
             if !(1..=MAX_WEIGHT).contains(weight.get_ref()) {
                 let message = format!("weight must be between 1 and {MAX_WEIGHT}");
@@ -127,6 +145,19 @@ impl Config {
     /// A build's share of the pool relative to others (fair shares).
     pub fn weight(&self) -> Setting<u32> {
         self.pick(None, &self.values.weight).unwrap_or(Setting { value: DEFAULT_WEIGHT, source: Source::Default })
+    }
+
+    /// The cluster pool the file's `[cluster]` table names, if any.
+    pub fn cluster(&self) -> Option<baton_core::cluster::Config> {
+        let c = self.values.cluster.as_ref()?.get_ref();
+        Some(baton_core::cluster::Config {
+            endpoints: c.etcd.clone(),
+            pool: c.pool.clone(),
+            jobs: c.jobs,
+            ttl: c.ttl.map_or(baton_core::cluster::DEFAULT_TTL, Duration::from_secs),
+            linger: c.linger_ms.map_or(baton_core::cluster::DEFAULT_LINGER, Duration::from_millis),
+            watch_all: false,
+        })
     }
 
     fn pick<T: Copy>(&self, cli: Option<T>, file: &Option<Spanned<T>>) -> Option<Setting<T>> {
@@ -172,6 +203,23 @@ pub fn describe(config: &Config, autostart: bool) -> String {
             false => format!("{name:<13} {value:<value_width$}  ({from})\n"),
         })
         .collect()
+}
+
+fn check_cluster(c: &ClusterValues) -> Result<(), String> {
+    baton_core::cluster::check_pool_name(&c.pool)?;
+    if c.etcd.is_empty() {
+        return Err("cluster.etcd must name at least one etcd endpoint, e.g. [\"http://127.0.0.1:2379\"]".into());
+    }
+    if !(1..=baton_core::MAX_LIMIT).contains(&c.jobs) {
+        return Err(format!("cluster.jobs must be between 1 and {}", baton_core::MAX_LIMIT));
+    }
+    if c.ttl.is_some_and(|t| !(1..=3600).contains(&t)) {
+        return Err("cluster.ttl must be between 1 and 3600 seconds".into());
+    }
+    if c.linger_ms.is_some_and(|l| l > 60_000) {
+        return Err("cluster.linger-ms must be at most 60000".into());
+    }
+    Ok(())
 }
 
 /// `$XDG_CONFIG_HOME/baton/config.toml`, else `$HOME/.config/baton/config.toml`.
@@ -277,6 +325,25 @@ mod tests {
         assert!(e.starts_with("bad config file /home/u/.config/baton/config.toml, line 1, key jobs: jobs must be between 1 and"), "{e}");
         let e = error("weight = 0\n");
         assert!(e.contains("line 1, key weight: weight must be between 1 and 1000"), "{e}");
+    }
+
+    #[test]
+    fn a_cluster_table_gives_the_pool_with_defaults() {
+        let config = parse("jobs = 4\n[cluster]\netcd = [\"http://127.0.0.1:2379\"]\npool = \"ci\"\njobs = 6\n").unwrap();
+        let cluster = config.cluster().unwrap();
+        assert_eq!((cluster.pool.as_str(), cluster.jobs, cluster.ttl), ("ci", 6, baton_core::cluster::DEFAULT_TTL));
+        assert_eq!(config.jobs(None).value, 4);
+        assert!(parse("").unwrap().cluster().is_none());
+    }
+
+    #[test]
+    fn a_bad_cluster_table_names_what_is_wrong() {
+        let e = error("[cluster]\netcd = []\npool = \"ci\"\njobs = 6\n");
+        assert!(e.contains("at least one etcd endpoint"), "{e}");
+        let e = error("[cluster]\netcd = [\"http://e:2379\"]\npool = \"a/b\"\njobs = 6\n");
+        assert!(e.contains("cluster pool name"), "{e}");
+        let e = error("[cluster]\netcd = [\"http://e:2379\"]\npool = \"ci\"\n");
+        assert!(e.contains("missing field `jobs`"), "{e}");
     }
 
     #[test]

@@ -97,6 +97,8 @@ enum Cmd {
         /// `ERR full`. Each costs the broker a file descriptor.
         #[arg(long, value_name = "N", default_value_t = baton_broker::MAX_CLIENTS, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=1_000_000))]
         max_clients: usize,
+        #[command(flatten)]
+        cluster: ClusterArgs,
     },
     /// Run CMD holding tokens from the broker, with a GNU jobserver (MAKEFLAGS)
     /// fed from the pool; every token goes back when CMD ends.
@@ -186,6 +188,45 @@ the socket). BATON_NO_AUTOSTART=1 turns that off."
     Man,
 }
 
+/// A pool shared with other brokers through etcd (docs/cluster.md).
+#[derive(clap::Args, Debug)]
+#[command(next_help_heading = "Cluster pool: one limit across machines, kept in etcd (docs/cluster.md)")]
+struct ClusterArgs {
+    /// Join a cluster pool kept in etcd at these endpoints: every job
+    /// then needs a cluster token too [default: the config file's
+    /// [cluster], when --jobs is not given].
+    #[arg(long, value_name = "URL[,URL...]", value_delimiter = ',', requires_all = ["cluster_pool", "cluster_jobs"])]
+    etcd: Vec<String>,
+    /// The cluster pool's name; brokers with the same name share its limit.
+    #[arg(long, value_name = "NAME", requires = "etcd", value_parser = parse_pool_name)]
+    cluster_pool: Option<String>,
+    /// Tokens in the cluster pool, across every broker of the pool.
+    #[arg(long, value_name = "N", requires = "etcd", value_parser = clap::value_parser!(u32).range(1..=i64::from(baton_core::MAX_LIMIT)))]
+    cluster_jobs: Option<u32>,
+    /// How long after this broker dies its cluster tokens come back.
+    #[arg(long, value_name = "SECS", default_value_t = baton_core::cluster::DEFAULT_TTL.as_secs(), value_parser = clap::value_parser!(u64).range(1..=3600))]
+    cluster_ttl: u64,
+    /// How long spare cluster tokens are kept for builds here that ask
+    /// again, while no other broker waits.
+    #[arg(long, value_name = "MS", default_value_t = baton_core::cluster::DEFAULT_LINGER.as_millis() as u64, value_parser = clap::value_parser!(u64).range(0..=60_000))]
+    cluster_linger_ms: u64,
+    /// Benchmark control: waiting brokers all watch every token slot
+    /// instead of queueing (the herd the queue avoids).
+    #[arg(long, hide = true, requires = "etcd")]
+    cluster_watch_all: bool,
+}
+
+impl ClusterArgs {
+    fn config(self) -> Option<baton_core::cluster::Config> {
+        let (pool, jobs) = (self.cluster_pool?, self.cluster_jobs?);
+        Some(baton_core::cluster::Config { endpoints: self.etcd, pool, jobs, ttl: Duration::from_secs(self.cluster_ttl), linger: Duration::from_millis(self.cluster_linger_ms), watch_all: self.cluster_watch_all })
+    }
+}
+
+fn parse_pool_name(text: &str) -> Result<String, String> {
+    baton_core::cluster::check_pool_name(text).map(|()| text.to_string())
+}
+
 /// The gates (docs/adaptive.md). In `baton limit`, `off` removes one.
 #[derive(clap::Args, Debug, Default)]
 #[command(next_help_heading = "Gates: hold new tokens back while the machine is short (docs/adaptive.md)")]
@@ -257,7 +298,7 @@ fn main() -> ExitCode {
 
 fn dispatch(command: Cmd) -> anyhow::Result<u8> {
     match command {
-        Cmd::Serve { jobs, socket, verbose, quiet, no_fuse, fuse_notify_all, spin_us, no_io_uring, gates, mem_settle, idle_timeout, max_clients } => {
+        Cmd::Serve { jobs, socket, verbose, quiet, no_fuse, fuse_notify_all, spin_us, no_io_uring, gates, mem_settle, idle_timeout, max_clients, cluster } => {
             let log_level = if quiet { LogLevel::Warn } else if verbose { LogLevel::Debug } else { LogLevel::Info };
             let fuse = match (no_fuse, fuse_notify_all) {
                 (true, _) => None,
@@ -267,12 +308,11 @@ fn dispatch(command: Cmd) -> anyhow::Result<u8> {
             let gates = GateConfig { settle: Duration::from_millis(mem_settle), ..gates.config()? };
             // The file is read only when it is needed: a broker started as
             // another user need not be able to read the caller's home.
-            let jobs = match jobs {
-                Some(jobs) => jobs,
-                None => Config::load()?.jobs(None).value,
-            };
+            let file = if jobs.is_none() { Some(Config::load()?) } else { None };
+            let jobs = jobs.unwrap_or_else(|| file.as_ref().expect("read when --jobs is not given").jobs(None).value);
+            let cluster = cluster.config().or_else(|| file.as_ref().and_then(Config::cluster));
             let idle_timeout = idle_timeout.map(Duration::from_secs);
-            baton_broker::serve(ServeOptions { jobs, socket, fuse, spin_us, io_uring: !no_io_uring, log_level, gates, idle_timeout, max_clients })?;
+            baton_broker::serve(ServeOptions { jobs, socket, fuse, spin_us, io_uring: !no_io_uring, log_level, gates, idle_timeout, max_clients, cluster })?;
         }
         Cmd::Run { socket, tokens, jobserver_style, max, explain, name, weight, command } => {
             // Read once, and only where needed: to start a broker, or for
@@ -320,6 +360,9 @@ fn autostart(socket: Option<&Path>, config: &Config) -> anyhow::Result<Autostart
     if let Some(timeout) = config.idle_duration() {
         args.extend(["--idle-timeout".into(), timeout.as_secs().to_string().into()]);
     }
+    if let Some(cluster) = config.cluster() {
+        args.extend(cluster_options(&cluster).into_iter().map(OsString::from));
+    }
     // Without --socket the broker finds the same path as we do (the
     // environment is the same) and may make its default directory private.
     if let Some(socket) = socket {
@@ -327,6 +370,17 @@ fn autostart(socket: Option<&Path>, config: &Config) -> anyhow::Result<Autostart
         args.extend(["--socket".into(), std::path::absolute(socket)?.into_os_string()]);
     }
     Ok(Autostart { program: std::env::current_exe()?, args })
+}
+
+/// The options of `baton serve` that join `cluster`.
+fn cluster_options(cluster: &baton_core::cluster::Config) -> Vec<String> {
+    vec![
+        format!("--etcd={}", cluster.endpoints.join(",")),
+        format!("--cluster-pool={}", cluster.pool),
+        format!("--cluster-jobs={}", cluster.jobs),
+        format!("--cluster-ttl={}", cluster.ttl.as_secs()),
+        format!("--cluster-linger-ms={}", cluster.linger.as_millis()),
+    ]
 }
 
 /// BATON_NO_AUTOSTART set to anything but "" or "0" turns auto-start off.

@@ -6,13 +6,31 @@ use std::path::Path;
 use std::time::{SystemTime, UNIX_EPOCH};
 
 pub fn print_status(socket: &Path, json: bool) -> Result<()> {
-    let status = Client::connect(socket, "baton status")?.status()?;
+    let mut status = Client::connect(socket, "baton status")?.status()?;
+    if let Some(cluster) = &mut status.cluster {
+        survey(cluster);
+    }
     if json {
         println!("{}", serde_json::to_string_pretty(&status)?);
     } else {
         print!("{}", render(&status, now()));
     }
     Ok(())
+}
+
+/// Fills in the cluster pool's brokers from etcd; says so on stderr if
+/// etcd does not answer (the broker's own figures still print).
+#[cfg(feature = "cluster")]
+fn survey(cluster: &mut baton_core::status::Cluster) {
+    match baton_cluster::survey(&cluster.endpoints, &cluster.pool) {
+        Ok(brokers) => cluster.brokers = brokers,
+        Err(e) => eprintln!("baton: cannot ask etcd who holds cluster pool {}: {e:#} (the broker's own figures follow)", cluster.pool),
+    }
+}
+
+#[cfg(not(feature = "cluster"))]
+fn survey(cluster: &mut baton_core::status::Cluster) {
+    eprintln!("baton: this baton was built without cluster pools: the other brokers of pool {} are not shown", cluster.pool);
 }
 
 /// `baton limit`: the gates first, then the limit, each change printed.
@@ -89,7 +107,31 @@ fn render(s: &Status, now: f64) -> String {
     rows("HOLDERS", s.holders.iter().map(|h| (h.pid, h.tokens, h.since, h.transport.as_str(), h.command.as_str())).collect(), &mut out);
     rows("WAITERS", s.waiters.iter().map(|w| (w.pid, w.tokens, w.since, w.transport.as_str(), w.command.as_str())).collect(), &mut out);
     render_builds(s, &mut out);
+    if let Some(cluster) = &s.cluster {
+        render_cluster(cluster, &mut out);
+    }
     out
+}
+
+/// The cluster pool: what this broker holds, and who else holds or waits.
+fn render_cluster(c: &baton_core::status::Cluster, out: &mut String) {
+    let elsewhere: u32 = c.brokers.iter().map(|b| b.held).sum::<u32>().saturating_sub(c.held);
+    let waiting = c.brokers.iter().filter(|b| b.waiting).count();
+    out.push_str(&format!(
+        "\nCLUSTER {}  limit {}  held here {}  elsewhere {elsewhere}  brokers waiting {waiting}  etcd {} ({})\n",
+        c.pool,
+        c.limit,
+        c.held,
+        c.contact,
+        c.endpoints.join(",")
+    ));
+    if c.brokers.is_empty() {
+        return;
+    }
+    out.push_str(&format!("{:<20} {:>8} {:>6} WAITING\n", "HOST", "PID", "HELD"));
+    for b in &c.brokers {
+        out.push_str(&format!("{:<20} {:>8} {:>6} {}\n", b.host, b.pid, b.held, if b.waiting { "yes" } else { "no" }));
+    }
 }
 
 /// Builds that hold or wait for tokens, with their use of the pool so far.

@@ -405,3 +405,19 @@ fn a_long_broker_log_is_moved_aside_when_the_next_broker_starts() {
     let _broker = Started { pid: pids[0] };
     assert_eq!(std::fs::read_to_string(log.with_extension("log.old")).unwrap(), old);
 }
+
+#[test]
+fn a_cluster_table_joins_the_brokers_baton_run_starts() {
+    let etcd_dir = TempDir::new("etcd");
+    let etcd = baton_bench::etcd::Etcd::start(1, etcd_dir.path()).unwrap();
+    let home = Home::new("cluster");
+    home.write_config(&format!("jobs = 2\nidle-timeout = 1\n\n[cluster]\netcd = [\"{}\"]\npool = \"from-file\"\njobs = 3\n", etcd.endpoints()));
+    let out = home.baton(&["run", "--", "true"]).output().unwrap();
+    assert!(out.status.success(), "{}", stderr(&out));
+    let pids = home.brokers_started();
+    assert_eq!(pids.len(), 1, "broker log:\n{}", home.broker_log());
+    let _broker = Started { pid: pids[0] };
+    assert!(home.broker_log().contains("cluster pool from-file: 3 tokens across every broker"), "{}", home.broker_log());
+    let limit = etcd.etcdctl(&["get", "--print-value-only", "/baton/from-file/limit"]).unwrap();
+    assert_eq!(String::from_utf8_lossy(&limit.stdout).trim(), "3");
+}

@@ -5,6 +5,7 @@ mod blocking_vs_polling;
 mod broadcast;
 mod builds;
 mod bulk_wake;
+mod cluster;
 mod job_runners;
 mod mass_poll;
 mod token_ring;
@@ -38,6 +39,10 @@ pub enum Scenario {
     /// Seed 003 on real bmake: a `make universe`-shaped tree and a flat one,
     /// bmake's own -jN against baton run, at -j96 and 4 × CPUs.
     Universe,
+    /// 1, 10 and 100 brokers on one cluster pool in a real etcd: the queue
+    /// beside every broker watching every token (grants/s, latency, watch
+    /// events per grant).
+    Cluster,
 }
 
 impl Scenario {
@@ -50,6 +55,7 @@ impl Scenario {
             Scenario::Broadcast => "broadcast",
             Scenario::Builds => "builds",
             Scenario::Universe => "universe",
+            Scenario::Cluster => "cluster",
         }
     }
 
@@ -62,6 +68,7 @@ impl Scenario {
             Scenario::Broadcast => broadcast::DEFAULTS,
             Scenario::Builds => builds::DEFAULTS,
             Scenario::Universe => universe::DEFAULTS,
+            Scenario::Cluster => cluster::DEFAULTS,
         }
     }
 }
@@ -164,6 +171,7 @@ pub fn run(args: &BenchArgs, baton_bin: PathBuf) -> Result<Report> {
         Scenario::Broadcast => broadcast::run(&bench, &scale)?,
         Scenario::Builds => builds::run(&bench, &scale)?,
         Scenario::Universe => universe::run(&bench, &scale)?,
+        Scenario::Cluster => cluster::run(&bench, &scale)?,
     };
     let parameters = match serde_json::to_value(&scale)? {
         Value::Object(map) => map,
