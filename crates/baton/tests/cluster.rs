@@ -3,7 +3,9 @@
 //! loopback ports in a temporary directory and ended by pid: brokers that
 //! share a pool never hold more than its limit together, a broker killed
 //! with SIGKILL gives its tokens back through its lease, and an etcd that
-//! goes away and comes back neither creates nor loses a token.
+//! goes away and comes back neither creates nor loses a token. Built with
+//! the `cluster` feature only (scripts/test turns it on).
+#![cfg(feature = "cluster")]
 
 mod common;
 

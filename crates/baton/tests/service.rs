@@ -406,6 +406,7 @@ fn a_long_broker_log_is_moved_aside_when_the_next_broker_starts() {
     assert_eq!(std::fs::read_to_string(log.with_extension("log.old")).unwrap(), old);
 }
 
+#[cfg(feature = "cluster")]
 #[test]
 fn a_cluster_table_joins_the_brokers_baton_run_starts() {
     let etcd_dir = TempDir::new("etcd");
