@@ -8,6 +8,7 @@
 
 pub mod gates;
 pub mod idle;
+pub mod metrics;
 pub mod paths;
 mod pool;
 pub mod protocol;
