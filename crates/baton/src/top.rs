@@ -275,7 +275,7 @@ impl Top {
                 show_seconds(now - b.since),
             ])
         });
-        let widths = [Constraint::Fill(1), Constraint::Length(6), Constraint::Length(6), Constraint::Length(7), Constraint::Length(8), Constraint::Length(9), Constraint::Length(9), Constraint::Length(9)];
+        let widths = [Constraint::Min(8), Constraint::Length(6), Constraint::Length(6), Constraint::Length(7), Constraint::Length(8), Constraint::Length(9), Constraint::Length(9), Constraint::Length(9)];
         let table = Table::new(body, widths)
             .header(header)
             .block(Block::bordered().title(" builds "))
