@@ -322,7 +322,8 @@ fn the_broker_stays_under_20_mb_with_a_thousand_clients() {
         std::thread::sleep(Duration::from_secs(1));
     }
     let s = broker.status();
-    assert_eq!((s.totals.clients, s.builds.len()), (1001, 1001), "the clients and the status client, each a build");
+    // An earlier status client's close may still be on its way: count ours.
+    assert_eq!(s.builds.iter().filter(|b| b.name.starts_with("client ")).count(), 1000, "each client a build of its own");
     assert!(s.utilization.held.len() as u64 >= hold_for.as_secs().min(600), "the ring has the run's seconds");
     let (rss, peak) = rss_kib(broker.pid());
     eprintln!("broker with 1000 clients, {} s of history ({} s run): VmRSS {rss} KiB, VmHWM {peak} KiB", s.utilization.held.len(), start.elapsed().as_secs());
