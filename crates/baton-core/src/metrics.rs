@@ -157,11 +157,6 @@ impl Utilization {
         upto.advance(now, held);
         upto.slots.into()
     }
-
-    /// The width of a slot.
-    pub fn width(&self) -> u64 {
-        self.width
-    }
 }
 
 #[cfg(test)]
