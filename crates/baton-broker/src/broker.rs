@@ -10,6 +10,7 @@ use baton_core::cluster::{admission_cap, Contact};
 #[cfg(feature = "cluster")]
 use baton_core::cluster::{Config, Local};
 use baton_core::gates::{GateConfig, Gates, Reading};
+use baton_core::metrics::{Histogram, Utilization};
 use baton_core::status::{self, Status};
 use baton_core::{Acquired, BuildId, ClientId, Grant, Pool, PoolError, Tag};
 use std::collections::HashMap;
@@ -51,6 +52,20 @@ impl ClientMeta {
     }
 }
 
+/// What status reports about a build beyond the pool's books.
+#[derive(Debug, Clone)]
+struct BuildStats {
+    began: SystemTime,
+    /// How long each of its ACQUIREs waited, in microseconds (0: granted
+    /// at once); 2.4 KB from its first ACQUIRE on, whatever the count.
+    waits: Histogram,
+}
+
+/// The utilization history: the mean tokens held in each second of the
+/// last ten minutes (600 × 4 bytes).
+const HISTORY_SLOT: Duration = Duration::from_secs(1);
+const HISTORY_SLOTS: usize = 600;
+
 /// Tells a transport's thread that grants wait for it (see [`Broker::on_grants`]).
 pub struct GrantHook(Box<dyn Fn() + Send + Sync>);
 
@@ -82,6 +97,10 @@ pub struct Broker {
     /// What the gates allowed at the last look: the cluster link takes no
     /// token for a request the gates hold back.
     gate_allowance: Option<u32>,
+    /// Every build's start and wait times.
+    stats: HashMap<BuildId, BuildStats>,
+    /// Tokens held over the last minutes, on the pool's clock.
+    utilization: Utilization,
     /// The pool's clock and the gates' start here (see [`Pool::advance`]),
     /// with the wall-clock time that instant was.
     started: (Instant, SystemTime),
@@ -99,6 +118,8 @@ impl Broker {
             cluster: None,
             demand_hook: None,
             gate_allowance: None,
+            stats: HashMap::new(),
+            utilization: Utilization::new(HISTORY_SLOT.as_nanos() as u64, HISTORY_SLOTS),
             started: (Instant::now(), SystemTime::now()),
         })
     }
@@ -106,7 +127,9 @@ impl Broker {
     /// Brings the pool's clock to now, so that what each build held
     /// meanwhile counts towards its share. Called before every change.
     fn tick(&mut self) {
-        self.pool.advance(self.started.0.elapsed().as_nanos() as u64);
+        let now = self.started.0.elapsed().as_nanos() as u64;
+        self.pool.advance(now);
+        self.utilization.advance(now, self.pool.held());
     }
 
     /// Calls `hook` whenever a call files grants for `transport`, so that
@@ -130,10 +153,13 @@ impl Broker {
         } else {
             crate::fuse::procs::ancestors(meta.pid).find_map(|pid| self.roots.get(&pid).copied())
         };
-        match root {
+        let id = match root {
             Some(root) => self.pool.connect_beside(root, meta),
             None => self.pool.connect(meta),
-        }
+        };
+        let build = self.pool.build_of(id).expect("just connected");
+        self.stats.entry(build).or_insert_with(|| BuildStats { began: SystemTime::now(), waits: Histogram::default() });
+        id
     }
 
     /// The client starts a build (`baton run`): processes under it join
@@ -177,6 +203,7 @@ impl Broker {
             Acquired::Granted => {
                 Self::note_holding(meta);
                 self.note_granted(tokens);
+                self.note_wait(id, Duration::ZERO);
             }
             Acquired::Queued => {
                 meta.waiting_since.insert(tag, SystemTime::now());
@@ -230,9 +257,13 @@ impl Broker {
     pub fn disconnect(&mut self, id: ClientId) -> u32 {
         self.tick();
         self.roots.retain(|_, &mut root| root != id);
+        let build = self.pool.build_of(id);
         let (reclaimed, grants) = self.pool.disconnect(id);
         let pool = &self.pool;
         self.names.retain(|&build, _| pool.builds().any(|b| b.id == build));
+        if let Some(build) = build.filter(|&build| !pool.builds().any(|b| b.id == build)) {
+            self.stats.remove(&build);
+        }
         self.route(grants);
         self.demand_changed();
         reclaimed
@@ -337,17 +368,29 @@ impl Broker {
         self.note_granted(granted);
     }
 
+    /// Counts how long one of the client's ACQUIREs waited.
+    fn note_wait(&mut self, id: ClientId, waited: Duration) {
+        let build = self.pool.build_of(id).expect("the client is connected");
+        if let Some(stats) = self.stats.get_mut(&build) {
+            stats.waits.record(waited.as_micros() as u64);
+        }
+    }
+
     /// Files each grant under its client's transport and wakes those.
     fn file(&mut self, grants: Vec<Grant>) {
         let now = SystemTime::now();
         let mut woken = Vec::new();
         for grant in grants {
             let meta = self.pool.meta_mut(grant.client).expect("grants go to connected clients");
-            meta.waiting_since.remove(&grant.tag);
+            let since = meta.waiting_since.remove(&grant.tag);
             meta.holding_since.get_or_insert(now);
-            self.undelivered.entry(meta.transport).or_default().push(grant);
-            if !woken.contains(&meta.transport) {
-                woken.push(meta.transport);
+            let transport = meta.transport;
+            if let Some(since) = since {
+                self.note_wait(grant.client, now.duration_since(since).unwrap_or_default());
+            }
+            self.undelivered.entry(transport).or_default().push(grant);
+            if !woken.contains(&transport) {
+                woken.push(transport);
             }
         }
         for transport in woken {
@@ -357,26 +400,47 @@ impl Broker {
         }
     }
 
-    /// Every build, for status.
+    /// Every build, for status. One pass over the clients, whatever the
+    /// number of builds: a broker may have a thousand single-client ones.
     fn builds(&self) -> Vec<status::Build> {
+        let mut first: HashMap<BuildId, &ClientMeta> = HashMap::new();
+        for c in self.pool.clients() {
+            first.entry(c.build).or_insert(c.meta);
+        }
+        let roots: HashMap<BuildId, &ClientMeta> =
+            self.roots.values().filter_map(|&root| Some((self.pool.build_of(root)?, self.pool.meta(root)?))).collect();
         self.pool
             .builds()
             .map(|b| {
-                let first = self.pool.clients().find(|c| c.build == b.id);
-                let root = self.roots.values().find(|&&root| self.pool.build_of(root) == Some(b.id));
-                let pid = root.and_then(|&r| self.pool.meta(r)).or(first.as_ref().map(|c| c.meta)).map_or(0, |m| m.pid);
-                let name = self.names.get(&b.id).cloned().or_else(|| first.map(|c| c.meta.command.clone())).unwrap_or_default();
+                let starter = roots.get(&b.id).or(first.get(&b.id));
+                let name = self.names.get(&b.id).cloned().or_else(|| first.get(&b.id).map(|m| m.command.clone())).unwrap_or_default();
+                let stats = self.stats.get(&b.id);
+                let waits = stats.map(|s| &s.waits);
+                let ms = |micros: u64| micros as f64 / 1000.0;
                 status::Build {
+                    id: b.id.0,
                     name,
-                    pid,
+                    pid: starter.map_or(0, |m| m.pid),
                     weight: b.weight,
                     held: b.held,
                     waiting: b.waiting,
                     grants: b.granted,
                     token_seconds: b.token_time as f64 / 1e9,
+                    since: stats.map_or(0.0, |s| epoch_seconds(s.began)),
+                    waits: waits.map_or(0, Histogram::count),
+                    wait_ms_total: waits.map_or(0.0, |w| ms(w.sum())),
+                    wait_ms_p50: waits.and_then(|w| w.percentile(0.5)).map(ms),
+                    wait_ms_p99: waits.and_then(|w| w.percentile(0.99)).map(ms),
                 }
             })
             .collect()
+    }
+
+    /// The mean tokens held in each second of the last ten minutes.
+    fn utilization(&self) -> status::Utilization {
+        let now = self.started.0.elapsed().as_nanos() as u64;
+        let held = self.utilization.samples(now, self.pool.held()).into_iter().map(|m| (f64::from(m) * 100.0).round() / 100.0).collect();
+        status::Utilization { interval_s: HISTORY_SLOT.as_secs_f64(), held }
     }
 
     /// The document `STATUS` returns.
@@ -391,6 +455,7 @@ impl Broker {
                 tokens: c.held,
                 since: epoch_seconds(c.meta.holding_since.unwrap_or(SystemTime::now())),
                 transport: c.meta.transport.name().to_string(),
+                build: c.build.0,
             })
             .collect();
         holders.sort_by(|a, b| a.since.total_cmp(&b.since));
@@ -405,6 +470,7 @@ impl Broker {
                     tokens,
                     since: epoch_seconds(meta.waiting_since.get(&tag).copied().unwrap_or(SystemTime::now())),
                     transport: meta.transport.name().to_string(),
+                    build: self.pool.build_of(id).map_or(0, |b| b.0),
                 }
             })
             .collect();
@@ -428,6 +494,7 @@ impl Broker {
             },
             gates,
             cluster: self.cluster.clone(),
+            utilization: self.utilization(),
         }
     }
 

@@ -42,6 +42,12 @@ pub const MAX_CLIENTS: usize = 60_000;
 /// Replies sent in the system call that sleeps; more go out by plain writes
 /// first (a burst, such as a raised limit waking many clients at once).
 const SEND_BATCH: u32 = 63;
+/// Output longer than this (a STATUS listing a thousand clients) is
+/// written before the loop sleeps, not sent by io_uring in the same call
+/// as the sleep: a send that fills the socket leaves the rest for a
+/// WRITABLE event, and the sleep in that call could not wait for one.
+/// Grants and other one-line replies are far shorter.
+const SEND_WITH_SLEEP_MAX: usize = 4096;
 
 struct Conn {
     stream: UnixStream,
@@ -170,8 +176,10 @@ impl SocketServer {
         let batch = self.sender.as_ref().expect("output is held only with a sender").batch();
         // More than a batch (a raised limit waking many): the first go out
         // by plain writes.
-        let early = self.unsent.len().saturating_sub(batch);
-        let held: Vec<Token> = self.unsent.drain(..).collect();
+        let conns = &self.conns;
+        let (long, held): (Vec<Token>, Vec<Token>) = self.unsent.drain(..).partition(|token| conns.get(token).is_some_and(|c| c.outbuf.len() > SEND_WITH_SLEEP_MAX));
+        self.write_held(long);
+        let early = held.len().saturating_sub(batch);
         let (early, last) = held.split_at(early);
         self.write_held(early.iter().copied());
         let last: Vec<Token> = last.iter().copied().filter(|token| self.conns.contains_key(token)).collect();

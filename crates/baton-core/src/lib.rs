@@ -9,6 +9,7 @@
 pub mod cluster;
 pub mod gates;
 pub mod idle;
+pub mod metrics;
 pub mod paths;
 mod pool;
 pub mod protocol;

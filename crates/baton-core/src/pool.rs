@@ -165,6 +165,9 @@ pub struct BuildView {
 pub struct Pool<M> {
     limit: u32,
     free: u32,
+    /// Tokens held over all clients, kept in step so that reading it costs
+    /// nothing (the broker reads it at every change).
+    held: u32,
     clients: BTreeMap<ClientId, Client<M>>,
     queue: VecDeque<Waiter>,
     next_id: u64,
@@ -183,6 +186,7 @@ impl<M> Pool<M> {
         Ok(Pool {
             limit,
             free: limit,
+            held: 0,
             clients: BTreeMap::new(),
             queue: VecDeque::new(),
             next_id: 1,
@@ -205,7 +209,7 @@ impl<M> Pool<M> {
 
     /// Tokens held by all clients together.
     pub fn held(&self) -> u32 {
-        self.clients.values().map(|c| c.held).sum()
+        self.held
     }
 
     /// Running totals since the pool was made.
@@ -350,6 +354,7 @@ impl<M> Pool<M> {
             return Err(PoolError::OverRelease { asked: tokens, held: client.held });
         }
         client.held -= tokens;
+        self.held -= tokens;
         self.shares.get_mut(client.build).held -= tokens;
         self.totals.released += u64::from(tokens);
         self.put_back(tokens);
@@ -377,6 +382,7 @@ impl<M> Pool<M> {
             self.remove_waiter(pos);
         }
         self.shares.get_mut(client.build).held -= client.held;
+        self.held -= client.held;
         self.shares.leave(client.build);
         self.totals.reclaimed += u64::from(client.held);
         self.put_back(client.held);
@@ -431,6 +437,7 @@ impl<M> Pool<M> {
     /// Cheap enough for tests after every step, not meant for production.
     pub fn assert_invariants(&self) {
         let held = self.held();
+        assert_eq!(held, self.clients.values().map(|c| c.held).sum::<u32>(), "the pool holds what its clients hold");
         if held <= self.limit {
             assert_eq!(self.free + held, self.limit, "free + held must equal the limit");
         } else {
@@ -478,6 +485,7 @@ impl<M> Pool<M> {
         self.free -= tokens;
         let client = self.clients.get_mut(&id).expect("caller checked the client");
         client.held += tokens;
+        self.held += tokens;
         let build = self.shares.get_mut(client.build);
         build.held += tokens;
         build.granted += u64::from(tokens);

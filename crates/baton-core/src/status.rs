@@ -35,6 +35,10 @@ pub struct Status {
     /// The cluster pool the broker is in (docs/cluster.md); absent if none.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cluster: Option<Cluster>,
+    /// Tokens held over the last minutes. Absent from brokers that
+    /// predate it.
+    #[serde(default)]
+    pub utilization: Utilization,
 }
 
 /// A pool shared with other brokers through etcd.
@@ -76,6 +80,16 @@ pub struct ClusterBroker {
     pub waiting: bool,
 }
 
+/// The pool's use over time: the mean tokens held in each interval.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct Utilization {
+    /// The length of an interval, in seconds.
+    pub interval_s: f64,
+    /// Mean tokens held in each completed interval, oldest first; at most
+    /// ten minutes' worth.
+    pub held: Vec<f64>,
+}
+
 /// A gate that holds tokens back while the machine is short of memory or
 /// CPU.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -108,6 +122,9 @@ pub struct Holder {
     pub since: f64,
     /// Which way it came in: "socket", "jobserver" or "fuse".
     pub transport: String,
+    /// The `id` of its build.
+    #[serde(default)]
+    pub build: u64,
 }
 
 /// A request waiting for tokens.
@@ -123,11 +140,18 @@ pub struct Waiter {
     pub since: f64,
     /// Which way it came in.
     pub transport: String,
+    /// The `id` of its build.
+    #[serde(default)]
+    pub build: u64,
 }
 
 /// A build and its use of the pool.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Build {
+    /// Identifies it among the builds of this broker (holders and waiters
+    /// name it).
+    #[serde(default)]
+    pub id: u64,
     /// Its name (`baton run --name`), or its first client's label.
     pub name: String,
     /// Process id of the client that started it.
@@ -142,6 +166,23 @@ pub struct Build {
     pub grants: u64,
     /// Tokens held × seconds, so far: its use of the pool.
     pub token_seconds: f64,
+    /// When it began: seconds since the Unix epoch.
+    #[serde(default)]
+    pub since: f64,
+    /// Its ACQUIREs answered so far (TRY does not wait, and is not counted).
+    #[serde(default)]
+    pub waits: u64,
+    /// How long they waited in all, in milliseconds.
+    #[serde(default)]
+    pub wait_ms_total: f64,
+    /// Half of them waited at most this long, in milliseconds (0: granted
+    /// at once); null before the first. Read from buckets 1/8 wide: at
+    /// most 12.5% above the true figure.
+    #[serde(default)]
+    pub wait_ms_p50: Option<f64>,
+    /// 99% of them waited at most this long, likewise.
+    #[serde(default)]
+    pub wait_ms_p99: Option<f64>,
 }
 
 /// Counters since the broker started.

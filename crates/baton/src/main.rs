@@ -10,8 +10,10 @@
 //! bridge `baton-jobserver`, the experiments `baton-bench` (ARCHITECTURE.md).
 
 mod config;
+mod prometheus;
 mod shell_init;
 mod status;
+mod top;
 
 use baton_broker::{FuseMode, LogLevel, ServeOptions};
 use baton_core::gates::GateConfig;
@@ -148,6 +150,18 @@ the socket). BATON_NO_AUTOSTART=1 turns that off."
         /// Print one JSON document (fields in docs/protocol.md).
         #[arg(long)]
         json: bool,
+        /// Print the figures in the Prometheus text format, for
+        /// node_exporter's textfile collector (docs/metrics.md).
+        #[arg(long, conflicts_with = "json")]
+        prometheus: bool,
+    },
+    /// Watch the builds live: who holds how many tokens, who waits and for
+    /// how long, and the pool's use over the last minutes. Keys: q quits,
+    /// +/- change the limit, arrows select a build, s sorts, ? helps.
+    Top {
+        /// Socket of the broker.
+        #[arg(long, value_name = "PATH")]
+        socket: Option<PathBuf>,
     },
     /// Change the limit or the gates of a running broker. Raising the limit
     /// by K wakes exactly K waiters; lowering it retires tokens as their
@@ -323,7 +337,8 @@ fn dispatch(command: Cmd) -> anyhow::Result<u8> {
             let code = baton_jobserver::run(RunOptions { socket, tokens, max, style: jobserver_style, name, weight, command, explain, autostart })?;
             return Ok(u8::try_from(code).unwrap_or(1));
         }
-        Cmd::Status { socket, json } => status::print_status(&socket_path(socket), json)?,
+        Cmd::Status { socket, json, prometheus } => status::print_status(&socket_path(socket), json, prometheus)?,
+        Cmd::Top { socket } => top::run(&socket_path(socket))?,
         Cmd::Limit { jobs, socket, gates } => status::set_limit(&socket_path(socket), jobs, &gates.settings())?,
         Cmd::Bench(args) => baton_bench::run(args)?,
         Cmd::Config => emit(config::describe(&Config::load()?, autostart_enabled()).as_bytes())?,

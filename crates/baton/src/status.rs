@@ -5,13 +5,15 @@ use baton_client::{Client, Status};
 use std::path::Path;
 use std::time::{SystemTime, UNIX_EPOCH};
 
-pub fn print_status(socket: &Path, json: bool) -> Result<()> {
+pub fn print_status(socket: &Path, json: bool, prometheus: bool) -> Result<()> {
     let mut status = Client::connect(socket, "baton status")?.status()?;
     if let Some(cluster) = &mut status.cluster {
         survey(cluster);
     }
     if json {
         println!("{}", serde_json::to_string_pretty(&status)?);
+    } else if prometheus {
+        print!("{}", crate::prometheus::render(&status));
     } else {
         print!("{}", render(&status, now()));
     }

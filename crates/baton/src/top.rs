@@ -1,0 +1,434 @@
+//! `baton top`: the broker's builds live, drawn with ratatui on its
+//! crossterm backend. It asks for STATUS four times a second over one
+//! connection (a few kilobytes of JSON for a machine's worth of builds;
+//! about 300 KB for a thousand clients), and reconnects when the broker
+//! goes away and comes back.
+
+use anyhow::{bail, Result};
+use baton_client::{Client, Status};
+use baton_core::status::Build;
+use ratatui::crossterm::event::{self, Event, KeyCode, KeyEvent, KeyEventKind, KeyModifiers};
+use ratatui::layout::{Constraint, Layout, Rect};
+use ratatui::style::{Color, Modifier, Style, Stylize};
+use ratatui::text::Line;
+use ratatui::widgets::{Block, Clear, Paragraph, Row, Sparkline, Table, TableState};
+use ratatui::{DefaultTerminal, Frame};
+use std::io::IsTerminal;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+/// How often the view asks the broker.
+const REFRESH: Duration = Duration::from_millis(250);
+
+pub fn run(socket: &Path) -> Result<()> {
+    if !std::io::stdout().is_terminal() || !std::io::stdin().is_terminal() {
+        bail!("top needs a terminal (in a script, use: baton status --json, or baton status --prometheus)");
+    }
+    let mut terminal = ratatui::try_init()?;
+    let result = Top::new(socket).run(&mut terminal);
+    ratatui::restore();
+    result
+}
+
+/// The columns builds can be sorted by, in the order `s` steps through.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Sort {
+    Held,
+    Waiting,
+    Name,
+    Weight,
+    Grants,
+    WaitP50,
+    WaitP99,
+    Running,
+}
+
+impl Sort {
+    const ALL: [Sort; 8] = [Sort::Held, Sort::Waiting, Sort::Name, Sort::Weight, Sort::Grants, Sort::WaitP50, Sort::WaitP99, Sort::Running];
+
+    fn next(self) -> Sort {
+        let i = Sort::ALL.iter().position(|&s| s == self).expect("listed");
+        Sort::ALL[(i + 1) % Sort::ALL.len()]
+    }
+
+    fn name(self) -> &'static str {
+        match self {
+            Sort::Held => "held",
+            Sort::Waiting => "waiting",
+            Sort::Name => "name",
+            Sort::Weight => "weight",
+            Sort::Grants => "grants",
+            Sort::WaitP50 => "wait p50",
+            Sort::WaitP99 => "wait p99",
+            Sort::Running => "running",
+        }
+    }
+
+    /// Largest first, except names, which read best from A.
+    fn order(self, a: &Build, b: &Build) -> std::cmp::Ordering {
+        let ms = |v: Option<f64>| v.unwrap_or(-1.0);
+        match self {
+            Sort::Held => b.held.cmp(&a.held),
+            Sort::Waiting => b.waiting.cmp(&a.waiting),
+            Sort::Name => a.name.cmp(&b.name),
+            Sort::Weight => b.weight.cmp(&a.weight),
+            Sort::Grants => b.grants.cmp(&a.grants),
+            Sort::WaitP50 => ms(b.wait_ms_p50).total_cmp(&ms(a.wait_ms_p50)),
+            Sort::WaitP99 => ms(b.wait_ms_p99).total_cmp(&ms(a.wait_ms_p99)),
+            Sort::Running => a.since.total_cmp(&b.since),
+        }
+    }
+}
+
+/// The view's state between frames.
+struct Top {
+    socket: PathBuf,
+    client: Option<Client>,
+    /// The last status the broker sent.
+    status: Option<Status>,
+    /// Why the last attempt to reach the broker failed, while it fails.
+    gone: Option<String>,
+    sort: Sort,
+    reversed: bool,
+    /// The selected build, by id, so that it stays selected as rows move.
+    selected: Option<u64>,
+    help: bool,
+    /// The answer to the last key that asked the broker something.
+    message: String,
+}
+
+impl Top {
+    fn new(socket: &Path) -> Self {
+        Top {
+            socket: socket.to_path_buf(),
+            client: None,
+            status: None,
+            gone: None,
+            sort: Sort::Held,
+            reversed: false,
+            selected: None,
+            help: false,
+            message: String::new(),
+        }
+    }
+
+    fn run(mut self, terminal: &mut DefaultTerminal) -> Result<()> {
+        let mut asked = Instant::now() - REFRESH;
+        loop {
+            if asked.elapsed() >= REFRESH {
+                self.refresh();
+                asked = Instant::now();
+            }
+            terminal.draw(|frame| self.draw(frame))?;
+            // A resize is an event too: the next draw fits the new size.
+            if event::poll(REFRESH.saturating_sub(asked.elapsed()))? {
+                if let Event::Key(key) = event::read()? {
+                    if key.kind == KeyEventKind::Press && !self.key(key) {
+                        return Ok(());
+                    }
+                }
+            }
+        }
+    }
+
+    /// Asks the broker for its status, connecting first if need be.
+    fn refresh(&mut self) {
+        if let Err(e) = self.ask(|client| client.status()).map(|s| self.status = Some(s)) {
+            self.gone = Some(e.to_string());
+        }
+    }
+
+    /// One request over the connection; a failure drops it, so that the
+    /// next request connects anew (the broker may have been restarted).
+    fn ask<T>(&mut self, request: impl FnOnce(&mut Client) -> baton_client::Result<T>) -> Result<T> {
+        if self.client.is_none() {
+            self.client = Some(Client::connect(&self.socket, "baton top")?);
+        }
+        let result = request(self.client.as_mut().expect("connected above"));
+        match result {
+            Ok(value) => {
+                self.gone = None;
+                Ok(value)
+            }
+            Err(e) => {
+                self.client = None;
+                Err(e.into())
+            }
+        }
+    }
+
+    /// Handles a key; false to quit.
+    fn key(&mut self, key: KeyEvent) -> bool {
+        if self.help && key.code != KeyCode::Char('q') {
+            self.help = false;
+            return true;
+        }
+        match key.code {
+            KeyCode::Char('q') | KeyCode::Esc => return false,
+            KeyCode::Char('c') if key.modifiers.contains(KeyModifiers::CONTROL) => return false,
+            KeyCode::Char('+') => self.change_limit(1),
+            KeyCode::Char('-') => self.change_limit(-1),
+            KeyCode::Up => self.select(-1),
+            KeyCode::Down => self.select(1),
+            KeyCode::Char('s') => self.sort = self.sort.next(),
+            KeyCode::Char('r') => self.reversed = !self.reversed,
+            KeyCode::Char('?') | KeyCode::Char('h') => self.help = true,
+            _ => {}
+        }
+        true
+    }
+
+    /// `baton limit` with the limit one up or down.
+    fn change_limit(&mut self, by: i64) {
+        let Some(limit) = self.status.as_ref().map(|s| i64::from(s.limit) + by) else { return };
+        let Ok(limit) = u32::try_from(limit.max(1)) else { return };
+        self.message = match self.ask(|client| client.set_limit(limit)) {
+            Ok(old) => format!("limit {old} -> {limit}"),
+            Err(e) => format!("limit not changed: {e}"),
+        };
+        self.refresh();
+    }
+
+    /// Moves the selection by `by` rows.
+    fn select(&mut self, by: isize) {
+        let rows = self.rows();
+        if rows.is_empty() {
+            return;
+        }
+        let at = self.selected.and_then(|id| rows.iter().position(|b| b.id == id));
+        let next = match at {
+            Some(i) => i.saturating_add_signed(by).min(rows.len() - 1),
+            None => 0,
+        };
+        self.selected = Some(rows[next].id);
+    }
+
+    /// The builds worth a row: those that hold, wait or were granted
+    /// tokens (not idle clients such as this view's own), in the chosen
+    /// order.
+    fn rows(&self) -> Vec<&Build> {
+        let Some(status) = &self.status else { return Vec::new() };
+        let mut rows: Vec<&Build> = status.builds.iter().filter(|b| b.held + b.waiting > 0 || b.grants > 0).collect();
+        rows.sort_by(|a, b| self.sort.order(a, b).then(a.id.cmp(&b.id)));
+        if self.reversed {
+            rows.reverse();
+        }
+        rows
+    }
+
+    fn draw(&self, frame: &mut Frame) {
+        let [header, builds, holders, history, footer] =
+            Layout::vertical([Constraint::Length(3), Constraint::Min(4), Constraint::Length(7), Constraint::Length(6), Constraint::Length(1)])
+                .areas(frame.area());
+        frame.render_widget(Paragraph::new(self.header()), header);
+        let rows = self.rows();
+        let selected = self.selected.and_then(|id| rows.iter().position(|b| b.id == id)).or(if rows.is_empty() { None } else { Some(0) });
+        self.draw_builds(frame, builds, &rows, selected);
+        self.draw_holders(frame, holders, selected.map(|i| rows[i]));
+        self.draw_history(frame, history);
+        let keys = format!("q quit  +/- limit  ↑↓ select  s sort ({}{})  ? help  {}", self.sort.name(), if self.reversed { ", reversed" } else { "" }, self.message);
+        frame.render_widget(Paragraph::new(keys).style(Style::new().add_modifier(Modifier::REVERSED)), footer);
+        if self.help {
+            draw_help(frame);
+        }
+    }
+
+    fn header(&self) -> Vec<Line<'static>> {
+        let mut lines = Vec::new();
+        match &self.gone {
+            Some(why) => lines.push(Line::from(format!("broker gone, retrying ({why})")).style(Style::new().fg(Color::Red).bold())),
+            None => lines.push(Line::from(format!("baton top  {}", self.socket.display()))),
+        }
+        let Some(s) = &self.status else { return lines };
+        lines.push(Line::from(format!(
+            "limit {}  free {}  held {}  waiting {}  clients {}  granted {}  (broker pid {})",
+            s.limit,
+            s.free,
+            s.held,
+            s.waiters.iter().map(|w| w.tokens).sum::<u32>(),
+            s.totals.clients,
+            s.totals.granted,
+            s.broker_pid
+        )));
+        let gates: Vec<String> = s
+            .gates
+            .iter()
+            .map(|g| format!("{} {} ({} / {})", g.name, if g.open { "open" } else { "CLOSED" }, g.value.map_or("n/a".into(), |v| format!("{v:.1}")), g.threshold))
+            .collect();
+        if !gates.is_empty() {
+            lines.push(Line::from(format!("gates: {}", gates.join("  "))));
+        }
+        lines
+    }
+
+    fn draw_builds(&self, frame: &mut Frame, area: Rect, rows: &[&Build], selected: Option<usize>) {
+        let now = now();
+        let header = Row::new(["NAME", "WEIGHT", "HELD", "WAITING", "GRANTS", "WAIT p50", "WAIT p99", "RUNNING"]).bold();
+        let body = rows.iter().map(|b| {
+            Row::new([
+                b.name.clone(),
+                b.weight.to_string(),
+                b.held.to_string(),
+                b.waiting.to_string(),
+                b.grants.to_string(),
+                b.wait_ms_p50.map_or("-".into(), show_ms),
+                b.wait_ms_p99.map_or("-".into(), show_ms),
+                show_seconds(now - b.since),
+            ])
+        });
+        let widths = [Constraint::Min(8), Constraint::Length(6), Constraint::Length(6), Constraint::Length(7), Constraint::Length(8), Constraint::Length(9), Constraint::Length(9), Constraint::Length(9)];
+        let table = Table::new(body, widths)
+            .header(header)
+            .block(Block::bordered().title(" builds "))
+            .row_highlight_style(Style::new().add_modifier(Modifier::REVERSED));
+        frame.render_stateful_widget(table, area, &mut TableState::new().with_selected(selected));
+    }
+
+    /// Who in the selected build holds tokens, and since when.
+    fn draw_holders(&self, frame: &mut Frame, area: Rect, build: Option<&Build>) {
+        let now = now();
+        let holders = self.status.iter().flat_map(|s| &s.holders).filter(|h| build.is_some_and(|b| b.id == h.build));
+        let body = holders.map(|h| Row::new([h.pid.to_string(), h.tokens.to_string(), show_seconds(now - h.since), h.command.clone()]));
+        let title = format!(" holders of {} ", build.map_or("-", |b| b.name.as_str()));
+        let widths = [Constraint::Length(8), Constraint::Length(6), Constraint::Length(9), Constraint::Fill(1)];
+        let table = Table::new(body, widths).header(Row::new(["PID", "TOKENS", "SINCE", "COMMAND"]).bold()).block(Block::bordered().title(title));
+        frame.render_widget(table, area);
+    }
+
+    /// Mean tokens held per second, as many of the last seconds as fit,
+    /// scaled to the limit.
+    fn draw_history(&self, frame: &mut Frame, area: Rect) {
+        let Some(s) = &self.status else { return };
+        let width = usize::from(area.width.saturating_sub(2));
+        let held = &s.utilization.held;
+        let shown = &held[held.len().saturating_sub(width)..];
+        // Hundredths, so that a mean of 0.4 tokens still shows.
+        let data: Vec<u64> = shown.iter().map(|&h| (h * 100.0).round() as u64).collect();
+        let title = format!(" tokens held, last {} (top = limit {}) ", show_seconds(shown.len() as f64 * s.utilization.interval_s), s.limit);
+        let sparkline = Sparkline::default().block(Block::bordered().title(title)).data(&data).max(u64::from(s.limit) * 100).style(Style::new().fg(Color::Green));
+        frame.render_widget(sparkline, area);
+    }
+}
+
+fn draw_help(frame: &mut Frame) {
+    let text = [
+        "q, Esc      quit",
+        "+ / -       raise / lower the broker's limit by one (as baton limit)",
+        "↑ / ↓       select a build: its holders show below",
+        "s           sort by the next column; r reverses",
+        "?           this help; any key closes it",
+        "",
+        "WAIT p50/p99: how long the build's requests waited for a token",
+        "(0 when granted at once). GRANTS: tokens given to it so far.",
+    ];
+    let area = frame.area();
+    let (w, h) = (area.width.min(72), area.height.min(text.len() as u16 + 2));
+    let popup = Rect { x: area.x + (area.width - w) / 2, y: area.y + (area.height - h) / 2, width: w, height: h };
+    frame.render_widget(Clear, popup);
+    frame.render_widget(Paragraph::new(text.join("\n")).block(Block::bordered().title(" baton top ")), popup);
+}
+
+fn now() -> f64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map_or(0.0, |d| d.as_secs_f64())
+}
+
+/// A wait as people read it: 0, 850us, 12ms, 1.5s, 2m05s.
+fn show_ms(ms: f64) -> String {
+    match ms {
+        0.0 => "0".into(),
+        ms if ms < 1.0 => format!("{:.0}us", ms * 1000.0),
+        ms if ms < 1000.0 => format!("{ms:.0}ms"),
+        ms => show_seconds(ms / 1000.0),
+    }
+}
+
+/// A span of seconds: 4.2s, 3m07s, 2h05m.
+fn show_seconds(secs: f64) -> String {
+    let secs = secs.max(0.0);
+    let whole = secs as u64;
+    match whole {
+        0..=59 => format!("{secs:.1}s"),
+        60..=3599 => format!("{}m{:02}s", whole / 60, whole % 60),
+        _ => format!("{}h{:02}m", whole / 3600, whole % 3600 / 60),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use ratatui::backend::TestBackend;
+    use ratatui::Terminal;
+
+    fn build(id: u64, name: &str, held: u32, grants: u64) -> Build {
+        Build {
+            id,
+            name: name.into(),
+            pid: 100 + id as u32,
+            weight: 1,
+            held,
+            waiting: 0,
+            grants,
+            token_seconds: 0.0,
+            since: now(),
+            waits: 0,
+            wait_ms_total: 0.0,
+            wait_ms_p50: None,
+            wait_ms_p99: None,
+        }
+    }
+
+    fn top_with(builds: Vec<Build>) -> Top {
+        let mut top = Top::new(Path::new("/nowhere/socket"));
+        let status = Status {
+            version: 1,
+            broker_pid: 1,
+            limit: 8,
+            free: 8,
+            held: 0,
+            holders: Vec::new(),
+            waiters: Vec::new(),
+            builds,
+            totals: Default::default(),
+            gates: Vec::new(),
+            cluster: None,
+            utilization: Default::default(),
+        };
+        top.status = Some(status);
+        top
+    }
+
+    #[test]
+    fn idle_builds_get_no_row_and_busy_ones_sort_by_held() {
+        let top = top_with(vec![build(1, "idle", 0, 0), build(2, "small", 1, 3), build(3, "big", 5, 9)]);
+        let names: Vec<_> = top.rows().iter().map(|b| b.name.clone()).collect();
+        assert_eq!(names, ["big", "small"]);
+    }
+
+    #[test]
+    fn the_selection_follows_its_build_and_stops_at_the_ends() {
+        let mut top = top_with(vec![build(2, "small", 1, 3), build(3, "big", 5, 9)]);
+        top.select(1);
+        assert_eq!(top.selected, Some(3), "the first key selects the top row");
+        top.select(1);
+        top.select(1);
+        assert_eq!(top.selected, Some(2));
+        top.sort = Sort::Name;
+        top.select(-1);
+        assert_eq!(top.selected, Some(3), "big is above small by name");
+    }
+
+    #[test]
+    fn a_small_terminal_still_draws() {
+        let top = top_with(vec![build(2, "small", 1, 3)]);
+        for (w, h) in [(20, 5), (1, 1), (120, 40)] {
+            let mut terminal = Terminal::new(TestBackend::new(w, h)).unwrap();
+            terminal.draw(|f| top.draw(f)).unwrap();
+        }
+    }
+
+    #[test]
+    fn durations_read_as_people_write_them() {
+        assert_eq!([show_ms(0.0), show_ms(0.25), show_ms(12.4), show_ms(1500.0)], ["0", "250us", "12ms", "1.5s"]);
+        assert_eq!([show_seconds(4.25), show_seconds(187.0), show_seconds(7500.0)], ["4.2s", "3m07s", "2h05m"]);
+    }
+}
