@@ -6,7 +6,7 @@
 //! transport that owns the client, and that transport's thread is woken to
 //! deliver them. Nothing here blocks or does I/O besides reading the clock.
 
-use baton_core::gates::{GateConfig, Gates, Reading};
+use baton_core::gates::{GateConfig, Gates, JobMemory, PauseAction, Reading};
 use baton_core::status::{self, Status};
 use baton_core::{Acquired, BuildId, ClientId, Grant, Pool, PoolError, Tag};
 use std::collections::HashMap;
@@ -267,6 +267,38 @@ impl Broker {
         let (held, now) = (self.pool.held(), self.clock());
         self.gates.observe(reading, held, now);
         self.refresh_cap();
+    }
+
+    /// Whether the gates want the machine measured often now.
+    pub fn gates_urgent(&self) -> bool {
+        self.gates.urgent()
+    }
+
+    /// Jobs stopped by `--on-memory-pressure pause` now.
+    pub fn jobs_stopped(&self) -> u32 {
+        self.gates.stopped()
+    }
+
+    /// What the pause policy wants done with the `running` jobs.
+    pub fn pause_action(&self, running: &[JobMemory]) -> PauseAction {
+        self.gates.pause_action(running)
+    }
+
+    /// `jobs` jobs were stopped; `running` jobs run now.
+    pub fn did_pause(&mut self, jobs: u32, running: u32) {
+        self.gates.did_pause(jobs, running);
+        self.refresh_cap();
+    }
+
+    /// A stopped job goes on; `running` jobs run now.
+    pub fn did_resume(&mut self, running: u32) {
+        self.gates.did_resume(running);
+        self.refresh_cap();
+    }
+
+    /// The pids of every client: their jobs are under them.
+    pub fn client_pids(&self) -> Vec<u32> {
+        self.pool.clients().map(|c| c.meta.pid).collect()
     }
 
     fn clock(&self) -> Duration {
