@@ -176,8 +176,8 @@ impl Sampler {
                 // the thread stays, and measures only while one is set.
                 let config = broker.lock().expect("broker lock").gate_config();
                 let mut interval = SAMPLE;
+                armed.arm(&config, &sources);
                 if config.any() || !pausing.stopped.is_empty() {
-                    armed.arm(&config, &sources);
                     let reading = probe.read();
                     let mut b = broker.lock().expect("broker lock");
                     b.observe(reading);

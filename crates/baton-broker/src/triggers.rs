@@ -90,22 +90,29 @@ impl Triggers {
         log::debug(format_args!("gates: {} PSI trigger, {} memory thresholds armed", u8::from(self.psi.is_some()), self.thresholds.len()));
     }
 
-    /// Waits up to `timeout` for a notification; true if one came.
-    pub fn wait(&self, timeout: Duration) -> bool {
+    /// Waits up to `timeout` for a notification, or to be woken.
+    pub fn wait(&self, timeout: Duration) {
         let mut fds = vec![PollFd::new(self.stop.as_fd(), PollFlags::POLLIN)];
         fds.extend(self.psi.iter().map(|f| PollFd::new(f.as_fd(), PollFlags::POLLPRI)));
         fds.extend(self.thresholds.iter().map(|t| PollFd::new(t.event.as_fd(), PollFlags::POLLIN)));
         let timeout = PollTimeout::try_from(timeout).unwrap_or(PollTimeout::MAX);
-        let fired = matches!(poll(&mut fds, timeout), Ok(n) if n > 0);
-        drop(fds);
-        if fired {
-            // Drained so that the next wait sleeps until the next crossing.
-            let _ = self.stop.read();
-            self.thresholds.iter().for_each(|t| {
-                let _ = t.event.read();
-            });
+        if !matches!(poll(&mut fds, timeout), Ok(n) if n > 0) {
+            return;
         }
-        fired
+        let fired = |i: usize| fds[i].revents().is_some_and(|r| !r.is_empty());
+        if self.psi.is_some() && fired(1) {
+            log::debug(format_args!("gates: woken by the memory pressure trigger"));
+        }
+        let first_threshold = 1 + usize::from(self.psi.is_some());
+        if (first_threshold..fds.len()).any(fired) {
+            log::debug(format_args!("gates: woken by a memory threshold"));
+        }
+        drop(fds);
+        // Drained so that the next wait sleeps until the next crossing.
+        let _ = self.stop.read();
+        for t in &self.thresholds {
+            let _ = t.event.read();
+        }
     }
 }
 

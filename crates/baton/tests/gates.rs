@@ -180,6 +180,32 @@ fn jobs_that_grow_after_their_grant_are_paused_not_killed() {
 }
 
 #[test]
+fn a_psi_trigger_wakes_the_pressure_gate() {
+    // Real memory pressure: a file twice a 32 MiB cgroup's limit, written
+    // and read from inside it, so that every read reclaims and stalls.
+    let cgroup = match MemCgroup::new("psi", 32 * MIB) {
+        Ok(c) => c,
+        Err(why) => return skip(Missing::Root, &why),
+    };
+    let broker = Broker::start_with(2, &["--max-mem-pressure", "1", "-v"]);
+    wait_for(Duration::from_secs(30), "the gates' thread to arm its triggers", || broker.log().contains("PSI trigger"));
+    let log = broker.log();
+    if !log.contains("1 PSI trigger") {
+        return skip(Missing::PsiTrigger, &format!("the kernel offers no PSI trigger here: {log}"));
+    }
+    let dir = TempDir::new("psi");
+    let file = dir.path().join("big");
+    let enter = cgroup.enter();
+    let thrash = format!("head -c 64M /dev/zero > {f}; while :; do cat {f} > /dev/null; done", f = file.display());
+    let mut pressure = Command::new(&enter[0]).args(&enter[1..]).args(["sh", "-c", &thrash]).spawn().unwrap();
+    wait_for(Duration::from_secs(60), "the memory pressure trigger to fire", || broker.log().contains("woken by the memory pressure trigger"));
+    wait_for(Duration::from_secs(30), "the pressure gate to close", || broker.status().gates.iter().any(|g| g.name == "mem-pressure" && !g.open));
+    unsafe { libc::kill(pressure.id() as i32, libc::SIGKILL) };
+    pressure.wait().unwrap();
+    broker.assert_all_free();
+}
+
+#[test]
 fn gates_are_shown_by_status_and_set_live() {
     let broker = Broker::start_with(4, &["--min-mem-available", "1.5G", "--max-load", "1000"]);
     let s = broker.status();
