@@ -33,8 +33,8 @@ pub struct BenchArgs {
     /// exclusive pipe waits), blocking-vs-polling (make's pselect()),
     /// bulk-wake (sembench's semaphores), mass-poll (FreeBSD's make
     /// universe), broadcast (the futex requeue), builds (real make and
-    /// ninja under one limit) or universe (FreeBSD's make universe on real
-    /// bmake).
+    /// ninja under one limit), universe (FreeBSD's make universe on real
+    /// bmake) or memory (the memory gate against the OOM killer; root).
     #[arg(value_enum)]
     pub scenario: Scenario,
 

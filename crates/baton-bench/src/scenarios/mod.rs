@@ -7,6 +7,7 @@ mod builds;
 mod bulk_wake;
 mod job_runners;
 mod mass_poll;
+mod memory;
 mod token_ring;
 mod universe;
 
@@ -38,6 +39,10 @@ pub enum Scenario {
     /// Seed 003 on real bmake: a `make universe`-shaped tree and a flat one,
     /// bmake's own -jN against baton run, at -j96 and 4 × CPUs.
     Universe,
+    /// The memory gate against the OOM killer in a 1 GiB memory cgroup
+    /// (root, cgroup v1): plain make -jN, the largest -j that fits, and
+    /// baton with --min-mem-available, in one run.
+    Memory,
 }
 
 impl Scenario {
@@ -50,6 +55,7 @@ impl Scenario {
             Scenario::Broadcast => "broadcast",
             Scenario::Builds => "builds",
             Scenario::Universe => "universe",
+            Scenario::Memory => "memory",
         }
     }
 
@@ -62,6 +68,7 @@ impl Scenario {
             Scenario::Broadcast => broadcast::DEFAULTS,
             Scenario::Builds => builds::DEFAULTS,
             Scenario::Universe => universe::DEFAULTS,
+            Scenario::Memory => memory::DEFAULTS,
         }
     }
 }
@@ -164,6 +171,7 @@ pub fn run(args: &BenchArgs, baton_bin: PathBuf) -> Result<Report> {
         Scenario::Broadcast => broadcast::run(&bench, &scale)?,
         Scenario::Builds => builds::run(&bench, &scale)?,
         Scenario::Universe => universe::run(&bench, &scale)?,
+        Scenario::Memory => memory::run(&bench, &scale)?,
     };
     let parameters = match serde_json::to_value(&scale)? {
         Value::Object(map) => map,
