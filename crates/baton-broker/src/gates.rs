@@ -227,7 +227,7 @@ impl Pausing {
             let b = broker.lock().expect("broker lock");
             (b.gate_config().pause, b.jobs_stopped() > 0, b.gates_urgent())
         };
-        if !(pause_on && urgent) && !any_stopped {
+        if !(any_stopped || pause_on && urgent) {
             // Memory is plentiful: nothing to compare growth with later.
             self.resident.clear();
             return;

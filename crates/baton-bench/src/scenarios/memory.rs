@@ -2,8 +2,9 @@
 //! that each touch 250 MiB for a while, in a cgroup of 1 GiB, built by plain
 //! `make -jN`, by `make -jS` (S the largest -j whose jobs fit: 3) and by
 //! `baton run -- make` under `baton serve --jobs N --min-mem-available
-//! 200M`, broker and build inside the cgroup, in alternating rounds. Each
-//! build's OOM kills are the cgroup's own count (`memory.oom_control`).
+//! 200M --mem-settle 2000`, without and with `--on-memory-pressure pause`,
+//! broker and build inside the cgroup, in alternating rounds. Each build's
+//! OOM kills are the cgroup's own count (`memory.oom_control`).
 //!
 //! Needs root and a cgroup v1 memory controller at /sys/fs/cgroup/memory
 //! (the cgroup is created for the run and removed after it).
@@ -28,19 +29,24 @@ const JOB_MIB: u64 = 250;
 const SAFE_J: usize = 3;
 /// What the memory gate keeps free.
 const GATE: &str = "200M";
+/// How long a job counts as young: on a loaded machine a job takes more
+/// than the default second to show its memory.
+const SETTLE_MS: &str = "2000";
 
 /// How one build is run.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Way {
     Make(usize),
-    Baton(usize),
+    /// `--jobs N`, and whether with `--on-memory-pressure pause`.
+    Baton(usize, bool),
 }
 
 impl Way {
     fn name(self) -> String {
         match self {
             Way::Make(j) => format!("make -j{j}"),
-            Way::Baton(j) => format!("baton --jobs {j}, gate {GATE}"),
+            Way::Baton(j, false) => format!("baton --jobs {j}, gate {GATE}"),
+            Way::Baton(j, true) => format!("baton --jobs {j}, gate {GATE}, pause"),
         }
     }
 }
@@ -63,15 +69,16 @@ pub fn run(bench: &Bench, scale: &Scale) -> Result<Findings> {
     write_makefile(&dir, &log, scale.tokens as usize, scale.job_us)?;
     let mut ways = vec![Way::Make(n), Way::Make(SAFE_J)];
     if bench.with_baton() {
-        ways.push(Way::Baton(n));
+        ways.extend([Way::Baton(n, false), Way::Baton(n, true)]);
     }
-    let broker = if bench.with_baton() { Some(cgroup.broker(bench, n)?) } else { None };
+    let brokers: Vec<(Way, Broker)> = ways.iter().filter(|w| matches!(w, Way::Baton(..))).map(|&w| Ok((w, cgroup.broker(bench, w)?))).collect::<Result<_>>()?;
     let load_before = load_average();
     let rounds = scale.ops.max(1) as usize;
     let mut samples: Vec<Vec<Sample>> = vec![Vec::new(); ways.len()];
     for round in 0..rounds {
         for i in (0..ways.len()).map(|i| (i + round) % ways.len()) {
-            let sample = build(bench, &cgroup, broker.as_ref(), &dir, &log, ways[i]).with_context(|| format!("round {}: {}", round + 1, ways[i].name()))?;
+            let broker = brokers.iter().find(|(w, _)| *w == ways[i]).map(|(_, b)| b);
+            let sample = build(bench, &cgroup, broker, &dir, &log, ways[i]).with_context(|| format!("round {}: {}", round + 1, ways[i].name()))?;
             samples[i].push(sample);
         }
     }
@@ -89,7 +96,7 @@ fn row(way: Way, samples: &[Sample], safe: &[Sample], jobs: u32) -> Row {
     let ratios: Vec<f64> = samples.iter().zip(safe).map(|(s, b)| s.wall_s / b.wall_s.max(1e-9)).collect();
     let wall = Duration::from_secs_f64(median(samples.iter().map(|s| s.wall_s).collect()));
     let n = match way {
-        Way::Make(j) | Way::Baton(j) => j,
+        Way::Make(j) | Way::Baton(j, _) => j,
     };
     Row::new(&way.name(), n, u64::from(jobs), Usage::default(), None, wall)
         .with("builds_ok", samples.iter().filter(|s| s.ok).count())
@@ -109,8 +116,8 @@ fn build(bench: &Bench, cgroup: &MemCgroup, broker: Option<&Broker>, dir: &Path,
     let mut command = cgroup.command();
     match (way, broker) {
         (Way::Make(j), _) => command.arg(&make).arg(format!("-j{j}")).arg("-k"),
-        (Way::Baton(_), Some(broker)) => command.arg(&bench.env.baton_bin).arg("run").arg("--socket").arg(broker.socket()).arg("--").arg(&make),
-        (Way::Baton(_), None) => bail!("no broker"),
+        (Way::Baton(..), Some(broker)) => command.arg(&bench.env.baton_bin).arg("run").arg("--socket").arg(broker.socket()).arg("--").arg(&make),
+        (Way::Baton(..), None) => bail!("no broker"),
     };
     command.arg("-s").current_dir(dir).env_remove("MAKEFLAGS").env_remove("MAKELEVEL").stdin(Stdio::null()).stdout(Stdio::null()).stderr(Stdio::null());
     let before = cgroup.oom_kills()?;
@@ -190,9 +197,14 @@ impl MemCgroup {
         c
     }
 
-    fn broker(&self, bench: &Bench, jobs: usize) -> Result<Broker> {
-        let procs = self.path.join("cgroup.procs");
-        Broker::start_under(jobs as u32, &bench.env, Wait::Blocking, &["--no-fuse", "--min-mem-available", GATE], &["sh", "-c", &format!("echo $$ > {} && exec \"$@\"", procs.display()), "enter-cgroup"])
+    fn broker(&self, bench: &Bench, way: Way) -> Result<Broker> {
+        let Way::Baton(jobs, pause) = way else { bail!("{} needs no broker", way.name()) };
+        let mut flags = vec!["--no-fuse", "--min-mem-available", GATE, "--mem-settle", SETTLE_MS];
+        if pause {
+            flags.extend(["--on-memory-pressure", "pause"]);
+        }
+        let enter = format!("echo $$ > {} && exec \"$@\"", self.path.join("cgroup.procs").display());
+        Broker::start_under(jobs as u32, &bench.env, Wait::Blocking, &flags, &["sh", "-c", &enter, "enter-cgroup"])
     }
 
     fn pids(&self) -> Vec<i32> {
