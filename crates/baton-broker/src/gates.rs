@@ -14,6 +14,12 @@
 //!
 //! A figure the machine does not offer (no PSI before Linux 4.20) leaves its
 //! gate open, said once in the log.
+//!
+//! The thread also wakes when the kernel says a line was crossed
+//! (`crate::triggers`), measures every [`URGENT_SAMPLE`] while memory is
+//! short with `--on-memory-pressure pause`, and carries out the pause: it
+//! stops and resumes the jobs `crate::jobs` finds, as `baton_core::gates`
+//! decides.
 
 use crate::broker::Broker;
 use crate::jobs::{self, Job, Snapshot, StoppedJob};
@@ -220,8 +226,8 @@ struct Pausing {
 }
 
 impl Pausing {
-    /// Carries out the pause policy's word after a reading: stop the
-    /// newest growing job, or let the job stopped longest go on.
+    /// Carries out the pause policy's word after a reading: stop the jobs
+    /// it picks, or let the first started of the stopped jobs go on.
     fn act(&mut self, broker: &Mutex<Broker>) {
         let (pause_on, any_stopped, urgent) = {
             let b = broker.lock().expect("broker lock");

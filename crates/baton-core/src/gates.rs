@@ -16,6 +16,10 @@
 //! one grant, it admits one young job at a time. docs/adaptive.md explains
 //! the choice.
 //!
+//! With `--on-memory-pressure pause`, the gates also decide which running
+//! jobs to stop while memory is short, and when a stopped one goes on
+//! ([`Gates::pause_action`], [`jobs_to_pause`]).
+//!
 //! Nothing here reads a file or a clock: the broker passes readings and
 //! times in, so every rule is tested on its own.
 

@@ -250,6 +250,10 @@ fn bad_gate_values_are_refused_with_a_clear_message() {
         let err = String::from_utf8_lossy(&out.stderr);
         assert!(!out.status.success() && err.contains(says), "{flag} {value}: {err}");
     }
+    // The pause acts below the memory gate's threshold: it needs one.
+    let out = baton().args(["serve", "--jobs", "2", "--socket", "/nonexistent/s", "--on-memory-pressure", "pause"]).output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && err.contains("--min-mem-available"), "{err}");
     for good in ["2G", "512M", "1.5G"] {
         // Accepted: the broker gets as far as the socket's directory.
         let out = baton().args(["serve", "--jobs", "2", "--socket", "/proc/nope/s", "--min-mem-available", good]).output().unwrap();
