@@ -36,7 +36,8 @@ pub struct BenchArgs {
     /// bulk-wake (sembench's semaphores), mass-poll (FreeBSD's make
     /// universe), broadcast (the futex requeue), builds (real make and
     /// ninja under one limit), universe (FreeBSD's make universe on real
-    /// bmake) or cluster (brokers sharing a pool in a real etcd).
+    /// bmake), cluster (brokers sharing a pool in a real etcd) or memory
+    /// (the memory gate against the OOM killer; root).
     #[arg(value_enum)]
     pub scenario: Scenario,
 

@@ -27,6 +27,7 @@ const TESTS: &[(&str, Test)] = &[
     ("broadcast_counts_items_and_wake_ups", broadcast_counts_items_and_wake_ups),
     ("universe_counts_every_job_of_both_trees", universe_counts_every_job_of_both_trees),
     ("cluster_counts_grants_and_watch_events", cluster_counts_grants_and_watch_events),
+    ("memory_counts_each_builds_oom_kills", memory_counts_each_builds_oom_kills),
     ("bad_scale_is_refused", bad_scale_is_refused),
 ];
 
@@ -270,6 +271,27 @@ fn cluster_counts_grants_and_watch_events(h: &Harness) -> Result<()> {
         ensure!(events >= 0.0 && (row["mechanism"] != "etcd-queue" || events <= 2.0), "{row}");
         ensure!(f64_of(row, "grant_p99_ms") >= f64_of(row, "grant_p50_ms"), "{row}");
     }
+    Ok(())
+}
+
+fn memory_counts_each_builds_oom_kills(h: &Harness) -> Result<()> {
+    // SAFETY: geteuid has no preconditions.
+    let root = unsafe { libc::geteuid() } == 0;
+    if !root || !std::path::Path::new("/sys/fs/cgroup/memory/memory.limit_in_bytes").exists() {
+        record_skip("Root", "baton bench memory needs root and a cgroup v1 memory controller");
+        return Ok(());
+    }
+    let doc = h.bench(&["memory", "--waiters", "8", "--ops", "1", "--tokens", "6", "--job-us", "300000"])?;
+    let ways = h.expected(&["make -j8", "make -j3", "baton --jobs 8, gate 200M", "baton --jobs 8, gate 200M, pause"]);
+    ensure!(mechanisms(&doc) == ways, "mechanisms {:?}", mechanisms(&doc));
+    for row in doc["results"].as_array().into_iter().flatten() {
+        ensure!(u64_of(row, "operations") == 6 && row["oom_kills"].is_u64() && row["most_at_once"].is_u64(), "{row}");
+        if row["mechanism"] != "make -j8" {
+            // What fits, and what the gate keeps fitting: every job done.
+            ensure!(u64_of(row, "builds_ok") == 1 && u64_of(row, "oom_kills") == 0, "{row}");
+        }
+    }
+    ensure!(f64_of(&doc["results"][1], "wall_x") == 1.0, "ratios are to make -j3: {doc}");
     Ok(())
 }
 

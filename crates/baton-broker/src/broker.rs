@@ -9,7 +9,7 @@
 use baton_core::cluster::{admission_cap, Contact};
 #[cfg(feature = "cluster")]
 use baton_core::cluster::{Config, Local};
-use baton_core::gates::{GateConfig, Gates, Reading};
+use baton_core::gates::{GateConfig, Gates, JobMemory, PauseAction, Reading};
 use baton_core::metrics::{Histogram, Utilization};
 use baton_core::status::{self, Status};
 use baton_core::{Acquired, BuildId, ClientId, Grant, Pool, PoolError, Tag};
@@ -326,6 +326,38 @@ impl Broker {
         if let Some(GrantHook(hook)) = &self.demand_hook {
             hook();
         }
+    }
+
+    /// Whether the gates want the machine measured often now.
+    pub fn gates_urgent(&self) -> bool {
+        self.gates.urgent()
+    }
+
+    /// Jobs stopped by `--on-memory-pressure pause` now.
+    pub fn jobs_stopped(&self) -> u32 {
+        self.gates.stopped()
+    }
+
+    /// What the pause policy wants done with the `running` jobs.
+    pub fn pause_action(&self, running: &[JobMemory]) -> PauseAction {
+        self.gates.pause_action(running)
+    }
+
+    /// `jobs` jobs were stopped; `running` jobs run now.
+    pub fn did_pause(&mut self, jobs: u32, running: u32) {
+        self.gates.did_pause(jobs, running);
+        self.refresh_cap();
+    }
+
+    /// A stopped job goes on; `running` jobs run now.
+    pub fn did_resume(&mut self, running: u32) {
+        self.gates.did_resume(running);
+        self.refresh_cap();
+    }
+
+    /// The pids of every client: their jobs are under them.
+    pub fn client_pids(&self) -> Vec<u32> {
+        self.pool.clients().map(|c| c.meta.pid).collect()
     }
 
     fn clock(&self) -> Duration {

@@ -14,19 +14,35 @@
 //!
 //! A figure the machine does not offer (no PSI before Linux 4.20) leaves its
 //! gate open, said once in the log.
+//!
+//! The thread also wakes when the kernel says a line was crossed
+//! (`crate::triggers`), measures every [`URGENT_SAMPLE`] while memory is
+//! short with `--on-memory-pressure pause`, and carries out the pause: it
+//! stops and resumes the jobs `crate::jobs` finds, as `baton_core::gates`
+//! decides.
 
 use crate::broker::Broker;
+use crate::jobs::{self, Job, Snapshot, StoppedJob};
 use crate::log;
-use baton_core::gates::Reading;
-use std::collections::VecDeque;
+use crate::triggers::{Sources, Triggers, Waker};
+use baton_core::gates::{JobMemory, PauseAction, Reading};
+use std::collections::{HashMap, VecDeque};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 /// How often the machine is measured while a gate is configured.
 pub const SAMPLE: Duration = Duration::from_millis(100);
+
+/// How often while memory is short with `--on-memory-pressure pause`: a
+/// job can take a hundred megabytes in a tenth of a second.
+const URGENT_SAMPLE: Duration = Duration::from_millis(10);
+
+/// The span over which memory pressure is also measured from PSI's running
+/// total, next to `avg10` (which the kernel updates every 2 s).
+const PRESSURE_SPAN: Duration = Duration::from_secs(1);
 
 /// Samples of the run queue averaged (one second's worth).
 const RUN_QUEUE_SAMPLES: usize = 10;
@@ -38,6 +54,8 @@ pub struct Probe {
     cgroups: Vec<MemoryCgroup>,
     /// The PSI file for memory, if any.
     pressure: Option<PathBuf>,
+    /// PSI's running total of stall (µs) at past readings, oldest first.
+    stall_totals: VecDeque<(Instant, u64)>,
     run_queue: VecDeque<f64>,
 }
 
@@ -66,12 +84,40 @@ impl Probe {
                  --max-mem-pressure is off, the other gates keep working"
             ));
         }
-        Probe { cgroups, pressure, run_queue: VecDeque::new() }
+        Probe { cgroups, pressure, stall_totals: VecDeque::new(), run_queue: VecDeque::new() }
     }
 
     /// One reading of everything the gates look at.
     pub fn read(&mut self) -> Reading {
-        Reading { mem_available: self.mem_available(), mem_pressure: self.pressure.as_deref().and_then(read_psi_some_avg10), runnable: self.runnable() }
+        Reading { mem_available: self.mem_available(), mem_pressure: self.mem_pressure(), runnable: self.runnable() }
+    }
+
+    /// Where the kernel can notify the gates' thread (`crate::triggers`).
+    pub fn sources(&self) -> Sources {
+        let v1_limits = self.cgroups.iter().filter_map(|c| match c {
+            MemoryCgroup::V1(dir) => Some((dir.clone(), read_number(&dir.join("memory.limit_in_bytes")).filter(|&l| l < NO_LIMIT)?)),
+            MemoryCgroup::V2(_) => None,
+        });
+        Sources { pressure: self.pressure.clone(), v1_limits: v1_limits.collect() }
+    }
+
+    /// PSI `some avg10`, or the share of the last second stalled if that is
+    /// higher: `avg10` moves every 2 s and slowly, and a trigger that wakes
+    /// us must find the pressure it saw.
+    fn mem_pressure(&mut self) -> Option<f64> {
+        let text = std::fs::read_to_string(self.pressure.as_deref()?).ok()?;
+        let avg10 = psi_some(&text, "avg10=")?;
+        let now = Instant::now();
+        let recent = psi_some(&text, "total=").and_then(|total| {
+            self.stall_totals.push_back((now, total as u64));
+            while self.stall_totals.len() > 2 && now.duration_since(self.stall_totals[1].0) >= PRESSURE_SPAN {
+                self.stall_totals.pop_front();
+            }
+            let &(then, before) = self.stall_totals.front()?;
+            let span = now.duration_since(then).as_micros() as f64;
+            (span > 0.0).then(|| (total as u64).saturating_sub(before) as f64 * 100.0 / span)
+        });
+        Some(recent.map_or(avg10, |r| r.max(avg10)))
     }
 
     fn mem_available(&self) -> Option<u64> {
@@ -98,8 +144,7 @@ impl MemoryCgroup {
             MemoryCgroup::V2(dir) => (dir.join("memory.max"), dir.join("memory.current"), dir.join("memory.stat"), "inactive_file"),
         };
         let limit = read_number(&limit)?;
-        // v1 says "no limit" with a huge number near i64::MAX.
-        if limit >= 1 << 60 {
+        if limit >= NO_LIMIT {
             return None;
         }
         let used = read_number(&usage)?.saturating_sub(read_stat(&stat, cache_key).unwrap_or(0));
@@ -107,10 +152,14 @@ impl MemoryCgroup {
     }
 }
 
+/// v1 says "no limit" with a huge number near i64::MAX.
+const NO_LIMIT: u64 = 1 << 60;
+
 /// The sampler thread: measures, and hands the broker each reading so it
 /// can open or close its gates. Stopped and joined on drop.
 pub struct Sampler {
     stop: Arc<AtomicBool>,
+    waker: Waker,
     thread: Option<JoinHandle<()>>,
 }
 
@@ -122,26 +171,129 @@ impl Sampler {
         broker.lock().expect("broker lock").observe(first);
         let stop = Arc::new(AtomicBool::new(false));
         let stopping = stop.clone();
+        let mut armed = Triggers::new()?;
+        let waker = armed.waker();
+        let sources = probe.sources();
         let thread = std::thread::Builder::new().name("baton-gates".into()).spawn(move || {
+            run_before_the_jobs();
+            let mut pausing = Pausing::default();
             while !stopping.load(Ordering::Relaxed) {
                 // Gates can be set while the broker runs (`baton limit`), so
                 // the thread stays, and measures only while one is set.
-                if broker.lock().expect("broker lock").gate_config().any() {
+                let config = broker.lock().expect("broker lock").gate_config();
+                let mut interval = SAMPLE;
+                armed.arm(&config, &sources);
+                if config.any() || !pausing.stopped.is_empty() {
                     let reading = probe.read();
-                    broker.lock().expect("broker lock").observe(reading);
+                    let mut b = broker.lock().expect("broker lock");
+                    b.observe(reading);
+                    interval = if b.gates_urgent() { URGENT_SAMPLE } else { SAMPLE };
+                    drop(b);
+                    pausing.act(&broker);
                 }
-                std::thread::park_timeout(SAMPLE);
+                armed.wait(interval);
             }
+            pausing.resume_all();
         })?;
-        Ok(Sampler { stop, thread: Some(thread) })
+        Ok(Sampler { stop, waker, thread: Some(thread) })
+    }
+}
+
+/// Asks the kernel to run this thread before the build's jobs: it sleeps
+/// nearly always, and when memory runs out it must act within milliseconds
+/// on a machine the jobs keep busy. Allowed with CAP_SYS_NICE (or an
+/// RLIMIT_NICE that permits it); elsewhere the thread keeps its priority.
+fn run_before_the_jobs() {
+    // SAFETY: gettid and setpriority on this thread have no preconditions.
+    let done = unsafe { libc::setpriority(libc::PRIO_PROCESS, libc::gettid() as libc::id_t, -10) } == 0;
+    if !done {
+        log::debug(format_args!("gates: the gates' thread keeps its priority ({})", std::io::Error::last_os_error()));
+    }
+}
+
+/// How far back a job's resident memory is compared to tell whether it
+/// still grows: on a busy machine a growing job may not run between two
+/// looks 10 ms apart.
+const GROWTH_SPAN: Duration = Duration::from_millis(100);
+
+/// What the pause mechanism keeps between readings: the jobs it stopped,
+/// and each running job's resident memory at recent looks, oldest first (to
+/// see which still grow).
+#[derive(Default)]
+struct Pausing {
+    stopped: Vec<StoppedJob>,
+    resident: HashMap<u32, VecDeque<(Instant, u64)>>,
+}
+
+impl Pausing {
+    /// Carries out the pause policy's word after a reading: stop the jobs
+    /// it picks, or let the first started of the stopped jobs go on.
+    fn act(&mut self, broker: &Mutex<Broker>) {
+        let (pause_on, any_stopped, urgent) = {
+            let b = broker.lock().expect("broker lock");
+            (b.gate_config().pause, b.jobs_stopped() > 0, b.gates_urgent())
+        };
+        if !(any_stopped || pause_on && urgent) {
+            // Memory is plentiful: nothing to compare growth with later.
+            self.resident.clear();
+            return;
+        }
+        let clients = broker.lock().expect("broker lock").client_pids();
+        let running = Snapshot::take().running(&clients, &self.stopped);
+        let seen: Vec<JobMemory> = running.iter().map(|j| JobMemory { started: j.start, resident: j.resident, resident_before: self.resident.get(&j.root).and_then(|h| h.front()).map(|&(_, r)| r) }).collect();
+        let action = broker.lock().expect("broker lock").pause_action(&seen);
+        log::debug(format_args!("gates: jobs running {:?} MiB, {} stopped: {action:?}", seen.iter().map(|j| j.resident >> 20).collect::<Vec<_>>(), self.stopped.len()));
+        self.remember(&running);
+        match action {
+            PauseAction::Pause(picks) => {
+                for i in &picks {
+                    self.pause(&running[*i], seen[*i].growing());
+                }
+                let running = running.len().saturating_sub(picks.len()) as u32;
+                broker.lock().expect("broker lock").did_pause(picks.len() as u32, running);
+            }
+            PauseAction::Resume => {
+                let Some(first) = (0..self.stopped.len()).min_by_key(|&i| self.stopped[i].start) else { return };
+                let job = self.stopped.remove(first);
+                jobs::resume(&job);
+                log::info(format_args!("memory is back: resumed job pid {} (SIGCONT)", job.root));
+                broker.lock().expect("broker lock").did_resume(running.len() as u32 + 1);
+            }
+            PauseAction::Nothing => {}
+        }
+    }
+
+    /// Keeps each running job's resident memory for [`GROWTH_SPAN`].
+    fn remember(&mut self, running: &[Job]) {
+        let now = Instant::now();
+        let mut history = std::mem::take(&mut self.resident);
+        for job in running {
+            let mut h = history.remove(&job.root).unwrap_or_default();
+            while h.len() > 1 && now.duration_since(h[1].0) >= GROWTH_SPAN {
+                h.pop_front();
+            }
+            h.push_back((now, job.resident));
+            self.resident.insert(job.root, h);
+        }
+    }
+
+    fn pause(&mut self, job: &Job, growing: bool) {
+        self.stopped.push(jobs::stop(job));
+        let why = if growing { "growing" } else { "the newest" };
+        log::info(format_args!("memory nearly gone: paused job pid {} ({} MiB, {why}) with SIGSTOP until another finishes", job.root, job.resident >> 20));
+    }
+
+    /// Lets every stopped job go on: nobody would after we are gone.
+    fn resume_all(&mut self) {
+        self.stopped.drain(..).for_each(|job| jobs::resume(&job));
     }
 }
 
 impl Drop for Sampler {
     fn drop(&mut self) {
         self.stop.store(true, Ordering::Relaxed);
+        self.waker.wake();
         if let Some(thread) = self.thread.take() {
-            thread.thread().unpark();
             let _ = thread.join();
         }
     }
@@ -198,15 +350,10 @@ fn read_procs_running() -> Option<u64> {
     field(&text, "procs_running", ' ')
 }
 
-/// `some avg10=` from a PSI file.
-fn read_psi_some_avg10(path: &Path) -> Option<f64> {
-    let text = std::fs::read_to_string(path).ok()?;
-    psi_some_avg10(&text)
-}
-
-fn psi_some_avg10(text: &str) -> Option<f64> {
+/// A figure of the `some` line of a PSI file: `avg10=` or `total=`.
+fn psi_some(text: &str, key: &str) -> Option<f64> {
     let some = text.lines().find(|l| l.starts_with("some "))?;
-    some.split_whitespace().find_map(|w| w.strip_prefix("avg10="))?.parse().ok()
+    some.split_whitespace().find_map(|w| w.strip_prefix(key))?.parse().ok()
 }
 
 /// The number after `key` and `sep` on the line that starts with `key`.
@@ -221,8 +368,9 @@ mod tests {
     #[test]
     fn psi_lines() {
         let text = "some avg10=12.50 avg60=3.00 avg300=0.10 total=123\nfull avg10=1.00 avg60=0.00 avg300=0.00 total=9\n";
-        assert_eq!(psi_some_avg10(text), Some(12.5));
-        assert_eq!(psi_some_avg10("full avg10=1.00\n"), None);
+        assert_eq!(psi_some(text, "avg10="), Some(12.5));
+        assert_eq!(psi_some(text, "total="), Some(123.0));
+        assert_eq!(psi_some("full avg10=1.00\n", "avg10="), None);
     }
 
     #[test]

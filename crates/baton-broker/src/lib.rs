@@ -15,6 +15,9 @@
 //! - `fuse`: the FUSE token file server.
 //! - `gates`: measuring memory, memory pressure and the run queue for
 //!   the gates (`baton_core::gates` decides).
+//! - `jobs`: the jobs under the clients, in /proc, for pausing.
+//! - `triggers`: kernel notifications (PSI triggers, cgroup v1 memory
+//!   thresholds) that wake the gates' thread.
 //! - `paths`: the socket's directory, lock and stale-socket checks.
 //! - `activation`: the listening socket systemd passes (socket activation).
 //! - `cluster`: joining a cluster pool in etcd (the `cluster` feature).
@@ -25,11 +28,13 @@ mod broker;
 mod cluster;
 mod fuse;
 mod gates;
+mod jobs;
 mod log;
 mod paths;
 mod serve;
 mod socket;
 mod spin;
+mod triggers;
 mod uring;
 
 pub use fuse::Mode as FuseMode;

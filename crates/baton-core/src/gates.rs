@@ -16,6 +16,10 @@
 //! one grant, it admits one young job at a time. docs/adaptive.md explains
 //! the choice.
 //!
+//! With `--on-memory-pressure pause`, the gates also decide which running
+//! jobs to stop while memory is short, and when a stopped one goes on
+//! ([`Gates::pause_action`], [`jobs_to_pause`]).
+//!
 //! Nothing here reads a file or a clock: the broker passes readings and
 //! times in, so every rule is tested on its own.
 
@@ -36,6 +40,10 @@ pub struct GateConfig {
     /// How long a newly granted job counts as young: the time a job needs
     /// to show the memory it will use.
     pub settle: Duration,
+    /// `--on-memory-pressure pause`: while available memory is below
+    /// `min_mem_available`, stop (SIGSTOP) the jobs that still grow but the
+    /// first started, rather than let the OOM killer pick one.
+    pub pause: bool,
 }
 
 /// How long a new job counts as young unless told otherwise: compilers and
@@ -44,7 +52,7 @@ pub const DEFAULT_SETTLE: Duration = Duration::from_secs(1);
 
 impl Default for GateConfig {
     fn default() -> Self {
-        GateConfig { min_mem_available: None, max_mem_pressure: None, max_load: None, min_jobs: 1, settle: DEFAULT_SETTLE }
+        GateConfig { min_mem_available: None, max_mem_pressure: None, max_load: None, min_jobs: 1, settle: DEFAULT_SETTLE, pause: false }
     }
 }
 
@@ -153,13 +161,14 @@ pub struct Gates {
     idle_available: Option<u64>,
     /// Grants still young, oldest first.
     young: Vec<YoungGrant>,
+    pauses: Pauses,
     closed_since: [Option<Duration>; 3],
 }
 
 impl Gates {
     /// Gates with nothing measured yet.
     pub fn new(config: GateConfig) -> Self {
-        Gates { config, reading: Reading::default(), per_job: None, idle_available: None, young: Vec::new(), closed_since: [None; 3] }
+        Gates { config, reading: Reading::default(), per_job: None, idle_available: None, young: Vec::new(), pauses: Pauses::default(), closed_since: [None; 3] }
     }
 
     /// The configuration.
@@ -182,6 +191,10 @@ impl Gates {
     /// Takes a new reading, made at `now` while `held` tokens were held.
     pub fn observe(&mut self, reading: Reading, held: u32, now: Duration) {
         self.reading = reading;
+        let out_of_danger = matches!((reading.mem_available, self.config.min_mem_available), (Some(a), Some(min)) if a >= min);
+        if out_of_danger {
+            self.pauses.last_stop_available = None;
+        }
         if let Some(available) = reading.mem_available {
             for grant in &mut self.young {
                 grant.lowest = Some(grant.lowest.map_or(available, |l| l.min(available)));
@@ -217,8 +230,71 @@ impl Gates {
             return None;
         }
         self.settle(now);
-        let extra = if self.is_open(GateKind::MemPressure) && self.is_open(GateKind::Load) { self.memory_room(held) } else { 0 };
+        // Stopped jobs need their room back first: nothing new while any
+        // is stopped.
+        let open = self.pauses.stopped == 0 && self.is_open(GateKind::MemPressure) && self.is_open(GateKind::Load);
+        let extra = if open { self.memory_room(held) } else { 0 };
         Some(held.saturating_add(extra).max(self.config.min_jobs))
+    }
+
+    /// Jobs stopped by `--on-memory-pressure pause` now.
+    pub fn stopped(&self) -> u32 {
+        self.pauses.stopped
+    }
+
+    /// What `--on-memory-pressure pause` wants done after the last reading,
+    /// with `running` the jobs that run (not stopped).
+    ///
+    /// - While available memory is below `--min-mem-available`, stop every
+    ///   job that still grows but the one that started first
+    ///   (see [`jobs_to_pause`]), never leaving fewer than `min_jobs`
+    ///   running; when none is seen growing, the newest job as memory
+    ///   crosses that line and each time it falls by a further eighth of
+    ///   the threshold.
+    /// - Let a stopped job go on once a job has finished since the last
+    ///   stop or resume and memory is back above the threshold: never more
+    ///   than one per freed slot. With nothing running, one goes on
+    ///   whatever the memory: the build must make progress. Once the pause
+    ///   or the memory gate is turned off, every stopped job goes on.
+    pub fn pause_action(&self, running: &[JobMemory]) -> PauseAction {
+        let stopped = self.pauses.stopped > 0;
+        let (Some(min), Some(available), true) = (self.config.min_mem_available, self.reading.mem_available, self.config.pause) else {
+            return if stopped { PauseAction::Resume } else { PauseAction::Nothing };
+        };
+        let count = u32::try_from(running.len()).unwrap_or(u32::MAX);
+        if available < min {
+            let falling = self.pauses.last_stop_available.is_none_or(|last| available.saturating_add(min / 8) <= last);
+            let stoppable = count.saturating_sub(self.config.min_jobs) as usize;
+            let picks: Vec<usize> = jobs_to_pause(running, falling).into_iter().take(stoppable).collect();
+            if !picks.is_empty() {
+                return PauseAction::Pause(picks);
+            }
+        }
+        if stopped && (count == 0 || count < self.pauses.running_since && available >= min) {
+            PauseAction::Resume
+        } else {
+            PauseAction::Nothing
+        }
+    }
+
+    /// The broker stopped `jobs` jobs; `running` jobs run now.
+    pub fn did_pause(&mut self, jobs: u32, running: u32) {
+        self.pauses.stopped += jobs;
+        self.pauses.last_stop_available = self.reading.mem_available;
+        self.pauses.running_since = running;
+    }
+
+    /// The broker let one stopped job go on; `running` jobs run now.
+    pub fn did_resume(&mut self, running: u32) {
+        self.pauses.stopped = self.pauses.stopped.saturating_sub(1);
+        self.pauses.running_since = running;
+    }
+
+    /// Whether memory should be measured often: while jobs are stopped, or
+    /// memory is below the threshold with pausing on (a job that grows can
+    /// take the rest within a few tenths of a second).
+    pub fn urgent(&self) -> bool {
+        self.pauses.stopped > 0 || (self.config.pause && !self.is_open(GateKind::MemAvailable))
     }
 
     /// Every configured gate, for `baton status`.
@@ -326,6 +402,69 @@ impl Gates {
             _ => measured,
         });
     }
+}
+
+/// What `--on-memory-pressure pause` did so far.
+#[derive(Debug, Clone, Copy, Default)]
+struct Pauses {
+    /// Jobs stopped now.
+    stopped: u32,
+    /// Available memory at the last stop, until memory is out of danger.
+    last_stop_available: Option<u64>,
+    /// Jobs running right after the last stop or resume: fewer since means
+    /// one finished and freed its slot.
+    running_since: u32,
+}
+
+/// What the pause policy wants done.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum PauseAction {
+    /// Stop these jobs (indices into the running jobs passed in), with
+    /// SIGSTOP.
+    Pause(Vec<usize>),
+    /// Let the stopped job that started first go on (SIGCONT).
+    Resume,
+    /// Neither.
+    Nothing,
+}
+
+/// A running job as the pause policy sees it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct JobMemory {
+    /// When it started (any clock that orders jobs).
+    pub started: u64,
+    /// Bytes resident now, its whole process tree.
+    pub resident: u64,
+    /// Bytes resident a moment ago (the broker looks back a tenth of a
+    /// second), if it was seen then.
+    pub resident_before: Option<u64>,
+}
+
+/// Growth between two looks below which a job counts as steady: a
+/// process's bookkeeping moves its resident size by a few pages.
+pub const GROWTH: u64 = 1 << 20;
+
+impl JobMemory {
+    /// Whether it grew by at least [`GROWTH`] since `resident_before`.
+    pub fn growing(&self) -> bool {
+        self.resident_before.is_some_and(|before| self.resident >= before.saturating_add(GROWTH))
+    }
+}
+
+/// Which jobs to stop while memory is nearly gone, newest first: every job
+/// still growing but the one that started first. Stopping a job that no
+/// longer grows saves nothing (a stopped job keeps its memory); the memory
+/// left can carry one growing job, and the first started is the furthest
+/// along. When none is seen growing but memory still `falling`, the
+/// newest job.
+pub fn jobs_to_pause(jobs: &[JobMemory], falling: bool) -> Vec<usize> {
+    let mut growing: Vec<usize> = (0..jobs.len()).filter(|&i| jobs[i].growing()).collect();
+    if growing.is_empty() {
+        return if falling { (0..jobs.len()).max_by_key(|&i| jobs[i].started).into_iter().collect() } else { Vec::new() };
+    }
+    growing.sort_by_key(|&i| std::cmp::Reverse(jobs[i].started));
+    growing.pop();
+    growing
 }
 
 /// Tokens granted together, while they are young.
@@ -507,5 +646,89 @@ mod tests {
         // Then it grows: 400 MiB for the one token held.
         g.observe(mem(600 * MIB), 1, at(700));
         assert_eq!(g.per_job(), Some(400 * MIB));
+    }
+
+    fn job(started: u64, mib: u64, mib_before: Option<u64>) -> JobMemory {
+        JobMemory { started, resident: mib * MIB, resident_before: mib_before.map(|m| m * MIB) }
+    }
+
+    #[test]
+    fn every_growing_job_but_the_first_started_is_paused_newest_first() {
+        let jobs = [job(1, 400, Some(300)), job(2, 150, Some(100)), job(3, 50, Some(50)), job(4, 60, Some(40))];
+        assert_eq!(jobs_to_pause(&jobs, false), [3, 1], "job 3 does not grow, job 1 may");
+        let crawling = [job(1, 400, Some(300)), job(2, 50, Some(50))];
+        assert_eq!(jobs_to_pause(&crawling, true), Vec::<usize>::new(), "one grows: it may, alone");
+        let unseen = [job(1, 400, None), job(2, 50, None)];
+        assert_eq!(jobs_to_pause(&unseen, true), [1], "none seen growing, memory falls: the newest");
+        assert_eq!(jobs_to_pause(&unseen, false), Vec::<usize>::new());
+        let page = JobMemory { resident: 50 * MIB + 4096, ..job(2, 50, Some(50)) };
+        assert!(!page.growing(), "a page is no growth");
+    }
+
+    fn pausing(min: u64) -> Gates {
+        Gates::new(GateConfig { min_mem_available: Some(min), pause: true, ..GateConfig::default() })
+    }
+
+    #[test]
+    fn pause_stops_growing_jobs_while_memory_is_short_never_the_last() {
+        let mut g = pausing(400 * MIB);
+        let growing = [job(1, 300, Some(200)), job(2, 200, Some(100)), job(3, 100, Some(50))];
+        g.observe(mem(450 * MIB), 3, at(0));
+        assert_eq!(g.pause_action(&growing), PauseAction::Nothing, "above the threshold: all may grow");
+        g.observe(mem(350 * MIB), 3, at(10));
+        assert_eq!(g.pause_action(&growing), PauseAction::Pause(vec![2, 1]));
+        g.did_pause(2, 1);
+        assert_eq!(g.allowance(3, at(10)), Some(3), "nothing new while a job is stopped");
+        let steady = [job(1, 300, Some(300)), job(2, 200, Some(200))];
+        g.observe(mem(340 * MIB), 3, at(20));
+        assert_eq!(g.pause_action(&steady), PauseAction::Nothing, "no job grows, memory steadied: the running jobs fit");
+        g.observe(mem(290 * MIB), 3, at(30));
+        assert_eq!(g.pause_action(&steady), PauseAction::Pause(vec![1]), "fell by another eighth of the threshold");
+        let mut strict = pausing(400 * MIB);
+        strict.set_config(GateConfig { min_jobs: 2, ..strict.config() }, at(0));
+        strict.observe(mem(10 * MIB), 3, at(0));
+        assert_eq!(strict.pause_action(&growing), PauseAction::Pause(vec![2]), "never below --min-jobs running");
+        assert_eq!(strict.pause_action(&growing[..1]), PauseAction::Nothing, "the last running job is never stopped");
+    }
+
+    /// `n` jobs that do not grow.
+    fn steady(n: u64) -> Vec<JobMemory> {
+        (0..n).map(|i| job(i, 100, Some(100))).collect()
+    }
+
+    #[test]
+    fn a_stopped_job_goes_on_once_another_finished_and_memory_is_back() {
+        let mut g = pausing(400 * MIB);
+        g.observe(mem(150 * MIB), 3, at(0));
+        g.did_pause(1, 2);
+        g.observe(mem(500 * MIB), 3, at(10));
+        assert_eq!(g.pause_action(&steady(2)), PauseAction::Nothing, "memory is back, but no job finished");
+        g.observe(mem(300 * MIB), 3, at(20));
+        assert_eq!(g.pause_action(&steady(1)), PauseAction::Nothing, "a job finished, but memory is below the threshold");
+        g.observe(mem(450 * MIB), 3, at(30));
+        assert_eq!(g.pause_action(&steady(1)), PauseAction::Resume);
+        g.did_resume(2);
+        assert_eq!(g.stopped(), 0);
+        assert_eq!(g.pause_action(&steady(2)), PauseAction::Nothing);
+    }
+
+    #[test]
+    fn with_nothing_running_a_stopped_job_goes_on_whatever_the_memory() {
+        let mut g = pausing(400 * MIB);
+        g.observe(mem(150 * MIB), 2, at(0));
+        g.did_pause(1, 1);
+        g.observe(mem(10 * MIB), 1, at(10));
+        assert_eq!(g.pause_action(&steady(0)), PauseAction::Resume);
+    }
+
+    #[test]
+    fn turning_the_memory_gate_off_lets_every_stopped_job_go_on() {
+        let mut g = pausing(400 * MIB);
+        g.observe(mem(150 * MIB), 3, at(0));
+        g.did_pause(1, 2);
+        g.set_config(GateConfig { min_mem_available: None, ..g.config() }, at(10));
+        assert_eq!(g.pause_action(&steady(2)), PauseAction::Resume);
+        let off = Gates::new(GateConfig { min_mem_available: Some(400 * MIB), ..GateConfig::default() });
+        assert_eq!(off.pause_action(&steady(3)), PauseAction::Nothing, "only with --on-memory-pressure pause");
     }
 }

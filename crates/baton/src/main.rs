@@ -91,6 +91,13 @@ enum Cmd {
         /// memory.
         #[arg(long, value_name = "MS", default_value_t = 1000, value_parser = clap::value_parser!(u64).range(1..=600_000))]
         mem_settle: u64,
+        /// When available memory falls below half of --min-mem-available:
+        /// `pause` stops the most recently started job (SIGSTOP, its whole
+        /// process tree) and lets it go on (SIGCONT) once another has
+        /// finished and memory is back, so the build slows down instead of
+        /// losing a job to the OOM killer. Never the last running job.
+        #[arg(long, value_enum, value_name = "WHAT", default_value = "nothing", requires = "min_mem_available")]
+        on_memory_pressure: OnMemoryPressure,
         /// Stop after SECS with no clients at all (what brokers started by
         /// `baton run` do; the config file's idle-timeout).
         #[arg(long, value_name = "SECS", value_parser = clap::value_parser!(u64).range(1..))]
@@ -265,6 +272,15 @@ struct GateArgs {
     min_jobs: Option<Setting>,
 }
 
+/// What `baton serve --on-memory-pressure` does.
+#[derive(clap::ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
+enum OnMemoryPressure {
+    /// Only hold new tokens back.
+    Nothing,
+    /// Also stop the newest job until memory is back.
+    Pause,
+}
+
 /// A gate's threshold, or None for `off`.
 type Setting = Option<f64>;
 
@@ -312,14 +328,14 @@ fn main() -> ExitCode {
 
 fn dispatch(command: Cmd) -> anyhow::Result<u8> {
     match command {
-        Cmd::Serve { jobs, socket, verbose, quiet, no_fuse, fuse_notify_all, spin_us, no_io_uring, gates, mem_settle, idle_timeout, max_clients, cluster } => {
+        Cmd::Serve { jobs, socket, verbose, quiet, no_fuse, fuse_notify_all, spin_us, no_io_uring, gates, mem_settle, on_memory_pressure, idle_timeout, max_clients, cluster } => {
             let log_level = if quiet { LogLevel::Warn } else if verbose { LogLevel::Debug } else { LogLevel::Info };
             let fuse = match (no_fuse, fuse_notify_all) {
                 (true, _) => None,
                 (false, true) => Some(FuseMode::NotifyAll),
                 (false, false) => Some(FuseMode::OneAtATime),
             };
-            let gates = GateConfig { settle: Duration::from_millis(mem_settle), ..gates.config()? };
+            let gates = GateConfig { settle: Duration::from_millis(mem_settle), pause: on_memory_pressure == OnMemoryPressure::Pause, ..gates.config()? };
             // The file is read only when it is needed: a broker started as
             // another user need not be able to read the caller's home.
             let file = if jobs.is_none() { Some(Config::load()?) } else { None };

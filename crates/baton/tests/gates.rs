@@ -129,6 +129,82 @@ fn a_build_the_oom_killer_ends_under_make_j8_finishes_under_the_memory_gate() {
     broker.assert_all_free();
 }
 
+/// A Makefile of `jobs` jobs that start at 50 MiB and, 0.5 s later, grow
+/// to 400 MiB, hold it for a second, and log their start and end.
+fn growing_makefile(dir: &Path, log: &Path, jobs: usize) {
+    let grow = "import time\nx = [b'1' * (50 << 20)]\ntime.sleep(0.5)\nfor _ in range(35):\n    x.append(b'1' * (10 << 20))\ntime.sleep(1)\n";
+    std::fs::write(dir.join("grow.py"), grow).unwrap();
+    let targets: Vec<String> = (0..jobs).map(|i| format!("j{i}")).collect();
+    let job = format!("echo S >> {log}; python3 grow.py && echo E >> {log}", log = log.display());
+    let text = format!("all: {all}\n{all}:\n\t@{job}\n.PHONY: all {all}\n", all = targets.join(" "));
+    std::fs::write(dir.join("Makefile"), text).unwrap();
+}
+
+#[test]
+fn jobs_that_grow_after_their_grant_are_paused_not_killed() {
+    let cgroup = match MemCgroup::new("pause", 1024 * MIB) {
+        Ok(c) => c,
+        Err(why) => return skip(Missing::Root, &why),
+    };
+    let enter = cgroup.enter();
+    let enter: Vec<&str> = enter.iter().map(String::as_str).collect();
+    let make = make43();
+
+    // The control: plain make -j4 in the same cgroup gets jobs killed.
+    let control = TempDir::new("pause-control");
+    growing_makefile(control.path(), &control.path().join("jobs.log"), 8);
+    let before = cgroup.oom_kills();
+    let out = Command::new(enter[0]).args(&enter[1..]).arg(&make).args(["-j4", "-k", "-s"]).current_dir(control.path()).env_remove("MAKEFLAGS").output().unwrap();
+    let control_kills = cgroup.oom_kills() - before;
+    assert!(control_kills > 0 && !out.status.success(), "the scenario must bite: make -j4 in 1 GiB had {control_kills} OOM kills, exit {:?}", out.status);
+
+    // A settle time shorter than the jobs take to grow: the gate sees only
+    // the 50 MiB each starts with, and admits all 4 (1.6 GB once grown).
+    let broker = Broker::start_under(&enter, 4, &["--min-mem-available", "400M", "--mem-settle", "200", "--on-memory-pressure", "pause"]);
+    let dir = TempDir::new("pause");
+    let log = dir.path().join("jobs.log");
+    growing_makefile(dir.path(), &log, 8);
+    let before = cgroup.oom_kills();
+    let mut run: Vec<&str> = enter.clone();
+    let socket = broker.socket.to_str().unwrap().to_string();
+    run.extend([baton_bin(), "run", "--socket", &socket, "--", make.to_str().unwrap(), "-s"]);
+    let out = Command::new(run[0]).args(&run[1..]).current_dir(dir.path()).env_remove("MAKEFLAGS").output().unwrap();
+    let broker_log = broker.log();
+    assert!(out.status.success(), "the build failed: {}\n{broker_log}", String::from_utf8_lossy(&out.stderr));
+    assert_eq!(cgroup.oom_kills() - before, 0, "no OOM kill with pausing: {broker_log}");
+    assert_eq!(max_overlap(&log).1, 8);
+    let (paused, resumed) = (broker_log.matches("paused job pid").count(), broker_log.matches("resumed job pid").count());
+    assert!(paused > 0, "at least one job paused: {broker_log}");
+    assert_eq!(paused, resumed, "every paused job resumed: {broker_log}");
+    broker.assert_all_free();
+}
+
+#[test]
+fn a_psi_trigger_wakes_the_pressure_gate() {
+    // Real memory pressure: a file twice a 32 MiB cgroup's limit, written
+    // and read from inside it, so that every read reclaims and stalls.
+    let cgroup = match MemCgroup::new("psi", 32 * MIB) {
+        Ok(c) => c,
+        Err(why) => return skip(Missing::Root, &why),
+    };
+    let broker = Broker::start_with(2, &["--max-mem-pressure", "1", "-v"]);
+    wait_for(Duration::from_secs(30), "the gates' thread to arm its triggers", || broker.log().contains("PSI trigger"));
+    let log = broker.log();
+    if !log.contains("1 PSI trigger") {
+        return skip(Missing::PsiTrigger, &format!("the kernel offers no PSI trigger here: {log}"));
+    }
+    let dir = TempDir::new("psi");
+    let file = dir.path().join("big");
+    let enter = cgroup.enter();
+    let thrash = format!("head -c 64M /dev/zero > {f}; while :; do cat {f} > /dev/null; done", f = file.display());
+    let mut pressure = Command::new(&enter[0]).args(&enter[1..]).args(["sh", "-c", &thrash]).spawn().unwrap();
+    wait_for(Duration::from_secs(60), "the memory pressure trigger to fire", || broker.log().contains("woken by the memory pressure trigger"));
+    wait_for(Duration::from_secs(30), "the pressure gate to close", || broker.status().gates.iter().any(|g| g.name == "mem-pressure" && !g.open));
+    unsafe { libc::kill(pressure.id() as i32, libc::SIGKILL) };
+    pressure.wait().unwrap();
+    broker.assert_all_free();
+}
+
 #[test]
 fn gates_are_shown_by_status_and_set_live() {
     let broker = Broker::start_with(4, &["--min-mem-available", "1.5G", "--max-load", "1000"]);
@@ -174,6 +250,10 @@ fn bad_gate_values_are_refused_with_a_clear_message() {
         let err = String::from_utf8_lossy(&out.stderr);
         assert!(!out.status.success() && err.contains(says), "{flag} {value}: {err}");
     }
+    // The pause acts below the memory gate's threshold: it needs one.
+    let out = baton().args(["serve", "--jobs", "2", "--socket", "/nonexistent/s", "--on-memory-pressure", "pause"]).output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && err.contains("--min-mem-available"), "{err}");
     for good in ["2G", "512M", "1.5G"] {
         // Accepted: the broker gets as far as the socket's directory.
         let out = baton().args(["serve", "--jobs", "2", "--socket", "/proc/nope/s", "--min-mem-available", good]).output().unwrap();

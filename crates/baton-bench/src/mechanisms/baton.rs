@@ -44,13 +44,26 @@ impl Broker {
     /// A broker started with extra `serve` flags, in a directory of its own
     /// (its FUSE mount, if any, is `<that directory>/fuse`).
     pub fn start_with(tokens: u32, env: &Env, wait: Wait, flags: &[&str]) -> Result<Self> {
+        Self::start_under(tokens, env, wait, flags, &[])
+    }
+
+    /// The same, started through `wrapper` (a command that ends by running
+    /// its arguments, such as one that enters a cgroup first).
+    pub fn start_under(tokens: u32, env: &Env, wait: Wait, flags: &[&str], wrapper: &[&str]) -> Result<Self> {
         static STARTED: AtomicU32 = AtomicU32::new(0);
         let n = STARTED.fetch_add(1, Relaxed);
         let dir = env.tmp.join(format!("broker-{n}"));
         std::fs::create_dir_all(&dir)?;
         let socket = dir.join("socket");
         let log = env.tmp.join(format!("broker-{n}.log"));
-        let mut command = Command::new(&env.baton_bin);
+        let mut command = match wrapper.split_first() {
+            Some((program, args)) => {
+                let mut c = Command::new(program);
+                c.args(args).arg(&env.baton_bin);
+                c
+            }
+            None => Command::new(&env.baton_bin),
+        };
         command.args(["serve", "--quiet", "--jobs", &tokens.to_string(), "--socket"]).arg(&socket).args(flags);
         command.stdin(Stdio::null()).stdout(Stdio::null()).stderr(std::fs::File::create(&log)?);
         // SAFETY: prctl is async-signal-safe and touches only the child.

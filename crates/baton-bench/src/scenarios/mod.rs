@@ -8,6 +8,7 @@ mod bulk_wake;
 mod cluster;
 mod job_runners;
 mod mass_poll;
+mod memory;
 mod token_ring;
 mod universe;
 
@@ -43,6 +44,10 @@ pub enum Scenario {
     /// beside every broker watching every token (grants/s, latency, watch
     /// events per grant).
     Cluster,
+    /// The memory gate against the OOM killer in a 1 GiB memory cgroup
+    /// (root, cgroup v1): plain make -jN, the largest -j that fits, and
+    /// baton with --min-mem-available, in one run.
+    Memory,
 }
 
 impl Scenario {
@@ -56,6 +61,7 @@ impl Scenario {
             Scenario::Builds => "builds",
             Scenario::Universe => "universe",
             Scenario::Cluster => "cluster",
+            Scenario::Memory => "memory",
         }
     }
 
@@ -69,6 +75,7 @@ impl Scenario {
             Scenario::Builds => builds::DEFAULTS,
             Scenario::Universe => universe::DEFAULTS,
             Scenario::Cluster => cluster::DEFAULTS,
+            Scenario::Memory => memory::DEFAULTS,
         }
     }
 }
@@ -172,6 +179,7 @@ pub fn run(args: &BenchArgs, baton_bin: PathBuf) -> Result<Report> {
         Scenario::Builds => builds::run(&bench, &scale)?,
         Scenario::Universe => universe::run(&bench, &scale)?,
         Scenario::Cluster => cluster::run(&bench, &scale)?,
+        Scenario::Memory => memory::run(&bench, &scale)?,
     };
     let parameters = match serde_json::to_value(&scale)? {
         Value::Object(map) => map,

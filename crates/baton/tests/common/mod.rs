@@ -15,6 +15,8 @@ pub enum Missing {
     Fuse,
     Root,
     IoUring,
+    /// PSI triggers (Linux 5.2, `psi=1`): the kernel's, like io_uring.
+    PsiTrigger,
 }
 
 /// Records that the running test could not do its work here, so that the

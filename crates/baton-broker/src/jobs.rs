@@ -1,0 +1,181 @@
+//! The jobs running under the broker's clients, found in /proc, for
+//! `--on-memory-pressure pause`: which was started last, and its process
+//! tree, to stop (SIGSTOP) and later let go on (SIGCONT).
+//!
+//! A job is a process whose parent is a build tool (make, ninja, ...)
+//! somewhere under a client: for `baton run -- make` the recipe's shell,
+//! for make on the FUSE file the same. Its whole tree is stopped, not its
+//! process group: make runs its jobs in its own process group, and stopping
+//! that group would stop make too, with every other job's completion.
+
+use std::collections::{HashMap, HashSet};
+
+/// The tools whose children are jobs.
+const TOOLS: [&str; 7] = ["make", "gmake", "gnumake", "bmake", "ninja", "samu", "cargo"];
+
+#[derive(Debug, Clone)]
+struct Proc {
+    ppid: u32,
+    comm: String,
+    /// Start time in clock ticks since boot.
+    start: u64,
+}
+
+/// A job that runs, found in /proc.
+#[derive(Debug)]
+pub struct Job {
+    pub root: u32,
+    /// Start time in clock ticks since boot.
+    pub start: u64,
+    /// Bytes resident in its whole tree.
+    pub resident: u64,
+}
+
+/// A job stopped by the broker: its root and every process of its tree.
+#[derive(Debug)]
+pub struct StoppedJob {
+    pub root: u32,
+    /// Start time in clock ticks since boot.
+    pub start: u64,
+    pids: Vec<u32>,
+}
+
+/// The processes of the machine, read once per decision.
+pub struct Snapshot {
+    procs: HashMap<u32, Proc>,
+    children: HashMap<u32, Vec<u32>>,
+}
+
+impl Snapshot {
+    pub fn take() -> Self {
+        let procs = read_procs();
+        let mut children: HashMap<u32, Vec<u32>> = HashMap::new();
+        for (&pid, p) in &procs {
+            children.entry(p.ppid).or_default().push(pid);
+        }
+        Snapshot { procs, children }
+    }
+
+    /// The jobs under `clients` that are not inside a job in `stopped`.
+    pub fn running(&self, clients: &[u32], stopped: &[StoppedJob]) -> Vec<Job> {
+        let frozen: HashSet<u32> = stopped.iter().flat_map(|j| j.pids.iter().copied()).collect();
+        let is_job = |pid: &u32| self.procs.get(pid).and_then(|p| self.procs.get(&p.ppid)).is_some_and(|parent| TOOLS.contains(&parent.comm.as_str()));
+        let under: HashSet<u32> = clients.iter().flat_map(|&c| self.tree(c)).collect();
+        let mut jobs: Vec<Job> = under
+            .iter()
+            .copied()
+            .filter(|pid| !frozen.contains(pid) && is_job(pid))
+            // A job inside another job (a recipe's sub-make's own jobs) is
+            // counted once, as the outer one.
+            .filter(|&pid| !self.ancestors(pid).take_while(|p| under.contains(p)).any(|p| is_job(&p)))
+            .map(|root| Job { root, start: self.procs[&root].start, resident: self.tree(root).into_iter().filter_map(resident_bytes).sum() })
+            .collect();
+        jobs.sort_by_key(|j| (j.start, j.root));
+        jobs
+    }
+
+    fn ancestors(&self, pid: u32) -> impl Iterator<Item = u32> + '_ {
+        std::iter::successors(self.procs.get(&pid).map(|p| p.ppid), |p| self.procs.get(p).map(|q| q.ppid))
+    }
+
+    /// `root` and all its descendants, parents first.
+    fn tree(&self, root: u32) -> Vec<u32> {
+        let mut out = vec![root];
+        let mut i = 0;
+        while i < out.len() {
+            out.extend(self.children.get(&out[i]).into_iter().flatten().copied());
+            i += 1;
+        }
+        out
+    }
+}
+
+/// Stops `job` with its whole tree: parents first, then again with whatever
+/// they started meanwhile, until the tree stands still (a stopped process
+/// starts nothing).
+pub fn stop(job: &Job) -> StoppedJob {
+    let mut stopped: Vec<u32> = Vec::new();
+    loop {
+        let tree = Snapshot::take().tree(job.root);
+        let new: Vec<u32> = tree.into_iter().filter(|p| !stopped.contains(p)).collect();
+        if new.is_empty() {
+            break;
+        }
+        signal_all(&new, libc::SIGSTOP);
+        stopped.extend(new);
+    }
+    StoppedJob { root: job.root, start: job.start, pids: stopped }
+}
+
+/// Lets a stopped job go on.
+pub fn resume(job: &StoppedJob) {
+    signal_all(&job.pids, libc::SIGCONT);
+}
+
+fn signal_all(pids: &[u32], signal: i32) {
+    for &pid in pids {
+        // SAFETY: kill(2) on a pid; a process gone since is ESRCH, harmless.
+        unsafe { libc::kill(pid as i32, signal) };
+    }
+}
+
+/// Resident bytes of one process (`/proc/<pid>/statm`, second field, in
+/// pages); None if it is gone.
+fn resident_bytes(pid: u32) -> Option<u64> {
+    let statm = std::fs::read_to_string(format!("/proc/{pid}/statm")).ok()?;
+    let pages: u64 = statm.split(' ').nth(1)?.parse().ok()?;
+    Some(pages * page_size())
+}
+
+fn page_size() -> u64 {
+    // SAFETY: sysconf has no preconditions.
+    u64::try_from(unsafe { libc::sysconf(libc::_SC_PAGESIZE) }).unwrap_or(4096)
+}
+
+fn read_procs() -> HashMap<u32, Proc> {
+    let Ok(dir) = std::fs::read_dir("/proc") else { return HashMap::new() };
+    dir.filter_map(|e| e.ok()?.file_name().to_str()?.parse::<u32>().ok())
+        .filter_map(|pid| Some((pid, parse_stat(&std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?)?)))
+        .collect()
+}
+
+/// ppid (4th field), comm (2nd, in parentheses) and starttime (22nd).
+fn parse_stat(stat: &str) -> Option<Proc> {
+    let open = stat.find('(')?;
+    let close = stat.rfind(')')?;
+    let comm = stat[open + 1..close].to_string();
+    let fields: Vec<&str> = stat.get(close + 2..)?.split(' ').collect();
+    Some(Proc { ppid: fields.get(1)?.parse().ok()?, comm, start: fields.get(19)?.parse().ok()? })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn stat_lines() {
+        let p = parse_stat("4242 (make (x)) S 4000 4242 4000 0 -1 4194560 1 0 0 0 0 0 0 0 20 0 1 0 987654 1000 100").unwrap();
+        assert_eq!((p.ppid, p.comm.as_str(), p.start), (4000, "make (x)", 987654));
+    }
+
+    fn snapshot(procs: &[(u32, u32, &str, u64)]) -> Snapshot {
+        let procs: HashMap<u32, Proc> = procs.iter().map(|&(pid, ppid, comm, start)| (pid, Proc { ppid, comm: comm.into(), start })).collect();
+        let mut children: HashMap<u32, Vec<u32>> = HashMap::new();
+        for (&pid, p) in &procs {
+            children.entry(p.ppid).or_default().push(pid);
+        }
+        Snapshot { procs, children }
+    }
+
+    #[test]
+    fn jobs_are_the_build_tools_children_once_each() {
+        // baton run (10) → make (11) → sh (12, 14) → python3 (13); sh 14
+        // runs a sub-make (15) whose job (16) belongs to job 14.
+        let s = snapshot(&[(10, 1, "baton", 0), (11, 10, "make", 1), (12, 11, "sh", 2), (13, 12, "python3", 2), (14, 11, "sh", 3), (15, 14, "make", 3), (16, 15, "sh", 4)]);
+        let roots: Vec<u32> = s.running(&[10], &[]).iter().map(|j| j.root).collect();
+        assert_eq!(roots, [12, 14], "make itself is no job, nor the sub-make's own");
+        let stopped = [StoppedJob { root: 12, start: 2, pids: vec![12, 13] }];
+        let roots: Vec<u32> = s.running(&[10], &stopped).iter().map(|j| j.root).collect();
+        assert_eq!(roots, [14]);
+    }
+}
