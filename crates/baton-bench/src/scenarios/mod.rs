@@ -6,6 +6,7 @@ mod broadcast;
 mod builds;
 mod bulk_wake;
 mod job_runners;
+mod make_tree;
 mod mass_poll;
 mod token_ring;
 mod universe;
@@ -38,6 +39,9 @@ pub enum Scenario {
     /// Seed 003 on real bmake: a `make universe`-shaped tree and a flat one,
     /// bmake's own -jN against baton run, at -j96 and 4 × CPUs.
     Universe,
+    /// Real make 4.4.1: a 16 × 16 × 20 recursive tree, make's own -jN
+    /// against baton's FUSE token file, at -j16 and -j512.
+    MakeTree,
 }
 
 impl Scenario {
@@ -50,6 +54,7 @@ impl Scenario {
             Scenario::Broadcast => "broadcast",
             Scenario::Builds => "builds",
             Scenario::Universe => "universe",
+            Scenario::MakeTree => "make-tree",
         }
     }
 
@@ -62,6 +67,7 @@ impl Scenario {
             Scenario::Broadcast => broadcast::DEFAULTS,
             Scenario::Builds => builds::DEFAULTS,
             Scenario::Universe => universe::DEFAULTS,
+            Scenario::MakeTree => make_tree::DEFAULTS,
         }
     }
 }
@@ -164,6 +170,7 @@ pub fn run(args: &BenchArgs, baton_bin: PathBuf) -> Result<Report> {
         Scenario::Broadcast => broadcast::run(&bench, &scale)?,
         Scenario::Builds => builds::run(&bench, &scale)?,
         Scenario::Universe => universe::run(&bench, &scale)?,
+        Scenario::MakeTree => make_tree::run(&bench, &scale)?,
     };
     let parameters = match serde_json::to_value(&scale)? {
         Value::Object(map) => map,
