@@ -2,8 +2,10 @@
 //! sub-sub-makes each, 20 jobs of `sleep` each (5,120 jobs), built with
 //! make's own `-jN` FIFO jobserver and under `baton run --jobserver-style
 //! fuse` against a broker of N tokens (the FUSE token file, docs/fuse.md),
-//! and the same with the broker waking every poller (`--fuse-notify-all`,
-//! the herd a pipe has, as a control), in alternating rounds. At a large N
+//! the same with the broker waking every poller (`--fuse-notify-all`, the
+//! herd a pipe has, as a control), and `--jobserver-style fifo` (the FIFO
+//! bridge, what `auto` gives where there is no mount), in alternating
+//! rounds. At a large N
 //! tokens are plentiful and many makes poll; at a small one they are scarce,
 //! as under a machine-wide limit. Counted as in `universe`: the build's
 //! getrusage(RUSAGE_CHILDREN) around it plus the broker's over the same
@@ -33,6 +35,7 @@ enum Way {
     Own,
     Fuse,
     FuseNotifyAll,
+    Fifo,
 }
 
 impl Way {
@@ -41,11 +44,12 @@ impl Way {
             Way::Own => "make 4.4.1 -jN (own FIFO)",
             Way::Fuse => "baton run (fuse)",
             Way::FuseNotifyAll => "baton run (fuse, notify-all)",
+            Way::Fifo => "baton run (fifo)",
         }
     }
 
-    fn is_baton(self) -> bool {
-        self != Way::Own
+    fn needs_fuse(self) -> bool {
+        matches!(self, Way::Fuse | Way::FuseNotifyAll)
     }
 }
 
@@ -53,11 +57,14 @@ pub fn run(bench: &Bench, scale: &Scale) -> Result<Findings> {
     let make = std::env::var_os("BATON_BENCH_MAKE44").map_or_else(|| PathBuf::from("make"), PathBuf::from);
     check_version("make 4.4.1", &make, "GNU Make 4.4")?;
     let mut notes = Vec::new();
-    let with_fuse = bench.with_baton() && Mechanism::BatonFuse.available();
-    if bench.with_baton() && !with_fuse {
-        notes.push("skipped the baton rows: FUSE is not available here (no /dev/fuse)".to_string());
+    let fuse = Mechanism::BatonFuse.available();
+    if bench.with_baton() && !fuse {
+        notes.push("skipped the FUSE rows: FUSE is not available here (no /dev/fuse)".to_string());
     }
-    let ways: Vec<Way> = [Way::Own, Way::Fuse, Way::FuseNotifyAll].into_iter().filter(|w| with_fuse || !w.is_baton()).collect();
+    let ways: Vec<Way> = [Way::Own, Way::Fuse, Way::FuseNotifyAll, Way::Fifo]
+        .into_iter()
+        .filter(|&w| w == Way::Own || (bench.with_baton() && (fuse || !w.needs_fuse())))
+        .collect();
     let tree = write_tree(&bench.env.tmp, scale.job_us)?;
     let cases: Vec<(usize, Way)> = scale.waiters.iter().flat_map(|&n| ways.iter().map(move |&w| (n, w))).collect();
     let rounds = scale.ops.max(1) as usize;
@@ -117,11 +124,15 @@ fn build(bench: &Bench, make: &Path, tree: &Path, n: usize, way: Way) -> Result<
             command.arg(format!("-j{n}")).args(make_args);
             (command, None)
         }
-        Way::Fuse | Way::FuseNotifyAll => {
-            let flags: &[&str] = if way == Way::FuseNotifyAll { &["--fuse-notify-all"] } else { &[] };
+        Way::Fuse | Way::FuseNotifyAll | Way::Fifo => {
+            let (flags, style): (&[&str], _) = match way {
+                Way::FuseNotifyAll => (&["--fuse-notify-all"], "fuse"),
+                Way::Fifo => (&["--no-fuse"], "fifo"),
+                _ => (&[], "fuse"),
+            };
             let broker = Broker::start_with(n as u32, &bench.env, Wait::Blocking, flags)?;
             let mut command = Command::new(&bench.env.baton_bin);
-            command.arg("run").arg("--socket").arg(broker.socket()).args(["--jobserver-style", "fuse", "--"]).arg(make).args(make_args);
+            command.arg("run").arg("--socket").arg(broker.socket()).args(["--jobserver-style", style, "--"]).arg(make).args(make_args);
             (command, Some(broker))
         }
     };
