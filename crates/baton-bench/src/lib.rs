@@ -36,8 +36,9 @@ pub struct BenchArgs {
     /// bulk-wake (sembench's semaphores), mass-poll (FreeBSD's make
     /// universe), broadcast (the futex requeue), builds (real make and
     /// ninja under one limit), universe (FreeBSD's make universe on real
-    /// bmake), cluster (brokers sharing a pool in a real etcd) or memory
-    /// (the memory gate against the OOM killer; root).
+    /// bmake), cluster (brokers sharing a pool in a real etcd), memory (the
+    /// memory gate against the OOM killer; root) or make-tree (a recursive
+    /// make 4.4.1 build on the FUSE token file).
     #[arg(value_enum)]
     pub scenario: Scenario,
 
@@ -51,12 +52,13 @@ pub struct BenchArgs {
     pub plot: Option<PathBuf>,
 
     /// Waiting processes (threads in broadcast); a comma-separated list
-    /// measures each. Default: 64; mass-poll 16,64,256,1024.
+    /// measures each. Default: 64; mass-poll 16,64,256,1024 (universe,
+    /// make-tree: the -jNs).
     #[arg(long, alias = "processes", value_delimiter = ',', value_name = "N[,N...]")]
     pub waiters: Vec<usize>,
 
     /// Operations per measurement: acquisitions, transfers or wake-ups
-    /// (builds: jobs per build).
+    /// (builds: jobs per build; universe, make-tree: rounds).
     #[arg(long, value_name = "N")]
     pub ops: Option<u64>,
 

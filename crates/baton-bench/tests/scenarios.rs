@@ -28,6 +28,7 @@ const TESTS: &[(&str, Test)] = &[
     ("universe_counts_every_job_of_both_trees", universe_counts_every_job_of_both_trees),
     ("cluster_counts_grants_and_watch_events", cluster_counts_grants_and_watch_events),
     ("memory_counts_each_builds_oom_kills", memory_counts_each_builds_oom_kills),
+    ("make_tree_runs_each_way_at_each_n", make_tree_runs_each_way_at_each_n),
     ("bad_scale_is_refused", bad_scale_is_refused),
 ];
 
@@ -270,6 +271,32 @@ fn cluster_counts_grants_and_watch_events(h: &Harness) -> Result<()> {
         let events = f64_of(row, "watch_events_per_grant");
         ensure!(events >= 0.0 && (row["mechanism"] != "etcd-queue" || events <= 2.0), "{row}");
         ensure!(f64_of(row, "grant_p99_ms") >= f64_of(row, "grant_p50_ms"), "{row}");
+    }
+    Ok(())
+}
+
+fn make_tree_runs_each_way_at_each_n(h: &Harness) -> Result<()> {
+    // scripts/test names make 4.4.1 for the tests; the bench reads its own variable.
+    if std::env::var_os("BATON_BENCH_MAKE44").is_none() {
+        let Some(make) = std::env::var_os("BATON_TEST_MAKE44") else {
+            record_skip("Make44", "make_tree: neither BATON_BENCH_MAKE44 nor BATON_TEST_MAKE44 names make 4.4.1");
+            return Ok(());
+        };
+        std::env::set_var("BATON_BENCH_MAKE44", make);
+    }
+    let doc = h.bench(&["make-tree", "--waiters", "4,8", "--ops", "1", "--job-us", "1000"])?;
+    // Its fuse rows need /dev/fuse; the fifo row does not.
+    let fuse = std::path::Path::new("/dev/fuse").exists();
+    let all = ["make 4.4.1 -jN (own FIFO)", "baton run (fuse)", "baton run (fuse, notify-all)", "baton run (fifo)"];
+    let ways: Vec<&str> = h.expected(&all).into_iter().filter(|w| fuse || !w.contains("(fuse")).collect();
+    ensure!(mechanisms(&doc) == ways.repeat(2), "mechanisms {:?}", mechanisms(&doc));
+    for (i, row) in doc["results"].as_array().into_iter().flatten().enumerate() {
+        let n = if i < ways.len() { 4 } else { 8 };
+        ensure!(u64_of(row, "operations") == 16 * 16 * 20 && u64_of(row, "waiters") == n, "{row}");
+        ensure!(u64_of(row, "csw") > 0 && f64_of(row, "load_max") >= f64_of(row, "load_min"), "{row}");
+        // The ratios are to make's own row at the same N.
+        ensure!(row["mechanism"] != ways[0] || f64_of(row, "csw_x") == 1.0, "{row}");
+        ensure!(row["mechanism"] == ways[0] || row["broker_context_switches_per_op"].as_f64().is_some(), "no broker figures: {row}");
     }
     Ok(())
 }

@@ -14,7 +14,7 @@ use std::os::unix::fs::OpenOptionsExt;
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 /// A broker with its FUSE mount, or None (after recording a skip) where
 /// FUSE is not available.
@@ -318,104 +318,6 @@ fn a_process_exiting_with_a_thread_blocked_in_a_read_exits_at_once() {
     assert!(status.success());
     OpenOptions::new().write(true).open(&path).unwrap().write_all(b"+").unwrap();
     wait_for(Duration::from_secs(20), "every token back", || broker.status().free == 2);
-}
-
-/// Context switches, CPU and wall time of one run of the tree.
-#[derive(Debug, Clone, Copy, Default)]
-struct Cost {
-    switches: f64,
-    cpu: f64,
-    wall: f64,
-}
-
-/// Context switches and CPU seconds of every thread of a live process.
-fn process_cost(pid: u32) -> (f64, f64) {
-    let mut switches = 0.0;
-    for task in std::fs::read_dir(format!("/proc/{pid}/task")).unwrap() {
-        let status = std::fs::read_to_string(task.unwrap().path().join("status")).unwrap_or_default();
-        for line in status.lines() {
-            if let Some(v) = line.strip_prefix("voluntary_ctxt_switches:").or_else(|| line.strip_prefix("nonvoluntary_ctxt_switches:")) {
-                switches += v.trim().parse::<f64>().unwrap();
-            }
-        }
-    }
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap();
-    let fields: Vec<&str> = stat.rsplit(')').next().unwrap().split_whitespace().collect();
-    let ticks = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as f64;
-    // utime and stime are fields 14 and 15 of stat, 12 and 13 after the name.
-    (switches, (fields[11].parse::<f64>().unwrap() + fields[12].parse::<f64>().unwrap()) / ticks)
-}
-
-/// Context switches and CPU seconds of all reaped descendants so far.
-fn children_cost() -> (f64, f64) {
-    let mut ru: libc::rusage = unsafe { std::mem::zeroed() };
-    unsafe { libc::getrusage(libc::RUSAGE_CHILDREN, &mut ru) };
-    let secs = |t: libc::timeval| t.tv_sec as f64 + t.tv_usec as f64 / 1e6;
-    ((ru.ru_nvcsw + ru.ru_nivcsw) as f64, secs(ru.ru_utime) + secs(ru.ru_stime))
-}
-
-/// Runs `make` to the end and returns what it and the broker (if any) cost.
-fn measure(mut make: Command, broker: Option<&Broker>) -> Cost {
-    let (build_sw, build_cpu) = children_cost();
-    let (broker_sw, broker_cpu) = broker.map_or((0.0, 0.0), |b| process_cost(b.pid()));
-    let start = Instant::now();
-    assert!(make.status().unwrap().success());
-    let wall = start.elapsed().as_secs_f64();
-    let (build_sw2, build_cpu2) = children_cost();
-    let (broker_sw2, broker_cpu2) = broker.map_or((0.0, 0.0), |b| process_cost(b.pid()));
-    Cost { switches: build_sw2 - build_sw + broker_sw2 - broker_sw, cpu: build_cpu2 - build_cpu + broker_cpu2 - broker_cpu, wall }
-}
-
-fn tree_via_broker(dir: &Path, extra: &[&str]) -> Option<Cost> {
-    let broker = fuse_broker(512, extra)?;
-    // baton run is counted with the build: it is a child like make.
-    let cost = measure(make_via_fuse(&broker, dir, "top.mk"), Some(&broker));
-    broker.assert_all_free();
-    Some(cost)
-}
-
-fn median(mut costs: Vec<Cost>) -> Cost {
-    let mid = costs.len() / 2;
-    let pick = |costs: &mut Vec<Cost>, key: fn(&Cost) -> f64| {
-        costs.sort_by(|a, b| key(a).total_cmp(&key(b)));
-        key(&costs[mid])
-    };
-    Cost { switches: pick(&mut costs, |c| c.switches), cpu: pick(&mut costs, |c| c.cpu), wall: pick(&mut costs, |c| c.wall) }
-}
-
-/// The benchmark: the 16 × 16 × 20 tree under GNU make 4.4.1's own
-/// -j512 FIFO jobserver, under baton's FUSE file, and under the FUSE file
-/// waking every poller (the herd control). Not a timed test: run with
-/// `cargo test -p baton --test fuse -- --ignored --nocapture`.
-#[test]
-#[ignore]
-fn benchmark_make_tree_own_jobserver_vs_fuse_vs_notify_all() {
-    let runs: usize = std::env::var("BATON_BENCH_RUNS").ok().and_then(|v| v.parse().ok()).unwrap_or(3);
-    let dir = TempDir::new("fuse-bench");
-    make_tree(dir.path(), &dir.path().join("jobs.log"), 16, 20, "0.02");
-    let (mut own, mut fuse, mut herd) = (Vec::new(), Vec::new(), Vec::new());
-    for _ in 0..runs {
-        let mut make = Command::new(make44());
-        make.args(["-s", "--no-print-directory", "-j512", "-f", "top.mk"]).current_dir(dir.path()).env_remove("MAKEFLAGS").env_remove("MFLAGS");
-        own.push(measure(make, None));
-        let Some(cost) = tree_via_broker(dir.path(), &[]) else { return };
-        fuse.push(cost);
-        herd.push(tree_via_broker(dir.path(), &["--fuse-notify-all"]).unwrap());
-    }
-    let base = median(own);
-    println!("median of {runs} runs; ratios to make's own -j512 jobserver");
-    println!("{:<28} {:>9} {:>7} {:>7} {:>8} {:>7} {:>7}", "", "csw", "cpu s", "wall s", "csw ×", "cpu ×", "wall ×");
-    for (name, c) in [("make -j512 (own FIFO)", base), ("baton FUSE (notify one)", median(fuse)), ("baton FUSE notify-all", median(herd))] {
-        println!(
-            "{name:<28} {:>9.0} {:>7.2} {:>7.2} {:>8.2} {:>7.2} {:>7.2}",
-            c.switches,
-            c.cpu,
-            c.wall,
-            c.switches / base.switches,
-            c.cpu / base.cpu,
-            c.wall / base.wall
-        );
-    }
 }
 
 /// Where the broker cannot mount, `auto` must fall back to the FIFO bridge

@@ -81,15 +81,18 @@ struct Handle {
 }
 
 impl Handle {
+    /// As make 4.4's jobserver_acquire: pselect() first, then the read.
+    /// (Reading first would cost a request make does not send: a read of
+    /// the file is a round trip to the broker even when it fails.)
     fn take_one(&mut self) -> Result<()> {
         let mut byte = [0u8; 1];
         loop {
+            sys::poll_readable(self.file.as_raw_fd(), -1).context("polling the token file")?;
             match sys::read(self.file.as_raw_fd(), &mut byte) {
                 Ok(1) => return Ok(()),
                 Ok(_) => bail!("the token file returned no byte"),
-                Err(e) if e.kind() == ErrorKind::WouldBlock => {
-                    sys::poll_readable(self.file.as_raw_fd(), -1).context("polling the token file")?;
-                }
+                // Our reservation ran out before we read: poll again.
+                Err(e) if e.kind() == ErrorKind::WouldBlock => continue,
                 Err(e) => return Err(e).context("reading the token file"),
             }
         }

@@ -53,11 +53,7 @@ fn tools() -> Result<Vec<Tool>> {
         Tool { name: "ninja 1.13", path: from("BATON_BENCH_NINJA", "ninja"), kind: Kind::Ninja, fifo: true },
     ];
     for (tool, version) in tools.iter().zip(["GNU Make 4.3", "GNU Make 4.4", "1.13"]) {
-        let out = Command::new(&tool.path).arg("--version").env_remove("MAKEFLAGS").output();
-        let said = out.map(|o| String::from_utf8_lossy(&o.stdout).into_owned()).unwrap_or_default();
-        if !said.starts_with(version) {
-            bail!("{} not found at {} (set BATON_BENCH_{}; it said {:?})", tool.name, tool.path.display(), tool.name.replace([' ', '.'], "").to_uppercase(), said.lines().next().unwrap_or(""));
-        }
+        check_version(tool.name, &tool.path, version)?;
     }
     Ok(tools)
 }
@@ -67,6 +63,16 @@ fn cargo() -> Option<Tool> {
     let path = std::env::var_os("BATON_BENCH_CARGO").map_or_else(|| PathBuf::from("cargo"), PathBuf::from);
     let runs = Command::new(&path).arg("--version").env_remove("MAKEFLAGS").output().is_ok_and(|o| o.status.success());
     runs.then_some(Tool { name: "cargo", path, kind: Kind::Cargo, fifo: true })
+}
+
+/// Fails unless `path --version` starts with `version`.
+pub(super) fn check_version(name: &str, path: &Path, version: &str) -> Result<()> {
+    let out = Command::new(path).arg("--version").env_remove("MAKEFLAGS").output();
+    let said = out.map(|o| String::from_utf8_lossy(&o.stdout).into_owned()).unwrap_or_default();
+    if !said.starts_with(version) {
+        bail!("{name} not found at {} (set BATON_BENCH_{}; it said {:?})", path.display(), name.replace([' ', '.'], "").to_uppercase(), said.lines().next().unwrap_or(""));
+    }
+    Ok(())
 }
 
 /// A build's directory with its graph and the log its jobs write.

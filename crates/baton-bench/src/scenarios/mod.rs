@@ -7,6 +7,7 @@ mod builds;
 mod bulk_wake;
 mod cluster;
 mod job_runners;
+mod make_tree;
 mod mass_poll;
 mod memory;
 mod token_ring;
@@ -48,6 +49,9 @@ pub enum Scenario {
     /// (root, cgroup v1): plain make -jN, the largest -j that fits, and
     /// baton with --min-mem-available, in one run.
     Memory,
+    /// Real make 4.4.1: a 16 × 16 × 20 recursive tree, make's own -jN
+    /// against baton's FUSE token file, at -j16 and -j512.
+    MakeTree,
 }
 
 impl Scenario {
@@ -62,6 +66,7 @@ impl Scenario {
             Scenario::Universe => "universe",
             Scenario::Cluster => "cluster",
             Scenario::Memory => "memory",
+            Scenario::MakeTree => "make-tree",
         }
     }
 
@@ -76,6 +81,7 @@ impl Scenario {
             Scenario::Universe => universe::DEFAULTS,
             Scenario::Cluster => cluster::DEFAULTS,
             Scenario::Memory => memory::DEFAULTS,
+            Scenario::MakeTree => make_tree::DEFAULTS,
         }
     }
 }
@@ -180,6 +186,7 @@ pub fn run(args: &BenchArgs, baton_bin: PathBuf) -> Result<Report> {
         Scenario::Universe => universe::run(&bench, &scale)?,
         Scenario::Cluster => cluster::run(&bench, &scale)?,
         Scenario::Memory => memory::run(&bench, &scale)?,
+        Scenario::MakeTree => make_tree::run(&bench, &scale)?,
     };
     let parameters = match serde_json::to_value(&scale)? {
         Value::Object(map) => map,

@@ -70,12 +70,12 @@ const WAYS: [Way; 4] = [Way::Own, Way::Baton("fifo"), Way::Baton("pipe"), Way::B
 
 /// What one build spent.
 #[derive(Debug, Clone, Copy, Default)]
-struct Sample {
-    wall_s: f64,
-    user_s: f64,
-    sys_s: f64,
-    usage: Usage,
-    broker: Option<Usage>,
+pub(super) struct Sample {
+    pub wall_s: f64,
+    pub user_s: f64,
+    pub sys_s: f64,
+    pub usage: Usage,
+    pub broker: Option<Usage>,
 }
 
 pub fn run(bench: &Bench, scale: &Scale) -> Result<Findings> {
@@ -128,7 +128,7 @@ pub fn run(bench: &Bench, scale: &Scale) -> Result<Findings> {
     Ok(Findings { rows, notes })
 }
 
-fn round2(x: f64) -> f64 {
+pub(super) fn round2(x: f64) -> f64 {
     (x * 100.0).round() / 100.0
 }
 
@@ -187,17 +187,25 @@ fn build(bench: &Bench, bmake: &Path, tree: &Path, n: usize, way: Way) -> Result
             (command, Some(broker))
         }
     };
-    command.current_dir(tree).env_remove("MAKEFLAGS").env_remove("MAKELEVEL").stdin(Stdio::null()).stdout(Stdio::null());
-    let broker_pid = broker.as_ref().and_then(|b| b.broker_pid());
+    command.current_dir(tree);
+    measure(command, broker.as_ref(), &way.name())
+}
+
+/// Runs a build to its end and returns what it and the broker (if any)
+/// spent meanwhile. Only the jobserver the command gives is used: none
+/// inherited from our caller.
+pub(super) fn measure(mut command: Command, broker: Option<&Broker>, name: &str) -> Result<Sample> {
+    command.env_remove("MAKEFLAGS").env_remove("MAKELEVEL").stdin(Stdio::null()).stdout(Stdio::null());
+    let broker_pid = broker.and_then(|b| b.broker_pid());
     let broker_before = broker_pid.map(Usage::of_process).transpose()?;
     let before = children_rusage();
     let start = Instant::now();
-    let status = command.status().with_context(|| format!("running {}", way.name()))?;
+    let status = command.status().with_context(|| format!("running {name}"))?;
     let wall = start.elapsed();
     let after = children_rusage();
     let broker_after = broker_pid.map(Usage::of_process).transpose()?;
     if !status.success() {
-        bail!("{} failed ({status}) in {}", way.name(), tree.display());
+        bail!("{name} failed ({status})");
     }
     let broker_usage = broker_before.zip(broker_after).map(|(b, a)| a - b);
     let spent = |f: fn(&libc::rusage) -> libc::timeval| secs(f(&after)) - secs(f(&before));
@@ -238,7 +246,7 @@ fn proc_user_sys(pid: libc::pid_t) -> (f64, f64) {
 }
 
 /// The median of each figure on its own.
-fn median_sample(samples: &[Sample]) -> Sample {
+pub(super) fn median_sample(samples: &[Sample]) -> Sample {
     fn median<T: Copy + PartialOrd>(mut xs: Vec<T>) -> T {
         xs.sort_by(|a, b| a.partial_cmp(b).unwrap_or(std::cmp::Ordering::Equal));
         xs[xs.len() / 2]
