@@ -111,7 +111,10 @@ fn a_build_the_oom_killer_ends_under_make_j8_finishes_under_the_memory_gate() {
 
     // The same build under baton's memory gate, broker and build inside
     // the cgroup.
-    let broker = Broker::start_under(&enter, 8, &["--min-mem-available", "200M", "--mem-settle", "2000"]);
+    // With the pause as well: on a loaded machine a job may not touch its
+    // memory within the settle time, and the gate alone then admits too
+    // many (docs/adaptive.md); the pause stops the late growers.
+    let broker = Broker::start_under(&enter, 8, &["--min-mem-available", "200M", "--mem-settle", "2000", "--on-memory-pressure", "pause"]);
     let dir = TempDir::new("oom-gated");
     let log = dir.path().join("jobs.log");
     memory_makefile(dir.path(), &log, 12, 250, 1.0);
