@@ -17,12 +17,14 @@
 //!   the gates (`baton_core::gates` decides).
 //! - `paths`: the socket's directory, lock and stale-socket checks.
 //! - `activation`: the listening socket systemd passes (socket activation).
+//! - `handover`: passing the running state to a successor (`--replace`).
 #![deny(missing_docs)]
 
 mod activation;
 mod broker;
 mod fuse;
 mod gates;
+mod handover;
 mod log;
 mod paths;
 mod serve;

@@ -97,6 +97,11 @@ enum Cmd {
         /// `ERR full`. Each costs the broker a file descriptor.
         #[arg(long, value_name = "N", default_value_t = baton_broker::MAX_CLIENTS, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=1_000_000))]
         max_clients: usize,
+        /// Take over from the broker serving this socket, with everything
+        /// it holds (clients, waiters, the FUSE mount), so that no build
+        /// notices: upgrade baton in place with the new binary.
+        #[arg(long)]
+        replace: bool,
     },
     /// Run CMD holding tokens from the broker, with a GNU jobserver (MAKEFLAGS)
     /// fed from the pool; every token goes back when CMD ends.
@@ -257,7 +262,7 @@ fn main() -> ExitCode {
 
 fn dispatch(command: Cmd) -> anyhow::Result<u8> {
     match command {
-        Cmd::Serve { jobs, socket, verbose, quiet, no_fuse, fuse_notify_all, spin_us, no_io_uring, gates, mem_settle, idle_timeout, max_clients } => {
+        Cmd::Serve { jobs, socket, verbose, quiet, no_fuse, fuse_notify_all, spin_us, no_io_uring, gates, mem_settle, idle_timeout, max_clients, replace } => {
             let log_level = if quiet { LogLevel::Warn } else if verbose { LogLevel::Debug } else { LogLevel::Info };
             let fuse = match (no_fuse, fuse_notify_all) {
                 (true, _) => None,
@@ -272,7 +277,7 @@ fn dispatch(command: Cmd) -> anyhow::Result<u8> {
                 None => Config::load()?.jobs(None).value,
             };
             let idle_timeout = idle_timeout.map(Duration::from_secs);
-            baton_broker::serve(ServeOptions { jobs, socket, fuse, spin_us, io_uring: !no_io_uring, log_level, gates, idle_timeout, max_clients })?;
+            baton_broker::serve(ServeOptions { jobs, socket, fuse, spin_us, io_uring: !no_io_uring, log_level, gates, idle_timeout, max_clients, replace })?;
         }
         Cmd::Run { socket, tokens, jobserver_style, max, explain, name, weight, command } => {
             // Read once, and only where needed: to start a broker, or for

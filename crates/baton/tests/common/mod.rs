@@ -163,6 +163,13 @@ impl Broker {
         (status, self.log())
     }
 
+    /// Waits for the broker to exit by itself (it handed over, say).
+    pub fn wait_exit(&mut self, limit: Duration) -> std::process::ExitStatus {
+        let status = wait_timeout(&mut self.child, limit).expect("the broker exits");
+        self.stopped = true;
+        status
+    }
+
     /// Checks that every token is back: free == limit, nobody holds any.
     pub fn assert_all_free(&self) {
         let s = self.status();

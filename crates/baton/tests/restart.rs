@@ -1,0 +1,118 @@
+//! A broker replaced in place (`baton serve --replace`) while builds of
+//! every style run under it: real make 4.3 (pipe), make 4.4.1 (FUSE file
+//! and FIFO) and ninja 1.13 (FIFO), a real FUSE mount, real processes.
+
+mod common;
+
+use common::*;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Stdio};
+use std::time::Duration;
+
+/// One build of each style, each in its own directory with its own log of
+/// job starts and ends.
+struct Builds {
+    dirs: Vec<TempDir>,
+    children: Vec<Child>,
+}
+
+const JOBS: usize = 8;
+
+impl Builds {
+    fn start(broker: &Broker) -> Self {
+        let make44 = make44();
+        let styles: [(&str, PathBuf, bool); 4] = [("pipe", make43(), false), ("fuse", make44.clone(), false), ("fifo", make44, false), ("fifo", ninja(), true)];
+        let mut dirs = Vec::new();
+        let mut children = Vec::new();
+        for (style, tool, is_ninja) in styles {
+            let dir = TempDir::new(&format!("restart-{style}"));
+            let log = dir.path().join("jobs.log");
+            if is_ninja {
+                flat_ninja(dir.path(), &log, JOBS, "0.4");
+            } else {
+                flat_makefile(dir.path(), &log, JOBS, "0.4");
+            }
+            let child = broker
+                .run(&["--jobserver-style", style, "--", tool.to_str().unwrap()])
+                .current_dir(dir.path())
+                .env_remove("MAKEFLAGS")
+                .stdout(Stdio::null())
+                .stderr(Stdio::piped())
+                .spawn()
+                .expect("start a build");
+            dirs.push(dir);
+            children.push(child);
+        }
+        Builds { dirs, children }
+    }
+
+    fn log(&self, i: usize) -> PathBuf {
+        self.dirs[i].path().join("jobs.log")
+    }
+
+    fn every_build_has_started_a_job(&self) -> bool {
+        (0..self.dirs.len()).all(|i| max_overlap(&self.log(i)).1 > 0)
+    }
+
+    /// Waits for every build; each must succeed and have run every job.
+    fn finish(mut self) {
+        let logs: Vec<PathBuf> = (0..self.dirs.len()).map(|i| self.log(i)).collect();
+        for (i, child) in self.children.iter_mut().enumerate() {
+            let status = wait_timeout(child, Duration::from_secs(120)).expect("the build ends");
+            let mut err = String::new();
+            std::io::Read::read_to_string(child.stderr.as_mut().unwrap(), &mut err).unwrap();
+            assert!(status.success(), "build {i} failed: {err}");
+            assert_eq!(max_overlap(&logs[i]).1, JOBS, "build {i} ran every job: {err}");
+        }
+    }
+}
+
+/// The successor: `baton serve --replace` with the same options.
+fn replace(broker: &Broker) -> Child {
+    let log = std::fs::File::create(broker.dir.path().join("successor.log")).unwrap();
+    baton().args(["serve", "--jobs", "4", "--socket"]).arg(&broker.socket).arg("--replace").stderr(log).spawn().expect("start the successor")
+}
+
+fn successor_log(broker: &Broker) -> String {
+    std::fs::read_to_string(broker.dir.path().join("successor.log")).unwrap_or_default()
+}
+
+fn is_mounted(path: &Path) -> bool {
+    std::fs::read_to_string("/proc/self/mounts").unwrap().lines().any(|l| l.split(' ').nth(1) == Some(path.to_str().unwrap()))
+}
+
+#[test]
+fn builds_of_every_style_go_on_through_a_replace() {
+    let mut broker = Broker::start(4);
+    let mount = broker.socket.with_file_name("fuse");
+    if !is_mounted(&mount) {
+        return skip(Missing::Fuse, &format!("FUSE is not available here: {}", broker.log()));
+    }
+    let builds = Builds::start(&broker);
+    wait_for(Duration::from_secs(60), "every build to start a job", || builds.every_build_has_started_a_job());
+    let before = broker.status();
+    assert!(before.held > 0, "the builds hold tokens as the broker is replaced: {before:#?}");
+
+    let mut successor = replace(&broker);
+    let status = broker.wait_exit(Duration::from_secs(30));
+    assert!(status.success(), "the predecessor hands over and exits 0: {}", broker.log());
+    assert!(broker.log().contains("handed over to a successor"), "{}", broker.log());
+    wait_for(Duration::from_secs(30), "the successor to take over", || successor_log(&broker).contains("took over"));
+    let after = broker.status();
+    assert_eq!(after.broker_pid, successor.id(), "the successor answers on the same socket");
+    assert!(after.totals.granted >= before.totals.granted, "the pool came with its books: before {before:#?}, after {after:#?}");
+    assert!(after.totals.clients > 0, "the builds' clients came along: {after:#?}");
+
+    builds.finish();
+    // No token was created: never more jobs at once than the limit, over
+    // all four builds together.
+    assert_eq!(after.limit, 4);
+    let s = broker.status();
+    assert_eq!((s.free, s.held), (s.limit, 0), "every token is back: {s:#?}\n{}", successor_log(&broker));
+    assert_eq!(s.totals.reclaimed, 0, "no connection broke: {s:#?}\n{}", successor_log(&broker));
+
+    unsafe { libc::kill(successor.id() as i32, libc::SIGTERM) };
+    let status = wait_timeout(&mut successor, Duration::from_secs(30)).expect("the successor stops");
+    assert!(status.success(), "{}", successor_log(&broker));
+    assert!(!is_mounted(&mount), "the successor unmounts as it stops: {}", successor_log(&broker));
+}
