@@ -234,6 +234,14 @@ impl Broker {
         Ok(granted)
     }
 
+    /// The client holds `tokens` a predecessor granted (see [`Pool::hold`]).
+    pub fn hold(&mut self, id: ClientId, tokens: u32) -> Result<(), PoolError> {
+        self.tick();
+        self.pool.hold(id, tokens)?;
+        Self::note_holding(self.pool.meta_mut(id).expect("hold checked the client"));
+        Ok(())
+    }
+
     /// A client that just got tokens holds since now, unless it already held
     /// some (release clears the time when it holds none).
     fn note_holding(meta: &mut ClientMeta) {

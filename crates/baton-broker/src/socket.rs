@@ -614,6 +614,11 @@ fn apply(broker: &mut Broker, id: ClientId, request: Request) -> Result<Option<R
             let (tokens, free) = broker.wanted(id);
             Reply::Wanted { tokens, free }
         }
+        Request::Hold(n) => {
+            broker.hold(id, n)?;
+            log::info(format_args!("client {}: holds {n} token(s) a broker before us granted", id.0));
+            Reply::Granted { tokens: n, held: broker.pool().held_by(id) }
+        }
         Request::Hello { .. } | Request::Cancel => unreachable!("handled by the caller"),
     }))
 }

@@ -360,6 +360,27 @@ impl<M> Pool<M> {
         Ok(self.serve_queue())
     }
 
+    /// Counts `tokens` that the client already holds, granted by a broker
+    /// that went away, as its own (a build re-attaching after a crash).
+    /// They come out of the free tokens; any beyond those leave the pool
+    /// draining as a lowered limit does (held > limit, nothing free), so
+    /// that the limit holds again once they come back. Nothing is created:
+    /// the tokens were in use already, and the pool only learns of them.
+    pub fn hold(&mut self, id: ClientId, tokens: u32) -> Result<(), PoolError> {
+        // At most the limit, with what it holds and waits for: as for a
+        // request, anything more could leave its own request waiting forever.
+        self.check_request(id, tokens)?;
+        let taken = tokens.min(self.free);
+        self.free -= taken;
+        let client = self.clients.get_mut(&id).expect("checked above");
+        client.held += tokens;
+        let build = self.shares.get_mut(client.build);
+        build.held += tokens;
+        build.granted += u64::from(tokens);
+        self.totals.granted += u64::from(tokens);
+        Ok(())
+    }
+
     /// Withdraws a pending request. Returns the tokens it was waiting for (0
     /// if it was not waiting, e.g. because the grant already happened), and
     /// any grants its departure unblocked for the requests behind it.

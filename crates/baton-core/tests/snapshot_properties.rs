@@ -19,6 +19,7 @@ enum Op {
     Disconnect(usize),
     SetLimit(u32),
     Cap(Option<u32>),
+    Hold { client: usize, tokens: u32 },
 }
 
 fn op() -> impl Strategy<Value = Op> {
@@ -34,6 +35,7 @@ fn op() -> impl Strategy<Value = Op> {
         1 => (0..8usize).prop_map(Op::Disconnect),
         1 => (1..6u32).prop_map(Op::SetLimit),
         1 => prop::option::of(0..6u32).prop_map(Op::Cap),
+        1 => (0..8usize, 1..4u32).prop_map(|(client, tokens)| Op::Hold { client, tokens }),
     ]
 }
 
@@ -85,6 +87,7 @@ fn apply(pool: &mut Pool<String>, clients: &mut Vec<ClientId>, now: &mut u64, op
         }),
         Op::SetLimit(limit) => Outcome::Grants(pool.set_limit(limit)),
         Op::Cap(cap) => Outcome::Grants(Ok(pool.set_admission_cap(cap))),
+        Op::Hold { client, tokens } => pick(client).map_or(Outcome::Nothing, |c| Outcome::Tried(pool.hold(c, tokens).map(|()| true))),
     }
 }
 

@@ -114,7 +114,8 @@ pub fn run(opts: RunOptions) -> Result<i32> {
         // The broker serves the file itself; we only keep it until the end.
         Jobserver::Fuse(file) => (None, Some(file)),
     };
-    let broker = Broker { client, alive: true, socket, fuse: build_file.is_some() };
+    let build = (opts.weight, opts.name.clone().unwrap_or_default());
+    let broker = Broker { client, alive: true, socket, fuse: build_file.is_some(), label, build };
     let status = supervise(child, &signals, broker, feeder)?;
     Ok(exit_code(status))
 }
@@ -234,6 +235,10 @@ fn inheritable(fd: &OwnedFd) -> Result<()> {
     Ok(())
 }
 
+/// How often a build that lost its broker looks for a new one at the
+/// same socket: a restarted broker is found within about this long.
+const REATTACH_EVERY: Duration = Duration::from_millis(200);
+
 /// Our connection to the broker, and whether it still answers.
 struct Broker {
     client: Client,
@@ -242,6 +247,10 @@ struct Broker {
     /// The build's tokens come from the broker's FUSE file, which goes
     /// away with the broker.
     fuse: bool,
+    /// What a new broker is told when we re-attach: our HELLO label, and
+    /// the build's weight and name.
+    label: String,
+    build: (u32, String),
 }
 
 impl Broker {
@@ -253,9 +262,30 @@ impl Broker {
             let outlook = if self.fuse {
                 "the build's FUSE token file went with it, so its next token read will fail"
             } else {
-                "the build goes on with the tokens it has, which are no longer counted"
+                "the build goes on with the tokens it has, uncounted until a broker starts there again"
             };
             log::warn(format_args!("lost the broker at {} ({e}); {outlook}", self.socket.display()));
+        }
+    }
+}
+
+impl Broker {
+    /// Once the broker is lost: if a new one answers at the socket, joins
+    /// it as the same build and tells it what we hold (HOLD), so that it
+    /// counts our tokens and feeds the build again.
+    fn reattach(&mut self, feeder: Option<&mut Feeder>) {
+        let Ok(mut client) = Client::connect(&self.socket, &self.label) else { return };
+        let held = self.client.held();
+        let joined = client.start_build(self.build.0, &self.build.1).and_then(|_| if held > 0 { client.hold(held) } else { Ok(()) });
+        if let Err(e) = joined {
+            log::warn(format_args!("a new broker answers at {} but refused us ({e}); the build goes on uncounted", self.socket.display()));
+            return;
+        }
+        log::warn(format_args!("re-attached to the new broker at {}, holding {held} token(s)", self.socket.display()));
+        self.client = client;
+        self.alive = true;
+        if let Some(f) = feeder {
+            f.reattached();
         }
     }
 }
@@ -308,7 +338,11 @@ fn supervise(mut child: Child, signals: &SignalFd, mut broker: Broker, mut feede
         if let Some(f) = &feeder {
             fds.extend(f.event_fds().into_iter().map(|fd| PollFd::new(fd, PollFlags::POLLIN)));
         }
-        let timeout = feeder.as_ref().and_then(|f| f.idle_timeout()).map_or(PollTimeout::NONE, poll_timeout);
+        let idle = feeder.as_ref().and_then(|f| f.idle_timeout());
+        let timeout = match broker.alive {
+            true => idle.map_or(PollTimeout::NONE, poll_timeout),
+            false => poll_timeout(idle.map_or(REATTACH_EVERY, |d| d.min(REATTACH_EVERY))),
+        };
         match poll(&mut fds, timeout) {
             Ok(_) => {}
             Err(nix::errno::Errno::EINTR) => continue,
@@ -321,6 +355,9 @@ fn supervise(mut child: Child, signals: &SignalFd, mut broker: Broker, mut feede
         drop(fds);
         if got_signal {
             forward_signals(signals, child.id());
+        }
+        if !broker.alive && !child_done {
+            broker.reattach(feeder.as_mut());
         }
         if broker_event {
             on_broker_readable(&mut broker, feeder.as_mut());
