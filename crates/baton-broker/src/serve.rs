@@ -146,6 +146,9 @@ pub fn serve(opts: ServeOptions) -> Result<()> {
                 // The successor serves everything now: leave the socket
                 // and the mount as they are, without the destructors.
                 Ok(()) => {
+                    if let Some(fuse) = fuse.as_mut() {
+                        fuse.dismiss_keeper();
+                    }
                     log::info(format_args!("handed over to a successor: exiting"));
                     std::process::exit(0);
                 }

@@ -115,7 +115,8 @@ pub fn run(opts: RunOptions) -> Result<i32> {
         Jobserver::Fuse(file) => (None, Some(file)),
     };
     let build = (opts.weight, opts.name.clone().unwrap_or_default());
-    let broker = Broker { client, alive: true, socket, fuse: build_file.is_some(), label, build };
+    let build_file_path = build_file.as_ref().map(|f| f.path().to_path_buf());
+    let broker = Broker { client, alive: true, socket, build_file: build_file_path, label, build };
     let status = supervise(child, &signals, broker, feeder)?;
     Ok(exit_code(status))
 }
@@ -244,9 +245,8 @@ struct Broker {
     client: Client,
     alive: bool,
     socket: PathBuf,
-    /// The build's tokens come from the broker's FUSE file, which goes
-    /// away with the broker.
-    fuse: bool,
+    /// The build's FUSE token file, if its tokens come from one.
+    build_file: Option<PathBuf>,
     /// What a new broker is told when we re-attach: our HELLO label, and
     /// the build's weight and name.
     label: String,
@@ -259,8 +259,8 @@ impl Broker {
     fn lost(&mut self, e: &ClientError) {
         if self.alive {
             self.alive = false;
-            let outlook = if self.fuse {
-                "the build's FUSE token file went with it, so its next token read will fail"
+            let outlook = if self.build_file.is_some() {
+                "the build's FUSE token file waits for a broker to start there again (docs/fuse.md)"
             } else {
                 "the build goes on with the tokens it has, uncounted until a broker starts there again"
             };
@@ -282,6 +282,13 @@ impl Broker {
             return;
         }
         log::warn(format_args!("re-attached to the new broker at {}, holding {held} token(s)", self.socket.display()));
+        // The new broker does not know the file's name: sub-makes that
+        // open it by name need it back.
+        if let Some(path) = &self.build_file {
+            if let Err(e) = std::fs::OpenOptions::new().write(true).create(true).open(path) {
+                log::warn(format_args!("cannot make {} again ({e}): sub-makes that open it will fail", path.display()));
+            }
+        }
         self.client = client;
         self.alive = true;
         if let Some(f) = feeder {

@@ -7,6 +7,7 @@ mod common;
 use baton_core::status::Status;
 use common::*;
 use std::path::{Path, PathBuf};
+use std::os::unix::process::ExitStatusExt;
 use std::process::{Child, Stdio};
 use std::time::Duration;
 
@@ -23,7 +24,19 @@ struct Builds {
 const JOBS: usize = 8;
 
 impl Builds {
+    /// Starts the four builds so that each gets exactly one token: the
+    /// test holds the whole pool until all four `baton run`s wait for
+    /// their first, then lets go, and the pool serves them in turn.
     fn start(broker: &Broker) -> Self {
+        let mut pool = broker.client("the test, holding the pool");
+        pool.acquire(4).unwrap();
+        let builds = Self::spawn(broker);
+        wait_for_status(broker, "the four builds to wait for their first token", |s| s.waiters.len() == 4);
+        pool.release(4).unwrap();
+        builds
+    }
+
+    fn spawn(broker: &Broker) -> Self {
         let gate = broker.dir.path().join("gate");
         let job = format!("0.1; while [ ! -e {} ]; do sleep 0.05; done", gate.display());
         let make44 = make44();
@@ -68,22 +81,44 @@ impl Builds {
     /// Every build runs one job on its first token and waits for one more:
     /// every token is held, and four requests wait.
     fn wait_until_saturated(&self, broker: &Broker) -> Status {
-        wait_for(Duration::from_secs(60), "every build to run a job and wait for another", || {
-            let s = broker.status();
-            self.every_build_has_started_a_job() && s.held == 4 && s.waiters.len() == 4
-        });
-        broker.status()
+        wait_for_status(broker, "every build to run a job and wait for another", |s| self.every_build_has_started_a_job() && s.held == 4 && s.waiters.len() == 4)
     }
 
     /// Waits for every build; each must succeed and have run every job.
-    fn finish(mut self) {
+    fn finish(&mut self) {
         let logs: Vec<PathBuf> = (0..self.dirs.len()).map(|i| self.log(i)).collect();
         for (i, child) in self.children.iter_mut().enumerate() {
             let status = wait_timeout(child, Duration::from_secs(120)).expect("the build ends");
             let mut err = String::new();
             std::io::Read::read_to_string(child.stderr.as_mut().unwrap(), &mut err).unwrap();
-            assert!(status.success(), "build {i} failed: {err}");
+            assert!(status.success(), "build {i} failed ({status}): {err}");
             assert_eq!(max_overlap(&logs[i]).1, JOBS, "build {i} ran every job: {err}");
+        }
+    }
+}
+
+/// Waits until the broker's status satisfies `cond`, and returns it;
+/// fails after a minute, showing the last status and the broker's log.
+fn wait_for_status(broker: &Broker, what: &str, mut cond: impl FnMut(&Status) -> bool) -> Status {
+    let started = std::time::Instant::now();
+    loop {
+        let s = broker.status();
+        if cond(&s) {
+            return s;
+        }
+        assert!(started.elapsed() < Duration::from_secs(60), "timed out waiting for {what}: {s:#?}\n{}", broker.log());
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// A test that failed half-way leaves no build behind: the gate opens and
+/// every `baton run` we started is killed (its command follows it).
+impl Drop for Builds {
+    fn drop(&mut self) {
+        self.open_gate();
+        for child in &mut self.children {
+            let _ = child.kill();
+            let _ = child.wait();
         }
     }
 }
@@ -109,7 +144,7 @@ fn builds_of_every_style_go_on_through_a_replace() {
     if !is_mounted(&mount) {
         return skip(Missing::Fuse, &format!("FUSE is not available here: {}", broker.log()));
     }
-    let builds = Builds::start(&broker);
+    let mut builds = Builds::start(&broker);
     let before = builds.wait_until_saturated(&broker);
 
     let mut successor = replace(&broker);
@@ -136,4 +171,32 @@ fn builds_of_every_style_go_on_through_a_replace() {
     let status = wait_timeout(&mut successor, Duration::from_secs(30)).expect("the successor stops");
     assert!(status.success(), "{}", successor_log(&broker));
     assert!(!is_mounted(&mount), "the successor unmounts as it stops: {}", successor_log(&broker));
+}
+
+#[test]
+fn builds_of_every_style_survive_a_crash_and_re_attach_to_a_new_broker() {
+    let mut broker = Broker::start(4);
+    let mount = broker.socket.with_file_name("fuse");
+    if !is_mounted(&mount) {
+        return skip(Missing::Fuse, &format!("FUSE is not available here: {}", broker.log()));
+    }
+    let mut builds = Builds::start(&broker);
+    builds.wait_until_saturated(&broker);
+
+    let (status, log) = broker.stop_with(libc::SIGKILL);
+    assert_eq!(status.signal(), Some(libc::SIGKILL), "{log}");
+    // The scenario: a new broker two seconds later.
+    std::thread::sleep(Duration::from_secs(2));
+    let mut restarted = Broker::start_at(&broker, 4);
+    // Every `baton run` comes back and says what it holds; the pool may
+    // drain meanwhile (a build re-attached early took a free token that
+    // a later one turns out to hold already).
+    wait_for_status(&restarted, "the four builds to re-attach", |s| s.builds.iter().filter(|b| b.name.starts_with("baton run") && b.held >= 1).count() == 4);
+
+    builds.open_gate();
+    builds.finish();
+    let s = restarted.status();
+    assert_eq!((s.free, s.held), (s.limit, 0), "every token is back: {s:#?}\n{}", restarted.log());
+    restarted.stop_with(libc::SIGTERM);
+    assert!(!is_mounted(&mount), "no mount is left: {}", restarted.log());
 }

@@ -80,6 +80,10 @@ impl PollWaker for FusePoll {
     }
 }
 
+/// Handles and inodes of a mount taken from a killed broker start here,
+/// above any it can have made.
+const ORPHAN_BASE: u64 = 1 << 40;
+
 /// The name whose lookup, while a handover is asked for, makes the FUSE
 /// thread hand over its state (see [`Shared::ask_handover`]).
 pub const HANDOVER_NAME: &str = ".baton-handover";
@@ -162,6 +166,17 @@ impl Shared {
             }
         }
         Ok(())
+    }
+
+    /// We serve a mount whose broker was killed (fuse::keeper): its
+    /// handles and inodes are still open in the kernel, so ours are
+    /// numbered far above theirs, and its processes may give back tokens
+    /// it granted.
+    pub fn take_orphan(&self) {
+        let mut inner = self.inner.lock().expect("fuse state lock");
+        inner.next_fh = ORPHAN_BASE;
+        inner.next_ino = ORPHAN_BASE;
+        inner.waiters.forgive_strangers();
     }
 
     /// Asks the FUSE thread for its state: it hands it over at the next

@@ -12,9 +12,11 @@
 //! - `procs`: thread → process, pidfds, pending-SIGKILL checks.
 //! - `fs`: the fuser `Filesystem`.
 //! - `control`: the thread acting on exits, timeouts and socket grants.
+//! - `keeper`: the process that keeps the mount alive if we are killed.
 
 mod control;
 mod fs;
+mod keeper;
 pub(crate) mod procs;
 mod waiters;
 
@@ -49,6 +51,7 @@ pub struct FuseMount {
     device: OwnedFd,
     /// Tells the FUSE thread, frozen for a handover, to go on.
     go_on: Option<Sender<bool>>,
+    keeper: Option<keeper::Keeper>,
 }
 
 /// Mounts the token filesystem for the broker at `socket`. Where FUSE is
@@ -56,7 +59,16 @@ pub struct FuseMount {
 /// use the FIFO bridge.
 pub fn mount(socket: &Path, broker: Arc<Mutex<Broker>>, mode: Mode) -> Option<FuseMount> {
     let path = baton_core::paths::fuse_mount_point(socket);
-    match try_mount(&path, broker, mode) {
+    if let Some(device) = keeper::take(socket) {
+        return match adopt_orphan(socket, &path, broker, device, mode) {
+            Ok(mount) => Some(mount),
+            Err(e) => {
+                log::warn(format_args!("cannot serve the mount a killed broker left ({e:#}); builds will use the FIFO bridge"));
+                None
+            }
+        };
+    }
+    match try_mount(socket, &path, broker, mode) {
         Ok(mount) => {
             log::info(format_args!("FUSE token files at {}", path.display()));
             Some(mount)
@@ -68,7 +80,7 @@ pub fn mount(socket: &Path, broker: Arc<Mutex<Broker>>, mode: Mode) -> Option<Fu
     }
 }
 
-fn try_mount(path: &Path, broker: Arc<Mutex<Broker>>, mode: Mode) -> Result<FuseMount> {
+fn try_mount(socket: &Path, path: &Path, broker: Arc<Mutex<Broker>>, mode: Mode) -> Result<FuseMount> {
     if !Path::new("/dev/fuse").exists() {
         bail!("/dev/fuse does not exist");
     }
@@ -78,7 +90,18 @@ fn try_mount(path: &Path, broker: Arc<Mutex<Broker>>, mode: Mode) -> Result<Fuse
     let (poll, waker, shared) = new_shared(broker.clone(), mode)?;
     let session = Session::new(TokenFs(shared.clone()), path, &config())
         .with_context(|| format!("cannot mount at {}", path.display()))?;
-    start(session, path, broker, poll, waker, shared)
+    start(session, socket.to_path_buf(), path, broker, poll, waker, shared)
+}
+
+/// Serves the mount of a broker that was killed, whose keeper passed us
+/// the descriptor: its state is lost, so files, handles and what each
+/// process holds start afresh (docs/fuse.md, "When the broker dies").
+fn adopt_orphan(socket: &Path, path: &Path, broker: Arc<Mutex<Broker>>, device: OwnedFd, mode: Mode) -> Result<FuseMount> {
+    let (poll, waker, shared) = new_shared(broker.clone(), mode)?;
+    shared.take_orphan();
+    let session = Session::from_initialized_fd(TokenFs(shared.clone()), device, SessionACL::Owner, config());
+    log::info(format_args!("FUSE token files at {}: serving the mount a killed broker left", path.display()));
+    start(session, socket.to_path_buf(), path, broker, poll, waker, shared)
 }
 
 /// Serves the mount a predecessor broker handed over (crate::handover):
@@ -89,7 +112,7 @@ pub fn adopt(socket: &Path, broker: Arc<Mutex<Broker>>, device: OwnedFd, state: 
     let session = Session::from_initialized_fd(TokenFs(shared.clone()), device, SessionACL::Owner, config());
     shared.adopt(state, &session.notifier()).map_err(|e| anyhow::anyhow!("the predecessor's token files are inconsistent: {e}"))?;
     log::info(format_args!("FUSE token files at {} taken over", path.display()));
-    start(session, &path, broker, poll, waker, shared)
+    start(session, socket.to_path_buf(), &path, broker, poll, waker, shared)
 }
 
 fn new_shared(broker: Arc<Mutex<Broker>>, mode: Mode) -> Result<(Poll, Arc<Waker>, Arc<Shared>)> {
@@ -112,8 +135,11 @@ fn config() -> Config {
     config
 }
 
-fn start(session: Session<TokenFs>, path: &Path, broker: Arc<Mutex<Broker>>, poll: Poll, waker: Arc<Waker>, shared: Arc<Shared>) -> Result<FuseMount> {
+fn start(session: Session<TokenFs>, socket: PathBuf, path: &Path, broker: Arc<Mutex<Broker>>, poll: Poll, waker: Arc<Waker>, shared: Arc<Shared>) -> Result<FuseMount> {
     let device = session.as_fd().try_clone_to_owned().context("cannot duplicate the FUSE descriptor")?;
+    let keeper = keeper::Keeper::spawn(&socket, device.as_raw_fd())
+        .inspect_err(|e| log::warn(format_args!("no keeper for the FUSE mount ({e:#}): if this broker is killed, FUSE-style builds fail")))
+        .ok();
     let session = session.spawn().context("cannot start the FUSE thread")?;
 
     // Grants socket clients cause for FUSE waiters wake the control thread;
@@ -125,7 +151,7 @@ fn start(session: Session<TokenFs>, path: &Path, broker: Arc<Mutex<Broker>>, pol
         }
     });
     let control = Control::spawn(shared.clone(), poll, waker).context("cannot start the FUSE thread")?;
-    Ok(FuseMount { control: Some(control), session: Some(session), path: path.to_path_buf(), shared, device, go_on: None })
+    Ok(FuseMount { control: Some(control), session: Some(session), path: path.to_path_buf(), shared, device, go_on: None, keeper })
 }
 
 impl FuseMount {
@@ -148,6 +174,13 @@ impl FuseMount {
         }
     }
 
+    /// A successor holds the descriptor now: the keeper may go.
+    pub fn dismiss_keeper(&mut self) {
+        if let Some(keeper) = self.keeper.take() {
+            keeper.dismiss();
+        }
+    }
+
     /// The session's /dev/fuse descriptor.
     pub fn device(&self) -> RawFd {
         self.device.as_raw_fd()
@@ -156,6 +189,7 @@ impl FuseMount {
 
 impl Drop for FuseMount {
     fn drop(&mut self) {
+        self.dismiss_keeper();
         drop(self.control.take());
         // Lazily: builds may still hold the files open. Their next read
         // fails once we exit and the connection closes.

@@ -102,6 +102,9 @@ struct PolledState {
 /// The FUSE file's waiters and reservations.
 pub struct Waiters<R, N> {
     mode: Mode,
+    /// The mount came from a killed broker: a process may give back more
+    /// than it took from us (tokens that broker granted).
+    forgiving: bool,
     processes: HashMap<Pid, ClientId>,
     reads: HashMap<(ClientId, Tag), BlockedRead<R>>,
     polled: HashMap<Fh, Polled<N>>,
@@ -109,7 +112,7 @@ pub struct Waiters<R, N> {
 
 impl<R: ReadReply, N: PollWaker> Waiters<R, N> {
     pub fn new(mode: Mode) -> Self {
-        Waiters { mode, processes: HashMap::new(), reads: HashMap::new(), polled: HashMap::new() }
+        Waiters { mode, forgiving: false, processes: HashMap::new(), reads: HashMap::new(), polled: HashMap::new() }
     }
 
     /// The state to hand a successor. A blocked read cannot travel (its
@@ -151,7 +154,7 @@ impl<R: ReadReply, N: PollWaker> Waiters<R, N> {
             .into_iter()
             .map(|p| (p.fh, Polled { client: p.client, waker: waker(p.kernel_handle), queued: p.queued, reserved_until: p.reserved_for.map(|d| now + d) }))
             .collect();
-        Ok(Waiters { mode: state.mode, processes, reads: HashMap::new(), polled })
+        Ok(Waiters { mode: state.mode, forgiving: false, processes, reads: HashMap::new(), polled })
     }
 
     /// The processes using the file, to watch for their exit.
@@ -196,13 +199,23 @@ impl<R: ReadReply, N: PollWaker> Waiters<R, N> {
 
     /// Gives back `tokens` taken by `pid`. A process cannot give back more
     /// than it took (reserved tokens are not yet taken): ENOSPC, and the
-    /// pool is unchanged.
+    /// pool is unchanged. On a mount taken from a killed broker, what is
+    /// beyond is that broker's, which our pool never counted: thrown away.
     pub fn write(&mut self, broker: &mut Broker, pid: Pid, tokens: u32) -> Result<(), i32> {
         let Some(&client) = self.processes.get(&pid) else { return Err(libc::ENOSPC) };
-        if tokens > self.taken(broker, client) {
+        let taken = self.taken(broker, client);
+        if tokens > taken && !self.forgiving {
             return Err(libc::ENOSPC);
         }
-        broker.release(client, tokens).map_err(|e| errno_of(&e))
+        match tokens.min(taken) {
+            0 => Ok(()),
+            ours => broker.release(client, ours).map_err(|e| errno_of(&e)),
+        }
+    }
+
+    /// See [`Waiters::write`].
+    pub fn forgive_strangers(&mut self) {
+        self.forgiving = true;
     }
 
     /// A poll() of handle `fh` by `pid`. `will_wait`: the kernel will sleep
