@@ -38,7 +38,9 @@ impl Builds {
 
     fn spawn(broker: &Broker) -> Self {
         let gate = broker.dir.path().join("gate");
-        let job = format!("0.1; while [ ! -e {} ]; do sleep 0.05; done", gate.display());
+        // Orphaned by a failed test, a job still ends when the test's
+        // directory goes.
+        let job = format!("0.1; while [ ! -e {} ] && [ -d {} ]; do sleep 0.05; done", gate.display(), broker.dir.path().display());
         let make44 = make44();
         let styles: [(&str, PathBuf, bool); 4] = [("pipe", make43(), false), ("fuse", make44.clone(), false), ("fifo", make44, false), ("fifo", ninja(), true)];
         let mut dirs = Vec::new();
@@ -199,4 +201,39 @@ fn builds_of_every_style_survive_a_crash_and_re_attach_to_a_new_broker() {
     assert_eq!((s.free, s.held), (s.limit, 0), "every token is back: {s:#?}\n{}", restarted.log());
     restarted.stop_with(libc::SIGTERM);
     assert!(!is_mounted(&mount), "no mount is left: {}", restarted.log());
+}
+
+#[test]
+fn a_broker_whose_successor_goes_away_serves_on() {
+    let broker = Broker::start(2);
+    let mount = broker.socket.with_file_name("fuse");
+    if !is_mounted(&mount) {
+        return skip(Missing::Fuse, &format!("FUSE is not available here: {}", broker.log()));
+    }
+    let mut holder = broker.client("holds a token through it");
+    holder.acquire(1).unwrap();
+    // A successor that reads the state and leaves without confirming.
+    let mut successor = std::os::unix::net::UnixStream::connect(broker.socket.with_file_name("socket.handover")).unwrap();
+    let mut header = [0u8; 16];
+    std::io::Read::read_exact(&mut successor, &mut header).unwrap();
+    drop(successor);
+    wait_for(Duration::from_secs(30), "the broker to serve on", || broker.log().contains("serving on"));
+
+    // The same broker, with the same client and its token...
+    let s = broker.status();
+    assert_eq!((s.broker_pid, s.held), (broker.pid(), 1), "{s:#?}");
+    holder.release(1).unwrap();
+    // ...and its FUSE thread answering again: a read takes a token.
+    let file = mount.join("after-a-failed-handover");
+    let reader = std::thread::spawn(move || {
+        let mut tokens = std::fs::OpenOptions::new().read(true).write(true).create(true).open(&file).unwrap();
+        let mut byte = [0u8];
+        std::io::Read::read_exact(&mut tokens, &mut byte).unwrap();
+        tokens
+    });
+    let mut tokens = join_within(reader, Duration::from_secs(30), "a token read from the FUSE file");
+    assert_eq!(broker.status().held, 1);
+    std::io::Write::write_all(&mut tokens, b"+").unwrap();
+    drop(tokens);
+    broker.assert_all_free();
 }
