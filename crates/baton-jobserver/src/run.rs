@@ -285,7 +285,7 @@ impl Broker {
         // The new broker does not know the file's name: sub-makes that
         // open it by name need it back.
         if let Some(path) = &self.build_file {
-            if let Err(e) = std::fs::OpenOptions::new().write(true).create(true).open(path) {
+            if let Err(e) = std::fs::OpenOptions::new().write(true).create(true).truncate(false).open(path) {
                 log::warn(format_args!("cannot make {} again ({e}): sub-makes that open it will fail", path.display()));
             }
         }

@@ -226,7 +226,7 @@ fn a_broker_whose_successor_goes_away_serves_on() {
     // ...and its FUSE thread answering again: a read takes a token.
     let file = mount.join("after-a-failed-handover");
     let reader = std::thread::spawn(move || {
-        let mut tokens = std::fs::OpenOptions::new().read(true).write(true).create(true).open(&file).unwrap();
+        let mut tokens = std::fs::OpenOptions::new().read(true).write(true).create(true).truncate(false).open(&file).unwrap();
         let mut byte = [0u8];
         std::io::Read::read_exact(&mut tokens, &mut byte).unwrap();
         tokens
