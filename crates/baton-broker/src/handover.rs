@@ -90,9 +90,26 @@ pub fn send(mut stream: UnixStream, state: &State, fds: &[RawFd]) -> Result<()> 
     Ok(())
 }
 
+/// What a successor received, not yet confirmed: until [`Handed::confirm`]
+/// the predecessor waits, and serves on if we go away.
+pub struct Handed {
+    pub state: State,
+    pub fds: Vec<OwnedFd>,
+    stream: UnixStream,
+}
+
+impl Handed {
+    /// Tells the predecessor we have everything: it exits, and its lock
+    /// goes with it.
+    pub fn confirm(mut self) -> Result<(State, Vec<OwnedFd>)> {
+        self.stream.write_all(&[TAKEN]).context("the running broker went away before we confirmed")?;
+        Ok((self.state, self.fds))
+    }
+}
+
 /// Connects to the broker serving `socket` and takes its state and
 /// descriptors (the successor, `baton serve --replace`).
-pub fn receive(socket: &Path) -> Result<(State, Vec<OwnedFd>)> {
+pub fn receive(socket: &Path) -> Result<Handed> {
     let path = path(socket);
     let mut stream = UnixStream::connect(&path).with_context(|| format!("no broker to replace at {} (is one running there?)", socket.display()))?;
     stream.set_read_timeout(Some(Duration::from_secs(30)))?;
@@ -104,9 +121,7 @@ pub fn receive(socket: &Path) -> Result<(State, Vec<OwnedFd>)> {
     stream.read_exact(&mut json).context("the running broker's state is cut short")?;
     let state: State = serde_json::from_slice(&json).context("cannot read the running broker's state (is it a different version?)")?;
     let fds = receive_fds(&stream, count)?;
-    stream.write_all(&[TAKEN])?;
-    // The predecessor exits once it has read this; its lock goes with it.
-    Ok((state, fds))
+    Ok(Handed { state, fds, stream })
 }
 
 fn receive_fds(stream: &UnixStream, count: usize) -> Result<Vec<OwnedFd>> {

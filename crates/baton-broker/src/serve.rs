@@ -73,6 +73,13 @@ pub fn serve(opts: ServeOptions) -> Result<()> {
     paths::prepare_private_dir(&dir, chosen_by_us)?;
     raise_fd_limit();
     let mut handed = if opts.replace { Some(handover::receive(&socket)?) } else { None };
+    // Checked before we confirm: a state we cannot take leaves the
+    // running broker serving.
+    let restored = match &mut handed {
+        Some(h) => Some(Broker::restore(std::mem::replace(&mut h.state.broker, Broker::new(1)?.snapshot())).context("cannot take the running broker's state (it serves on)")?),
+        None => None,
+    };
+    let mut handed = handed.map(handover::Handed::confirm).transpose()?;
     let _lock = match handed {
         Some(_) => paths::lock_socket_when_free(&socket)?,
         None => paths::lock_socket(&socket)?,
@@ -87,8 +94,8 @@ pub fn serve(opts: ServeOptions) -> Result<()> {
     stop.thread_block().context("cannot block SIGTERM/SIGINT")?;
     let signals = SignalFd::with_flags(&stop, SfdFlags::SFD_NONBLOCK | SfdFlags::SFD_CLOEXEC).context("cannot create a signalfd")?;
 
-    let broker = match &mut handed {
-        Some((state, _)) => Broker::restore(std::mem::replace(&mut state.broker, Broker::new(1)?.snapshot())).context("cannot take the running broker's state")?,
+    let broker = match restored {
+        Some(broker) => broker,
         None => {
             let mut broker = Broker::new(opts.jobs)?;
             broker.set_gates(opts.gates);

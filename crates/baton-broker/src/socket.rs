@@ -335,7 +335,8 @@ impl SocketServer {
         }
         for token in tokens {
             self.serve_conn(token);
-            if self.conns.get(&token).is_some_and(|c| !c.outbuf.is_empty()) {
+            // Replies held behind a waiting ACQUIRE leave with its grant.
+            if self.conns.get(&token).is_some_and(|c| !c.outbuf.is_empty() && (!c.waiting || c.closing)) {
                 self.send_now(token, false);
             }
         }
