@@ -126,9 +126,36 @@ impl Drop for Builds {
 }
 
 /// The successor: `baton serve --replace` with the same options.
-fn replace(broker: &Broker) -> Child {
+fn replace(broker: &Broker) -> Successor {
+    replace_with(broker, 4)
+}
+
+fn replace_with(broker: &Broker, jobs: u32) -> Successor {
     let log = std::fs::File::create(broker.dir.path().join("successor.log")).unwrap();
-    baton().args(["serve", "--jobs", "4", "--socket"]).arg(&broker.socket).arg("--replace").stderr(log).spawn().expect("start the successor")
+    Successor(baton().args(["serve", "--jobs", &jobs.to_string(), "--socket"]).arg(&broker.socket).arg("--replace").stderr(log).spawn().expect("start the successor"))
+}
+
+/// The successor broker; a test that fails half-way stops it too.
+struct Successor(Child);
+
+impl Successor {
+    fn id(&self) -> u32 {
+        self.0.id()
+    }
+
+    /// SIGTERM, and its exit status.
+    fn stop(&mut self) -> std::process::ExitStatus {
+        unsafe { libc::kill(self.0.id() as i32, libc::SIGTERM) };
+        wait_timeout(&mut self.0, Duration::from_secs(30)).expect("the successor stops")
+    }
+}
+
+impl Drop for Successor {
+    fn drop(&mut self) {
+        if self.0.try_wait().ok().flatten().is_none() {
+            self.stop();
+        }
+    }
 }
 
 fn successor_log(broker: &Broker) -> String {
@@ -169,8 +196,7 @@ fn builds_of_every_style_go_on_through_a_replace() {
     assert_eq!((s.free, s.held), (s.limit, 0), "every token is back: {s:#?}\n{}", successor_log(&broker));
     assert_eq!(s.totals.reclaimed, 0, "no connection broke: {s:#?}\n{}", successor_log(&broker));
 
-    unsafe { libc::kill(successor.id() as i32, libc::SIGTERM) };
-    let status = wait_timeout(&mut successor, Duration::from_secs(30)).expect("the successor stops");
+    let status = successor.stop();
     assert!(status.success(), "{}", successor_log(&broker));
     assert!(!is_mounted(&mount), "the successor unmounts as it stops: {}", successor_log(&broker));
 }
@@ -236,4 +262,55 @@ fn a_broker_whose_successor_goes_away_serves_on() {
     std::io::Write::write_all(&mut tokens, b"+").unwrap();
     drop(tokens);
     broker.assert_all_free();
+}
+
+/// A line read in part, a waiting ACQUIRE and a queue's order all cross a
+/// replace: the clients are raw connections that know nothing of it.
+#[test]
+fn a_half_read_line_and_a_waiting_acquire_cross_a_replace() {
+    use std::io::{BufRead, BufReader, Write};
+    let mut broker = Broker::start(1);
+    let mut holder = broker.client("holds the only token");
+    holder.acquire(1).unwrap();
+    let connect = |hello: &str| {
+        let stream = std::os::unix::net::UnixStream::connect(&broker.socket).unwrap();
+        stream.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+        let mut reader = BufReader::new(stream.try_clone().unwrap());
+        (&stream).write_all(hello.as_bytes()).unwrap();
+        let mut line = String::new();
+        reader.read_line(&mut line).unwrap();
+        assert!(line.starts_with("OK 1 "), "{line}");
+        (stream, reader)
+    };
+    let (first, mut first_replies) = connect("HELLO 1 first\n");
+    (&first).write_all(b"ACQUIRE 1\n").unwrap();
+    wait_for_status(&broker, "the first to wait", |s| s.waiters.len() == 1);
+    let (second, mut second_replies) = connect("HELLO 1 second\n");
+    (&second).write_all(b"ACQUIRE 1\n").unwrap();
+    wait_for_status(&broker, "the second to wait", |s| s.waiters.len() == 2);
+    let (mut partial, mut partial_replies) = connect("HELLO 1 partial\n");
+    partial.write_all(b"TR").unwrap();
+    let before = broker.status();
+
+    let mut successor = replace_with(&broker, 1);
+    broker.wait_exit(Duration::from_secs(30));
+    wait_for(Duration::from_secs(30), "the successor to take over", || successor_log(&broker).contains("took over"));
+    assert_eq!(broker.status().waiters, before.waiters, "the queue came in order");
+
+    partial.write_all(b"Y 1\n").unwrap();
+    let mut line = String::new();
+    partial_replies.read_line(&mut line).unwrap();
+    assert_eq!(line, "BUSY 0\n", "the line begun before the replace is read whole");
+    holder.release(1).unwrap();
+    line.clear();
+    first_replies.read_line(&mut line).unwrap();
+    assert_eq!(line, "GRANTED 1 1\n", "the oldest waiter is served first");
+    (&first).write_all(b"RELEASE 1\n").unwrap();
+    line.clear();
+    second_replies.read_line(&mut line).unwrap();
+    assert_eq!(line, "GRANTED 1 1\n", "then the next");
+    drop((first, second, partial, first_replies, second_replies, partial_replies));
+    drop(holder);
+    wait_for_status(&broker, "every token back", |s| s.free == 1 && s.held == 0);
+    successor.stop();
 }
