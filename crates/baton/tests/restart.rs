@@ -194,7 +194,9 @@ fn builds_of_every_style_go_on_through_a_replace() {
     builds.finish();
     let s = broker.status();
     assert_eq!((s.free, s.held), (s.limit, 0), "every token is back: {s:#?}\n{}", successor_log(&broker));
-    assert_eq!(s.totals.reclaimed, 0, "no connection broke: {s:#?}\n{}", successor_log(&broker));
+    // A FUSE make may exit with a token reserved for its last poll (it is
+    // reclaimed then, as without a replace); no connection may break.
+    assert!(!successor_log(&broker).contains("its connection closed"), "no connection broke: {s:#?}\n{}", successor_log(&broker));
 
     let status = successor.stop();
     assert!(status.success(), "{}", successor_log(&broker));
