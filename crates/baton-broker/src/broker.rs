@@ -13,11 +13,12 @@ use baton_core::gates::{GateConfig, Gates, JobMemory, PauseAction, Reading};
 use baton_core::metrics::{Histogram, Utilization};
 use baton_core::status::{self, Status};
 use baton_core::{Acquired, BuildId, ClientId, Grant, Pool, PoolError, Tag};
+use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
 use std::time::{Duration, Instant, SystemTime};
 
 /// Which way a client came in. Grants are routed by it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub enum Transport {
     /// A connection to the native socket (including `baton run`).
     Socket,
@@ -35,7 +36,7 @@ impl Transport {
 }
 
 /// What the broker remembers about a client besides its tokens.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct ClientMeta {
     pub pid: u32,
     pub command: String,
@@ -106,6 +107,21 @@ pub struct Broker {
     started: (Instant, SystemTime),
 }
 
+/// Everything a broker knows, as its successor (`baton serve --replace`)
+/// receives it. Grants not yet delivered travel too: the successor's
+/// transports deliver them.
+#[derive(Debug, Serialize, Deserialize)]
+pub struct BrokerState {
+    pool: Pool<ClientMeta>,
+    undelivered: Vec<(Transport, Grant)>,
+    gates: GateConfig,
+    roots: Vec<(u32, ClientId)>,
+    names: Vec<(BuildId, String)>,
+    /// How long the pool's clock had run: the successor's goes on from there.
+    clock: Duration,
+    started: SystemTime,
+}
+
 impl Broker {
     pub fn new(limit: u32) -> Result<Self, PoolError> {
         Ok(Broker {
@@ -122,6 +138,53 @@ impl Broker {
             utilization: Utilization::new(HISTORY_SLOT.as_nanos() as u64, HISTORY_SLOTS),
             started: (Instant::now(), SystemTime::now()),
         })
+    }
+
+    /// What the successor needs to carry on where this broker stops.
+    pub fn snapshot(&mut self) -> BrokerState {
+        self.tick();
+        let undelivered = self.undelivered.iter().flat_map(|(&t, grants)| grants.iter().map(move |&g| (t, g))).collect();
+        BrokerState {
+            pool: self.pool.clone(),
+            undelivered,
+            gates: self.gates.config(),
+            roots: self.roots.iter().map(|(&pid, &id)| (pid, id)).collect(),
+            names: self.names.iter().map(|(&b, n)| (b, n.clone())).collect(),
+            clock: self.clock(),
+            started: self.started.1,
+        }
+    }
+
+    /// Carries on from a predecessor's state; its pool must balance.
+    ///
+    /// # Errors
+    /// The pool's books do not balance, or its clock is from before boot.
+    pub fn restore(state: BrokerState) -> anyhow::Result<Self> {
+        let pool = state.pool.restore()?;
+        let Some(started) = Instant::now().checked_sub(state.clock) else { anyhow::bail!("the predecessor's clock ran longer than this machine has been up") };
+        let mut undelivered: HashMap<Transport, Vec<Grant>> = HashMap::new();
+        for (transport, grant) in state.undelivered {
+            anyhow::ensure!(pool.meta(grant.client).is_some_and(|m| m.transport == transport), "a grant not yet delivered is for no client of its transport");
+            undelivered.entry(transport).or_default().push(grant);
+        }
+        let mut broker = Broker {
+            pool,
+            undelivered,
+            hooks: HashMap::new(),
+            gates: Gates::new(GateConfig::default()),
+            roots: state.roots.into_iter().collect(),
+            names: state.names.into_iter().collect(),
+            // The cluster link is joined anew by the successor; the wait
+            // figures and the utilization history start afresh.
+            cluster: None,
+            demand_hook: None,
+            gate_allowance: None,
+            stats: HashMap::new(),
+            utilization: Utilization::new(HISTORY_SLOT.as_nanos() as u64, HISTORY_SLOTS),
+            started: (started, state.started),
+        };
+        broker.set_gates(state.gates);
+        Ok(broker)
     }
 
     /// Brings the pool's clock to now, so that what each build held
@@ -221,6 +284,14 @@ impl Broker {
             self.note_granted(tokens);
         }
         Ok(granted)
+    }
+
+    /// The client holds `tokens` a predecessor granted (see [`Pool::hold`]).
+    pub fn hold(&mut self, id: ClientId, tokens: u32) -> Result<(), PoolError> {
+        self.tick();
+        self.pool.hold(id, tokens)?;
+        Self::note_holding(self.pool.meta_mut(id).expect("hold checked the client"));
+        Ok(())
     }
 
     /// A client that just got tokens holds since now, unless it already held

@@ -21,6 +21,7 @@
 //! - `paths`: the socket's directory, lock and stale-socket checks.
 //! - `activation`: the listening socket systemd passes (socket activation).
 //! - `cluster`: joining a cluster pool in etcd (the `cluster` feature).
+//! - `handover`: passing the running state to a successor (`--replace`).
 #![deny(missing_docs)]
 
 mod activation;
@@ -29,6 +30,7 @@ mod cluster;
 mod fuse;
 mod gates;
 mod jobs;
+mod handover;
 mod log;
 mod paths;
 mod serve;

@@ -61,6 +61,16 @@ pub fn lock_socket(socket: &Path) -> Result<ServeLock> {
     }
 }
 
+/// The lock, waiting for the broker that holds it to let go: a successor
+/// (`--replace`) takes it as its predecessor exits.
+pub fn lock_socket_when_free(socket: &Path) -> Result<ServeLock> {
+    let lock_path = lock_path(socket);
+    let file = OpenOptions::new().create(true).truncate(false).write(true).mode(0o600).open(&lock_path)
+        .with_context(|| format!("cannot open the lock file {}", lock_path.display()))?;
+    let lock = Flock::lock(file, FlockArg::LockExclusive).map_err(|(_, e)| e).with_context(|| format!("cannot lock {}", lock_path.display()))?;
+    Ok(ServeLock { _lock: lock })
+}
+
 fn lock_path(socket: &Path) -> PathBuf {
     let mut name = socket.file_name().unwrap_or_default().to_os_string();
     name.push(".lock");

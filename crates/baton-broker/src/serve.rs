@@ -5,7 +5,8 @@ use crate::fuse::Mode as FuseMode;
 use crate::gates::{Probe, Sampler};
 use crate::log::LogLevel;
 use baton_core::gates::GateConfig;
-use crate::socket::SocketServer;
+use crate::handover::{self, State};
+use crate::socket::{SocketServer, Stop};
 use crate::spin::SpinPolicy;
 use crate::{activation, cluster, fuse, log, paths};
 use baton_core::idle::IdleTimer;
@@ -14,6 +15,7 @@ use anyhow::{Context, Result};
 use nix::sys::signal::{kill, SigSet, Signal};
 use nix::sys::signalfd::{SfdFlags, SignalFd};
 use nix::unistd::Pid;
+use std::os::fd::OwnedFd;
 use std::os::unix::fs::PermissionsExt;
 use std::os::unix::net::UnixListener;
 use std::path::{Path, PathBuf};
@@ -47,6 +49,9 @@ pub struct ServeOptions {
     /// A token pool shared with other brokers through etcd
     /// (docs/cluster.md); None: this machine's pool only.
     pub cluster: Option<baton_core::cluster::Config>,
+    /// Take over from the broker serving the socket, with its state
+    /// (crate::handover); the limit and gates are then the ones it had.
+    pub replace: bool,
 }
 
 /// Serves until SIGTERM or SIGINT (or, with `idle_timeout`, until nobody
@@ -60,20 +65,31 @@ pub struct ServeOptions {
 pub fn serve(opts: ServeOptions) -> Result<()> {
     log::set_level(opts.log_level);
     // Taken before any thread starts: it edits the environment.
-    let activated = activation::inherited_listener()?;
+    let activated = if opts.replace { None } else { activation::inherited_listener()? };
     // Only the directories baton chooses itself are tightened to 0700.
     let chosen_by_us = is_chosen_by_baton(opts.socket.as_deref());
     let socket = match &activated {
         Some((_, path)) => path.clone(),
-        None => socket_path(opts.socket),
+        None => socket_path(opts.socket.clone()),
     };
     let dir = private_dir(&socket);
     paths::prepare_private_dir(&dir, chosen_by_us)?;
-    let _lock = paths::lock_socket(&socket)?;
-    if activated.is_none() {
+    raise_fd_limit();
+    let mut handed = if opts.replace { Some(handover::receive(&socket)?) } else { None };
+    // Checked before we confirm: a state we cannot take leaves the
+    // running broker serving.
+    let restored = match &mut handed {
+        Some(h) => Some(Broker::restore(std::mem::replace(&mut h.state.broker, Broker::new(1)?.snapshot())).context("cannot take the running broker's state (it serves on)")?),
+        None => None,
+    };
+    let mut handed = handed.map(handover::Handed::confirm).transpose()?;
+    let _lock = match handed {
+        Some(_) => paths::lock_socket_when_free(&socket)?,
+        None => paths::lock_socket(&socket)?,
+    };
+    if activated.is_none() && handed.is_none() {
         paths::clear_stale_socket(&socket)?;
     }
-    raise_fd_limit();
 
     // Block the stop signals before any thread starts so that every thread
     // inherits the mask and only the signalfd sees them.
@@ -81,19 +97,34 @@ pub fn serve(opts: ServeOptions) -> Result<()> {
     stop.thread_block().context("cannot block SIGTERM/SIGINT")?;
     let signals = SignalFd::with_flags(&stop, SfdFlags::SFD_NONBLOCK | SfdFlags::SFD_CLOEXEC).context("cannot create a signalfd")?;
 
-    let broker = Arc::new(Mutex::new(Broker::new(opts.jobs)?));
-    broker.lock().expect("broker lock").set_gates(opts.gates);
+    let broker = match restored {
+        Some(broker) => broker,
+        None => {
+            let mut broker = Broker::new(opts.jobs)?;
+            broker.set_gates(opts.gates);
+            broker
+        }
+    };
+    let gates = broker.gate_config();
+    let broker = Arc::new(Mutex::new(broker));
     // Joined before the socket listens: no grant escapes the cluster's cap.
     let _cluster = opts.cluster.map(|config| cluster::join(config, &broker)).transpose()?;
-    let _sampler = Sampler::spawn(broker.clone(), Probe::new(opts.gates.max_mem_pressure.is_some())).context("cannot start the gates' thread")?;
+    let _sampler = Sampler::spawn(broker.clone(), Probe::new(gates.max_mem_pressure.is_some())).context("cannot start the gates' thread")?;
+    let mut fds: Vec<Option<OwnedFd>> = handed.as_mut().map(|(_, fds)| std::mem::take(fds).into_iter().map(Some).collect()).unwrap_or_default();
+    let mut take_fd = |i: usize| fds.get_mut(i).and_then(Option::take).context("the running broker named a descriptor it did not pass");
     // Mounted before the socket listens: whoever finds the broker ready finds
     // its token files too (`baton run --jobserver-style auto`).
-    let _fuse = opts.fuse.and_then(|mode| fuse::mount(&socket, broker.clone(), mode));
+    let mut fuse = match handed.as_mut().and_then(|(state, _)| state.fuse.take()) {
+        Some((fs, device)) => Some(fuse::adopt(&socket, broker.clone(), take_fd(device)?, fs, opts.fuse.unwrap_or(FuseMode::OneAtATime))?),
+        None if handed.is_some() => None,
+        None => opts.fuse.and_then(|mode| fuse::mount(&socket, broker.clone(), mode)),
+    };
 
     // A socket systemd bound is systemd's to remove.
-    let (listener, owned_socket) = match activated {
-        Some((listener, _)) => (listener, None),
-        None => (listen(&socket)?, Some(RemoveOnDrop(socket.clone()))),
+    let (listener, owned_socket) = match (&handed, activated) {
+        (Some((state, _)), _) => (take_fd(state.listener)?.into(), state.owns_socket.then(|| RemoveOnDrop(socket.clone()))),
+        (None, Some((listener, _))) => (listener, None),
+        (None, None) => (listen(&socket)?, Some(RemoveOnDrop(socket.clone()))),
     };
 
     let (mut server, waker) = SocketServer::new(listener, signals, broker.clone(), SpinPolicy::for_this_machine(opts.spin_us), opts.io_uring, opts.max_clients).context("cannot start the event loop")?;
@@ -105,12 +136,43 @@ pub fn serve(opts: ServeOptions) -> Result<()> {
             let _ = waker.wake();
         }
     });
+    if let Some((state, _)) = handed {
+        let conns = state.conns.into_iter().map(|c| Ok((take_fd(c.fd)?, c))).collect::<Result<Vec<_>>>()?;
+        server.adopt(conns.into_iter().map(|(fd, c)| (c, fd)).collect()).context("cannot take the running broker's clients")?;
+    }
+    match handover::listen(&socket) {
+        Ok(listener) => server.watch_handover(listener).context("cannot watch for a successor")?,
+        Err(e) => log::warn(format_args!("no handover socket ({e:#}): this broker cannot be replaced in place")),
+    }
     if let Some(timeout) = opts.idle_timeout {
         stop_when_idle(broker.clone(), timeout, owned_socket.as_ref().map(|s| s.0.clone()));
     }
-    let noun = if opts.jobs == 1 { "token" } else { "tokens" };
-    log::info(format_args!("serving {} {noun} at {} (pid {})", opts.jobs, socket.display(), std::process::id()));
-    let signal = server.run().context("the event loop failed")?;
+    let limit = broker.lock().expect("broker lock").pool().limit();
+    let noun = if limit == 1 { "token" } else { "tokens" };
+    let how = if opts.replace { "took over: serving" } else { "serving" };
+    log::info(format_args!("{how} {limit} {noun} at {} (pid {})", socket.display(), std::process::id()));
+    let signal = loop {
+        match server.run().context("the event loop failed")? {
+            Stop::Signal(name) => break name,
+            Stop::Handover(successor) => match hand_over(successor, &mut server, fuse.as_mut(), owned_socket.is_some()) {
+                // The successor serves everything now: leave the socket
+                // and the mount as they are, without the destructors.
+                Ok(()) => {
+                    if let Some(fuse) = fuse.as_mut() {
+                        fuse.dismiss_keeper();
+                    }
+                    log::info(format_args!("handed over to a successor: exiting"));
+                    std::process::exit(0);
+                }
+                Err(e) => {
+                    log::warn(format_args!("the handover failed ({e:#}); serving on"));
+                    if let Some(fuse) = fuse.as_mut() {
+                        fuse.thaw();
+                    }
+                }
+            },
+        }
+    };
     let broker = broker.lock().expect("broker lock");
     log::info(format_args!(
         "stopping on {signal}: {} of {} tokens held by {} client(s) at exit",
@@ -119,6 +181,20 @@ pub fn serve(opts: ServeOptions) -> Result<()> {
         broker.pool().clients().count()
     ));
     Ok(())
+}
+
+/// Freezes the FUSE side, then sends everything to the successor.
+fn hand_over(successor: std::os::unix::net::UnixStream, server: &mut SocketServer, fuse: Option<&mut fuse::FuseMount>, owns_socket: bool) -> Result<()> {
+    let fs = match fuse {
+        Some(fuse) => Some((fuse.freeze()?, fuse.device())),
+        None => None,
+    };
+    let (broker, conns, mut fds) = server.hand_over();
+    let fuse = fs.map(|(state, device)| {
+        fds.push(device);
+        (state, fds.len() - 1)
+    });
+    handover::send(successor, &State { broker, listener: 0, owns_socket, conns, fuse }, &fds)
 }
 
 fn listen(socket: &Path) -> Result<UnixListener> {

@@ -5,7 +5,7 @@
 //! SIGINT). A waiting client blocks in read() on its own connection, so a
 //! grant wakes exactly that process: the broker never broadcasts.
 
-use crate::broker::{Broker, ClientMeta, Transport};
+use crate::broker::{Broker, BrokerState, ClientMeta, Transport};
 use crate::log;
 use crate::spin::SpinPolicy;
 use crate::uring::{SendAndWait, Sent};
@@ -15,16 +15,18 @@ use mio::net::{UnixListener, UnixStream};
 use mio::unix::SourceFd;
 use mio::{Events, Interest, Poll, Token, Waker};
 use nix::sys::signalfd::SignalFd;
+use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
 use std::io::{self, ErrorKind, Read, Write};
-use std::os::fd::{AsRawFd, RawFd};
+use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 const LISTENER: Token = Token(0);
 const SIGNALS: Token = Token(1);
 pub const WAKER: Token = Token(2);
-const FIRST_CONN: usize = 3;
+const HANDOVER: Token = Token(3);
+const FIRST_CONN: usize = 4;
 
 /// The tag of a socket client's one pending ACQUIRE. A connection is
 /// sequential, so it never has two.
@@ -66,6 +68,29 @@ struct Conn {
     unsent: bool,
 }
 
+/// A connection as a successor broker receives it (crate::handover): what
+/// it read but has not yet acted on (a partial line), what it has yet to
+/// send, and whether its ACQUIRE waits. `fd` is its descriptor's index
+/// among those passed.
+#[derive(Debug, Serialize, Deserialize)]
+pub struct ConnState {
+    pub fd: usize,
+    pid: u32,
+    client: Option<ClientId>,
+    inbuf: Vec<u8>,
+    outbuf: Vec<u8>,
+    waiting: bool,
+    closing: bool,
+}
+
+/// Why the loop stopped.
+pub enum Stop {
+    /// SIGTERM or SIGINT, by name.
+    Signal(&'static str),
+    /// A successor asks for our state (crate::handover).
+    Handover(std::os::unix::net::UnixStream),
+}
+
 /// The socket server's state. Created by `serve`, run on its own thread.
 pub struct SocketServer {
     poll: Poll,
@@ -85,6 +110,8 @@ pub struct SocketServer {
     unsent: Vec<Token>,
     /// More connections than this get `ERR full`.
     max_clients: usize,
+    /// Where a successor asks for our state (crate::handover).
+    handover: Option<std::os::unix::net::UnixListener>,
 }
 
 impl SocketServer {
@@ -111,14 +138,27 @@ impl SocketServer {
             sender,
             unsent: Vec::new(),
             max_clients,
+            handover: None,
         };
         Ok((server, waker))
     }
 
-    /// Serves until SIGTERM or SIGINT. Returns the signal's name.
-    pub fn run(&mut self) -> io::Result<&'static str> {
+    /// Listens for a successor (crate::handover) on `listener`.
+    pub fn watch_handover(&mut self, listener: std::os::unix::net::UnixListener) -> io::Result<()> {
+        self.poll.registry().register(&mut SourceFd(&listener.as_raw_fd()), HANDOVER, Interest::READABLE)?;
+        self.handover = Some(listener);
+        Ok(())
+    }
+
+    /// Serves until SIGTERM or SIGINT, or until a successor asks for our
+    /// state; always between two rounds, with every grant delivered.
+    pub fn run(&mut self) -> io::Result<Stop> {
         let mut events = Events::with_capacity(1024);
+        let mut successor = None;
         loop {
+            if let Some(stream) = successor.take() {
+                return Ok(Stop::Handover(stream));
+            }
             match self.wait(&mut events) {
                 Ok(()) => {}
                 Err(e) if e.kind() == ErrorKind::Interrupted => continue,
@@ -129,9 +169,10 @@ impl SocketServer {
                     LISTENER => self.accept_all(),
                     SIGNALS => {
                         if let Some(name) = self.stop_signal() {
-                            return Ok(name);
+                            return Ok(Stop::Signal(name));
                         }
                     }
+                    HANDOVER => successor = successor.or_else(|| self.accept_successor()),
                     WAKER => {}
                     token => self.serve_conn(token),
                 }
@@ -246,6 +287,70 @@ impl SocketServer {
             Ok(Some(info)) if info.ssi_signo == libc::SIGINT as u32 => Some("SIGINT"),
             _ => None,
         }
+    }
+
+    fn accept_successor(&mut self) -> Option<std::os::unix::net::UnixStream> {
+        let (stream, _) = self.handover.as_ref()?.accept().ok()?;
+        if !crate::handover::is_ours(&stream) {
+            log::warn(format_args!("refused a handover asked by another user"));
+            return None;
+        }
+        log::info(format_args!("a successor asks for our state: handing over"));
+        Some(stream)
+    }
+
+    /// Our state for a successor, with the descriptors it names: the
+    /// listening socket first, then every connection. Grants filed since
+    /// the last round go into their connections' output first, under the
+    /// same lock as the snapshot, so that none is lost between the two.
+    pub fn hand_over(&mut self) -> (BrokerState, Vec<ConnState>, Vec<RawFd>) {
+        let mut broker = self.broker.lock().expect("broker lock");
+        for grant in broker.take_grants(Transport::Socket) {
+            let held = broker.pool().held_by(grant.client);
+            let Some(conn) = self.by_client.get(&grant.client).and_then(|t| self.conns.get_mut(t)) else { continue };
+            conn.waiting = false;
+            conn.outbuf.extend_from_slice(&Reply::Granted { tokens: grant.tokens, held }.encode());
+        }
+        let mut fds = vec![self.listener.as_raw_fd()];
+        let conns = self
+            .conns
+            .values()
+            .map(|c| {
+                fds.push(c.stream.as_raw_fd());
+                ConnState { fd: fds.len() - 1, pid: c.pid, client: c.client, inbuf: c.inbuf.clone(), outbuf: c.outbuf.clone(), waiting: c.waiting, closing: c.closing }
+            })
+            .collect();
+        (broker.snapshot(), conns, fds)
+    }
+
+    /// Takes on a predecessor's connections (crate::handover), then serves
+    /// at once what they sent meanwhile and sends what they were owed.
+    pub fn adopt(&mut self, conns: Vec<(ConnState, OwnedFd)>) -> io::Result<()> {
+        let mut tokens = Vec::with_capacity(conns.len());
+        for (state, fd) in conns {
+            let stream = std::os::unix::net::UnixStream::from(fd);
+            stream.set_nonblocking(true)?;
+            let mut stream = UnixStream::from_std(stream);
+            let token = Token(self.next_token);
+            self.next_token += 1;
+            self.poll.registry().register(&mut stream, token, Interest::READABLE)?;
+            if let Some(id) = state.client {
+                self.by_client.insert(id, token);
+            }
+            let ConnState { pid, client, inbuf, outbuf, waiting, closing, .. } = state;
+            self.conns.insert(token, Conn { stream, pid, client, inbuf, outbuf, waiting, closing, interest: Interest::READABLE, unsent: false });
+            tokens.push(token);
+        }
+        for token in tokens {
+            self.serve_conn(token);
+            // Replies held behind a waiting ACQUIRE leave with its grant.
+            if self.conns.get(&token).is_some_and(|c| !c.outbuf.is_empty() && (!c.waiting || c.closing)) {
+                self.send_now(token, false);
+            }
+        }
+        self.accept_all();
+        self.deliver_grants();
+        Ok(())
     }
 
     fn accept_all(&mut self) {
@@ -517,6 +622,11 @@ fn apply(broker: &mut Broker, id: ClientId, request: Request) -> Result<Option<R
         Request::Wanted => {
             let (tokens, free) = broker.wanted(id);
             Reply::Wanted { tokens, free }
+        }
+        Request::Hold(n) => {
+            broker.hold(id, n)?;
+            log::info(format_args!("client {}: holds {n} token(s) a broker before us granted", id.0));
+            Reply::Granted { tokens: n, held: broker.pool().held_by(id) }
         }
         Request::Hello { .. } | Request::Cancel => unreachable!("handled by the caller"),
     }))

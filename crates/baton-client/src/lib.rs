@@ -142,6 +142,18 @@ impl Client {
         }
     }
 
+    /// Tells a new broker that this client already holds `n` tokens a
+    /// broker that went away granted (re-attaching after a crash).
+    pub fn hold(&mut self, n: u32) -> Result<()> {
+        match self.call(&Request::Hold(n))? {
+            Reply::Granted { held, .. } => {
+                self.held = held;
+                Ok(())
+            }
+            other => Err(unexpected(other)),
+        }
+    }
+
     /// Gives back `n` tokens.
     pub fn release(&mut self, n: u32) -> Result<()> {
         match self.call(&Request::Release(n))? {

@@ -26,7 +26,7 @@
 use std::time::Duration;
 
 /// What the user asked the gates to keep.
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct GateConfig {
     /// Grant nothing while available memory is below this many bytes.
     pub min_mem_available: Option<u64>,

@@ -21,11 +21,12 @@
 //!   call that frees tokens serves the queue before returning.
 
 use crate::share::{BuildId, Shares, MAX_WEIGHT};
+use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, VecDeque};
 
 /// Identifies one client of the pool: a socket connection, a build, or a
 /// process using the FUSE token file. Chosen by the pool.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
 pub struct ClientId(pub u64);
 
 /// Identifies one pending request of a client. A socket client has at most
@@ -35,7 +36,7 @@ pub type Tag = u64;
 
 /// Tokens handed to a waiter as the result of some other call. The transport
 /// that owns `client` must tell it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Grant {
     /// Who gets the tokens.
     pub client: ClientId,
@@ -97,14 +98,14 @@ pub enum PoolError {
 /// count; it keeps every sum of tokens well inside `u32`.
 pub const MAX_LIMIT: u32 = 1 << 20;
 
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 struct Client<M> {
     held: u32,
     build: BuildId,
     meta: M,
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 struct Waiter {
     client: ClientId,
     build: BuildId,
@@ -115,7 +116,7 @@ struct Waiter {
 }
 
 /// Running totals, for `baton status`.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Totals {
     /// Tokens handed out, immediately or after a wait.
     pub granted: u64,
@@ -161,7 +162,10 @@ pub struct BuildView {
 
 /// A pool of `limit` interchangeable tokens. `M` is whatever the transport
 /// wants to remember about each client (pid, command line, start time).
-#[derive(Debug, Clone)]
+///
+/// It serializes whole, so that a broker can hand it to its successor
+/// (`baton serve --replace`); [`Pool::restore`] checks what it is given.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Pool<M> {
     limit: u32,
     free: u32,
@@ -361,6 +365,28 @@ impl<M> Pool<M> {
         Ok(self.serve_queue())
     }
 
+    /// Counts `tokens` that the client already holds, granted by a broker
+    /// that went away, as its own (a build re-attaching after a crash).
+    /// They come out of the free tokens; any beyond those leave the pool
+    /// draining as a lowered limit does (held > limit, nothing free), so
+    /// that the limit holds again once they come back. Nothing is created:
+    /// the tokens were in use already, and the pool only learns of them.
+    pub fn hold(&mut self, id: ClientId, tokens: u32) -> Result<(), PoolError> {
+        // At most the limit, with what it holds and waits for: as for a
+        // request, anything more could leave its own request waiting forever.
+        self.check_request(id, tokens)?;
+        let taken = tokens.min(self.free);
+        self.free -= taken;
+        let client = self.clients.get_mut(&id).expect("checked above");
+        client.held += tokens;
+        self.held += tokens;
+        let build = self.shares.get_mut(client.build);
+        build.held += tokens;
+        build.granted += u64::from(tokens);
+        self.totals.granted += u64::from(tokens);
+        Ok(())
+    }
+
     /// Withdraws a pending request. Returns the tokens it was waiting for (0
     /// if it was not waiting, e.g. because the grant already happened), and
     /// any grants its departure unblocked for the requests behind it.
@@ -436,28 +462,47 @@ impl<M> Pool<M> {
     /// Checks the pool's invariants; panics with a description if broken.
     /// Cheap enough for tests after every step, not meant for production.
     pub fn assert_invariants(&self) {
-        let held = self.held();
-        assert_eq!(held, self.clients.values().map(|c| c.held).sum::<u32>(), "the pool holds what its clients hold");
-        if held <= self.limit {
-            assert_eq!(self.free + held, self.limit, "free + held must equal the limit");
-        } else {
-            assert_eq!(self.free, 0, "a draining pool has no free tokens");
+        if let Err(broken) = self.check() {
+            panic!("{broken}");
         }
         if let Some(next) = self.next_waiter() {
             assert!(!self.fits(self.queue[next].tokens), "the request chosen next waits although its tokens are free and the cap allows them");
         }
-        for w in &self.queue {
-            assert!(self.clients.contains_key(&w.client), "a waiter belongs to no client");
-        }
-        assert!(self.queue.iter().zip(self.queue.iter().skip(1)).all(|(a, b)| a.seq < b.seq), "the queue is in order of arrival");
+    }
+
+    /// A pool that came from elsewhere (a predecessor's snapshot), taken
+    /// only if its books balance. (A request that [`Pool::advance`] made
+    /// the next to serve may fit and wait until the next call serves the
+    /// queue, in a live pool too: that is not refused.)
+    ///
+    /// # Errors
+    /// The invariant it breaks, in words.
+    pub fn restore(self) -> Result<Self, RestoreError> {
+        self.check().map_err(RestoreError)?;
+        Ok(self)
+    }
+
+    fn check(&self) -> Result<(), &'static str> {
+        let held = self.held();
+        ensure(held == self.clients.values().map(|c| c.held).sum::<u32>(), "the pool holds what its clients hold")?;
+        let balanced = if held <= self.limit { self.free + held == self.limit } else { self.free == 0 };
+        ensure(balanced, "free + held must equal the limit (a draining pool has no free tokens)")?;
+        ensure(check_limit(self.limit).is_ok(), "the limit is out of range")?;
+        ensure(self.queue.iter().all(|w| self.clients.get(&w.client).is_some_and(|c| c.build == w.build)), "a waiter belongs to no client, or to another build")?;
+        ensure(self.queue.iter().all(|w| w.tokens > 0 && w.seq < self.next_seq), "a waiter asks for nothing, or came after the last arrival")?;
+        ensure(self.queue.iter().zip(self.queue.iter().skip(1)).all(|(a, b)| a.seq < b.seq), "the queue is in order of arrival")?;
+        ensure(self.clients.keys().all(|id| id.0 < self.next_id), "a client id is not below the next one")?;
+        ensure(self.clients.values().all(|c| self.shares.builds.contains_key(&c.build)), "a client belongs to no build")?;
         for b in self.builds() {
             let oldest = self.queue.iter().find(|w| w.build == b.id).map(|w| w.seq);
-            assert_eq!(self.shares.oldest(b.id), oldest, "the share policy knows each build's oldest request");
+            ensure(self.shares.oldest(b.id) == oldest, "the share policy knows each build's oldest request")?;
             let members = self.clients.values().filter(|c| c.build == b.id);
-            assert_eq!(b.held, members.map(|c| c.held).sum::<u32>(), "a build holds what its clients hold");
+            ensure(b.held == members.map(|c| c.held).sum::<u32>(), "a build holds what its clients hold")?;
             let waits = self.queue.iter().filter(|w| w.build == b.id);
-            assert_eq!(b.waiting, waits.map(|w| w.tokens).sum::<u32>(), "a build waits for what its clients wait for");
+            ensure(b.waiting == waits.map(|w| w.tokens).sum::<u32>(), "a build waits for what its clients wait for")?;
+            ensure(self.clients.values().filter(|c| c.build == b.id).count() == self.shares.get(b.id).members as usize, "a build counts its members")?;
         }
+        self.shares.check()
     }
 
     /// A client may hold and wait for at most `limit` tokens in all: more
@@ -532,6 +577,19 @@ impl<M> Pool<M> {
             grants.push(Grant { client: w.client, tag: w.tag, tokens: w.tokens });
         }
         grants
+    }
+}
+
+/// A snapshot [`Pool::restore`] refused, and the invariant it breaks.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("the pool's snapshot is inconsistent: {0}")]
+pub struct RestoreError(pub &'static str);
+
+fn ensure(holds: bool, invariant: &'static str) -> Result<(), &'static str> {
+    if holds {
+        Ok(())
+    } else {
+        Err(invariant)
     }
 }
 

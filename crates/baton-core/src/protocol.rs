@@ -61,6 +61,9 @@ pub enum Request {
     },
     /// `WANTED`: how many tokens other builds wait for, and how many are free.
     Wanted,
+    /// `HOLD <n>`: count n tokens this client already holds, granted by a
+    /// broker that went away, as its own (a `baton run` re-attaching).
+    Hold(u32),
 }
 
 /// The names GATE accepts.
@@ -233,6 +236,7 @@ pub fn parse_request(line: &[u8]) -> Result<Request, ParseError> {
         "ACQUIRE" => count("ACQUIRE").map(Request::Acquire),
         "TRY" => count("TRY").map(Request::Try),
         "RELEASE" => count("RELEASE").map(Request::Release),
+        "HOLD" => count("HOLD").map(Request::Hold),
         "LIMIT" => count("LIMIT").map(Request::Limit),
         "GATE" => parse_gate(rest).map(|(name, value)| Request::Gate { name, value }),
         "BUILD" => {
@@ -315,6 +319,7 @@ impl fmt::Display for Request {
             Request::Build { weight, name } if name.is_empty() => write!(f, "BUILD {weight}"),
             Request::Build { weight, name } => write!(f, "BUILD {weight} {name}"),
             Request::Wanted => f.write_str("WANTED"),
+            Request::Hold(n) => write!(f, "HOLD {n}"),
         }
     }
 }
@@ -401,6 +406,7 @@ mod tests {
             Request::Build { weight: 2, name: "ninja -C out".into() },
             Request::Build { weight: 1, name: String::new() },
             Request::Wanted,
+            Request::Hold(3),
         ];
         for r in requests {
             assert_eq!(parse_request(r.to_string().as_bytes()), Ok(r));

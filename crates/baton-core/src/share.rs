@@ -17,10 +17,11 @@
 //! nanoseconds of a monotonic clock). Without it every virtual time stays
 //! 0, and ties go to the oldest request: plain first come, first served.
 
+use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, BTreeSet};
 
 /// Identifies a build. Chosen by the pool.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
 pub struct BuildId(pub u64);
 
 /// The largest weight a build may have. Far above any useful ratio; it
@@ -32,7 +33,7 @@ pub const MAX_WEIGHT: u32 = 1000;
 const SCALE: u128 = 1 << 20;
 
 /// One build's books.
-#[derive(Debug, Clone, Default)]
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub(crate) struct Build {
     pub weight: u32,
     /// Token-time used / weight, × SCALE.
@@ -58,7 +59,7 @@ impl Build {
 }
 
 /// Every build's books and the clock they were last brought up to.
-#[derive(Debug, Clone, Default)]
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub(crate) struct Shares {
     pub builds: BTreeMap<BuildId, Build>,
     /// The builds with waiting requests, in the order they are served:
@@ -144,6 +145,19 @@ impl Shares {
     /// sequence number.
     pub fn pick(&self) -> Option<(BuildId, u64)> {
         self.ready.first().map(|&(_, seq, id)| (id, seq))
+    }
+
+    /// The order of service agrees with every build's books, and build ids
+    /// are below the next one (a restored snapshot must keep both).
+    pub fn check(&self) -> Result<(), &'static str> {
+        let expected: BTreeSet<_> = self.builds.iter().filter_map(|(&id, b)| b.oldest.map(|seq| (b.vtime, seq, id))).collect();
+        if expected != self.ready {
+            return Err("the order of service disagrees with the builds' books");
+        }
+        if self.builds.iter().any(|(id, b)| id.0 > self.next_id || !(1..=MAX_WEIGHT).contains(&b.weight) || b.members == 0) {
+            return Err("a build has an id not yet given, a weight out of range, or no members");
+        }
+        Ok(())
     }
 
     /// A member left; a build without members is forgotten.

@@ -17,6 +17,7 @@ enum Op {
     Cancel { client: usize },
     Disconnect { client: usize },
     SetLimit(u32),
+    Hold { client: usize, tokens: u32 },
 }
 
 fn op() -> impl Strategy<Value = Op> {
@@ -28,6 +29,7 @@ fn op() -> impl Strategy<Value = Op> {
         1 => (0..8usize).prop_map(|client| Op::Cancel { client }),
         1 => (0..8usize).prop_map(|client| Op::Disconnect { client }),
         1 => (1..6u32).prop_map(Op::SetLimit),
+        1 => (0..8usize, 1..4u32).prop_map(|(client, tokens)| Op::Hold { client, tokens }),
     ]
 }
 
@@ -180,6 +182,18 @@ proptest! {
                             model.apply_grants(&grants);
                         }
                         Err(_) => prop_assert!(refusable, "a valid limit change was refused"),
+                    }
+                }
+                Op::Hold { client, tokens } => {
+                    let Some(c) = model.pick(client) else { continue };
+                    let had = model.held.get(&c).copied().unwrap_or(0) + model.waiting.get(&c).copied().unwrap_or(0);
+                    match pool.hold(c, tokens) {
+                        // Tokens a predecessor granted: counted, never created.
+                        Ok(()) => {
+                            prop_assert!(had + tokens <= model.limit, "held past the limit for one client");
+                            model.grant(c, tokens);
+                        }
+                        Err(_) => prop_assert!(had + tokens > model.limit, "a valid HOLD was refused"),
                     }
                 }
             }

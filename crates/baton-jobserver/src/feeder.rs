@@ -294,6 +294,14 @@ impl Feeder {
         Ok(())
     }
 
+    /// We re-attached to a new broker: a request pending at the old one
+    /// died with it, and what we learnt of other builds is stale.
+    pub fn reattached(&mut self) {
+        self.pending = false;
+        self.last_look = None;
+        self.contended = false;
+    }
+
     /// How long until the feeder should look again: only while the build
     /// has spare tokens, which may be wanted elsewhere.
     pub fn idle_timeout(&self) -> Option<Duration> {

@@ -112,7 +112,9 @@ pub fn run(opts: RunOptions) -> Result<i32> {
         // The broker serves the file itself; we only keep it until the end.
         Jobserver::Fuse { file, ends } => (None, ends, Some(file)),
     };
-    let mut broker = Broker { client, alive: true, socket, fuse: build_file.is_some() };
+    let build = (opts.weight, opts.name.clone().unwrap_or_default());
+    let build_file_path = build_file.as_ref().map(|f| f.path().to_path_buf());
+    let mut broker = Broker { client, alive: true, socket, build_file: build_file_path, label, build };
     // Fill the FIFO before the build starts: ninja reads its first wave of
     // tokens in one burst as it starts, and takes no more after finding it
     // empty until a job of its own ends.
@@ -269,14 +271,21 @@ fn inheritable(fd: &OwnedFd) -> Result<()> {
     Ok(())
 }
 
+/// How often a build that lost its broker looks for a new one at the
+/// same socket: a restarted broker is found within about this long.
+const REATTACH_EVERY: Duration = Duration::from_millis(200);
+
 /// Our connection to the broker, and whether it still answers.
 struct Broker {
     client: Client,
     alive: bool,
     socket: PathBuf,
-    /// The build's tokens come from the broker's FUSE file, which goes
-    /// away with the broker.
-    fuse: bool,
+    /// The build's FUSE token file, if its tokens come from one.
+    build_file: Option<PathBuf>,
+    /// What a new broker is told when we re-attach: our HELLO label, and
+    /// the build's weight and name.
+    label: String,
+    build: (u32, String),
 }
 
 impl Broker {
@@ -285,10 +294,10 @@ impl Broker {
     fn lost(&mut self, e: &ClientError) {
         if self.alive {
             self.alive = false;
-            let outlook = if self.fuse {
-                "the build's FUSE token file went with it, so its next token read will fail"
+            let outlook = if self.build_file.is_some() {
+                "the build's FUSE token file waits for a broker to start there again (docs/fuse.md)"
             } else {
-                "the build goes on with the tokens it has, which are no longer counted"
+                "the build goes on with the tokens it has, uncounted until a broker starts there again"
             };
             log::warn(format_args!("lost the broker at {} ({e}); {outlook}", self.socket.display()));
         }
@@ -304,6 +313,34 @@ impl Broker {
             }
         }
         drop(feeder); // removes the FIFO
+    }
+}
+
+impl Broker {
+    /// Once the broker is lost: if a new one answers at the socket, joins
+    /// it as the same build and tells it what we hold (HOLD), so that it
+    /// counts our tokens and feeds the build again.
+    fn reattach(&mut self, feeder: Option<&mut Feeder>) {
+        let Ok(mut client) = Client::connect(&self.socket, &self.label) else { return };
+        let held = self.client.held();
+        let joined = client.start_build(self.build.0, &self.build.1).and_then(|_| if held > 0 { client.hold(held) } else { Ok(()) });
+        if let Err(e) = joined {
+            log::warn(format_args!("a new broker answers at {} but refused us ({e}); the build goes on uncounted", self.socket.display()));
+            return;
+        }
+        log::warn(format_args!("re-attached to the new broker at {}, holding {held} token(s)", self.socket.display()));
+        // The new broker does not know the file's name: sub-makes that
+        // open it by name need it back.
+        if let Some(path) = &self.build_file {
+            if let Err(e) = std::fs::OpenOptions::new().write(true).create(true).truncate(false).open(path) {
+                log::warn(format_args!("cannot make {} again ({e}): sub-makes that open it will fail", path.display()));
+            }
+        }
+        self.client = client;
+        self.alive = true;
+        if let Some(f) = feeder {
+            f.reattached();
+        }
     }
 }
 
@@ -349,7 +386,11 @@ fn supervise(mut child: Child, signals: &SignalFd, mut broker: Broker, mut feede
         if let Some(f) = &feeder {
             fds.extend(f.event_fds().into_iter().map(|fd| PollFd::new(fd, PollFlags::POLLIN)));
         }
-        let timeout = feeder.as_ref().and_then(|f| f.idle_timeout()).map_or(PollTimeout::NONE, poll_timeout);
+        let idle = feeder.as_ref().and_then(|f| f.idle_timeout());
+        let timeout = match broker.alive {
+            true => idle.map_or(PollTimeout::NONE, poll_timeout),
+            false => poll_timeout(idle.map_or(REATTACH_EVERY, |d| d.min(REATTACH_EVERY))),
+        };
         match poll(&mut fds, timeout) {
             Ok(_) => {}
             Err(nix::errno::Errno::EINTR) => continue,
@@ -362,6 +403,9 @@ fn supervise(mut child: Child, signals: &SignalFd, mut broker: Broker, mut feede
         drop(fds);
         if got_signal {
             forward_signals(signals, child.id());
+        }
+        if !broker.alive && !child_done {
+            broker.reattach(feeder.as_mut());
         }
         if broker_event {
             on_broker_readable(&mut broker, feeder.as_mut());

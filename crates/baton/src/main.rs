@@ -108,6 +108,11 @@ enum Cmd {
         max_clients: usize,
         #[command(flatten)]
         cluster: ClusterArgs,
+        /// Take over from the broker serving this socket, with everything
+        /// it holds (clients, waiters, the FUSE mount), so that no build
+        /// notices: upgrade baton in place with the new binary.
+        #[arg(long)]
+        replace: bool,
     },
     /// Run CMD holding tokens from the broker, with a GNU jobserver (MAKEFLAGS)
     /// fed from the pool; every token goes back when CMD ends.
@@ -328,7 +333,7 @@ fn main() -> ExitCode {
 
 fn dispatch(command: Cmd) -> anyhow::Result<u8> {
     match command {
-        Cmd::Serve { jobs, socket, verbose, quiet, no_fuse, fuse_notify_all, spin_us, no_io_uring, gates, mem_settle, on_memory_pressure, idle_timeout, max_clients, cluster } => {
+        Cmd::Serve { jobs, socket, verbose, quiet, no_fuse, fuse_notify_all, spin_us, no_io_uring, gates, mem_settle, on_memory_pressure, idle_timeout, max_clients, cluster, replace } => {
             let log_level = if quiet { LogLevel::Warn } else if verbose { LogLevel::Debug } else { LogLevel::Info };
             let fuse = match (no_fuse, fuse_notify_all) {
                 (true, _) => None,
@@ -342,7 +347,7 @@ fn dispatch(command: Cmd) -> anyhow::Result<u8> {
             let jobs = jobs.unwrap_or_else(|| file.as_ref().expect("read when --jobs is not given").jobs(None).value);
             let cluster = cluster.config().or_else(|| file.as_ref().and_then(Config::cluster));
             let idle_timeout = idle_timeout.map(Duration::from_secs);
-            baton_broker::serve(ServeOptions { jobs, socket, fuse, spin_us, io_uring: !no_io_uring, log_level, gates, idle_timeout, max_clients, cluster })?;
+            baton_broker::serve(ServeOptions { jobs, socket, fuse, spin_us, io_uring: !no_io_uring, log_level, gates, idle_timeout, max_clients, cluster, replace })?;
         }
         Cmd::Run { socket, tokens, jobserver_style, max, explain, name, weight, command } => {
             // Read once, and only where needed: to start a broker, or for

@@ -281,7 +281,12 @@ fn a_killed_broker_leaves_a_stale_mount_that_the_next_one_clears() {
     let Some(mut broker) = fuse_broker(1, &[]) else { return };
     let mount = mount_point(&broker);
     let socket = broker.socket.clone();
+    // Its keeper killed too (it would keep the mount alive for the next
+    // broker to serve: tests/restart.rs), the mount is dead.
+    let children = std::fs::read_to_string(format!("/proc/{0}/task/{0}/children", broker.pid())).unwrap();
+    let keeper: i32 = children.split_whitespace().next().expect("the broker has a keeper").parse().unwrap();
     broker.stop_with(libc::SIGKILL);
+    unsafe { libc::kill(keeper, libc::SIGKILL) };
     let log = broker.dir.path().join("broker2.log");
     let mut second = common::baton()
         .args(["serve", "--jobs", "1", "--socket"])

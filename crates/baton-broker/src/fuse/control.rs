@@ -45,7 +45,8 @@ fn run(shared: &Shared, mut poll: Poll, stop: &AtomicBool) {
     let mut events = Events::with_capacity(256);
     while !stop.load(Ordering::Relaxed) {
         let timeout = shared.with(|inner, _| {
-            inner.control_sleeps_until = inner.next_wakeup();
+            // Handed over: nothing to act on until woken (a failed handover).
+            inner.control_sleeps_until = if inner.frozen { None } else { inner.next_wakeup() };
             inner.control_sleeps_until.map(|t| t.saturating_duration_since(Instant::now()))
         });
         match poll.poll(&mut events, timeout) {
@@ -58,6 +59,9 @@ fn run(shared: &Shared, mut poll: Poll, stop: &AtomicBool) {
         }
         let exited: Vec<u32> = events.iter().map(|e| e.token()).filter(|&t| t != WAKER).map(|t| t.0 as u32).collect();
         shared.with(|inner, broker| {
+            if inner.frozen {
+                return;
+            }
             for pid in exited {
                 let reclaimed = inner.waiters.exited(broker, pid);
                 inner.exits.unwatch(pid);

@@ -9,18 +9,20 @@
 //! state below. Lock order: `Inner`, then the broker.
 
 use super::procs::{Exits, Threads};
-use super::waiters::{Fh, Pid, PollWaker, ReadReply, Waiters};
+use super::waiters::{Fh, Pid, PollWaker, ReadReply, Waiters, WaitersState};
 use crate::broker::{Broker, ClientMeta, Transport};
 use crate::log;
 use fuser::{
     Errno, FileAttr, FileHandle, FileType, Filesystem, FopenFlags, Generation, INodeNo, LockOwner, OpenFlags, PollEvents,
-    PollFlags, PollNotifier, ReplyAttr, ReplyCreate, ReplyData, ReplyDirectory, ReplyEmpty, ReplyEntry, ReplyOpen, ReplyPoll,
+    Notifier, PollFlags, PollHandle, PollNotifier, ReplyAttr, ReplyCreate, ReplyData, ReplyDirectory, ReplyEmpty, ReplyEntry, ReplyOpen, ReplyPoll,
     ReplyWrite, Request, TimeOrNow, WriteFlags,
 };
 use mio::Waker;
+use serde::{Deserialize, Serialize};
 use std::cell::Cell;
 use std::collections::BTreeMap;
 use std::ffi::OsStr;
+use std::sync::mpsc::{Receiver, Sender};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime};
 
@@ -55,13 +57,52 @@ impl ReadReply for FuseRead {
     }
 }
 
-pub struct FusePoll(PollNotifier);
+/// A poller to wake: one whose poll we answered, or one a predecessor
+/// broker answered (crate::handover), known by the kernel's handle.
+pub enum FusePoll {
+    Answered(PollNotifier),
+    Adopted(Notifier, PollHandle),
+}
 
 impl PollWaker for FusePoll {
     fn wake(&self) {
         // Fails only if the handle is gone, and then nobody waits on it.
-        let _ = self.0.clone().notify();
+        let _ = match self {
+            FusePoll::Answered(notifier) => notifier.clone().notify(),
+            FusePoll::Adopted(notifier, handle) => notifier.poll(*handle),
+        };
     }
+    fn handle(&self) -> u64 {
+        match self {
+            FusePoll::Answered(notifier) => notifier.handle().0,
+            FusePoll::Adopted(_, handle) => handle.0,
+        }
+    }
+}
+
+/// Handles and inodes of a mount taken from a killed broker start here,
+/// above any it can have made.
+const ORPHAN_BASE: u64 = 1 << 40;
+
+/// The name whose lookup, while a handover is asked for, makes the FUSE
+/// thread hand over its state (see [`Shared::ask_handover`]).
+pub const HANDOVER_NAME: &str = ".baton-handover";
+
+/// The token files as a successor broker receives them.
+#[derive(Debug, Serialize, Deserialize)]
+pub struct FsState {
+    waiters: WaitersState,
+    files: Vec<(u64, String)>,
+    next_ino: u64,
+    handles: Vec<(Fh, u64)>,
+    next_fh: Fh,
+}
+
+/// A handover asked for: the FUSE thread sends its state, then waits to
+/// be told to go on (true: the successor failed) or for the end.
+struct HandoverAsked {
+    state: Sender<FsState>,
+    go_on: Receiver<bool>,
 }
 
 /// State shared by the fuser thread and the control thread.
@@ -69,6 +110,7 @@ pub struct Shared {
     broker: Arc<Mutex<Broker>>,
     inner: Mutex<Inner>,
     control: Arc<Waker>,
+    handover: Mutex<Option<HandoverAsked>>,
 }
 
 pub struct Inner {
@@ -85,6 +127,8 @@ pub struct Inner {
     next_ino: u64,
     handles: BTreeMap<Fh, u64>,
     next_fh: Fh,
+    /// Handed over to a successor: the control thread must not act.
+    pub frozen: bool,
 }
 
 impl Shared {
@@ -100,8 +144,86 @@ impl Shared {
             next_ino: INodeNo::ROOT.0 + 1,
             handles: BTreeMap::new(),
             next_fh: 1,
+            frozen: false,
         };
-        Shared { broker, inner: Mutex::new(inner), control }
+        Shared { broker, inner: Mutex::new(inner), control, handover: Mutex::new(None) }
+    }
+
+    /// Carries on from a predecessor's token files; `notifier` wakes the
+    /// pollers it answered.
+    pub fn adopt(&self, state: FsState, notifier: &Notifier) -> Result<(), &'static str> {
+        let mut inner = self.inner.lock().expect("fuse state lock");
+        let broker = self.broker.lock().expect("broker lock");
+        let waker = |handle| FusePoll::Adopted(notifier.clone(), PollHandle(handle));
+        inner.waiters = Waiters::adopt(state.waiters, &broker, waker, Instant::now())?;
+        inner.files = state.files.into_iter().collect();
+        inner.handles = state.handles.into_iter().collect();
+        inner.next_ino = state.next_ino;
+        inner.next_fh = state.next_fh;
+        let pids: Vec<Pid> = inner.waiters.pids().collect();
+        drop(broker);
+        for pid in pids {
+            if let Err(e) = inner.exits.watch(pid) {
+                // Gone meanwhile: the control thread's first round reclaims.
+                log::debug(format_args!("cannot watch pid {pid}: {e}"));
+            }
+        }
+        Ok(())
+    }
+
+    /// We serve a mount whose broker was killed (fuse::keeper): its
+    /// handles and inodes are still open in the kernel, so ours are
+    /// numbered far above theirs, and its processes may give back tokens
+    /// it granted.
+    pub fn take_orphan(&self) {
+        let mut inner = self.inner.lock().expect("fuse state lock");
+        inner.next_fh = ORPHAN_BASE;
+        inner.next_ino = ORPHAN_BASE;
+        inner.waiters.forgive_strangers();
+    }
+
+    /// Asks the FUSE thread for its state: it hands it over at the next
+    /// lookup of [`HANDOVER_NAME`] and from then on answers nothing, so
+    /// that every request after it waits in the kernel for the successor
+    /// and none is half-served. `go_on` tells it to carry on (true) if the
+    /// handover fails.
+    pub fn ask_handover(&self) -> (Receiver<FsState>, Sender<bool>) {
+        let (state, state_rx) = std::sync::mpsc::channel();
+        let (go_on_tx, go_on) = std::sync::mpsc::channel();
+        *self.handover.lock().expect("handover lock") = Some(HandoverAsked { state, go_on });
+        (state_rx, go_on_tx)
+    }
+
+    /// Freezes the state and sends it, if a handover was asked for; then
+    /// waits as [`Shared::ask_handover`] says. Runs on the FUSE thread.
+    fn hand_over_if_asked(&self) -> Option<Receiver<bool>> {
+        let asked = self.handover.lock().expect("handover lock").take()?;
+        let state = {
+            let mut inner = self.inner.lock().expect("fuse state lock");
+            let mut broker = self.broker.lock().expect("broker lock");
+            inner.frozen = true;
+            let waiters = inner.waiters.hand_over(&mut broker, Instant::now());
+            FsState {
+                waiters,
+                files: inner.files.iter().map(|(&ino, n)| (ino, n.clone())).collect(),
+                next_ino: inner.next_ino,
+                handles: inner.handles.iter().map(|(&fh, &ino)| (fh, ino)).collect(),
+                next_fh: inner.next_fh,
+            }
+        };
+        let _ = asked.state.send(state);
+        Some(asked.go_on)
+    }
+
+    fn wait_after_handover(&self, go_on: Receiver<bool>) {
+        if go_on.recv() == Ok(true) {
+            self.inner.lock().expect("fuse state lock").frozen = false;
+            return;
+        }
+        // Handed over: the process exits soon; read no more requests.
+        loop {
+            std::thread::park();
+        }
     }
 
     /// Runs `f` on the state and the broker, then delivers every grant for
@@ -112,7 +234,10 @@ impl Shared {
         let mut broker = self.broker.lock().expect("broker lock");
         DELIVERING.with(|d| d.set(true));
         let out = f(&mut inner, &mut broker);
-        inner.waiters.settle(&mut broker, Instant::now());
+        // Handed over: grants filed since travel to the successor.
+        if !inner.frozen {
+            inner.waiters.settle(&mut broker, Instant::now());
+        }
         DELIVERING.with(|d| d.set(false));
         let due = inner.next_wakeup();
         if due.is_some_and(|due| inner.control_sleeps_until.is_none_or(|planned| due < planned)) {
@@ -262,6 +387,12 @@ const OPEN_FLAGS: FopenFlags = FopenFlags::FOPEN_DIRECT_IO.union(FopenFlags::FOP
 
 impl Filesystem for TokenFs {
     fn lookup(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEntry) {
+        if parent == INodeNo::ROOT && name == HANDOVER_NAME {
+            if let Some(go_on) = self.0.hand_over_if_asked() {
+                reply.error(Errno::ENOENT);
+                return self.0.wait_after_handover(go_on);
+            }
+        }
         match self.with(|inner, _| (parent == INodeNo::ROOT).then(|| inner.lookup(name)).flatten()) {
             Some(ino) => reply.entry(&TTL, &attr(ino), Generation(0)),
             None => reply.error(Errno::ENOENT),
@@ -400,7 +531,7 @@ impl Filesystem for TokenFs {
                 if let Some(aborted) = inner.aborted(fh.0) {
                     return aborted.readable(pid);
                 }
-                inner.waiters.poll(broker, pid, fh.0, will_wait, FusePoll(ph), Instant::now())
+                inner.waiters.poll(broker, pid, fh.0, will_wait, FusePoll::Answered(ph), Instant::now())
             });
         // Giving a token back never waits.
         let mut revents = events & (PollEvents::POLLOUT | PollEvents::POLLWRNORM);

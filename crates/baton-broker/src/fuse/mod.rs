@@ -12,12 +12,15 @@
 //! - `procs`: thread → process, pidfds, pending-SIGKILL checks.
 //! - `fs`: the fuser `Filesystem`.
 //! - `control`: the thread acting on exits, timeouts and socket grants.
+//! - `keeper`: the process that keeps the mount alive if we are killed.
 
 mod control;
 mod fs;
+mod keeper;
 pub(crate) mod procs;
 mod waiters;
 
+pub use fs::FsState;
 pub use waiters::Mode;
 
 use crate::broker::{Broker, Transport};
@@ -25,11 +28,14 @@ use crate::log;
 use anyhow::{bail, Context, Result};
 use control::{Control, WAKER};
 use fs::{Shared, TokenFs};
-use fuser::{BackgroundSession, Config, MountOption, Session};
+use fuser::{BackgroundSession, Config, MountOption, Session, SessionACL};
 use mio::{Poll, Waker};
 use nix::errno::Errno;
 use nix::sys::statfs::{statfs, FUSE_SUPER_MAGIC};
 use std::io::ErrorKind;
+use std::os::fd::{AsFd, AsRawFd, OwnedFd, RawFd};
+use std::sync::mpsc::Sender;
+use std::time::Duration;
 use std::os::unix::ffi::OsStrExt;
 use std::os::unix::fs::DirBuilderExt;
 use std::path::{Path, PathBuf};
@@ -40,6 +46,12 @@ pub struct FuseMount {
     control: Option<Control>,
     session: Option<BackgroundSession>,
     path: PathBuf,
+    shared: Arc<Shared>,
+    /// The session's /dev/fuse descriptor, for a successor.
+    device: OwnedFd,
+    /// Tells the FUSE thread, frozen for a handover, to go on.
+    go_on: Option<Sender<bool>>,
+    keeper: Option<keeper::Keeper>,
 }
 
 /// Mounts the token filesystem for the broker at `socket`. Where FUSE is
@@ -47,7 +59,16 @@ pub struct FuseMount {
 /// use the FIFO bridge.
 pub fn mount(socket: &Path, broker: Arc<Mutex<Broker>>, mode: Mode) -> Option<FuseMount> {
     let path = baton_core::paths::fuse_mount_point(socket);
-    match try_mount(&path, broker, mode) {
+    if let Some(device) = keeper::take(socket) {
+        return match adopt_orphan(socket, &path, broker, device, mode) {
+            Ok(mount) => Some(mount),
+            Err(e) => {
+                log::warn(format_args!("cannot serve the mount a killed broker left ({e:#}); builds will use the FIFO bridge"));
+                None
+            }
+        };
+    }
+    match try_mount(socket, &path, broker, mode) {
         Ok(mount) => {
             log::info(format_args!("FUSE token files at {}", path.display()));
             Some(mount)
@@ -59,19 +80,50 @@ pub fn mount(socket: &Path, broker: Arc<Mutex<Broker>>, mode: Mode) -> Option<Fu
     }
 }
 
-fn try_mount(path: &Path, broker: Arc<Mutex<Broker>>, mode: Mode) -> Result<FuseMount> {
+fn try_mount(socket: &Path, path: &Path, broker: Arc<Mutex<Broker>>, mode: Mode) -> Result<FuseMount> {
     if !Path::new("/dev/fuse").exists() {
         bail!("/dev/fuse does not exist");
     }
     clear_stale_mount(path)?;
     std::fs::DirBuilder::new().mode(0o700).create(path).or_else(|e| if e.kind() == ErrorKind::AlreadyExists { Ok(()) } else { Err(e) })
         .with_context(|| format!("cannot create {}", path.display()))?;
+    let (poll, waker, shared) = new_shared(broker.clone(), mode)?;
+    let session = Session::new(TokenFs(shared.clone()), path, &config())
+        .with_context(|| format!("cannot mount at {}", path.display()))?;
+    start(session, socket.to_path_buf(), path, broker, poll, waker, shared)
+}
 
+/// Serves the mount of a broker that was killed, whose keeper passed us
+/// the descriptor: its state is lost, so files, handles and what each
+/// process holds start afresh (docs/fuse.md, "When the broker dies").
+fn adopt_orphan(socket: &Path, path: &Path, broker: Arc<Mutex<Broker>>, device: OwnedFd, mode: Mode) -> Result<FuseMount> {
+    let (poll, waker, shared) = new_shared(broker.clone(), mode)?;
+    shared.take_orphan();
+    let session = Session::from_initialized_fd(TokenFs(shared.clone()), device, SessionACL::Owner, config());
+    log::info(format_args!("FUSE token files at {}: serving the mount a killed broker left", path.display()));
+    start(session, socket.to_path_buf(), path, broker, poll, waker, shared)
+}
+
+/// Serves the mount a predecessor broker handed over (crate::handover):
+/// its /dev/fuse descriptor and its token files' state.
+pub fn adopt(socket: &Path, broker: Arc<Mutex<Broker>>, device: OwnedFd, state: FsState, mode: Mode) -> Result<FuseMount> {
+    let path = baton_core::paths::fuse_mount_point(socket);
+    let (poll, waker, shared) = new_shared(broker.clone(), mode)?;
+    let session = Session::from_initialized_fd(TokenFs(shared.clone()), device, SessionACL::Owner, config());
+    shared.adopt(state, &session.notifier()).map_err(|e| anyhow::anyhow!("the predecessor's token files are inconsistent: {e}"))?;
+    log::info(format_args!("FUSE token files at {} taken over", path.display()));
+    start(session, socket.to_path_buf(), &path, broker, poll, waker, shared)
+}
+
+fn new_shared(broker: Arc<Mutex<Broker>>, mode: Mode) -> Result<(Poll, Arc<Waker>, Arc<Shared>)> {
     let poll = Poll::new().context("cannot create an event loop")?;
     let waker = Arc::new(Waker::new(poll.registry(), WAKER)?);
     let exits = procs::Exits::new(poll.registry().try_clone()?);
-    let shared = Arc::new(Shared::new(broker.clone(), waiters::Waiters::new(mode), exits, waker.clone()));
+    let shared = Arc::new(Shared::new(broker, waiters::Waiters::new(mode), exits, waker.clone()));
+    Ok((poll, waker, shared))
+}
 
+fn config() -> Config {
     let mut config = Config::default();
     config.mount_options = vec![
         MountOption::FSName("baton".into()),
@@ -80,9 +132,15 @@ fn try_mount(path: &Path, broker: Arc<Mutex<Broker>>, mode: Mode) -> Result<Fuse
         MountOption::NoDev,
         MountOption::NoExec,
     ];
-    let session = Session::new(TokenFs(shared.clone()), path, &config)
-        .and_then(Session::spawn)
-        .with_context(|| format!("cannot mount at {}", path.display()))?;
+    config
+}
+
+fn start(session: Session<TokenFs>, socket: PathBuf, path: &Path, broker: Arc<Mutex<Broker>>, poll: Poll, waker: Arc<Waker>, shared: Arc<Shared>) -> Result<FuseMount> {
+    let device = session.as_fd().try_clone_to_owned().context("cannot duplicate the FUSE descriptor")?;
+    let keeper = keeper::Keeper::spawn(&socket, device.as_raw_fd())
+        .inspect_err(|e| log::warn(format_args!("no keeper for the FUSE mount ({e:#}): if this broker is killed, FUSE-style builds fail")))
+        .ok();
+    let session = session.spawn().context("cannot start the FUSE thread")?;
 
     // Grants socket clients cause for FUSE waiters wake the control thread;
     // the FUSE threads deliver their own (see fs::delivering_here).
@@ -92,12 +150,46 @@ fn try_mount(path: &Path, broker: Arc<Mutex<Broker>>, mode: Mode) -> Result<Fuse
             let _ = hook_waker.wake();
         }
     });
-    let control = Control::spawn(shared, poll, waker).context("cannot start the FUSE thread")?;
-    Ok(FuseMount { control: Some(control), session: Some(session), path: path.to_path_buf() })
+    let control = Control::spawn(shared.clone(), poll, waker).context("cannot start the FUSE thread")?;
+    Ok(FuseMount { control: Some(control), session: Some(session), path: path.to_path_buf(), shared, device, go_on: None, keeper })
+}
+
+impl FuseMount {
+    /// Freezes the token files for a successor and returns their state;
+    /// from now on every FUSE request waits in the kernel for whoever
+    /// reads the session next (see `Shared::ask_handover`).
+    pub fn freeze(&mut self) -> Result<FsState> {
+        let (state, go_on) = self.shared.ask_handover();
+        self.go_on = Some(go_on);
+        // A lookup of this name reaches the FUSE thread between two
+        // requests; the kernel does not cache the ENOENT it gets.
+        let _ = std::fs::metadata(self.path.join(fs::HANDOVER_NAME));
+        state.recv_timeout(Duration::from_secs(30)).context("the FUSE thread did not hand over its state")
+    }
+
+    /// A handover failed: the FUSE thread goes on serving.
+    pub fn thaw(&mut self) {
+        if let Some(go_on) = self.go_on.take() {
+            let _ = go_on.send(true);
+        }
+    }
+
+    /// A successor holds the descriptor now: the keeper may go.
+    pub fn dismiss_keeper(&mut self) {
+        if let Some(keeper) = self.keeper.take() {
+            keeper.dismiss();
+        }
+    }
+
+    /// The session's /dev/fuse descriptor.
+    pub fn device(&self) -> RawFd {
+        self.device.as_raw_fd()
+    }
 }
 
 impl Drop for FuseMount {
     fn drop(&mut self) {
+        self.dismiss_keeper();
         drop(self.control.take());
         // Lazily: builds may still hold the files open. Their next read
         // fails once we exit and the connection closes.

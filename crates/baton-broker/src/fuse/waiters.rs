@@ -23,6 +23,7 @@
 
 use crate::broker::{Broker, ClientMeta, Transport};
 use baton_core::{Acquired, ClientId, Grant, PoolError, Tag};
+use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
@@ -52,10 +53,13 @@ pub trait ReadReply {
 /// Wakes the poll()ers of one handle.
 pub trait PollWaker {
     fn wake(&self);
+    /// The kernel's handle for this poll, which a successor broker uses to
+    /// wake the same poller.
+    fn handle(&self) -> u64;
 }
 
 /// How freed tokens reach pollers.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub enum Mode {
     /// Notify one handle and reserve the token for it.
     OneAtATime,
@@ -76,9 +80,31 @@ struct Polled<N> {
     reserved_until: Option<Instant>,
 }
 
+/// The waiters as a successor broker receives them: which process is
+/// which client, and each polled handle with its kernel poll handle, its
+/// place in the queue or its reservation (the time it has left).
+#[derive(Debug, Serialize, Deserialize)]
+pub struct WaitersState {
+    mode: Mode,
+    processes: Vec<(Pid, ClientId)>,
+    polled: Vec<PolledState>,
+}
+
+#[derive(Debug, Serialize, Deserialize)]
+struct PolledState {
+    fh: Fh,
+    client: ClientId,
+    kernel_handle: u64,
+    queued: bool,
+    reserved_for: Option<Duration>,
+}
+
 /// The FUSE file's waiters and reservations.
 pub struct Waiters<R, N> {
     mode: Mode,
+    /// The mount came from a killed broker: a process may give back more
+    /// than it took from us (tokens that broker granted).
+    forgiving: bool,
     processes: HashMap<Pid, ClientId>,
     reads: HashMap<(ClientId, Tag), BlockedRead<R>>,
     polled: HashMap<Fh, Polled<N>>,
@@ -86,7 +112,54 @@ pub struct Waiters<R, N> {
 
 impl<R: ReadReply, N: PollWaker> Waiters<R, N> {
     pub fn new(mode: Mode) -> Self {
-        Waiters { mode, processes: HashMap::new(), reads: HashMap::new(), polled: HashMap::new() }
+        Waiters { mode, forgiving: false, processes: HashMap::new(), reads: HashMap::new(), polled: HashMap::new() }
+    }
+
+    /// The state to hand a successor. A blocked read cannot travel (its
+    /// reply is bound to this process): it fails with EINTR, as a signal
+    /// would make it, and its request leaves the queue; readers retry.
+    pub fn hand_over(&mut self, broker: &mut Broker, now: Instant) -> WaitersState {
+        for ((client, tag), read) in self.reads.drain() {
+            broker.cancel(client, tag);
+            read.reply.fail(libc::EINTR);
+        }
+        let polled = self
+            .polled
+            .iter()
+            .map(|(&fh, p)| PolledState {
+                fh,
+                client: p.client,
+                kernel_handle: p.waker.handle(),
+                queued: p.queued,
+                reserved_for: p.reserved_until.map(|t| t.saturating_duration_since(now)),
+            })
+            .collect();
+        WaitersState { mode: self.mode, processes: self.processes.iter().map(|(&pid, &id)| (pid, id)).collect(), polled }
+    }
+
+    /// Carries on from a predecessor's waiters; `waker` makes the waker for
+    /// a kernel poll handle. Every process and client named must be known
+    /// to `broker`, which came with them.
+    pub fn adopt(state: WaitersState, broker: &Broker, waker: impl Fn(u64) -> N, now: Instant) -> Result<Self, &'static str> {
+        let known = |pid: Pid, client: ClientId| broker.pool().meta(client).is_some_and(|m| m.pid == pid && m.transport == Transport::Fuse);
+        if !state.processes.iter().all(|&(pid, client)| known(pid, client)) {
+            return Err("a FUSE process is not the broker's FUSE client");
+        }
+        let processes: HashMap<Pid, ClientId> = state.processes.into_iter().collect();
+        if !state.polled.iter().all(|p| processes.values().any(|&c| c == p.client)) {
+            return Err("a polled handle belongs to no FUSE process");
+        }
+        let polled = state
+            .polled
+            .into_iter()
+            .map(|p| (p.fh, Polled { client: p.client, waker: waker(p.kernel_handle), queued: p.queued, reserved_until: p.reserved_for.map(|d| now + d) }))
+            .collect();
+        Ok(Waiters { mode: state.mode, forgiving: false, processes, reads: HashMap::new(), polled })
+    }
+
+    /// The processes using the file, to watch for their exit.
+    pub fn pids(&self) -> impl Iterator<Item = Pid> + '_ {
+        self.processes.keys().copied()
     }
 
     /// The broker client of a process; `describe` is asked for its metadata
@@ -126,13 +199,23 @@ impl<R: ReadReply, N: PollWaker> Waiters<R, N> {
 
     /// Gives back `tokens` taken by `pid`. A process cannot give back more
     /// than it took (reserved tokens are not yet taken): ENOSPC, and the
-    /// pool is unchanged.
+    /// pool is unchanged. On a mount taken from a killed broker, what is
+    /// beyond is that broker's, which our pool never counted: thrown away.
     pub fn write(&mut self, broker: &mut Broker, pid: Pid, tokens: u32) -> Result<(), i32> {
         let Some(&client) = self.processes.get(&pid) else { return Err(libc::ENOSPC) };
-        if tokens > self.taken(broker, client) {
+        let taken = self.taken(broker, client);
+        if tokens > taken && !self.forgiving {
             return Err(libc::ENOSPC);
         }
-        broker.release(client, tokens).map_err(|e| errno_of(&e))
+        match tokens.min(taken) {
+            0 => Ok(()),
+            ours => broker.release(client, ours).map_err(|e| errno_of(&e)),
+        }
+    }
+
+    /// See [`Waiters::write`].
+    pub fn forgive_strangers(&mut self) {
+        self.forgiving = true;
     }
 
     /// A poll() of handle `fh` by `pid`. `will_wait`: the kernel will sleep
@@ -330,6 +413,9 @@ mod tests {
 
     struct Waker(Log, &'static str);
     impl PollWaker for Waker {
+        fn handle(&self) -> u64 {
+            0
+        }
         fn wake(&self) {
             self.0.borrow_mut().push(format!("{} woken", self.1));
         }

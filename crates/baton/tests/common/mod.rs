@@ -126,6 +126,17 @@ impl Broker {
         broker
     }
 
+    /// A new broker at the socket of `old` (which has stopped), logging
+    /// beside it.
+    pub fn start_at(old: &Broker, jobs: u32) -> Self {
+        let dir = TempDir::new("broker-again");
+        let log = std::fs::File::create(dir.path().join("broker.log")).unwrap();
+        let child = baton().args(["serve", "--jobs", &jobs.to_string(), "--socket"]).arg(&old.socket).stderr(log).spawn().expect("start baton serve");
+        let broker = Broker { child, socket: old.socket.clone(), dir, stopped: false };
+        broker.wait_until_ready();
+        broker
+    }
+
     fn wait_until_ready(&self) {
         // A bare connect, no HELLO: the probe takes no client id.
         wait_for(Duration::from_secs(10), "the broker to listen", || std::os::unix::net::UnixStream::connect(&self.socket).is_ok());
@@ -163,6 +174,13 @@ impl Broker {
         let status = wait_timeout(&mut self.child, Duration::from_secs(10)).expect("broker stops");
         self.stopped = true;
         (status, self.log())
+    }
+
+    /// Waits for the broker to exit by itself (it handed over, say).
+    pub fn wait_exit(&mut self, limit: Duration) -> std::process::ExitStatus {
+        let status = wait_timeout(&mut self.child, limit).expect("the broker exits");
+        self.stopped = true;
+        status
     }
 
     /// Checks that every token is back: free == limit, nobody holds any.

@@ -1,0 +1,318 @@
+//! A broker replaced in place (`baton serve --replace`) while builds of
+//! every style run under it: real make 4.3 (pipe), make 4.4.1 (FUSE file
+//! and FIFO) and ninja 1.13 (FIFO), a real FUSE mount, real processes.
+
+mod common;
+
+use baton_core::status::Status;
+use common::*;
+use std::path::{Path, PathBuf};
+use std::os::unix::process::ExitStatusExt;
+use std::process::{Child, Stdio};
+use std::time::Duration;
+
+/// One build of each style, each in its own directory with its own log of
+/// job starts and ends. Every job waits for the gate file before it ends,
+/// so that the test decides when tokens move: until then, each build holds
+/// exactly its first job's token and waits for a second.
+struct Builds {
+    dirs: Vec<TempDir>,
+    children: Vec<Child>,
+    gate: PathBuf,
+}
+
+const JOBS: usize = 8;
+
+impl Builds {
+    /// Starts the four builds so that each gets exactly one token: the
+    /// test holds the whole pool until all four `baton run`s wait for
+    /// their first, then lets go, and the pool serves them in turn.
+    fn start(broker: &Broker) -> Self {
+        let mut pool = broker.client("the test, holding the pool");
+        pool.acquire(4).unwrap();
+        let builds = Self::spawn(broker);
+        wait_for_status(broker, "the four builds to wait for their first token", |s| s.waiters.len() == 4);
+        pool.release(4).unwrap();
+        builds
+    }
+
+    fn spawn(broker: &Broker) -> Self {
+        let gate = broker.dir.path().join("gate");
+        // Orphaned by a failed test, a job still ends when the test's
+        // directory goes.
+        let job = format!("0.1; while [ ! -e {} ] && [ -d {} ]; do sleep 0.05; done", gate.display(), broker.dir.path().display());
+        let make44 = make44();
+        let styles: [(&str, PathBuf, bool); 4] = [("pipe", make43(), false), ("fuse", make44.clone(), false), ("fifo", make44, false), ("fifo", ninja(), true)];
+        let mut dirs = Vec::new();
+        let mut children = Vec::new();
+        for (style, tool, is_ninja) in styles {
+            let dir = TempDir::new(&format!("restart-{style}"));
+            let log = dir.path().join("jobs.log");
+            if is_ninja {
+                flat_ninja(dir.path(), &log, JOBS, &job);
+            } else {
+                flat_makefile(dir.path(), &log, JOBS, &job);
+            }
+            let child = broker
+                .run(&["--jobserver-style", style, "--", tool.to_str().unwrap()])
+                .current_dir(dir.path())
+                .env_remove("MAKEFLAGS")
+                .stdout(Stdio::null())
+                .stderr(Stdio::piped())
+                .spawn()
+                .expect("start a build");
+            dirs.push(dir);
+            children.push(child);
+        }
+        Builds { dirs, children, gate }
+    }
+
+    /// Lets every job end, and the builds go on.
+    fn open_gate(&self) {
+        std::fs::write(&self.gate, "").unwrap();
+    }
+
+    fn log(&self, i: usize) -> PathBuf {
+        self.dirs[i].path().join("jobs.log")
+    }
+
+    fn every_build_has_started_a_job(&self) -> bool {
+        (0..self.dirs.len()).all(|i| max_overlap(&self.log(i)).1 > 0)
+    }
+
+    /// Every build runs one job on its first token and waits for one more:
+    /// every token is held, and four requests wait.
+    fn wait_until_saturated(&self, broker: &Broker) -> Status {
+        wait_for_status(broker, "every build to run a job and wait for another", |s| self.every_build_has_started_a_job() && s.held == 4 && s.waiters.len() == 4)
+    }
+
+    /// Waits for every build; each must succeed and have run every job.
+    fn finish(&mut self) {
+        let logs: Vec<PathBuf> = (0..self.dirs.len()).map(|i| self.log(i)).collect();
+        for (i, child) in self.children.iter_mut().enumerate() {
+            let status = wait_timeout(child, Duration::from_secs(120)).expect("the build ends");
+            let mut err = String::new();
+            std::io::Read::read_to_string(child.stderr.as_mut().unwrap(), &mut err).unwrap();
+            assert!(status.success(), "build {i} failed ({status}): {err}");
+            assert_eq!(max_overlap(&logs[i]).1, JOBS, "build {i} ran every job: {err}");
+        }
+    }
+}
+
+/// Waits until the broker's status satisfies `cond`, and returns it;
+/// fails after a minute, showing the last status and the broker's log.
+fn wait_for_status(broker: &Broker, what: &str, mut cond: impl FnMut(&Status) -> bool) -> Status {
+    let started = std::time::Instant::now();
+    loop {
+        let s = broker.status();
+        if cond(&s) {
+            return s;
+        }
+        assert!(started.elapsed() < Duration::from_secs(60), "timed out waiting for {what}: {s:#?}\n{}", broker.log());
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// A test that failed half-way leaves no build behind: the gate opens and
+/// every `baton run` we started is killed (its command follows it).
+impl Drop for Builds {
+    fn drop(&mut self) {
+        self.open_gate();
+        for child in &mut self.children {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
+/// The successor: `baton serve --replace` with the same options.
+fn replace(broker: &Broker) -> Successor {
+    replace_with(broker, 4)
+}
+
+fn replace_with(broker: &Broker, jobs: u32) -> Successor {
+    let log = std::fs::File::create(broker.dir.path().join("successor.log")).unwrap();
+    Successor(baton().args(["serve", "--jobs", &jobs.to_string(), "--socket"]).arg(&broker.socket).arg("--replace").stderr(log).spawn().expect("start the successor"))
+}
+
+/// The successor broker; a test that fails half-way stops it too.
+struct Successor(Child);
+
+impl Successor {
+    fn id(&self) -> u32 {
+        self.0.id()
+    }
+
+    /// SIGTERM, and its exit status.
+    fn stop(&mut self) -> std::process::ExitStatus {
+        unsafe { libc::kill(self.0.id() as i32, libc::SIGTERM) };
+        wait_timeout(&mut self.0, Duration::from_secs(30)).expect("the successor stops")
+    }
+}
+
+impl Drop for Successor {
+    fn drop(&mut self) {
+        if self.0.try_wait().ok().flatten().is_none() {
+            self.stop();
+        }
+    }
+}
+
+fn successor_log(broker: &Broker) -> String {
+    std::fs::read_to_string(broker.dir.path().join("successor.log")).unwrap_or_default()
+}
+
+fn is_mounted(path: &Path) -> bool {
+    std::fs::read_to_string("/proc/self/mounts").unwrap().lines().any(|l| l.split(' ').nth(1) == Some(path.to_str().unwrap()))
+}
+
+#[test]
+fn builds_of_every_style_go_on_through_a_replace() {
+    let mut broker = Broker::start(4);
+    let mount = broker.socket.with_file_name("fuse");
+    if !is_mounted(&mount) {
+        return skip(Missing::Fuse, &format!("FUSE is not available here: {}", broker.log()));
+    }
+    let mut builds = Builds::start(&broker);
+    let before = builds.wait_until_saturated(&broker);
+
+    let mut successor = replace(&broker);
+    let status = broker.wait_exit(Duration::from_secs(30));
+    assert!(status.success(), "the predecessor hands over and exits 0: {}", broker.log());
+    assert!(broker.log().contains("handed over to a successor"), "{}", broker.log());
+    wait_for(Duration::from_secs(30), "the successor to take over", || successor_log(&broker).contains("took over"));
+    let after = broker.status();
+    assert_eq!(after.broker_pid, successor.id(), "the successor answers on the same socket");
+    // Nothing moved: the same clients hold the same tokens, and the same
+    // requests wait in the same order.
+    assert_eq!(after.holders, before.holders, "{}", successor_log(&broker));
+    assert_eq!(after.waiters, before.waiters, "{}", successor_log(&broker));
+    assert_eq!((after.limit, after.free, after.held), (4, 0, 4));
+    assert_eq!(after.totals, before.totals, "the pool came with its books");
+
+    builds.open_gate();
+    builds.finish();
+    let s = broker.status();
+    assert_eq!((s.free, s.held), (s.limit, 0), "every token is back: {s:#?}\n{}", successor_log(&broker));
+    // A FUSE make may exit with a token reserved for its last poll (it is
+    // reclaimed then, as without a replace); no connection may break.
+    assert!(!successor_log(&broker).contains("its connection closed"), "no connection broke: {s:#?}\n{}", successor_log(&broker));
+
+    let status = successor.stop();
+    assert!(status.success(), "{}", successor_log(&broker));
+    assert!(!is_mounted(&mount), "the successor unmounts as it stops: {}", successor_log(&broker));
+}
+
+#[test]
+fn builds_of_every_style_survive_a_crash_and_re_attach_to_a_new_broker() {
+    let mut broker = Broker::start(4);
+    let mount = broker.socket.with_file_name("fuse");
+    if !is_mounted(&mount) {
+        return skip(Missing::Fuse, &format!("FUSE is not available here: {}", broker.log()));
+    }
+    let mut builds = Builds::start(&broker);
+    builds.wait_until_saturated(&broker);
+
+    let (status, log) = broker.stop_with(libc::SIGKILL);
+    assert_eq!(status.signal(), Some(libc::SIGKILL), "{log}");
+    // The scenario: a new broker two seconds later.
+    std::thread::sleep(Duration::from_secs(2));
+    let mut restarted = Broker::start_at(&broker, 4);
+    // Every `baton run` comes back and says what it holds; the pool may
+    // drain meanwhile (a build re-attached early took a free token that
+    // a later one turns out to hold already).
+    wait_for_status(&restarted, "the four builds to re-attach", |s| s.builds.iter().filter(|b| b.name.starts_with("baton run") && b.held >= 1).count() == 4);
+
+    builds.open_gate();
+    builds.finish();
+    let s = restarted.status();
+    assert_eq!((s.free, s.held), (s.limit, 0), "every token is back: {s:#?}\n{}", restarted.log());
+    restarted.stop_with(libc::SIGTERM);
+    assert!(!is_mounted(&mount), "no mount is left: {}", restarted.log());
+}
+
+#[test]
+fn a_broker_whose_successor_goes_away_serves_on() {
+    let broker = Broker::start(2);
+    let mount = broker.socket.with_file_name("fuse");
+    if !is_mounted(&mount) {
+        return skip(Missing::Fuse, &format!("FUSE is not available here: {}", broker.log()));
+    }
+    let mut holder = broker.client("holds a token through it");
+    holder.acquire(1).unwrap();
+    // A successor that reads the state and leaves without confirming.
+    let mut successor = std::os::unix::net::UnixStream::connect(broker.socket.with_file_name("socket.handover")).unwrap();
+    let mut header = [0u8; 16];
+    std::io::Read::read_exact(&mut successor, &mut header).unwrap();
+    drop(successor);
+    wait_for(Duration::from_secs(30), "the broker to serve on", || broker.log().contains("serving on"));
+
+    // The same broker, with the same client and its token...
+    let s = broker.status();
+    assert_eq!((s.broker_pid, s.held), (broker.pid(), 1), "{s:#?}");
+    holder.release(1).unwrap();
+    // ...and its FUSE thread answering again: a read takes a token.
+    let file = mount.join("after-a-failed-handover");
+    let reader = std::thread::spawn(move || {
+        let mut tokens = std::fs::OpenOptions::new().read(true).write(true).create(true).truncate(false).open(&file).unwrap();
+        let mut byte = [0u8];
+        std::io::Read::read_exact(&mut tokens, &mut byte).unwrap();
+        tokens
+    });
+    let mut tokens = join_within(reader, Duration::from_secs(30), "a token read from the FUSE file");
+    assert_eq!(broker.status().held, 1);
+    std::io::Write::write_all(&mut tokens, b"+").unwrap();
+    drop(tokens);
+    broker.assert_all_free();
+}
+
+/// A line read in part, a waiting ACQUIRE and a queue's order all cross a
+/// replace: the clients are raw connections that know nothing of it.
+#[test]
+fn a_half_read_line_and_a_waiting_acquire_cross_a_replace() {
+    use std::io::{BufRead, BufReader, Write};
+    let mut broker = Broker::start(1);
+    let mut holder = broker.client("holds the only token");
+    holder.acquire(1).unwrap();
+    let connect = |hello: &str| {
+        let stream = std::os::unix::net::UnixStream::connect(&broker.socket).unwrap();
+        stream.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+        let mut reader = BufReader::new(stream.try_clone().unwrap());
+        (&stream).write_all(hello.as_bytes()).unwrap();
+        let mut line = String::new();
+        reader.read_line(&mut line).unwrap();
+        assert!(line.starts_with("OK 1 "), "{line}");
+        (stream, reader)
+    };
+    let (first, mut first_replies) = connect("HELLO 1 first\n");
+    (&first).write_all(b"ACQUIRE 1\n").unwrap();
+    wait_for_status(&broker, "the first to wait", |s| s.waiters.len() == 1);
+    let (second, mut second_replies) = connect("HELLO 1 second\n");
+    (&second).write_all(b"ACQUIRE 1\n").unwrap();
+    wait_for_status(&broker, "the second to wait", |s| s.waiters.len() == 2);
+    let (mut partial, mut partial_replies) = connect("HELLO 1 partial\n");
+    partial.write_all(b"TR").unwrap();
+    let before = broker.status();
+
+    let mut successor = replace_with(&broker, 1);
+    broker.wait_exit(Duration::from_secs(30));
+    wait_for(Duration::from_secs(30), "the successor to take over", || successor_log(&broker).contains("took over"));
+    assert_eq!(broker.status().waiters, before.waiters, "the queue came in order");
+
+    partial.write_all(b"Y 1\n").unwrap();
+    let mut line = String::new();
+    partial_replies.read_line(&mut line).unwrap();
+    assert_eq!(line, "BUSY 0\n", "the line begun before the replace is read whole");
+    holder.release(1).unwrap();
+    line.clear();
+    first_replies.read_line(&mut line).unwrap();
+    assert_eq!(line, "GRANTED 1 1\n", "the oldest waiter is served first");
+    (&first).write_all(b"RELEASE 1\n").unwrap();
+    line.clear();
+    second_replies.read_line(&mut line).unwrap();
+    assert_eq!(line, "GRANTED 1 1\n", "then the next");
+    drop((first, second, partial, first_replies, second_replies, partial_replies));
+    drop(holder);
+    wait_for_status(&broker, "every token back", |s| s.free == 1 && s.held == 0);
+    successor.stop();
+}
