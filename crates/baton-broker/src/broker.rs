@@ -91,7 +91,8 @@ impl Broker {
     /// Brings the pool's clock to now, so that what each build held
     /// meanwhile counts towards its share. Called before every change.
     fn tick(&mut self) {
-        self.pool.advance(self.started.0.elapsed().as_nanos() as u64);
+        let grants = self.pool.advance(self.started.0.elapsed().as_nanos() as u64);
+        self.route(grants);
     }
 
     /// Calls `hook` whenever a call files grants for `transport`, so that
@@ -197,12 +198,14 @@ impl Broker {
 
     /// Withdraws a pending request; returns the tokens it waited for.
     pub fn cancel(&mut self, id: ClientId, tag: Tag) -> u32 {
-        self.tick();
+        // Withdrawn before the clock moves: moving it may grant this very
+        // request, which the caller would then answer after CANCELLED.
         let (tokens, grants) = self.pool.cancel(id, tag);
         if let Some(meta) = self.pool.meta_mut(id) {
             meta.waiting_since.remove(&tag);
         }
         self.route(grants);
+        self.tick();
         tokens
     }
 
