@@ -17,7 +17,8 @@
 //!   the gates (`baton_core::gates` decides).
 //! - `paths`: the socket's directory, lock and stale-socket checks.
 //! - `activation`: the listening socket systemd passes (socket activation).
-#![deny(missing_docs)]
+// The fuzzing feature makes undocumented internals public.
+#![cfg_attr(not(feature = "fuzzing"), deny(missing_docs))]
 
 mod activation;
 mod broker;
@@ -34,3 +35,12 @@ pub use fuse::Mode as FuseMode;
 pub use log::LogLevel;
 pub use serve::{serve, ServeOptions};
 pub use socket::MAX_CLIENTS;
+
+/// The FUSE server's pure parts (who waits, reservations) with the pool
+/// they act on, for the fuzz targets (fuzz/) only.
+#[cfg(feature = "fuzzing")]
+#[doc(hidden)]
+pub mod fuzzing {
+    pub use crate::broker::{Broker, ClientMeta, Transport};
+    pub use crate::fuse::waiters::{Fh, Mode, Pid, PollWaker, ReadReply, Waiters, RESERVATION};
+}

@@ -16,7 +16,7 @@
 mod control;
 mod fs;
 pub(crate) mod procs;
-mod waiters;
+pub(crate) mod waiters;
 
 pub use waiters::Mode;
 
