@@ -325,10 +325,15 @@ impl Broker {
 
     /// Every build, for status.
     fn builds(&self) -> Vec<status::Build> {
+        // One pass over the clients, not one per build.
+        let mut firsts = HashMap::new();
+        for c in self.pool.clients() {
+            firsts.entry(c.build).or_insert(c);
+        }
         self.pool
             .builds()
             .map(|b| {
-                let first = self.pool.clients().find(|c| c.build == b.id);
+                let first = firsts.remove(&b.id);
                 let root = self.roots.values().find(|&&root| self.pool.build_of(root) == Some(b.id));
                 let pid = root.and_then(|&r| self.pool.meta(r)).or(first.as_ref().map(|c| c.meta)).map_or(0, |m| m.pid);
                 let name = self.names.get(&b.id).cloned().or_else(|| first.map(|c| c.meta.command.clone())).unwrap_or_default();

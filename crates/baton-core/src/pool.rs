@@ -425,11 +425,17 @@ impl<M> Pool<M> {
 
     /// Every client with what it holds and waits for, in connection order.
     pub fn clients(&self) -> impl Iterator<Item = ClientView<'_, M>> {
-        self.clients.iter().map(|(&id, c)| ClientView {
+        // One pass over the queue, not one per client: ten thousand
+        // clients waiting made every status a hundred million steps.
+        let mut waiting: BTreeMap<ClientId, u32> = BTreeMap::new();
+        for w in &self.queue {
+            *waiting.entry(w.client).or_default() += w.tokens;
+        }
+        self.clients.iter().map(move |(&id, c)| ClientView {
             id,
             build: c.build,
             held: c.held,
-            waiting: self.queue.iter().filter(|w| w.client == id).map(|w| w.tokens).sum(),
+            waiting: waiting.get(&id).copied().unwrap_or(0),
             meta: &c.meta,
         })
     }
