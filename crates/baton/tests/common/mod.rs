@@ -9,12 +9,14 @@ use std::time::{Duration, Instant};
 
 /// What a skipped test could not find. scripts/test fails a CI run that
 /// skipped for something it installs itself (`Fuse`, `Root`); `IoUring`
-/// depends on the kernel, which no script installs.
+/// depends on the kernel, which no script installs, and `FileLimit` on the
+/// open-file limit the machine gives.
 #[derive(Debug, Clone, Copy)]
 pub enum Missing {
     Fuse,
     Root,
     IoUring,
+    FileLimit,
 }
 
 /// Records that the running test could not do its work here, so that the
