@@ -192,9 +192,10 @@ fn observe(socket: PathBuf, stop: Arc<AtomicBool>, seen: Arc<Mutex<Observed>>) {
     }
 }
 
-/// Starts a new broker on the socket of `broker`, whose process was
-/// killed: its log goes on in the same file.
-fn restart(broker: &mut Broker, limit: u32) {
+/// Kills the broker with SIGKILL and starts a new one on its socket: its
+/// log goes on in the same file. (An upgrade in place, a new broker taking
+/// over the running one, is another restart the chaos loop can draw.)
+fn restart_after_kill9(broker: &mut Broker, limit: u32) {
     kill9(broker.pid());
     broker.child.wait().expect("reap the killed broker");
     let log = std::fs::OpenOptions::new().append(true).open(broker.dir.path().join("broker.log")).unwrap();
@@ -284,7 +285,7 @@ fn chaos_loses_no_token_and_never_breaks_the_limit() {
                 }
             }
             18 if dice.below(4) == 0 => {
-                restart(&mut broker, limit);
+                restart_after_kill9(&mut broker, limit);
                 running.iter_mut().for_each(|r| r.restarts_seen += 1);
                 counts.broker_restarts += 1;
             }
