@@ -716,7 +716,7 @@ mod tests {
         p.assert_invariants();
     }
 
-    /// Found by the pool's fuzz target: a big request waits ahead of a
+    /// Found by the FUSE waiters' fuzz target: a big request waits ahead of a
     /// small one of another build; time passes, the small one's build is
     /// the one served next, and its token is free.
     #[test]

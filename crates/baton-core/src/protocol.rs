@@ -464,7 +464,7 @@ mod tests {
         assert_eq!(parse_request(b"GATE min-jobs 2"), Ok(Request::Gate { name: "min-jobs".into(), value: Some(2.0) }));
     }
 
-    /// Found by the protocol's fuzz target: 24 nines were accepted as
+    /// Caught by the protocol fuzz target's round-trip check: 24 nines were accepted as
     /// 1e24, which the broker's reply spells with 25 digits, a line the
     /// client refused.
     #[test]
