@@ -191,8 +191,10 @@ impl Broker {
     /// meanwhile counts towards its share. Called before every change.
     fn tick(&mut self) {
         let now = self.started.0.elapsed().as_nanos() as u64;
-        self.pool.advance(now);
+        // What was held until now counts before the clock's grants change it.
         self.utilization.advance(now, self.pool.held());
+        let grants = self.pool.advance(now);
+        self.route(grants);
     }
 
     /// Calls `hook` whenever a call files grants for `transport`, so that
@@ -314,12 +316,14 @@ impl Broker {
 
     /// Withdraws a pending request; returns the tokens it waited for.
     pub fn cancel(&mut self, id: ClientId, tag: Tag) -> u32 {
-        self.tick();
+        // Withdrawn before the clock moves: moving it may grant this very
+        // request, which the caller would then answer after CANCELLED.
         let (tokens, grants) = self.pool.cancel(id, tag);
         if let Some(meta) = self.pool.meta_mut(id) {
             meta.waiting_since.remove(&tag);
         }
         self.route(grants);
+        self.tick();
         self.demand_changed();
         tokens
     }

@@ -22,7 +22,8 @@
 //! - `activation`: the listening socket systemd passes (socket activation).
 //! - `cluster`: joining a cluster pool in etcd (the `cluster` feature).
 //! - `handover`: passing the running state to a successor (`--replace`).
-#![deny(missing_docs)]
+// The fuzzing feature makes undocumented internals public.
+#![cfg_attr(not(feature = "fuzzing"), deny(missing_docs))]
 
 mod activation;
 mod broker;
@@ -43,3 +44,12 @@ pub use fuse::Mode as FuseMode;
 pub use log::LogLevel;
 pub use serve::{serve, ServeOptions};
 pub use socket::MAX_CLIENTS;
+
+/// The FUSE server's pure parts (who waits, reservations) with the pool
+/// they act on, for the fuzz targets (fuzz/) only.
+#[cfg(feature = "fuzzing")]
+#[doc(hidden)]
+pub mod fuzzing {
+    pub use crate::broker::{Broker, ClientMeta, Transport};
+    pub use crate::fuse::waiters::{Fh, Mode, Pid, PollWaker, ReadReply, Waiters, RESERVATION};
+}

@@ -74,7 +74,7 @@ pub fn serve(opts: ServeOptions) -> Result<()> {
     };
     let dir = private_dir(&socket);
     paths::prepare_private_dir(&dir, chosen_by_us)?;
-    raise_fd_limit();
+    raise_fd_limit(opts.max_clients);
     let mut handed = if opts.replace { Some(handover::receive(&socket)?) } else { None };
     // Checked before we confirm: a state we cannot take leaves the
     // running broker serving.
@@ -238,15 +238,25 @@ fn stop_signals() -> SigSet {
 }
 
 /// Every client costs the broker a file descriptor; the usual soft limit of
-/// 1024 would cap a big build, so take what the hard limit allows.
-fn raise_fd_limit() {
+/// 1024 would cap a big build, so take what the hard limit allows, and say
+/// so when even that is below `--max-clients`.
+fn raise_fd_limit(max_clients: usize) {
     use nix::sys::resource::{getrlimit, setrlimit, Resource};
-    if let Ok((soft, hard)) = getrlimit(Resource::RLIMIT_NOFILE) {
-        if soft < hard {
-            let _ = setrlimit(Resource::RLIMIT_NOFILE, hard, hard);
-        }
+    let Ok((soft, hard)) = getrlimit(Resource::RLIMIT_NOFILE) else { return };
+    if soft < hard {
+        let _ = setrlimit(Resource::RLIMIT_NOFILE, hard, hard);
+    }
+    if hard < (max_clients + FDS_BESIDE_CLIENTS) as u64 {
+        log::warn(format_args!(
+            "the open-file limit ({hard}) lets the broker serve about {} clients, not --max-clients {max_clients} (raise it: ulimit -Hn, or LimitNOFILE= in its systemd unit)",
+            hard.saturating_sub(FDS_BESIDE_CLIENTS as u64)
+        ));
     }
 }
+
+/// Descriptors the broker keeps open besides its clients' (the listening
+/// socket, the event loops, the FUSE device, the lock, pidfds), with room.
+const FDS_BESIDE_CLIENTS: usize = 64;
 
 struct RemoveOnDrop(PathBuf);
 

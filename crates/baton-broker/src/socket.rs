@@ -359,8 +359,12 @@ impl SocketServer {
                 Ok((stream, _)) => self.add_conn(stream),
                 Err(e) if e.kind() == ErrorKind::WouldBlock => return,
                 Err(e) if e.kind() == ErrorKind::Interrupted => continue,
+                Err(e) if e.raw_os_error() == Some(libc::EMFILE) => {
+                    log::warn(format_args!("cannot accept a connection: {e} (raise the broker's open-file limit: ulimit -Hn, or LimitNOFILE= in its systemd unit)"));
+                    return;
+                }
                 Err(e) => {
-                    // EMFILE and friends: log and keep serving those we have.
+                    // ENFILE and friends: log and keep serving those we have.
                     log::warn(format_args!("cannot accept a connection: {e}"));
                     return;
                 }

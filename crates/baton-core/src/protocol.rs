@@ -268,10 +268,16 @@ fn parse_gate(rest: &str) -> Result<(String, Option<f64>), ParseError> {
 }
 
 /// A non-negative decimal such as `12` or `12.5`: digits, at most one dot.
+/// Below [`MAX_DECIMAL`], so that the value the broker echoes back (its
+/// shortest form) is one this accepts: 24 nines would round to 1e24,
+/// whose 25 digits the client would refuse.
 fn parse_decimal(word: &str) -> Option<f64> {
     let plain = !word.is_empty() && word.len() <= 24 && word.bytes().all(|b| b.is_ascii_digit() || b == b'.') && word.bytes().filter(|&b| b == b'.').count() <= 1;
-    plain.then(|| word.parse().ok()).flatten()
+    plain.then(|| word.parse().ok()).flatten().filter(|&v| v < MAX_DECIMAL)
 }
+
+/// Gate values are below this (no threshold comes near).
+const MAX_DECIMAL: f64 = 1e24;
 
 fn gate_value(value: Option<f64>) -> String {
     value.map_or_else(|| "off".to_string(), |v| v.to_string())
@@ -462,5 +468,15 @@ mod tests {
             assert!(parse_request(line.as_bytes()).is_err(), "{line} accepted");
         }
         assert_eq!(parse_request(b"GATE min-jobs 2"), Ok(Request::Gate { name: "min-jobs".into(), value: Some(2.0) }));
+    }
+
+    /// Caught by the protocol fuzz target's round-trip check: 24 nines were accepted as
+    /// 1e24, which the broker's reply spells with 25 digits, a line the
+    /// client refused.
+    #[test]
+    fn an_accepted_gate_value_comes_back_in_a_form_that_is_accepted() {
+        assert!(parse_request(b"GATE load 999999999999999999999999").is_err());
+        let largest = parse_request(b"GATE load 999999999999999900000000").unwrap();
+        assert_eq!(parse_request(largest.to_string().as_bytes()), Ok(largest));
     }
 }

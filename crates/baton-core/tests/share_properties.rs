@@ -82,7 +82,8 @@ proptest! {
             if now > RUN {
                 break;
             }
-            sim.pool.advance(now);
+            let grants = sim.pool.advance(now);
+            sim.granted(now, grants);
             let grants = sim.pool.release(client, 1).unwrap();
             sim.granted(now, grants);
             sim.check();

@@ -37,6 +37,13 @@ use fifo::Fifo;
 pub use autostart::{log_path as autostart_log_path, Autostart};
 pub use run::{run, RunOptions};
 
+/// The feeder's pure rules, for the fuzz targets (fuzz/) only.
+#[cfg(feature = "fuzzing")]
+#[doc(hidden)]
+pub mod fuzzing {
+    pub use crate::feeder::{plan, should_look, spare, Plan, Seen, Wanted};
+}
+
 use std::ffi::OsString;
 use std::path::Path;
 

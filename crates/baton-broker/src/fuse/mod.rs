@@ -18,7 +18,7 @@ mod control;
 mod fs;
 mod keeper;
 pub(crate) mod procs;
-mod waiters;
+pub(crate) mod waiters;
 
 pub use fs::FsState;
 pub use waiters::Mode;

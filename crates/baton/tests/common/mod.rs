@@ -9,7 +9,8 @@ use std::time::{Duration, Instant};
 
 /// What a skipped test could not find. scripts/test fails a CI run that
 /// skipped for something it installs itself (`Fuse`, `Root`); `IoUring`
-/// depends on the kernel, which no script installs.
+/// depends on the kernel, which no script installs, and `FileLimit` on the
+/// open-file limit the machine gives.
 #[derive(Debug, Clone, Copy)]
 pub enum Missing {
     Fuse,
@@ -17,6 +18,8 @@ pub enum Missing {
     IoUring,
     /// PSI triggers (Linux 5.2, `psi=1`): the kernel's, like io_uring.
     PsiTrigger,
+    /// A hard limit on open files below what a test needs.
+    FileLimit,
 }
 
 /// Records that the running test could not do its work here, so that the

@@ -1,0 +1,146 @@
+//! Many clients connected at once: every one of them is granted a token
+//! in turn through a queue as deep as they are many, and every token is
+//! back at the end. The figures (the broker's resident memory) are printed.
+//!
+//! The test suite connects 1,000 (the debug broker's pool is slow to
+//! build with ten times that); scripts/soak runs it with
+//! `BATON_SCALE_CLIENTS=10000` against the release build, for the figures
+//! in docs/benchmarks.md.
+
+mod common;
+
+use common::{Broker, Missing};
+use std::io::{BufRead, BufReader, Read, Write};
+use std::os::fd::AsRawFd;
+use std::os::unix::net::UnixStream;
+use std::time::{Duration, Instant};
+
+fn clients() -> usize {
+    std::env::var("BATON_SCALE_CLIENTS").ok().and_then(|n| n.parse().ok()).unwrap_or(1_000)
+}
+/// Descriptors this test needs beside its clients' (cargo's, the broker's
+/// pipes), with room.
+const SPARE_FDS: u64 = 128;
+
+/// Raises this process's open-file limit to its hard limit (the broker,
+/// our child, inherits the hard limit and raises its own); false, with the
+/// skip recorded, if even that is too low.
+fn enough_files(needed: u64) -> bool {
+    let mut lim = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+    // SAFETY: getrlimit/setrlimit read and write the struct we pass.
+    unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) };
+    if lim.rlim_max < needed {
+        let reason = format!("needs {needed} open files, the hard limit is {} (raise it: ulimit -Hn {needed})", lim.rlim_max);
+        common::skip(Missing::FileLimit, &reason);
+        return false;
+    }
+    lim.rlim_cur = lim.rlim_max;
+    assert_eq!(unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &lim) }, 0, "raising the open-file limit");
+    true
+}
+
+/// A client speaking the protocol on a bare socket: a `Client` each would
+/// cost this test 10,000 read buffers.
+fn hello(socket: &std::path::Path, i: usize) -> UnixStream {
+    let mut stream = UnixStream::connect(socket).unwrap_or_else(|e| panic!("client {i} cannot connect: {e}"));
+    stream.write_all(format!("HELLO 1 scale-{i}\n").as_bytes()).unwrap();
+    let mut line = String::new();
+    BufReader::new(&stream).read_line(&mut line).unwrap();
+    assert!(line.starts_with("OK 1 "), "client {i} got {line:?}");
+    stream
+}
+
+/// The broker's resident memory now and at its peak, in KiB.
+fn rss_kib(pid: u32) -> (u64, u64) {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    let field = |name: &str| {
+        let line = status.lines().find(|l| l.starts_with(name)).unwrap_or_else(|| panic!("no {name} in /proc/{pid}/status"));
+        line.split_whitespace().nth(1).unwrap().parse::<u64>().unwrap()
+    };
+    (field("VmRSS:"), field("VmHWM:"))
+}
+
+/// Waits for readable clients with epoll: 10,000 descriptors are too many
+/// to poll() in turn.
+struct Ready(i32);
+
+impl Ready {
+    fn new(clients: &[UnixStream]) -> Self {
+        let epoll = unsafe { libc::epoll_create1(libc::EPOLL_CLOEXEC) };
+        assert!(epoll >= 0, "epoll_create1");
+        for (i, c) in clients.iter().enumerate() {
+            let mut event = libc::epoll_event { events: libc::EPOLLIN as u32, u64: i as u64 };
+            // SAFETY: epoll and the client's descriptor are open; the event is ours.
+            assert_eq!(unsafe { libc::epoll_ctl(epoll, libc::EPOLL_CTL_ADD, c.as_raw_fd(), &mut event) }, 0, "epoll_ctl");
+        }
+        Ready(epoll)
+    }
+
+    /// Indices of readable clients; waits at most a second.
+    fn wait(&self) -> Vec<usize> {
+        let mut events = vec![libc::epoll_event { events: 0, u64: 0 }; 256];
+        // SAFETY: the buffer holds as many events as we say.
+        let n = unsafe { libc::epoll_wait(self.0, events.as_mut_ptr(), events.len() as i32, 1000) };
+        events[..n.max(0) as usize].iter().map(|e| e.u64 as usize).collect()
+    }
+}
+
+impl Drop for Ready {
+    fn drop(&mut self) {
+        unsafe { libc::close(self.0) };
+    }
+}
+
+fn reply(client: &mut UnixStream) -> String {
+    // One short reply is in flight per client at a time: it arrives whole.
+    let mut buf = [0u8; 64];
+    let n = client.read(&mut buf).unwrap();
+    String::from_utf8_lossy(&buf[..n]).into_owned()
+}
+
+#[test]
+fn many_connected_clients_are_each_granted_in_turn() {
+    let n = clients();
+    if !enough_files(n as u64 + SPARE_FDS) {
+        return;
+    }
+    let broker = Broker::start_with(4, &["--quiet"]);
+    let (rss_before, _) = rss_kib(broker.pid());
+    let started = Instant::now();
+    let mut clients: Vec<UnixStream> = (0..n).map(|i| hello(&broker.socket, i)).collect();
+    let connected = started.elapsed();
+    for c in &mut clients {
+        c.write_all(b"ACQUIRE 1\n").unwrap();
+    }
+
+    // Every client holds its token a moment and gives it back; the broker
+    // grants the next waiter. Hang guard: no grant for 60 s.
+    let ready = Ready::new(&clients);
+    let (mut granted, mut released, mut last_progress) = (0, 0, Instant::now());
+    while released < n {
+        assert!(last_progress.elapsed() < Duration::from_secs(60), "no grant for 60 s: {granted} granted, {released} released");
+        for i in ready.wait() {
+            let line = reply(&mut clients[i]);
+            match line.split(' ').next() {
+                Some("GRANTED") => {
+                    granted += 1;
+                    clients[i].write_all(b"RELEASE 1\n").unwrap();
+                }
+                Some("RELEASED") => released += 1,
+                _ => panic!("client {i} got {line:?}"),
+            }
+            last_progress = Instant::now();
+        }
+    }
+    let flowed = started.elapsed() - connected;
+    let (rss, peak) = rss_kib(broker.pid());
+    eprintln!(
+        "{n} clients: connected in {connected:.2?}, {granted} grants in {flowed:.2?}; broker RSS {rss_before} KiB idle, {rss} KiB with them, peak {peak} KiB"
+    );
+    assert_eq!(granted, n, "every client was granted once");
+    broker.assert_all_free();
+    assert!(clients.iter_mut().all(|c| c.write_all(b"TRY 1\n").is_ok()), "the broker dropped a client");
+    drop(ready);
+    drop(clients);
+    broker.assert_all_free();
+}

@@ -1,0 +1,330 @@
+//! Chaos: for a bounded time, builds of every style (make 4.3 on a pipe,
+//! make 4.4.1 on a FIFO and on the FUSE file, ninja 1.13 on a FIFO, cargo
+//! as `auto` chooses) and native clients (`baton run` holding tokens for a
+//! sleep: the Rust client) come and go under kill -9 of random clients and
+//! their children, limit changes and broker restarts (kill -9, then a new
+//! broker on the same socket), while an observer samples `baton status
+//! --json`. Never more held than the limit (but while a lowered limit
+//! drains, and then nothing is granted), every token back at the end, the
+//! broker alive.
+//!
+//! `BATON_SOAK_SECS` sets how long the chaos lasts (default 15 s, the test
+//! suite's run); scripts/soak runs it for longer and prints the counts.
+//! Chaos actions are drawn from a seed printed at the start;
+//! `BATON_SOAK_SEED` replays one.
+
+mod common;
+
+use common::{baton, Broker};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Stdio};
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+/// A small deterministic generator (xorshift64*): the run is replayed
+/// from its seed, and no dependency is needed for it.
+struct Dice(u64);
+
+impl Dice {
+    fn below(&mut self, n: usize) -> usize {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        (self.0.wrapping_mul(0x2545_F491_4F6C_DD1D) >> 33) as usize % n
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Kind {
+    Make43Pipe,
+    Make44Fifo,
+    Make44Fuse,
+    NinjaFifo,
+    Cargo,
+    Native,
+}
+
+const KINDS: [Kind; 6] = [Kind::Make43Pipe, Kind::Make44Fifo, Kind::Make44Fuse, Kind::NinjaFifo, Kind::Cargo, Kind::Native];
+
+/// A running client: a `baton run` and what it runs.
+struct Running {
+    kind: Kind,
+    child: Child,
+    /// Broker restarts it lived through; a build that lived through none
+    /// and was not killed must succeed.
+    restarts_seen: u32,
+    killed: bool,
+}
+
+#[derive(Debug, Default)]
+struct Counts {
+    started: u32,
+    succeeded: u32,
+    /// Ended otherwise after a kill of theirs or a broker restart.
+    disturbed: u32,
+    clients_killed: u32,
+    children_killed: u32,
+    limit_changes: u32,
+    broker_restarts: u32,
+}
+
+/// What the observer saw.
+#[derive(Debug, Default)]
+struct Observed {
+    samples: u32,
+    /// Samples taken while no broker answered (during restarts).
+    unanswered: u32,
+    violations: Vec<String>,
+}
+
+fn seed() -> u64 {
+    std::env::var("BATON_SOAK_SEED").ok().and_then(|s| s.parse().ok()).unwrap_or_else(|| {
+        let t = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap();
+        t.as_nanos() as u64 | 1
+    })
+}
+
+fn soak_time() -> Duration {
+    Duration::from_secs(std::env::var("BATON_SOAK_SECS").ok().and_then(|s| s.parse().ok()).unwrap_or(15))
+}
+
+/// The projects the builds run, each in a directory of its own: every
+/// start runs in a fresh copy, so that ninja and cargo have work to do.
+struct Projects {
+    root: PathBuf,
+    next: AtomicU32,
+}
+
+impl Projects {
+    fn dir(&self, kind: Kind) -> PathBuf {
+        let dir = self.root.join(format!("{kind:?}-{}", self.next.fetch_add(1, Ordering::Relaxed)));
+        std::fs::create_dir_all(&dir).unwrap();
+        let log = dir.join("jobs.log");
+        match kind {
+            Kind::NinjaFifo => common::flat_ninja(&dir, &log, 8, "0.05"),
+            Kind::Cargo => common::cargo_workspace(&dir, &log, 2),
+            Kind::Native => {}
+            _ => common::flat_makefile(&dir, &log, 8, "0.05"),
+        }
+        dir
+    }
+}
+
+fn start(broker_socket: &Path, projects: &Projects, kind: Kind) -> Child {
+    let dir = projects.dir(kind);
+    let mut run = baton();
+    run.arg("run").arg("--socket").arg(broker_socket).env("BATON_NO_AUTOSTART", "1").current_dir(&dir);
+    // A process group of its own: a kill of the client and its children
+    // reaches every process of it, and none of the test's.
+    std::os::unix::process::CommandExt::process_group(&mut run, 0);
+    let (make43, make44, ninja) = (common::make43(), common::make44(), common::ninja());
+    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+    match kind {
+        Kind::Make43Pipe => run.args(["--jobserver-style", "pipe", "--"]).arg(make43).arg("-j8"),
+        Kind::Make44Fifo => run.args(["--jobserver-style", "fifo", "--"]).arg(make44).arg("-j8"),
+        Kind::Make44Fuse => run.args(["--jobserver-style", "fuse", "--"]).arg(make44).arg("-j8"),
+        Kind::NinjaFifo => run.args(["--jobserver-style", "fifo", "--"]).arg(ninja).arg("-j8"),
+        Kind::Cargo => run
+            .args(["--", &cargo, "build", "--offline", "--quiet", "-j", "8"])
+            .env("CARGO_TARGET_DIR", dir.join("target"))
+            .env_remove("CARGO_MAKEFLAGS")
+            .env_remove("CARGO_BUILD_JOBS"),
+        Kind::Native => run.args(["--", "sleep", "0.3"]),
+    };
+    run.env_remove("MAKEFLAGS").stdin(Stdio::null()).stdout(Stdio::null()).stderr(Stdio::null()).spawn().expect("start baton run")
+}
+
+/// The processes of a client's group: the client and its children.
+fn group_members(pgid: u32) -> Vec<u32> {
+    let Ok(entries) = std::fs::read_dir("/proc") else { return Vec::new() };
+    entries
+        .filter_map(|e| e.ok()?.file_name().to_str()?.parse::<u32>().ok())
+        .filter(|&pid| {
+            let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+            let after_name = stat.rsplit(')').next().unwrap_or("");
+            after_name.split_whitespace().nth(2).and_then(|g| g.parse::<u32>().ok()) == Some(pgid)
+        })
+        .collect()
+}
+
+fn kill9(pid: u32) {
+    // SAFETY: kill takes any pid; ours are children or their descendants.
+    unsafe { libc::kill(pid as i32, libc::SIGKILL) };
+}
+
+/// Checks one `baton status --json` sample against the one before it from
+/// the same broker: held ≤ limit and free + held = limit, or, while a
+/// lowered limit drains, nothing free and nothing granted.
+fn check_sample(doc: &serde_json::Value, before: Option<&serde_json::Value>) -> Option<String> {
+    let field = |d: &serde_json::Value, k: &str| d[k].as_u64().unwrap_or(u64::MAX);
+    let (limit, free, held) = (field(doc, "limit"), field(doc, "free"), field(doc, "held"));
+    if held <= limit {
+        return (free + held != limit).then(|| format!("free {free} + held {held} != limit {limit}"));
+    }
+    if free != 0 {
+        return Some(format!("held {held} > limit {limit} with {free} free"));
+    }
+    let same_broker = |b: &serde_json::Value| b["broker_pid"] == doc["broker_pid"] && field(b, "limit") == limit;
+    match before.filter(|b| same_broker(b)) {
+        Some(b) if held > field(b, "held") => Some(format!("held rose from {} to {held} above limit {limit}", field(b, "held"))),
+        _ => None,
+    }
+}
+
+fn observe(socket: PathBuf, stop: Arc<AtomicBool>, seen: Arc<Mutex<Observed>>) {
+    let mut before: Option<serde_json::Value> = None;
+    while !stop.load(Ordering::Relaxed) {
+        let out = baton().args(["status", "--json", "--socket"]).arg(&socket).stderr(Stdio::null()).output().expect("run baton status");
+        let mut seen = seen.lock().unwrap();
+        seen.samples += 1;
+        match serde_json::from_slice::<serde_json::Value>(&out.stdout) {
+            Ok(doc) if out.status.success() => {
+                if let Some(v) = check_sample(&doc, before.as_ref()) {
+                    seen.violations.push(v);
+                }
+                before = Some(doc);
+            }
+            _ => seen.unanswered += 1,
+        }
+        drop(seen);
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// Kills the broker with SIGKILL and starts a new one on its socket: its
+/// log goes on in the same file. (An upgrade in place, a new broker taking
+/// over the running one, is another restart the chaos loop can draw.)
+fn restart_after_kill9(broker: &mut Broker, limit: u32) {
+    kill9(broker.pid());
+    broker.child.wait().expect("reap the killed broker");
+    let log = std::fs::OpenOptions::new().append(true).open(broker.dir.path().join("broker.log")).unwrap();
+    broker.child = baton()
+        .args(["serve", "--jobs", &limit.to_string(), "--socket"])
+        .arg(&broker.socket)
+        .stderr(log)
+        .spawn()
+        .expect("start baton serve again");
+    common::wait_for(Duration::from_secs(30), "the new broker to listen", || std::os::unix::net::UnixStream::connect(&broker.socket).is_ok());
+}
+
+fn set_limit(broker: &Broker, limit: u32) -> bool {
+    let out = baton().args(["limit", &limit.to_string(), "--socket"]).arg(&broker.socket).stderr(Stdio::null()).output().unwrap();
+    out.status.success()
+}
+
+/// Reaps the clients that ended, counting how.
+fn reap(running: &mut Vec<Running>, counts: &mut Counts, failures: &mut Vec<String>) {
+    running.retain_mut(|r| {
+        let Some(status) = r.child.try_wait().unwrap() else { return true };
+        if status.success() {
+            counts.succeeded += 1;
+        } else if r.killed || r.restarts_seen > 0 {
+            counts.disturbed += 1;
+        } else {
+            failures.push(format!("{:?} exited with {status} though nothing disturbed it", r.kind));
+        }
+        false
+    });
+}
+
+#[test]
+fn chaos_loses_no_token_and_never_breaks_the_limit() {
+    let (secs, seed) = (soak_time(), seed());
+    eprintln!("soak: {} s, seed {seed} (BATON_SOAK_SEED={seed} replays the chaos)", secs.as_secs());
+    let mut dice = Dice(seed);
+    let mut limit = 4;
+    let mut broker = Broker::start(limit);
+    let projects = Projects { root: broker.dir.path().join("projects"), next: AtomicU32::new(0) };
+    let fuse = broker.log().contains("FUSE token files at");
+    if !fuse {
+        common::skip(common::Missing::Fuse, "FUSE is not available here: the soak runs without its FUSE clients");
+    }
+    let stop = Arc::new(AtomicBool::new(false));
+    let observed = Arc::new(Mutex::new(Observed::default()));
+    let observer = {
+        let (socket, stop, observed) = (broker.socket.clone(), stop.clone(), observed.clone());
+        std::thread::spawn(move || observe(socket, stop, observed))
+    };
+
+    let (mut counts, mut running, mut failures) = (Counts::default(), Vec::<Running>::new(), Vec::new());
+    let started = Instant::now();
+    while started.elapsed() < secs {
+        reap(&mut running, &mut counts, &mut failures);
+        match dice.below(20) {
+            0..=9 if running.len() < 6 => {
+                let kind = KINDS[dice.below(KINDS.len())];
+                let one_cargo = kind == Kind::Cargo && running.iter().any(|r| r.kind == Kind::Cargo);
+                if (kind != Kind::Make44Fuse || fuse) && !one_cargo {
+                    running.push(Running { kind, child: start(&broker.socket, &projects, kind), restarts_seen: 0, killed: false });
+                    counts.started += 1;
+                }
+            }
+            10..=12 if !running.is_empty() => {
+                let victim = dice.below(running.len());
+                let r = &mut running[victim];
+                kill9(r.child.id());
+                r.killed = true;
+                counts.clients_killed += 1;
+            }
+            13..=15 if !running.is_empty() => {
+                let victim = dice.below(running.len());
+                let r = &mut running[victim];
+                let children: Vec<u32> = group_members(r.child.id()).into_iter().filter(|&p| p != r.child.id()).collect();
+                if !children.is_empty() {
+                    kill9(children[dice.below(children.len())]);
+                    r.killed = true;
+                    counts.children_killed += 1;
+                }
+            }
+            16 | 17 => {
+                let new = 1 + dice.below(6) as u32;
+                if set_limit(&broker, new) {
+                    limit = new;
+                    counts.limit_changes += 1;
+                }
+            }
+            18 if dice.below(4) == 0 => {
+                restart_after_kill9(&mut broker, limit);
+                running.iter_mut().for_each(|r| r.restarts_seen += 1);
+                counts.broker_restarts += 1;
+            }
+            _ => {}
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+
+    // Every client ends (a killed broker's builds go on without it), and
+    // the broker gets every token back.
+    common::wait_for(Duration::from_secs(120), "every client to end", || {
+        reap(&mut running, &mut counts, &mut failures);
+        running.is_empty()
+    });
+    common::wait_for(Duration::from_secs(30), "every token to come back", || {
+        let s = broker.status();
+        (s.free, s.held) == (s.limit, 0)
+    });
+    stop.store(true, Ordering::Relaxed);
+    observer.join().unwrap();
+    let observed = observed.lock().unwrap();
+    eprintln!("soak: {counts:?}; observer: {} samples ({} while no broker answered), {} violations", observed.samples, observed.unanswered, observed.violations.len());
+    assert!(common::pid_alive(broker.pid()), "the broker died");
+    broker.assert_all_free();
+    assert!(observed.violations.is_empty(), "the observer saw the limit broken: {:?}", observed.violations);
+    assert!(failures.is_empty(), "builds failed: {failures:?}\n{}", broker.log());
+    assert!(counts.started > 0 && observed.samples > observed.unanswered, "nothing ran: {counts:?}");
+}
+
+/// The observer's rule on its own: what it must flag, and what a draining
+/// pool may show.
+#[test]
+fn the_observer_flags_more_held_than_the_limit() {
+    let doc = |pid: u32, limit: u32, free: u32, held: u32| serde_json::json!({ "broker_pid": pid, "limit": limit, "free": free, "held": held });
+    assert_eq!(check_sample(&doc(1, 4, 1, 3), None), None);
+    assert!(check_sample(&doc(1, 4, 2, 3), None).is_some(), "a token created");
+    assert!(check_sample(&doc(1, 4, 0, 3), None).is_some(), "a token lost");
+    assert_eq!(check_sample(&doc(1, 2, 0, 3), Some(&doc(1, 2, 0, 4))), None, "a lowered limit drains");
+    assert!(check_sample(&doc(1, 2, 1, 3), None).is_some(), "free tokens while draining");
+    assert!(check_sample(&doc(1, 2, 0, 4), Some(&doc(1, 2, 0, 3))).is_some(), "a grant while draining");
+    assert_eq!(check_sample(&doc(2, 2, 0, 4), Some(&doc(1, 2, 0, 3))), None, "another broker: nothing to compare");
+}

@@ -1,0 +1,192 @@
+//! The FUSE token file's request handling (`fuse::waiters`, the pure part
+//! the fuser callbacks call under the broker lock) under any sequence of
+//! reads, writes, polls, closes, interrupts, exits, expiring reservations,
+//! limit changes and a socket client beside: the pool's invariants hold
+//! after every step, a process never gives back more than it read, every
+//! blocked read is answered once (unless its process is gone), and when
+//! every process has gone every token is free.
+#![no_main]
+
+use arbitrary::Arbitrary;
+use baton_broker::fuzzing::{Broker, ClientMeta, Fh, Mode, Pid, PollWaker, ReadReply, Transport, Waiters, RESERVATION};
+use libfuzzer_sys::fuzz_target;
+use std::cell::RefCell;
+use std::collections::HashMap;
+use std::rc::Rc;
+use std::time::{Duration, Instant};
+
+#[derive(Debug, Arbitrary)]
+enum Op {
+    Open { pid: u8 },
+    Read { pid: u8, tid: u8, fh: u8, blocking: bool },
+    Write { pid: u8, tokens: u8 },
+    Poll { pid: u8, fh: u8, will_wait: bool },
+    Close { fh: u8 },
+    Interrupt { tid: u8 },
+    Exit { pid: u8 },
+    Wait { ms: u8 },
+    SetLimit { limit: u8 },
+    SocketAcquire { tokens: u8 },
+    SocketRelease { tokens: u8 },
+}
+
+#[derive(Debug, Arbitrary)]
+struct Input {
+    limit: u8,
+    notify_all: bool,
+    ops: Vec<Op>,
+}
+
+/// What the processes saw: tokens each read and has not written back, and
+/// reads that were dropped unanswered.
+#[derive(Default)]
+struct Seen {
+    taken: HashMap<Pid, u32>,
+    unanswered: Vec<Pid>,
+}
+
+type Shared = Rc<RefCell<Seen>>;
+
+struct Reply {
+    pid: Pid,
+    seen: Shared,
+    answered: bool,
+}
+
+impl ReadReply for Reply {
+    fn token(mut self) {
+        *self.seen.borrow_mut().taken.entry(self.pid).or_default() += 1;
+        self.answered = true;
+    }
+    fn fail(mut self, _errno: i32) {
+        self.answered = true;
+    }
+}
+
+impl Drop for Reply {
+    fn drop(&mut self) {
+        if !self.answered {
+            self.seen.borrow_mut().unanswered.push(self.pid);
+        }
+    }
+}
+
+struct Waker;
+impl PollWaker for Waker {
+    fn wake(&self) {}
+}
+
+struct World {
+    broker: Broker,
+    waiters: Waiters<Reply, Waker>,
+    seen: Shared,
+    now: Instant,
+    /// The socket client beside the FUSE processes, and what it holds and
+    /// waits for.
+    socket: baton_core::ClientId,
+    socket_held: u32,
+    socket_waits: bool,
+}
+
+impl World {
+    fn apply(&mut self, op: Op) {
+        let pid = |p: u8| Pid::from(p % 4) + 1;
+        let fh = |f: u8| Fh::from(f % 6);
+        match op {
+            Op::Open { pid: p } => {
+                let p = pid(p);
+                self.waiters.process(&mut self.broker, p, || ClientMeta::new(p, format!("p{p}"), Transport::Fuse));
+            }
+            Op::Read { pid: p, tid, fh: f, blocking } => {
+                let reply = Reply { pid: pid(p), seen: self.seen.clone(), answered: false };
+                self.waiters.read(&mut self.broker, pid(p), u32::from(tid % 8), fh(f), blocking, reply);
+            }
+            Op::Write { pid: p, tokens } => {
+                let (p, tokens) = (pid(p), u32::from(tokens % 4));
+                let taken = self.seen.borrow().taken.get(&p).copied().unwrap_or(0);
+                if self.waiters.write(&mut self.broker, p, tokens).is_ok() {
+                    assert!(tokens <= taken, "pid {p} gave back {tokens} tokens having read {taken}");
+                    self.seen.borrow_mut().taken.insert(p, taken - tokens);
+                }
+            }
+            Op::Poll { pid: p, fh: f, will_wait } => {
+                self.waiters.poll(&mut self.broker, pid(p), fh(f), will_wait, Waker, self.now);
+            }
+            Op::Close { fh: f } => self.waiters.close(&mut self.broker, fh(f)),
+            Op::Interrupt { tid } => self.waiters.interrupt(&mut self.broker, u32::from(tid % 8)),
+            Op::Exit { pid: p } => {
+                let p = pid(p);
+                self.waiters.exited(&mut self.broker, p);
+                self.seen.borrow_mut().taken.remove(&p);
+                // Its blocked reads go with it.
+                self.seen.borrow_mut().unanswered.retain(|&u| u != p);
+            }
+            Op::Wait { ms } => {
+                self.now += Duration::from_millis(u64::from(ms));
+                self.waiters.expire(&mut self.broker, self.now);
+            }
+            Op::SetLimit { limit } => {
+                let _ = self.broker.set_limit(u32::from(limit % 8) + 1);
+            }
+            Op::SocketAcquire { tokens } if !self.socket_waits => {
+                match self.broker.acquire(self.socket, 0, u32::from(tokens % 3) + 1) {
+                    Ok(baton_core::Acquired::Granted) => self.socket_held += u32::from(tokens % 3) + 1,
+                    Ok(baton_core::Acquired::Queued) => self.socket_waits = true,
+                    Err(_) => {}
+                }
+            }
+            Op::SocketRelease { tokens } => {
+                let tokens = u32::from(tokens % 3) + 1;
+                if self.broker.release(self.socket, tokens).is_ok() {
+                    self.socket_held -= tokens;
+                }
+            }
+            Op::SocketAcquire { .. } => {}
+        }
+        self.settle();
+    }
+
+    /// What the FUSE threads and the socket loop do after every request.
+    fn settle(&mut self) {
+        self.waiters.settle(&mut self.broker, self.now);
+        for g in self.broker.take_grants(Transport::Socket) {
+            assert!(self.socket_waits && g.client == self.socket, "a socket grant nobody asked for: {g:?}");
+            self.socket_waits = false;
+            self.socket_held += g.tokens;
+        }
+    }
+
+    fn check(&self) {
+        let pool = self.broker.pool();
+        pool.assert_invariants();
+        assert_eq!(pool.held_by(self.socket), self.socket_held, "the socket client holds other than it was granted");
+        let seen = self.seen.borrow();
+        assert!(seen.unanswered.is_empty(), "reads of live processes {:?} were dropped unanswered", seen.unanswered);
+        for c in pool.clients().filter(|c| c.id != self.socket) {
+            let taken = seen.taken.get(&c.meta.pid).copied().unwrap_or(0);
+            assert!(c.held >= taken, "pid {} read {taken} tokens but holds {}", c.meta.pid, c.held);
+        }
+    }
+}
+
+fuzz_target!(|input: Input| {
+    let Ok(mut broker) = Broker::new(u32::from(input.limit % 8) + 1) else { return };
+    let socket = broker.connect(ClientMeta::new(0, "socket client".into(), Transport::Socket));
+    let mode = if input.notify_all { Mode::NotifyAll } else { Mode::OneAtATime };
+    let mut world = World { broker, waiters: Waiters::new(mode), seen: Shared::default(), now: Instant::now(), socket, socket_held: 0, socket_waits: false };
+    for op in input.ops {
+        world.apply(op);
+        world.check();
+    }
+    // Every reservation runs out, every process and the socket client go.
+    world.now += RESERVATION;
+    world.waiters.expire(&mut world.broker, world.now);
+    for pid in 1..=4 {
+        world.waiters.exited(&mut world.broker, pid);
+    }
+    world.broker.disconnect(socket);
+    world.seen.borrow_mut().unanswered.clear();
+    let pool = world.broker.pool();
+    pool.assert_invariants();
+    assert_eq!((pool.free(), pool.held()), (pool.limit(), 0), "tokens missing after every process left");
+});
