@@ -74,6 +74,10 @@ impl Drop for Reply {
 struct Waker;
 impl PollWaker for Waker {
     fn wake(&self) {}
+    /// Only a handover reads it; the target hands nothing over.
+    fn handle(&self) -> u64 {
+        0
+    }
 }
 
 struct World {

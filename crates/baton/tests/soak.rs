@@ -67,6 +67,8 @@ struct Counts {
     children_killed: u32,
     limit_changes: u32,
     broker_restarts: u32,
+    /// Upgrades in place: no build may notice them.
+    broker_replacements: u32,
 }
 
 /// What the observer saw.
@@ -193,8 +195,7 @@ fn observe(socket: PathBuf, stop: Arc<AtomicBool>, seen: Arc<Mutex<Observed>>) {
 }
 
 /// Kills the broker with SIGKILL and starts a new one on its socket: its
-/// log goes on in the same file. (An upgrade in place, a new broker taking
-/// over the running one, is another restart the chaos loop can draw.)
+/// log goes on in the same file.
 fn restart_after_kill9(broker: &mut Broker, limit: u32) {
     kill9(broker.pid());
     broker.child.wait().expect("reap the killed broker");
@@ -206,6 +207,23 @@ fn restart_after_kill9(broker: &mut Broker, limit: u32) {
         .spawn()
         .expect("start baton serve again");
     common::wait_for(Duration::from_secs(30), "the new broker to listen", || std::os::unix::net::UnixStream::connect(&broker.socket).is_ok());
+}
+
+/// Replaces the broker in place (`baton serve --replace`, as an upgrade
+/// would): the running one hands everything over and exits; builds must
+/// not notice. Its log goes on in the same file.
+fn replace(broker: &mut Broker, limit: u32) {
+    let log = std::fs::OpenOptions::new().append(true).open(broker.dir.path().join("broker.log")).unwrap();
+    let successor = baton()
+        .args(["serve", "--jobs", &limit.to_string(), "--socket"])
+        .arg(&broker.socket)
+        .arg("--replace")
+        .stderr(log)
+        .spawn()
+        .expect("start the successor");
+    let handed_over = common::wait_timeout(&mut broker.child, Duration::from_secs(60)).expect("the running broker hands over and exits");
+    assert!(handed_over.success(), "the replaced broker exited with {handed_over}: {}", broker.log());
+    broker.child = successor;
 }
 
 fn set_limit(broker: &Broker, limit: u32) -> bool {
@@ -288,6 +306,10 @@ fn chaos_loses_no_token_and_never_breaks_the_limit() {
                 restart_after_kill9(&mut broker, limit);
                 running.iter_mut().for_each(|r| r.restarts_seen += 1);
                 counts.broker_restarts += 1;
+            }
+            19 if dice.below(4) == 0 => {
+                replace(&mut broker, limit);
+                counts.broker_replacements += 1;
             }
             _ => {}
         }
