@@ -598,6 +598,7 @@ impl Broker {
                 reclaimed: t.reclaimed,
                 waits: t.waits,
                 clients: self.pool.clients().count() as u64,
+                held_again: t.held_again,
             },
             gates,
             cluster: self.cluster.clone(),

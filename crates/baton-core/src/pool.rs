@@ -126,6 +126,10 @@ pub struct Totals {
     pub reclaimed: u64,
     /// Requests that had to wait.
     pub waits: u64,
+    /// Tokens counted again for clients that held them from a broker that
+    /// went away ([`Pool::hold`]); among `granted` too.
+    #[serde(default)]
+    pub held_again: u64,
 }
 
 /// One client's view, for status reports.
@@ -396,6 +400,7 @@ impl<M> Pool<M> {
         build.held += tokens;
         build.granted += u64::from(tokens);
         self.totals.granted += u64::from(tokens);
+        self.totals.held_again += u64::from(tokens);
         Ok(())
     }
 

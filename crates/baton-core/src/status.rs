@@ -198,4 +198,8 @@ pub struct Totals {
     pub waits: u64,
     /// Clients connected now.
     pub clients: u64,
+    /// Tokens counted again (`HOLD`) for builds re-attaching after their
+    /// broker died: held above the limit for a while, never created.
+    #[serde(default)]
+    pub held_again: u64,
 }
