@@ -391,15 +391,8 @@ impl<M> Pool<M> {
         // At most the limit, with what it holds and waits for: as for a
         // request, anything more could leave its own request waiting forever.
         self.check_request(id, tokens)?;
-        let taken = tokens.min(self.free);
-        self.free -= taken;
-        let client = self.clients.get_mut(&id).expect("checked above");
-        client.held += tokens;
-        self.held += tokens;
-        let build = self.shares.get_mut(client.build);
-        build.held += tokens;
-        build.granted += u64::from(tokens);
-        self.totals.granted += u64::from(tokens);
+        self.free -= tokens.min(self.free);
+        self.count_held(id, tokens);
         self.totals.held_again += u64::from(tokens);
         Ok(())
     }
@@ -551,6 +544,11 @@ impl<M> Pool<M> {
 
     fn hand_out(&mut self, id: ClientId, tokens: u32) {
         self.free -= tokens;
+        self.count_held(id, tokens);
+    }
+
+    /// Books `tokens` as held by the client, its build and the pool.
+    fn count_held(&mut self, id: ClientId, tokens: u32) {
         let client = self.clients.get_mut(&id).expect("caller checked the client");
         client.held += tokens;
         self.held += tokens;
