@@ -11,6 +11,7 @@
 #![deny(missing_docs)]
 
 /// A real etcd for the cluster benchmark and tests.
+pub mod cgroup;
 pub mod etcd;
 mod measure;
 mod mechanisms;

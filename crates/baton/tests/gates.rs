@@ -7,74 +7,11 @@
 
 mod common;
 
+use baton_bench::cgroup::MemCgroup;
 use common::*;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Duration;
-
-/// A memory cgroup of our own with a limit; removed on drop (after its
-/// processes are gone).
-struct MemCgroup {
-    path: PathBuf,
-}
-
-impl MemCgroup {
-    /// None (with the reason) where this machine will not give us one.
-    fn new(name: &str, limit: u64) -> Result<Self, String> {
-        let root = Path::new("/sys/fs/cgroup/memory");
-        if !root.join("memory.limit_in_bytes").exists() {
-            return Err("no cgroup v1 memory controller at /sys/fs/cgroup/memory".into());
-        }
-        let path = root.join(format!("baton-test-{name}-{}", std::process::id()));
-        std::fs::create_dir(&path).map_err(|e| format!("cannot create {}: {e} (root needed)", path.display()))?;
-        let cgroup = MemCgroup { path };
-        cgroup.write("memory.limit_in_bytes", &limit.to_string())?;
-        // No swap: a job over the limit is killed, not slowed.
-        let _ = cgroup.write("memory.swappiness", "0");
-        Ok(cgroup)
-    }
-
-    fn write(&self, file: &str, value: &str) -> Result<(), String> {
-        std::fs::write(self.path.join(file), value).map_err(|e| format!("cannot write {value} to {}: {e}", self.path.join(file).display()))
-    }
-
-    /// Processes the OOM killer has killed in this cgroup.
-    fn oom_kills(&self) -> u64 {
-        let text = std::fs::read_to_string(self.path.join("memory.oom_control")).unwrap();
-        text.lines().find_map(|l| l.strip_prefix("oom_kill ")).and_then(|n| n.trim().parse().ok()).expect("oom_kill in memory.oom_control (Linux 4.13 or later)")
-    }
-
-    /// A shell prefix that moves itself into the cgroup, then runs its
-    /// arguments.
-    fn enter(&self) -> Vec<String> {
-        let procs = self.path.join("cgroup.procs");
-        vec!["sh".into(), "-c".into(), format!("echo $$ > {} && exec \"$@\"", procs.display()), "enter-cgroup".into()]
-    }
-
-    fn pids(&self) -> Vec<i32> {
-        std::fs::read_to_string(self.path.join("cgroup.procs")).unwrap_or_default().lines().filter_map(|l| l.parse().ok()).collect()
-    }
-}
-
-impl Drop for MemCgroup {
-    fn drop(&mut self) {
-        for pid in self.pids() {
-            unsafe { libc::kill(pid, libc::SIGKILL) };
-        }
-        let _ = wait_for_quietly(|| self.pids().is_empty());
-        let _ = std::fs::remove_dir(&self.path);
-    }
-}
-
-fn wait_for_quietly(mut cond: impl FnMut() -> bool) -> bool {
-    for _ in 0..500 {
-        if cond() {
-            return true;
-        }
-        std::thread::sleep(Duration::from_millis(10));
-    }
-    false
-}
 
 /// A Makefile of `jobs` jobs, each touching `mib` MiB for `secs` seconds
 /// and logging its start and end.
@@ -92,9 +29,9 @@ const MIB: u64 = 1 << 20;
 
 #[test]
 fn a_build_the_oom_killer_ends_under_make_j8_finishes_under_the_memory_gate() {
-    let cgroup = match MemCgroup::new("oom", 1024 * MIB) {
+    let cgroup = match MemCgroup::new("test-oom", 1024 * MIB) {
         Ok(c) => c,
-        Err(why) => return skip(Missing::Root, &why),
+        Err(why) => return skip(Missing::Root, &format!("{why:#}")),
     };
     let enter = cgroup.enter();
     let enter: Vec<&str> = enter.iter().map(String::as_str).collect();
@@ -104,9 +41,9 @@ fn a_build_the_oom_killer_ends_under_make_j8_finishes_under_the_memory_gate() {
     let control = TempDir::new("oom-control");
     let control_log = control.path().join("jobs.log");
     memory_makefile(control.path(), &control_log, 12, 250, 1.0);
-    let before = cgroup.oom_kills();
+    let before = cgroup.oom_kills().unwrap();
     let out = Command::new(enter[0]).args(&enter[1..]).arg(&make).args(["-j8", "-k", "-s"]).current_dir(control.path()).env_remove("MAKEFLAGS").output().unwrap();
-    let control_kills = cgroup.oom_kills() - before;
+    let control_kills = cgroup.oom_kills().unwrap() - before;
     assert!(control_kills > 0 && !out.status.success(), "the scenario must bite: make -j8 in 1 GiB had {control_kills} OOM kills, exit {:?}", out.status);
 
     // The same build under baton's memory gate, broker and build inside
@@ -118,14 +55,14 @@ fn a_build_the_oom_killer_ends_under_make_j8_finishes_under_the_memory_gate() {
     let dir = TempDir::new("oom-gated");
     let log = dir.path().join("jobs.log");
     memory_makefile(dir.path(), &log, 12, 250, 1.0);
-    let before = cgroup.oom_kills();
+    let before = cgroup.oom_kills().unwrap();
     let mut run: Vec<&str> = enter.clone();
     let socket = broker.socket.to_str().unwrap().to_string();
     run.extend([baton_bin(), "run", "--socket", &socket, "--", make.to_str().unwrap(), "-s"]);
     let out = Command::new(run[0]).args(&run[1..]).current_dir(dir.path()).env_remove("MAKEFLAGS").output().unwrap();
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "the gated build failed: {err}");
-    assert_eq!(cgroup.oom_kills() - before, 0, "no OOM kill under the gate");
+    assert_eq!(cgroup.oom_kills().unwrap() - before, 0, "no OOM kill under the gate");
     let (most, started) = max_overlap(&log);
     assert_eq!(started, 12);
     assert!(most >= 2, "the gate must not run the build one job at a time: at most {most} at once");
@@ -145,9 +82,9 @@ fn growing_makefile(dir: &Path, log: &Path, jobs: usize) {
 
 #[test]
 fn jobs_that_grow_after_their_grant_are_paused_not_killed() {
-    let cgroup = match MemCgroup::new("pause", 1024 * MIB) {
+    let cgroup = match MemCgroup::new("test-pause", 1024 * MIB) {
         Ok(c) => c,
-        Err(why) => return skip(Missing::Root, &why),
+        Err(why) => return skip(Missing::Root, &format!("{why:#}")),
     };
     let enter = cgroup.enter();
     let enter: Vec<&str> = enter.iter().map(String::as_str).collect();
@@ -156,9 +93,9 @@ fn jobs_that_grow_after_their_grant_are_paused_not_killed() {
     // The control: plain make -j4 in the same cgroup gets jobs killed.
     let control = TempDir::new("pause-control");
     growing_makefile(control.path(), &control.path().join("jobs.log"), 8);
-    let before = cgroup.oom_kills();
+    let before = cgroup.oom_kills().unwrap();
     let out = Command::new(enter[0]).args(&enter[1..]).arg(&make).args(["-j4", "-k", "-s"]).current_dir(control.path()).env_remove("MAKEFLAGS").output().unwrap();
-    let control_kills = cgroup.oom_kills() - before;
+    let control_kills = cgroup.oom_kills().unwrap() - before;
     assert!(control_kills > 0 && !out.status.success(), "the scenario must bite: make -j4 in 1 GiB had {control_kills} OOM kills, exit {:?}", out.status);
 
     // A settle time shorter than the jobs take to grow: the gate sees only
@@ -167,14 +104,14 @@ fn jobs_that_grow_after_their_grant_are_paused_not_killed() {
     let dir = TempDir::new("pause");
     let log = dir.path().join("jobs.log");
     growing_makefile(dir.path(), &log, 8);
-    let before = cgroup.oom_kills();
+    let before = cgroup.oom_kills().unwrap();
     let mut run: Vec<&str> = enter.clone();
     let socket = broker.socket.to_str().unwrap().to_string();
     run.extend([baton_bin(), "run", "--socket", &socket, "--", make.to_str().unwrap(), "-s"]);
     let out = Command::new(run[0]).args(&run[1..]).current_dir(dir.path()).env_remove("MAKEFLAGS").output().unwrap();
     let broker_log = broker.log();
     assert!(out.status.success(), "the build failed: {}\n{broker_log}", String::from_utf8_lossy(&out.stderr));
-    assert_eq!(cgroup.oom_kills() - before, 0, "no OOM kill with pausing: {broker_log}");
+    assert_eq!(cgroup.oom_kills().unwrap() - before, 0, "no OOM kill with pausing: {broker_log}");
     assert_eq!(max_overlap(&log).1, 8);
     let (paused, resumed) = (broker_log.matches("paused job pid").count(), broker_log.matches("resumed job pid").count());
     assert!(paused > 0, "at least one job paused: {broker_log}");
@@ -186,9 +123,9 @@ fn jobs_that_grow_after_their_grant_are_paused_not_killed() {
 fn a_psi_trigger_wakes_the_pressure_gate() {
     // Real memory pressure: a file twice a 32 MiB cgroup's limit, written
     // and read from inside it, so that every read reclaims and stalls.
-    let cgroup = match MemCgroup::new("psi", 32 * MIB) {
+    let cgroup = match MemCgroup::new("test-psi", 32 * MIB) {
         Ok(c) => c,
-        Err(why) => return skip(Missing::Root, &why),
+        Err(why) => return skip(Missing::Root, &format!("{why:#}")),
     };
     let broker = Broker::start_with(2, &["--max-mem-pressure", "1", "-v"]);
     wait_for(Duration::from_secs(30), "the gates' thread to arm its triggers", || broker.log().contains("PSI trigger"));

@@ -10,12 +10,13 @@
 //! (the cgroup is created for the run and removed after it).
 
 use super::{Bench, Defaults, Findings, Scale};
+use crate::cgroup::MemCgroup;
 use crate::measure::Usage;
 use crate::mechanisms::baton::{Broker, Wait};
 use crate::report::Row;
 use anyhow::{bail, Context, Result};
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
+use std::process::Stdio;
 use std::time::{Duration, Instant};
 
 /// waiters: plain make's -jN and the broker's --jobs (8); ops: rounds;
@@ -62,7 +63,7 @@ struct Sample {
 
 pub fn run(bench: &Bench, scale: &Scale) -> Result<Findings> {
     let n = *scale.waiters.first().context("--waiters: plain make's -jN")?;
-    let cgroup = MemCgroup::new(LIMIT_MIB << 20)?;
+    let cgroup = MemCgroup::new("bench-memory", LIMIT_MIB << 20)?;
     let dir = bench.env.tmp.join("memory");
     std::fs::create_dir_all(&dir)?;
     let log = dir.join("jobs.log");
@@ -71,7 +72,7 @@ pub fn run(bench: &Bench, scale: &Scale) -> Result<Findings> {
     if bench.with_baton() {
         ways.extend([Way::Baton(n, false), Way::Baton(n, true)]);
     }
-    let brokers: Vec<(Way, Broker)> = ways.iter().filter(|w| matches!(w, Way::Baton(..))).map(|&w| Ok((w, cgroup.broker(bench, w)?))).collect::<Result<_>>()?;
+    let brokers: Vec<(Way, Broker)> = ways.iter().filter(|w| matches!(w, Way::Baton(..))).map(|&w| Ok((w, broker_in(&cgroup, bench, w)?))).collect::<Result<_>>()?;
     let load_before = load_average();
     let rounds = scale.ops.max(1) as usize;
     let mut samples: Vec<Vec<Sample>> = vec![Vec::new(); ways.len()];
@@ -164,66 +165,14 @@ fn load_average() -> String {
     std::fs::read_to_string("/proc/loadavg").unwrap_or_default().split_whitespace().take(3).collect::<Vec<_>>().join(" ")
 }
 
-/// A cgroup v1 memory cgroup of the run's own, removed on drop (after its
-/// processes are gone).
-struct MemCgroup {
-    path: PathBuf,
-}
-
-impl MemCgroup {
-    fn new(limit: u64) -> Result<Self> {
-        let root = Path::new("/sys/fs/cgroup/memory");
-        if !root.join("memory.limit_in_bytes").exists() {
-            bail!("baton bench memory needs a cgroup v1 memory controller at {} (none here)", root.display());
-        }
-        let path = root.join(format!("baton-bench-memory-{}", std::process::id()));
-        std::fs::create_dir(&path).with_context(|| format!("creating {} (run as root)", path.display()))?;
-        let cgroup = MemCgroup { path };
-        std::fs::write(cgroup.path.join("memory.limit_in_bytes"), limit.to_string()).context("setting the cgroup's memory limit")?;
-        // No swap: a job over the limit is killed, not slowed.
-        let _ = std::fs::write(cgroup.path.join("memory.swappiness"), "0");
-        Ok(cgroup)
+/// A broker for `way` inside the cgroup.
+fn broker_in(cgroup: &MemCgroup, bench: &Bench, way: Way) -> Result<Broker> {
+    let Way::Baton(jobs, pause) = way else { bail!("{} needs no broker", way.name()) };
+    let mut flags = vec!["--no-fuse", "--min-mem-available", GATE, "--mem-settle", SETTLE_MS];
+    if pause {
+        flags.extend(["--on-memory-pressure", "pause"]);
     }
-
-    fn oom_kills(&self) -> Result<u64> {
-        let text = std::fs::read_to_string(self.path.join("memory.oom_control"))?;
-        text.lines().find_map(|l| l.strip_prefix("oom_kill ")).and_then(|n| n.trim().parse().ok()).context("no oom_kill in memory.oom_control (Linux 4.13 or later)")
-    }
-
-    /// `sh` that moves itself into the cgroup, then runs its arguments.
-    fn command(&self) -> Command {
-        let mut c = Command::new("sh");
-        c.args(["-c", &format!("echo $$ > {} && exec \"$@\"", self.path.join("cgroup.procs").display()), "enter-cgroup"]);
-        c
-    }
-
-    fn broker(&self, bench: &Bench, way: Way) -> Result<Broker> {
-        let Way::Baton(jobs, pause) = way else { bail!("{} needs no broker", way.name()) };
-        let mut flags = vec!["--no-fuse", "--min-mem-available", GATE, "--mem-settle", SETTLE_MS];
-        if pause {
-            flags.extend(["--on-memory-pressure", "pause"]);
-        }
-        let enter = format!("echo $$ > {} && exec \"$@\"", self.path.join("cgroup.procs").display());
-        Broker::start_under(jobs as u32, &bench.env, Wait::Blocking, &flags, &["sh", "-c", &enter, "enter-cgroup"])
-    }
-
-    fn pids(&self) -> Vec<i32> {
-        std::fs::read_to_string(self.path.join("cgroup.procs")).unwrap_or_default().lines().filter_map(|l| l.parse().ok()).collect()
-    }
-}
-
-impl Drop for MemCgroup {
-    fn drop(&mut self) {
-        for pid in self.pids() {
-            // SAFETY: kill(2) on a process of the run's own cgroup.
-            unsafe { libc::kill(pid, libc::SIGKILL) };
-        }
-        for _ in 0..500 {
-            if self.pids().is_empty() {
-                break;
-            }
-            std::thread::sleep(Duration::from_millis(10));
-        }
-        let _ = std::fs::remove_dir(&self.path);
-    }
+    let enter = cgroup.enter();
+    let enter: Vec<&str> = enter.iter().map(String::as_str).collect();
+    Broker::start_under(jobs as u32, &bench.env, Wait::Blocking, &flags, &enter)
 }
