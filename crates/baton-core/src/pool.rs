@@ -509,14 +509,26 @@ impl<M> Pool<M> {
         ensure(self.queue.iter().zip(self.queue.iter().skip(1)).all(|(a, b)| a.seq < b.seq), "the queue is in order of arrival")?;
         ensure(self.clients.keys().all(|id| id.0 < self.next_id), "a client id is not below the next one")?;
         ensure(self.clients.values().all(|c| self.shares.builds.contains_key(&c.build)), "a client belongs to no build")?;
+        // Each build's books, summed from its clients and requests in one
+        // pass (a fuzz input connects hundreds of clients: a scan per build
+        // made this check the fuzzer's whole cost).
+        let mut sums: BTreeMap<BuildId, BuildSums> = BTreeMap::new();
+        for c in self.clients.values() {
+            let s = sums.entry(c.build).or_default();
+            s.held += c.held;
+            s.members += 1;
+        }
+        for w in &self.queue {
+            let s = sums.entry(w.build).or_default();
+            s.waiting += w.tokens;
+            s.oldest.get_or_insert(w.seq);
+        }
         for b in self.builds() {
-            let oldest = self.queue.iter().find(|w| w.build == b.id).map(|w| w.seq);
-            ensure(self.shares.oldest(b.id) == oldest, "the share policy knows each build's oldest request")?;
-            let members = self.clients.values().filter(|c| c.build == b.id);
-            ensure(b.held == members.map(|c| c.held).sum::<u32>(), "a build holds what its clients hold")?;
-            let waits = self.queue.iter().filter(|w| w.build == b.id);
-            ensure(b.waiting == waits.map(|w| w.tokens).sum::<u32>(), "a build waits for what its clients wait for")?;
-            ensure(self.clients.values().filter(|c| c.build == b.id).count() == self.shares.get(b.id).members as usize, "a build counts its members")?;
+            let s = sums.remove(&b.id).unwrap_or_default();
+            ensure(self.shares.oldest(b.id) == s.oldest, "the share policy knows each build's oldest request")?;
+            ensure(b.held == s.held, "a build holds what its clients hold")?;
+            ensure(b.waiting == s.waiting, "a build waits for what its clients wait for")?;
+            ensure(s.members == self.shares.get(b.id).members, "a build counts its members")?;
         }
         self.shares.check()
     }
@@ -612,6 +624,16 @@ fn ensure(holds: bool, invariant: &'static str) -> Result<(), &'static str> {
     } else {
         Err(invariant)
     }
+}
+
+/// What [`Pool::check`] adds up for one build from its clients and requests.
+#[derive(Default)]
+struct BuildSums {
+    held: u32,
+    waiting: u32,
+    members: u32,
+    /// The sequence number of its first request in the queue.
+    oldest: Option<u64>,
 }
 
 fn check_limit(limit: u32) -> Result<(), PoolError> {
