@@ -242,6 +242,9 @@ fn an_idle_build_gives_its_spare_token_to_a_waiting_build() {
     let b = wait_timeout(&mut build_b, Duration::from_secs(60)).expect("B got a token while A ran");
     assert!(b.success());
     assert!(build_a.try_wait().unwrap().is_none(), "A had ended, so this proves nothing");
+    // With B gone the pool is idle again, and A may have everything: the
+    // token it gave back comes back to it.
+    wait_for(Duration::from_secs(30), "A to take its spare token back", || broker.status().held == 2);
     kill_group(build_a.id());
     build_a.wait().unwrap();
 }
