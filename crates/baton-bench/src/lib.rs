@@ -78,6 +78,12 @@ pub struct BenchArgs {
     #[arg(long, value_name = "K")]
     pub wake: Option<u32>,
 
+    /// Alternating rounds of each pair of measurements, reported as
+    /// medians (builds: each tool alone, its own -jN and baton run in
+    /// turn; default 1). universe and make-tree count rounds in --ops.
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..))]
+    pub rounds: Option<u32>,
+
     /// The baton binary started as the broker (`baton serve`).
     #[arg(long, hide = true, value_name = "PATH")]
     pub baton_bin: Option<PathBuf>,

@@ -17,7 +17,7 @@
 //! `ninja` on PATH, if they are those versions), and `BATON_BENCH_CARGO`
 //! (default: `cargo` on PATH).
 
-use super::{Bench, Defaults, Findings, Scale};
+use super::{median, Bench, Defaults, Findings, Scale};
 use crate::measure::Usage;
 use crate::mechanisms::baton::{Broker, Wait};
 use crate::report::Row;
@@ -314,7 +314,7 @@ pub fn run(bench: &Bench, scale: &Scale) -> Result<Findings> {
     rows.extend(together(bench, scale, &tools, &root, "weights 1:1:2, baton", |t| Slots::Baton { broker: &broker, weight: weight(t) })?);
     let notes = vec![
         format!("{} jobs per build, each sleeping {} ms; limit {n}", scale.ops, scale.job_us / 1000),
-        "alone: running and wall are baton run's over the tool's own -jN (same run)".into(),
+        format!("alone: running and wall are baton run's over the tool's own -jN, medians of {} alternating round(s)", scale.rounds.max(1)),
         "share: the build's part of the job-seconds spent while all three builds ran jobs; fair_share by weight".into(),
         "shared FIFO: N - 3 tokens in one FIFO, as each top-level client runs one job of its own".into(),
         "context switches and CPU: every process of the builds (jobs included), not the broker".into(),
@@ -322,28 +322,53 @@ pub fn run(bench: &Bench, scale: &Scale) -> Result<Findings> {
     Ok(Findings { rows, notes })
 }
 
-/// Each tool alone: its own -jN, then baton run on a pool of N.
+/// Each tool alone: its own -jN, then baton run on a pool of N, in
+/// `scale.rounds` alternating rounds. Each row is the round of median wall
+/// time; the ratios are the medians of each round's baton / own.
 fn alone<'a>(bench: &Bench, scale: &Scale, tools: impl IntoIterator<Item = &'a Tool>, root: &Path) -> Result<Vec<Row>> {
     let n = scale.tokens;
     let broker = Broker::start_with(n, &bench.env, Wait::Blocking, &[])?;
     let mut rows = Vec::new();
     for tool in tools {
-        let mut measured = Vec::new();
-        for (label, slots) in [(format!("own -j{n}"), Slots::Own(n)), ("baton run".to_string(), Slots::Baton { broker: &broker, weight: 1 })] {
-            // Afresh: nothing built, nothing logged.
-            let graph = Graph::write(root, tool.name, tool.kind, scale.ops, scale.job_us)?;
-            let (ran, usage) = run_together(vec![(command(bench, tool, &graph, &slots)?, &graph)])?;
-            let ran = &ran[0];
-            let running = busy(&ran.events, 0.0, f64::MAX) / ran.wall;
-            measured.push((running, ran.wall));
-            let row = Row::new(&label, 1, scale.ops, usage, None, Duration::from_secs_f64(ran.wall)).with("case", "alone").with("tool", tool.name).with("running", round(running));
+        let ways = [(format!("own -j{n}"), Slots::Own(n)), ("baton run".to_string(), Slots::Baton { broker: &broker, weight: 1 })];
+        let mut rounds: [Vec<Alone>; 2] = [Vec::new(), Vec::new()];
+        for _ in 0..scale.rounds.max(1) {
+            for ((_, slots), measured) in ways.iter().zip(&mut rounds) {
+                // Afresh: nothing built, nothing logged.
+                let graph = Graph::write(root, tool.name, tool.kind, scale.ops, scale.job_us)?;
+                let (ran, usage) = run_together(vec![(command(bench, tool, &graph, slots)?, &graph)])?;
+                let ran = &ran[0];
+                measured.push(Alone { running: busy(&ran.events, 0.0, f64::MAX) / ran.wall, wall: ran.wall, usage });
+            }
+        }
+        let ratio = |of: fn(&Alone) -> f64| median(rounds[1].iter().zip(&rounds[0]).map(|(b, o)| of(b) / of(o)).collect());
+        for ((label, _), measured) in ways.iter().zip(&rounds) {
+            let typical = Alone::median_wall(measured);
+            let row = Row::new(label, 1, scale.ops, typical.usage, None, Duration::from_secs_f64(typical.wall)).with("case", "alone").with("tool", tool.name).with("running", round(typical.running));
             rows.push(row);
         }
-        let (own, baton) = (measured[0], measured[1]);
         let last = rows.pop().expect("baton's row");
-        rows.push(last.with("running_ratio", round(baton.0 / own.0)).with("wall_ratio", round(baton.1 / own.1)));
+        rows.push(last.with("running_ratio", round(ratio(|a| a.running))).with("wall_ratio", round(ratio(|a| a.wall))));
     }
     Ok(rows)
+}
+
+/// One build alone, measured.
+#[derive(Clone, Copy)]
+struct Alone {
+    /// Mean jobs running at once.
+    running: f64,
+    wall: f64,
+    usage: Usage,
+}
+
+impl Alone {
+    /// The round of median wall time (the upper middle of an even count).
+    fn median_wall(rounds: &[Alone]) -> Alone {
+        let mut sorted = rounds.to_vec();
+        sorted.sort_by(|a, b| a.wall.total_cmp(&b.wall));
+        sorted[sorted.len() / 2]
+    }
 }
 
 /// The three tools at once, each given its slots by `slots`.

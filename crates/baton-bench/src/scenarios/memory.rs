@@ -9,7 +9,7 @@
 //! Needs root and a cgroup v1 memory controller at /sys/fs/cgroup/memory
 //! (the cgroup is created for the run and removed after it).
 
-use super::{Bench, Defaults, Findings, Scale};
+use super::{median, Bench, Defaults, Findings, Scale};
 use crate::cgroup::MemCgroup;
 use crate::measure::Usage;
 use crate::mechanisms::baton::{Broker, Wait};
@@ -104,11 +104,6 @@ fn row(way: Way, samples: &[Sample], safe: &[Sample], jobs: u32) -> Row {
         .with("oom_kills", samples.iter().map(|s| s.oom_kills).sum::<u64>())
         .with("most_at_once", samples.iter().map(|s| s.most_at_once).max().unwrap_or(0))
         .with("wall_x", (median(ratios) * 100.0).round() / 100.0)
-}
-
-fn median(mut xs: Vec<f64>) -> f64 {
-    xs.sort_by(|a, b| a.partial_cmp(b).unwrap_or(std::cmp::Ordering::Equal));
-    xs.get(xs.len() / 2).copied().unwrap_or(0.0)
 }
 
 fn build(bench: &Bench, cgroup: &MemCgroup, broker: Option<&Broker>, dir: &Path, log: &Path, way: Way) -> Result<Sample> {

@@ -95,6 +95,8 @@ pub struct Scale {
     pub tokens: u32,
     pub job_us: u64,
     pub wake: u32,
+    /// Alternating rounds (`--rounds`), where the scenario takes them.
+    pub rounds: u32,
 }
 
 impl Scale {
@@ -105,6 +107,7 @@ impl Scale {
             tokens: args.tokens.unwrap_or(defaults.tokens),
             job_us: args.job_us.unwrap_or(defaults.job_us),
             wake: args.wake.unwrap_or(defaults.wake),
+            rounds: args.rounds.unwrap_or(1),
         }
     }
 }
@@ -210,4 +213,11 @@ impl Drop for TempDir {
     fn drop(&mut self) {
         let _ = std::fs::remove_dir_all(&self.0);
     }
+}
+
+/// The median of some measurements (the upper middle of an even count; 0
+/// for none).
+pub(super) fn median(mut xs: Vec<f64>) -> f64 {
+    xs.sort_by(f64::total_cmp);
+    xs.get(xs.len() / 2).copied().unwrap_or(0.0)
 }
