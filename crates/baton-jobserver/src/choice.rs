@@ -169,6 +169,23 @@ fn forced_jobs_warning(top: &Top, jobs: &str) -> String {
 /// Looks at the command and the tools it will find, without running the
 /// build.
 pub fn inspect(command: &[OsString]) -> Tree {
+    // Each probe runs a program (the command, make, cc twice): in threads
+    // of their own they delay the build's start by the slowest of them,
+    // not by their sum.
+    let make_program = std::env::var_os("MAKE").map_or(PathBuf::from("make"), PathBuf::from);
+    std::thread::scope(|s| {
+        let make = s.spawn(|| gnu_make(&make_program));
+        let gcc = s.spawn(|| gcc(&c_compiler()));
+        let (top, forced_jobs, lto, ninja_runs_make) = inspect_command(command);
+        let make = make.join().expect("the make probe does not panic");
+        let gcc = gcc.join().expect("the cc probe does not panic");
+        Tree { top, make, gcc, lto, ninja_runs_make, forced_jobs }
+    })
+}
+
+/// The command's own tool, a `-j` it forces, and, for ninja, whether its
+/// build file uses LTO or runs make.
+fn inspect_command(command: &[OsString]) -> (Top, Option<String>, bool, bool) {
     let args: Vec<String> = command.iter().map(|a| a.to_string_lossy().into_owned()).collect();
     let (top, forced_jobs, dir) = match cmake_build_dir(&args) {
         Some(dir) => (cmake_make_program(&dir).map_or(Top::Other, |p| top_for(&p)), None, dir),
@@ -182,11 +199,7 @@ pub fn inspect(command: &[OsString]) -> Tree {
         Top::Ninja { .. } => std::fs::read_to_string(dir.join("build.ninja")).unwrap_or_default(),
         _ => String::new(),
     };
-    let (lto, ninja_runs_make) = (ninja_file.contains("-flto"), runs_make(&ninja_file));
-    let make_program = std::env::var_os("MAKE").map_or(PathBuf::from("make"), PathBuf::from);
-    let make = gnu_make(&make_program);
-    let gcc = gcc(&c_compiler());
-    Tree { top, make, gcc, lto, ninja_runs_make, forced_jobs }
+    (top, forced_jobs, ninja_file.contains("-flto"), runs_make(&ninja_file))
 }
 
 fn top_for(program: &Path) -> Top {

@@ -81,14 +81,19 @@ pub fn run(opts: RunOptions) -> Result<i32> {
     // After the signals are blocked: a stop signal sent now waits for CMD,
     // as it would once CMD runs (the tools asked for their versions start
     // with the mask cleared).
-    let choice = choice::choose(&choice::inspect(&opts.command));
+    // Both probes run programs; side by side, the build waits for one.
+    let (tree, is_bmake) = std::thread::scope(|s| {
+        let bmake = s.spawn(|| bmake::is_bmake(Path::new(&opts.command[0])));
+        let tree = choice::inspect(&opts.command);
+        (tree, bmake.join().expect("the bmake probe does not panic"))
+    });
+    let choice = choice::choose(&tree);
     for warning in &choice.warnings {
         log::warn(format_args!("{warning}"));
     }
 
     let mut command = Command::new(&opts.command[0]);
     command.args(&opts.command[1..]).env("BATON_SOCKET", &socket);
-    let is_bmake = bmake::is_bmake(Path::new(&opts.command[0]));
     let style = match opts.style {
         Style::Auto if is_bmake => Style::Fifo,
         // The FUSE file has no per-build cap: --max needs the bridge.
