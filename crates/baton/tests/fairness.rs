@@ -218,7 +218,7 @@ fn bench_builds_measures_every_case_with_the_real_tools() {
     let dir = TempDir::new("bench-builds");
     let plot = dir.path().join("builds.svg");
     let out = std::process::Command::new(baton_bin())
-        .args(["bench", "builds", "--ops", "20", "--tokens", "4", "--job-us", "50000", "--json", "--plot"])
+        .args(["bench", "builds", "--ops", "20", "--tokens", "4", "--job-us", "50000", "--rounds", "2", "--json", "--plot"])
         .arg(&plot)
         .env("BATON_BENCH_MAKE43", make43())
         .env("BATON_BENCH_MAKE44", make44())
@@ -228,6 +228,8 @@ fn bench_builds_measures_every_case_with_the_real_tools() {
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let doc: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     let rows = doc["results"].as_array().unwrap();
+    // Two rounds of each tool alone still give one row per tool and way: medians.
+    assert_eq!(doc["parameters"]["rounds"], 2, "{doc:#}");
     assert_eq!(rows.len(), 2 * 4 + 3 * 3, "{doc:#}");
     let alone: Vec<&serde_json::Value> = rows.iter().filter(|r| r["case"] == "alone" && r["mechanism"] == "baton run").collect();
     let tools: Vec<&str> = alone.iter().map(|r| r["tool"].as_str().unwrap()).collect();
