@@ -166,15 +166,24 @@ fn is_mounted(path: &Path) -> bool {
     std::fs::read_to_string("/proc/self/mounts").unwrap().lines().any(|l| l.split(' ').nth(1) == Some(path.to_str().unwrap()))
 }
 
-#[test]
-fn builds_of_every_style_go_on_through_a_replace() {
-    let mut broker = Broker::start(4);
+/// A broker of 4 tokens with its FUSE mount, and the four builds holding
+/// all of them (and the status then); None, recorded as a skip, where FUSE
+/// is not available.
+fn four_builds_holding_the_pool() -> Option<(Broker, PathBuf, Builds, Status)> {
+    let broker = Broker::start(4);
     let mount = broker.socket.with_file_name("fuse");
     if !is_mounted(&mount) {
-        return skip(Missing::Fuse, &format!("FUSE is not available here: {}", broker.log()));
+        skip(Missing::Fuse, &format!("FUSE is not available here: {}", broker.log()));
+        return None;
     }
-    let mut builds = Builds::start(&broker);
-    let before = builds.wait_until_saturated(&broker);
+    let builds = Builds::start(&broker);
+    let saturated = builds.wait_until_saturated(&broker);
+    Some((broker, mount, builds, saturated))
+}
+
+#[test]
+fn builds_of_every_style_go_on_through_a_replace() {
+    let Some((mut broker, mount, mut builds, before)) = four_builds_holding_the_pool() else { return };
 
     let mut successor = replace(&broker);
     let status = broker.wait_exit(Duration::from_secs(30));
@@ -205,13 +214,7 @@ fn builds_of_every_style_go_on_through_a_replace() {
 
 #[test]
 fn builds_of_every_style_survive_a_crash_and_re_attach_to_a_new_broker() {
-    let mut broker = Broker::start(4);
-    let mount = broker.socket.with_file_name("fuse");
-    if !is_mounted(&mount) {
-        return skip(Missing::Fuse, &format!("FUSE is not available here: {}", broker.log()));
-    }
-    let mut builds = Builds::start(&broker);
-    builds.wait_until_saturated(&broker);
+    let Some((mut broker, mount, mut builds, _)) = four_builds_holding_the_pool() else { return };
 
     let (status, log) = broker.stop_with(libc::SIGKILL);
     assert_eq!(status.signal(), Some(libc::SIGKILL), "{log}");
