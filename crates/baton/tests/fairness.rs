@@ -235,6 +235,7 @@ fn bench_builds_measures_every_case_with_the_real_tools() {
     let tools: Vec<&str> = alone.iter().map(|r| r["tool"].as_str().unwrap()).collect();
     assert_eq!(tools, ["make 4.3", "make 4.4.1", "ninja 1.13", "cargo"]);
     for row in alone {
+        assert_eq!(row["rounds"], 2, "each tool alone was measured in two rounds: {row}");
         // Every job ran, logged by the job itself (a rustc wrapper for cargo).
         assert!(row["running_ratio"].as_f64().is_some_and(|x| x > 0.0) && row["wall_ratio"].as_f64().is_some_and(|x| x > 0.0), "{row}");
     }

@@ -344,7 +344,11 @@ fn alone<'a>(bench: &Bench, scale: &Scale, tools: impl IntoIterator<Item = &'a T
         let ratio = |of: fn(&Alone) -> f64| median(rounds[1].iter().zip(&rounds[0]).map(|(b, o)| of(b) / of(o)).collect());
         for ((label, _), measured) in ways.iter().zip(&rounds) {
             let typical = Alone::median_wall(measured);
-            let row = Row::new(label, 1, scale.ops, typical.usage, None, Duration::from_secs_f64(typical.wall)).with("case", "alone").with("tool", tool.name).with("running", round(typical.running));
+            let row = Row::new(label, 1, scale.ops, typical.usage, None, Duration::from_secs_f64(typical.wall))
+                .with("case", "alone")
+                .with("tool", tool.name)
+                .with("running", round(typical.running))
+                .with("rounds", measured.len());
             rows.push(row);
         }
         let last = rows.pop().expect("baton's row");
