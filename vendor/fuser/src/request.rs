@@ -114,9 +114,12 @@ impl<'a> RequestWithSender<'a> {
                 return Err(Errno::EIO);
             }
 
-            ll::Operation::Interrupt(_) => {
-                // TODO: handle FUSE_INTERRUPT
-                return Err(Errno::ENOSYS);
+            ll::Operation::Interrupt(x) => {
+                // Baton: passed on (fuser 0.18 answered ENOSYS, after which
+                // the kernel never sends it again). No reply: the kernel
+                // waits for the answer to the interrupted request itself.
+                filesystem.interrupt(self.request_header(), x.unique());
+                return Ok(None);
             }
 
             ll::Operation::Lookup(x) => {
