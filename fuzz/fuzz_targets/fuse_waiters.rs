@@ -3,12 +3,13 @@
 //! reads, writes, polls, closes, interrupts, exits, expiring reservations,
 //! limit changes and a socket client beside: the pool's invariants hold
 //! after every step, a process never gives back more than it read, every
-//! blocked read is answered once (unless its process is gone), and when
-//! every process has gone every token is free.
+//! blocked read and every held poll is answered once (unless its process
+//! is gone), a held poll is answered ready only with a token reserved for
+//! it, and when every process has gone every token is free.
 #![no_main]
 
 use arbitrary::Arbitrary;
-use baton_broker::fuzzing::{Broker, ClientMeta, Fh, Mode, Pid, PollWaker, ReadReply, Transport, Waiters, RESERVATION};
+use baton_broker::fuzzing::{Broker, Caller, ClientMeta, Fh, Mode, Pid, PollAnswer, PollCall, PollWaker, ReadReply, Transport, Waiters, HOLD, RESERVATION};
 use libfuzzer_sys::fuzz_target;
 use std::cell::RefCell;
 use std::collections::HashMap;
@@ -20,9 +21,11 @@ enum Op {
     Open { pid: u8 },
     Read { pid: u8, tid: u8, fh: u8, blocking: bool },
     Write { pid: u8, tokens: u8 },
-    Poll { pid: u8, fh: u8, will_wait: bool },
+    Poll { pid: u8, fh: u8, will_wait: bool, hold: bool },
     Close { fh: u8 },
     Interrupt { tid: u8 },
+    /// The kernel's FUSE_INTERRUPT for request `unique`.
+    Interrupted { unique: u8 },
     Exit { pid: u8 },
     Wait { ms: u8 },
     SetLimit { limit: u8 },
@@ -34,6 +37,8 @@ enum Op {
 struct Input {
     limit: u8,
     notify_all: bool,
+    /// How long polls are held, in ms; 0: never.
+    hold_ms: u8,
     ops: Vec<Op>,
 }
 
@@ -43,6 +48,10 @@ struct Input {
 struct Seen {
     taken: HashMap<Pid, u32>,
     unanswered: Vec<Pid>,
+    /// Handles whose polls were answered ready this step: each needs a
+    /// token reserved for it, held by a process beyond those it read (by
+    /// the one that polled, or, on a handle two processes share, the other).
+    ready: Vec<(Pid, Fh)>,
 }
 
 type Shared = Rc<RefCell<Seen>>;
@@ -71,6 +80,31 @@ impl Drop for Reply {
     }
 }
 
+struct Answer {
+    pid: Pid,
+    fh: Fh,
+    seen: Shared,
+    answered: bool,
+}
+
+impl PollAnswer for Answer {
+    fn ready(mut self) {
+        self.seen.borrow_mut().ready.push((self.pid, self.fh));
+        self.answered = true;
+    }
+    fn not_ready(mut self) {
+        self.answered = true;
+    }
+}
+
+impl Drop for Answer {
+    fn drop(&mut self) {
+        if !self.answered {
+            self.seen.borrow_mut().unanswered.push(self.pid);
+        }
+    }
+}
+
 struct Waker;
 impl PollWaker for Waker {
     fn wake(&self) {}
@@ -82,7 +116,12 @@ impl PollWaker for Waker {
 
 struct World {
     broker: Broker,
-    waiters: Waiters<Reply, Waker>,
+    waiters: Waiters<Reply, Waker, Answer>,
+    /// The next request id.
+    unique: u64,
+    /// The herd control: a poll is ready while a token is free, reserved
+    /// for nobody.
+    notify_all: bool,
     seen: Shared,
     now: Instant,
     /// The socket client beside the FUSE processes, and what it holds and
@@ -103,7 +142,8 @@ impl World {
             }
             Op::Read { pid: p, tid, fh: f, blocking } => {
                 let reply = Reply { pid: pid(p), seen: self.seen.clone(), answered: false };
-                self.waiters.read(&mut self.broker, pid(p), u32::from(tid % 8), fh(f), blocking, reply);
+                let caller = Caller { tid: u32::from(tid % 8), unique: self.next_unique() };
+                self.waiters.read(&mut self.broker, pid(p), caller, fh(f), blocking, reply);
             }
             Op::Write { pid: p, tokens } => {
                 let (p, tokens) = (pid(p), u32::from(tokens % 4));
@@ -113,8 +153,15 @@ impl World {
                     self.seen.borrow_mut().taken.insert(p, taken - tokens);
                 }
             }
-            Op::Poll { pid: p, fh: f, will_wait } => {
-                self.waiters.poll(&mut self.broker, pid(p), fh(f), will_wait, Waker, self.now);
+            Op::Poll { pid: p, fh: f, will_wait, hold } => {
+                let answer = Answer { pid: pid(p), fh: fh(f), seen: self.seen.clone(), answered: false };
+                let call = PollCall { will_wait, hold, unique: self.next_unique(), waker: Waker, answer };
+                self.waiters.poll(&mut self.broker, pid(p), fh(f), call, self.now);
+            }
+            Op::Interrupted { unique } => {
+                // One of the last 16 requests, or one never sent.
+                let unique = self.unique.saturating_sub(u64::from(unique % 17));
+                self.waiters.interrupted(&mut self.broker, unique);
             }
             Op::Close { fh: f } => self.waiters.close(&mut self.broker, fh(f)),
             Op::Interrupt { tid } => self.waiters.interrupt(&mut self.broker, u32::from(tid % 8)),
@@ -122,8 +169,9 @@ impl World {
                 let p = pid(p);
                 self.waiters.exited(&mut self.broker, p);
                 self.seen.borrow_mut().taken.remove(&p);
-                // Its blocked reads go with it.
+                // Its blocked reads and held polls go with it.
                 self.seen.borrow_mut().unanswered.retain(|&u| u != p);
+                self.seen.borrow_mut().ready.retain(|&(u, _)| u != p);
             }
             Op::Wait { ms } => {
                 self.now += Duration::from_millis(u64::from(ms));
@@ -150,6 +198,11 @@ impl World {
         self.settle();
     }
 
+    fn next_unique(&mut self) -> u64 {
+        self.unique += 1;
+        self.unique
+    }
+
     /// What the FUSE threads and the socket loop do after every request.
     fn settle(&mut self) {
         self.waiters.settle(&mut self.broker, self.now);
@@ -160,16 +213,22 @@ impl World {
         }
     }
 
-    fn check(&self) {
+    fn check(&mut self) {
         let pool = self.broker.pool();
         pool.assert_invariants();
         assert_eq!(pool.held_by(self.socket), self.socket_held, "the socket client holds other than it was granted");
-        let seen = self.seen.borrow();
-        assert!(seen.unanswered.is_empty(), "reads of live processes {:?} were dropped unanswered", seen.unanswered);
+        let mut seen = self.seen.borrow_mut();
+        assert!(seen.unanswered.is_empty(), "reads or polls of live processes {:?} were dropped unanswered", seen.unanswered);
+        let mut unread = 0;
         for c in pool.clients().filter(|c| c.id != self.socket) {
             let taken = seen.taken.get(&c.meta.pid).copied().unwrap_or(0);
             assert!(c.held >= taken, "pid {} read {taken} tokens but holds {}", c.meta.pid, c.held);
+            unread += c.held - taken;
         }
+        let mut ready: Vec<Fh> = seen.ready.drain(..).map(|(_, fh)| fh).collect();
+        ready.sort_unstable();
+        ready.dedup();
+        assert!(self.notify_all || ready.len() as u32 <= unread, "handles {ready:?} were told a token is ready, but only {unread} are reserved");
     }
 }
 
@@ -177,13 +236,14 @@ fuzz_target!(|input: Input| {
     let Ok(mut broker) = Broker::new(u32::from(input.limit % 8) + 1) else { return };
     let socket = broker.connect(ClientMeta::new(0, "socket client".into(), Transport::Socket));
     let mode = if input.notify_all { Mode::NotifyAll } else { Mode::OneAtATime };
-    let mut world = World { broker, waiters: Waiters::new(mode), seen: Shared::default(), now: Instant::now(), socket, socket_held: 0, socket_waits: false };
+    let mut world = World { broker, waiters: Waiters::new(mode, Duration::from_millis(u64::from(input.hold_ms % 4) * 100)), unique: 0, notify_all: input.notify_all, seen: Shared::default(), now: Instant::now(), socket, socket_held: 0, socket_waits: false };
     for op in input.ops {
         world.apply(op);
         world.check();
     }
-    // Every reservation runs out, every process and the socket client go.
-    world.now += RESERVATION;
+    // Every reservation and hold runs out, every process and the socket
+    // client go.
+    world.now += RESERVATION.max(HOLD);
     world.waiters.expire(&mut world.broker, world.now);
     for pid in 1..=4 {
         world.waiters.exited(&mut world.broker, pid);

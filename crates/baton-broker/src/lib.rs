@@ -40,7 +40,7 @@ mod spin;
 mod triggers;
 mod uring;
 
-pub use fuse::Mode as FuseMode;
+pub use fuse::{Mode as FuseMode, Options as FuseOptions};
 pub use log::LogLevel;
 pub use serve::{serve, ServeOptions};
 pub use socket::MAX_CLIENTS;
@@ -51,5 +51,5 @@ pub use socket::MAX_CLIENTS;
 #[doc(hidden)]
 pub mod fuzzing {
     pub use crate::broker::{Broker, ClientMeta, Transport};
-    pub use crate::fuse::waiters::{Fh, Mode, Pid, PollWaker, ReadReply, Waiters, RESERVATION};
+    pub use crate::fuse::waiters::{Caller, Fh, Mode, Pid, PollAnswer, PollCall, PollWaker, ReadReply, Waiters, HOLD, RESERVATION};
 }

@@ -1,7 +1,7 @@
 //! `baton serve`: start the broker, serve until SIGTERM/SIGINT, clean up.
 
 use crate::broker::{Broker, Transport};
-use crate::fuse::Mode as FuseMode;
+use crate::fuse::Options as FuseOptions;
 use crate::gates::{Probe, Sampler};
 use crate::log::LogLevel;
 use baton_core::gates::GateConfig;
@@ -29,8 +29,8 @@ pub struct ServeOptions {
     pub jobs: u32,
     /// Where to listen; None: `baton_core::paths::default_socket_path`.
     pub socket: Option<PathBuf>,
-    /// How the FUSE token files wake pollers; None: no FUSE mount.
-    pub fuse: Option<FuseMode>,
+    /// How the FUSE token files serve waiters; None: no FUSE mount.
+    pub fuse: Option<FuseOptions>,
     /// Longest spin of the socket loop before it sleeps, in µs (the spin
     /// module says when it engages).
     pub spin_us: u64,
@@ -115,7 +115,7 @@ pub fn serve(opts: ServeOptions) -> Result<()> {
     // Mounted before the socket listens: whoever finds the broker ready finds
     // its token files too (`baton run --jobserver-style auto`).
     let mut fuse = match handed.as_mut().and_then(|(state, _)| state.fuse.take()) {
-        Some((fs, device)) => Some(fuse::adopt(&socket, broker.clone(), take_fd(device)?, fs, opts.fuse.unwrap_or(FuseMode::OneAtATime))?),
+        Some((fs, device)) => Some(fuse::adopt(&socket, broker.clone(), take_fd(device)?, fs, opts.fuse.unwrap_or_default())?),
         None if handed.is_some() => None,
         None => opts.fuse.and_then(|mode| fuse::mount(&socket, broker.clone(), mode)),
     };

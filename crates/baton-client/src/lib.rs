@@ -376,3 +376,29 @@ fn io_error(context: &str, source: io::Error) -> Error {
 fn unexpected(reply: Reply) -> Error {
     Error::Protocol(format!("{reply:?}"))
 }
+
+/// Tells the broker that every user of the FUSE token file at `path` polls
+/// it alone (as GNU make ≥ 4.4 and the jobserver crate do), so that a poll
+/// that would wait is held until a token is there: one wake-up per token
+/// instead of an answer, a notification and a second poll. Not for a
+/// client that polls the file beside other descriptors (bmake, an event
+/// loop): a held poll sees nothing else until a token comes or its thread
+/// gets a signal. See [`baton_core::protocol::FUSE_POLLS_XATTR`].
+///
+/// # Errors
+/// The file is not on a broker's mount, or the broker predates held polls
+/// (`ENOTSUP`): the file then works as before.
+pub fn hold_polls(path: &Path) -> io::Result<()> {
+    use std::os::unix::ffi::OsStrExt;
+    let path = std::ffi::CString::new(path.as_os_str().as_bytes())?;
+    let name = std::ffi::CString::new(protocol::FUSE_POLLS_XATTR).expect("no NUL in the name");
+    let value = b"hold";
+    // SAFETY: both strings are NUL-terminated and outlive the call; the
+    // value is read for its length only.
+    let rc = unsafe { libc::setxattr(path.as_ptr(), name.as_ptr(), value.as_ptr().cast(), value.len(), 0) };
+    if rc == 0 {
+        Ok(())
+    } else {
+        Err(io::Error::last_os_error())
+    }
+}

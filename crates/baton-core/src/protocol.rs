@@ -19,6 +19,14 @@ pub const MAX_LINE: usize = 256;
 /// The longest client label accepted in HELLO (it is shown by status).
 pub const MAX_LABEL: usize = 200;
 
+/// The extended attribute of a FUSE token file that says how its pollers
+/// are served: `hold` (the file's users poll nothing else, as GNU make
+/// ≥ 4.4 and the jobserver crate do: a poll that would wait is answered
+/// only when a token is there or its thread gets a signal) or `notify`
+/// (answered "not ready" at once and woken later, as any file; the
+/// default). docs/fuse.md, "Held polls".
+pub const FUSE_POLLS_XATTR: &str = "user.baton.polls";
+
 /// A request from client to broker.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Request {

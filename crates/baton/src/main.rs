@@ -15,7 +15,7 @@ mod shell_init;
 mod status;
 mod top;
 
-use baton_broker::{FuseMode, LogLevel, ServeOptions};
+use baton_broker::{FuseMode, FuseOptions, LogLevel, ServeOptions};
 use baton_core::gates::GateConfig;
 use baton_core::paths::socket_path;
 use baton_jobserver::{Autostart, RunOptions};
@@ -71,6 +71,14 @@ enum Cmd {
         /// token, as a pipe does.
         #[arg(long, hide = true, conflicts_with = "no_fuse")]
         fuse_notify_all: bool,
+        /// How long the FUSE token file may hold a poll before answering
+        /// "not ready", for builds that poll the file alone (GNU make >= 4.4,
+        /// cargo; `baton run` marks their files): a held poll wakes once,
+        /// readable, when a token comes, or at once on a signal. A poll's own
+        /// timeout can run over by this much. 0 never holds (docs/fuse.md,
+        /// "Held polls").
+        #[arg(long, value_name = "MS", default_value_t = 250, value_parser = clap::value_parser!(u64).range(0..=600_000), conflicts_with = "no_fuse")]
+        fuse_hold_ms: u64,
         /// While messages arrive close together and a CPU is left free by the
         /// jobs holding tokens, look for the next one for up to US
         /// microseconds before sleeping: saves the broker a context switch
@@ -333,13 +341,10 @@ fn main() -> ExitCode {
 
 fn dispatch(command: Cmd) -> anyhow::Result<u8> {
     match command {
-        Cmd::Serve { jobs, socket, verbose, quiet, no_fuse, fuse_notify_all, spin_us, no_io_uring, gates, mem_settle, on_memory_pressure, idle_timeout, max_clients, cluster, replace } => {
+        Cmd::Serve { jobs, socket, verbose, quiet, no_fuse, fuse_notify_all, fuse_hold_ms, spin_us, no_io_uring, gates, mem_settle, on_memory_pressure, idle_timeout, max_clients, cluster, replace } => {
             let log_level = if quiet { LogLevel::Warn } else if verbose { LogLevel::Debug } else { LogLevel::Info };
-            let fuse = match (no_fuse, fuse_notify_all) {
-                (true, _) => None,
-                (false, true) => Some(FuseMode::NotifyAll),
-                (false, false) => Some(FuseMode::OneAtATime),
-            };
+            let mode = if fuse_notify_all { FuseMode::NotifyAll } else { FuseMode::OneAtATime };
+            let fuse = (!no_fuse).then_some(FuseOptions { mode, hold: Duration::from_millis(fuse_hold_ms) });
             let gates = GateConfig { settle: Duration::from_millis(mem_settle), pause: on_memory_pressure == OnMemoryPressure::Pause, ..gates.config()? };
             // The file is read only when it is needed: a broker started as
             // another user need not be able to read the caller's home.

@@ -9,18 +9,18 @@
 //! state below. Lock order: `Inner`, then the broker.
 
 use super::procs::{Exits, Threads};
-use super::waiters::{Fh, Pid, PollWaker, ReadReply, Waiters, WaitersState};
+use super::waiters::{Caller, Fh, Pid, PollAnswer, PollCall, PollWaker, ReadReply, Waiters, WaitersState};
 use crate::broker::{Broker, ClientMeta, Transport};
 use crate::log;
 use fuser::{
     Errno, FileAttr, FileHandle, FileType, Filesystem, FopenFlags, Generation, INodeNo, LockOwner, OpenFlags, PollEvents,
     Notifier, PollFlags, PollHandle, PollNotifier, ReplyAttr, ReplyCreate, ReplyData, ReplyDirectory, ReplyEmpty, ReplyEntry, ReplyOpen, ReplyPoll,
-    ReplyWrite, Request, TimeOrNow, WriteFlags,
+    ReplyWrite, ReplyXattr, Request, RequestId, TimeOrNow, WriteFlags,
 };
 use mio::Waker;
 use serde::{Deserialize, Serialize};
 use std::cell::Cell;
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::ffi::OsStr;
 use std::sync::mpsc::{Receiver, Sender};
 use std::sync::{Arc, Mutex};
@@ -56,6 +56,36 @@ impl ReadReply for FuseRead {
         self.0.error(Errno::from_i32(errno));
     }
 }
+
+/// The answer to a poll: a token to read (or an abort token, in a bmake
+/// build) or not, and giving one back never waits.
+pub struct FuseAnswer {
+    reply: ReplyPoll,
+    events: PollEvents,
+}
+
+impl FuseAnswer {
+    fn answer(self, readable: bool) {
+        let mut revents = self.events & (PollEvents::POLLOUT | PollEvents::POLLWRNORM);
+        if readable {
+            revents |= self.events & (PollEvents::POLLIN | PollEvents::POLLRDNORM);
+        }
+        self.reply.poll(revents);
+    }
+}
+
+impl PollAnswer for FuseAnswer {
+    fn ready(self) {
+        self.answer(true);
+    }
+    fn not_ready(self) {
+        self.answer(false);
+    }
+}
+
+/// How a file's pollers are served: held, or answered and woken (see
+/// `baton_core::protocol::FUSE_POLLS_XATTR`).
+pub const POLLS_XATTR: &str = baton_core::protocol::FUSE_POLLS_XATTR;
 
 /// A poller to wake: one whose poll we answered, or one a predecessor
 /// broker answered (crate::handover), known by the kernel's handle.
@@ -96,6 +126,10 @@ pub struct FsState {
     next_ino: u64,
     handles: Vec<(Fh, u64)>,
     next_fh: Fh,
+    /// Files whose pollers are held ([`POLLS_XATTR`]); absent from a
+    /// predecessor that had none.
+    #[serde(default)]
+    holding: Vec<u64>,
 }
 
 /// A handover asked for: the FUSE thread sends its state, then waits to
@@ -114,7 +148,7 @@ pub struct Shared {
 }
 
 pub struct Inner {
-    pub waiters: Waiters<FuseRead, FusePoll>,
+    pub waiters: Waiters<FuseRead, FusePoll, FuseAnswer>,
     pub threads: Threads,
     pub exits: Exits,
     /// When the control thread wakes next; None: only when woken.
@@ -122,6 +156,8 @@ pub struct Inner {
     /// When blocked readers were last checked for pending signals.
     pub scanned_at: Instant,
     files: BTreeMap<u64, String>,
+    /// Files whose pollers are held (see [`POLLS_XATTR`]).
+    holding: BTreeSet<u64>,
     /// Files a bmake build wrote abort tokens to (see [`sort_written`]).
     aborted: BTreeMap<u64, Aborted>,
     next_ino: u64,
@@ -132,7 +168,7 @@ pub struct Inner {
 }
 
 impl Shared {
-    pub fn new(broker: Arc<Mutex<Broker>>, waiters: Waiters<FuseRead, FusePoll>, exits: Exits, control: Arc<Waker>) -> Self {
+    pub fn new(broker: Arc<Mutex<Broker>>, waiters: Waiters<FuseRead, FusePoll, FuseAnswer>, exits: Exits, control: Arc<Waker>) -> Self {
         let inner = Inner {
             waiters,
             threads: Threads::default(),
@@ -140,6 +176,7 @@ impl Shared {
             control_sleeps_until: None,
             scanned_at: Instant::now(),
             files: BTreeMap::new(),
+            holding: BTreeSet::new(),
             aborted: BTreeMap::new(),
             next_ino: INodeNo::ROOT.0 + 1,
             handles: BTreeMap::new(),
@@ -155,8 +192,10 @@ impl Shared {
         let mut inner = self.inner.lock().expect("fuse state lock");
         let broker = self.broker.lock().expect("broker lock");
         let waker = |handle| FusePoll::Adopted(notifier.clone(), PollHandle(handle));
-        inner.waiters = Waiters::adopt(state.waiters, &broker, waker, Instant::now())?;
+        let hold = inner.waiters.hold();
+        inner.waiters = Waiters::adopt(state.waiters, &broker, waker, Instant::now(), hold)?;
         inner.files = state.files.into_iter().collect();
+        inner.holding = state.holding.into_iter().collect();
         inner.handles = state.handles.into_iter().collect();
         inner.next_ino = state.next_ino;
         inner.next_fh = state.next_fh;
@@ -209,6 +248,7 @@ impl Shared {
                 next_ino: inner.next_ino,
                 handles: inner.handles.iter().map(|(&fh, &ino)| (fh, ino)).collect(),
                 next_fh: inner.next_fh,
+                holding: inner.holding.iter().copied().collect(),
             }
         };
         let _ = asked.state.send(state);
@@ -249,9 +289,11 @@ impl Shared {
 }
 
 /// How often threads blocked in a read are checked for a pending signal
-/// (see `Waiters::interrupt`): fuser cannot take the kernel's interrupt, so
-/// a reader killed while blocked is found this way, and its tokens come
-/// back within about this long. Short, because the jobserver crate (cargo,
+/// (see `Waiters::interrupt`). The kernel's FUSE_INTERRUPT answers them at
+/// once (`Filesystem::interrupt`); this scan is the safety net for a mount
+/// on which interrupts were turned off (a broker before this one, whose
+/// fuser answered them `ENOSYS`, served it, and the kernel remembers that
+/// for the mount's life). Short, because the jobserver crate (cargo,
 /// rustc) stops its helper thread by signalling it until its blocked read
 /// returns: at 100 ms, every rustc waited that long at its exit, and a
 /// cargo build of 120 small crates took 1.43x its own -j6 wall time (1.0x
@@ -453,6 +495,7 @@ impl Filesystem for TokenFs {
         let removed = self.with(|inner, _| {
             let ino = inner.lookup(name).filter(|_| parent == INodeNo::ROOT)?;
             inner.aborted.remove(&ino);
+            inner.holding.remove(&ino);
             inner.files.remove(&ino)
         });
         match removed {
@@ -486,13 +529,13 @@ impl Filesystem for TokenFs {
         // make ≥ 4.3 reads with O_NONBLOCK after pselect(); the jobserver
         // crate reads blocking first (docs/jobserver.md, "What clients do").
         let blocking = flags.0 & libc::O_NONBLOCK == 0;
-        let tid = req.pid();
+        let caller = Caller { tid: req.pid(), unique: req.unique().0 };
         self.with(|inner, broker| {
-            let Some(pid) = inner.process(broker, tid, fh.0) else { return reply.error(Errno::ESRCH) };
+            let Some(pid) = inner.process(broker, caller.tid, fh.0) else { return reply.error(Errno::ESRCH) };
             match inner.aborted(fh.0).map(|aborted| aborted.read(pid)) {
                 Some(Ok(byte)) => reply.data(&[byte]),
                 Some(Err(errno)) => reply.error(Errno::from_i32(errno)),
-                None => inner.waiters.read(broker, pid, tid, fh.0, blocking, FuseRead(reply)),
+                None => inner.waiters.read(broker, pid, caller, fh.0, blocking, FuseRead(reply)),
             }
         });
     }
@@ -527,23 +570,75 @@ impl Filesystem for TokenFs {
         }
     }
 
-    fn poll(&self, req: &Request, _ino: INodeNo, fh: FileHandle, ph: PollNotifier, events: PollEvents, flags: PollFlags, reply: ReplyPoll) {
-        let will_wait = flags.contains(PollFlags::FUSE_POLL_SCHEDULE_NOTIFY);
-        let wants_token = events.intersects(PollEvents::POLLIN | PollEvents::POLLRDNORM);
-        let readable = wants_token
-            && self.with(|inner, broker| {
-                let Some(pid) = inner.process(broker, req.pid(), fh.0) else { return false };
-                if let Some(aborted) = inner.aborted(fh.0) {
-                    return aborted.readable(pid);
-                }
-                inner.waiters.poll(broker, pid, fh.0, will_wait, FusePoll::Answered(ph), Instant::now())
-            });
-        // Giving a token back never waits.
-        let mut revents = events & (PollEvents::POLLOUT | PollEvents::POLLWRNORM);
-        if readable {
-            revents |= events & (PollEvents::POLLIN | PollEvents::POLLRDNORM);
+    fn poll(&self, req: &Request, ino: INodeNo, fh: FileHandle, ph: PollNotifier, events: PollEvents, flags: PollFlags, reply: ReplyPoll) {
+        let answer = FuseAnswer { reply, events };
+        if !events.intersects(PollEvents::POLLIN | PollEvents::POLLRDNORM) {
+            return answer.not_ready();
         }
-        reply.poll(revents);
+        self.with(|inner, broker| {
+            let Some(pid) = inner.process(broker, req.pid(), fh.0) else { return answer.not_ready() };
+            if let Some(aborted) = inner.aborted(fh.0) {
+                let readable = aborted.readable(pid);
+                return answer.answer(readable);
+            }
+            let call = PollCall {
+                will_wait: flags.contains(PollFlags::FUSE_POLL_SCHEDULE_NOTIFY),
+                hold: inner.holding.contains(&ino.0),
+                unique: req.unique().0,
+                waker: FusePoll::Answered(ph),
+                answer,
+            };
+            inner.waiters.poll(broker, pid, fh.0, call, Instant::now());
+        });
+    }
+
+    /// A thread whose read or poll we hold got a signal: answer it now, as
+    /// a pipe's read or poll would return `EINTR`.
+    fn interrupt(&self, _req: &Request, unique: RequestId) {
+        self.with(|inner, broker| inner.waiters.interrupted(broker, unique.0));
+    }
+
+    /// Only [`POLLS_XATTR`], with `hold` or `notify`.
+    fn setxattr(&self, _req: &Request, ino: INodeNo, name: &OsStr, value: &[u8], _flags: i32, _position: u32, reply: ReplyEmpty) {
+        if name != POLLS_XATTR {
+            return reply.error(Errno::ENOTSUP);
+        }
+        let hold = match value {
+            b"hold" => true,
+            b"notify" => false,
+            _ => return reply.error(Errno::EINVAL),
+        };
+        let known = self.with(|inner, _| {
+            if !inner.files.contains_key(&ino.0) {
+                return false;
+            }
+            if hold {
+                inner.holding.insert(ino.0);
+            } else {
+                inner.holding.remove(&ino.0);
+            }
+            true
+        });
+        if known {
+            reply.ok();
+        } else {
+            reply.error(Errno::ENOENT);
+        }
+    }
+
+    fn getxattr(&self, _req: &Request, ino: INodeNo, name: &OsStr, size: u32, reply: ReplyXattr) {
+        if name != POLLS_XATTR {
+            return reply.error(Errno::ENODATA);
+        }
+        let Some(hold) = self.with(|inner, _| inner.files.contains_key(&ino.0).then(|| inner.holding.contains(&ino.0))) else {
+            return reply.error(Errno::ENOENT);
+        };
+        let value: &[u8] = if hold { b"hold" } else { b"notify" };
+        match size {
+            0 => reply.size(value.len() as u32),
+            n if n as usize >= value.len() => reply.data(value),
+            _ => reply.error(Errno::ERANGE),
+        }
     }
 
     fn release(

@@ -23,6 +23,22 @@ pub(crate) mod waiters;
 pub use fs::FsState;
 pub use waiters::Mode;
 
+/// How the token files serve their waiters (`baton serve`'s options).
+#[derive(Debug, Clone, Copy)]
+pub struct Options {
+    /// How a freed token reaches pollers.
+    pub mode: Mode,
+    /// How long a poll of a file marked `hold` is held at most; zero:
+    /// never held (see `waiters`).
+    pub hold: Duration,
+}
+
+impl Default for Options {
+    fn default() -> Self {
+        Options { mode: Mode::OneAtATime, hold: waiters::HOLD }
+    }
+}
+
 use crate::broker::{Broker, Transport};
 use crate::log;
 use anyhow::{bail, Context, Result};
@@ -57,10 +73,10 @@ pub struct FuseMount {
 /// Mounts the token filesystem for the broker at `socket`. Where FUSE is
 /// not available, says why in one log line and returns None: builds then
 /// use the FIFO bridge.
-pub fn mount(socket: &Path, broker: Arc<Mutex<Broker>>, mode: Mode) -> Option<FuseMount> {
+pub fn mount(socket: &Path, broker: Arc<Mutex<Broker>>, options: Options) -> Option<FuseMount> {
     let path = baton_core::paths::fuse_mount_point(socket);
     if let Some(device) = keeper::take(socket) {
-        return match adopt_orphan(socket, &path, broker, device, mode) {
+        return match adopt_orphan(socket, &path, broker, device, options) {
             Ok(mount) => Some(mount),
             Err(e) => {
                 log::warn(format_args!("cannot serve the mount a killed broker left ({e:#}); builds will use the FIFO bridge"));
@@ -68,7 +84,7 @@ pub fn mount(socket: &Path, broker: Arc<Mutex<Broker>>, mode: Mode) -> Option<Fu
             }
         };
     }
-    match try_mount(socket, &path, broker, mode) {
+    match try_mount(socket, &path, broker, options) {
         Ok(mount) => {
             log::info(format_args!("FUSE token files at {}", path.display()));
             Some(mount)
@@ -80,14 +96,14 @@ pub fn mount(socket: &Path, broker: Arc<Mutex<Broker>>, mode: Mode) -> Option<Fu
     }
 }
 
-fn try_mount(socket: &Path, path: &Path, broker: Arc<Mutex<Broker>>, mode: Mode) -> Result<FuseMount> {
+fn try_mount(socket: &Path, path: &Path, broker: Arc<Mutex<Broker>>, options: Options) -> Result<FuseMount> {
     if !Path::new("/dev/fuse").exists() {
         bail!("/dev/fuse does not exist");
     }
     clear_stale_mount(path)?;
     std::fs::DirBuilder::new().mode(0o700).create(path).or_else(|e| if e.kind() == ErrorKind::AlreadyExists { Ok(()) } else { Err(e) })
         .with_context(|| format!("cannot create {}", path.display()))?;
-    let (poll, waker, shared) = new_shared(broker.clone(), mode)?;
+    let (poll, waker, shared) = new_shared(broker.clone(), options)?;
     let session = Session::new(TokenFs(shared.clone()), path, &config())
         .with_context(|| format!("cannot mount at {}", path.display()))?;
     start(session, socket.to_path_buf(), path, broker, poll, waker, shared)
@@ -96,8 +112,8 @@ fn try_mount(socket: &Path, path: &Path, broker: Arc<Mutex<Broker>>, mode: Mode)
 /// Serves the mount of a broker that was killed, whose keeper passed us
 /// the descriptor: its state is lost, so files, handles and what each
 /// process holds start afresh (docs/fuse.md, "When the broker dies").
-fn adopt_orphan(socket: &Path, path: &Path, broker: Arc<Mutex<Broker>>, device: OwnedFd, mode: Mode) -> Result<FuseMount> {
-    let (poll, waker, shared) = new_shared(broker.clone(), mode)?;
+fn adopt_orphan(socket: &Path, path: &Path, broker: Arc<Mutex<Broker>>, device: OwnedFd, options: Options) -> Result<FuseMount> {
+    let (poll, waker, shared) = new_shared(broker.clone(), options)?;
     shared.take_orphan();
     let session = Session::from_initialized_fd(TokenFs(shared.clone()), device, SessionACL::Owner, config());
     log::info(format_args!("FUSE token files at {}: serving the mount a killed broker left", path.display()));
@@ -106,20 +122,20 @@ fn adopt_orphan(socket: &Path, path: &Path, broker: Arc<Mutex<Broker>>, device: 
 
 /// Serves the mount a predecessor broker handed over (crate::handover):
 /// its /dev/fuse descriptor and its token files' state.
-pub fn adopt(socket: &Path, broker: Arc<Mutex<Broker>>, device: OwnedFd, state: FsState, mode: Mode) -> Result<FuseMount> {
+pub fn adopt(socket: &Path, broker: Arc<Mutex<Broker>>, device: OwnedFd, state: FsState, options: Options) -> Result<FuseMount> {
     let path = baton_core::paths::fuse_mount_point(socket);
-    let (poll, waker, shared) = new_shared(broker.clone(), mode)?;
+    let (poll, waker, shared) = new_shared(broker.clone(), options)?;
     let session = Session::from_initialized_fd(TokenFs(shared.clone()), device, SessionACL::Owner, config());
     shared.adopt(state, &session.notifier()).map_err(|e| anyhow::anyhow!("the predecessor's token files are inconsistent: {e}"))?;
     log::info(format_args!("FUSE token files at {} taken over", path.display()));
     start(session, socket.to_path_buf(), &path, broker, poll, waker, shared)
 }
 
-fn new_shared(broker: Arc<Mutex<Broker>>, mode: Mode) -> Result<(Poll, Arc<Waker>, Arc<Shared>)> {
+fn new_shared(broker: Arc<Mutex<Broker>>, options: Options) -> Result<(Poll, Arc<Waker>, Arc<Shared>)> {
     let poll = Poll::new().context("cannot create an event loop")?;
     let waker = Arc::new(Waker::new(poll.registry(), WAKER)?);
     let exits = procs::Exits::new(poll.registry().try_clone()?);
-    let shared = Arc::new(Shared::new(broker, waiters::Waiters::new(mode), exits, waker.clone()));
+    let shared = Arc::new(Shared::new(broker, waiters::Waiters::new(options.mode, options.hold), exits, waker.clone()));
     Ok((poll, waker, shared))
 }
 

@@ -16,6 +16,13 @@
 //!   to the next waiter), so no token sits free while a poller sleeps and a
 //!   poller that found other work cannot keep one (one token, hundreds of
 //!   woken pollers, as in FreeBSD's `make universe`: docs/benchmarks.md).
+//! - on a file whose builds poll nothing else (GNU make ≥ 4.4 and cargo
+//!   poll only the token file), a poll that would wait is *held*: not
+//!   answered until a token is reserved for it, so the poller wakes once,
+//!   readable, instead of being answered "not ready", notified and polling
+//!   again. A held poll or blocked read whose thread gets a signal is
+//!   answered at once (the kernel's FUSE_INTERRUPT), as a pipe's poll and
+//!   read return `EINTR`.
 //!
 //! No I/O here: replies and notifications go through the [`ReadReply`] and
 //! [`PollWaker`] traits and the clock is passed in, so the unit tests below
@@ -24,6 +31,7 @@
 use crate::broker::{Broker, ClientMeta, Transport};
 use baton_core::{Acquired, ClientId, Grant, PoolError, Tag};
 use serde::{Deserialize, Serialize};
+use std::collections::hash_map::Entry;
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
@@ -38,6 +46,15 @@ pub type Fh = u64;
 /// delays the next waiter only briefly.
 pub const RESERVATION: Duration = Duration::from_millis(50);
 
+/// How long a poll is held at most by default (`baton serve
+/// --fuse-hold-ms`; see the module's documentation): the kernel does not
+/// tell us a poll's timeout, and a held poll cannot time out, so a poller
+/// that gave a timeout may see it run over by this much. After it the poll
+/// is answered "not ready" and its poller sleeps on its handle as on any
+/// other file. Long enough to span a short job (make polls again when one
+/// ends), short beside make's own one-second poll timeout under `-l`.
+pub const HOLD: Duration = Duration::from_millis(250);
+
 /// Poll requests are tagged with their handle and this bit; blocking reads
 /// with the FUSE request id, which never has it.
 const POLL_TAG: Tag = 1 << 63;
@@ -48,6 +65,37 @@ pub trait ReadReply {
     fn token(self);
     /// An error (`libc::EAGAIN`, `libc::EINTR`, ...).
     fn fail(self, errno: i32);
+}
+
+/// The answer to one poll request, which may be held (see the module's
+/// documentation).
+pub trait PollAnswer {
+    /// A token is reserved for the poller: readable.
+    fn ready(self);
+    /// No token for it: not readable (a poll that waits then sleeps until
+    /// its handle is woken).
+    fn not_ready(self);
+}
+
+/// A poll request as the kernel sends it.
+pub struct PollCall<N, A> {
+    /// The caller sleeps until woken if we say "not ready" (it is not a
+    /// poll with a zero timeout).
+    pub will_wait: bool,
+    /// The file's builds poll nothing but it: the answer may wait for a
+    /// token.
+    pub hold: bool,
+    /// The kernel's id for the request, named again by an interrupt.
+    pub unique: u64,
+    pub waker: N,
+    pub answer: A,
+}
+
+/// The thread behind a read, and the kernel's id for the request.
+#[derive(Debug, Clone, Copy)]
+pub struct Caller {
+    pub tid: u32,
+    pub unique: u64,
 }
 
 /// Wakes the poll()ers of one handle.
@@ -70,14 +118,33 @@ pub enum Mode {
 
 struct BlockedRead<R> {
     reply: R,
-    tid: u32,
+    caller: Caller,
 }
 
-struct Polled<N> {
+/// A poll answered only when a token is reserved for it, or its thread
+/// gets a signal.
+struct Held<A> {
+    unique: u64,
+    answer: A,
+    until: Instant,
+}
+
+struct Polled<N, A> {
     client: ClientId,
     waker: N,
     queued: bool,
     reserved_until: Option<Instant>,
+    held: Option<Held<A>>,
+    /// A poller was answered "not ready" and sleeps until its handle is
+    /// woken. (Never when the only poller is held: waking its handle would
+    /// only rouse it in its request, for nothing.)
+    sleeps: bool,
+}
+
+impl<N, A> Polled<N, A> {
+    fn new(client: ClientId, waker: N) -> Self {
+        Polled { client, waker, queued: false, reserved_until: None, held: None, sleeps: false }
+    }
 }
 
 /// The waiters as a successor broker receives them: which process is
@@ -100,28 +167,37 @@ struct PolledState {
 }
 
 /// The FUSE file's waiters and reservations.
-pub struct Waiters<R, N> {
+pub struct Waiters<R, N, A> {
     mode: Mode,
+    /// How long a poll is held at most; zero: never.
+    hold: Duration,
     /// The mount came from a killed broker: a process may give back more
     /// than it took from us (tokens that broker granted).
     forgiving: bool,
     processes: HashMap<Pid, ClientId>,
     reads: HashMap<(ClientId, Tag), BlockedRead<R>>,
-    polled: HashMap<Fh, Polled<N>>,
+    polled: HashMap<Fh, Polled<N, A>>,
 }
 
-impl<R: ReadReply, N: PollWaker> Waiters<R, N> {
-    pub fn new(mode: Mode) -> Self {
-        Waiters { mode, forgiving: false, processes: HashMap::new(), reads: HashMap::new(), polled: HashMap::new() }
+impl<R: ReadReply, N: PollWaker, A: PollAnswer> Waiters<R, N, A> {
+    pub fn new(mode: Mode, hold: Duration) -> Self {
+        Waiters { mode, hold, forgiving: false, processes: HashMap::new(), reads: HashMap::new(), polled: HashMap::new() }
     }
 
     /// The state to hand a successor. A blocked read cannot travel (its
     /// reply is bound to this process): it fails with EINTR, as a signal
-    /// would make it, and its request leaves the queue; readers retry.
+    /// would make it, and its request leaves the queue; readers retry. A
+    /// held poll is answered "not ready": its poller sleeps on its handle,
+    /// which the successor wakes.
     pub fn hand_over(&mut self, broker: &mut Broker, now: Instant) -> WaitersState {
         for ((client, tag), read) in self.reads.drain() {
             broker.cancel(client, tag);
             read.reply.fail(libc::EINTR);
+        }
+        for p in self.polled.values_mut() {
+            if let Some(held) = p.held.take() {
+                held.answer.not_ready();
+            }
         }
         let polled = self
             .polled
@@ -137,10 +213,11 @@ impl<R: ReadReply, N: PollWaker> Waiters<R, N> {
         WaitersState { mode: self.mode, processes: self.processes.iter().map(|(&pid, &id)| (pid, id)).collect(), polled }
     }
 
-    /// Carries on from a predecessor's waiters; `waker` makes the waker for
-    /// a kernel poll handle. Every process and client named must be known
-    /// to `broker`, which came with them.
-    pub fn adopt(state: WaitersState, broker: &Broker, waker: impl Fn(u64) -> N, now: Instant) -> Result<Self, &'static str> {
+    /// Carries on from a predecessor's waiters, holding polls for `hold`
+    /// (ours to choose); `waker` makes the waker for a kernel poll handle.
+    /// Every process and client named must be known to `broker`, which
+    /// came with them.
+    pub fn adopt(state: WaitersState, broker: &Broker, waker: impl Fn(u64) -> N, now: Instant, hold: Duration) -> Result<Self, &'static str> {
         let known = |pid: Pid, client: ClientId| broker.pool().meta(client).is_some_and(|m| m.pid == pid && m.transport == Transport::Fuse);
         if !state.processes.iter().all(|&(pid, client)| known(pid, client)) {
             return Err("a FUSE process is not the broker's FUSE client");
@@ -152,9 +229,18 @@ impl<R: ReadReply, N: PollWaker> Waiters<R, N> {
         let polled = state
             .polled
             .into_iter()
-            .map(|p| (p.fh, Polled { client: p.client, waker: waker(p.kernel_handle), queued: p.queued, reserved_until: p.reserved_for.map(|d| now + d) }))
+            .map(|p| {
+                let reserved_until = p.reserved_for.map(|d| now + d);
+                // Whoever polled it may sleep on the handle.
+                (p.fh, Polled { queued: p.queued, reserved_until, sleeps: true, ..Polled::new(p.client, waker(p.kernel_handle)) })
+            })
             .collect();
-        Ok(Waiters { mode: state.mode, forgiving: false, processes, reads: HashMap::new(), polled })
+        Ok(Waiters { mode: state.mode, hold, forgiving: false, processes, reads: HashMap::new(), polled })
+    }
+
+    /// How long a poll is held at most.
+    pub fn hold(&self) -> Duration {
+        self.hold
     }
 
     /// The processes using the file, to watch for their exit.
@@ -173,8 +259,8 @@ impl<R: ReadReply, N: PollWaker> Waiters<R, N> {
         (id, true)
     }
 
-    /// A read of one token by thread `tid` of `pid` through handle `fh`.
-    pub fn read(&mut self, broker: &mut Broker, pid: Pid, tid: u32, fh: Fh, blocking: bool, reply: R) {
+    /// A read of one token by `caller`, a thread of `pid`, through handle `fh`.
+    pub fn read(&mut self, broker: &mut Broker, pid: Pid, caller: Caller, fh: Fh, blocking: bool, reply: R) {
         let Some(&client) = self.processes.get(&pid) else { return reply.fail(libc::EPERM) };
         if self.take_reservation(broker, client, fh) {
             return reply.token();
@@ -191,7 +277,7 @@ impl<R: ReadReply, N: PollWaker> Waiters<R, N> {
         match broker.acquire(client, tag, 1) {
             Ok(Acquired::Granted) => reply.token(),
             Ok(Acquired::Queued) => {
-                self.reads.insert((client, tag), BlockedRead { reply, tid });
+                self.reads.insert((client, tag), BlockedRead { reply, caller });
             }
             Err(e) => reply.fail(errno_of(&e)),
         }
@@ -218,47 +304,68 @@ impl<R: ReadReply, N: PollWaker> Waiters<R, N> {
         self.forgiving = true;
     }
 
-    /// A poll() of handle `fh` by `pid`. `will_wait`: the kernel will sleep
-    /// the caller until notified if we say "not ready". Returns readiness.
-    pub fn poll(&mut self, broker: &mut Broker, pid: Pid, fh: Fh, will_wait: bool, waker: N, now: Instant) -> bool {
-        let Some(&client) = self.processes.get(&pid) else { return false };
+    /// A poll() of handle `fh` by `pid`, answered through `call.answer`:
+    /// at once, or, held, when a token is reserved for it or its thread is
+    /// interrupted.
+    pub fn poll(&mut self, broker: &mut Broker, pid: Pid, fh: Fh, call: PollCall<N, A>, now: Instant) {
+        let Some(&client) = self.processes.get(&pid) else { return call.answer.not_ready() };
         if self.mode == Mode::NotifyAll {
-            return self.poll_herd(broker, client, fh, will_wait, waker);
+            return self.poll_herd(broker, client, fh, call);
         }
-        if let Some(p) = self.polled.get_mut(&fh) {
-            // Waiting or reserved already: keep its place in the queue.
-            p.waker = waker;
-            return p.reserved_until.is_some();
-        }
-        let ready = if will_wait {
-            match broker.acquire(client, fh | POLL_TAG, 1) {
-                Ok(Acquired::Granted) => true,
-                Ok(Acquired::Queued) => false,
-                Err(_) => return false,
+        let PollCall { will_wait, hold, unique, waker, answer } = call;
+        let p = match self.polled.entry(fh) {
+            // Waiting or reserved already: it keeps its place in the queue.
+            Entry::Occupied(known) => {
+                let p = known.into_mut();
+                p.waker = waker;
+                p
             }
-        } else {
-            broker.try_acquire(client, 1).unwrap_or(false)
+            Entry::Vacant(new) => {
+                let reserved = if will_wait {
+                    match broker.acquire(client, fh | POLL_TAG, 1) {
+                        Ok(Acquired::Granted) => true,
+                        Ok(Acquired::Queued) => false,
+                        Err(_) => return answer.not_ready(),
+                    }
+                } else {
+                    broker.try_acquire(client, 1).unwrap_or(false)
+                };
+                if !reserved && !will_wait {
+                    return answer.not_ready();
+                }
+                let reserved_until = reserved.then_some(now + RESERVATION);
+                new.insert(Polled { queued: !reserved, reserved_until, ..Polled::new(client, waker) })
+            }
         };
-        if ready || will_wait {
-            let reserved_until = ready.then_some(now + RESERVATION);
-            self.polled.insert(fh, Polled { client, waker, queued: !ready, reserved_until });
+        if p.reserved_until.is_some() {
+            return answer.ready();
         }
-        ready
+        if hold && will_wait && !self.hold.is_zero() && p.held.is_none() {
+            p.held = Some(Held { unique, answer, until: now + self.hold });
+            return;
+        }
+        p.sleeps |= will_wait;
+        answer.not_ready();
     }
 
     /// The pipe-like control: ready while a token is free; every poller is
     /// woken when one frees.
-    fn poll_herd(&mut self, broker: &mut Broker, client: ClientId, fh: Fh, will_wait: bool, waker: N) -> bool {
-        let ready = broker.pool().free() > 0;
-        if !ready && will_wait {
-            self.polled.insert(fh, Polled { client, waker, queued: true, reserved_until: None });
+    fn poll_herd(&mut self, broker: &mut Broker, client: ClientId, fh: Fh, call: PollCall<N, A>) {
+        if broker.pool().free() > 0 {
+            return call.answer.ready();
         }
-        ready
+        if call.will_wait {
+            self.polled.insert(fh, Polled { queued: true, sleeps: true, ..Polled::new(client, call.waker) });
+        }
+        call.answer.not_ready();
     }
 
     /// The handle is closed: its wait ends and its reservation is released.
     pub fn close(&mut self, broker: &mut Broker, fh: Fh) {
-        let Some(p) = self.polled.remove(&fh) else { return };
+        let Some(mut p) = self.polled.remove(&fh) else { return };
+        if let Some(held) = p.held.take() {
+            held.answer.not_ready();
+        }
         if self.mode == Mode::NotifyAll {
             return;
         }
@@ -275,6 +382,12 @@ impl<R: ReadReply, N: PollWaker> Waiters<R, N> {
     pub fn exited(&mut self, broker: &mut Broker, pid: Pid) -> u32 {
         let Some(client) = self.processes.remove(&pid) else { return 0 };
         self.reads.retain(|&(c, _), _| c != client);
+        // A held poll on a handle it shared is another process's: answered.
+        for p in self.polled.values_mut().filter(|p| p.client == client) {
+            if let Some(held) = p.held.take() {
+                held.answer.not_ready();
+            }
+        }
         self.polled.retain(|_, p| p.client != client);
         broker.disconnect(client)
     }
@@ -304,7 +417,12 @@ impl<R: ReadReply, N: PollWaker> Waiters<R, N> {
                 Some(p) if p.queued => {
                     p.queued = false;
                     p.reserved_until = Some(now + RESERVATION);
-                    p.waker.wake();
+                    if let Some(held) = p.held.take() {
+                        held.answer.ready();
+                    }
+                    if std::mem::take(&mut p.sleeps) {
+                        p.waker.wake();
+                    }
                 }
                 _ => {
                     let _ = broker.release(grant.client, grant.tokens);
@@ -317,34 +435,55 @@ impl<R: ReadReply, N: PollWaker> Waiters<R, N> {
         }
     }
 
-    /// Passes on every reservation not read in time.
+    /// Passes on every reservation not read in time, and answers every
+    /// poll held for [`HOLD`] "not ready".
     pub fn expire(&mut self, broker: &mut Broker, now: Instant) {
         for p in self.polled.values_mut() {
             if p.reserved_until.is_some_and(|t| t <= now) {
                 p.reserved_until = None;
                 let _ = broker.release(p.client, 1);
             }
+            if p.held.as_ref().is_some_and(|h| h.until <= now) {
+                p.held.take().expect("held").answer.not_ready();
+                p.sleeps = true;
+            }
         }
         self.polled.retain(|_, p| p.queued || p.reserved_until.is_some());
     }
 
-    /// When the next reservation runs out.
+    /// When the next reservation or hold runs out.
     pub fn next_deadline(&self) -> Option<Instant> {
-        self.polled.values().filter_map(|p| p.reserved_until).min()
+        self.polled.values().flat_map(|p| [p.reserved_until, p.held.as_ref().map(|h| h.until)]).flatten().min()
     }
 
     /// Threads blocked in a read of the file.
     pub fn blocked_threads(&self) -> impl Iterator<Item = u32> + '_ {
-        self.reads.values().map(|r| r.tid)
+        self.reads.values().map(|r| r.caller.tid)
     }
 
     /// Fails the blocked reads of thread `tid` with EINTR, as a signal
     /// interrupts a read of a pipe. A FUSE read waits uninterruptibly once
     /// we have it: even a killed thread cannot exit until it is answered.
-    /// The kernel would tell us through FUSE_INTERRUPT, which fuser does not
-    /// pass on, so the caller watches for pending signals instead.
+    /// The kernel tells us through FUSE_INTERRUPT ([`Waiters::interrupted`]);
+    /// this is for the caller's scan of pending signals, the safety net.
     pub fn interrupt(&mut self, broker: &mut Broker, tid: u32) {
-        let keys: Vec<_> = self.reads.iter().filter(|(_, r)| r.tid == tid).map(|(&k, _)| k).collect();
+        self.fail_reads(broker, |caller| caller.tid == tid);
+    }
+
+    /// The kernel asks that request `unique` end early (FUSE_INTERRUPT: its
+    /// thread got a signal). A blocked read fails with EINTR and leaves the
+    /// queue; a held poll is answered "not ready" and keeps its place, for
+    /// the poller's next poll. A request already answered needs nothing.
+    pub fn interrupted(&mut self, broker: &mut Broker, unique: u64) {
+        self.fail_reads(broker, |caller| caller.unique == unique);
+        let held = self.polled.values_mut().find(|p| p.held.as_ref().is_some_and(|h| h.unique == unique));
+        if let Some(held) = held.and_then(|p| p.held.take()) {
+            held.answer.not_ready();
+        }
+    }
+
+    fn fail_reads(&mut self, broker: &mut Broker, which: impl Fn(&Caller) -> bool) {
+        let keys: Vec<_> = self.reads.iter().filter(|(_, r)| which(&r.caller)).map(|(&k, _)| k).collect();
         for (client, tag) in keys {
             broker.cancel(client, tag);
             if let Some(read) = self.reads.remove(&(client, tag)) {
@@ -396,7 +535,7 @@ fn errno_of(e: &PoolError) -> i32 {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::cell::RefCell;
+    use std::cell::{Cell, RefCell};
     use std::rc::Rc;
 
     type Log = Rc<RefCell<Vec<String>>>;
@@ -421,29 +560,60 @@ mod tests {
         }
     }
 
+    /// A poll's answer: into the log, or, for polls the test expects
+    /// answered at once, into `now`.
+    struct Answer(Log, &'static str, Rc<Cell<Option<bool>>>);
+    impl PollAnswer for Answer {
+        fn ready(self) {
+            self.2.set(Some(true));
+            self.0.borrow_mut().push(format!("{} ready", self.1));
+        }
+        fn not_ready(self) {
+            self.2.set(Some(false));
+            self.0.borrow_mut().push(format!("{} not ready", self.1));
+        }
+    }
+
     struct Fixture {
         broker: Broker,
-        waiters: Waiters<Reply, Waker>,
+        waiters: Waiters<Reply, Waker, Answer>,
         log: Log,
         now: Instant,
     }
 
     impl Fixture {
         fn new(limit: u32, mode: Mode, pids: &[Pid]) -> Self {
-            let mut f = Fixture { broker: Broker::new(limit).unwrap(), waiters: Waiters::new(mode), log: Log::default(), now: Instant::now() };
+            let mut f = Fixture { broker: Broker::new(limit).unwrap(), waiters: Waiters::new(mode, HOLD), log: Log::default(), now: Instant::now() };
             for &pid in pids {
                 f.waiters.process(&mut f.broker, pid, || ClientMeta::new(pid, format!("p{pid}"), Transport::Fuse));
             }
             f
         }
+        /// A read by thread `pid` of `pid`; its request id is `fh`.
         fn read(&mut self, pid: Pid, fh: Fh, blocking: bool, name: &'static str) {
-            self.waiters.read(&mut self.broker, pid, pid, fh, blocking, Reply(self.log.clone(), name));
+            self.waiters.read(&mut self.broker, pid, Caller { tid: pid, unique: fh }, fh, blocking, Reply(self.log.clone(), name));
             self.settle();
         }
+        /// A poll that is answered at once: whether it is ready. Its answer
+        /// is not logged.
         fn poll(&mut self, pid: Pid, fh: Fh, name: &'static str) -> bool {
-            let ready = self.waiters.poll(&mut self.broker, pid, fh, true, Waker(self.log.clone(), name), self.now);
-            self.settle();
+            let answered = self.call(pid, fh, false, name);
+            let ready = answered.get().expect("answered at once");
+            self.log.borrow_mut().pop();
             ready
+        }
+        /// A poll on a file whose builds poll nothing else; its request id
+        /// is `fh`. Its answer is logged, when it comes.
+        fn poll_held(&mut self, pid: Pid, fh: Fh, name: &'static str) {
+            self.call(pid, fh, true, name);
+        }
+        fn call(&mut self, pid: Pid, fh: Fh, hold: bool, name: &'static str) -> Rc<Cell<Option<bool>>> {
+            let answered = Rc::new(Cell::new(None));
+            let answer = Answer(self.log.clone(), name, answered.clone());
+            let call = PollCall { will_wait: true, hold, unique: fh, waker: Waker(self.log.clone(), name), answer };
+            self.waiters.poll(&mut self.broker, pid, fh, call, self.now);
+            self.settle();
+            answered
         }
         fn write(&mut self, pid: Pid, tokens: u32) -> Result<(), i32> {
             let r = self.waiters.write(&mut self.broker, pid, tokens);
@@ -580,6 +750,87 @@ mod tests {
         f.waiters.interrupt(&mut f.broker, 2);
         f.write(1, 1).unwrap();
         assert_eq!(f.events(), ["holder token".to_string(), format!("doomed errno {}", libc::EINTR), "next token".into()]);
+    }
+
+    #[test]
+    fn a_held_poll_is_answered_ready_when_its_token_comes_and_nobody_is_woken() {
+        let mut f = Fixture::new(1, Mode::OneAtATime, &[1, 2, 3]);
+        f.read(1, 10, false, "holder");
+        f.poll_held(2, 20, "p2");
+        f.poll_held(3, 30, "p3");
+        assert_eq!(f.events(), ["holder token"], "held: no answer yet");
+        f.write(1, 1).unwrap();
+        assert_eq!(f.events(), ["p2 ready"], "only the first is answered, and no handle is woken");
+        f.read(2, 20, false, "p2 read");
+        f.write(2, 1).unwrap();
+        assert_eq!(f.events(), ["p2 read token", "p3 ready"]);
+    }
+
+    #[test]
+    fn an_interrupted_held_poll_is_answered_not_ready_and_keeps_its_place() {
+        let mut f = Fixture::new(1, Mode::OneAtATime, &[1, 2, 3]);
+        f.read(1, 10, false, "holder");
+        f.poll_held(2, 20, "p2");
+        f.poll_held(3, 30, "p3");
+        f.events();
+        f.waiters.interrupted(&mut f.broker, 20);
+        f.waiters.interrupted(&mut f.broker, 20);
+        assert_eq!(f.events(), ["p2 not ready"], "answered once");
+        // Its next poll is held again, still ahead of p3.
+        f.poll_held(2, 20, "p2 again");
+        f.write(1, 1).unwrap();
+        assert_eq!(f.events(), ["p2 again ready"]);
+    }
+
+    #[test]
+    fn an_interrupt_fails_the_blocked_read_it_names() {
+        let mut f = Fixture::new(1, Mode::OneAtATime, &[1, 2, 3]);
+        f.read(1, 10, false, "holder");
+        f.read(2, 20, true, "doomed");
+        f.read(3, 30, true, "next");
+        f.waiters.interrupted(&mut f.broker, 20);
+        f.write(1, 1).unwrap();
+        assert_eq!(f.events(), ["holder token".to_string(), format!("doomed errno {}", libc::EINTR), "next token".into()]);
+    }
+
+    #[test]
+    fn a_poll_held_too_long_is_answered_not_ready_and_its_handle_woken_later() {
+        let mut f = Fixture::new(1, Mode::OneAtATime, &[1, 2]);
+        f.read(1, 10, false, "holder");
+        f.poll_held(2, 20, "p2");
+        f.events();
+        assert_eq!(f.waiters.next_deadline(), Some(f.now + HOLD));
+        f.now += HOLD;
+        f.waiters.expire(&mut f.broker, f.now);
+        assert_eq!(f.events(), ["p2 not ready"]);
+        assert_eq!(f.waiters.next_deadline(), None);
+        f.write(1, 1).unwrap();
+        assert_eq!(f.events(), ["p2 woken"]);
+    }
+
+    #[test]
+    fn a_second_poll_of_a_held_handle_sleeps_and_is_woken_with_the_first_answered() {
+        let mut f = Fixture::new(1, Mode::OneAtATime, &[1, 2]);
+        f.read(1, 10, false, "holder");
+        f.poll_held(2, 20, "first");
+        assert!(!f.poll(2, 20, "second"));
+        f.events();
+        f.write(1, 1).unwrap();
+        assert_eq!(f.events(), ["first ready", "second woken"]);
+    }
+
+    #[test]
+    fn a_handover_answers_held_polls_and_the_successor_wakes_them() {
+        let mut f = Fixture::new(1, Mode::OneAtATime, &[1, 2]);
+        f.read(1, 10, false, "holder");
+        f.poll_held(2, 20, "p2");
+        f.events();
+        let state = f.waiters.hand_over(&mut f.broker, f.now);
+        assert_eq!(f.events(), ["p2 not ready"]);
+        let log = f.log.clone();
+        f.waiters = Waiters::adopt(state, &f.broker, |_| Waker(log.clone(), "adopted p2"), f.now, HOLD).unwrap();
+        f.write(1, 1).unwrap();
+        assert_eq!(f.events(), ["adopted p2 woken"]);
     }
 
     #[test]
