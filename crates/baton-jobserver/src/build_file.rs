@@ -23,6 +23,19 @@ impl BuildFile {
         &self.path
     }
 
+    /// Asks the broker to hold this file's polls (see
+    /// [`baton_client::hold_polls`]). Either way the file works: a broker
+    /// from before held polls (`ENOTSUP`) is not worth a line in the
+    /// build's log, anything else is.
+    pub fn hold_polls(&self) {
+        match baton_client::hold_polls(&self.path) {
+            Err(e) if e.raw_os_error() != Some(libc::ENOTSUP) => {
+                crate::log::warn(format_args!("the broker will not hold polls of {} ({e}); the file works without", self.path.display()));
+            }
+            _ => {}
+        }
+    }
+
     /// A read end (non-blocking) and a write end on the file, for a client
     /// that takes descriptors (bmake's `-J R,W`).
     pub fn open_ends(&self) -> Result<(OwnedFd, OwnedFd)> {

@@ -112,6 +112,15 @@ fn reads_its_jobserver(command: &[OsString]) -> bool {
     matches!(name.as_str(), "ninja" | "cargo") || choice::is_make_name(&name)
 }
 
+/// Whether the command polls its jobserver and no other descriptor in the
+/// same poll: GNU make ≥ 4.4 (`pselect()` on the token descriptor alone)
+/// and cargo (the jobserver crate's helper thread). bmake polls its jobs'
+/// output beside it; the caller rules bmake out by what it is.
+fn polls_its_jobserver_alone(command: &[OsString]) -> bool {
+    let name = program_name(command);
+    name == "cargo" || choice::is_make_name(&name)
+}
+
 /// The file name of the command's program ("make" for "/usr/bin/make").
 fn program_name(command: &[OsString]) -> String {
     Path::new(&command[0]).file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default()
@@ -141,6 +150,15 @@ fn is_jobs_flag(word: &str) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn only_gnu_make_and_cargo_poll_their_jobserver_alone() {
+        let alone = |program: &str| polls_its_jobserver_alone(&[OsString::from(program)]);
+        assert!(alone("/usr/bin/make") && alone("gmake") && alone("cargo"));
+        // bmake polls its jobs' output beside it; ninja never polls the
+        // FUSE file (it refuses it); anything else, we cannot know.
+        assert!(!alone("bmake") && !alone("ninja") && !alone("sh") && !alone("cmake"));
+    }
 
     /// Each expectation is what GNU make 4.3 and 4.4.1 write themselves
     /// (`make -j2 …` with a recipe that prints $MAKEFLAGS).

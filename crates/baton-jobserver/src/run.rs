@@ -8,7 +8,7 @@
 use crate::autostart::{self, Autostart};
 use crate::build_file::{self, BuildFile};
 use crate::choice::{self, Choice};
-use crate::{bmake, log, makeflags, reads_its_jobserver, unusable_style, Feeder, Fifo, Style};
+use crate::{bmake, log, makeflags, polls_its_jobserver_alone, reads_its_jobserver, unusable_style, Feeder, Fifo, Style};
 use baton_core::paths::{private_dir, socket_path};
 use anyhow::{bail, Context, Result};
 use baton_client::{Client, Error as ClientError};
@@ -103,7 +103,8 @@ pub fn run(opts: RunOptions) -> Result<i32> {
         },
         style => style,
     };
-    let setup = Setup { socket: &socket, auto: opts.style == Style::Auto, label: &label, jobs: max, bmake: is_bmake };
+    let polls_it_alone = !is_bmake && polls_its_jobserver_alone(&opts.command);
+    let setup = Setup { socket: &socket, auto: opts.style == Style::Auto, label: &label, jobs: max, bmake: is_bmake, polls_it_alone };
     let jobserver = set_up_jobserver(&mut command, &setup, style)?;
     if opts.explain {
         explain(&opts, &choice, &jobserver);
@@ -183,6 +184,9 @@ struct Setup<'a> {
     jobs: u32,
     /// CMD is bmake: it gets bmake's own form (`-J R,W -j N`).
     bmake: bool,
+    /// CMD polls its jobserver and nothing beside it (GNU make, cargo):
+    /// the FUSE file may hold its polls.
+    polls_it_alone: bool,
 }
 
 /// Says which form the build got and why, one line each.
@@ -220,6 +224,9 @@ fn set_up_jobserver(command: &mut Command, setup: &Setup, style: Style) -> Resul
                 (Jobserver::Fuse { file, ends: Some((read, write)) }, auth)
             }
             Some(file) => {
+                if setup.polls_it_alone {
+                    file.hold_polls();
+                }
                 let auth = format!("fifo:{}", file.path().display());
                 (Jobserver::Fuse { file, ends: None }, auth)
             }

@@ -55,6 +55,9 @@ impl TokenFile {
                 Err(_) => std::thread::sleep(std::time::Duration::from_millis(10)),
             }
         }
+        // Its waiters poll it alone, as make does: as baton run marks a
+        // GNU make build's file.
+        baton_client::hold_polls(&path).with_context(|| format!("asking the broker to hold polls of {}", path.display()))?;
         Ok(TokenFile { broker, path })
     }
 }
