@@ -108,11 +108,38 @@ fn read_takes_a_token_write_gives_it_back_and_status_shows_the_process() {
     broker.assert_all_free();
 }
 
+/// A token file whose polls the broker holds (docs/fuse.md, "Held polls"),
+/// as `baton run` marks a GNU make build's.
+fn held_token_file(broker: &Broker, name: &str) -> PathBuf {
+    let path = token_file(broker, name);
+    baton_client::hold_polls(&path).expect("mark the token file hold");
+    path
+}
+
 #[test]
 fn a_freed_token_wakes_exactly_one_poller() {
     // Room for all four to wait: a process waits for at most the limit.
     let Some(broker) = fuse_broker(4, &[]) else { return };
-    let path = token_file(&broker, "pollers");
+    one_poller_per_freed_token(&broker, &token_file(&broker, "pollers"));
+}
+
+/// Held for ten minutes: each poll is answered only when a token is
+/// reserved for it.
+#[test]
+fn a_freed_token_answers_exactly_one_held_poll() {
+    let Some(broker) = fuse_broker(4, &["--fuse-hold-ms", "600000"]) else { return };
+    one_poller_per_freed_token(&broker, &held_token_file(&broker, "held"));
+}
+
+/// Held for 1 ms: each poll is answered "not ready" long before its token
+/// comes, and its poller must still be woken, once.
+#[test]
+fn a_poll_held_past_its_time_is_still_woken_by_its_token() {
+    let Some(broker) = fuse_broker(4, &["--fuse-hold-ms", "1"]) else { return };
+    one_poller_per_freed_token(&broker, &held_token_file(&broker, "expired"));
+}
+
+fn one_poller_per_freed_token(broker: &Broker, path: &Path) {
     let mut holder = broker.client("holder");
     holder.acquire(4).unwrap();
 
@@ -123,7 +150,7 @@ fn a_freed_token_wakes_exactly_one_poller() {
     let give_back_rx = std::sync::Arc::new(std::sync::Mutex::new(give_back_rx));
     let pollers: Vec<_> = (0..4)
         .map(|_| {
-            let (path, report_tx, give_back_rx) = (path.clone(), report_tx.clone(), give_back_rx.clone());
+            let (path, report_tx, give_back_rx) = (path.to_path_buf(), report_tx.clone(), give_back_rx.clone());
             std::thread::spawn(move || {
                 let mut file = open_nonblocking(&path);
                 let mut fd = libc::pollfd { fd: file.as_raw_fd(), events: libc::POLLIN, revents: 0 };
@@ -151,6 +178,86 @@ fn a_freed_token_wakes_exactly_one_poller() {
     (0..4).for_each(|_| give_back.send(()).unwrap());
     pollers.into_iter().for_each(|t| t.join().unwrap());
     assert!(reports.try_recv().is_err(), "a poller was woken for nothing");
+    broker.assert_all_free();
+}
+
+/// A held poll sees nothing else until it is answered: a signal must end
+/// it at once, as it ends a poll of a pipe (make's SIGCHLD does, every
+/// job). Held for ten minutes, only the kernel's interrupt can end it
+/// within the test.
+#[test]
+fn a_held_poll_ends_at_once_on_a_signal_and_keeps_its_place() {
+    let Some(broker) = fuse_broker(1, &["--fuse-hold-ms", "600000"]) else { return };
+    let path = held_token_file(&broker, "signalled");
+    let mut holder = broker.client("holder");
+    holder.acquire(1).unwrap();
+    // PEP 475 retries a poll a signal interrupts, unless the handler raises.
+    let script = "import os, select, signal, sys\n\
+        class Interrupted(Exception): pass\n\
+        def stop(*_): raise Interrupted\n\
+        signal.signal(signal.SIGUSR1, stop)\n\
+        fd = os.open(sys.argv[1], os.O_RDWR | os.O_NONBLOCK)\n\
+        p = select.poll()\n\
+        p.register(fd, select.POLLIN)\n\
+        try:\n    p.poll()\n    print('woken')\n\
+        except Interrupted:\n    print('interrupted')\n\
+        sys.stdout.flush()\n\
+        signal.signal(signal.SIGUSR1, signal.SIG_DFL)\n\
+        print('polls again:', p.poll()[0][1] & select.POLLIN != 0, flush=True)\n\
+        os.read(fd, 1)\n\
+        os.write(fd, b'+')\n";
+    let mut child = Command::new("python3").arg("-c").arg(script).arg(&path).stdout(std::process::Stdio::piped()).spawn().unwrap();
+    wait_for(Duration::from_secs(10), "the poll to wait", || broker.status().waiters.len() == 1);
+    unsafe { libc::kill(child.id() as i32, libc::SIGUSR1) };
+    let lines = lines_of(child.stdout.take().unwrap());
+    // A hang guard only: without the interrupt the poll waits ten minutes.
+    let first = lines.recv_timeout(Duration::from_secs(60));
+    if first.is_err() {
+        let _ = child.kill();
+    }
+    assert_eq!(first.as_deref().map(str::trim), Ok("interrupted"), "the held poll did not end on SIGUSR1");
+    // It polls again, still first in the queue: the token it gets is the
+    // one the holder frees.
+    wait_for(Duration::from_secs(10), "the second poll to wait", || broker.status().waiters.len() == 1);
+    holder.release(1).unwrap();
+    let second = lines.recv_timeout(Duration::from_secs(60));
+    let status = common::wait_timeout(&mut child, Duration::from_secs(60));
+    if status.is_none() {
+        let _ = child.kill();
+    }
+    assert_eq!(second.as_deref().map(str::trim), Ok("polls again: True"), "the second poll was never answered");
+    assert!(status.is_some_and(|s| s.success()), "the poller failed after its poll: {status:?}");
+    broker.assert_all_free();
+}
+
+/// The lines a child writes, as they come.
+fn lines_of(out: std::process::ChildStdout) -> std::sync::mpsc::Receiver<String> {
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for line in std::io::BufRead::lines(std::io::BufReader::new(out)).map_while(Result::ok) {
+            let _ = tx.send(line);
+        }
+    });
+    rx
+}
+
+/// `baton run` marks the file of a build that polls it alone (GNU make,
+/// cargo) `hold`, and leaves any other command's at `notify`.
+#[test]
+fn baton_run_marks_a_make_builds_file_hold_and_another_commands_notify() {
+    let Some(broker) = fuse_broker(2, &[]) else { return };
+    let dir = TempDir::new("fuse-marks");
+    let show = r#"python3 -c 'import os, re; p = re.search(r"fifo:(\S+)", os.environ["MAKEFLAGS"]).group(1); print(os.getxattr(p, "user.baton.polls").decode())'"#;
+    std::fs::write(dir.path().join("Makefile"), format!("all:
+	@{show}
+")).unwrap();
+    let make = make44();
+    let runs = [
+        broker.run(&["--jobserver-style", "fuse", "--", make.to_str().unwrap(), "-s"]).current_dir(dir.path()).env_remove("MAKEFLAGS").output().unwrap(),
+        broker.run(&["--jobserver-style", "fuse", "--", "sh", "-c", show]).env_remove("MAKEFLAGS").output().unwrap(),
+    ];
+    let said: Vec<String> = runs.iter().map(|o| format!("{}{}", String::from_utf8_lossy(&o.stdout).trim(), String::from_utf8_lossy(&o.stderr).trim())).collect();
+    assert_eq!(said, ["hold", "notify"]);
     broker.assert_all_free();
 }
 
