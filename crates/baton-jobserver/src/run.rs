@@ -97,8 +97,9 @@ pub fn run(opts: RunOptions) -> Result<i32> {
     let style = match opts.style {
         Style::Auto if is_bmake => Style::Fifo,
         // The FUSE file has no per-build cap: --max needs the bridge.
+        // Below FUSE_FROM_TOKENS the FIFO's herd costs less than the file.
         Style::Auto => match choice.style {
-            Style::Fuse if opts.max.is_some() => Style::Fifo,
+            Style::Fuse if opts.max.is_some() || !choice::fuse_pays(max) => Style::Fifo,
             style => style,
         },
         style => style,
@@ -107,7 +108,7 @@ pub fn run(opts: RunOptions) -> Result<i32> {
     let setup = Setup { socket: &socket, auto: opts.style == Style::Auto, label: &label, jobs: max, bmake: is_bmake, polls_it_alone };
     let jobserver = set_up_jobserver(&mut command, &setup, style)?;
     if opts.explain {
-        explain(&opts, &choice, &jobserver);
+        explain(&opts, &choice, &jobserver, max);
     }
     let (mut feeder, pipe_ends, build_file) = match jobserver {
         Jobserver::None => (None, None, None),
@@ -190,7 +191,7 @@ struct Setup<'a> {
 }
 
 /// Says which form the build got and why, one line each.
-fn explain(opts: &RunOptions, choice: &Choice, jobserver: &Jobserver) {
+fn explain(opts: &RunOptions, choice: &Choice, jobserver: &Jobserver, tokens: u32) {
     if opts.style != Style::Auto {
         log::warn(format_args!("jobserver: {}, as --jobserver-style asked", jobserver.form()));
         return;
@@ -200,7 +201,13 @@ fn explain(opts: &RunOptions, choice: &Choice, jobserver: &Jobserver) {
         log::warn(format_args!("  because {why}"));
     }
     if choice.style == Style::Fuse && !matches!(jobserver, Jobserver::Fuse { .. }) {
-        let reason = if opts.max.is_some() { "--max needs the bridge" } else { "the broker has no FUSE mount" };
+        let reason = if opts.max.is_some() {
+            "--max needs the bridge".to_string()
+        } else if !choice::fuse_pays(tokens) {
+            format!("{tokens} tokens: below {} a FIFO's herd costs less than the file's round trips", choice::FUSE_FROM_TOKENS)
+        } else {
+            "the broker has no FUSE mount".to_string()
+        };
         log::warn(format_args!("  not fuse: {reason}"));
     }
 }

@@ -261,6 +261,31 @@ fn baton_run_marks_a_make_builds_file_hold_and_another_commands_notify() {
     broker.assert_all_free();
 }
 
+/// `auto` gives make ≥ 4.4 the file only from 32 tokens: below, a FIFO's
+/// herd costs less than the file's round trips (docs/jobserver.md).
+#[test]
+fn auto_gives_make_4_4_the_file_from_32_tokens_and_the_fifo_below() {
+    for (jobs, form) in [(16, "fifo (fifo:PATH)"), (32, "fuse (fifo:PATH on the broker's FUSE mount)")] {
+        let Some(broker) = fuse_broker(jobs, &[]) else { return };
+        let dir = TempDir::new("auto-size");
+        std::fs::write(dir.path().join("Makefile"), "all:\n\t@true\n").unwrap();
+        let make = make44();
+        // No reader of R,W only in sight: make 4.4.1 is $MAKE, and no cc.
+        let out = broker
+            .run(&["--explain", "--", make.to_str().unwrap(), "-s"])
+            .current_dir(dir.path())
+            .env_remove("MAKEFLAGS")
+            .env("MAKE", &make)
+            .env("CC", "/nonexistent/cc")
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(out.status.success(), "{err}");
+        assert!(err.contains(&format!("jobserver: {form} (auto)")), "{jobs} tokens: {err}");
+        broker.assert_all_free();
+    }
+}
+
 #[test]
 fn a_poller_that_closes_its_file_stops_waiting() {
     let Some(broker) = fuse_broker(1, &[]) else { return };
