@@ -71,6 +71,15 @@ pub fn should_look(seen: Seen, due: bool, contended: bool) -> bool {
     !seen.pending && spare(seen) > 0 && (due || contended)
 }
 
+/// Whether tokens the build wrote back into the return pipe go back into
+/// its FIFO before the feeder asks the broker who else waits: yes while the
+/// last look found nobody. The build's next job then waits for one wake-up
+/// of the feeder, not also for the broker's answer; a look that finds
+/// others waiting still takes back what the build has not read.
+pub fn recycle_first(seen: Seen, contended: bool) -> bool {
+    !contended && seen.returned > 0
+}
+
 /// The rules. A build keeps every token it has and may take every free one,
 /// unread in its FIFO ahead of its reads (ninja 1.13 reads a token only as
 /// it starts a job, and after finding the FIFO empty takes none until one
@@ -178,6 +187,9 @@ impl Feeder {
         }
         let mut seen = self.seen();
         if should_look(seen, self.look_due(), self.contended) {
+            if recycle_first(seen, self.contended) {
+                self.carry_out(plan(seen), client)?;
+            }
             let (others, free) = client.wanted()?;
             self.last_look = Some(Instant::now());
             self.contended = others > 0;
@@ -372,6 +384,14 @@ mod tests {
         assert!(should_look(seen(1, 3, false), true, false));
         assert!(should_look(seen(1, 3, false), false, true));
         assert!(!should_look(seen(1, 3, true), true, true), "nothing but CANCEL while ACQUIRE waits");
+    }
+
+    #[test]
+    fn written_back_tokens_go_back_into_the_fifo_before_a_look_unless_others_waited() {
+        let returned = Seen { returned: 2, lent: 3, ..seen(0, 3, false) };
+        assert!(recycle_first(returned, false));
+        assert!(!recycle_first(returned, true), "others waited at the last look: the look decides");
+        assert!(!recycle_first(seen(2, 3, false), false), "nothing written back");
     }
 
     #[test]
