@@ -138,9 +138,23 @@ impl Feeder {
         self.pending
     }
 
-    /// What to watch for the build's reads and writes.
+    /// What to watch for the build's reads and writes: nothing while
+    /// [`Feeder::quiet`].
     pub fn event_fds(&self) -> Vec<std::os::fd::BorrowedFd<'_>> {
+        if self.quiet() {
+            return Vec::new();
+        }
         self.fifo.event_fds()
+    }
+
+    /// Nothing the build does with its FIFO needs an answer now: it has
+    /// every token it may, no request of ours waits, nobody waited at the
+    /// last look, and its tokens come back into the FIFO itself (not into
+    /// the pipe style's return pipe, which we must empty). Then the feeder
+    /// stops waking for each of the build's reads and writes (hundreds a
+    /// second in a big build) and only looks every [`LOOK_EVERY`].
+    pub fn quiet(&self) -> bool {
+        self.lent == self.max_lent && !self.pending && !self.contended && !self.stopper_placed && !self.fifo.has_return_pipe()
     }
 
     /// The build touched its FIFO: note what it did (see [`Fifo::drain_events`]).
@@ -151,6 +165,10 @@ impl Feeder {
     /// Brings the FIFO in line with the rules; the same as [`Feeder::step`],
     /// also called when [`Feeder::idle_timeout`] runs out.
     pub fn tend(&mut self, client: &mut Client) -> Result<(), ClientError> {
+        if self.quiet() {
+            // What the build did meanwhile, unheard: the FIFO says it all.
+            self.fifo.drain_events();
+        }
         self.step(client)
     }
 
@@ -317,11 +335,18 @@ impl Feeder {
     /// How long until the feeder should look again: only while the build
     /// has spare tokens, which may be wanted elsewhere.
     pub fn idle_timeout(&self) -> Option<Duration> {
+        let until_look = self.last_look.map_or(Duration::ZERO, |t| LOOK_EVERY.saturating_sub(t.elapsed()));
+        if self.quiet() {
+            // Unheard, the build may have written a token back since: look
+            // when due, or, if a step just found nothing to look at, in a
+            // while (not at once, again and again).
+            return Some(if until_look.is_zero() { LOOK_EVERY } else { until_look });
+        }
         // After a bmake abort, the abort token waits unread on purpose.
         if self.pending || self.stopper_placed || spare(self.seen()) == 0 {
             return None;
         }
-        Some(self.last_look.map_or(Duration::ZERO, |t| LOOK_EVERY.saturating_sub(t.elapsed())))
+        Some(until_look)
     }
 }
 
@@ -459,6 +484,25 @@ mod tests {
             let _ = std::fs::remove_dir_all(&self.dir);
             seen
         }
+    }
+
+    /// With every token it may have and nobody else waiting, the feeder
+    /// stops listening to the build's reads and writes, but still looks
+    /// on a timer; once another build waits, it listens again.
+    #[test]
+    fn a_build_with_all_it_may_have_is_not_listened_to_until_another_waits() {
+        let (broker, mut client) = PlayedBroker::start("quiet", 1);
+        let mut feeder = Feeder::new(Fifo::create(&broker.dir).unwrap(), 2, true);
+        assert!(!feeder.quiet(), "nothing lent yet");
+        feeder.tend(&mut client).unwrap();
+        assert!(feeder.quiet() && feeder.event_fds().is_empty(), "both tokens lent, nobody seen waiting");
+        assert!(feeder.idle_timeout().is_some_and(|t| t <= LOOK_EVERY), "it still looks, on a timer");
+        feeder.last_look = Some(Instant::now() - LOOK_EVERY * 2);
+        feeder.tend(&mut client).unwrap();
+        assert!(!feeder.quiet() && !feeder.event_fds().is_empty(), "another build waits: listening again");
+        drop(client);
+        let (requests, _) = broker.finish();
+        assert_eq!(requests, "TRY 2\nWANTED\nRELEASE 1\n", "filled, then looked and gave the waiting build one");
     }
 
     /// Regression: the idle timer came due just as the build read the

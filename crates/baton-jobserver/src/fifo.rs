@@ -191,6 +191,12 @@ impl Fifo {
         fds
     }
 
+    /// Whether the build gives tokens back through a return pipe (the pipe
+    /// style) rather than into the FIFO.
+    pub fn has_return_pipe(&self) -> bool {
+        self.returns.is_some()
+    }
+
     /// Whether a client has opened the FIFO (see `in_use`).
     pub fn in_use(&self) -> bool {
         self.in_use
