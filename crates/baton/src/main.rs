@@ -77,7 +77,7 @@ enum Cmd {
         /// readable, when a token comes, or at once on a signal. A poll's own
         /// timeout can run over by this much. 0 never holds (docs/fuse.md,
         /// "Held polls").
-        #[arg(long, value_name = "MS", default_value_t = 250, value_parser = clap::value_parser!(u64).range(0..=600_000), conflicts_with = "no_fuse")]
+        #[arg(long, value_name = "MS", default_value_t = 1000, value_parser = clap::value_parser!(u64).range(0..=600_000), conflicts_with = "no_fuse")]
         fuse_hold_ms: u64,
         /// While messages arrive close together and a CPU is left free by the
         /// jobs holding tokens, look for the next one for up to US

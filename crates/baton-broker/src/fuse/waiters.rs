@@ -51,9 +51,13 @@ pub const RESERVATION: Duration = Duration::from_millis(50);
 /// tell us a poll's timeout, and a held poll cannot time out, so a poller
 /// that gave a timeout may see it run over by this much. After it the poll
 /// is answered "not ready" and its poller sleeps on its handle as on any
-/// other file. Long enough to span a short job (make polls again when one
-/// ends), short beside make's own one-second poll timeout under `-l`.
-pub const HOLD: Duration = Duration::from_millis(250);
+/// other file, at the cost of that answer and a notification later. GNU
+/// make gives a timeout only under `-l` (one second, to look at the load
+/// again), cargo never; a second spans most waits for a token (1,024
+/// pollers of 2 tokens held 1 ms each wait about half a second: at 250 ms
+/// most holds ran out, and `bench mass-poll` cost 10.2 switches per
+/// token there against 7.0–7.2 at 16–256).
+pub const HOLD: Duration = Duration::from_secs(1);
 
 /// Poll requests are tagged with their handle and this bit; blocking reads
 /// with the FUSE request id, which never has it.
