@@ -30,7 +30,7 @@ pub fn pipeherd() -> Result<Option<Row>> {
 fn pipeherd_for(stress_ng: &std::path::Path, run: Duration) -> Result<Row> {
     let before = children_usage();
     let started = Instant::now();
-    let output = Command::new(&stress_ng)
+    let output = Command::new(stress_ng)
         .args(["--pipeherd", "1", "--timeout", &format!("{}s", run.as_secs()), "--metrics"])
         .output()
         .with_context(|| format!("running {}", stress_ng.display()))?;

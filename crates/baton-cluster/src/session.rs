@@ -203,7 +203,7 @@ impl<'a> Session<'a> {
             let by_age = GetOptions::new().with_prefix().with_keys_only().with_sort(SortTarget::Create, SortOrder::Ascend);
             let queue = self.get(keys::queue(&pool), by_age).await?;
             let revision = queue.header().map_or(0, |h| h.revision());
-            if let Some(ahead) = queue.kvs().iter().filter(|kv| kv.create_revision() < place && kv.key() != me.as_bytes()).last() {
+            if let Some(ahead) = queue.kvs().iter().rfind(|kv| kv.create_revision() < place && kv.key() != me.as_bytes()) {
                 self.wait_for_delete(ahead.key().to_vec(), false, revision + 1).await?;
                 continue;
             }

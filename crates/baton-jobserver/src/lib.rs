@@ -147,6 +147,19 @@ fn is_jobs_flag(word: &str) -> bool {
         || (word.starts_with("-j") && word[2..].bytes().all(|b| b.is_ascii_digit()))
 }
 
+/// Removes the files in `dir` that `baton run`s killed before they could
+/// remove their own left behind: those whose name gives (`pid_in`) the
+/// pid of a process that no longer runs.
+fn sweep_left_by_dead_runs(dir: &std::path::Path, pid_in: impl Fn(&str) -> Option<u32>) {
+    let Ok(entries) = std::fs::read_dir(dir) else { return };
+    for entry in entries.flatten() {
+        let Some(pid) = pid_in(&entry.file_name().to_string_lossy()) else { continue };
+        if !std::path::Path::new(&format!("/proc/{pid}")).exists() {
+            let _ = std::fs::remove_file(entry.path());
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -204,19 +217,6 @@ mod tests {
         }
         for no in ["sh", "cmake", "bmake", "sleep"] {
             assert!(!reads_its_jobserver(&[no.into()]), "{no}");
-        }
-    }
-}
-
-/// Removes the files in `dir` that `baton run`s killed before they could
-/// remove their own left behind: those whose name gives (`pid_in`) the
-/// pid of a process that no longer runs.
-fn sweep_left_by_dead_runs(dir: &std::path::Path, pid_in: impl Fn(&str) -> Option<u32>) {
-    let Ok(entries) = std::fs::read_dir(dir) else { return };
-    for entry in entries.flatten() {
-        let Some(pid) = pid_in(&entry.file_name().to_string_lossy()) else { continue };
-        if !std::path::Path::new(&format!("/proc/{pid}")).exists() {
-            let _ = std::fs::remove_file(entry.path());
         }
     }
 }
