@@ -930,12 +930,15 @@ pub trait Filesystem: Send + Sync + 'static {
         reply.error(Errno::ENOSYS);
     }
 
-    /// The kernel asks that request `unique`, which we have read and not
-    /// yet answered, end early: its caller got a signal. Answer that
-    /// request (with `EINTR`, or whatever fits) through the reply kept for
-    /// it; a request already answered needs nothing. (Baton's addition:
-    /// fuser 0.18 answered `ENOSYS`, which turns interrupts off for good.)
-    fn interrupt(&self, _req: &Request, _unique: RequestId) {}
+    /// The kernel asks that request `unique`, which the server has read and
+    /// not yet answered, end early: its caller got a signal. If the
+    /// filesystem holds that request, it answers it (with `EINTR`, or
+    /// whatever fits) through the reply kept for it and returns true;
+    /// otherwise fuser answers it `EINTR`. (Baton's addition: fuser 0.18
+    /// answered the interrupt `ENOSYS`, which turns interrupts off for good.)
+    fn interrupt(&self, _req: &Request, _unique: RequestId) -> bool {
+        false
+    }
 
     /// Poll for events
     fn poll(

@@ -116,9 +116,15 @@ impl<'a> RequestWithSender<'a> {
 
             ll::Operation::Interrupt(x) => {
                 // Baton: passed on (fuser 0.18 answered ENOSYS, after which
-                // the kernel never sends it again). No reply: the kernel
-                // waits for the answer to the interrupted request itself.
-                filesystem.interrupt(self.request_header(), x.unique());
+                // the kernel never sends it again). The interrupt itself
+                // gets no reply: the kernel waits for the answer to the
+                // interrupted request. A request the filesystem does not
+                // hold is answered EINTR here: one read by a server that
+                // died (its caller would wait for good), or one answered
+                // already (the kernel then ignores this).
+                if !filesystem.interrupt(self.request_header(), x.unique()) {
+                    ReplyRaw::new(x.unique(), ReplySender::Channel(self.ch.clone())).send_ll(&ResponseErrno(Errno::EINTR));
+                }
                 return Ok(None);
             }
 

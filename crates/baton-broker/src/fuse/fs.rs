@@ -593,9 +593,11 @@ impl Filesystem for TokenFs {
     }
 
     /// A thread whose read or poll we hold got a signal: answer it now, as
-    /// a pipe's read or poll would return `EINTR`.
-    fn interrupt(&self, _req: &Request, unique: RequestId) {
-        self.with(|inner, broker| inner.waiters.interrupted(broker, unique.0));
+    /// a pipe's read or poll would return `EINTR`. One we do not hold was
+    /// answered already, or read by a broker that died (a mount taken
+    /// from the keeper): fuser answers it `EINTR`, which frees its caller.
+    fn interrupt(&self, _req: &Request, unique: RequestId) -> bool {
+        self.with(|inner, broker| inner.waiters.interrupted(broker, unique.0))
     }
 
     /// Only [`POLLS_XATTR`], with `hold` or `notify`.

@@ -477,23 +477,32 @@ impl<R: ReadReply, N: PollWaker, A: PollAnswer> Waiters<R, N, A> {
     /// The kernel asks that request `unique` end early (FUSE_INTERRUPT: its
     /// thread got a signal). A blocked read fails with EINTR and leaves the
     /// queue; a held poll is answered "not ready" and keeps its place, for
-    /// the poller's next poll. A request already answered needs nothing.
-    pub fn interrupted(&mut self, broker: &mut Broker, unique: u64) {
-        self.fail_reads(broker, |caller| caller.unique == unique);
+    /// the poller's next poll. Returns whether it was ours to answer (not
+    /// answered already, nor read by a broker before us).
+    pub fn interrupted(&mut self, broker: &mut Broker, unique: u64) -> bool {
+        if self.fail_reads(broker, |caller| caller.unique == unique) > 0 {
+            return true;
+        }
         let held = self.polled.values_mut().find(|p| p.held.as_ref().is_some_and(|h| h.unique == unique));
-        if let Some(held) = held.and_then(|p| p.held.take()) {
-            held.answer.not_ready();
+        match held.and_then(|p| p.held.take()) {
+            Some(held) => {
+                held.answer.not_ready();
+                true
+            }
+            None => false,
         }
     }
 
-    fn fail_reads(&mut self, broker: &mut Broker, which: impl Fn(&Caller) -> bool) {
+    /// Fails the blocked reads `which` picks with EINTR; returns how many.
+    fn fail_reads(&mut self, broker: &mut Broker, which: impl Fn(&Caller) -> bool) -> usize {
         let keys: Vec<_> = self.reads.iter().filter(|(_, r)| which(&r.caller)).map(|(&k, _)| k).collect();
-        for (client, tag) in keys {
+        for &(client, tag) in &keys {
             broker.cancel(client, tag);
             if let Some(read) = self.reads.remove(&(client, tag)) {
                 read.reply.fail(libc::EINTR);
             }
         }
+        keys.len()
     }
 
     /// Takes the token reserved on `fh`, if any, for `client`.
@@ -777,8 +786,8 @@ mod tests {
         f.poll_held(2, 20, "p2");
         f.poll_held(3, 30, "p3");
         f.events();
-        f.waiters.interrupted(&mut f.broker, 20);
-        f.waiters.interrupted(&mut f.broker, 20);
+        assert!(f.waiters.interrupted(&mut f.broker, 20));
+        assert!(!f.waiters.interrupted(&mut f.broker, 20), "answered already: not ours to answer again");
         assert_eq!(f.events(), ["p2 not ready"], "answered once");
         // Its next poll is held again, still ahead of p3.
         f.poll_held(2, 20, "p2 again");
@@ -792,7 +801,8 @@ mod tests {
         f.read(1, 10, false, "holder");
         f.read(2, 20, true, "doomed");
         f.read(3, 30, true, "next");
-        f.waiters.interrupted(&mut f.broker, 20);
+        assert!(f.waiters.interrupted(&mut f.broker, 20));
+        assert!(!f.waiters.interrupted(&mut f.broker, 99), "a request we never held");
         f.write(1, 1).unwrap();
         assert_eq!(f.events(), ["holder token".to_string(), format!("doomed errno {}", libc::EINTR), "next token".into()]);
     }
