@@ -61,8 +61,13 @@ impl Fifo {
     /// the FIFO, W on the return pipe), then unlinks the FIFO. The caller
     /// makes them inheritable.
     pub fn open_pipe_ends(&mut self) -> Result<(OwnedFd, OwnedFd)> {
-        // Our handle keeps a writer open, so O_RDONLY does not block.
-        let read = File::open(&self.path).with_context(|| format!("cannot open {}", self.path.display()))?;
+        // Open for writing too, though the build only reads it: the
+        // jobserver crate reopens an inherited FIFO through /proc/self/fd,
+        // which blocks while no writer is left, and ours dies with us. With
+        // R a writer itself, a rustc started after `baton run` was killed
+        // still opens it (and then finds no token) instead of waiting for
+        // good.
+        let read = OpenOptions::new().read(true).write(true).open(&self.path).with_context(|| format!("cannot open {}", self.path.display()))?;
         let (returns, write) = nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC | nix::fcntl::OFlag::O_NONBLOCK)
             .context("cannot create the jobserver's return pipe")?;
         // Only our end is non-blocking: the build's W must block like a

@@ -211,6 +211,39 @@ fn kill_9_of_baton_run_returns_every_token_of_its_build() {
     broker.assert_all_free();
 }
 
+/// The jobserver crate reopens an inherited FIFO read end through
+/// /proc/self/fd, which blocks while nothing holds the FIFO open for
+/// writing. A rustc that starts after `baton run` was killed (its handle
+/// gone with it) must still open it, not wait for good: the pipe style's
+/// read end is itself open for writing.
+#[test]
+fn the_pipe_styles_read_end_opens_after_baton_run_is_killed() {
+    let broker = Broker::start(2);
+    let dir = TempDir::new("orphan");
+    let (pid_file, opened) = (dir.path().join("orphan.pid"), dir.path().join("opened"));
+    // A grandchild (no parent-death signal reaches it) outlives baton run,
+    // which its parent kills, and then reopens R as the jobserver crate does.
+    let script = format!(
+        "R=${{MAKEFLAGS##*--jobserver-auth=}}; R=${{R%%,*}}; \
+         (echo $BASHPID > {pid}; sleep 0.5; exec 9</proc/self/fd/$R; echo yes > {opened}) & \
+         sleep 0.1; kill -9 $PPID",
+        pid = pid_file.display(),
+        opened = opened.display()
+    );
+    let status = broker.run(&["--jobserver-style", "pipe", "--", "bash", "-c", &script]).env_remove("MAKEFLAGS").status().unwrap();
+    assert!(!status.success(), "baton run was to be killed");
+    wait_for(Duration::from_secs(10), "the orphan to start", || std::fs::read_to_string(&pid_file).is_ok_and(|p| p.ends_with('\n')));
+    let orphan: i32 = std::fs::read_to_string(&pid_file).unwrap().trim().parse().unwrap();
+    let reopened = (0..300).any(|_| {
+        std::thread::sleep(Duration::from_millis(100));
+        opened.exists()
+    });
+    unsafe { libc::kill(orphan, libc::SIGKILL) };
+    assert!(reopened, "the orphan's open of the FIFO read end never returned");
+    wait_for(Duration::from_secs(20), "every token back", || broker.status().free == 2);
+    broker.assert_all_free();
+}
+
 #[test]
 fn extra_bytes_written_by_a_client_do_not_grow_the_pool() {
     for (style, writer) in [
