@@ -392,7 +392,7 @@ pub fn hold_polls(path: &Path) -> io::Result<()> {
     use std::os::unix::ffi::OsStrExt;
     let path = std::ffi::CString::new(path.as_os_str().as_bytes())?;
     let name = std::ffi::CString::new(protocol::FUSE_POLLS_XATTR).expect("no NUL in the name");
-    let value = b"hold";
+    let value = protocol::FUSE_POLLS_HOLD;
     // SAFETY: both strings are NUL-terminated and outlive the call; the
     // value is read for its length only.
     let rc = unsafe { libc::setxattr(path.as_ptr(), name.as_ptr(), value.as_ptr().cast(), value.len(), 0) };

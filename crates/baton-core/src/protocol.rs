@@ -26,6 +26,10 @@ pub const MAX_LABEL: usize = 200;
 /// (answered "not ready" at once and woken later, as any file; the
 /// default). docs/fuse.md, "Held polls".
 pub const FUSE_POLLS_XATTR: &str = "user.baton.polls";
+/// [`FUSE_POLLS_XATTR`]'s value for held polls.
+pub const FUSE_POLLS_HOLD: &[u8] = b"hold";
+/// [`FUSE_POLLS_XATTR`]'s value for polls answered at once (the default).
+pub const FUSE_POLLS_NOTIFY: &[u8] = b"notify";
 
 /// A request from client to broker.
 #[derive(Debug, Clone, PartialEq)]

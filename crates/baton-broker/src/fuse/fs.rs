@@ -12,6 +12,7 @@ use super::procs::{Exits, Threads};
 use super::waiters::{Caller, Fh, Pid, PollAnswer, PollCall, PollWaker, ReadReply, Waiters, WaitersState};
 use crate::broker::{Broker, ClientMeta, Transport};
 use crate::log;
+use baton_core::protocol::{FUSE_POLLS_HOLD, FUSE_POLLS_NOTIFY, FUSE_POLLS_XATTR as POLLS_XATTR};
 use fuser::{
     Errno, FileAttr, FileHandle, FileType, Filesystem, FopenFlags, Generation, INodeNo, LockOwner, OpenFlags, PollEvents,
     Notifier, PollFlags, PollHandle, PollNotifier, ReplyAttr, ReplyCreate, ReplyData, ReplyDirectory, ReplyEmpty, ReplyEntry, ReplyOpen, ReplyPoll,
@@ -82,10 +83,6 @@ impl PollAnswer for FuseAnswer {
         self.answer(false);
     }
 }
-
-/// How a file's pollers are served: held, or answered and woken (see
-/// `baton_core::protocol::FUSE_POLLS_XATTR`).
-pub const POLLS_XATTR: &str = baton_core::protocol::FUSE_POLLS_XATTR;
 
 /// A poller to wake: one whose poll we answered, or one a predecessor
 /// broker answered (crate::handover), known by the kernel's handle.
@@ -600,14 +597,14 @@ impl Filesystem for TokenFs {
         self.with(|inner, broker| inner.waiters.interrupted(broker, unique.0))
     }
 
-    /// Only [`POLLS_XATTR`], with `hold` or `notify`.
+    /// Only [`POLLS_XATTR`], with `hold` or `notify` (see `baton_core::protocol::FUSE_POLLS_XATTR`).
     fn setxattr(&self, _req: &Request, ino: INodeNo, name: &OsStr, value: &[u8], _flags: i32, _position: u32, reply: ReplyEmpty) {
         if name != POLLS_XATTR {
             return reply.error(Errno::ENOTSUP);
         }
         let hold = match value {
-            b"hold" => true,
-            b"notify" => false,
+            FUSE_POLLS_HOLD => true,
+            FUSE_POLLS_NOTIFY => false,
             _ => return reply.error(Errno::EINVAL),
         };
         let known = self.with(|inner, _| {
@@ -635,7 +632,7 @@ impl Filesystem for TokenFs {
         let Some(hold) = self.with(|inner, _| inner.files.contains_key(&ino.0).then(|| inner.holding.contains(&ino.0))) else {
             return reply.error(Errno::ENOENT);
         };
-        let value: &[u8] = if hold { b"hold" } else { b"notify" };
+        let value = if hold { FUSE_POLLS_HOLD } else { FUSE_POLLS_NOTIFY };
         match size {
             0 => reply.size(value.len() as u32),
             n if n as usize >= value.len() => reply.data(value),

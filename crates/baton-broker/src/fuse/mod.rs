@@ -23,22 +23,6 @@ pub(crate) mod waiters;
 pub use fs::FsState;
 pub use waiters::Mode;
 
-/// How the token files serve their waiters (`baton serve`'s options).
-#[derive(Debug, Clone, Copy)]
-pub struct Options {
-    /// How a freed token reaches pollers.
-    pub mode: Mode,
-    /// How long a poll of a file marked `hold` is held at most; zero:
-    /// never held (see `waiters`).
-    pub hold: Duration,
-}
-
-impl Default for Options {
-    fn default() -> Self {
-        Options { mode: Mode::OneAtATime, hold: waiters::HOLD }
-    }
-}
-
 use crate::broker::{Broker, Transport};
 use crate::log;
 use anyhow::{bail, Context, Result};
@@ -56,6 +40,22 @@ use std::os::unix::ffi::OsStrExt;
 use std::os::unix::fs::DirBuilderExt;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
+
+/// How the token files serve their waiters (`baton serve`'s options).
+#[derive(Debug, Clone, Copy)]
+pub struct Options {
+    /// How a freed token reaches pollers.
+    pub mode: Mode,
+    /// How long a poll of a file marked `hold` is held at most; zero:
+    /// never held (see `waiters`).
+    pub hold: Duration,
+}
+
+impl Default for Options {
+    fn default() -> Self {
+        Options { mode: Mode::OneAtATime, hold: waiters::HOLD }
+    }
+}
 
 /// The mounted token filesystem. Dropping it unmounts.
 pub struct FuseMount {

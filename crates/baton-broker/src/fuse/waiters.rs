@@ -145,9 +145,16 @@ struct Polled<N, A> {
     sleeps: bool,
 }
 
-impl<N, A> Polled<N, A> {
+impl<N, A: PollAnswer> Polled<N, A> {
     fn new(client: ClientId, waker: N) -> Self {
         Polled { client, waker, queued: false, reserved_until: None, held: None, sleeps: false }
+    }
+
+    /// Answers the held poll, if any, "not ready"; whether there was one.
+    fn release_held(&mut self) -> bool {
+        let Some(held) = self.held.take() else { return false };
+        held.answer.not_ready();
+        true
     }
 }
 
@@ -199,9 +206,7 @@ impl<R: ReadReply, N: PollWaker, A: PollAnswer> Waiters<R, N, A> {
             read.reply.fail(libc::EINTR);
         }
         for p in self.polled.values_mut() {
-            if let Some(held) = p.held.take() {
-                held.answer.not_ready();
-            }
+            p.release_held();
         }
         let polled = self
             .polled
@@ -367,9 +372,7 @@ impl<R: ReadReply, N: PollWaker, A: PollAnswer> Waiters<R, N, A> {
     /// The handle is closed: its wait ends and its reservation is released.
     pub fn close(&mut self, broker: &mut Broker, fh: Fh) {
         let Some(mut p) = self.polled.remove(&fh) else { return };
-        if let Some(held) = p.held.take() {
-            held.answer.not_ready();
-        }
+        p.release_held();
         if self.mode == Mode::NotifyAll {
             return;
         }
@@ -388,9 +391,7 @@ impl<R: ReadReply, N: PollWaker, A: PollAnswer> Waiters<R, N, A> {
         self.reads.retain(|&(c, _), _| c != client);
         // A held poll on a handle it shared is another process's: answered.
         for p in self.polled.values_mut().filter(|p| p.client == client) {
-            if let Some(held) = p.held.take() {
-                held.answer.not_ready();
-            }
+            p.release_held();
         }
         self.polled.retain(|_, p| p.client != client);
         broker.disconnect(client)
@@ -448,7 +449,8 @@ impl<R: ReadReply, N: PollWaker, A: PollAnswer> Waiters<R, N, A> {
                 let _ = broker.release(p.client, 1);
             }
             if p.held.as_ref().is_some_and(|h| h.until <= now) {
-                p.held.take().expect("held").answer.not_ready();
+                p.release_held();
+                // It sleeps on its handle now, for the token to wake it.
                 p.sleeps = true;
             }
         }
@@ -484,13 +486,7 @@ impl<R: ReadReply, N: PollWaker, A: PollAnswer> Waiters<R, N, A> {
             return true;
         }
         let held = self.polled.values_mut().find(|p| p.held.as_ref().is_some_and(|h| h.unique == unique));
-        match held.and_then(|p| p.held.take()) {
-            Some(held) => {
-                held.answer.not_ready();
-                true
-            }
-            None => false,
-        }
+        held.is_some_and(Polled::release_held)
     }
 
     /// Fails the blocked reads `which` picks with EINTR; returns how many.
@@ -573,8 +569,8 @@ mod tests {
         }
     }
 
-    /// A poll's answer: into the log, or, for polls the test expects
-    /// answered at once, into `now`.
+    /// A poll's answer: into the log, and into the cell, which tells a
+    /// test that expects an answer at once what it was.
     struct Answer(Log, &'static str, Rc<Cell<Option<bool>>>);
     impl PollAnswer for Answer {
         fn ready(self) {
