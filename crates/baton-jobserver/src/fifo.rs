@@ -18,7 +18,8 @@ pub struct Fifo {
     /// Our own read-write handle: it keeps the FIFO open (so clients never
     /// see end of file) and is how we add and remove tokens.
     handle: File,
-    inotify: Inotify,
+    /// Taken only when dropped (see `close_later`).
+    inotify: Option<Inotify>,
     /// The pipe style unlinks the FIFO at once: nobody opens it by path.
     unlinked: bool,
     /// The pipe style's separate return pipe (our read end): the build's
@@ -50,7 +51,7 @@ impl Fifo {
         inotify
             .add_watch(&path, AddWatchFlags::IN_ACCESS | AddWatchFlags::IN_MODIFY | AddWatchFlags::IN_OPEN)
             .with_context(|| format!("cannot watch {}", path.display()))?;
-        Ok(Fifo { path, handle, inotify, unlinked: false, returns: None, in_use: false, bmake_returns: None })
+        Ok(Fifo { path, handle, inotify: Some(inotify), unlinked: false, returns: None, in_use: false, bmake_returns: None })
     }
 
     pub fn path(&self) -> &Path {
@@ -191,7 +192,7 @@ impl Fifo {
     /// Readable when the build has read or written the FIFO, or given a
     /// token back through the return pipe.
     pub fn event_fds(&self) -> Vec<BorrowedFd<'_>> {
-        let mut fds = vec![self.inotify.as_fd()];
+        let mut fds: Vec<_> = self.inotify.iter().map(|i| i.as_fd()).collect();
         fds.extend(self.returns.as_ref().map(|r| r.as_fd()));
         fds
     }
@@ -211,7 +212,7 @@ impl Fifo {
     /// (we look at the FIFO itself); an open means the build uses it. A
     /// bmake build's return pipe is read here too.
     pub fn drain_events(&mut self) {
-        while let Ok(events) = self.inotify.read_events() {
+        while let Some(Ok(events)) = self.inotify.as_ref().map(Inotify::read_events) {
             if events.is_empty() {
                 break;
             }
@@ -225,6 +226,9 @@ impl Drop for Fifo {
     fn drop(&mut self) {
         if !self.unlinked {
             let _ = std::fs::remove_file(&self.path);
+        }
+        if let Some(inotify) = self.inotify.take() {
+            crate::close_later::drop_off_the_exit_path(inotify);
         }
     }
 }

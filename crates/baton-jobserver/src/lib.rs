@@ -27,6 +27,7 @@ mod autostart;
 mod bmake;
 mod build_file;
 mod choice;
+mod close_later;
 mod feeder;
 mod fifo;
 mod log;

@@ -523,3 +523,33 @@ fn baton_run_inside_a_recipe_of_a_build_under_baton_runs_in_its_job_slot() {
         broker.assert_all_free();
     }
 }
+
+/// Closing the FIFO's inotify watch waits for the kernel (an SRCU grace
+/// period), so `baton run` hands that close to a grandchild it does not
+/// wait for. The grandchild must be out of `baton run`'s process group
+/// and hold none of its descriptors by the time `baton run` exits: a
+/// caller that waits for the group, or for the end of its output, would
+/// otherwise wait for it.
+#[test]
+fn baton_run_leaves_nothing_in_its_process_group_or_on_its_output() {
+    let broker = Broker::start(2);
+    for style in ["fifo", "pipe"] {
+        let mut run = broker.run(&["--jobserver-style", style, "--", "true"]);
+        run.process_group(0).stdout(Stdio::piped()).stderr(Stdio::null());
+        let mut child = run.spawn().unwrap();
+        let group = child.id() as i32;
+        let mut out = child.stdout.take().unwrap();
+        assert!(child.wait().unwrap().success());
+        // The group's leader is reaped; nobody else may be left in it.
+        let alive = unsafe { libc::kill(-group, 0) } == 0;
+        assert!(!alive, "{style}: a process is left in baton run's group");
+        // Nobody holds the write end: the read sees end of file, at once
+        // (were it held, it would block until the holder exits).
+        let mut fds = [libc::pollfd { fd: std::os::fd::AsRawFd::as_raw_fd(&out), events: libc::POLLIN, revents: 0 }];
+        assert_eq!(unsafe { libc::poll(fds.as_mut_ptr(), 1, 0) }, 1, "{style}: baton run's output is still held open");
+        let mut rest = Vec::new();
+        std::io::Read::read_to_end(&mut out, &mut rest).unwrap();
+        assert!(rest.is_empty());
+    }
+    broker.assert_all_free();
+}
