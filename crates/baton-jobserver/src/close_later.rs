@@ -13,15 +13,21 @@
 
 use std::os::fd::{AsFd, AsRawFd, RawFd};
 
+/// How long the grandchild waits for us to let go.
+const HOLD_AT_MOST_MS: libc::c_int = 10_000;
+
 /// Drops `thing` (whose descriptor is costly to close last) without
 /// waiting for the close. Falls back to a plain drop if we cannot fork.
 pub fn drop_off_the_exit_path<T: AsFd>(thing: T) {
-    let Ok((wait_end, release_end)) = nix::unistd::pipe() else { return };
+    // Close-on-exec: no program another thread starts meanwhile keeps the
+    // grandchild waiting (forks here exec nothing).
+    let pipe = || nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC);
+    let (Ok((wait_end, release_end)), Ok((closed_all, closing))) = (pipe(), pipe()) else { return };
     let keep = thing.as_fd().as_raw_fd();
     let wait_on = wait_end.as_raw_fd();
     // SAFETY: between fork and _exit the child and grandchild make only
     // async-signal-safe system calls (fork, setpgid, setsid, close_range,
-    // read, _exit).
+    // poll, _exit).
     match unsafe { libc::fork() } {
         0 => unsafe {
             let grandchild = libc::fork();
@@ -39,6 +45,15 @@ pub fn drop_off_the_exit_path<T: AsFd>(thing: T) {
             let mut status = 0;
             // SAFETY: waits for the child we just forked, which exits at once.
             unsafe { libc::waitpid(child, &mut status, 0) };
+            // End of file once the grandchild has closed the rest of our
+            // descriptors (`closing` among them): we may exit then.
+            drop(closing);
+            let mut closed_all = std::fs::File::from(closed_all);
+            while let Err(e) = std::io::Read::read(&mut closed_all, &mut [0u8]) {
+                if e.kind() != std::io::ErrorKind::Interrupted {
+                    break;
+                }
+            }
         }
     }
     drop(wait_end);
@@ -47,7 +62,7 @@ pub fn drop_off_the_exit_path<T: AsFd>(thing: T) {
 }
 
 /// The grandchild: closes every descriptor but `wait_on` and `keep`, waits
-/// for end of file on `wait_on`, and exits.
+/// for end of file on `wait_on` (at most [`HOLD_AT_MOST_MS`]), and exits.
 ///
 /// # Safety
 /// Only in a freshly forked process.
@@ -62,13 +77,10 @@ unsafe fn hold_until_released(wait_on: RawFd, keep: RawFd) -> ! {
         close_range(low + 1, high - 1);
     }
     close_range(high + 1, u32::MAX);
-    let mut byte = 0u8;
-    loop {
-        let n = libc::read(wait_on, (&raw mut byte).cast(), 1);
-        if n >= 0 || *libc::__errno_location() != libc::EINTR {
-            break;
-        }
-    }
+    // Not for ever, should a copy of the other end leak somewhere: then
+    // whoever closes last pays, which costs time, not correctness.
+    let mut fds = [libc::pollfd { fd: wait_on, events: libc::POLLIN, revents: 0 }];
+    while libc::poll(fds.as_mut_ptr(), 1, HOLD_AT_MOST_MS) < 0 && *libc::__errno_location() == libc::EINTR {}
     libc::_exit(0)
 }
 
@@ -81,23 +93,26 @@ unsafe fn close_range(first: u32, last: u32) {
 mod tests {
     use super::*;
     use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
-    use std::io::Read;
     use std::os::fd::OwnedFd;
 
-    /// The descriptor is closed for us at once, but its file lives on in
-    /// the grandchild until we let go: a pipe's read end shows both.
-    #[test]
-    fn the_grandchild_holds_the_file_until_we_let_go_then_closes_it() {
-        let (read, write) = nix::unistd::pipe().unwrap();
-        let held_elsewhere: OwnedFd = write;
-        drop_off_the_exit_path(held_elsewhere);
-        // Every copy of the write end is gone once the grandchild exits:
-        // the read end sees end of file. (The minute only bounds a hang,
-        // should a copy leak.)
+    /// Whether every copy of a pipe's write end is closed, now.
+    fn writers_gone(read: &OwnedFd) -> bool {
         let mut fds = [PollFd::new(read.as_fd(), PollFlags::POLLIN)];
-        assert_eq!(poll(&mut fds, PollTimeout::try_from(60_000).unwrap()).unwrap(), 1, "a copy of the write end is still open");
-        let mut rest = Vec::new();
-        std::fs::File::from(read).read_to_end(&mut rest).unwrap();
-        assert!(rest.is_empty());
+        poll(&mut fds, PollTimeout::ZERO).unwrap() == 1
+    }
+
+    /// The grandchild holds the file it was given until we let go, and
+    /// nothing else of ours by the time we return.
+    #[test]
+    fn the_grandchild_keeps_only_the_file_it_was_given() {
+        let (given_r, given_w) = nix::unistd::pipe().unwrap();
+        let (other_r, other_w) = nix::unistd::pipe().unwrap();
+        drop_off_the_exit_path(given_w);
+        drop(other_w);
+        assert!(writers_gone(&other_r), "the grandchild holds a descriptor it was not given");
+        // It lets go of the given one once we have (the minute only bounds
+        // a hang).
+        let mut fds = [PollFd::new(given_r.as_fd(), PollFlags::POLLIN)];
+        assert_eq!(poll(&mut fds, PollTimeout::try_from(60_000).unwrap()).unwrap(), 1, "the given file is still held");
     }
 }
