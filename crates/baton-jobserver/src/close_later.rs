@@ -26,18 +26,13 @@ pub fn drop_off_the_exit_path<T: AsFd>(thing: T) {
     let keep = thing.as_fd().as_raw_fd();
     let wait_on = wait_end.as_raw_fd();
     // SAFETY: between fork and _exit the child and grandchild make only
-    // async-signal-safe system calls (fork, setpgid, setsid, close_range,
+    // async-signal-safe system calls (fork, setsid, close_range,
     // poll, _exit).
     match unsafe { libc::fork() } {
         0 => unsafe {
-            let grandchild = libc::fork();
-            if grandchild == 0 {
+            if libc::fork() == 0 {
                 hold_until_released(wait_on, keep);
             }
-            // Out of our process group before we return (the grandchild's
-            // own setsid may not have run yet): a caller that waits for
-            // the group, or kills it, never sees it.
-            libc::setpgid(grandchild, grandchild);
             libc::_exit(0)
         },
         -1 => {}
@@ -45,8 +40,10 @@ pub fn drop_off_the_exit_path<T: AsFd>(thing: T) {
             let mut status = 0;
             // SAFETY: waits for the child we just forked, which exits at once.
             unsafe { libc::waitpid(child, &mut status, 0) };
-            // End of file once the grandchild has closed the rest of our
-            // descriptors (`closing` among them): we may exit then.
+            // End of file once the grandchild has left our process group
+            // and closed the rest of our descriptors (`closing` among
+            // them): a caller that waits for our group or our output
+            // never waits for it.
             drop(closing);
             let mut closed_all = std::fs::File::from(closed_all);
             while let Err(e) = std::io::Read::read(&mut closed_all, &mut [0u8]) {
@@ -67,7 +64,8 @@ pub fn drop_off_the_exit_path<T: AsFd>(thing: T) {
 /// # Safety
 /// Only in a freshly forked process.
 unsafe fn hold_until_released(wait_on: RawFd, keep: RawFd) -> ! {
-    // Out of our session too: a terminal's hang-up is not for it.
+    // Out of our process group (and session): a caller that waits for the
+    // group, or kills it, never sees it.
     libc::setsid();
     let (low, high) = (wait_on.min(keep) as u32, wait_on.max(keep) as u32);
     if low > 0 {
