@@ -32,7 +32,7 @@
 use nix::fcntl::{fcntl, FcntlArg, OFlag};
 use std::os::fd::{AsFd, RawFd};
 use std::path::Path;
-use std::process::{Command, Stdio};
+use crate::probe::Probes;
 
 /// bmake's token byte; any other byte in its pipe is an abort token.
 pub const TOKEN: u8 = b'+';
@@ -43,19 +43,13 @@ pub const TOKEN: u8 = b'+';
 /// and `bmake-VERSION`), so that no other tool (qmake, automake) is ever
 /// run with flags it might act on. `-V` prints a variable and builds
 /// nothing; GNU make rejects it.
-pub fn is_bmake(program: &Path) -> bool {
+pub fn is_bmake(probes: &Probes, program: &Path) -> bool {
     let name = program.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
     if !(matches!(name.as_str(), "make" | "bmake" | "pmake" | "bsdmake") || name.starts_with("bmake-")) {
         return false;
     }
-    let probe = Command::new(program)
-        .args(["-r", "-f", "/dev/null", "-V", ".MAKE", "-V", "MAKE_VERSION"])
-        .env_remove("MAKEFLAGS")
-        .env_remove("MAKELEVEL")
-        .stdin(Stdio::null())
-        .stderr(Stdio::null())
-        .output();
-    probe.is_ok_and(|out| out.status.success() && String::from_utf8_lossy(&out.stdout).lines().next().is_some_and(|l| !l.trim().is_empty()))
+    let answer = probes.ask(program, &["-r", "-f", "/dev/null", "-V", ".MAKE", "-V", "MAKE_VERSION"]);
+    answer.is_some_and(|a| a.ok && a.stdout.lines().next().is_some_and(|l| !l.trim().is_empty()))
 }
 
 /// `MAKEFLAGS` for a bmake build: the flags it already had, without any
@@ -124,6 +118,7 @@ mod tests {
 
     #[test]
     fn only_make_names_are_asked() {
-        assert!(!is_bmake(Path::new("cmake")) && !is_bmake(Path::new("qmake")) && !is_bmake(Path::new("/no/such/bmake")));
+        let probes = Probes::open(None);
+        assert!(!is_bmake(&probes, Path::new("cmake")) && !is_bmake(&probes, Path::new("qmake")) && !is_bmake(&probes, Path::new("/no/such/bmake")));
     }
 }

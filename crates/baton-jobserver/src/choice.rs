@@ -5,11 +5,11 @@
 //! `inspect` looks at what can be seen from outside (the command, the make
 //! and C compiler on PATH, their versions); `choose` is the pure rule.
 
+use crate::probe::Probes;
 use crate::Style;
 use std::ffi::OsString;
 use std::fmt;
 use std::path::{Path, PathBuf};
-use std::process::Command;
 
 /// A tool found before the build, with its version.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -184,15 +184,15 @@ fn forced_jobs_warning(top: &Top, jobs: &str) -> String {
 
 /// Looks at the command and the tools it will find, without running the
 /// build.
-pub fn inspect(command: &[OsString]) -> Tree {
+pub fn inspect(probes: &Probes, command: &[OsString]) -> Tree {
     // Each probe runs a program (the command, make, cc twice): in threads
     // of their own they delay the build's start by the slowest of them,
     // not by their sum.
     let make_program = std::env::var_os("MAKE").map_or(PathBuf::from("make"), PathBuf::from);
     std::thread::scope(|s| {
-        let make = s.spawn(|| gnu_make(&make_program));
-        let gcc = s.spawn(|| gcc(&c_compiler()));
-        let (top, forced_jobs, lto, ninja_runs_make) = inspect_command(command);
+        let make = s.spawn(|| gnu_make(probes, &make_program));
+        let gcc = s.spawn(|| gcc(probes, &c_compiler()));
+        let (top, forced_jobs, lto, ninja_runs_make) = inspect_command(probes, command);
         let make = make.join().expect("the make probe does not panic");
         let gcc = gcc.join().expect("the cc probe does not panic");
         Tree { top, make, gcc, lto, ninja_runs_make, forced_jobs }
@@ -201,12 +201,12 @@ pub fn inspect(command: &[OsString]) -> Tree {
 
 /// The command's own tool, a `-j` it forces, and, for ninja, whether its
 /// build file uses LTO or runs make.
-fn inspect_command(command: &[OsString]) -> (Top, Option<String>, bool, bool) {
+fn inspect_command(probes: &Probes, command: &[OsString]) -> (Top, Option<String>, bool, bool) {
     let args: Vec<String> = command.iter().map(|a| a.to_string_lossy().into_owned()).collect();
     let (top, forced_jobs, dir) = match cmake_build_dir(&args) {
-        Some(dir) => (cmake_make_program(&dir).map_or(Top::Other, |p| top_for(&p)), None, dir),
+        Some(dir) => (cmake_make_program(&dir).map_or(Top::Other, |p| top_for(probes, &p)), None, dir),
         None => {
-            let top = top_for(Path::new(&args[0]));
+            let top = top_for(probes, Path::new(&args[0]));
             let forced = matches!(top, Top::Make(_) | Top::Ninja { .. }).then(|| forced_jobs(&args[1..])).flatten();
             (top, forced, ninja_dir(&args[1..]))
         }
@@ -218,15 +218,15 @@ fn inspect_command(command: &[OsString]) -> (Top, Option<String>, bool, bool) {
     (top, forced_jobs, ninja_file.contains("-flto"), runs_make(&ninja_file))
 }
 
-fn top_for(program: &Path) -> Top {
+fn top_for(probes: &Probes, program: &Path) -> Top {
     let name = program.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
     if name == "ninja" {
-        return Top::Ninja { path: program.to_path_buf(), version: version_line(program, &["--version"]).and_then(|l| parse_version(&l)) };
+        return Top::Ninja { path: program.to_path_buf(), version: version_line(probes, program, &["--version"]).and_then(|l| parse_version(&l)) };
     }
     if name == "cargo" {
         return Top::Cargo;
     }
-    match is_make_name(&name).then(|| gnu_make(program)).flatten() {
+    match is_make_name(&name).then(|| gnu_make(probes, program)).flatten() {
         Some(make) => Top::Make(make),
         None => Top::Other,
     }
@@ -237,8 +237,8 @@ pub fn is_make_name(name: &str) -> bool {
 }
 
 /// GNU make at `program`, with its version; None for any other make.
-pub(crate) fn gnu_make(program: &Path) -> Option<Found> {
-    let line = version_line(program, &["--version"])?;
+pub(crate) fn gnu_make(probes: &Probes, program: &Path) -> Option<Found> {
+    let line = version_line(probes, program, &["--version"])?;
     let version = parse_version(line.strip_prefix("GNU Make ")?)?;
     Some(Found { path: resolve(program), version })
 }
@@ -255,18 +255,16 @@ fn compiler_in(cc: &str) -> &str {
 
 /// gcc at `program` (whatever it is called), with its version: clang
 /// prints no FSF copyright line, other GNU programs no -dumpfullversion.
-fn gcc(program: &Path) -> Option<Found> {
-    let out = Command::new(program).arg("--version").output().ok()?;
-    if !String::from_utf8_lossy(&out.stdout).contains("Free Software Foundation") {
+fn gcc(probes: &Probes, program: &Path) -> Option<Found> {
+    if !probes.ask(program, &["--version"])?.stdout.contains("Free Software Foundation") {
         return None;
     }
-    let version = parse_version(&version_line(program, &["-dumpfullversion"])?)?;
+    let version = parse_version(&version_line(probes, program, &["-dumpfullversion"])?)?;
     Some(Found { path: resolve(program), version })
 }
 
-fn version_line(program: &Path, args: &[&str]) -> Option<String> {
-    let out = Command::new(program).args(args).env_remove("MAKEFLAGS").output().ok()?;
-    String::from_utf8_lossy(&out.stdout).lines().next().map(str::to_string)
+fn version_line(probes: &Probes, program: &Path, args: &[&str]) -> Option<String> {
+    probes.ask(program, args)?.stdout.lines().next().map(str::to_string)
 }
 
 /// The leading `1.13.2` of `1.13.2.git.kitware…`, `4.3`, `12.2.0`.

@@ -31,6 +31,7 @@ mod close_later;
 mod feeder;
 mod fifo;
 mod log;
+mod probe;
 mod run;
 
 use feeder::Feeder;
@@ -130,11 +131,11 @@ fn program_name(command: &[OsString]) -> String {
 /// Why `style` cannot work for the command, if it cannot: GNU make older
 /// than 4.4 stops with "internal error: invalid --jobserver-auth string" on
 /// `fifo:`, which both the fifo and the fuse styles hand it.
-fn unusable_style(command: &[OsString], style: Style) -> Option<String> {
+fn unusable_style(probes: &probe::Probes, command: &[OsString], style: Style) -> Option<String> {
     if !matches!(style, Style::Fifo | Style::Fuse) || !choice::is_make_name(&program_name(command)) {
         return None;
     }
-    let make = choice::gnu_make(Path::new(&command[0])).filter(|m| m.version < choice::Version(4, 4, 0))?;
+    let make = choice::gnu_make(probes, Path::new(&command[0])).filter(|m| m.version < choice::Version(4, 4, 0))?;
     Some(format!(
         "GNU make {} cannot open a fifo: jobserver (only make 4.4 and later can): use --jobserver-style pipe or auto",
         make.version
@@ -198,17 +199,18 @@ mod tests {
     #[test]
     fn make_4_3_is_refused_a_fifo_but_not_a_pipe() {
         let make43 = || vec![OsString::from("/usr/bin/make")];
-        if choice::gnu_make(Path::new("/usr/bin/make")).is_none_or(|m| m.version >= choice::Version(4, 4, 0)) {
+        let probes = probe::Probes::open(None);
+        if choice::gnu_make(&probes, Path::new("/usr/bin/make")).is_none_or(|m| m.version >= choice::Version(4, 4, 0)) {
             eprintln!("skipped: /usr/bin/make is not GNU make older than 4.4");
             return;
         }
         for style in [Style::Fifo, Style::Fuse] {
-            assert!(unusable_style(&make43(), style).is_some_and(|e| e.contains("pipe or auto")), "{style:?}");
+            assert!(unusable_style(&probes, &make43(), style).is_some_and(|e| e.contains("pipe or auto")), "{style:?}");
         }
         for style in [Style::Pipe, Style::Auto, Style::None] {
-            assert_eq!(unusable_style(&make43(), style), None, "{style:?}");
+            assert_eq!(unusable_style(&probes, &make43(), style), None, "{style:?}");
         }
-        assert_eq!(unusable_style(&["ninja".into()], Style::Fifo), None);
+        assert_eq!(unusable_style(&probes, &["ninja".into()], Style::Fifo), None);
     }
 
     #[test]

@@ -8,6 +8,7 @@
 use crate::autostart::{self, Autostart};
 use crate::build_file::{self, BuildFile};
 use crate::choice::{self, Choice};
+use crate::probe::Probes;
 use crate::{bmake, log, makeflags, polls_its_jobserver_alone, reads_its_jobserver, unusable_style, Feeder, Fifo, Style};
 use baton_core::paths::{private_dir, socket_path};
 use anyhow::{bail, Context, Result};
@@ -22,6 +23,9 @@ use std::os::unix::process::{CommandExt, ExitStatusExt};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus};
 use std::time::Duration;
+
+/// Where the tools' answers are kept, beside the socket (see `probe`).
+pub const PROBES_FILE: &str = "probes";
 
 /// What `baton run` was asked to do.
 #[derive(Debug, Clone)]
@@ -54,14 +58,15 @@ pub struct RunOptions {
 /// No broker answers, the broker refuses the request, or the jobserver
 /// cannot be set up.
 pub fn run(opts: RunOptions) -> Result<i32> {
-    if let Some(why) = unusable_style(&opts.command, opts.style) {
-        bail!(why);
-    }
     // The FUSE file has no per-build cap: --max needs the bridge.
     if opts.style == Style::Fuse && opts.max.is_some() {
         bail!("--max works with the pipe and fifo styles, not with fuse");
     }
     let socket = absolute(&socket_path(opts.socket.clone()));
+    let probes = Probes::open(Some(private_dir(&socket).join(PROBES_FILE)));
+    if let Some(why) = unusable_style(&probes, &opts.command, opts.style) {
+        bail!(why);
+    }
     if opts.tokens == 1 && is_a_job_of_a_baton_build(&socket) {
         return Ok(run_in_the_outer_build(&opts.command));
     }
@@ -83,10 +88,11 @@ pub fn run(opts: RunOptions) -> Result<i32> {
     // with the mask cleared).
     // Both probes run programs; side by side, the build waits for one.
     let (tree, is_bmake) = std::thread::scope(|s| {
-        let bmake = s.spawn(|| bmake::is_bmake(Path::new(&opts.command[0])));
-        let tree = choice::inspect(&opts.command);
+        let bmake = s.spawn(|| bmake::is_bmake(&probes, Path::new(&opts.command[0])));
+        let tree = choice::inspect(&probes, &opts.command);
         (tree, bmake.join().expect("the bmake probe does not panic"))
     });
+    probes.save();
     let choice = choice::choose(&tree);
     for warning in &choice.warnings {
         log::warn(format_args!("{warning}"));

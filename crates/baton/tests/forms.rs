@@ -307,3 +307,46 @@ fn make_with_its_own_jobs_gets_a_warning() {
     assert!(err.lines().any(|l| l.starts_with("baton: make 4.3") && l.contains("-j3") && l.contains("drop -j3")), "{err}");
     broker.assert_all_free();
 }
+
+/// `auto` asks make its version once and remembers the answer beside the
+/// socket, keyed by the file that runs: a second build asks nothing, and
+/// a make replaced in place (an upgrade: 4.3 to 4.4.1 under one path) is
+/// asked again and is judged as what it is.
+#[test]
+fn tool_versions_are_asked_once_and_again_when_the_tool_changes() {
+    let broker = Broker::start(4);
+    let dir = TempDir::new("probes");
+    let (bin, calls) = (dir.path().join("bin"), dir.path().join("calls"));
+    std::fs::create_dir_all(&bin).unwrap();
+    std::fs::write(dir.path().join("Makefile"), "all:\n\t@true\n").unwrap();
+    // make on PATH is a wrapper that notes each call, then runs real make.
+    let make = bin.join("make");
+    let wrap = |real: &Path| {
+        let script = format!("#!/bin/sh\necho \"$*\" >> {}\nexec {} \"$@\"\n", calls.display(), real.display());
+        std::fs::write(&make, script).unwrap();
+        std::fs::set_permissions(&make, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+    };
+    let calls_so_far = || std::fs::read_to_string(&calls).unwrap_or_default().lines().filter(|l| !l.starts_with("-s")).count();
+    let build = || {
+        let path = format!("{}:/usr/bin:/bin", bin.display());
+        let out = run_in(&broker, dir.path(), &["--explain"], Path::new("make"), &["-s"]).env("PATH", path).output().unwrap();
+        assert_success(&out);
+        stderr(&out)
+    };
+    wrap(&make43());
+    let first = build();
+    assert!(first.contains("make 4.3") && first.contains("reads only R,W"), "{first}");
+    let asked = calls_so_far();
+    assert!(asked > 0, "make was never asked its version");
+    assert_eq!(build(), first, "the remembered answers choose as the asked ones did");
+    assert_eq!(calls_so_far(), asked, "the second build asked make again");
+
+    wrap(&make44());
+    let upgraded = build();
+    assert!(calls_so_far() > asked, "a changed make was not asked again");
+    assert!(upgraded.contains("make 4.4.1") && upgraded.contains("reads both forms"), "{upgraded}");
+    let kept = broker.socket.parent().unwrap().join("probes");
+    let mode = std::os::unix::fs::PermissionsExt::mode(&std::fs::metadata(&kept).unwrap().permissions());
+    assert_eq!(mode & 0o077, 0, "the answers are readable by others: {mode:o}");
+    broker.assert_all_free();
+}

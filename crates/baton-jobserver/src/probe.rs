@@ -1,0 +1,242 @@
+//! Asking a tool about itself (`make --version`, `cc -dumpfullversion`,
+//! `bmake -V .MAKE`), remembered between runs.
+//!
+//! `baton run` asks up to five programs before the build starts, to choose
+//! its jobserver form; with the shell integration every `make` typed pays
+//! that, about as much again as a make with nothing to do. The answers
+//! are kept in a file beside the broker's socket, each under the program's
+//! path and arguments and the identity of the file that runs (device,
+//! inode, size, modification and change times, after symbolic links), as
+//! ccache's default `compiler_check = mtime` keys a compiler: an upgrade,
+//! a reinstall or a switched alternative is a new file and is asked again.
+//! A wrapper script whose answer changes without the script changing is
+//! the one case this misses; deleting the file forgets everything.
+
+use std::collections::HashMap;
+use std::io::Write;
+use std::os::unix::fs::{MetadataExt, OpenOptionsExt, PermissionsExt};
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::sync::Mutex;
+
+/// What a program printed, and whether it exited 0.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Answer {
+    pub ok: bool,
+    pub stdout: String,
+}
+
+/// The answers known so far, and the file they are kept in.
+pub struct Probes {
+    file: Option<PathBuf>,
+    known: Mutex<Known>,
+}
+
+#[derive(Default)]
+struct Known {
+    answers: HashMap<String, Answer>,
+    /// Answers asked this run, not yet in the file.
+    new: bool,
+}
+
+/// The file's first line; a file without it is ignored (and replaced).
+const HEADER: &str = "baton probes 1";
+/// Enough for every line we look at; a program that prints more is cut.
+const KEEP_BYTES: usize = 4096;
+
+impl Probes {
+    /// The answers kept in `file` (None: remember nothing). A file that is
+    /// not ours alone (another owner, or writable by others) is not read:
+    /// its answers choose how our builds run.
+    pub fn open(file: Option<PathBuf>) -> Probes {
+        let answers = file.as_deref().and_then(read_if_ours).map(|text| parse(&text)).unwrap_or_default();
+        Probes { file, known: Mutex::new(Known { answers, new: false }) }
+    }
+
+    /// Runs `program args` (found on PATH as `Command` finds it), or
+    /// recalls its answer; None if it cannot be run.
+    pub fn ask(&self, program: &Path, args: &[&str]) -> Option<Answer> {
+        let key = key(program, args);
+        if let Some(answer) = key.as_ref().and_then(|k| self.lock().answers.get(k).cloned()) {
+            return Some(answer);
+        }
+        let answer = run(program, args)?;
+        if let Some(key) = key {
+            let mut known = self.lock();
+            known.answers.insert(key, answer.clone());
+            known.new = true;
+        }
+        Some(answer)
+    }
+
+    /// Writes the answers back if any is new (to a temporary file, then
+    /// renamed: a concurrent run reads the old file or the new one).
+    /// Failing to is no error: the next run asks again.
+    pub fn save(&self) {
+        let known = self.lock();
+        let Some(file) = self.file.as_deref().filter(|_| known.new) else { return };
+        let tmp = file.with_extension(format!("tmp-{}", std::process::id()));
+        let written = std::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .mode(0o600)
+            .open(&tmp)
+            .and_then(|mut f| f.write_all(format(&known.answers).as_bytes()));
+        if written.and_then(|()| std::fs::rename(&tmp, file)).is_err() {
+            let _ = std::fs::remove_file(&tmp);
+        }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Known> {
+        self.known.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+}
+
+/// Runs the probe: no MAKEFLAGS or MAKELEVEL (make would read ours), no
+/// input, standard error thrown away.
+fn run(program: &Path, args: &[&str]) -> Option<Answer> {
+    let out = Command::new(program)
+        .args(args)
+        .env_remove("MAKEFLAGS")
+        .env_remove("MAKELEVEL")
+        .stdin(Stdio::null())
+        .stderr(Stdio::null())
+        .output()
+        .ok()?;
+    let mut stdout = out.stdout;
+    stdout.truncate(KEEP_BYTES);
+    Some(Answer { ok: out.status.success(), stdout: String::from_utf8_lossy(&stdout).into_owned() })
+}
+
+/// The program's path and arguments, and the identity of the file that
+/// runs; None if it is not found (it is then asked every time).
+fn key(program: &Path, args: &[&str]) -> Option<String> {
+    let path = find(program)?;
+    let m = std::fs::metadata(&path).ok()?;
+    Some(format!(
+        "{path:?} {args:?} {} {} {} {}.{} {}.{}",
+        m.dev(),
+        m.ino(),
+        m.size(),
+        m.mtime(),
+        m.mtime_nsec(),
+        m.ctime(),
+        m.ctime_nsec()
+    ))
+}
+
+/// Where `Command` would find `program`: as given if it names a
+/// directory, else the first executable file of that name on PATH.
+fn find(program: &Path) -> Option<PathBuf> {
+    if program.components().count() > 1 {
+        return Some(program.to_path_buf());
+    }
+    let path = std::env::var_os("PATH")?;
+    std::env::split_paths(&path)
+        .map(|dir| dir.join(program))
+        .find(|p| std::fs::metadata(p).is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 != 0))
+}
+
+fn read_if_ours(file: &Path) -> Option<String> {
+    let m = std::fs::metadata(file).ok()?;
+    // SAFETY: geteuid cannot fail and touches no memory.
+    let ours = m.uid() == unsafe { libc::geteuid() } && m.mode() & 0o022 == 0;
+    ours.then(|| std::fs::read_to_string(file).ok()).flatten()
+}
+
+/// One line an answer: hex of the key, 0 or 1, hex of what it printed.
+fn format(answers: &HashMap<String, Answer>) -> String {
+    let mut text = format!("{HEADER}\n");
+    for (key, a) in answers {
+        text.push_str(&format!("{}\t{}\t{}\n", hex(key.as_bytes()), u8::from(a.ok), hex(a.stdout.as_bytes())));
+    }
+    text
+}
+
+/// The answers in `text`; lines that do not parse are skipped.
+fn parse(text: &str) -> HashMap<String, Answer> {
+    let mut lines = text.lines();
+    if lines.next() != Some(HEADER) {
+        return HashMap::new();
+    }
+    lines
+        .filter_map(|line| {
+            let mut fields = line.split('\t');
+            let key = String::from_utf8(unhex(fields.next()?)?).ok()?;
+            let ok = match fields.next()? {
+                "0" => false,
+                "1" => true,
+                _ => return None,
+            };
+            let stdout = String::from_utf8(unhex(fields.next()?)?).ok()?;
+            fields.next().is_none().then_some((key, Answer { ok, stdout }))
+        })
+        .collect()
+}
+
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+fn unhex(text: &str) -> Option<Vec<u8>> {
+    if text.len() % 2 != 0 {
+        return None;
+    }
+    (0..text.len()).step_by(2).map(|i| u8::from_str_radix(text.get(i..i + 2)?, 16).ok()).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn answer(ok: bool, stdout: &str) -> Answer {
+        Answer { ok, stdout: stdout.to_string() }
+    }
+
+    #[test]
+    fn answers_survive_the_file() {
+        let mut answers = HashMap::new();
+        answers.insert("\"/usr/bin/make\" [\"--version\"] 1 2 3 4.5 6.7".to_string(), answer(true, "GNU Make 4.3\nBuilt for x\n"));
+        answers.insert("tab\tand newline\n".to_string(), answer(false, ""));
+        assert_eq!(parse(&format(&answers)), answers);
+    }
+
+    #[test]
+    fn a_damaged_or_foreign_file_gives_no_answers() {
+        let good = format!("{}\t1\t{}", hex(b"k"), hex(b"v"));
+        assert_eq!(parse(&format!("{HEADER}\n{good}\n")).len(), 1);
+        assert!(parse(&format!("other header\n{good}\n")).is_empty());
+        for bad in ["zz\t1\t00", "6b\t2\t00", "6b\t1\t0", "6b\t1", "6b\t1\t00\textra", "", "6b"] {
+            assert!(parse(&format!("{HEADER}\n{bad}\n")).is_empty(), "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn a_program_is_keyed_by_the_file_that_runs() {
+        let dir = std::env::temp_dir().join(format!("baton-probe-key-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let tool = dir.join("tool");
+        std::fs::write(&tool, "#!/bin/sh\necho one\n").unwrap();
+        std::fs::set_permissions(&tool, std::fs::Permissions::from_mode(0o755)).unwrap();
+        let before = key(&tool, &["--version"]).unwrap();
+        assert_ne!(key(&tool, &["-V"]), Some(before.clone()), "other arguments, another key");
+        // Rewritten in place, as an upgrade does: same path, new size.
+        std::fs::write(&tool, "#!/bin/sh\necho version two\n").unwrap();
+        assert_ne!(key(&tool, &["--version"]), Some(before), "a changed file is asked again");
+        assert_eq!(key(&dir.join("missing"), &[]), None);
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn a_file_others_may_write_is_not_read() {
+        let dir = std::env::temp_dir().join(format!("baton-probe-perm-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let file = dir.join("probes");
+        std::fs::write(&file, format!("{HEADER}\n")).unwrap();
+        std::fs::set_permissions(&file, std::fs::Permissions::from_mode(0o600)).unwrap();
+        assert!(read_if_ours(&file).is_some());
+        std::fs::set_permissions(&file, std::fs::Permissions::from_mode(0o666)).unwrap();
+        assert!(read_if_ours(&file).is_none());
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}
