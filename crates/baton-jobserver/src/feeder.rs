@@ -278,7 +278,7 @@ impl Feeder {
 
     fn lend(&mut self, tokens: u32) -> Result<(), ClientError> {
         self.lent += tokens;
-        (0..tokens).try_for_each(|_| self.fifo.put()).map_err(|e| ClientError::Protocol(e.to_string()))
+        self.fifo.put(tokens).map_err(|e| ClientError::Protocol(e.to_string()))
     }
 
     fn discard(&mut self, n: u32) {

@@ -175,13 +175,14 @@ impl Fifo {
     /// build's next job; returns how many.
     pub fn recycle(&mut self, n: u32) -> Result<u32> {
         let moved = self.take_returned(n);
-        (0..moved).try_for_each(|_| self.put())?;
+        self.put(moved)?;
         Ok(moved)
     }
 
-    /// Puts one token in. GNU make writes `+`; any byte will do.
-    pub fn put(&mut self) -> Result<()> {
-        self.put_byte(bmake::TOKEN)
+    /// Puts `n` tokens in, in one write: readers waiting wake once, not
+    /// once a token. GNU make writes `+`; any byte will do.
+    pub fn put(&mut self, n: u32) -> Result<()> {
+        (&self.handle).write_all(&vec![bmake::TOKEN; n as usize]).context("cannot write a token to the jobserver FIFO")
     }
 
     /// Puts one byte in: a token, or bmake's abort token.
