@@ -9,11 +9,6 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Output, Stdio};
 use std::time::Duration;
 
-/// bmake (Debian's `bmake`, installed by scripts/test).
-fn bmake() -> PathBuf {
-    tool("BATON_TEST_BMAKE", || PathBuf::from("/usr/bin/bmake"))
-}
-
 /// A recursive bmake tree: the top runs `subs` sub-makes (s0, s1, ...),
 /// each `jobs` logged jobs (j0, j1, ...); the job named `fail` (say
 /// "s1j1") logs its run and then fails.

@@ -223,6 +223,7 @@ fn bench_builds_measures_every_case_with_the_real_tools() {
         .env("BATON_BENCH_MAKE43", make43())
         .env("BATON_BENCH_MAKE44", make44())
         .env("BATON_BENCH_NINJA", ninja())
+        .env("BATON_BENCH_BMAKE", bmake())
         .output()
         .unwrap();
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
@@ -230,13 +231,14 @@ fn bench_builds_measures_every_case_with_the_real_tools() {
     let rows = doc["results"].as_array().unwrap();
     // Two rounds of each tool alone still give one row per tool and way: medians.
     assert_eq!(doc["parameters"]["rounds"], 2, "{doc:#}");
-    assert_eq!(rows.len(), 2 * 4 + 3 * 3, "{doc:#}");
+    assert_eq!(rows.len(), 2 * 5 + 3 * 3, "{doc:#}");
     let alone: Vec<&serde_json::Value> = rows.iter().filter(|r| r["case"] == "alone" && r["mechanism"] == "baton run").collect();
     let tools: Vec<&str> = alone.iter().map(|r| r["tool"].as_str().unwrap()).collect();
-    assert_eq!(tools, ["make 4.3", "make 4.4.1", "ninja 1.13", "cargo"]);
+    assert_eq!(tools, ["make 4.3", "make 4.4.1", "ninja 1.13", "bmake", "cargo"]);
     for row in alone {
         assert_eq!(row["rounds"], 2, "each tool alone was measured in two rounds: {row}");
-        // Every job ran, logged by the job itself (a rustc wrapper for cargo).
+        // Every job ran, logged by the job itself (a rustc wrapper for
+        // cargo; bash, which bmake's .SHELL names, for bmake).
         assert!(row["running_ratio"].as_f64().is_some_and(|x| x > 0.0) && row["wall_ratio"].as_f64().is_some_and(|x| x > 0.0), "{row}");
     }
     let svg = std::fs::read_to_string(&plot).unwrap();

@@ -33,6 +33,9 @@ pub const DEFAULTS: Defaults = Defaults { waiters: &[3], ops: 40, tokens: 6, job
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Kind {
     Make,
+    /// bmake: the same makefile, but its shell is sh unless `.SHELL` says
+    /// otherwise (bash, named as sh: bmake knows no shell called bash).
+    Bmake,
     Ninja,
     Cargo,
 }
@@ -56,6 +59,14 @@ fn tools() -> Result<Vec<Tool>> {
         check_version(tool.name, &tool.path, version)?;
     }
     Ok(tools)
+}
+
+/// bmake, if it is here (Debian's `bmake`): it joins the builds that run
+/// alone. It reads only its own `-J R,W` form, so it is no client of the
+/// shared FIFO the three-at-once cases compare against.
+fn bmake() -> Option<Tool> {
+    let path = std::env::var_os("BATON_BENCH_BMAKE").map_or_else(|| PathBuf::from("/usr/bin/bmake"), PathBuf::from);
+    path.exists().then_some(Tool { name: "bmake", path, kind: Kind::Bmake, fifo: false })
 }
 
 /// Cargo, if it runs here: it joins the builds that run alone.
@@ -100,6 +111,7 @@ impl Graph {
         }
         let (file, text) = match kind {
             Kind::Make => ("Makefile", format!("SHELL := /bin/bash\nall: {t}\n{t}:\n\t@{job}\n.PHONY: all {t}\n", t = targets.join(" "))),
+            Kind::Bmake => ("Makefile", format!(".SHELL: name=sh path=/bin/bash\nall: {t}\n{t}:\n\t@{job}\n.PHONY: all {t}\n", t = targets.join(" "))),
             Kind::Ninja => {
                 let mut text = format!("rule job\n  command = bash -c '{job}; touch $out'\n");
                 for t in &targets {
@@ -305,7 +317,7 @@ pub fn run(bench: &Bench, scale: &Scale) -> Result<Findings> {
     let root = bench.env.tmp.join("builds");
     let n = scale.tokens;
     anyhow::ensure!(n >= 4, "--tokens must be at least 4: three builds each run one job of their own");
-    let mut rows = alone(bench, scale, tools.iter().chain(cargo().as_ref()), &root)?;
+    let mut rows = alone(bench, scale, tools.iter().chain(&bmake()).chain(&cargo()), &root)?;
     let broker = Broker::start_with(n, &bench.env, Wait::Blocking, &[])?;
     rows.extend(together(bench, scale, &tools, &root, "three at once, baton", |_| Slots::Baton { broker: &broker, weight: 1 })?);
     let fifo = SharedFifo::create(&root, n - tools.len() as u32)?;

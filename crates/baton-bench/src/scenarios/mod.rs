@@ -35,8 +35,9 @@ pub enum Scenario {
     MassPoll,
     /// N threads on a condition, broadcast vs directed hand-off (futex requeue).
     Broadcast,
-    /// Real make 4.3, make 4.4.1 and ninja 1.13: each alone against its own
-    /// -jN, and three at once (fair shares, weights) against one shared FIFO.
+    /// Real make 4.3, make 4.4.1 and ninja 1.13 (and bmake, cargo): each alone
+    /// against its own -jN, and three at once (fair shares, weights) against
+    /// one shared FIFO.
     Builds,
     /// Seed 003 on real bmake: a `make universe`-shaped tree and a flat one,
     /// bmake's own -jN against baton run, at -j96 and 4 × CPUs.

@@ -300,6 +300,11 @@ pub fn make44() -> PathBuf {
     tool("BATON_TEST_MAKE44", || python_scripts_dir().join("make"))
 }
 
+/// bmake (Debian's `bmake`).
+pub fn bmake() -> PathBuf {
+    tool("BATON_TEST_BMAKE", || PathBuf::from("/usr/bin/bmake"))
+}
+
 /// ninja 1.13 (PyPI `ninja`).
 pub fn ninja() -> PathBuf {
     tool("BATON_TEST_NINJA", || python_scripts_dir().join("ninja"))
