@@ -278,11 +278,7 @@ fn parse_version(text: &str) -> Option<Version> {
 
 /// Where the program is on PATH, for messages.
 fn resolve(program: &Path) -> PathBuf {
-    if program.components().count() > 1 {
-        return program.to_path_buf();
-    }
-    let path = std::env::var_os("PATH").unwrap_or_default();
-    std::env::split_paths(&path).map(|dir| dir.join(program)).find(|p| p.is_file()).unwrap_or_else(|| program.to_path_buf())
+    crate::probe::find(program).unwrap_or_else(|| program.to_path_buf())
 }
 
 /// `cmake --build DIR …` → DIR.

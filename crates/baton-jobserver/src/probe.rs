@@ -17,7 +17,7 @@ use std::io::Write;
 use std::os::unix::fs::{MetadataExt, OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
-use std::sync::Mutex;
+use std::sync::{Mutex, OnceLock};
 
 /// What a program printed, and whether it exited 0.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -29,7 +29,9 @@ pub struct Answer {
 /// The answers known so far, and the file they are kept in.
 pub struct Probes {
     file: Option<PathBuf>,
-    known: Mutex<Known>,
+    /// Read from `file` at the first question: a run that asks nothing
+    /// (a job of an outer build) never reads it.
+    known: OnceLock<Mutex<Known>>,
 }
 
 #[derive(Default)]
@@ -49,8 +51,7 @@ impl Probes {
     /// not ours alone (another owner, or writable by others) is not read:
     /// its answers choose how our builds run.
     pub fn open(file: Option<PathBuf>) -> Probes {
-        let answers = file.as_deref().and_then(read_if_ours).map(|text| parse(&text)).unwrap_or_default();
-        Probes { file, known: Mutex::new(Known { answers, new: false }) }
+        Probes { file, known: OnceLock::new() }
     }
 
     /// Runs `program args` (found on PATH as `Command` finds it), or
@@ -73,6 +74,10 @@ impl Probes {
     /// renamed: a concurrent run reads the old file or the new one).
     /// Failing to is no error: the next run asks again.
     pub fn save(&self) {
+        // Nothing asked, nothing read, nothing new.
+        if self.known.get().is_none() {
+            return;
+        }
         let known = self.lock();
         let Some(file) = self.file.as_deref().filter(|_| known.new) else { return };
         let tmp = file.with_extension(format!("tmp-{}", std::process::id()));
@@ -88,7 +93,11 @@ impl Probes {
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Known> {
-        self.known.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+        let known = self.known.get_or_init(|| {
+            let answers = self.file.as_deref().and_then(read_if_ours).map(|text| parse(&text)).unwrap_or_default();
+            Mutex::new(Known { answers, new: false })
+        });
+        known.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 }
 
@@ -127,7 +136,7 @@ fn key(program: &Path, args: &[&str]) -> Option<String> {
 
 /// Where `Command` would find `program`: as given if it names a
 /// directory, else the first executable file of that name on PATH.
-fn find(program: &Path) -> Option<PathBuf> {
+pub fn find(program: &Path) -> Option<PathBuf> {
     if program.components().count() > 1 {
         return Some(program.to_path_buf());
     }

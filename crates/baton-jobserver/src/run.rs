@@ -25,7 +25,7 @@ use std::process::{Child, Command, ExitStatus};
 use std::time::Duration;
 
 /// Where the tools' answers are kept, beside the socket (see `probe`).
-pub const PROBES_FILE: &str = "probes";
+const PROBES_FILE: &str = "probes";
 
 /// What `baton run` was asked to do.
 #[derive(Debug, Clone)]
