@@ -43,13 +43,18 @@ pub const TOKEN: u8 = b'+';
 /// and `bmake-VERSION`), so that no other tool (qmake, automake) is ever
 /// run with flags it might act on. `-V` prints a variable and builds
 /// nothing; GNU make rejects it.
-pub fn is_bmake(probes: &Probes, program: &Path) -> bool {
+///
+/// Its answer is bmake's `MAKE_VERSION` (a date, as `20200710`; empty if
+/// it has none); None if it is not bmake.
+pub fn version(probes: &Probes, program: &Path) -> Option<String> {
     let name = program.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
     if !(matches!(name.as_str(), "make" | "bmake" | "pmake" | "bsdmake") || name.starts_with("bmake-")) {
-        return false;
+        return None;
     }
-    let answer = probes.ask(program, &["-r", "-f", "/dev/null", "-V", ".MAKE", "-V", "MAKE_VERSION"]);
-    answer.is_some_and(|a| a.ok && a.stdout.lines().next().is_some_and(|l| !l.trim().is_empty()))
+    let answer = probes.ask(program, &["-r", "-f", "/dev/null", "-V", ".MAKE", "-V", "MAKE_VERSION"])?;
+    let mut lines = answer.stdout.lines();
+    let is_bmake = answer.ok && lines.next().is_some_and(|l| !l.trim().is_empty());
+    is_bmake.then(|| lines.next().unwrap_or("").trim().to_string())
 }
 
 /// `MAKEFLAGS` for a bmake build: the flags it already had, without any
@@ -119,6 +124,8 @@ mod tests {
     #[test]
     fn only_make_names_are_asked() {
         let probes = Probes::open(None);
-        assert!(!is_bmake(&probes, Path::new("cmake")) && !is_bmake(&probes, Path::new("qmake")) && !is_bmake(&probes, Path::new("/no/such/bmake")));
+        for program in ["cmake", "qmake", "/no/such/bmake"] {
+            assert_eq!(version(&probes, Path::new(program)), None, "{program}");
+        }
     }
 }

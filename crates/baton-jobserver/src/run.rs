@@ -87,11 +87,12 @@ pub fn run(opts: RunOptions) -> Result<i32> {
     // as it would once CMD runs (the tools asked for their versions start
     // with the mask cleared).
     // Both probes run programs; side by side, the build waits for one.
-    let (tree, is_bmake) = std::thread::scope(|s| {
-        let bmake = s.spawn(|| bmake::is_bmake(&probes, Path::new(&opts.command[0])));
+    let (tree, bmake_version) = std::thread::scope(|s| {
+        let bmake = s.spawn(|| bmake::version(&probes, Path::new(&opts.command[0])));
         let tree = choice::inspect(&probes, &opts.command);
         (tree, bmake.join().expect("the bmake probe does not panic"))
     });
+    let is_bmake = bmake_version.is_some();
     probes.save();
     let choice = choice::choose(&tree);
     for warning in &choice.warnings {
@@ -114,16 +115,19 @@ pub fn run(opts: RunOptions) -> Result<i32> {
     let setup = Setup { socket: &socket, auto: opts.style == Style::Auto, label: &label, jobs: max, bmake: is_bmake, polls_it_alone };
     let jobserver = set_up_jobserver(&mut command, &setup, style)?;
     if opts.explain {
-        explain(&opts, &choice, &jobserver, max);
+        match &bmake_version {
+            Some(version) => explain_bmake(&opts, version, &jobserver),
+            None => explain(&opts, &choice, &jobserver, max),
+        }
     }
     let (mut feeder, pipe_ends, build_file) = match jobserver {
         Jobserver::None => (None, None, None),
-        Jobserver::Bridge { fifo, pipe_ends } => {
+        Jobserver::Bridge { fifo, pipe_ends, .. } => {
             let eager = is_bmake || reads_its_jobserver(&opts.command);
             (Some(Feeder::new(fifo, max - opts.tokens, eager)), pipe_ends, None)
         }
         // The broker serves the file itself; we only keep it until the end.
-        Jobserver::Fuse { file, ends } => (None, ends, Some(file)),
+        Jobserver::Fuse { file, ends, .. } => (None, ends, Some(file)),
     };
     let build = (opts.weight, opts.name.clone().unwrap_or_default());
     let build_file_path = build_file.as_ref().map(|f| f.path().to_path_buf());
@@ -153,10 +157,11 @@ enum Jobserver {
     None,
     /// A FIFO fed by this process; for the pipe style, the descriptors the
     /// child inherits (closed in the parent once it has started).
-    Bridge { fifo: Fifo, pipe_ends: Option<(OwnedFd, OwnedFd)> },
+    /// `form` says what the build got, for --explain.
+    Bridge { fifo: Fifo, pipe_ends: Option<(OwnedFd, OwnedFd)>, form: &'static str },
     /// A token file on the broker's FUSE mount, served by the broker; for
     /// bmake, two descriptors opened on it that the child inherits.
-    Fuse { file: BuildFile, ends: Option<(OwnedFd, OwnedFd)> },
+    Fuse { file: BuildFile, ends: Option<(OwnedFd, OwnedFd)>, form: &'static str },
 }
 
 impl Jobserver {
@@ -164,10 +169,7 @@ impl Jobserver {
     fn form(&self) -> &'static str {
         match self {
             Jobserver::None => "none",
-            Jobserver::Bridge { pipe_ends: Some(_), .. } => "pipe (R,W)",
-            Jobserver::Bridge { pipe_ends: None, .. } => "fifo (fifo:PATH)",
-            Jobserver::Fuse { ends: None, .. } => "fuse (fifo:PATH on the broker's FUSE mount)",
-            Jobserver::Fuse { ends: Some(_), .. } => "fuse (R,W opened on the broker's FUSE mount)",
+            Jobserver::Bridge { form, .. } | Jobserver::Fuse { form, .. } => form,
         }
     }
 
@@ -218,6 +220,24 @@ fn explain(opts: &RunOptions, choice: &Choice, jobserver: &Jobserver, tokens: u3
     }
 }
 
+/// --explain for bmake: it reads only its own form, whatever else the
+/// build may run, so GNU make's and gcc's versions do not enter into it.
+fn explain_bmake(opts: &RunOptions, version: &str, jobserver: &Jobserver) {
+    let program = Path::new(&opts.command[0]);
+    let path = crate::probe::find(program).unwrap_or_else(|| program.to_path_buf());
+    let bmake = if version.is_empty() { format!("bmake ({})", path.display()) } else { format!("bmake {version} ({})", path.display()) };
+    if opts.style != Style::Auto {
+        log::warn(format_args!("jobserver: {}, as --jobserver-style asked, for {bmake}", jobserver.form()));
+        return;
+    }
+    log::warn(format_args!("jobserver: {} (auto)", jobserver.form()));
+    log::warn(format_args!("  because {bmake} reads only its own -J R,W form"));
+    log::warn(format_args!(
+        "  because bmake takes a token only if one is already in the pipe, so the build's FIFO keeps every token \
+         it may use waiting there (docs/jobserver.md, bmake)"
+    ));
+}
+
 /// Sets up the jobserver of `style` and points MAKEFLAGS and CARGO_MAKEFLAGS
 /// at it. FUSE falls back to the FIFO when `auto` chose it and the broker
 /// has no mount.
@@ -234,14 +254,15 @@ fn set_up_jobserver(command: &mut Command, setup: &Setup, style: Style) -> Resul
                     inheritable(fd)?;
                 }
                 let auth = format!("{},{}", read.as_raw_fd(), write.as_raw_fd());
-                (Jobserver::Fuse { file, ends: Some((read, write)) }, auth)
+                let form = "fuse (bmake's -J R,W, both opened on the broker's FUSE mount)";
+                (Jobserver::Fuse { file, ends: Some((read, write)), form }, auth)
             }
             Some(file) => {
                 if setup.polls_it_alone {
                     file.hold_polls();
                 }
                 let auth = format!("fifo:{}", file.path().display());
-                (Jobserver::Fuse { file, ends: None }, auth)
+                (Jobserver::Fuse { file, ends: None, form: "fuse (fifo:PATH on the broker's FUSE mount)" }, auth)
             }
             None if auto => return set_up_jobserver(command, setup, Style::Fifo),
             None => bail!(
@@ -256,12 +277,15 @@ fn set_up_jobserver(command: &mut Command, setup: &Setup, style: Style) -> Resul
             for fd in [&read, &write] {
                 inheritable(fd)?;
             }
-            if setup.bmake {
+            let form = if setup.bmake {
                 bmake::make_non_blocking(&read).context("cannot make the jobserver's read end non-blocking")?;
                 fifo.sort_bmake_returns();
-            }
+                "pipe (bmake's -J R,W: R on the build's FIFO, W a pipe only baton reads)"
+            } else {
+                "pipe (R,W)"
+            };
             let auth = format!("{},{}", read.as_raw_fd(), write.as_raw_fd());
-            (Jobserver::Bridge { fifo, pipe_ends: Some((read, write)) }, auth)
+            (Jobserver::Bridge { fifo, pipe_ends: Some((read, write)), form }, auth)
         }
         Style::Fifo if setup.bmake => {
             let mut fifo = Fifo::create(&private_dir(socket))?;
@@ -271,12 +295,13 @@ fn set_up_jobserver(command: &mut Command, setup: &Setup, style: Style) -> Resul
             }
             fifo.sort_bmake_returns();
             let auth = format!("{},{}", read.as_raw_fd(), write.as_raw_fd());
-            (Jobserver::Bridge { fifo, pipe_ends: Some((read, write)) }, auth)
+            let form = "fifo (bmake's -J R,W, both opened on the build's FIFO)";
+            (Jobserver::Bridge { fifo, pipe_ends: Some((read, write)), form }, auth)
         }
         Style::Fifo => {
             let fifo = Fifo::create(&private_dir(socket))?;
             let auth = format!("fifo:{}", fifo.path().display());
-            (Jobserver::Bridge { fifo, pipe_ends: None }, auth)
+            (Jobserver::Bridge { fifo, pipe_ends: None, form: "fifo (fifo:PATH)" }, auth)
         }
     };
     for var in ["MAKEFLAGS", "CARGO_MAKEFLAGS"] {

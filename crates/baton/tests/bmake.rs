@@ -6,7 +6,7 @@ mod common;
 
 use common::*;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Output, Stdio};
+use std::process::{Child, Command, Output, Stdio};
 use std::time::Duration;
 
 /// A recursive bmake tree: the top runs `subs` sub-makes (s0, s1, ...),
@@ -90,10 +90,19 @@ fn bmake_is_found_by_what_it_is_and_gets_its_own_form() {
     let link = dir.path().join("make");
     std::os::unix::fs::symlink(bmake(), &link).unwrap();
     std::fs::write(dir.path().join("Makefile"), "all:\n\t@echo \"$$MAKEFLAGS\"\n").unwrap();
-    let out = broker.run(&["--", link.to_str().unwrap()]).current_dir(dir.path()).env_remove("MAKEFLAGS").output().unwrap();
+    let out = broker.run(&["--explain", "--", link.to_str().unwrap()]).current_dir(dir.path()).env_remove("MAKEFLAGS").output().unwrap();
     assert!(out.status.success(), "{}", text(&out));
     let flags = String::from_utf8_lossy(&out.stdout);
     assert!(flags.contains(" -J ") && flags.contains("-j 2"), "bmake's form: {flags}");
+    // --explain names what bmake got and why; GNU make's and gcc's
+    // versions, which decide a GNU build's form, are no reason here.
+    let explained = String::from_utf8_lossy(&out.stderr);
+    let first = explained.lines().next().unwrap_or("");
+    assert!(first.contains("jobserver: fifo (bmake's -J R,W") && first.ends_with("(auto)"), "{explained}");
+    let version = Command::new(bmake()).args(["-r", "-f", "/dev/null", "-V", "MAKE_VERSION"]).output().unwrap();
+    let version = String::from_utf8_lossy(&version.stdout).trim().to_string();
+    assert!(explained.contains(&format!("because bmake {version} ({})", link.display())), "{explained}");
+    assert!(!explained.contains("gcc") && !explained.contains("reads only R,W"), "{explained}");
     broker.assert_all_free();
 }
 
