@@ -124,12 +124,21 @@ pub fn run(bench: &Bench, scale: &Scale) -> Result<Findings> {
         format!("medians of {rounds} alternating rounds; _x columns: ratio to bmake's own -jN at the same N and shape, same run"),
         "ops are the jobs run; CPU, user, sys and csw include every process of the build and, for baton, the broker".to_string(),
         "universe: 200 sub-makes, 30 up-to-date targets and 3 jobs each; flat: 300 sub-makes of 4 jobs".to_string(),
+        format!("bmake: {} ({})", bmake.display(), bmake_version(&bmake)),
     ];
     Ok(Findings { rows, notes })
 }
 
 pub(super) fn round2(x: f64) -> f64 {
     (x * 100.0).round() / 100.0
+}
+
+/// What the bmake says its version is (a date), for the notes: a bmake
+/// that polls its token pipe (scripts/polling-bmake) and one that does not
+/// may carry the same one.
+fn bmake_version(bmake: &Path) -> String {
+    let out = Command::new(bmake).args(["-r", "-f", "/dev/null", "-V", "MAKE_VERSION"]).output();
+    out.ok().map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string()).filter(|v| !v.is_empty()).unwrap_or_else(|| "version unknown".into())
 }
 
 fn find_bmake() -> Result<PathBuf> {
