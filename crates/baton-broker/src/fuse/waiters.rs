@@ -598,6 +598,17 @@ mod tests {
             }
             f
         }
+        /// Thread 1 holds the one token; then each of `pollers` (its pid
+        /// and name) holds a poll, its request id the pid × 10.
+        fn polls_held_behind_a_holder(pollers: &[(Pid, &'static str)]) -> Self {
+            let pids: Vec<Pid> = std::iter::once(1).chain(pollers.iter().map(|&(pid, _)| pid)).collect();
+            let mut f = Fixture::new(1, Mode::OneAtATime, &pids);
+            f.read(1, 10, false, "holder");
+            for &(pid, name) in pollers {
+                f.poll_held(pid, Fh::from(pid) * 10, name);
+            }
+            f
+        }
         /// A read by thread `pid` of `pid`; its request id is `fh`.
         fn read(&mut self, pid: Pid, fh: Fh, blocking: bool, name: &'static str) {
             self.waiters.read(&mut self.broker, pid, Caller { tid: pid, unique: fh }, fh, blocking, Reply(self.log.clone(), name));
@@ -763,10 +774,7 @@ mod tests {
 
     #[test]
     fn a_held_poll_is_answered_ready_when_its_token_comes_and_nobody_is_woken() {
-        let mut f = Fixture::new(1, Mode::OneAtATime, &[1, 2, 3]);
-        f.read(1, 10, false, "holder");
-        f.poll_held(2, 20, "p2");
-        f.poll_held(3, 30, "p3");
+        let mut f = Fixture::polls_held_behind_a_holder(&[(2, "p2"), (3, "p3")]);
         assert_eq!(f.events(), ["holder token"], "held: no answer yet");
         f.write(1, 1).unwrap();
         assert_eq!(f.events(), ["p2 ready"], "only the first is answered, and no handle is woken");
@@ -777,10 +785,7 @@ mod tests {
 
     #[test]
     fn an_interrupted_held_poll_is_answered_not_ready_and_keeps_its_place() {
-        let mut f = Fixture::new(1, Mode::OneAtATime, &[1, 2, 3]);
-        f.read(1, 10, false, "holder");
-        f.poll_held(2, 20, "p2");
-        f.poll_held(3, 30, "p3");
+        let mut f = Fixture::polls_held_behind_a_holder(&[(2, "p2"), (3, "p3")]);
         f.events();
         assert!(f.waiters.interrupted(&mut f.broker, 20));
         assert!(!f.waiters.interrupted(&mut f.broker, 20), "answered already: not ours to answer again");
@@ -805,9 +810,7 @@ mod tests {
 
     #[test]
     fn a_poll_held_too_long_is_answered_not_ready_and_its_handle_woken_later() {
-        let mut f = Fixture::new(1, Mode::OneAtATime, &[1, 2]);
-        f.read(1, 10, false, "holder");
-        f.poll_held(2, 20, "p2");
+        let mut f = Fixture::polls_held_behind_a_holder(&[(2, "p2")]);
         f.events();
         assert_eq!(f.waiters.next_deadline(), Some(f.now + HOLD));
         f.now += HOLD;
@@ -831,9 +834,7 @@ mod tests {
 
     #[test]
     fn a_handover_answers_held_polls_and_the_successor_wakes_them() {
-        let mut f = Fixture::new(1, Mode::OneAtATime, &[1, 2]);
-        f.read(1, 10, false, "holder");
-        f.poll_held(2, 20, "p2");
+        let mut f = Fixture::polls_held_behind_a_holder(&[(2, "p2")]);
         f.events();
         let state = f.waiters.hand_over(&mut f.broker, f.now);
         assert_eq!(f.events(), ["p2 not ready"]);
