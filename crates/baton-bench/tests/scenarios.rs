@@ -240,7 +240,9 @@ fn broadcast_counts_items_and_wake_ups(h: &Harness) -> Result<()> {
 }
 
 fn universe_counts_every_job_of_both_trees(h: &Harness) -> Result<()> {
-    let doc = h.bench(&["universe", "--waiters", "4", "--ops", "1", "--job-us", "1000"])?;
+    // Two rounds: the second runs under the brokers the first started,
+    // which the bench checks got every token back.
+    let doc = h.bench(&["universe", "--waiters", "4", "--ops", "2", "--job-us", "1000"])?;
     let ways = h.expected(&["bmake -jN", "baton run (fifo)", "baton run (pipe)", "baton run (fuse)"]);
     // One block of rows per tree.
     ensure!(mechanisms(&doc) == ways.repeat(2), "mechanisms {:?}", mechanisms(&doc));
@@ -252,6 +254,8 @@ fn universe_counts_every_job_of_both_trees(h: &Harness) -> Result<()> {
             ensure!(u64_of(row, "csw") > 0 && f64_of(row, "user_s") > 0.0, "nothing counted: {row}");
             // The ratios are to bmake's own row of the same shape.
             ensure!(row["mechanism"] != "bmake -jN" || f64_of(row, "csw_x") == 1.0, "{row}");
+            ensure!(row["mechanism"] != "bmake -jN" || f64_of(row, "wall_pair_x") == 1.0, "{row}");
+            ensure!(f64_of(row, "wall_pair_x") > 0.0, "no paired ratio: {row}");
         }
     }
     Ok(())

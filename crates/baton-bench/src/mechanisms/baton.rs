@@ -6,6 +6,7 @@ use crate::sys;
 use anyhow::{bail, Context, Result};
 use baton_client::Client;
 use baton_core::protocol::{Reply, Request};
+use std::collections::HashMap;
 use std::os::unix::process::CommandExt;
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
@@ -98,8 +99,58 @@ impl Broker {
         &self.socket
     }
 
+    /// Waits until every one of the broker's `tokens` is free again (a
+    /// build's `baton run` gives its tokens back as it exits, and the broker
+    /// may read that a moment later); an error if some never come back.
+    pub fn check_all_free(&self, tokens: u32) -> Result<()> {
+        let mut client = Client::connect(&self.socket, "baton bench check")?;
+        let deadline = Instant::now() + STARTUP;
+        loop {
+            let (_, free) = client.wanted()?;
+            if free == tokens {
+                return Ok(());
+            }
+            if Instant::now() > deadline {
+                bail!("{} of the broker's {tokens} tokens are still out {STARTUP:?} after the build ended", tokens - free.min(tokens));
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
+
     fn log_text(&self) -> String {
         std::fs::read_to_string(&self.log).unwrap_or_default().trim().to_string()
+    }
+}
+
+/// Brokers kept running across a bench's builds, one per token count and
+/// set of `serve` flags, as a machine-wide broker would be: a build then
+/// pays what it pays under a running broker, not the broker's start nor
+/// `baton run`'s first look at the build's tools (remembered beside the
+/// socket, docs/jobserver.md).
+pub struct Brokers<'a> {
+    env: &'a Env,
+    running: HashMap<(u32, Vec<String>), Broker>,
+}
+
+impl<'a> Brokers<'a> {
+    pub fn new(env: &'a Env) -> Self {
+        Brokers { env, running: HashMap::new() }
+    }
+
+    /// The broker of `tokens` started with `flags`, started now if it is
+    /// the first asked for.
+    pub fn get(&mut self, tokens: u32, flags: &[&str]) -> Result<&Broker> {
+        let key = (tokens, flags.iter().map(|f| f.to_string()).collect());
+        if !self.running.contains_key(&key) {
+            let broker = Broker::start_with(tokens, self.env, Wait::Blocking, flags)?;
+            self.running.insert(key.clone(), broker);
+        }
+        Ok(&self.running[&key])
+    }
+
+    /// The `baton` binary the brokers run, for `baton run`.
+    pub fn baton_bin(&self) -> &std::path::Path {
+        &self.env.baton_bin
     }
 }
 

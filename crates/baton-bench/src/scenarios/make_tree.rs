@@ -12,9 +12,9 @@
 //! window.
 
 use super::builds::check_version;
-use super::universe::{measure, median_sample, round2, Sample};
+use super::universe::{measure_and_check, median_sample, round2, Sample};
 use super::{Bench, Defaults, Findings, Scale};
-use crate::mechanisms::baton::{Broker, Wait};
+use crate::mechanisms::baton::Brokers;
 use crate::mechanisms::Mechanism;
 use crate::report::Row;
 use anyhow::{Context, Result};
@@ -68,13 +68,14 @@ pub fn run(bench: &Bench, scale: &Scale) -> Result<Findings> {
     let tree = write_tree(&bench.env.tmp, scale.job_us)?;
     let cases: Vec<(usize, Way)> = scale.waiters.iter().flat_map(|&n| ways.iter().map(move |&w| (n, w))).collect();
     let rounds = scale.ops.max(1) as usize;
+    let mut brokers = Brokers::new(&bench.env);
     let mut samples: Vec<Vec<(Sample, f64)>> = vec![Vec::new(); cases.len()];
     for round in 0..rounds {
         // Alternating: each round starts with a different case.
         for i in (0..cases.len()).map(|i| (i + round) % cases.len()) {
             let (n, way) = cases[i];
             let load = load_average();
-            let sample = build(bench, &make, &tree, n, way).with_context(|| format!("round {}: {} at -j{n}", round + 1, way.name()))?;
+            let sample = build(&mut brokers, &make, &tree, n, way).with_context(|| format!("round {}: {} at -j{n}", round + 1, way.name()))?;
             samples[i].push((sample, load));
         }
     }
@@ -100,6 +101,7 @@ pub fn run(bench: &Bench, scale: &Scale) -> Result<Findings> {
         "medians of {rounds} alternating rounds; _x columns: ratio of medians to make's own -jN at the same N, same run; load_min/max: the 1-minute load average as each of the row's builds started"
     ));
     notes.push("ops are the jobs run; csw and CPU include every process of the build and, for baton, the broker".to_string());
+    notes.push("one broker per N and style, kept running across rounds as a machine-wide one would be; every token back after each build".to_string());
     Ok(Findings { rows, notes })
 }
 
@@ -116,7 +118,7 @@ fn write_tree(tmp: &Path, job_us: u64) -> Result<PathBuf> {
     Ok(dir)
 }
 
-fn build(bench: &Bench, make: &Path, tree: &Path, n: usize, way: Way) -> Result<Sample> {
+fn build(brokers: &mut Brokers, make: &Path, tree: &Path, n: usize, way: Way) -> Result<Sample> {
     let make_args = ["-s", "--no-print-directory", "-f", "top.mk"];
     let (mut command, broker) = match way {
         Way::Own => {
@@ -130,14 +132,14 @@ fn build(bench: &Bench, make: &Path, tree: &Path, n: usize, way: Way) -> Result<
                 Way::Fifo => (&["--no-fuse"], "fifo"),
                 _ => (&[], "fuse"),
             };
-            let broker = Broker::start_with(n as u32, &bench.env, Wait::Blocking, flags)?;
-            let mut command = Command::new(&bench.env.baton_bin);
+            let mut command = Command::new(brokers.baton_bin());
+            let broker = brokers.get(n as u32, flags)?;
             command.arg("run").arg("--socket").arg(broker.socket()).args(["--jobserver-style", style, "--"]).arg(make).args(make_args);
             (command, Some(broker))
         }
     };
     command.current_dir(tree);
-    measure(command, broker.as_ref(), way.name())
+    measure_and_check(command, broker, n, way.name())
 }
 
 /// The 1-minute load average: the figures move with it on a shared machine.

@@ -9,7 +9,7 @@
 
 use super::{Bench, Defaults, Findings, Scale};
 use crate::measure::Usage;
-use crate::mechanisms::baton::{Broker, Wait};
+use crate::mechanisms::baton::{Broker, Brokers};
 use crate::mechanisms::Pool;
 use crate::report::Row;
 use anyhow::{bail, Context, Result};
@@ -90,19 +90,21 @@ pub fn run(bench: &Bench, scale: &Scale) -> Result<Findings> {
     let cases: Vec<(usize, usize, Way)> =
         (0..shapes.len()).flat_map(|s| ns.iter().flat_map(move |&n| WAYS.into_iter().map(move |w| (s, n, w)))).filter(|c| ways.contains(&c.2)).collect();
     let rounds = scale.ops.max(1) as usize;
+    let mut brokers = Brokers::new(&bench.env);
     let mut samples: Vec<Vec<Sample>> = vec![Vec::new(); cases.len()];
     for round in 0..rounds {
         // Alternating: each round starts with a different case.
         for i in (0..cases.len()).map(|i| (i + round) % cases.len()) {
             let (s, n, way) = cases[i];
-            let sample = build(bench, &bmake, &trees[s], n, way)
+            let sample = build(&mut brokers, &bmake, &trees[s], n, way)
                 .with_context(|| format!("round {}: {} at -j{n} ({})", round + 1, way.name(), shapes[s].name()))?;
             samples[i].push(sample);
         }
     }
     let mut rows = Vec::new();
     for (i, &(s, n, way)) in cases.iter().enumerate() {
-        let own = cases.iter().position(|&(s2, n2, w2)| (s2, n2, w2) == (s, n, Way::Own)).map(|j| median_sample(&samples[j]));
+        let own_samples = cases.iter().position(|&(s2, n2, w2)| (s2, n2, w2) == (s, n, Way::Own)).map(|j| &samples[j]);
+        let own = own_samples.map(|o| median_sample(o));
         let m = median_sample(&samples[i]);
         let (subs, _, jobs) = shapes[s].size();
         let wall = Duration::from_secs_f64(m.wall_s);
@@ -115,14 +117,16 @@ pub fn run(bench: &Bench, scale: &Scale) -> Result<Findings> {
         if let Some(own) = own {
             row = row
                 .with("wall_x", round2(m.wall_s / own.wall_s))
+                .with("wall_pair_x", round3(median_paired_ratio(&samples[i], own_samples.unwrap_or(&samples[i]), |s| s.wall_s)))
                 .with("sys_x", round2(m.sys_s / own.sys_s.max(1e-9)))
                 .with("csw_x", round2(m.usage.context_switches() as f64 / own.usage.context_switches().max(1) as f64));
         }
         rows.push(row);
     }
     let notes = vec![
-        format!("medians of {rounds} alternating rounds; _x columns: ratio to bmake's own -jN at the same N and shape, same run"),
+        format!("medians of {rounds} alternating rounds; _x columns: ratio of medians to bmake's own -jN at the same N and shape, same run; wall_pair_x: median of each round's ratio to bmake's own build of that round"),
         "ops are the jobs run; CPU, user, sys and csw include every process of the build and, for baton, the broker".to_string(),
+        "one broker per N (and one with the FUSE mount), kept running across rounds as a machine-wide one would be; every token back after each build".to_string(),
         "universe: 200 sub-makes, 30 up-to-date targets and 3 jobs each; flat: 300 sub-makes of 4 jobs".to_string(),
         format!("bmake: {} ({})", bmake.display(), bmake_version(&bmake)),
     ];
@@ -131,6 +135,20 @@ pub fn run(bench: &Bench, scale: &Scale) -> Result<Findings> {
 
 pub(super) fn round2(x: f64) -> f64 {
     (x * 100.0).round() / 100.0
+}
+
+fn round3(x: f64) -> f64 {
+    (x * 1000.0).round() / 1000.0
+}
+
+/// The median over rounds of `f(this round's sample) / f(the baseline's
+/// sample of the same round)`. Builds of one round run close together, so
+/// the pair shares the machine's state of the moment; the ratio of the two
+/// medians also carries the drift between rounds.
+pub(super) fn median_paired_ratio(samples: &[Sample], baseline: &[Sample], f: fn(&Sample) -> f64) -> f64 {
+    let mut ratios: Vec<f64> = samples.iter().zip(baseline).map(|(s, b)| f(s) / f(b).max(1e-9)).collect();
+    ratios.sort_by(f64::total_cmp);
+    ratios[ratios.len() / 2]
 }
 
 /// What the bmake says its version is (a date), for the notes: a bmake
@@ -178,7 +196,7 @@ fn write_tree(tmp: &Path, shape: Shape, job_us: u64) -> Result<PathBuf> {
     Ok(dir)
 }
 
-fn build(bench: &Bench, bmake: &Path, tree: &Path, n: usize, way: Way) -> Result<Sample> {
+fn build(brokers: &mut Brokers, bmake: &Path, tree: &Path, n: usize, way: Way) -> Result<Sample> {
     let (mut command, broker) = match way {
         Way::Own => {
             let mut command = Command::new(bmake);
@@ -187,17 +205,25 @@ fn build(bench: &Bench, bmake: &Path, tree: &Path, n: usize, way: Way) -> Result
         }
         Way::Baton(style) => {
             // The FUSE style needs the broker's mount; the others do without.
-            let broker = match style {
-                "fuse" => Broker::start_with(n as u32, &bench.env, Wait::Blocking, &[])?,
-                _ => Broker::start(n as u32, &bench.env, Wait::Blocking)?,
-            };
-            let mut command = Command::new(&bench.env.baton_bin);
+            let flags: &[&str] = if style == "fuse" { &[] } else { &["--no-fuse"] };
+            let mut command = Command::new(brokers.baton_bin());
+            let broker = brokers.get(n as u32, flags)?;
             command.arg("run").arg("--socket").arg(broker.socket()).args(["--jobserver-style", style, "--"]).arg(bmake);
             (command, Some(broker))
         }
     };
     command.current_dir(tree);
-    measure(command, broker.as_ref(), &way.name())
+    measure_and_check(command, broker, n, &way.name())
+}
+
+/// [`measure`], then checks that every token of the broker (if any) came
+/// back: the next build uses it too.
+pub(super) fn measure_and_check(command: Command, broker: Option<&Broker>, tokens: usize, name: &str) -> Result<Sample> {
+    let sample = measure(command, broker, name)?;
+    if let Some(broker) = broker {
+        broker.check_all_free(tokens as u32).with_context(|| format!("after {name}"))?;
+    }
+    Ok(sample)
 }
 
 /// Runs a build to its end and returns what it and the broker (if any)
@@ -273,5 +299,26 @@ pub(super) fn median_sample(samples: &[Sample]) -> Sample {
         sys_s: of(|s| s.sys_s),
         usage: Usage { voluntary_switches: usage_of(|u| u.voluntary_switches), involuntary_switches: usage_of(|u| u.involuntary_switches), cpu_us: usage_of(|u| u.cpu_us) },
         broker,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn walls(ws: &[f64]) -> Vec<Sample> {
+        ws.iter().map(|&wall_s| Sample { wall_s, ..Sample::default() }).collect()
+    }
+
+    #[test]
+    fn paired_ratios_follow_the_rounds_not_the_sorted_medians() {
+        // Baton 10% slower than bmake's own build in rounds 1 and 2, 10%
+        // faster in round 3, on a machine that slowed down after round 1:
+        // the pairs say 1.1, the ratio of the medians (1.9 / 2.0) 0.95.
+        let own = walls(&[1.0, 2.0, 2.1]);
+        let baton = walls(&[1.1, 2.2, 1.9]);
+        assert!((median_paired_ratio(&baton, &own, |s| s.wall_s) - 1.1).abs() < 1e-9);
+        assert!((median_sample(&baton).wall_s / median_sample(&own).wall_s - 0.95).abs() < 1e-9);
+        assert!((median_paired_ratio(&own, &own, |s| s.wall_s) - 1.0).abs() < 1e-9);
     }
 }
