@@ -122,11 +122,14 @@ fn start(broker_socket: &Path, projects: &Projects, kind: Kind) -> Child {
     std::os::unix::process::CommandExt::process_group(&mut run, 0);
     let (make43, make44, ninja) = (common::make43(), common::make44(), common::ninja());
     let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+    // No -jN for make or ninja: given one on its own command line, each
+    // runs a jobserver of its own past the pool (baton warns), and the
+    // soak would not exercise baton's.
     match kind {
-        Kind::Make43Pipe => run.args(["--jobserver-style", "pipe", "--"]).arg(make43).arg("-j8"),
-        Kind::Make44Fifo => run.args(["--jobserver-style", "fifo", "--"]).arg(make44).arg("-j8"),
-        Kind::Make44Fuse => run.args(["--jobserver-style", "fuse", "--"]).arg(make44).arg("-j8"),
-        Kind::NinjaFifo => run.args(["--jobserver-style", "fifo", "--"]).arg(ninja).arg("-j8"),
+        Kind::Make43Pipe => run.args(["--jobserver-style", "pipe", "--"]).arg(make43),
+        Kind::Make44Fifo => run.args(["--jobserver-style", "fifo", "--"]).arg(make44),
+        Kind::Make44Fuse => run.args(["--jobserver-style", "fuse", "--"]).arg(make44),
+        Kind::NinjaFifo => run.args(["--jobserver-style", "fifo", "--"]).arg(ninja),
         Kind::Cargo => run
             .args(["--", &cargo, "build", "--offline", "--quiet", "-j", "8"])
             .env("CARGO_TARGET_DIR", dir.join("target"))
