@@ -6,6 +6,7 @@
 //! transport that owns the client, and that transport's thread is woken to
 //! deliver them. Nothing here blocks or does I/O besides reading the clock.
 
+use crate::log;
 use baton_core::cluster::{admission_cap, Contact};
 #[cfg(feature = "cluster")]
 use baton_core::cluster::{Config, Local};
@@ -105,6 +106,9 @@ pub struct Broker {
     /// The pool's clock and the gates' start here (see [`Pool::advance`]),
     /// with the wall-clock time that instant was.
     started: (Instant, SystemTime),
+    /// Since when, and for how long, builds of a broker that died here are
+    /// given the time to re-attach before anything new is granted.
+    reclaim: Option<(Instant, SystemTime, Duration)>,
 }
 
 /// Everything a broker knows, as its successor (`baton serve --replace`)
@@ -134,6 +138,7 @@ impl Broker {
             cluster: None,
             demand_hook: None,
             gate_allowance: None,
+            reclaim: None,
             stats: HashMap::new(),
             utilization: Utilization::new(HISTORY_SLOT.as_nanos() as u64, HISTORY_SLOTS),
             started: (Instant::now(), SystemTime::now()),
@@ -179,6 +184,7 @@ impl Broker {
             cluster: None,
             demand_hook: None,
             gate_allowance: None,
+            reclaim: None,
             stats: HashMap::new(),
             utilization: Utilization::new(HISTORY_SLOT.as_nanos() as u64, HISTORY_SLOTS),
             started: (started, state.started),
@@ -458,12 +464,39 @@ impl Broker {
             self.demand_changed();
         }
         let cluster = self.cluster.as_ref().map(|c| admission_cap(c.held, Contact::from_name(&c.contact)));
-        let cap = match (gates, cluster) {
-            (Some(a), Some(b)) => Some(a.min(b)),
-            (a, b) => a.or(b),
-        };
+        // While builds re-attach, nothing new: a cap of 0 lets no request
+        // through (HOLD is not a request).
+        let reclaim = self.reclaim.map(|_| 0);
+        let cap = [gates, cluster, reclaim].into_iter().flatten().min();
         let grants = self.pool.set_admission_cap(cap);
         self.route(grants);
+    }
+
+    /// A broker died at this socket without cleaning up: builds it fed
+    /// may still run jobs on its tokens, and re-attach within moments
+    /// (`baton run` looks every 200 ms) to say what they hold (`HOLD`).
+    /// Until [`Broker::end_reclaim`], nothing new is granted, so that what
+    /// they hold is counted before any of it is handed out again, as an
+    /// NFS server after a restart lets clients reclaim their locks in a
+    /// grace period before it grants new ones (RFC 8881, "Server Failure and
+    /// Recovery").
+    pub fn start_reclaim(&mut self, grace: Duration) {
+        self.reclaim = Some((Instant::now(), SystemTime::now(), grace));
+        self.refresh_cap();
+    }
+
+    /// Ends the grace [`Broker::start_reclaim`] began: waiting requests
+    /// are served from what the re-attached builds left free.
+    pub fn end_reclaim(&mut self) {
+        if self.reclaim.take().is_some() {
+            let t = self.pool.totals();
+            log::info(format_args!(
+                "re-attach time over: {} token(s) counted for builds of the broker before; serving {} waiting request(s)",
+                t.held_again,
+                self.pool.waiting()
+            ));
+            self.refresh_cap();
+        }
     }
 
     fn route(&mut self, grants: Vec<Grant>) {
@@ -582,7 +615,16 @@ impl Broker {
             })
             .collect();
         let t = self.pool.totals();
-        let gates = self.gates.views().into_iter().map(|v| self.gate_status(v)).collect();
+        let mut gates: Vec<status::Gate> = self.gates.views().into_iter().map(|v| self.gate_status(v)).collect();
+        if let Some((since, wall, grace)) = self.reclaim {
+            gates.push(status::Gate {
+                name: "reclaim".to_string(),
+                open: false,
+                value: Some(since.elapsed().as_secs_f64()),
+                threshold: grace.as_secs_f64(),
+                closed_since: Some(epoch_seconds(wall)),
+            });
+        }
         Status {
             builds: self.builds(),
             version: baton_core::protocol::VERSION,
@@ -671,4 +713,35 @@ impl Broker {
 
 fn epoch_seconds(t: SystemTime) -> f64 {
     t.duration_since(SystemTime::UNIX_EPOCH).map_or(0.0, |d| (d.as_secs_f64() * 1000.0).round() / 1000.0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn client(broker: &mut Broker, pid: u32) -> ClientId {
+        broker.connect(ClientMeta::new(pid, format!("client {pid}"), Transport::Socket))
+    }
+
+    /// While builds of a dead broker re-attach, their HOLDs count and no
+    /// request is served; after, requests are served from what is left.
+    #[test]
+    fn nothing_is_granted_while_builds_re_attach() {
+        let mut broker = Broker::new(2).unwrap();
+        broker.start_reclaim(Duration::from_secs(60));
+        let (newcomer, old_build) = (client(&mut broker, 1), client(&mut broker, 2));
+        assert!(!broker.try_acquire(newcomer, 1).unwrap());
+        assert_eq!(broker.acquire(newcomer, 1, 1).unwrap(), Acquired::Queued);
+        assert!(broker.status().gates.iter().any(|g| g.name == "reclaim" && !g.open));
+
+        broker.hold(old_build, 2).unwrap();
+        broker.end_reclaim();
+        assert!(broker.take_grants(Transport::Socket).is_empty(), "the old build holds both tokens");
+        assert!(broker.status().gates.is_empty());
+
+        broker.release(old_build, 1).unwrap();
+        let grants = broker.take_grants(Transport::Socket);
+        assert_eq!(grants.iter().map(|g| (g.client, g.tokens)).collect::<Vec<_>>(), [(newcomer, 1)]);
+        assert_eq!((broker.pool().held(), broker.pool().free()), (2, 0));
+    }
 }

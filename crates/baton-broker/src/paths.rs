@@ -79,11 +79,13 @@ fn lock_path(socket: &Path) -> PathBuf {
 
 /// Clears the way for binding `socket`: refuses if a live broker answers
 /// there or the path is something other than a socket; removes a stale
-/// socket nobody answers on.
-pub fn clear_stale_socket(socket: &Path) -> Result<()> {
+/// socket nobody answers on. True if there was one: a broker died here
+/// without cleaning up, and its builds may still run (see
+/// [`crate::Broker::start_reclaim`]).
+pub fn clear_stale_socket(socket: &Path) -> Result<bool> {
     let meta = match fs::symlink_metadata(socket) {
         Ok(m) => m,
-        Err(e) if e.kind() == ErrorKind::NotFound => return Ok(()),
+        Err(e) if e.kind() == ErrorKind::NotFound => return Ok(false),
         Err(e) => return Err(e).with_context(|| format!("cannot inspect {}", socket.display())),
     };
     if !meta.file_type().is_socket() {
@@ -96,7 +98,8 @@ pub fn clear_stale_socket(socket: &Path) -> Result<()> {
             socket.display()
         ),
         Err(e) if e.kind() == ErrorKind::ConnectionRefused => {
-            fs::remove_file(socket).with_context(|| format!("cannot remove the stale socket {}", socket.display()))
+            fs::remove_file(socket).with_context(|| format!("cannot remove the stale socket {}", socket.display()))?;
+            Ok(true)
         }
         Err(e) => Err(e).with_context(|| format!("cannot tell whether a broker answers at {}", socket.display())),
     }

@@ -52,6 +52,9 @@ pub struct ServeOptions {
     /// Take over from the broker serving the socket, with its state
     /// (crate::handover); the limit and gates are then the ones it had.
     pub replace: bool,
+    /// After a broker died at the socket: how long nothing new is granted
+    /// while its builds re-attach ([`Broker::start_reclaim`]); zero: no wait.
+    pub reclaim_grace: Duration,
 }
 
 /// Serves until SIGTERM or SIGINT (or, with `idle_timeout`, until nobody
@@ -87,9 +90,7 @@ pub fn serve(opts: ServeOptions) -> Result<()> {
         Some(_) => paths::lock_socket_when_free(&socket)?,
         None => paths::lock_socket(&socket)?,
     };
-    if activated.is_none() && handed.is_none() {
-        paths::clear_stale_socket(&socket)?;
-    }
+    let a_broker_died_here = activated.is_none() && handed.is_none() && paths::clear_stale_socket(&socket)?;
 
     // Block the stop signals before any thread starts so that every thread
     // inherits the mask and only the signalfd sees them.
@@ -107,6 +108,9 @@ pub fn serve(opts: ServeOptions) -> Result<()> {
     };
     let gates = broker.gate_config();
     let broker = Arc::new(Mutex::new(broker));
+    if a_broker_died_here && !opts.reclaim_grace.is_zero() {
+        give_builds_time_to_reattach(&broker, &socket, opts.reclaim_grace);
+    }
     // Joined before the socket listens: no grant escapes the cluster's cap.
     let _cluster = opts.cluster.map(|config| cluster::join(config, &broker)).transpose()?;
     let _sampler = Sampler::spawn(broker.clone(), Probe::new(gates.max_mem_pressure.is_some())).context("cannot start the gates' thread")?;
@@ -227,6 +231,22 @@ fn stop_when_idle(broker: Arc<Mutex<Broker>>, timeout: Duration, own_socket: Opt
                 return;
             }
         }
+    });
+}
+
+/// Grants nothing new for `grace` (see [`Broker::start_reclaim`]); set
+/// before the socket listens, so no newcomer slips in first.
+fn give_builds_time_to_reattach(broker: &Arc<Mutex<Broker>>, socket: &Path, grace: Duration) {
+    log::info(format_args!(
+        "a broker died at {} without cleaning up: for {} ms nothing new is granted while its builds re-attach and say what they hold",
+        socket.display(),
+        grace.as_millis()
+    ));
+    broker.lock().expect("broker lock").start_reclaim(grace);
+    let broker = broker.clone();
+    std::thread::spawn(move || {
+        std::thread::sleep(grace);
+        broker.lock().expect("broker lock").end_reclaim();
     });
 }
 

@@ -121,6 +121,13 @@ enum Cmd {
         /// notices: upgrade baton in place with the new binary.
         #[arg(long)]
         replace: bool,
+        /// When a broker died at this socket (its socket file is left,
+        /// nobody answers): grant nothing new for MS milliseconds, while
+        /// its builds, which may still run jobs on its tokens, re-attach
+        /// and say what they hold (`baton run` looks every 200 ms). 0 does
+        /// not wait, and the limit may be exceeded until they are back.
+        #[arg(long, value_name = "MS", default_value_t = 1000, value_parser = clap::value_parser!(u64).range(0..=600_000))]
+        reclaim_grace: u64,
     },
     /// Run CMD holding tokens from the broker, with a GNU jobserver (MAKEFLAGS)
     /// fed from the pool; every token goes back when CMD ends.
@@ -341,7 +348,7 @@ fn main() -> ExitCode {
 
 fn dispatch(command: Cmd) -> anyhow::Result<u8> {
     match command {
-        Cmd::Serve { jobs, socket, verbose, quiet, no_fuse, fuse_notify_all, fuse_hold_ms, spin_us, no_io_uring, gates, mem_settle, on_memory_pressure, idle_timeout, max_clients, cluster, replace } => {
+        Cmd::Serve { jobs, socket, verbose, quiet, no_fuse, fuse_notify_all, fuse_hold_ms, spin_us, no_io_uring, gates, mem_settle, on_memory_pressure, idle_timeout, max_clients, cluster, replace, reclaim_grace } => {
             let log_level = if quiet { LogLevel::Warn } else if verbose { LogLevel::Debug } else { LogLevel::Info };
             let mode = if fuse_notify_all { FuseMode::NotifyAll } else { FuseMode::OneAtATime };
             let fuse = (!no_fuse).then_some(FuseOptions { mode, hold: Duration::from_millis(fuse_hold_ms) });
@@ -352,7 +359,8 @@ fn dispatch(command: Cmd) -> anyhow::Result<u8> {
             let jobs = jobs.unwrap_or_else(|| file.as_ref().expect("read when --jobs is not given").jobs(None).value);
             let cluster = cluster.config().or_else(|| file.as_ref().and_then(Config::cluster));
             let idle_timeout = idle_timeout.map(Duration::from_secs);
-            baton_broker::serve(ServeOptions { jobs, socket, fuse, spin_us, io_uring: !no_io_uring, log_level, gates, idle_timeout, max_clients, cluster, replace })?;
+            let reclaim_grace = Duration::from_millis(reclaim_grace);
+            baton_broker::serve(ServeOptions { jobs, socket, fuse, spin_us, io_uring: !no_io_uring, log_level, gates, idle_timeout, max_clients, cluster, replace, reclaim_grace })?;
         }
         Cmd::Run { socket, tokens, jobserver_style, max, explain, name, weight, command } => {
             // Read once, and only where needed: to start a broker, or for

@@ -220,7 +220,7 @@ fn builds_of_every_style_survive_a_crash_and_re_attach_to_a_new_broker() {
     assert_eq!(status.signal(), Some(libc::SIGKILL), "{log}");
     // The scenario: a new broker two seconds later.
     std::thread::sleep(Duration::from_secs(2));
-    let mut restarted = Broker::start_at(&broker, 4);
+    let mut restarted = Broker::start_at(&broker, 4, &[]);
     // Every `baton run` comes back and says what it holds; the pool may
     // drain meanwhile (a build re-attached early took a free token that
     // a later one turns out to hold already).
@@ -232,6 +232,44 @@ fn builds_of_every_style_survive_a_crash_and_re_attach_to_a_new_broker() {
     assert_eq!((s.free, s.held), (s.limit, 0), "every token is back: {s:#?}\n{}", restarted.log());
     restarted.stop_with(libc::SIGTERM);
     assert!(!is_mounted(&mount), "no mount is left: {}", restarted.log());
+}
+
+/// A broker killed while a build holds every token leaves its socket
+/// behind. The next one there grants nothing new until that build has
+/// re-attached and said what it holds, so a newcomer waits for those
+/// tokens instead of running beside them past the limit.
+#[test]
+fn a_broker_where_one_died_grants_nothing_new_before_its_builds_re_attach() {
+    let mut broker = Broker::start(2);
+    let dir = TempDir::new("reclaim");
+    let (gate, a_end, b_start) = (dir.path().join("gate"), dir.path().join("a_end"), dir.path().join("b_start"));
+    // Orphaned by a failed test, it still ends when the test's directory goes.
+    let holder = format!("while [ ! -e {} ] && [ -d {} ]; do sleep 0.05; done; date +%s%N > {}", gate.display(), dir.path().display(), a_end.display());
+    let mut a = broker.run(&["--tokens", "2", "--", "sh", "-c", &holder]).stdout(Stdio::null()).stderr(Stdio::null()).spawn().unwrap();
+    wait_for_status(&broker, "the build to hold both tokens", |s| s.held == 2);
+    broker.stop_with(libc::SIGKILL);
+
+    // Long enough for the build to re-attach on a loaded machine; the
+    // newcomer then waits for the build's tokens, not for the grace.
+    let restarted = Broker::start_at(&broker, 2, &["--reclaim-grace", "5000"]);
+    let newcomer = format!("date +%s%N > {}", b_start.display());
+    let mut b = restarted.run(&["--", "sh", "-c", &newcomer]).stdout(Stdio::null()).stderr(Stdio::null()).spawn().unwrap();
+    let s = wait_for_status(&restarted, "the build to re-attach with both tokens while the newcomer waits", |s| {
+        assert!(!b_start.exists(), "the newcomer ran while the build still held every token: {s:#?}\n{}", restarted.log());
+        s.held == 2 && s.waiters.len() == 1
+    });
+    assert!(s.gates.iter().any(|g| g.name == "reclaim" && !g.open), "the grace shows in the status: {s:#?}");
+    assert!(restarted.log().contains("a broker died at"), "{}", restarted.log());
+
+    std::fs::write(&gate, "").unwrap();
+    assert!(a.wait().unwrap().success());
+    assert!(b.wait().unwrap().success());
+    let read = |p: &Path| std::fs::read_to_string(p).unwrap().trim().parse::<u128>().unwrap();
+    assert!(read(&b_start) >= read(&a_end), "the newcomer ran while the build still held every token");
+    let s = restarted.status();
+    assert_eq!((s.free, s.held), (2, 0), "every token is back: {s:#?}");
+    assert!(s.gates.iter().all(|g| g.name != "reclaim"), "the grace ended: {s:#?}");
+    assert!(restarted.log().contains("re-attach time over: 2 token(s)"), "{}", restarted.log());
 }
 
 #[test]

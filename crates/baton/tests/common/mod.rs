@@ -130,11 +130,11 @@ impl Broker {
     }
 
     /// A new broker at the socket of `old` (which has stopped), logging
-    /// beside it.
-    pub fn start_at(old: &Broker, jobs: u32) -> Self {
+    /// beside it, with `extra` serve flags.
+    pub fn start_at(old: &Broker, jobs: u32, extra: &[&str]) -> Self {
         let dir = TempDir::new("broker-again");
         let log = std::fs::File::create(dir.path().join("broker.log")).unwrap();
-        let child = baton().args(["serve", "--jobs", &jobs.to_string(), "--socket"]).arg(&old.socket).stderr(log).spawn().expect("start baton serve");
+        let child = baton().args(["serve", "--jobs", &jobs.to_string(), "--socket"]).arg(&old.socket).args(extra).stderr(log).spawn().expect("start baton serve");
         let broker = Broker { child, socket: old.socket.clone(), dir, stopped: false };
         broker.wait_until_ready();
         broker
