@@ -66,6 +66,10 @@ struct Conn {
     interest: Interest,
     /// Its output waits to be sent with the loop's next sleep.
     unsent: bool,
+    /// The length of the last reply queued: one reply may be longer than
+    /// [`MAX_UNSENT`] (a STATUS listing ten thousand clients) and is sent
+    /// whole, however slowly the client reads it.
+    last_reply: usize,
 }
 
 /// A connection as a successor broker receives it (crate::handover): what
@@ -338,7 +342,7 @@ impl SocketServer {
                 self.by_client.insert(id, token);
             }
             let ConnState { pid, client, inbuf, outbuf, waiting, closing, .. } = state;
-            self.conns.insert(token, Conn { stream, pid, client, inbuf, outbuf, waiting, closing, interest: Interest::READABLE, unsent: false });
+            self.conns.insert(token, Conn { stream, pid, client, inbuf, outbuf, waiting, closing, interest: Interest::READABLE, unsent: false, last_reply: 0 });
             tokens.push(token);
         }
         for token in tokens {
@@ -386,7 +390,7 @@ impl SocketServer {
             return;
         }
         log::debug(format_args!("connection from pid {pid}"));
-        let conn = Conn { stream, pid, client: None, inbuf: Vec::new(), outbuf: Vec::new(), waiting: false, closing: false, interest: Interest::READABLE, unsent: false };
+        let conn = Conn { stream, pid, client: None, inbuf: Vec::new(), outbuf: Vec::new(), waiting: false, closing: false, interest: Interest::READABLE, unsent: false, last_reply: 0 };
         self.conns.insert(token, conn);
     }
 
@@ -540,7 +544,9 @@ impl SocketServer {
                 }
             }
         };
-        conn.outbuf.extend_from_slice(&reply.encode());
+        let reply = reply.encode();
+        conn.last_reply = reply.len();
+        conn.outbuf.extend_from_slice(&reply);
     }
 
     fn reply_error(&mut self, token: Token, code: ErrorCode, message: String) {
@@ -680,7 +686,9 @@ fn flush(conn: &mut Conn) -> io::Result<()> {
             Err(e) => return Err(e),
         }
     }
-    if conn.outbuf.len() > MAX_UNSENT {
+    // Unsent output beyond the last reply is replies the client left
+    // unread while it sent more requests.
+    if conn.outbuf.len() > MAX_UNSENT + conn.last_reply {
         return Err(io::Error::other("client does not read its replies"));
     }
     Ok(())

@@ -42,11 +42,15 @@ fn enough_files(needed: u64) -> bool {
 /// A client speaking the protocol on a bare socket: a `Client` each would
 /// cost this test 10,000 read buffers.
 fn hello(socket: &std::path::Path, i: usize) -> UnixStream {
-    let mut stream = UnixStream::connect(socket).unwrap_or_else(|e| panic!("client {i} cannot connect: {e}"));
-    stream.write_all(format!("HELLO 1 scale-{i}\n").as_bytes()).unwrap();
+    hello_as(socket, &format!("scale-{i}"))
+}
+
+fn hello_as(socket: &std::path::Path, label: &str) -> UnixStream {
+    let mut stream = UnixStream::connect(socket).unwrap_or_else(|e| panic!("{label} cannot connect: {e}"));
+    stream.write_all(format!("HELLO 1 {label}\n").as_bytes()).unwrap();
     let mut line = String::new();
     BufReader::new(&stream).read_line(&mut line).unwrap();
-    assert!(line.starts_with("OK 1 "), "client {i} got {line:?}");
+    assert!(line.starts_with("OK 1 "), "{label} got {line:?}");
     stream
 }
 
@@ -143,4 +147,55 @@ fn many_connected_clients_are_each_granted_in_turn() {
     drop(ready);
     drop(clients);
     broker.assert_all_free();
+}
+
+/// One reply may be longer than the broker's bound on unsent output (1
+/// MiB, which cuts off clients that do not read): a STATUS listing
+/// thousands of waiting clients with long labels reaches the client that
+/// asked for it, whole.
+#[test]
+fn a_status_longer_than_the_unsent_bound_reaches_its_reader() {
+    const WAITERS: usize = 5_000;
+    if !enough_files(WAITERS as u64 + SPARE_FDS) {
+        return;
+    }
+    let broker = Broker::start_with(1, &["--quiet"]);
+    let mut holder = broker.client("the holder of the one token");
+    holder.acquire(1).unwrap();
+    let long = "w".repeat(180);
+    let mut waiters: Vec<UnixStream> = (0..WAITERS).map(|i| hello_as(&broker.socket, &format!("{long}-{i}"))).collect();
+    for w in &mut waiters {
+        w.write_all(b"ACQUIRE 1\n").unwrap();
+    }
+    wait_for_waiters(&broker, WAITERS);
+    // Asked for, and read only once the broker has written what the
+    // socket takes and kept the rest (a reader as slow as a loaded
+    // machine makes one).
+    let mut reader = hello_as(&broker.socket, "a slow reader");
+    reader.write_all(b"STATUS\n").unwrap();
+    std::thread::sleep(Duration::from_millis(300));
+    let mut reader = BufReader::new(reader);
+    let mut head = String::new();
+    reader.read_line(&mut head).unwrap();
+    let length: usize = head.trim().strip_prefix("STATUS ").and_then(|n| n.parse().ok()).unwrap_or_else(|| panic!("got {head:?}"));
+    assert!(length > 3 << 19, "the status must be longer than the bound and the socket's buffers: {length} bytes");
+    let mut json = vec![0u8; length];
+    reader.read_exact(&mut json).unwrap_or_else(|e| panic!("the broker cut the reply short: {e}"));
+    let status: baton_core::status::Status = serde_json::from_slice(&json).unwrap();
+    assert_eq!(status.waiters.len(), WAITERS);
+    drop(waiters);
+    holder.release(1).unwrap();
+    broker.assert_all_free();
+}
+
+fn wait_for_waiters(broker: &Broker, n: usize) -> baton_core::status::Status {
+    let started = Instant::now();
+    loop {
+        let status = broker.status();
+        if status.waiters.len() == n {
+            return status;
+        }
+        assert!(started.elapsed() < Duration::from_secs(60), "{} of {n} waiting after a minute", status.waiters.len());
+        std::thread::sleep(Duration::from_millis(50));
+    }
 }
