@@ -106,9 +106,10 @@ pub struct Broker {
     /// The pool's clock and the gates' start here (see [`Pool::advance`]),
     /// with the wall-clock time that instant was.
     started: (Instant, SystemTime),
-    /// Since when, and for how long, builds of a broker that died here are
-    /// given the time to re-attach before anything new is granted.
-    reclaim: Option<(Instant, SystemTime, Duration)>,
+    /// Since when (on the pool's clock), and for how long, builds of a
+    /// broker that died here are given the time to re-attach before
+    /// anything new is granted.
+    reclaim: Option<(Duration, Duration)>,
 }
 
 /// Everything a broker knows, as its successor (`baton serve --replace`)
@@ -481,7 +482,7 @@ impl Broker {
     /// grace period before it grants new ones (RFC 8881, "Server Failure and
     /// Recovery").
     pub fn start_reclaim(&mut self, grace: Duration) {
-        self.reclaim = Some((Instant::now(), SystemTime::now(), grace));
+        self.reclaim = Some((self.clock(), grace));
         self.refresh_cap();
     }
 
@@ -616,13 +617,13 @@ impl Broker {
             .collect();
         let t = self.pool.totals();
         let mut gates: Vec<status::Gate> = self.gates.views().into_iter().map(|v| self.gate_status(v)).collect();
-        if let Some((since, wall, grace)) = self.reclaim {
+        if let Some((since, grace)) = self.reclaim {
             gates.push(status::Gate {
                 name: "reclaim".to_string(),
                 open: false,
-                value: Some(since.elapsed().as_secs_f64()),
+                value: Some((self.clock() - since).as_secs_f64()),
                 threshold: grace.as_secs_f64(),
-                closed_since: Some(epoch_seconds(wall)),
+                closed_since: Some(epoch_seconds(self.started.1 + since)),
             });
         }
         Status {

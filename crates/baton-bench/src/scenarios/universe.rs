@@ -104,7 +104,6 @@ pub fn run(bench: &Bench, scale: &Scale) -> Result<Findings> {
     let mut rows = Vec::new();
     for (i, &(s, n, way)) in cases.iter().enumerate() {
         let own_samples = cases.iter().position(|&(s2, n2, w2)| (s2, n2, w2) == (s, n, Way::Own)).map(|j| &samples[j]);
-        let own = own_samples.map(|o| median_sample(o));
         let m = median_sample(&samples[i]);
         let (subs, _, jobs) = shapes[s].size();
         let wall = Duration::from_secs_f64(m.wall_s);
@@ -114,10 +113,11 @@ pub fn run(bench: &Bench, scale: &Scale) -> Result<Findings> {
             .with("sys_s", round2(m.sys_s))
             .with("sys_share", round2(m.sys_s / (m.user_s + m.sys_s).max(1e-9)))
             .with("csw", m.usage.context_switches());
-        if let Some(own) = own {
+        if let Some(own_samples) = own_samples {
+            let own = median_sample(own_samples);
             row = row
                 .with("wall_x", round2(m.wall_s / own.wall_s))
-                .with("wall_pair_x", round3(median_paired_ratio(&samples[i], own_samples.unwrap_or(&samples[i]), |s| s.wall_s)))
+                .with("wall_pair_x", round3(median_paired_ratio(&samples[i], own_samples, |s| s.wall_s)))
                 .with("sys_x", round2(m.sys_s / own.sys_s.max(1e-9)))
                 .with("csw_x", round2(m.usage.context_switches() as f64 / own.usage.context_switches().max(1) as f64));
         }
