@@ -37,16 +37,21 @@ pub struct Autostart {
     pub args: Vec<OsString>,
 }
 
+/// Works out an [`Autostart`] only when a broker must start: a `baton run`
+/// that finds one running (nearly every one) skips the work (counting
+/// CPUs reads the cgroup's files; finding our own program, a link).
+pub type LazyAutostart = Box<dyn Fn() -> Result<Autostart>>;
+
 /// Connects to the broker at `socket`; if none answers and `autostart` is
 /// given, starts one (detached, logging to [`log_path`]) and connects to it.
 ///
 /// # Errors
 /// No broker answers and none may or could be started, or the broker
 /// refuses the connection.
-pub fn connect(socket: &Path, label: &str, autostart: Option<&Autostart>) -> Result<Client> {
+pub fn connect(socket: &Path, label: &str, autostart: Option<&LazyAutostart>) -> Result<Client> {
     match (Client::connect(socket, label), autostart) {
         // Disconnected: we reached a broker that was stopping, idle.
-        (Err(ClientError::NoBroker { .. } | ClientError::Disconnected), Some(start)) => start_then_connect(socket, label, start),
+        (Err(ClientError::NoBroker { .. } | ClientError::Disconnected), Some(start)) => start_then_connect(socket, label, &start()?),
         (client, _) => Ok(client?),
     }
 }

@@ -188,15 +188,26 @@ pub fn inspect(probes: &Probes, command: &[OsString]) -> Tree {
     // Each probe runs a program (the command, make, cc twice): in threads
     // of their own they delay the build's start by the slowest of them,
     // not by their sum.
-    let make_program = std::env::var_os("MAKE").map_or(PathBuf::from("make"), PathBuf::from);
     std::thread::scope(|s| {
-        let make = s.spawn(|| gnu_make(probes, &make_program));
+        let make = s.spawn(|| gnu_make(probes, &make_program()));
         let gcc = s.spawn(|| gcc(probes, &c_compiler()));
         let (top, forced_jobs, lto, ninja_runs_make) = inspect_command(probes, command);
         let make = make.join().expect("the make probe does not panic");
         let gcc = gcc.join().expect("the cc probe does not panic");
         Tree { top, make, gcc, lto, ninja_runs_make, forced_jobs }
     })
+}
+
+/// [`inspect`] one probe after the other: for answers already known
+/// (`Probes::recalled`), where threads would cost more than they save.
+pub fn inspect_in_turn(probes: &Probes, command: &[OsString]) -> Tree {
+    let (top, forced_jobs, lto, ninja_runs_make) = inspect_command(probes, command);
+    Tree { top, make: gnu_make(probes, &make_program()), gcc: gcc(probes, &c_compiler()), lto, ninja_runs_make, forced_jobs }
+}
+
+/// The make a build's recipes run: `$MAKE`, else `make`.
+fn make_program() -> PathBuf {
+    std::env::var_os("MAKE").map_or(PathBuf::from("make"), PathBuf::from)
 }
 
 /// The command's own tool, a `-j` it forces, and, for ninja, whether its

@@ -36,7 +36,7 @@ mod run;
 
 use feeder::Feeder;
 use fifo::Fifo;
-pub use autostart::{log_path as autostart_log_path, Autostart};
+pub use autostart::{log_path as autostart_log_path, Autostart, LazyAutostart};
 pub use run::{run, RunOptions};
 
 /// The feeder's pure rules, for the fuzz targets (fuzz/) only.

@@ -17,6 +17,7 @@ use std::io::Write;
 use std::os::unix::fs::{MetadataExt, OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Mutex, OnceLock};
 
 /// What a program printed, and whether it exited 0.
@@ -32,6 +33,10 @@ pub struct Probes {
     /// Read from `file` at the first question: a run that asks nothing
     /// (a job of an outer build) never reads it.
     known: OnceLock<Mutex<Known>>,
+    /// Inside [`Probes::recalled`]: questions not remembered run nothing.
+    recall_only: AtomicBool,
+    /// A question inside [`Probes::recalled`] was not remembered.
+    missed: AtomicBool,
 }
 
 #[derive(Default)]
@@ -51,7 +56,18 @@ impl Probes {
     /// not ours alone (another owner, or writable by others) is not read:
     /// its answers choose how our builds run.
     pub fn open(file: Option<PathBuf>) -> Probes {
-        Probes { file, known: OnceLock::new() }
+        Probes { file, known: OnceLock::new(), recall_only: AtomicBool::new(false), missed: AtomicBool::new(false) }
+    }
+
+    /// Runs `f` on remembered answers alone: None if it asked a question
+    /// that would have run a program. The usual run finds every answer
+    /// kept and, this way, starts no thread to ask side by side.
+    pub fn recalled<T>(&self, f: impl FnOnce() -> T) -> Option<T> {
+        self.missed.store(false, Ordering::Relaxed);
+        self.recall_only.store(true, Ordering::Relaxed);
+        let found = f();
+        self.recall_only.store(false, Ordering::Relaxed);
+        (!self.missed.load(Ordering::Relaxed)).then_some(found)
     }
 
     /// Runs `program args` (found on PATH as `Command` finds it), or
@@ -60,6 +76,11 @@ impl Probes {
         let key = key(program, args);
         if let Some(answer) = key.as_ref().and_then(|k| self.lock().answers.get(k).cloned()) {
             return Some(answer);
+        }
+        // A program that is not found is not run either: no miss.
+        if self.recall_only.load(Ordering::Relaxed) {
+            self.missed.fetch_or(key.is_some(), Ordering::Relaxed);
+            return None;
         }
         let answer = run(program, args)?;
         if let Some(key) = key {
@@ -200,6 +221,26 @@ mod tests {
 
     fn answer(ok: bool, stdout: &str) -> Answer {
         Answer { ok, stdout: stdout.to_string() }
+    }
+
+    #[test]
+    fn recalled_answers_only_what_is_remembered() {
+        let dir = std::env::temp_dir().join(format!("baton-probe-recall-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let tool = dir.join("tool");
+        std::fs::write(&tool, "#!/bin/sh\necho ran >> \"$0.log\"\necho answer\n").unwrap();
+        std::fs::set_permissions(&tool, std::fs::Permissions::from_mode(0o755)).unwrap();
+        let probes = Probes::open(None);
+        let ran = || std::fs::read_to_string(dir.join("tool.log")).unwrap_or_default().lines().count();
+        assert_eq!(probes.recalled(|| probes.ask(&tool, &["-v"])), None, "not yet asked: a miss");
+        assert_eq!(ran(), 0, "recalled runs nothing");
+        assert_eq!(probes.ask(&tool, &["-v"]).unwrap().stdout, "answer\n");
+        assert_eq!(probes.recalled(|| probes.ask(&tool, &["-v"]).map(|a| a.stdout)), Some(Some("answer\n".to_string())));
+        assert_eq!(probes.recalled(|| probes.ask(&dir.join("missing"), &[])), Some(None), "not found is an answer, not a miss");
+        assert_eq!(ran(), 1);
+        assert!(probes.ask(&tool, &["-w"]).is_some(), "outside recalled, questions run again");
+        assert_eq!(ran(), 2);
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]

@@ -5,7 +5,7 @@
 //! is killed the broker takes them all back at once; CMD gets SIGKILL
 //! through the parent-death signal, so it cannot run on holding nothing.
 
-use crate::autostart::{self, Autostart};
+use crate::autostart::{self, LazyAutostart};
 use crate::build_file::{self, BuildFile};
 use crate::choice::{self, Choice};
 use crate::probe::Probes;
@@ -28,7 +28,6 @@ use std::time::Duration;
 const PROBES_FILE: &str = "probes";
 
 /// What `baton run` was asked to do.
-#[derive(Debug, Clone)]
 pub struct RunOptions {
     /// The broker's socket; None: `baton_core::paths::default_socket_path`.
     pub socket: Option<PathBuf>,
@@ -47,7 +46,7 @@ pub struct RunOptions {
     /// Say on stderr which jobserver form the build gets, and why.
     pub explain: bool,
     /// How to start a broker if none answers; None: fail instead.
-    pub autostart: Option<Autostart>,
+    pub autostart: Option<LazyAutostart>,
 }
 
 /// Runs the command under the broker; returns the exit code `baton run`
@@ -86,12 +85,7 @@ pub fn run(opts: RunOptions) -> Result<i32> {
     // After the signals are blocked: a stop signal sent now waits for CMD,
     // as it would once CMD runs (the tools asked for their versions start
     // with the mask cleared).
-    // Both probes run programs; side by side, the build waits for one.
-    let (tree, bmake_version) = std::thread::scope(|s| {
-        let bmake = s.spawn(|| bmake::version(&probes, Path::new(&opts.command[0])));
-        let tree = choice::inspect(&probes, &opts.command);
-        (tree, bmake.join().expect("the bmake probe does not panic"))
-    });
+    let (tree, bmake_version) = look_at_the_tools(&probes, &opts.command);
     let is_bmake = bmake_version.is_some();
     probes.save();
     let choice = choice::choose(&tree);
@@ -150,6 +144,21 @@ pub fn run(opts: RunOptions) -> Result<i32> {
     drop(pipe_ends); // the child has its copies
     let status = supervise(child, &signals, broker, feeder)?;
     Ok(exit_code(status))
+}
+
+/// What `choice` finds of the build's tools, and bmake's version if CMD is
+/// bmake. Usually every answer is remembered and they are read in turn;
+/// else the probes run side by side, and the build waits for the slowest.
+fn look_at_the_tools(probes: &Probes, command: &[OsString]) -> (choice::Tree, Option<String>) {
+    let program = Path::new(&command[0]);
+    let in_turn = || (choice::inspect_in_turn(probes, command), bmake::version(probes, program));
+    probes.recalled(in_turn).unwrap_or_else(|| {
+        std::thread::scope(|s| {
+            let bmake = s.spawn(|| bmake::version(probes, program));
+            let tree = choice::inspect(probes, command);
+            (tree, bmake.join().expect("the bmake probe does not panic"))
+        })
+    })
 }
 
 /// What the build was given as its jobserver, kept while it runs.

@@ -18,7 +18,7 @@ mod top;
 use baton_broker::{FuseMode, FuseOptions, LogLevel, ServeOptions};
 use baton_core::gates::GateConfig;
 use baton_core::paths::socket_path;
-use baton_jobserver::{Autostart, RunOptions};
+use baton_jobserver::{Autostart, LazyAutostart, RunOptions};
 use clap::{CommandFactory, Parser, Subcommand};
 use config::Config;
 use std::ffi::OsString;
@@ -366,8 +366,11 @@ fn dispatch(command: Cmd) -> anyhow::Result<u8> {
             // Read once, and only where needed: to start a broker, or for
             // the default weight.
             let config = if autostart_enabled() || weight.is_none() { Some(Config::load()?) } else { None };
-            let autostart = config.as_ref().filter(|_| autostart_enabled()).map(|c| autostart(socket.as_deref(), c)).transpose()?;
             let weight = weight.unwrap_or_else(|| config.as_ref().expect("read when --weight is not given").weight().value);
+            let autostart = config.filter(|_| autostart_enabled()).map(|config| {
+                let socket = socket.clone();
+                Box::new(move || autostart(socket.as_deref(), &config)) as LazyAutostart
+            });
             let code = baton_jobserver::run(RunOptions { socket, tokens, max, style: jobserver_style, name, weight, command, explain, autostart })?;
             return Ok(u8::try_from(code).unwrap_or(1));
         }
