@@ -96,6 +96,9 @@ pub struct Broker {
     cluster: Option<status::Cluster>,
     /// Wakes the cluster link when what the local pool needs changes.
     demand_hook: Option<GrantHook>,
+    /// Wakes the gates' thread when the gates change: with none set, it
+    /// sleeps until then.
+    gates_hook: Option<GrantHook>,
     /// What the gates allowed at the last look: the cluster link takes no
     /// token for a request the gates hold back.
     gate_allowance: Option<u32>,
@@ -133,6 +136,7 @@ impl Broker {
             pool: Pool::new(limit)?,
             undelivered: HashMap::new(),
             hooks: HashMap::new(),
+            gates_hook: None,
             gates: Gates::new(GateConfig::default()),
             roots: HashMap::new(),
             names: HashMap::new(),
@@ -177,6 +181,7 @@ impl Broker {
             pool,
             undelivered,
             hooks: HashMap::new(),
+            gates_hook: None,
             gates: Gates::new(GateConfig::default()),
             roots: state.roots.into_iter().collect(),
             names: state.names.into_iter().collect(),
@@ -280,6 +285,7 @@ impl Broker {
             Acquired::Queued => {
                 meta.waiting_since.insert(tag, SystemTime::now());
                 self.demand_changed();
+                self.whole_requests_pass_the_gates();
             }
         }
         Ok(outcome)
@@ -318,6 +324,7 @@ impl Broker {
         }
         self.route(grants);
         self.demand_changed();
+        self.whole_requests_pass_the_gates();
         Ok(())
     }
 
@@ -380,6 +387,15 @@ impl Broker {
         let now = self.clock();
         self.gates.set_config(config, now);
         self.refresh_cap();
+        if let Some(GrantHook(hook)) = &self.gates_hook {
+            hook();
+        }
+    }
+
+    /// Calls `hook` whenever the gates' configuration is set. It runs under
+    /// the broker lock: it must only wake.
+    pub fn on_gates_set(&mut self, hook: impl Fn() + Send + Sync + 'static) {
+        self.gates_hook = Some(GrantHook(Box::new(hook)));
     }
 
     /// Sets one gate by its protocol name; returns its threshold now.
@@ -459,7 +475,7 @@ impl Broker {
     /// Sets the pool's admission cap to what the gates allow now, and
     /// delivers any grants a higher cap lets through.
     fn refresh_cap(&mut self) {
-        let gates = self.gates.allowance(self.pool.held(), self.started.0.elapsed());
+        let gates = self.gates.allowance(self.pool.held(), self.started.0.elapsed()).map(|allowed| self.whole_request(allowed));
         if gates != self.gate_allowance {
             self.gate_allowance = gates;
             self.demand_changed();
@@ -471,6 +487,26 @@ impl Broker {
         let cap = [gates, cluster, reclaim].into_iter().flatten().min();
         let grants = self.pool.set_admission_cap(cap);
         self.route(grants);
+    }
+
+    /// A request too wide for what the gates allow may pass once nothing
+    /// is held ([`Broker::whole_request`]): looked at as the queue or the
+    /// holdings change, not at the next reading.
+    fn whole_requests_pass_the_gates(&mut self) {
+        if self.gates.config().any() {
+            self.refresh_cap();
+        }
+    }
+
+    /// The gates count jobs, a request may ask for several at once: with
+    /// nothing held, what they allow (at least one job) lets the next
+    /// request through whole, or one wider than their slow start's first
+    /// step, or than `--min-jobs`, would wait for ever.
+    fn whole_request(&self, allowed: u32) -> u32 {
+        match self.pool.next_request() {
+            Some(tokens) if self.pool.held() == 0 && allowed > 0 => allowed.max(tokens),
+            _ => allowed,
+        }
     }
 
     /// A broker died at this socket without cleaning up: builds it fed
@@ -744,5 +780,26 @@ mod tests {
         let grants = broker.take_grants(Transport::Socket);
         assert_eq!(grants.iter().map(|g| (g.client, g.tokens)).collect::<Vec<_>>(), [(newcomer, 1)]);
         assert_eq!((broker.pool().held(), broker.pool().free()), (2, 0));
+    }
+
+    /// The memory gate's slow start allows one job while nothing has
+    /// settled: a request for two, with nothing held, passes whole rather
+    /// than never; with tokens held, it waits until they come back.
+    #[test]
+    fn a_request_wider_than_the_gates_allow_passes_once_nothing_is_held() {
+        let mut broker = Broker::new(4).unwrap();
+        broker.set_gates(GateConfig { min_mem_available: Some(1 << 20), ..GateConfig::default() });
+        broker.observe(Reading { mem_available: Some(1 << 40), mem_pressure: None, runnable: None });
+        let (a, b) = (client(&mut broker, 1), client(&mut broker, 2));
+        let granted = |broker: &mut Broker| broker.take_grants(Transport::Socket).iter().map(|g| (g.client, g.tokens)).collect::<Vec<_>>();
+
+        broker.acquire(a, 1, 2).unwrap();
+        assert_eq!(granted(&mut broker), [(a, 2)]);
+        assert_eq!(broker.acquire(b, 1, 2).unwrap(), Acquired::Queued);
+        assert!(granted(&mut broker).is_empty(), "a's young jobs use up what the slow start allows");
+        broker.release(a, 2).unwrap();
+        assert_eq!(granted(&mut broker), [(b, 2)]);
+        broker.release(b, 2).unwrap();
+        assert_eq!((broker.pool().held(), broker.pool().free()), (0, 4));
     }
 }

@@ -36,6 +36,10 @@ use std::time::{Duration, Instant};
 /// How often the machine is measured while a gate is configured.
 pub const SAMPLE: Duration = Duration::from_millis(100);
 
+/// How long the thread sleeps with no gate set and no job stopped: until
+/// the broker wakes it (a timeout of this length is as good as none).
+const UNTIL_WOKEN: Duration = Duration::from_secs(24 * 3600);
+
 /// How often while memory is short with `--on-memory-pressure pause`: a
 /// job can take a hundred megabytes in a tenth of a second.
 const URGENT_SAMPLE: Duration = Duration::from_millis(10);
@@ -174,14 +178,17 @@ impl Sampler {
         let mut armed = Triggers::new()?;
         let waker = armed.waker();
         let sources = probe.sources();
+        let on_set = waker.clone();
+        broker.lock().expect("broker lock").on_gates_set(move || on_set.wake());
         let thread = std::thread::Builder::new().name("baton-gates".into()).spawn(move || {
             run_before_the_jobs();
             let mut pausing = Pausing::default();
             while !stopping.load(Ordering::Relaxed) {
                 // Gates can be set while the broker runs (`baton limit`), so
-                // the thread stays, and measures only while one is set.
+                // the thread stays, and measures only while one is set:
+                // else it sleeps until one is (the broker wakes it).
                 let config = broker.lock().expect("broker lock").gate_config();
-                let mut interval = SAMPLE;
+                let mut interval = UNTIL_WOKEN;
                 armed.arm(&config, &sources);
                 if config.any() || !pausing.stopped.is_empty() {
                     let reading = probe.read();

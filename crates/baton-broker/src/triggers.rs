@@ -39,6 +39,7 @@ pub struct Triggers {
 }
 
 /// Wakes the thread waiting on its [`Triggers`].
+#[derive(Clone)]
 pub struct Waker(Arc<EventFd>);
 
 impl Waker {

@@ -453,6 +453,11 @@ impl<M> Pool<M> {
         self.cap
     }
 
+    /// How many tokens the request served next asks for, if any waits.
+    pub fn next_request(&self) -> Option<u32> {
+        self.next_waiter().map(|pos| self.queue[pos].tokens)
+    }
+
     /// Every client with what it holds and waits for, in connection order.
     pub fn clients(&self) -> impl Iterator<Item = ClientView<'_, M>> {
         // One pass over the queue, not one per client: ten thousand

@@ -177,6 +177,44 @@ fn gates_are_shown_by_status_and_set_live() {
     broker.assert_all_free();
 }
 
+/// With no gate set the gates' thread sleeps; setting one wakes it, and
+/// from then on it measures: the load gate closes under stress-ng and
+/// opens again once it ends, neither of which the reading the broker took
+/// at its start could show.
+#[test]
+fn a_gate_set_on_a_broker_started_without_gates_is_measured() {
+    let broker = Broker::start(4);
+    assert!(broker.status().gates.is_empty());
+    let stress_ng = which("stress-ng").expect("stress-ng (scripts/test installs it)");
+    let mut stress = Command::new(stress_ng).args(["--cpu", "4", "--timeout", "120", "--quiet"]).spawn().unwrap();
+    let out = baton().args(["limit", "--socket"]).arg(&broker.socket).args(["--max-load", "3"]).output().unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let load_gate_is_open = || broker.status().gates.iter().find(|g| g.name == "load").expect("the load gate is set").open;
+    wait_for(Duration::from_secs(30), "the load gate to close under stress-ng --cpu 4", || !load_gate_is_open());
+    unsafe { libc::kill(stress.id() as i32, libc::SIGTERM) };
+    stress.wait().unwrap();
+    wait_for(Duration::from_secs(30), "the load gate to open once stress-ng ends", load_gate_is_open);
+    broker.assert_all_free();
+}
+
+/// The memory gate's slow start lets one job start while nothing has
+/// settled: a request for three tokens at once, with nothing held, is
+/// granted whole, not held back for ever.
+#[test]
+fn a_request_for_several_tokens_passes_the_memory_gate_whole() {
+    let broker = Broker::start_with(4, &["--min-mem-available", "1M"]);
+    let mut a = broker.client("a");
+    let (done, granted) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let result = a.acquire(3);
+        done.send((result.is_ok(), a)).unwrap();
+    });
+    let (ok, mut a) = granted.recv_timeout(Duration::from_secs(30)).expect("three tokens granted within 30 s, with 1 MiB to keep free");
+    assert!(ok);
+    a.release(3).unwrap();
+    broker.assert_all_free();
+}
+
 #[test]
 fn bad_gate_values_are_refused_with_a_clear_message() {
     for (flag, value, says) in [
