@@ -223,13 +223,20 @@ mod tests {
         Answer { ok, stdout: stdout.to_string() }
     }
 
-    #[test]
-    fn recalled_answers_only_what_is_remembered() {
-        let dir = std::env::temp_dir().join(format!("baton-probe-recall-{}", std::process::id()));
+    /// A directory of this test's own with an executable `tool` in it
+    /// that runs `body` in sh.
+    fn script(test: &str, body: &str) -> (PathBuf, PathBuf) {
+        let dir = std::env::temp_dir().join(format!("baton-probe-{test}-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
         let tool = dir.join("tool");
-        std::fs::write(&tool, "#!/bin/sh\necho ran >> \"$0.log\"\necho answer\n").unwrap();
+        std::fs::write(&tool, format!("#!/bin/sh\n{body}\n")).unwrap();
         std::fs::set_permissions(&tool, std::fs::Permissions::from_mode(0o755)).unwrap();
+        (dir, tool)
+    }
+
+    #[test]
+    fn recalled_answers_only_what_is_remembered() {
+        let (dir, tool) = script("recall", "echo ran >> \"$0.log\"\necho answer");
         let probes = Probes::open(None);
         let ran = || std::fs::read_to_string(dir.join("tool.log")).unwrap_or_default().lines().count();
         assert_eq!(probes.recalled(|| probes.ask(&tool, &["-v"])), None, "not yet asked: a miss");
@@ -263,11 +270,7 @@ mod tests {
 
     #[test]
     fn a_program_is_keyed_by_the_file_that_runs() {
-        let dir = std::env::temp_dir().join(format!("baton-probe-key-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        let tool = dir.join("tool");
-        std::fs::write(&tool, "#!/bin/sh\necho one\n").unwrap();
-        std::fs::set_permissions(&tool, std::fs::Permissions::from_mode(0o755)).unwrap();
+        let (dir, tool) = script("key", "echo one");
         let before = key(&tool, &["--version"]).unwrap();
         assert_ne!(key(&tool, &["-V"]), Some(before.clone()), "other arguments, another key");
         // Rewritten in place, as an upgrade does: same path, new size.
