@@ -475,7 +475,7 @@ impl Broker {
     /// Sets the pool's admission cap to what the gates allow now, and
     /// delivers any grants a higher cap lets through.
     fn refresh_cap(&mut self) {
-        let gates = self.gates.allowance(self.pool.held(), self.started.0.elapsed()).map(|allowed| self.whole_request(allowed));
+        let gates = self.gates.allowance(self.pool.held(), self.pool.next_request(), self.started.0.elapsed());
         if gates != self.gate_allowance {
             self.gate_allowance = gates;
             self.demand_changed();
@@ -489,23 +489,12 @@ impl Broker {
         self.route(grants);
     }
 
-    /// A request too wide for what the gates allow may pass once nothing
-    /// is held ([`Broker::whole_request`]): looked at as the queue or the
-    /// holdings change, not at the next reading.
+    /// A request too wide for what the gates allow passes once nothing is
+    /// held (`Gates::allowance`): looked at as the queue or the holdings
+    /// change, not at the next reading.
     fn whole_requests_pass_the_gates(&mut self) {
-        if self.gates.config().any() {
+        if self.pool.held() == 0 && self.gates.config().any() {
             self.refresh_cap();
-        }
-    }
-
-    /// The gates count jobs, a request may ask for several at once: with
-    /// nothing held, what they allow (at least one job) lets the next
-    /// request through whole, or one wider than their slow start's first
-    /// step, or than `--min-jobs`, would wait for ever.
-    fn whole_request(&self, allowed: u32) -> u32 {
-        match self.pool.next_request() {
-            Some(tokens) if self.pool.held() == 0 && allowed > 0 => allowed.max(tokens),
-            _ => allowed,
         }
     }
 

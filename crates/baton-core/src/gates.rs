@@ -222,10 +222,15 @@ impl Gates {
         self.young.push(YoungGrant { at: now, tokens, available, lowest: available });
     }
 
-    /// How many tokens may be held in all right now, given `held`: at least
-    /// `min_jobs`, and no more than `held` while any gate is closed. None:
-    /// no gate is configured, so no cap.
-    pub fn allowance(&mut self, held: u32, now: Duration) -> Option<u32> {
+    /// How many tokens may be held in all right now, given `held` and the
+    /// width of the request served next: at least `min_jobs`, and no more
+    /// than `held` while any gate is closed. None: no gate is configured,
+    /// so no cap.
+    ///
+    /// The gates count jobs, a request may ask for several at once: with
+    /// nothing held, the next request passes whole, or one wider than the
+    /// slow start's first step, or than `min_jobs`, would wait for ever.
+    pub fn allowance(&mut self, held: u32, next_request: Option<u32>, now: Duration) -> Option<u32> {
         if !self.config.any() {
             return None;
         }
@@ -234,7 +239,8 @@ impl Gates {
         // is stopped.
         let open = self.pauses.stopped == 0 && self.is_open(GateKind::MemPressure) && self.is_open(GateKind::Load);
         let extra = if open { self.memory_room(held) } else { 0 };
-        Some(held.saturating_add(extra).max(self.config.min_jobs))
+        let whole_request = if held == 0 { next_request.unwrap_or(0) } else { 0 };
+        Some(held.saturating_add(extra).max(self.config.min_jobs).max(whole_request))
     }
 
     /// Jobs stopped by `--on-memory-pressure pause` now.
@@ -534,17 +540,26 @@ mod tests {
     fn no_gate_no_cap() {
         let mut g = Gates::new(GateConfig::default());
         g.observe(mem(0), 1, at(0));
-        assert_eq!(g.allowance(5, at(0)), None);
+        assert_eq!(g.allowance(5, None, at(0)), None);
+    }
+
+    #[test]
+    fn with_nothing_held_the_next_request_passes_whole() {
+        let mut g = memory_gate(300 * MIB);
+        g.observe(mem(1000 * MIB), 0, at(0));
+        assert_eq!(g.allowance(0, Some(3), at(0)), Some(3));
+        g.granted(3, at(0));
+        assert_eq!(g.allowance(3, Some(2), at(1)), Some(3), "with tokens held, the slow start holds it back");
     }
 
     #[test]
     fn before_learning_one_young_job_at_a_time() {
         let mut g = memory_gate(300 * MIB);
         g.observe(mem(1000 * MIB), 1, at(0));
-        assert_eq!(g.allowance(0, at(0)), Some(1));
+        assert_eq!(g.allowance(0, None, at(0)), Some(1));
         g.granted(1, at(0));
         // Eight requests in the same millisecond: still only the one.
-        assert_eq!(g.allowance(1, at(1)), Some(1));
+        assert_eq!(g.allowance(1, None, at(1)), Some(1));
     }
 
     #[test]
@@ -554,18 +569,18 @@ mod tests {
         g.granted(1, at(0));
         g.observe(mem(760 * MIB), 1, at(100));
         g.observe(mem(750 * MIB), 1, at(300));
-        assert_eq!(g.allowance(1, at(300)), Some(1), "still young: nothing learned");
+        assert_eq!(g.allowance(1, None, at(300)), Some(1), "still young: nothing learned");
         g.observe(mem(750 * MIB), 1, at(600));
         assert_eq!(g.per_job(), Some(250 * MIB));
         // 750 - 200 leaves room for two more jobs of 250, but with one
         // settled job, slow start admits one young one.
-        assert_eq!(g.allowance(1, at(600)), Some(2));
+        assert_eq!(g.allowance(1, None, at(600)), Some(2));
         // With two settled (the build's own slot and the job), both.
-        assert_eq!(g.allowance(2, at(600)), Some(4));
+        assert_eq!(g.allowance(2, None, at(600)), Some(4));
         g.granted(2, at(600));
         // Young jobs count at the learned size before they show: no room.
         g.observe(mem(740 * MIB), 1, at(650));
-        assert_eq!(g.allowance(4, at(650)), Some(4));
+        assert_eq!(g.allowance(4, None, at(650)), Some(4));
     }
 
     #[test]
@@ -585,8 +600,8 @@ mod tests {
         let mut g = memory_gate(500 * MIB);
         g.observe(mem(100 * MIB), 1, at(0));
         assert!(!g.is_open(GateKind::MemAvailable));
-        assert_eq!(g.allowance(4, at(0)), Some(4), "what is held stays held");
-        assert_eq!(g.allowance(0, at(0)), Some(1), "one job always runs");
+        assert_eq!(g.allowance(4, None, at(0)), Some(4), "what is held stays held");
+        assert_eq!(g.allowance(0, None, at(0)), Some(1), "one job always runs");
     }
 
     #[test]
@@ -594,12 +609,12 @@ mod tests {
         let config = GateConfig { max_mem_pressure: Some(10.0), max_load: Some(3.0), min_jobs: 1, settle: SETTLE, ..GateConfig::default() };
         let mut g = Gates::new(config);
         g.observe(Reading { mem_pressure: Some(5.0), runnable: Some(2.0), ..Reading::default() }, 1, at(0));
-        assert_eq!(g.allowance(2, at(0)), Some(u32::MAX));
+        assert_eq!(g.allowance(2, None, at(0)), Some(u32::MAX));
         g.observe(Reading { mem_pressure: Some(25.0), runnable: Some(2.0), ..Reading::default() }, 1, at(10));
-        assert_eq!(g.allowance(2, at(10)), Some(2));
+        assert_eq!(g.allowance(2, None, at(10)), Some(2));
         assert_eq!(g.views()[0].closed_since, Some(at(10)));
         g.observe(Reading { mem_pressure: Some(1.0), runnable: Some(7.0), ..Reading::default() }, 1, at(20));
-        assert_eq!(g.allowance(2, at(20)), Some(2));
+        assert_eq!(g.allowance(2, None, at(20)), Some(2));
         assert!(g.views()[0].open && !g.views()[1].open);
     }
 
@@ -678,7 +693,7 @@ mod tests {
         g.observe(mem(350 * MIB), 3, at(10));
         assert_eq!(g.pause_action(&growing), PauseAction::Pause(vec![2, 1]));
         g.did_pause(2, 1);
-        assert_eq!(g.allowance(3, at(10)), Some(3), "nothing new while a job is stopped");
+        assert_eq!(g.allowance(3, None, at(10)), Some(3), "nothing new while a job is stopped");
         let steady = [job(1, 300, Some(300)), job(2, 200, Some(200))];
         g.observe(mem(340 * MIB), 3, at(20));
         assert_eq!(g.pause_action(&steady), PauseAction::Nothing, "no job grows, memory steadied: the running jobs fit");

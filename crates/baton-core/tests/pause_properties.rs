@@ -49,7 +49,7 @@ proptest! {
                         prop_assert!(left, "every first started grower was stopped: {picks:?}");
                     }
                     g.did_pause(picks.len() as u32, running - picks.len() as u32);
-                    prop_assert_eq!(g.allowance(held, Duration::from_millis(t as u64 * 10)), Some(held.max(min_jobs)), "a new token while a job is stopped");
+                    prop_assert_eq!(g.allowance(held, None, Duration::from_millis(t as u64 * 10)), Some(held.max(min_jobs)), "a new token while a job is stopped");
                 }
                 PauseAction::Resume => {
                     prop_assert!(g.stopped() > 0, "resumed with nothing stopped");
