@@ -56,7 +56,14 @@ struct World {
 
 impl World {
     fn seen(&self, wanted: Option<Wanted>) -> Seen {
-        Seen { queued: self.queued, returned: self.returned, lent: self.lent, pending: self.pending, max_lent: self.max_lent, wanted }
+        Seen {
+            queued: self.queued,
+            returned: self.returned,
+            lent: self.lent,
+            pending: self.pending,
+            max_lent: self.max_lent,
+            wanted,
+        }
     }
 
     /// Takes up to `n` bytes out, return pipe first (as `Fifo::take`).
@@ -82,7 +89,10 @@ impl World {
                 self.carry_out(p);
             }
             self.contended = others > 0;
-            seen = self.seen(Some(Wanted { others, free: free.min(self.pool_free) }));
+            seen = self.seen(Some(Wanted {
+                others,
+                free: free.min(self.pool_free),
+            }));
         }
         let p = plan(seen);
         check_plan(seen, p);
@@ -128,7 +138,9 @@ impl World {
                 self.extra += 1;
                 self.write_byte(to_return_pipe);
             }
-            Event::Step { due, others, free } => self.step(due, u32::from(others % 8), u32::from(free)),
+            Event::Step { due, others, free } => {
+                self.step(due, u32::from(others % 8), u32::from(free))
+            }
             Event::Grant if self.pending && self.pool_free > 0 => {
                 self.pending = false;
                 self.lend(1);
@@ -148,29 +160,73 @@ impl World {
 
 fn check_plan(seen: Seen, p: Plan) {
     let bytes = seen.queued + seen.returned;
-    assert!(p.discard + p.give_back + p.recycle <= bytes, "{p:?} takes out more than the {bytes} bytes there: {seen:?}");
-    assert!(p.give_back <= spare(seen), "{p:?} gives back more than is spare: {seen:?}");
-    assert!(p.recycle <= seen.returned, "{p:?} recycles more than the return pipe has: {seen:?}");
-    assert!(p.discard == bytes - spare(seen), "{p:?} keeps bytes the build made up, or throws away tokens: {seen:?}");
+    assert!(
+        p.discard + p.give_back + p.recycle <= bytes,
+        "{p:?} takes out more than the {bytes} bytes there: {seen:?}"
+    );
+    assert!(
+        p.give_back <= spare(seen),
+        "{p:?} gives back more than is spare: {seen:?}"
+    );
+    assert!(
+        p.recycle <= seen.returned,
+        "{p:?} recycles more than the return pipe has: {seen:?}"
+    );
+    assert!(
+        p.discard == bytes - spare(seen),
+        "{p:?} keeps bytes the build made up, or throws away tokens: {seen:?}"
+    );
     let lent_after = seen.lent - p.give_back;
-    assert!(lent_after + p.top_up <= seen.max_lent, "{p:?} tops up past the cap: {seen:?}");
+    assert!(
+        lent_after + p.top_up <= seen.max_lent,
+        "{p:?} tops up past the cap: {seen:?}"
+    );
     if let Some(w) = seen.wanted {
-        assert!(p.give_back <= w.others, "{p:?} gives back more than others wait for: {seen:?}");
-        assert!(p.top_up == 0 || w.others == 0, "{p:?} takes free tokens while others wait: {seen:?}");
+        assert!(
+            p.give_back <= w.others,
+            "{p:?} gives back more than others wait for: {seen:?}"
+        );
+        assert!(
+            p.top_up == 0 || w.others == 0,
+            "{p:?} takes free tokens while others wait: {seen:?}"
+        );
     }
-    assert!(!(p.ask && seen.pending), "{p:?} asks again while a request waits: {seen:?}");
+    assert!(
+        !(p.ask && seen.pending),
+        "{p:?} asks again while a request waits: {seen:?}"
+    );
 }
 
 fuzz_target!(|input: Input| {
-    let mut world = World { max_lent: u32::from(input.max_lent % 16), pool_free: u32::from(input.pool_free % 16), ..World::default() };
+    let mut world = World {
+        max_lent: u32::from(input.max_lent % 16),
+        pool_free: u32::from(input.pool_free % 16),
+        ..World::default()
+    };
     let tokens = world.pool_free;
     for event in input.events {
         world.apply(event);
-        assert!(world.lent <= world.max_lent, "lent {} past --max {}: {world:?}", world.lent, world.max_lent);
+        assert!(
+            world.lent <= world.max_lent,
+            "lent {} past --max {}: {world:?}",
+            world.lent,
+            world.max_lent
+        );
         // Every byte is a token lent or one the build made up: none is
         // created, none lost.
-        assert_eq!(world.queued + world.returned + world.in_use + world.discarded, world.lent + world.extra, "bytes created or lost: {world:?}");
-        assert!(world.discarded <= world.extra, "a lent token was thrown away: {world:?}");
-        assert_eq!(world.pool_free + world.lent, tokens, "tokens created or lost between the pool and the build: {world:?}");
+        assert_eq!(
+            world.queued + world.returned + world.in_use + world.discarded,
+            world.lent + world.extra,
+            "bytes created or lost: {world:?}"
+        );
+        assert!(
+            world.discarded <= world.extra,
+            "a lent token was thrown away: {world:?}"
+        );
+        assert_eq!(
+            world.pool_free + world.lent,
+            tokens,
+            "tokens created or lost between the pool and the build: {world:?}"
+        );
     }
 });

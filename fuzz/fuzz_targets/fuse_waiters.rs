@@ -9,7 +9,10 @@
 #![no_main]
 
 use arbitrary::Arbitrary;
-use baton_broker::fuzzing::{Broker, Caller, ClientMeta, Fh, Mode, Pid, PollAnswer, PollCall, PollWaker, ReadReply, Transport, Waiters, HOLD, RESERVATION};
+use baton_broker::fuzzing::{
+    Broker, Caller, ClientMeta, Fh, Mode, Pid, PollAnswer, PollCall, PollWaker, ReadReply,
+    Transport, Waiters, HOLD, RESERVATION,
+};
 use libfuzzer_sys::fuzz_target;
 use std::cell::RefCell;
 use std::collections::HashMap;
@@ -18,19 +21,50 @@ use std::time::{Duration, Instant};
 
 #[derive(Debug, Arbitrary)]
 enum Op {
-    Open { pid: u8 },
-    Read { pid: u8, tid: u8, fh: u8, blocking: bool },
-    Write { pid: u8, tokens: u8 },
-    Poll { pid: u8, fh: u8, will_wait: bool, hold: bool },
-    Close { fh: u8 },
-    Interrupt { tid: u8 },
+    Open {
+        pid: u8,
+    },
+    Read {
+        pid: u8,
+        tid: u8,
+        fh: u8,
+        blocking: bool,
+    },
+    Write {
+        pid: u8,
+        tokens: u8,
+    },
+    Poll {
+        pid: u8,
+        fh: u8,
+        will_wait: bool,
+        hold: bool,
+    },
+    Close {
+        fh: u8,
+    },
+    Interrupt {
+        tid: u8,
+    },
     /// The kernel's FUSE_INTERRUPT for request `unique`.
-    Interrupted { unique: u8 },
-    Exit { pid: u8 },
-    Wait { ms: u8 },
-    SetLimit { limit: u8 },
-    SocketAcquire { tokens: u8 },
-    SocketRelease { tokens: u8 },
+    Interrupted {
+        unique: u8,
+    },
+    Exit {
+        pid: u8,
+    },
+    Wait {
+        ms: u8,
+    },
+    SetLimit {
+        limit: u8,
+    },
+    SocketAcquire {
+        tokens: u8,
+    },
+    SocketRelease {
+        tokens: u8,
+    },
 }
 
 #[derive(Debug, Arbitrary)]
@@ -138,25 +172,60 @@ impl World {
         match op {
             Op::Open { pid: p } => {
                 let p = pid(p);
-                self.waiters.process(&mut self.broker, p, || ClientMeta::new(p, format!("p{p}"), Transport::Fuse));
+                self.waiters.process(&mut self.broker, p, || {
+                    ClientMeta::new(p, format!("p{p}"), Transport::Fuse)
+                });
             }
-            Op::Read { pid: p, tid, fh: f, blocking } => {
-                let reply = Reply { pid: pid(p), seen: self.seen.clone(), answered: false };
-                let caller = Caller { tid: u32::from(tid % 8), unique: self.next_unique() };
-                self.waiters.read(&mut self.broker, pid(p), caller, fh(f), blocking, reply);
+            Op::Read {
+                pid: p,
+                tid,
+                fh: f,
+                blocking,
+            } => {
+                let reply = Reply {
+                    pid: pid(p),
+                    seen: self.seen.clone(),
+                    answered: false,
+                };
+                let caller = Caller {
+                    tid: u32::from(tid % 8),
+                    unique: self.next_unique(),
+                };
+                self.waiters
+                    .read(&mut self.broker, pid(p), caller, fh(f), blocking, reply);
             }
             Op::Write { pid: p, tokens } => {
                 let (p, tokens) = (pid(p), u32::from(tokens % 4));
                 let taken = self.seen.borrow().taken.get(&p).copied().unwrap_or(0);
                 if self.waiters.write(&mut self.broker, p, tokens).is_ok() {
-                    assert!(tokens <= taken, "pid {p} gave back {tokens} tokens having read {taken}");
+                    assert!(
+                        tokens <= taken,
+                        "pid {p} gave back {tokens} tokens having read {taken}"
+                    );
                     self.seen.borrow_mut().taken.insert(p, taken - tokens);
                 }
             }
-            Op::Poll { pid: p, fh: f, will_wait, hold } => {
-                let answer = Answer { pid: pid(p), fh: fh(f), seen: self.seen.clone(), answered: false };
-                let call = PollCall { will_wait, hold, unique: self.next_unique(), waker: Waker, answer };
-                self.waiters.poll(&mut self.broker, pid(p), fh(f), call, self.now);
+            Op::Poll {
+                pid: p,
+                fh: f,
+                will_wait,
+                hold,
+            } => {
+                let answer = Answer {
+                    pid: pid(p),
+                    fh: fh(f),
+                    seen: self.seen.clone(),
+                    answered: false,
+                };
+                let call = PollCall {
+                    will_wait,
+                    hold,
+                    unique: self.next_unique(),
+                    waker: Waker,
+                    answer,
+                };
+                self.waiters
+                    .poll(&mut self.broker, pid(p), fh(f), call, self.now);
             }
             Op::Interrupted { unique } => {
                 // One of the last 16 requests, or one never sent.
@@ -181,8 +250,13 @@ impl World {
                 let _ = self.broker.set_limit(u32::from(limit % 8) + 1);
             }
             Op::SocketAcquire { tokens } if !self.socket_waits => {
-                match self.broker.acquire(self.socket, 0, u32::from(tokens % 3) + 1) {
-                    Ok(baton_core::Acquired::Granted) => self.socket_held += u32::from(tokens % 3) + 1,
+                match self
+                    .broker
+                    .acquire(self.socket, 0, u32::from(tokens % 3) + 1)
+                {
+                    Ok(baton_core::Acquired::Granted) => {
+                        self.socket_held += u32::from(tokens % 3) + 1
+                    }
                     Ok(baton_core::Acquired::Queued) => self.socket_waits = true,
                     Err(_) => {}
                 }
@@ -207,7 +281,10 @@ impl World {
     fn settle(&mut self) {
         self.waiters.settle(&mut self.broker, self.now);
         for g in self.broker.take_grants(Transport::Socket) {
-            assert!(self.socket_waits && g.client == self.socket, "a socket grant nobody asked for: {g:?}");
+            assert!(
+                self.socket_waits && g.client == self.socket,
+                "a socket grant nobody asked for: {g:?}"
+            );
             self.socket_waits = false;
             self.socket_held += g.tokens;
         }
@@ -216,27 +293,66 @@ impl World {
     fn check(&mut self) {
         let pool = self.broker.pool();
         pool.assert_invariants();
-        assert_eq!(pool.held_by(self.socket), self.socket_held, "the socket client holds other than it was granted");
+        assert_eq!(
+            pool.held_by(self.socket),
+            self.socket_held,
+            "the socket client holds other than it was granted"
+        );
         let mut seen = self.seen.borrow_mut();
-        assert!(seen.unanswered.is_empty(), "reads or polls of live processes {:?} were dropped unanswered", seen.unanswered);
+        assert!(
+            seen.unanswered.is_empty(),
+            "reads or polls of live processes {:?} were dropped unanswered",
+            seen.unanswered
+        );
         let mut unread = 0;
         for c in pool.clients().filter(|c| c.id != self.socket) {
             let taken = seen.taken.get(&c.meta.pid).copied().unwrap_or(0);
-            assert!(c.held >= taken, "pid {} read {taken} tokens but holds {}", c.meta.pid, c.held);
+            assert!(
+                c.held >= taken,
+                "pid {} read {taken} tokens but holds {}",
+                c.meta.pid,
+                c.held
+            );
             unread += c.held - taken;
         }
         let mut ready: Vec<Fh> = seen.ready.drain(..).map(|(_, fh)| fh).collect();
         ready.sort_unstable();
         ready.dedup();
-        assert!(self.notify_all || ready.len() as u32 <= unread, "handles {ready:?} were told a token is ready, but only {unread} are reserved");
+        assert!(
+            self.notify_all || ready.len() as u32 <= unread,
+            "handles {ready:?} were told a token is ready, but only {unread} are reserved"
+        );
     }
 }
 
 fuzz_target!(|input: Input| {
-    let Ok(mut broker) = Broker::new(u32::from(input.limit % 8) + 1) else { return };
-    let socket = broker.connect(ClientMeta::new(0, "socket client".into(), Transport::Socket));
-    let mode = if input.notify_all { Mode::NotifyAll } else { Mode::OneAtATime };
-    let mut world = World { broker, waiters: Waiters::new(mode, Duration::from_millis(u64::from(input.hold_ms % 4) * 100)), unique: 0, notify_all: input.notify_all, seen: Shared::default(), now: Instant::now(), socket, socket_held: 0, socket_waits: false };
+    let Ok(mut broker) = Broker::new(u32::from(input.limit % 8) + 1) else {
+        return;
+    };
+    let socket = broker.connect(ClientMeta::new(
+        0,
+        "socket client".into(),
+        Transport::Socket,
+    ));
+    let mode = if input.notify_all {
+        Mode::NotifyAll
+    } else {
+        Mode::OneAtATime
+    };
+    let mut world = World {
+        broker,
+        waiters: Waiters::new(
+            mode,
+            Duration::from_millis(u64::from(input.hold_ms % 4) * 100),
+        ),
+        unique: 0,
+        notify_all: input.notify_all,
+        seen: Shared::default(),
+        now: Instant::now(),
+        socket,
+        socket_held: 0,
+        socket_waits: false,
+    };
     for op in input.ops {
         world.apply(op);
         world.check();
@@ -252,5 +368,9 @@ fuzz_target!(|input: Input| {
     world.seen.borrow_mut().unanswered.clear();
     let pool = world.broker.pool();
     pool.assert_invariants();
-    assert_eq!((pool.free(), pool.held()), (pool.limit(), 0), "tokens missing after every process left");
+    assert_eq!(
+        (pool.free(), pool.held()),
+        (pool.limit(), 0),
+        "tokens missing after every process left"
+    );
 });

@@ -53,21 +53,31 @@ impl Books {
 }
 
 fuzz_target!(|input: Input| {
-    let Ok(mut pool) = Pool::<()>::new(u32::from(input.limit)) else { return };
+    let Ok(mut pool) = Pool::<()>::new(u32::from(input.limit)) else {
+        return;
+    };
     let mut books = Books::default();
     let mut now = 0u64;
     for op in input.ops {
         apply(&mut pool, &mut books, &mut now, op);
         pool.assert_invariants();
         for &c in &books.clients {
-            assert_eq!(pool.held_by(c), books.held.get(&c).copied().unwrap_or(0), "client {c:?} holds other than its grants add up to");
+            assert_eq!(
+                pool.held_by(c),
+                books.held.get(&c).copied().unwrap_or(0),
+                "client {c:?} holds other than its grants add up to"
+            );
         }
     }
     for c in std::mem::take(&mut books.clients) {
         pool.disconnect(c);
     }
     pool.assert_invariants();
-    assert_eq!((pool.free(), pool.held(), pool.waiting()), (pool.limit(), 0, 0), "tokens missing after everyone left");
+    assert_eq!(
+        (pool.free(), pool.held(), pool.waiting()),
+        (pool.limit(), 0, 0),
+        "tokens missing after everyone left"
+    );
 });
 
 fn apply(pool: &mut Pool<()>, books: &mut Books, now: &mut u64, op: Op) {
@@ -90,12 +100,19 @@ fn apply(pool: &mut Pool<()>, books: &mut Books, now: &mut u64, op: Op) {
             *now += u64::from(by);
             books.granted(pool.advance(*now));
         }
-        Op::Acquire { client, tag, tokens } => {
+        Op::Acquire {
+            client,
+            tag,
+            tokens,
+        } => {
             let Some(c) = books.pick(client) else { return };
             let (tag, tokens) = (u64::from(tag % 4), small(tokens));
             match pool.acquire(c, tag, tokens) {
                 Ok(Acquired::Granted) => *books.held.entry(c).or_default() += tokens,
-                Ok(Acquired::Queued) => assert!(books.waiting.insert((c, tag), tokens).is_none(), "a duplicate tag was queued"),
+                Ok(Acquired::Queued) => assert!(
+                    books.waiting.insert((c, tag), tokens).is_none(),
+                    "a duplicate tag was queued"
+                ),
                 Err(_) => {}
             }
         }
@@ -116,20 +133,31 @@ fn apply(pool: &mut Pool<()>, books: &mut Books, now: &mut u64, op: Op) {
                     books.held.insert(c, held - tokens);
                     books.granted(grants);
                 }
-                Err(_) => assert!(tokens == 0 || tokens > held, "a release of {tokens} of {held} was refused"),
+                Err(_) => assert!(
+                    tokens == 0 || tokens > held,
+                    "a release of {tokens} of {held} was refused"
+                ),
             }
         }
         Op::Cancel { client, tag } => {
             let Some(c) = books.pick(client) else { return };
             let tag = u64::from(tag % 4);
             let (tokens, grants) = pool.cancel(c, tag);
-            assert_eq!(tokens, books.waiting.remove(&(c, tag)).unwrap_or(0), "cancel withdrew another count than was waiting");
+            assert_eq!(
+                tokens,
+                books.waiting.remove(&(c, tag)).unwrap_or(0),
+                "cancel withdrew another count than was waiting"
+            );
             books.granted(grants);
         }
         Op::Disconnect { client } => {
             let Some(c) = books.pick(client) else { return };
             let (held, grants) = pool.disconnect(c);
-            assert_eq!(held, books.held.remove(&c).unwrap_or(0), "a departing client gave back other than it held");
+            assert_eq!(
+                held,
+                books.held.remove(&c).unwrap_or(0),
+                "a departing client gave back other than it held"
+            );
             books.waiting.retain(|&(w, _), _| w != c);
             books.clients.retain(|&k| k != c);
             books.granted(grants);

@@ -19,14 +19,28 @@ fuzz_target!(|data: &[u8]| {
 });
 
 fn request_round_trips(line: &[u8]) {
-    let Ok(request) = parse_request(line) else { return };
+    let Ok(request) = parse_request(line) else {
+        return;
+    };
     let again = parse_request(request.to_string().as_bytes());
-    assert_eq!(again.as_ref(), Ok(&request), "{:?} decodes to {request:?}, whose line {:?} decodes to {again:?}", String::from_utf8_lossy(line), request.to_string());
+    assert_eq!(
+        again.as_ref(),
+        Ok(&request),
+        "{:?} decodes to {request:?}, whose line {:?} decodes to {again:?}",
+        String::from_utf8_lossy(line),
+        request.to_string()
+    );
 }
 
 fn reply_round_trips(line: &str) {
-    let Ok(ReplyHead::Complete(reply)) = parse_reply_line(line) else { return };
+    let Ok(ReplyHead::Complete(reply)) = parse_reply_line(line) else {
+        return;
+    };
     let wire = String::from_utf8(reply.encode()).expect("replies are text");
     let again = parse_reply_line(wire.strip_suffix('\n').expect("a reply ends its line"));
-    assert_eq!(again.as_ref(), Ok(&ReplyHead::Complete(reply.clone())), "{line:?} decodes to {reply:?}, whose line {wire:?} decodes to {again:?}");
+    assert_eq!(
+        again.as_ref(),
+        Ok(&ReplyHead::Complete(reply.clone())),
+        "{line:?} decodes to {reply:?}, whose line {wire:?} decodes to {again:?}"
+    );
 }

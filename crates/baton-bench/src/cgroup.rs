@@ -24,9 +24,11 @@ impl MemCgroup {
             bail!("no cgroup v1 memory controller at {}", root.display());
         }
         let path = root.join(format!("baton-{name}-{}", std::process::id()));
-        std::fs::create_dir(&path).with_context(|| format!("creating {} (run as root)", path.display()))?;
+        std::fs::create_dir(&path)
+            .with_context(|| format!("creating {} (run as root)", path.display()))?;
         let cgroup = MemCgroup { path };
-        std::fs::write(cgroup.path.join("memory.limit_in_bytes"), limit.to_string()).context("setting the cgroup's memory limit")?;
+        std::fs::write(cgroup.path.join("memory.limit_in_bytes"), limit.to_string())
+            .context("setting the cgroup's memory limit")?;
         let _ = std::fs::write(cgroup.path.join("memory.swappiness"), "0");
         Ok(cgroup)
     }
@@ -37,14 +39,22 @@ impl MemCgroup {
     /// The kernel does not count them (before Linux 4.13).
     pub fn oom_kills(&self) -> Result<u64> {
         let text = std::fs::read_to_string(self.path.join("memory.oom_control"))?;
-        text.lines().find_map(|l| l.strip_prefix("oom_kill ")).and_then(|n| n.trim().parse().ok()).context("no oom_kill in memory.oom_control (Linux 4.13 or later)")
+        text.lines()
+            .find_map(|l| l.strip_prefix("oom_kill "))
+            .and_then(|n| n.trim().parse().ok())
+            .context("no oom_kill in memory.oom_control (Linux 4.13 or later)")
     }
 
     /// A shell prefix that moves itself into the cgroup, then runs its
     /// arguments.
     pub fn enter(&self) -> Vec<String> {
         let procs = self.path.join("cgroup.procs");
-        vec!["sh".into(), "-c".into(), format!("echo $$ > {} && exec \"$@\"", procs.display()), "enter-cgroup".into()]
+        vec![
+            "sh".into(),
+            "-c".into(),
+            format!("echo $$ > {} && exec \"$@\"", procs.display()),
+            "enter-cgroup".into(),
+        ]
     }
 
     /// [`MemCgroup::enter`] as a command to add arguments to.
@@ -56,7 +66,11 @@ impl MemCgroup {
     }
 
     fn pids(&self) -> Vec<i32> {
-        std::fs::read_to_string(self.path.join("cgroup.procs")).unwrap_or_default().lines().filter_map(|l| l.parse().ok()).collect()
+        std::fs::read_to_string(self.path.join("cgroup.procs"))
+            .unwrap_or_default()
+            .lines()
+            .filter_map(|l| l.parse().ok())
+            .collect()
     }
 }
 

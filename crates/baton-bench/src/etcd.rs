@@ -24,14 +24,38 @@ pub struct Member {
 
 impl Member {
     fn start(&mut self, initial_cluster: &str, state: &str) -> Result<()> {
-        ensure!(Path::new(ETCD).exists(), "no etcd at {ETCD} (install Debian's etcd-server, or run scripts/test)");
-        let log = std::fs::OpenOptions::new().create(true).append(true).open(&self.log).with_context(|| format!("creating {}", self.log.display()))?;
+        ensure!(
+            Path::new(ETCD).exists(),
+            "no etcd at {ETCD} (install Debian's etcd-server, or run scripts/test)"
+        );
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&self.log)
+            .with_context(|| format!("creating {}", self.log.display()))?;
         let child = Command::new(ETCD)
             .args(["--name", &self.name, "--data-dir"])
             .arg(&self.data)
-            .args(["--listen-client-urls", &self.client_url, "--advertise-client-urls", &self.client_url])
-            .args(["--listen-peer-urls", &self.peer_url, "--initial-advertise-peer-urls", &self.peer_url])
-            .args(["--initial-cluster", initial_cluster, "--initial-cluster-state", state, "--initial-cluster-token", "baton"])
+            .args([
+                "--listen-client-urls",
+                &self.client_url,
+                "--advertise-client-urls",
+                &self.client_url,
+            ])
+            .args([
+                "--listen-peer-urls",
+                &self.peer_url,
+                "--initial-advertise-peer-urls",
+                &self.peer_url,
+            ])
+            .args([
+                "--initial-cluster",
+                initial_cluster,
+                "--initial-cluster-state",
+                state,
+                "--initial-cluster-token",
+                "baton",
+            ])
             .stdout(Stdio::null())
             .stderr(log)
             .spawn()
@@ -84,8 +108,15 @@ impl Etcd {
                 })
             })
             .collect::<Result<Vec<_>>>()?;
-        let initial_cluster = members.iter().map(|m| format!("{}={}", m.name, m.peer_url)).collect::<Vec<_>>().join(",");
-        let mut etcd = Etcd { members, initial_cluster };
+        let initial_cluster = members
+            .iter()
+            .map(|m| format!("{}={}", m.name, m.peer_url))
+            .collect::<Vec<_>>()
+            .join(",");
+        let mut etcd = Etcd {
+            members,
+            initial_cluster,
+        };
         for i in 0..n {
             etcd.start_member(i, "new")?;
         }
@@ -101,15 +132,27 @@ impl Etcd {
 
     /// Every member's client URL, comma-separated, as `--etcd` takes them.
     pub fn endpoints(&self) -> String {
-        self.members.iter().map(|m| m.client_url.clone()).collect::<Vec<_>>().join(",")
+        self.members
+            .iter()
+            .map(|m| m.client_url.clone())
+            .collect::<Vec<_>>()
+            .join(",")
     }
 
     /// `etcdctl ARGS` against the cluster.
     pub fn etcdctl(&self, args: &[&str]) -> Result<Output> {
-        ensure!(Path::new(ETCDCTL).exists(), "no etcdctl at {ETCDCTL} (install Debian's etcd-client, or run scripts/test)");
+        ensure!(
+            Path::new(ETCDCTL).exists(),
+            "no etcdctl at {ETCDCTL} (install Debian's etcd-client, or run scripts/test)"
+        );
         Command::new(ETCDCTL)
             .env("ETCDCTL_API", "3")
-            .args(["--dial-timeout=2s", "--command-timeout=3s", "--endpoints", &self.endpoints()])
+            .args([
+                "--dial-timeout=2s",
+                "--command-timeout=3s",
+                "--endpoints",
+                &self.endpoints(),
+            ])
             .args(args)
             .output()
             .context("running etcdctl")
@@ -120,7 +163,11 @@ impl Etcd {
         let start = Instant::now();
         while !self.etcdctl(&["get", "/baton-probe"])?.status.success() {
             if start.elapsed() > limit {
-                bail!("etcd did not answer within {} s (its logs are in {})", limit.as_secs(), self.members[0].log.display());
+                bail!(
+                    "etcd did not answer within {} s (its logs are in {})",
+                    limit.as_secs(),
+                    self.members[0].log.display()
+                );
             }
             std::thread::sleep(Duration::from_millis(50));
         }

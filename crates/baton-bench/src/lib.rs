@@ -55,7 +55,12 @@ pub struct BenchArgs {
     /// Waiting processes (threads in broadcast); a comma-separated list
     /// measures each. Default: 64; mass-poll 16,64,256,1024 (universe,
     /// make-tree: the -jNs).
-    #[arg(long, alias = "processes", value_delimiter = ',', value_name = "N[,N...]")]
+    #[arg(
+        long,
+        alias = "processes",
+        value_delimiter = ',',
+        value_name = "N[,N...]"
+    )]
     pub waiters: Vec<usize>,
 
     /// Operations per measurement: acquisitions, transfers or wake-ups
@@ -98,9 +103,15 @@ pub struct BenchArgs {
 pub fn run(args: BenchArgs) -> Result<()> {
     let report = measure_report(&args)?;
     if let Some(path) = &args.plot {
-        report.plot(path).with_context(|| format!("drawing {}", path.display()))?;
+        report
+            .plot(path)
+            .with_context(|| format!("drawing {}", path.display()))?;
     }
-    let text = if args.json { serde_json::to_string_pretty(&report.to_json())? + "\n" } else { report.table() };
+    let text = if args.json {
+        serde_json::to_string_pretty(&report.to_json())? + "\n"
+    } else {
+        report.table()
+    };
     match std::io::stdout().lock().write_all(text.as_bytes()) {
         // Piped into head: the reader has what it wanted.
         Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => Ok(()),

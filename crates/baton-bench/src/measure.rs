@@ -45,7 +45,11 @@ impl Usage {
     /// /proc/PID/status counts the main thread only.
     pub fn of_process(pid: libc::pid_t) -> Result<Usage> {
         let (voluntary_switches, involuntary_switches) = thread_switches(pid)?;
-        Ok(Usage { voluntary_switches, involuntary_switches, cpu_us: process_cpu_us(pid)? })
+        Ok(Usage {
+            voluntary_switches,
+            involuntary_switches,
+            cpu_us: process_cpu_us(pid)?,
+        })
     }
 }
 
@@ -55,11 +59,17 @@ fn process_cpu_us(pid: libc::pid_t) -> Result<u64> {
     let ts = unsafe {
         let err = libc::clock_getcpuclockid(pid, &mut clock);
         if err != 0 {
-            bail!("no CPU clock for process {pid}: {}", std::io::Error::from_raw_os_error(err));
+            bail!(
+                "no CPU clock for process {pid}: {}",
+                std::io::Error::from_raw_os_error(err)
+            );
         }
         let mut ts = std::mem::zeroed::<libc::timespec>();
         if libc::clock_gettime(clock, &mut ts) != 0 {
-            bail!("reading the CPU clock of process {pid}: {}", std::io::Error::last_os_error());
+            bail!(
+                "reading the CPU clock of process {pid}: {}",
+                std::io::Error::last_os_error()
+            );
         }
         ts
     };
@@ -72,7 +82,9 @@ fn thread_switches(pid: libc::pid_t) -> Result<(u64, u64)> {
     for task in std::fs::read_dir(&dir).with_context(|| format!("listing {dir}"))? {
         let status_path = task?.path().join("status");
         // A thread may end between listing and reading: it no longer counts.
-        let Ok(status) = std::fs::read_to_string(&status_path) else { continue };
+        let Ok(status) = std::fs::read_to_string(&status_path) else {
+            continue;
+        };
         sums.0 += status_field(&status, "voluntary_ctxt_switches:")?;
         sums.1 += status_field(&status, "nonvoluntary_ctxt_switches:")?;
     }
@@ -80,8 +92,14 @@ fn thread_switches(pid: libc::pid_t) -> Result<(u64, u64)> {
 }
 
 fn status_field(status: &str, key: &str) -> Result<u64> {
-    let line = status.lines().find(|l| l.starts_with(key)).with_context(|| format!("no {key} in /proc status"))?;
-    line[key.len()..].trim().parse().with_context(|| format!("bad {key} line {line:?}"))
+    let line = status
+        .lines()
+        .find(|l| l.starts_with(key))
+        .with_context(|| format!("no {key} in /proc status"))?;
+    line[key.len()..]
+        .trim()
+        .parse()
+        .with_context(|| format!("bad {key} line {line:?}"))
 }
 
 impl Add for Usage {
@@ -100,8 +118,12 @@ impl Sub for Usage {
     /// What was spent between two snapshots of the same process(es).
     fn sub(self, earlier: Usage) -> Usage {
         Usage {
-            voluntary_switches: self.voluntary_switches.saturating_sub(earlier.voluntary_switches),
-            involuntary_switches: self.involuntary_switches.saturating_sub(earlier.involuntary_switches),
+            voluntary_switches: self
+                .voluntary_switches
+                .saturating_sub(earlier.voluntary_switches),
+            involuntary_switches: self
+                .involuntary_switches
+                .saturating_sub(earlier.involuntary_switches),
             cpu_us: self.cpu_us.saturating_sub(earlier.cpu_us),
         }
     }

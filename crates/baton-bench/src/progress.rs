@@ -11,7 +11,10 @@ pub struct Progress {
 
 impl Progress {
     pub fn new() -> Progress {
-        Progress { terminal: std::io::stderr().is_terminal(), started: Instant::now() }
+        Progress {
+            terminal: std::io::stderr().is_terminal(),
+            started: Instant::now(),
+        }
     }
 
     /// Announces step `index` (from 0) of `total`.
@@ -19,7 +22,11 @@ impl Progress {
         let elapsed = self.started.elapsed().as_secs();
         let text = format!("[{}/{total}] {what} ({elapsed} s so far)", index + 1);
         let mut err = std::io::stderr().lock();
-        let _ = if self.terminal { write!(err, "\r\x1b[K{text}") } else { writeln!(err, "{text}") };
+        let _ = if self.terminal {
+            write!(err, "\r\x1b[K{text}")
+        } else {
+            writeln!(err, "{text}")
+        };
         let _ = err.flush();
     }
 

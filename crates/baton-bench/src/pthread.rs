@@ -17,7 +17,10 @@ unsafe impl<T: Send> Send for Mutex<T> {}
 
 impl<T> Mutex<T> {
     pub fn new(data: T) -> Self {
-        Mutex { raw: UnsafeCell::new(libc::PTHREAD_MUTEX_INITIALIZER), data: UnsafeCell::new(data) }
+        Mutex {
+            raw: UnsafeCell::new(libc::PTHREAD_MUTEX_INITIALIZER),
+            data: UnsafeCell::new(data),
+        }
     }
 
     pub fn lock(&self) -> Guard<'_, T> {
@@ -64,7 +67,9 @@ unsafe impl Send for Cond {}
 
 impl Default for Cond {
     fn default() -> Self {
-        Cond { raw: UnsafeCell::new(libc::PTHREAD_COND_INITIALIZER) }
+        Cond {
+            raw: UnsafeCell::new(libc::PTHREAD_COND_INITIALIZER),
+        }
     }
 }
 

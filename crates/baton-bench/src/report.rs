@@ -36,11 +36,25 @@ pub struct Row {
 impl Row {
     /// A row from a team's outcome; operations are what its members counted.
     pub fn of_team(mechanism: &str, waiters: usize, outcome: &Outcome, has_broker: bool) -> Row {
-        Row::new(mechanism, waiters, outcome.ops(), outcome.usage, has_broker.then_some(outcome.broker), outcome.wall)
+        Row::new(
+            mechanism,
+            waiters,
+            outcome.ops(),
+            outcome.usage,
+            has_broker.then_some(outcome.broker),
+            outcome.wall,
+        )
     }
 
     /// `usage` is everything spent, the broker's share (if any) included.
-    pub fn new(mechanism: &str, waiters: usize, ops: u64, usage: Usage, broker: Option<Usage>, wall: Duration) -> Row {
+    pub fn new(
+        mechanism: &str,
+        waiters: usize,
+        ops: u64,
+        usage: Usage,
+        broker: Option<Usage>,
+        wall: Duration,
+    ) -> Row {
         let per_op = |x: u64| if ops == 0 { 0.0 } else { x as f64 / ops as f64 };
         let wall_s = wall.as_secs_f64();
         Row {
@@ -51,7 +65,11 @@ impl Row {
             voluntary_context_switches_per_op: per_op(usage.voluntary_switches),
             cpu_us_per_op: per_op(usage.cpu_us),
             wall_s,
-            ops_per_s: if wall_s > 0.0 { ops as f64 / wall_s } else { 0.0 },
+            ops_per_s: if wall_s > 0.0 {
+                ops as f64 / wall_s
+            } else {
+                0.0
+            },
             broker_context_switches_per_op: broker.map(|b| per_op(b.context_switches())),
             broker_voluntary_context_switches_per_op: broker.map(|b| per_op(b.voluntary_switches)),
             extra: Map::new(),
@@ -75,11 +93,22 @@ pub struct Machine {
 
 impl Machine {
     pub fn this() -> Machine {
-        let kernel = std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default().trim().to_string();
+        let kernel = std::fs::read_to_string("/proc/sys/kernel/osrelease")
+            .unwrap_or_default()
+            .trim()
+            .to_string();
         let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
         let cpuinfo = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
-        let cpu_model = cpuinfo.lines().find_map(|l| l.strip_prefix("model name")).map(|l| l.trim_start_matches([' ', '\t', ':']).to_string()).unwrap_or_default();
-        Machine { kernel, cpus, cpu_model }
+        let cpu_model = cpuinfo
+            .lines()
+            .find_map(|l| l.strip_prefix("model name"))
+            .map(|l| l.trim_start_matches([' ', '\t', ':']).to_string())
+            .unwrap_or_default();
+        Machine {
+            kernel,
+            cpus,
+            cpu_model,
+        }
     }
 }
 
@@ -103,10 +132,28 @@ impl Report {
     /// The readable table for stdout.
     pub fn table(&self) -> String {
         let extra_keys = self.extra_keys();
-        let mut header = vec!["mechanism", "waiters", "ops", "csw/op", "voluntary", "CPU µs/op", "wall s", "ops/s", "broker csw/op", "broker voluntary"];
+        let mut header = vec![
+            "mechanism",
+            "waiters",
+            "ops",
+            "csw/op",
+            "voluntary",
+            "CPU µs/op",
+            "wall s",
+            "ops/s",
+            "broker csw/op",
+            "broker voluntary",
+        ];
         header.extend(extra_keys.iter().map(String::as_str));
-        let rows: Vec<Vec<String>> = self.results.iter().map(|r| table_cells(r, &extra_keys)).collect();
-        let mut out = format!("{} on Linux {}, {} CPUs ({})\n\n", self.scenario, self.machine.kernel, self.machine.cpus, self.machine.cpu_model);
+        let rows: Vec<Vec<String>> = self
+            .results
+            .iter()
+            .map(|r| table_cells(r, &extra_keys))
+            .collect();
+        let mut out = format!(
+            "{} on Linux {}, {} CPUs ({})\n\n",
+            self.scenario, self.machine.kernel, self.machine.cpus, self.machine.cpu_model
+        );
         out += &render_table(&header, &rows);
         for note in &self.notes {
             let _ = writeln!(out, "note: {note}");
@@ -137,10 +184,13 @@ impl Report {
         if self.results.iter().any(|r| r.extra.contains_key("case")) {
             self.plot_cases(&top, &bottom)?;
         } else {
-            self.plot_panel(&top, "context switches per operation", |r| r.context_switches_per_op)?;
+            self.plot_panel(&top, "context switches per operation", |r| {
+                r.context_switches_per_op
+            })?;
             self.plot_panel(&bottom, "CPU µs per operation", |r| r.cpu_us_per_op)?;
         }
-        root.present().with_context(|| format!("writing {}", path.display()))?;
+        root.present()
+            .with_context(|| format!("writing {}", path.display()))?;
         Ok(())
     }
 
@@ -148,18 +198,39 @@ impl Report {
     /// own -jN (jobs running at once, wall time; the mark at 1 is par);
     /// below, each build's share of the token-time in every case where
     /// builds ran together, marked at its fair share.
-    fn plot_cases<DB: plotters::prelude::DrawingBackend>(&self, top: &Area<DB>, bottom: &Area<DB>) -> Result<()>
+    fn plot_cases<DB: plotters::prelude::DrawingBackend>(
+        &self,
+        top: &Area<DB>,
+        bottom: &Area<DB>,
+    ) -> Result<()>
     where
         DB::ErrorType: 'static,
     {
         let number = |r: &Row, key: &str| r.extra.get(key).and_then(Value::as_f64);
-        let text = |r: &Row, key: &str| r.extra.get(key).and_then(Value::as_str).unwrap_or("").to_string();
+        let text = |r: &Row, key: &str| {
+            r.extra
+                .get(key)
+                .and_then(Value::as_str)
+                .unwrap_or("")
+                .to_string()
+        };
         let alone: Vec<Bars> = self
             .results
             .iter()
-            .filter_map(|r| Some(Bars { group: text(r, "tool"), values: vec![number(r, "running_ratio")?, number(r, "wall_ratio")?], marks: vec![Some(1.0); 2] }))
+            .filter_map(|r| {
+                Some(Bars {
+                    group: text(r, "tool"),
+                    values: vec![number(r, "running_ratio")?, number(r, "wall_ratio")?],
+                    marks: vec![Some(1.0); 2],
+                })
+            })
             .collect();
-        bar_panel(top, &format!("{}: each alone, baton run / own -jN", self.scenario), &["jobs running at once", "wall time"], &alone)?;
+        bar_panel(
+            top,
+            &format!("{}: each alone, baton run / own -jN", self.scenario),
+            &["jobs running at once", "wall time"],
+            &alone,
+        )?;
         let mut tools: Vec<String> = Vec::new();
         let mut together: Vec<Bars> = Vec::new();
         for row in self.results.iter().filter(|r| number(r, "share").is_some()) {
@@ -168,17 +239,31 @@ impl Report {
                 tools.push(tool);
             }
             if together.last().is_none_or(|b| b.group != case) {
-                together.push(Bars { group: case, values: Vec::new(), marks: Vec::new() });
+                together.push(Bars {
+                    group: case,
+                    values: Vec::new(),
+                    marks: Vec::new(),
+                });
             }
             let bars = together.last_mut().expect("pushed above");
             bars.values.push(number(row, "share").unwrap_or_default());
             bars.marks.push(number(row, "fair_share"));
         }
         let series: Vec<&str> = tools.iter().map(String::as_str).collect();
-        bar_panel(bottom, "builds together: share of token-time (mark: fair share)", &series, &together)
+        bar_panel(
+            bottom,
+            "builds together: share of token-time (mark: fair share)",
+            &series,
+            &together,
+        )
     }
 
-    fn plot_panel<DB: plotters::prelude::DrawingBackend>(&self, area: &plotters::prelude::DrawingArea<DB, plotters::coord::Shift>, what: &str, value: impl Fn(&Row) -> f64) -> Result<()>
+    fn plot_panel<DB: plotters::prelude::DrawingBackend>(
+        &self,
+        area: &plotters::prelude::DrawingArea<DB, plotters::coord::Shift>,
+        what: &str,
+        value: impl Fn(&Row) -> f64,
+    ) -> Result<()>
     where
         DB::ErrorType: 'static,
     {
@@ -191,7 +276,10 @@ impl Report {
             .margin(15)
             .x_label_area_size(40)
             .y_label_area_size(60)
-            .build_cartesian_2d((x_min / 1.2..x_max * 1.2).log_scale(), (y_min / 1.5..y_max * 1.5).log_scale())?;
+            .build_cartesian_2d(
+                (x_min / 1.2..x_max * 1.2).log_scale(),
+                (y_min / 1.5..y_max * 1.5).log_scale(),
+            )?;
         // Whole numbers, and few of them: a log axis otherwise labels every
         // minor step, and the labels run together.
         chart
@@ -204,11 +292,27 @@ impl Report {
             .draw()?;
         for (i, mechanism) in self.mechanisms().into_iter().enumerate() {
             let color = Palette99::pick(i).stroke_width(2);
-            let points: Vec<(f64, f64)> = plotted.iter().filter(|r| r.mechanism == mechanism).map(|r| (r.waiters as f64, value(r))).collect();
-            chart.draw_series(LineSeries::new(points.clone(), color))?.label(mechanism).legend(move |(x, y)| PathElement::new([(x, y), (x + 20, y)], color));
-            chart.draw_series(points.into_iter().map(|p| Circle::new(p, 3, color.filled())))?;
+            let points: Vec<(f64, f64)> = plotted
+                .iter()
+                .filter(|r| r.mechanism == mechanism)
+                .map(|r| (r.waiters as f64, value(r)))
+                .collect();
+            chart
+                .draw_series(LineSeries::new(points.clone(), color))?
+                .label(mechanism)
+                .legend(move |(x, y)| PathElement::new([(x, y), (x + 20, y)], color));
+            chart.draw_series(
+                points
+                    .into_iter()
+                    .map(|p| Circle::new(p, 3, color.filled())),
+            )?;
         }
-        chart.configure_series_labels().background_style(WHITE.mix(0.8)).border_style(BLACK).position(SeriesLabelPosition::UpperLeft).draw()?;
+        chart
+            .configure_series_labels()
+            .background_style(WHITE.mix(0.8))
+            .border_style(BLACK)
+            .position(SeriesLabelPosition::UpperLeft)
+            .draw()?;
         Ok(())
     }
 
@@ -235,35 +339,81 @@ struct Bars {
 /// Groups of bars side by side on a linear axis from 0, one colour per
 /// series, a black mark across each bar where it has one, and the group's
 /// name under it.
-fn bar_panel<DB: plotters::prelude::DrawingBackend>(area: &Area<DB>, caption: &str, series: &[&str], groups: &[Bars]) -> Result<()>
+fn bar_panel<DB: plotters::prelude::DrawingBackend>(
+    area: &Area<DB>,
+    caption: &str,
+    series: &[&str],
+    groups: &[Bars],
+) -> Result<()>
 where
     DB::ErrorType: 'static,
 {
     use plotters::prelude::*;
     use plotters::style::text_anchor::{HPos, Pos, VPos};
     let width = series.len() as f64 + 1.0;
-    let high = groups.iter().flat_map(|g| g.values.iter().copied().chain(g.marks.iter().flatten().copied())).fold(0.0f64, f64::max).max(0.1) * 1.4; // the legend sits above the bars
+    let high = groups
+        .iter()
+        .flat_map(|g| {
+            g.values
+                .iter()
+                .copied()
+                .chain(g.marks.iter().flatten().copied())
+        })
+        .fold(0.0f64, f64::max)
+        .max(0.1)
+        * 1.4; // the legend sits above the bars
     let below = high * 0.1; // room for the groups' names
     let mut chart = ChartBuilder::on(area)
         .caption(caption, ("sans-serif", 20))
         .margin(15)
         .y_label_area_size(50)
         .build_cartesian_2d(0.0..width * groups.len().max(1) as f64, -below..high)?;
-    chart.configure_mesh().disable_x_mesh().disable_x_axis().y_labels(8).draw()?;
+    chart
+        .configure_mesh()
+        .disable_x_mesh()
+        .disable_x_axis()
+        .y_labels(8)
+        .draw()?;
     let bar_x = |g: usize, i: usize| g as f64 * width + 0.5 + i as f64;
     for (i, name) in series.iter().enumerate() {
         let color = Palette99::pick(i).filled();
-        let bars = groups.iter().enumerate().filter_map(|(g, group)| group.values.get(i).map(|&v| Rectangle::new([(bar_x(g, i), 0.0), (bar_x(g, i) + 0.9, v)], color)));
-        chart.draw_series(bars)?.label(*name).legend(move |(x, y)| Rectangle::new([(x, y - 5), (x + 15, y + 5)], color));
+        let bars = groups.iter().enumerate().filter_map(|(g, group)| {
+            group
+                .values
+                .get(i)
+                .map(|&v| Rectangle::new([(bar_x(g, i), 0.0), (bar_x(g, i) + 0.9, v)], color))
+        });
+        chart
+            .draw_series(bars)?
+            .label(*name)
+            .legend(move |(x, y)| Rectangle::new([(x, y - 5), (x + 15, y + 5)], color));
     }
     let marks = groups.iter().enumerate().flat_map(|(g, group)| {
-        group.marks.iter().enumerate().filter_map(move |(i, m)| m.map(|m| PathElement::new([(bar_x(g, i) - 0.05, m), (bar_x(g, i) + 0.95, m)], BLACK.stroke_width(2))))
+        group.marks.iter().enumerate().filter_map(move |(i, m)| {
+            m.map(|m| {
+                PathElement::new(
+                    [(bar_x(g, i) - 0.05, m), (bar_x(g, i) + 0.95, m)],
+                    BLACK.stroke_width(2),
+                )
+            })
+        })
     });
     chart.draw_series(marks)?;
     let style = TextStyle::from(("sans-serif", 13)).pos(Pos::new(HPos::Center, VPos::Center));
-    let names = groups.iter().enumerate().map(|(g, group)| Text::new(group.group.clone(), ((g as f64 + 0.5) * width, -below / 2.0), style.clone()));
+    let names = groups.iter().enumerate().map(|(g, group)| {
+        Text::new(
+            group.group.clone(),
+            ((g as f64 + 0.5) * width, -below / 2.0),
+            style.clone(),
+        )
+    });
     chart.draw_series(names)?;
-    chart.configure_series_labels().background_style(WHITE.mix(0.8)).border_style(BLACK).position(SeriesLabelPosition::UpperRight).draw()?;
+    chart
+        .configure_series_labels()
+        .background_style(WHITE.mix(0.8))
+        .border_style(BLACK)
+        .position(SeriesLabelPosition::UpperRight)
+        .draw()?;
     Ok(())
 }
 
@@ -286,10 +436,16 @@ fn table_cells(row: &Row, extra_keys: &[String]) -> Vec<String> {
         format!("{:.1}", row.cpu_us_per_op),
         format!("{:.2}", row.wall_s),
         format!("{:.0}", row.ops_per_s),
-        row.broker_context_switches_per_op.map_or("-".to_string(), |b| format!("{b:.2}")),
-        row.broker_voluntary_context_switches_per_op.map_or("-".to_string(), |b| format!("{b:.2}")),
+        row.broker_context_switches_per_op
+            .map_or("-".to_string(), |b| format!("{b:.2}")),
+        row.broker_voluntary_context_switches_per_op
+            .map_or("-".to_string(), |b| format!("{b:.2}")),
     ];
-    cells.extend(extra_keys.iter().map(|k| row.extra.get(k).map_or("-".to_string(), format_value)));
+    cells.extend(
+        extra_keys
+            .iter()
+            .map(|k| row.extra.get(k).map_or("-".to_string(), format_value)),
+    );
     cells
 }
 
@@ -303,7 +459,13 @@ fn format_value(value: &Value) -> String {
 
 /// Left-aligned first column, right-aligned numbers.
 fn render_table(header: &[&str], rows: &[Vec<String>]) -> String {
-    let width = |col: usize| rows.iter().map(|r| r[col].chars().count()).chain([header[col].chars().count()]).max().unwrap_or(0);
+    let width = |col: usize| {
+        rows.iter()
+            .map(|r| r[col].chars().count())
+            .chain([header[col].chars().count()])
+            .max()
+            .unwrap_or(0)
+    };
     let widths: Vec<usize> = (0..header.len()).map(width).collect();
     let line = |cells: Vec<&str>| -> String {
         let mut out = String::new();
@@ -321,7 +483,15 @@ fn render_table(header: &[&str], rows: &[Vec<String>]) -> String {
         out.trim_end().to_string() + "\n"
     };
     let mut out = line(header.to_vec());
-    out += &line(widths.iter().map(|&w| "-".repeat(w)).collect::<Vec<_>>().iter().map(String::as_str).collect());
+    out += &line(
+        widths
+            .iter()
+            .map(|&w| "-".repeat(w))
+            .collect::<Vec<_>>()
+            .iter()
+            .map(String::as_str)
+            .collect(),
+    );
     for row in rows {
         out += &line(row.iter().map(String::as_str).collect());
     }

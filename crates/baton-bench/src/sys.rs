@@ -39,7 +39,9 @@ pub fn pipe() -> io::Result<(OwnedFd, OwnedFd)> {
 pub fn write_all(fd: RawFd, mut bytes: &[u8]) -> io::Result<()> {
     while !bytes.is_empty() {
         // SAFETY: the pointer and length describe a live slice.
-        let n = retry(|| unsafe { libc::write(fd, bytes.as_ptr().cast(), bytes.len()) as libc::c_int })?;
+        let n = retry(|| unsafe {
+            libc::write(fd, bytes.as_ptr().cast(), bytes.len()) as libc::c_int
+        })?;
         bytes = &bytes[n as usize..];
     }
     Ok(())
@@ -48,13 +50,18 @@ pub fn write_all(fd: RawFd, mut bytes: &[u8]) -> io::Result<()> {
 /// Reads into `buf` once; 0 means end of file.
 pub fn read(fd: RawFd, buf: &mut [u8]) -> io::Result<usize> {
     // SAFETY: the pointer and length describe a live, writable slice.
-    retry(|| unsafe { libc::read(fd, buf.as_mut_ptr().cast(), buf.len()) as libc::c_int }).map(|n| n as usize)
+    retry(|| unsafe { libc::read(fd, buf.as_mut_ptr().cast(), buf.len()) as libc::c_int })
+        .map(|n| n as usize)
 }
 
 /// Waits until `fd` is readable, or `timeout_ms` passes (-1: forever).
 /// Returns whether it is readable.
 pub fn poll_readable(fd: RawFd, timeout_ms: libc::c_int) -> io::Result<bool> {
-    let mut pfd = libc::pollfd { fd, events: libc::POLLIN, revents: 0 };
+    let mut pfd = libc::pollfd {
+        fd,
+        events: libc::POLLIN,
+        revents: 0,
+    };
     // SAFETY: one pollfd, living on this stack frame.
     let n = retry(|| unsafe { libc::poll(&mut pfd, 1, timeout_ms) })?;
     Ok(n > 0)
@@ -73,7 +80,14 @@ impl<T: Default> Shared<T> {
         let bytes = (std::mem::size_of::<T>() * len.max(1)).max(1);
         // SAFETY: a fresh anonymous mapping; nothing else refers to it.
         let ptr = unsafe {
-            libc::mmap(std::ptr::null_mut(), bytes, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_SHARED | libc::MAP_ANONYMOUS, -1, 0)
+            libc::mmap(
+                std::ptr::null_mut(),
+                bytes,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED | libc::MAP_ANONYMOUS,
+                -1,
+                0,
+            )
         };
         if ptr == libc::MAP_FAILED {
             return Err(io::Error::last_os_error());

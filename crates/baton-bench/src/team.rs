@@ -108,7 +108,12 @@ where
             // keep its inherited copy.
             // SAFETY: closing this process's copy; the parent keeps its own.
             unsafe { libc::close(gate_w.as_raw_fd()) };
-            let start = Start { ready: ready_w.as_raw_fd(), gate: gate_r.as_raw_fd(), slot: &slots[index], finished: false };
+            let start = Start {
+                ready: ready_w.as_raw_fd(),
+                gate: gate_r.as_raw_fd(),
+                slot: &slots[index],
+                finished: false,
+            };
             child_main(index, start, &body)
         })
         .inspect_err(|_| children.kill_all())?;
@@ -121,12 +126,23 @@ where
     }
     let broker = result?;
     let children_usage: Usage = slots.iter().map(Slot::usage).sum();
-    Ok(Outcome { usage: children_usage + broker, broker, per_child: slots.iter().map(Slot::counts).collect(), wall: measured_wall(&slots) })
+    Ok(Outcome {
+        usage: children_usage + broker,
+        broker,
+        per_child: slots.iter().map(Slot::counts).collect(),
+        wall: measured_wall(&slots),
+    })
 }
 
 /// Waits for every child to be ready, opens the gate, waits for every child
 /// to finish; returns the broker's usage over that window.
-fn measure_window(children: &mut Children, members: usize, ready: OwnedFd, gate: OwnedFd, broker: Option<libc::pid_t>) -> Result<Usage> {
+fn measure_window(
+    children: &mut Children,
+    members: usize,
+    ready: OwnedFd,
+    gate: OwnedFd,
+    broker: Option<libc::pid_t>,
+) -> Result<Usage> {
     let deadline = Instant::now() + TEAM_DEADLINE;
     wait_ready(children, members, &ready, deadline)?;
     let broker_before = broker.map(Usage::of_process).transpose()?;
@@ -138,7 +154,12 @@ fn measure_window(children: &mut Children, members: usize, ready: OwnedFd, gate:
     })
 }
 
-fn wait_ready(children: &mut Children, members: usize, ready: &OwnedFd, deadline: Instant) -> Result<()> {
+fn wait_ready(
+    children: &mut Children,
+    members: usize,
+    ready: &OwnedFd,
+    deadline: Instant,
+) -> Result<()> {
     let mut seen = 0;
     while seen < members {
         if sys::poll_readable(ready.as_raw_fd(), 100)? {
@@ -146,7 +167,9 @@ fn wait_ready(children: &mut Children, members: usize, ready: &OwnedFd, deadline
         } else {
             children.fail_on_early_exit()?;
             if Instant::now() > deadline {
-                bail!("only {seen} of {members} benchmark processes got ready in {TEAM_DEADLINE:?}");
+                bail!(
+                    "only {seen} of {members} benchmark processes got ready in {TEAM_DEADLINE:?}"
+                );
             }
         }
     }
@@ -159,7 +182,8 @@ fn child_main<F>(index: usize, mut start: Start, body: &F) -> !
 where
     F: Fn(usize, &mut Start) -> Result<Counts>,
 {
-    let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| body(index, &mut start)));
+    let outcome =
+        std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| body(index, &mut start)));
     let code = match outcome {
         Ok(Ok(counts)) => {
             if !start.finished {
@@ -204,8 +228,12 @@ fn fork_child(child: impl FnOnce() -> Result<std::convert::Infallible>) -> Resul
 }
 
 fn ensure_single_threaded() -> Result<()> {
-    let status = std::fs::read_to_string("/proc/self/status").context("reading /proc/self/status")?;
-    let threads = status.lines().find_map(|l| l.strip_prefix("Threads:")).map(str::trim);
+    let status =
+        std::fs::read_to_string("/proc/self/status").context("reading /proc/self/status")?;
+    let threads = status
+        .lines()
+        .find_map(|l| l.strip_prefix("Threads:"))
+        .map(str::trim);
     if threads != Some("1") {
         bail!("baton bench forks its benchmark processes, which is only safe from a single-threaded process (this one has {} threads)", threads.unwrap_or("?"));
     }
@@ -223,7 +251,10 @@ impl Children {
         while !self.pids.is_empty() {
             if !self.reap_one(true)? {
                 if Instant::now() > deadline {
-                    bail!("{} benchmark processes still running after {TEAM_DEADLINE:?}: killed", self.pids.len());
+                    bail!(
+                        "{} benchmark processes still running after {TEAM_DEADLINE:?}: killed",
+                        self.pids.len()
+                    );
                 }
                 // Polling keeps the parent's own wake-ups rare and out of the
                 // children's figures; blocking in waitpid would need a timer.
@@ -248,7 +279,10 @@ impl Children {
             return Ok(false);
         }
         if !self.pids.contains(&pid) {
-            bail!("process {pid} (the broker) {} during the measurement", describe_exit(status));
+            bail!(
+                "process {pid} (the broker) {} during the measurement",
+                describe_exit(status)
+            );
         }
         self.pids.retain(|&p| p != pid);
         let clean = libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0;
@@ -310,18 +344,33 @@ impl Slot {
     }
 
     fn usage(&self) -> Usage {
-        Usage { voluntary_switches: self.voluntary.load(Relaxed), involuntary_switches: self.involuntary.load(Relaxed), cpu_us: self.cpu_us.load(Relaxed) }
+        Usage {
+            voluntary_switches: self.voluntary.load(Relaxed),
+            involuntary_switches: self.involuntary.load(Relaxed),
+            cpu_us: self.cpu_us.load(Relaxed),
+        }
     }
 
     fn counts(&self) -> Counts {
-        Counts { ops: self.ops.load(Relaxed), wakeups: self.wakeups.load(Relaxed) }
+        Counts {
+            ops: self.ops.load(Relaxed),
+            wakeups: self.wakeups.load(Relaxed),
+        }
     }
 }
 
 /// The measured window: first child start to last child end.
 fn measured_wall(slots: &[Slot]) -> Duration {
-    let start = slots.iter().map(|s| s.start_ns.load(Relaxed)).min().unwrap_or(0);
-    let end = slots.iter().map(|s| s.end_ns.load(Relaxed)).max().unwrap_or(0);
+    let start = slots
+        .iter()
+        .map(|s| s.start_ns.load(Relaxed))
+        .min()
+        .unwrap_or(0);
+    let end = slots
+        .iter()
+        .map(|s| s.end_ns.load(Relaxed))
+        .max()
+        .unwrap_or(0);
     Duration::from_nanos(end.saturating_sub(start))
 }
 

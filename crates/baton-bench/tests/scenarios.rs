@@ -20,15 +20,42 @@ struct Cli {
 type Test = fn(&Harness) -> Result<()>;
 
 const TESTS: &[(&str, Test)] = &[
-    ("token_ring_counts_every_transfer", token_ring_counts_every_transfer),
-    ("blocking_vs_polling_counts_every_acquisition", blocking_vs_polling_counts_every_acquisition),
-    ("mass_poll_sweeps_waiters_and_plots", mass_poll_sweeps_waiters_and_plots),
-    ("bulk_wake_counts_every_wake_up", bulk_wake_counts_every_wake_up),
-    ("broadcast_counts_items_and_wake_ups", broadcast_counts_items_and_wake_ups),
-    ("universe_counts_every_job_of_both_trees", universe_counts_every_job_of_both_trees),
-    ("cluster_counts_grants_and_watch_events", cluster_counts_grants_and_watch_events),
-    ("memory_counts_each_builds_oom_kills", memory_counts_each_builds_oom_kills),
-    ("make_tree_runs_each_way_at_each_n", make_tree_runs_each_way_at_each_n),
+    (
+        "token_ring_counts_every_transfer",
+        token_ring_counts_every_transfer,
+    ),
+    (
+        "blocking_vs_polling_counts_every_acquisition",
+        blocking_vs_polling_counts_every_acquisition,
+    ),
+    (
+        "mass_poll_sweeps_waiters_and_plots",
+        mass_poll_sweeps_waiters_and_plots,
+    ),
+    (
+        "bulk_wake_counts_every_wake_up",
+        bulk_wake_counts_every_wake_up,
+    ),
+    (
+        "broadcast_counts_items_and_wake_ups",
+        broadcast_counts_items_and_wake_ups,
+    ),
+    (
+        "universe_counts_every_job_of_both_trees",
+        universe_counts_every_job_of_both_trees,
+    ),
+    (
+        "cluster_counts_grants_and_watch_events",
+        cluster_counts_grants_and_watch_events,
+    ),
+    (
+        "memory_counts_each_builds_oom_kills",
+        memory_counts_each_builds_oom_kills,
+    ),
+    (
+        "make_tree_runs_each_way_at_each_n",
+        make_tree_runs_each_way_at_each_n,
+    ),
     ("bad_scale_is_refused", bad_scale_is_refused),
 ];
 
@@ -36,7 +63,10 @@ fn main() {
     let harness = Harness::new();
     let filter = std::env::args().skip(1).find(|a| !a.starts_with('-'));
     let (mut passed, mut failed) = (0, 0);
-    for (name, test) in TESTS.iter().filter(|(name, _)| filter.as_deref().is_none_or(|f| name.contains(f))) {
+    for (name, test) in TESTS
+        .iter()
+        .filter(|(name, _)| filter.as_deref().is_none_or(|f| name.contains(f)))
+    {
         match test(&harness) {
             Ok(()) => {
                 println!("test {name} ... ok");
@@ -61,12 +91,18 @@ struct Harness {
 
 impl Harness {
     fn new() -> Harness {
-        let baton = std::env::var_os("BATON_BIN").map(PathBuf::from).or_else(|| {
-            let built = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../target/debug/baton");
-            built.is_file().then_some(built)
-        });
+        let baton = std::env::var_os("BATON_BIN")
+            .map(PathBuf::from)
+            .or_else(|| {
+                let built =
+                    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../target/debug/baton");
+                built.is_file().then_some(built)
+            });
         if baton.is_none() {
-            record_skip("Baton", "no baton binary (set BATON_BIN or build target/debug/baton): baton rows skipped");
+            record_skip(
+                "Baton",
+                "no baton binary (set BATON_BIN or build target/debug/baton): baton rows skipped",
+            );
         }
         if !std::path::Path::new("/dev/fuse").exists() {
             record_skip("Fuse", "no /dev/fuse: baton FUSE rows skipped");
@@ -111,7 +147,11 @@ fn record_skip(kind: &str, reason: &str) {
     print!("SKIPPED: {line}");
     if let Some(path) = std::env::var_os("BATON_TEST_SKIPS") {
         use std::io::Write;
-        let mut file = std::fs::OpenOptions::new().append(true).create(true).open(path).expect("open BATON_TEST_SKIPS");
+        let mut file = std::fs::OpenOptions::new()
+            .append(true)
+            .create(true)
+            .open(path)
+            .expect("open BATON_TEST_SKIPS");
         file.write_all(line.as_bytes()).expect("record a skip");
     }
 }
@@ -125,16 +165,38 @@ impl Drop for Harness {
 /// The fields every document and row must have (docs/benchmarks.md).
 fn check_document(doc: &Value) -> Result<()> {
     ensure!(doc["scenario"].is_string(), "no scenario in {doc}");
-    ensure!(doc["machine"]["kernel"].as_str().is_some_and(|k| !k.is_empty()), "no kernel in {doc}");
-    ensure!(doc["machine"]["cpus"].as_u64().is_some_and(|n| n >= 1), "no cpus in {doc}");
+    ensure!(
+        doc["machine"]["kernel"]
+            .as_str()
+            .is_some_and(|k| !k.is_empty()),
+        "no kernel in {doc}"
+    );
+    ensure!(
+        doc["machine"]["cpus"].as_u64().is_some_and(|n| n >= 1),
+        "no cpus in {doc}"
+    );
     let results = doc["results"].as_array().context("no results array")?;
     ensure!(!results.is_empty(), "no results");
     for row in results {
         ensure!(row["mechanism"].is_string(), "no mechanism in {row}");
-        ensure!(row["waiters"].as_u64().is_some_and(|n| n >= 1), "bad waiters in {row}");
-        ensure!(row["operations"].as_u64().is_some_and(|n| n >= 1), "bad operations in {row}");
-        for key in ["context_switches_per_op", "voluntary_context_switches_per_op", "cpu_us_per_op", "wall_s"] {
-            ensure!(row[key].as_f64().is_some_and(|x| x.is_finite() && x >= 0.0), "bad {key} in {row}");
+        ensure!(
+            row["waiters"].as_u64().is_some_and(|n| n >= 1),
+            "bad waiters in {row}"
+        );
+        ensure!(
+            row["operations"].as_u64().is_some_and(|n| n >= 1),
+            "bad operations in {row}"
+        );
+        for key in [
+            "context_switches_per_op",
+            "voluntary_context_switches_per_op",
+            "cpu_us_per_op",
+            "wall_s",
+        ] {
+            ensure!(
+                row[key].as_f64().is_some_and(|x| x.is_finite() && x >= 0.0),
+                "bad {key} in {row}"
+            );
         }
         ensure!(row["wall_s"].as_f64() > Some(0.0), "no wall time in {row}");
     }
@@ -142,11 +204,21 @@ fn check_document(doc: &Value) -> Result<()> {
 }
 
 fn rows<'a>(doc: &'a Value, mechanism: &str) -> Vec<&'a Value> {
-    doc["results"].as_array().into_iter().flatten().filter(|r| r["mechanism"] == mechanism).collect()
+    doc["results"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter(|r| r["mechanism"] == mechanism)
+        .collect()
 }
 
 fn mechanisms(doc: &Value) -> Vec<String> {
-    let mut names: Vec<String> = doc["results"].as_array().into_iter().flatten().filter_map(|r| r["mechanism"].as_str().map(String::from)).collect();
+    let mut names: Vec<String> = doc["results"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|r| r["mechanism"].as_str().map(String::from))
+        .collect();
     names.dedup();
     names
 }
@@ -161,8 +233,21 @@ fn f64_of(row: &Value, key: &str) -> f64 {
 
 fn token_ring_counts_every_transfer(h: &Harness) -> Result<()> {
     let doc = h.bench(&["token-ring", "--processes", "6", "--ops", "300"])?;
-    let expected = h.expected(&["pipe, blocking read", "pipe, poll + non-blocking read", "POSIX semaphore", "SysV semaphore", "eventfd semaphore", "baton native", "baton native, no spin", "baton native, no io_uring"]);
-    ensure!(mechanisms(&doc) == expected, "mechanisms {:?}", mechanisms(&doc));
+    let expected = h.expected(&[
+        "pipe, blocking read",
+        "pipe, poll + non-blocking read",
+        "POSIX semaphore",
+        "SysV semaphore",
+        "eventfd semaphore",
+        "baton native",
+        "baton native, no spin",
+        "baton native, no io_uring",
+    ]);
+    ensure!(
+        mechanisms(&doc) == expected,
+        "mechanisms {:?}",
+        mechanisms(&doc)
+    );
     for row in doc["results"].as_array().into_iter().flatten() {
         // Exactly the asked transfers, extra tokens notwithstanding.
         ensure!(u64_of(row, "operations") == 300, "transfers in {row}");
@@ -174,13 +259,27 @@ fn token_ring_counts_every_transfer(h: &Harness) -> Result<()> {
 /// sleep blocks: the counted voluntary switches must cover at least those.
 fn check_job_runner_counts(row: &Value, budget: u64) -> Result<()> {
     let ops = u64_of(row, "operations");
-    ensure!(ops == budget + u64_of(row, "waiters"), "acquisitions in {row}");
-    ensure!(f64_of(row, "voluntary_context_switches_per_op") * ops as f64 >= budget as f64, "fewer voluntary switches than sleeping jobs in {row}");
+    ensure!(
+        ops == budget + u64_of(row, "waiters"),
+        "acquisitions in {row}"
+    );
+    ensure!(
+        f64_of(row, "voluntary_context_switches_per_op") * ops as f64 >= budget as f64,
+        "fewer voluntary switches than sleeping jobs in {row}"
+    );
     Ok(())
 }
 
 fn blocking_vs_polling_counts_every_acquisition(h: &Harness) -> Result<()> {
-    let doc = h.bench(&["blocking-vs-polling", "--waiters", "8", "--ops", "100", "--job-us", "200"])?;
+    let doc = h.bench(&[
+        "blocking-vs-polling",
+        "--waiters",
+        "8",
+        "--ops",
+        "100",
+        "--job-us",
+        "200",
+    ])?;
     let expected = h.expected(&[
         "pipe, blocking read",
         "pipe, poll + non-blocking read",
@@ -189,52 +288,132 @@ fn blocking_vs_polling_counts_every_acquisition(h: &Harness) -> Result<()> {
         "baton FUSE file, poll",
         "baton FUSE file, notify-all",
     ]);
-    ensure!(mechanisms(&doc) == expected, "mechanisms {:?}", mechanisms(&doc));
-    doc["results"].as_array().into_iter().flatten().try_for_each(|row| check_job_runner_counts(row, 100))
+    ensure!(
+        mechanisms(&doc) == expected,
+        "mechanisms {:?}",
+        mechanisms(&doc)
+    );
+    doc["results"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .try_for_each(|row| check_job_runner_counts(row, 100))
 }
 
 fn mass_poll_sweeps_waiters_and_plots(h: &Harness) -> Result<()> {
     let plot = h.tmp.join("mass-poll.svg");
     let plot_arg = plot.display().to_string();
-    let doc = h.bench(&["mass-poll", "--waiters", "4,16", "--ops", "100", "--job-us", "200", "--plot", &plot_arg])?;
+    let doc = h.bench(&[
+        "mass-poll",
+        "--waiters",
+        "4,16",
+        "--ops",
+        "100",
+        "--job-us",
+        "200",
+        "--plot",
+        &plot_arg,
+    ])?;
     let polled = rows(&doc, "pipe, poll + non-blocking read");
-    ensure!(polled.iter().map(|r| u64_of(r, "waiters")).collect::<Vec<_>>() == [4, 16], "waiters swept: {polled:?}");
-    for mechanism in h.expected(&["pipe, poll + non-blocking read", "baton native", "baton native, no spin", "baton native, no io_uring", "baton native, poll", "baton FUSE file, poll"]) {
+    ensure!(
+        polled
+            .iter()
+            .map(|r| u64_of(r, "waiters"))
+            .collect::<Vec<_>>()
+            == [4, 16],
+        "waiters swept: {polled:?}"
+    );
+    for mechanism in h.expected(&[
+        "pipe, poll + non-blocking read",
+        "baton native",
+        "baton native, no spin",
+        "baton native, no io_uring",
+        "baton native, poll",
+        "baton FUSE file, poll",
+    ]) {
         ensure!(!rows(&doc, mechanism).is_empty(), "no {mechanism} rows");
-        rows(&doc, mechanism).into_iter().try_for_each(|row| check_job_runner_counts(row, 100))?;
+        rows(&doc, mechanism)
+            .into_iter()
+            .try_for_each(|row| check_job_runner_counts(row, 100))?;
     }
     // --json and --plot together go through run(); measure() alone does not
     // plot, so draw through the same path the command uses.
-    let cli = Cli::try_parse_from(["bench", "mass-poll", "--waiters", "2", "--ops", "20", "--job-us", "100", "--without-baton", "--plot", &plot_arg])?;
+    let cli = Cli::try_parse_from([
+        "bench",
+        "mass-poll",
+        "--waiters",
+        "2",
+        "--ops",
+        "20",
+        "--job-us",
+        "100",
+        "--without-baton",
+        "--plot",
+        &plot_arg,
+    ])?;
     baton_bench::run(cli.args)?;
     let svg = std::fs::read_to_string(&plot).context("reading the plot")?;
-    ensure!(svg.contains("<svg") && svg.contains("context switches per operation"), "not the plot: {}", &svg[..svg.len().min(200)]);
+    ensure!(
+        svg.contains("<svg") && svg.contains("context switches per operation"),
+        "not the plot: {}",
+        &svg[..svg.len().min(200)]
+    );
     Ok(())
 }
 
 fn bulk_wake_counts_every_wake_up(h: &Harness) -> Result<()> {
     let doc = h.bench(&["bulk-wake", "--waiters", "6", "--wake", "3", "--ops", "300"])?;
-    ensure!(mechanisms(&doc) == h.expected(&["SysV semaphore", "futex, FUTEX_WAKE 1", "baton native", "baton native, no spin", "baton native, no io_uring"]), "mechanisms {:?}", mechanisms(&doc));
+    ensure!(
+        mechanisms(&doc)
+            == h.expected(&[
+                "SysV semaphore",
+                "futex, FUTEX_WAKE 1",
+                "baton native",
+                "baton native, no spin",
+                "baton native, no io_uring"
+            ]),
+        "mechanisms {:?}",
+        mechanisms(&doc)
+    );
     for row in doc["results"].as_array().into_iter().flatten() {
         ensure!(u64_of(row, "operations") == 300, "wake-ups in {row}");
         // The per-waiter counts add up to the wake-ups: the fewest any
         // waiter got cannot be above the mean, the most not below it.
-        let (min, max, waiters) = (u64_of(row, "min_per_waiter"), u64_of(row, "max_per_waiter"), u64_of(row, "waiters"));
-        ensure!(waiters == 6 && min * waiters <= 300 && max * waiters >= 300, "fairness columns in {row}");
+        let (min, max, waiters) = (
+            u64_of(row, "min_per_waiter"),
+            u64_of(row, "max_per_waiter"),
+            u64_of(row, "waiters"),
+        );
+        ensure!(
+            waiters == 6 && min * waiters <= 300 && max * waiters >= 300,
+            "fairness columns in {row}"
+        );
     }
     Ok(())
 }
 
 fn broadcast_counts_items_and_wake_ups(h: &Harness) -> Result<()> {
     let doc = h.bench(&["broadcast", "--waiters", "8", "--wake", "2", "--ops", "200"])?;
-    ensure!(mechanisms(&doc) == h.expected(&["pthread_cond_broadcast", "pthread directed hand-off", "baton native, limit +K"]), "mechanisms {:?}", mechanisms(&doc));
+    ensure!(
+        mechanisms(&doc)
+            == h.expected(&[
+                "pthread_cond_broadcast",
+                "pthread directed hand-off",
+                "baton native, limit +K"
+            ]),
+        "mechanisms {:?}",
+        mechanisms(&doc)
+    );
     for row in doc["results"].as_array().into_iter().flatten() {
         ensure!(u64_of(row, "operations") == 200, "items in {row}");
         // A waiter that finds an item posted before it went to sleep takes
         // it without a wake-up (often, on a busy machine: 0.71 per item was
         // seen beside stress-ng), so the count per item has no floor of 1;
         // that wake-ups are counted at all is what this checks.
-        ensure!(f64_of(row, "wakeups_per_op") > 0.0, "no wake-ups counted in {row}");
+        ensure!(
+            f64_of(row, "wakeups_per_op") > 0.0,
+            "no wake-ups counted in {row}"
+        );
     }
     Ok(())
 }
@@ -242,19 +421,53 @@ fn broadcast_counts_items_and_wake_ups(h: &Harness) -> Result<()> {
 fn universe_counts_every_job_of_both_trees(h: &Harness) -> Result<()> {
     // Two rounds: the second runs under the brokers the first started,
     // which the bench checks got every token back.
-    let doc = h.bench(&["universe", "--waiters", "4", "--ops", "2", "--job-us", "1000"])?;
-    let ways = h.expected(&["bmake -jN", "baton run (fifo)", "baton run (pipe)", "baton run (fuse)"]);
+    let doc = h.bench(&[
+        "universe",
+        "--waiters",
+        "4",
+        "--ops",
+        "2",
+        "--job-us",
+        "1000",
+    ])?;
+    let ways = h.expected(&[
+        "bmake -jN",
+        "baton run (fifo)",
+        "baton run (pipe)",
+        "baton run (fuse)",
+    ]);
     // One block of rows per tree.
-    ensure!(mechanisms(&doc) == ways.repeat(2), "mechanisms {:?}", mechanisms(&doc));
+    ensure!(
+        mechanisms(&doc) == ways.repeat(2),
+        "mechanisms {:?}",
+        mechanisms(&doc)
+    );
     for (shape, jobs) in [("universe", 600), ("flat", 1200)] {
-        let of_shape: Vec<&Value> = doc["results"].as_array().into_iter().flatten().filter(|r| r["shape"] == shape).collect();
+        let of_shape: Vec<&Value> = doc["results"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter(|r| r["shape"] == shape)
+            .collect();
         ensure!(of_shape.len() == ways.len(), "{shape}: {of_shape:?}");
         for row in of_shape {
-            ensure!(u64_of(row, "operations") == jobs && u64_of(row, "waiters") == 4, "{shape}: {row}");
-            ensure!(u64_of(row, "csw") > 0 && f64_of(row, "user_s") > 0.0, "nothing counted: {row}");
+            ensure!(
+                u64_of(row, "operations") == jobs && u64_of(row, "waiters") == 4,
+                "{shape}: {row}"
+            );
+            ensure!(
+                u64_of(row, "csw") > 0 && f64_of(row, "user_s") > 0.0,
+                "nothing counted: {row}"
+            );
             // The ratios are to bmake's own row of the same shape.
-            ensure!(row["mechanism"] != "bmake -jN" || f64_of(row, "csw_x") == 1.0, "{row}");
-            ensure!(row["mechanism"] != "bmake -jN" || f64_of(row, "wall_pair_x") == 1.0, "{row}");
+            ensure!(
+                row["mechanism"] != "bmake -jN" || f64_of(row, "csw_x") == 1.0,
+                "{row}"
+            );
+            ensure!(
+                row["mechanism"] != "bmake -jN" || f64_of(row, "wall_pair_x") == 1.0,
+                "{row}"
+            );
             ensure!(f64_of(row, "wall_pair_x") > 0.0, "no paired ratio: {row}");
         }
     }
@@ -268,13 +481,37 @@ fn cluster_counts_grants_and_watch_events(h: &Harness) -> Result<()> {
     if h.baton.is_none() {
         return Ok(()); // said aloud by Harness::new: no broker to measure.
     }
-    let doc = h.bench(&["cluster", "--waiters", "1,3", "--ops", "20", "--job-us", "1000"])?;
-    ensure!(mechanisms(&doc) == ["etcd-queue", "etcd-watch-all", "etcd-queue", "etcd-watch-all"], "mechanisms {:?}", mechanisms(&doc));
+    let doc = h.bench(&[
+        "cluster",
+        "--waiters",
+        "1,3",
+        "--ops",
+        "20",
+        "--job-us",
+        "1000",
+    ])?;
+    ensure!(
+        mechanisms(&doc)
+            == [
+                "etcd-queue",
+                "etcd-watch-all",
+                "etcd-queue",
+                "etcd-watch-all"
+            ],
+        "mechanisms {:?}",
+        mechanisms(&doc)
+    );
     for row in doc["results"].as_array().into_iter().flatten() {
         ensure!(u64_of(row, "operations") == 20, "{row}");
         let events = f64_of(row, "watch_events_per_grant");
-        ensure!(events >= 0.0 && (row["mechanism"] != "etcd-queue" || events <= 2.0), "{row}");
-        ensure!(f64_of(row, "grant_p99_ms") >= f64_of(row, "grant_p50_ms"), "{row}");
+        ensure!(
+            events >= 0.0 && (row["mechanism"] != "etcd-queue" || events <= 2.0),
+            "{row}"
+        );
+        ensure!(
+            f64_of(row, "grant_p99_ms") >= f64_of(row, "grant_p50_ms"),
+            "{row}"
+        );
     }
     Ok(())
 }
@@ -283,24 +520,60 @@ fn make_tree_runs_each_way_at_each_n(h: &Harness) -> Result<()> {
     // scripts/test names make 4.4.1 for the tests; the bench reads its own variable.
     if std::env::var_os("BATON_BENCH_MAKE44").is_none() {
         let Some(make) = std::env::var_os("BATON_TEST_MAKE44") else {
-            record_skip("Make44", "make_tree: neither BATON_BENCH_MAKE44 nor BATON_TEST_MAKE44 names make 4.4.1");
+            record_skip(
+                "Make44",
+                "make_tree: neither BATON_BENCH_MAKE44 nor BATON_TEST_MAKE44 names make 4.4.1",
+            );
             return Ok(());
         };
         std::env::set_var("BATON_BENCH_MAKE44", make);
     }
-    let doc = h.bench(&["make-tree", "--waiters", "4,8", "--ops", "1", "--job-us", "1000"])?;
+    let doc = h.bench(&[
+        "make-tree",
+        "--waiters",
+        "4,8",
+        "--ops",
+        "1",
+        "--job-us",
+        "1000",
+    ])?;
     // Its fuse rows need /dev/fuse; the fifo row does not.
     let fuse = std::path::Path::new("/dev/fuse").exists();
-    let all = ["make 4.4.1 -jN (own FIFO)", "baton run (fuse)", "baton run (fuse, notify-all)", "baton run (fifo)"];
-    let ways: Vec<&str> = h.expected(&all).into_iter().filter(|w| fuse || !w.contains("(fuse")).collect();
-    ensure!(mechanisms(&doc) == ways.repeat(2), "mechanisms {:?}", mechanisms(&doc));
+    let all = [
+        "make 4.4.1 -jN (own FIFO)",
+        "baton run (fuse)",
+        "baton run (fuse, notify-all)",
+        "baton run (fifo)",
+    ];
+    let ways: Vec<&str> = h
+        .expected(&all)
+        .into_iter()
+        .filter(|w| fuse || !w.contains("(fuse"))
+        .collect();
+    ensure!(
+        mechanisms(&doc) == ways.repeat(2),
+        "mechanisms {:?}",
+        mechanisms(&doc)
+    );
     for (i, row) in doc["results"].as_array().into_iter().flatten().enumerate() {
         let n = if i < ways.len() { 4 } else { 8 };
-        ensure!(u64_of(row, "operations") == 16 * 16 * 20 && u64_of(row, "waiters") == n, "{row}");
-        ensure!(u64_of(row, "csw") > 0 && f64_of(row, "load_max") >= f64_of(row, "load_min"), "{row}");
+        ensure!(
+            u64_of(row, "operations") == 16 * 16 * 20 && u64_of(row, "waiters") == n,
+            "{row}"
+        );
+        ensure!(
+            u64_of(row, "csw") > 0 && f64_of(row, "load_max") >= f64_of(row, "load_min"),
+            "{row}"
+        );
         // The ratios are to make's own row at the same N.
-        ensure!(row["mechanism"] != ways[0] || f64_of(row, "csw_x") == 1.0, "{row}");
-        ensure!(row["mechanism"] == ways[0] || row["broker_context_switches_per_op"].as_f64().is_some(), "no broker figures: {row}");
+        ensure!(
+            row["mechanism"] != ways[0] || f64_of(row, "csw_x") == 1.0,
+            "{row}"
+        );
+        ensure!(
+            row["mechanism"] == ways[0] || row["broker_context_switches_per_op"].as_f64().is_some(),
+            "no broker figures: {row}"
+        );
     }
     Ok(())
 }
@@ -309,26 +582,69 @@ fn memory_counts_each_builds_oom_kills(h: &Harness) -> Result<()> {
     // SAFETY: geteuid has no preconditions.
     let root = unsafe { libc::geteuid() } == 0;
     if !root || !std::path::Path::new("/sys/fs/cgroup/memory/memory.limit_in_bytes").exists() {
-        record_skip("Root", "baton bench memory needs root and a cgroup v1 memory controller");
+        record_skip(
+            "Root",
+            "baton bench memory needs root and a cgroup v1 memory controller",
+        );
         return Ok(());
     }
-    let doc = h.bench(&["memory", "--waiters", "8", "--ops", "1", "--tokens", "6", "--job-us", "300000"])?;
-    let ways = h.expected(&["make -j8", "make -j3", "baton --jobs 8, gate 200M", "baton --jobs 8, gate 200M, pause"]);
-    ensure!(mechanisms(&doc) == ways, "mechanisms {:?}", mechanisms(&doc));
+    let doc = h.bench(&[
+        "memory",
+        "--waiters",
+        "8",
+        "--ops",
+        "1",
+        "--tokens",
+        "6",
+        "--job-us",
+        "300000",
+    ])?;
+    let ways = h.expected(&[
+        "make -j8",
+        "make -j3",
+        "baton --jobs 8, gate 200M",
+        "baton --jobs 8, gate 200M, pause",
+    ]);
+    ensure!(
+        mechanisms(&doc) == ways,
+        "mechanisms {:?}",
+        mechanisms(&doc)
+    );
     for row in doc["results"].as_array().into_iter().flatten() {
-        ensure!(u64_of(row, "operations") == 6 && row["oom_kills"].is_u64() && row["most_at_once"].is_u64(), "{row}");
+        ensure!(
+            u64_of(row, "operations") == 6
+                && row["oom_kills"].is_u64()
+                && row["most_at_once"].is_u64(),
+            "{row}"
+        );
         if row["mechanism"] != "make -j8" {
             // What fits, and what the gate keeps fitting: every job done.
-            ensure!(u64_of(row, "builds_ok") == 1 && u64_of(row, "oom_kills") == 0, "{row}");
+            ensure!(
+                u64_of(row, "builds_ok") == 1 && u64_of(row, "oom_kills") == 0,
+                "{row}"
+            );
         }
     }
-    ensure!(f64_of(&doc["results"][1], "wall_x") == 1.0, "ratios are to make -j3: {doc}");
+    ensure!(
+        f64_of(&doc["results"][1], "wall_x") == 1.0,
+        "ratios are to make -j3: {doc}"
+    );
     Ok(())
 }
 
 fn bad_scale_is_refused(h: &Harness) -> Result<()> {
-    ensure!(h.bench(&["bulk-wake", "--waiters", "0"]).is_err(), "zero waiters accepted");
-    ensure!(h.bench(&["broadcast", "--waiters", "2", "--wake", "3"]).is_err(), "more items per round than waiters accepted");
-    ensure!(Cli::try_parse_from(["bench", "no-such-scenario"]).is_err(), "unknown scenario accepted");
+    ensure!(
+        h.bench(&["bulk-wake", "--waiters", "0"]).is_err(),
+        "zero waiters accepted"
+    );
+    ensure!(
+        h.bench(&["broadcast", "--waiters", "2", "--wake", "3"])
+            .is_err(),
+        "more items per round than waiters accepted"
+    );
+    ensure!(
+        Cli::try_parse_from(["bench", "no-such-scenario"]).is_err(),
+        "unknown scenario accepted"
+    );
     Ok(())
 }

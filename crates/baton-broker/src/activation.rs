@@ -31,15 +31,21 @@ pub fn inherited_listener() -> Result<Option<(UnixListener, PathBuf)>> {
         .local_addr()
         .context("the socket passed by socket activation (descriptor 3) is not a Unix socket (check ListenStream= in baton.socket)")?;
     let Some(path) = addr.as_pathname() else {
-        bail!("the socket passed by socket activation has no path (ListenStream= must name a file)");
+        bail!(
+            "the socket passed by socket activation has no path (ListenStream= must name a file)"
+        );
     };
     set_cloexec(SD_LISTEN_FDS_START)?;
     Ok(Some((listener, path.to_path_buf())))
 }
 
 fn passed_to_us() -> bool {
-    let pid = std::env::var("LISTEN_PID").ok().and_then(|p| p.parse::<u32>().ok());
-    let fds = std::env::var("LISTEN_FDS").ok().and_then(|n| n.parse::<u32>().ok());
+    let pid = std::env::var("LISTEN_PID")
+        .ok()
+        .and_then(|p| p.parse::<u32>().ok());
+    let fds = std::env::var("LISTEN_FDS")
+        .ok()
+        .and_then(|n| n.parse::<u32>().ok());
     pid == Some(std::process::id()) && fds.is_some_and(|n| n >= 1)
 }
 
@@ -47,6 +53,7 @@ fn set_cloexec(fd: RawFd) -> Result<()> {
     use nix::fcntl::{fcntl, FcntlArg, FdFlag};
     // SAFETY: fd is the listener we just took; it outlives this call.
     let fd = unsafe { std::os::fd::BorrowedFd::borrow_raw(fd) };
-    fcntl(fd, FcntlArg::F_SETFD(FdFlag::FD_CLOEXEC)).context("cannot set close-on-exec on the passed socket")?;
+    fcntl(fd, FcntlArg::F_SETFD(FdFlag::FD_CLOEXEC))
+        .context("cannot set close-on-exec on the passed socket")?;
     Ok(())
 }

@@ -50,7 +50,13 @@ pub struct ClientMeta {
 
 impl ClientMeta {
     pub fn new(pid: u32, command: String, transport: Transport) -> Self {
-        ClientMeta { pid, command, transport, holding_since: None, waiting_since: HashMap::new() }
+        ClientMeta {
+            pid,
+            command,
+            transport,
+            holding_since: None,
+            waiting_since: HashMap::new(),
+        }
     }
 }
 
@@ -153,7 +159,11 @@ impl Broker {
     /// What the successor needs to carry on where this broker stops.
     pub fn snapshot(&mut self) -> BrokerState {
         self.tick();
-        let undelivered = self.undelivered.iter().flat_map(|(&t, grants)| grants.iter().map(move |&g| (t, g))).collect();
+        let undelivered = self
+            .undelivered
+            .iter()
+            .flat_map(|(&t, grants)| grants.iter().map(move |&g| (t, g)))
+            .collect();
         BrokerState {
             pool: self.pool.clone(),
             undelivered,
@@ -171,10 +181,16 @@ impl Broker {
     /// The pool's books do not balance, or its clock is from before boot.
     pub fn restore(state: BrokerState) -> anyhow::Result<Self> {
         let pool = state.pool.restore()?;
-        let Some(started) = Instant::now().checked_sub(state.clock) else { anyhow::bail!("the predecessor's clock ran longer than this machine has been up") };
+        let Some(started) = Instant::now().checked_sub(state.clock) else {
+            anyhow::bail!("the predecessor's clock ran longer than this machine has been up")
+        };
         let mut undelivered: HashMap<Transport, Vec<Grant>> = HashMap::new();
         for (transport, grant) in state.undelivered {
-            anyhow::ensure!(pool.meta(grant.client).is_some_and(|m| m.transport == transport), "a grant not yet delivered is for no client of its transport");
+            anyhow::ensure!(
+                pool.meta(grant.client)
+                    .is_some_and(|m| m.transport == transport),
+                "a grant not yet delivered is for no client of its transport"
+            );
             undelivered.entry(transport).or_default().push(grant);
         }
         let mut broker = Broker {
@@ -235,7 +251,10 @@ impl Broker {
             None => self.pool.connect(meta),
         };
         let build = self.pool.build_of(id).expect("just connected");
-        self.stats.entry(build).or_insert_with(|| BuildStats { began: SystemTime::now(), waits: Histogram::default() });
+        self.stats.entry(build).or_insert_with(|| BuildStats {
+            began: SystemTime::now(),
+            waits: Histogram::default(),
+        });
         id
     }
 
@@ -243,18 +262,29 @@ impl Broker {
     /// it. A client already in a build started above it (a `baton run`
     /// inside another) stays there, and the outer build's name and weight
     /// hold.
-    pub fn start_build(&mut self, id: ClientId, weight: u32, name: String) -> Result<(BuildId, u32), PoolError> {
+    pub fn start_build(
+        &mut self,
+        id: ClientId,
+        weight: u32,
+        name: String,
+    ) -> Result<(BuildId, u32), PoolError> {
         let build = self.pool.build_of(id).ok_or(PoolError::UnknownClient(id))?;
         let meta = self.pool.meta(id).expect("the client is connected");
         let (pid, command) = (meta.pid, meta.command.clone());
-        let nested = crate::fuse::procs::ancestors(pid).skip(1).any(|p| self.roots.contains_key(&p));
+        let nested = crate::fuse::procs::ancestors(pid)
+            .skip(1)
+            .any(|p| self.roots.contains_key(&p));
         if !nested {
             self.pool.set_weight(id, weight)?;
             let name = if name.is_empty() { command } else { name };
             self.names.insert(build, name);
             self.roots.insert(pid, id);
         }
-        let weight = self.pool.builds().find(|b| b.id == build).map_or(1, |b| b.weight);
+        let weight = self
+            .pool
+            .builds()
+            .find(|b| b.id == build)
+            .map_or(1, |b| b.weight);
         Ok((build, weight))
     }
 
@@ -295,7 +325,11 @@ impl Broker {
         self.tick();
         let granted = self.pool.try_acquire(id, tokens)?;
         if granted {
-            Self::note_holding(self.pool.meta_mut(id).expect("try_acquire checked the client"));
+            Self::note_holding(
+                self.pool
+                    .meta_mut(id)
+                    .expect("try_acquire checked the client"),
+            );
             self.note_granted(tokens);
         }
         Ok(granted)
@@ -320,7 +354,10 @@ impl Broker {
         self.tick();
         let grants = self.pool.release(id, tokens)?;
         if self.pool.held_by(id) == 0 {
-            self.pool.meta_mut(id).expect("release checked the client").holding_since = None;
+            self.pool
+                .meta_mut(id)
+                .expect("release checked the client")
+                .holding_since = None;
         }
         self.route(grants);
         self.demand_changed();
@@ -349,7 +386,8 @@ impl Broker {
         let build = self.pool.build_of(id);
         let (reclaimed, grants) = self.pool.disconnect(id);
         let pool = &self.pool;
-        self.names.retain(|&build, _| pool.builds().any(|b| b.id == build));
+        self.names
+            .retain(|&build, _| pool.builds().any(|b| b.id == build));
         if let Some(build) = build.filter(|&build| !pool.builds().any(|b| b.id == build)) {
             self.stats.remove(&build);
         }
@@ -375,9 +413,16 @@ impl Broker {
     /// Takes one client's grant that is filed but not yet delivered, if
     /// any: a CANCEL read before the transport delivered it must be
     /// answered after it, so the client learns it holds the tokens.
-    pub fn take_grant_of(&mut self, transport: Transport, client: ClientId, tag: Tag) -> Option<Grant> {
+    pub fn take_grant_of(
+        &mut self,
+        transport: Transport,
+        client: ClientId,
+        tag: Tag,
+    ) -> Option<Grant> {
         let filed = self.undelivered.get_mut(&transport)?;
-        let pos = filed.iter().position(|g| g.client == client && g.tag == tag)?;
+        let pos = filed
+            .iter()
+            .position(|g| g.client == client && g.tag == tag)?;
         Some(filed.remove(pos))
     }
 
@@ -475,12 +520,19 @@ impl Broker {
     /// Sets the pool's admission cap to what the gates allow now, and
     /// delivers any grants a higher cap lets through.
     fn refresh_cap(&mut self) {
-        let gates = self.gates.allowance(self.pool.held(), self.pool.next_request(), self.started.0.elapsed());
+        let gates = self.gates.allowance(
+            self.pool.held(),
+            self.pool.next_request(),
+            self.started.0.elapsed(),
+        );
         if gates != self.gate_allowance {
             self.gate_allowance = gates;
             self.demand_changed();
         }
-        let cluster = self.cluster.as_ref().map(|c| admission_cap(c.held, Contact::from_name(&c.contact)));
+        let cluster = self
+            .cluster
+            .as_ref()
+            .map(|c| admission_cap(c.held, Contact::from_name(&c.contact)));
         // While builds re-attach, nothing new: a cap of 0 lets no request
         // through (HOLD is not a request).
         let reclaim = self.reclaim.map(|_| 0);
@@ -547,7 +599,10 @@ impl Broker {
         let now = SystemTime::now();
         let mut woken = Vec::new();
         for grant in grants {
-            let meta = self.pool.meta_mut(grant.client).expect("grants go to connected clients");
+            let meta = self
+                .pool
+                .meta_mut(grant.client)
+                .expect("grants go to connected clients");
             let since = meta.waiting_since.remove(&grant.tag);
             meta.holding_since.get_or_insert(now);
             let transport = meta.transport;
@@ -573,13 +628,21 @@ impl Broker {
         for c in self.pool.clients() {
             first.entry(c.build).or_insert(c.meta);
         }
-        let roots: HashMap<BuildId, &ClientMeta> =
-            self.roots.values().filter_map(|&root| Some((self.pool.build_of(root)?, self.pool.meta(root)?))).collect();
+        let roots: HashMap<BuildId, &ClientMeta> = self
+            .roots
+            .values()
+            .filter_map(|&root| Some((self.pool.build_of(root)?, self.pool.meta(root)?)))
+            .collect();
         self.pool
             .builds()
             .map(|b| {
                 let starter = roots.get(&b.id).or(first.get(&b.id));
-                let name = self.names.get(&b.id).cloned().or_else(|| first.get(&b.id).map(|m| m.command.clone())).unwrap_or_default();
+                let name = self
+                    .names
+                    .get(&b.id)
+                    .cloned()
+                    .or_else(|| first.get(&b.id).map(|m| m.command.clone()))
+                    .unwrap_or_default();
                 let stats = self.stats.get(&b.id);
                 let waits = stats.map(|s| &s.waits);
                 let ms = |micros: u64| micros as f64 / 1000.0;
@@ -605,8 +668,16 @@ impl Broker {
     /// The mean tokens held in each second of the last ten minutes.
     fn utilization(&self) -> status::Utilization {
         let now = self.started.0.elapsed().as_nanos() as u64;
-        let held = self.utilization.samples(now, self.pool.held()).into_iter().map(|m| (f64::from(m) * 100.0).round() / 100.0).collect();
-        status::Utilization { interval_s: HISTORY_SLOT.as_secs_f64(), held }
+        let held = self
+            .utilization
+            .samples(now, self.pool.held())
+            .into_iter()
+            .map(|m| (f64::from(m) * 100.0).round() / 100.0)
+            .collect();
+        status::Utilization {
+            interval_s: HISTORY_SLOT.as_secs_f64(),
+            held,
+        }
     }
 
     /// The document `STATUS` returns.
@@ -634,14 +705,24 @@ impl Broker {
                     pid: meta.pid,
                     command: meta.command.clone(),
                     tokens,
-                    since: epoch_seconds(meta.waiting_since.get(&tag).copied().unwrap_or(SystemTime::now())),
+                    since: epoch_seconds(
+                        meta.waiting_since
+                            .get(&tag)
+                            .copied()
+                            .unwrap_or(SystemTime::now()),
+                    ),
                     transport: meta.transport.name().to_string(),
                     build: self.pool.build_of(id).map_or(0, |b| b.0),
                 }
             })
             .collect();
         let t = self.pool.totals();
-        let mut gates: Vec<status::Gate> = self.gates.views().into_iter().map(|v| self.gate_status(v)).collect();
+        let mut gates: Vec<status::Gate> = self
+            .gates
+            .views()
+            .into_iter()
+            .map(|v| self.gate_status(v))
+            .collect();
         if let Some((since, grace)) = self.reclaim {
             gates.push(status::Gate {
                 name: "reclaim".to_string(),
@@ -726,8 +807,14 @@ impl Broker {
     pub fn cluster_demand(&self) -> Local {
         let held = self.pool.held();
         let waiting: u32 = self.pool.queue().map(|(_, _, tokens)| tokens).sum();
-        let room = self.gate_allowance.map_or(u32::MAX, |allowed| allowed.saturating_sub(held));
-        Local { held, waiting: waiting.min(room), limit: self.pool.limit() }
+        let room = self
+            .gate_allowance
+            .map_or(u32::MAX, |allowed| allowed.saturating_sub(held));
+        Local {
+            held,
+            waiting: waiting.min(room),
+            limit: self.pool.limit(),
+        }
     }
 
     /// Calls `hook` whenever what the local pool holds or waits for may
@@ -738,7 +825,8 @@ impl Broker {
 }
 
 fn epoch_seconds(t: SystemTime) -> f64 {
-    t.duration_since(SystemTime::UNIX_EPOCH).map_or(0.0, |d| (d.as_secs_f64() * 1000.0).round() / 1000.0)
+    t.duration_since(SystemTime::UNIX_EPOCH)
+        .map_or(0.0, |d| (d.as_secs_f64() * 1000.0).round() / 1000.0)
 }
 
 #[cfg(test)]
@@ -746,7 +834,11 @@ mod tests {
     use super::*;
 
     fn client(broker: &mut Broker, pid: u32) -> ClientId {
-        broker.connect(ClientMeta::new(pid, format!("client {pid}"), Transport::Socket))
+        broker.connect(ClientMeta::new(
+            pid,
+            format!("client {pid}"),
+            Transport::Socket,
+        ))
     }
 
     /// While builds of a dead broker re-attach, their HOLDs count and no
@@ -758,16 +850,29 @@ mod tests {
         let (newcomer, old_build) = (client(&mut broker, 1), client(&mut broker, 2));
         assert!(!broker.try_acquire(newcomer, 1).unwrap());
         assert_eq!(broker.acquire(newcomer, 1, 1).unwrap(), Acquired::Queued);
-        assert!(broker.status().gates.iter().any(|g| g.name == "reclaim" && !g.open));
+        assert!(broker
+            .status()
+            .gates
+            .iter()
+            .any(|g| g.name == "reclaim" && !g.open));
 
         broker.hold(old_build, 2).unwrap();
         broker.end_reclaim();
-        assert!(broker.take_grants(Transport::Socket).is_empty(), "the old build holds both tokens");
+        assert!(
+            broker.take_grants(Transport::Socket).is_empty(),
+            "the old build holds both tokens"
+        );
         assert!(broker.status().gates.is_empty());
 
         broker.release(old_build, 1).unwrap();
         let grants = broker.take_grants(Transport::Socket);
-        assert_eq!(grants.iter().map(|g| (g.client, g.tokens)).collect::<Vec<_>>(), [(newcomer, 1)]);
+        assert_eq!(
+            grants
+                .iter()
+                .map(|g| (g.client, g.tokens))
+                .collect::<Vec<_>>(),
+            [(newcomer, 1)]
+        );
         assert_eq!((broker.pool().held(), broker.pool().free()), (2, 0));
     }
 
@@ -777,15 +882,31 @@ mod tests {
     #[test]
     fn a_request_wider_than_the_gates_allow_passes_once_nothing_is_held() {
         let mut broker = Broker::new(4).unwrap();
-        broker.set_gates(GateConfig { min_mem_available: Some(1 << 20), ..GateConfig::default() });
-        broker.observe(Reading { mem_available: Some(1 << 40), mem_pressure: None, runnable: None });
+        broker.set_gates(GateConfig {
+            min_mem_available: Some(1 << 20),
+            ..GateConfig::default()
+        });
+        broker.observe(Reading {
+            mem_available: Some(1 << 40),
+            mem_pressure: None,
+            runnable: None,
+        });
         let (a, b) = (client(&mut broker, 1), client(&mut broker, 2));
-        let granted = |broker: &mut Broker| broker.take_grants(Transport::Socket).iter().map(|g| (g.client, g.tokens)).collect::<Vec<_>>();
+        let granted = |broker: &mut Broker| {
+            broker
+                .take_grants(Transport::Socket)
+                .iter()
+                .map(|g| (g.client, g.tokens))
+                .collect::<Vec<_>>()
+        };
 
         broker.acquire(a, 1, 2).unwrap();
         assert_eq!(granted(&mut broker), [(a, 2)]);
         assert_eq!(broker.acquire(b, 1, 2).unwrap(), Acquired::Queued);
-        assert!(granted(&mut broker).is_empty(), "a's young jobs use up what the slow start allows");
+        assert!(
+            granted(&mut broker).is_empty(),
+            "a's young jobs use up what the slow start allows"
+        );
         broker.release(a, 2).unwrap();
         assert_eq!(granted(&mut broker), [(b, 2)]);
         broker.release(b, 2).unwrap();

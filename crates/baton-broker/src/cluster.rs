@@ -25,7 +25,9 @@ pub fn join(config: Config, broker: &Arc<Mutex<Broker>>) -> Result<Link> {
     broker.lock().expect("broker lock").join_cluster(&config);
     let link = baton_cluster::Link::start(config, Arc::new(Shared(broker.clone())))?;
     broker.lock().expect("broker lock").on_demand(link.waker());
-    crate::log::info(format_args!("cluster pool {pool}: {jobs} tokens across every broker, in etcd at {endpoints}"));
+    crate::log::info(format_args!(
+        "cluster pool {pool}: {jobs} tokens across every broker, in etcd at {endpoints}"
+    ));
     Ok(link)
 }
 
@@ -44,11 +46,17 @@ impl baton_cluster::LocalPool for Shared {
     }
 
     fn set_held(&self, held: u32, contact: Contact) -> baton_core::cluster::Local {
-        self.0.lock().expect("broker lock").set_cluster_held(held, contact)
+        self.0
+            .lock()
+            .expect("broker lock")
+            .set_cluster_held(held, contact)
     }
 
     fn watched(&self, events: u64) {
-        self.0.lock().expect("broker lock").note_watch_events(events);
+        self.0
+            .lock()
+            .expect("broker lock")
+            .note_watch_events(events);
     }
 
     fn log(&self, line: std::fmt::Arguments) {

@@ -88,21 +88,36 @@ impl Probe {
                  --max-mem-pressure is off, the other gates keep working"
             ));
         }
-        Probe { cgroups, pressure, stall_totals: VecDeque::new(), run_queue: VecDeque::new() }
+        Probe {
+            cgroups,
+            pressure,
+            stall_totals: VecDeque::new(),
+            run_queue: VecDeque::new(),
+        }
     }
 
     /// One reading of everything the gates look at.
     pub fn read(&mut self) -> Reading {
-        Reading { mem_available: self.mem_available(), mem_pressure: self.mem_pressure(), runnable: self.runnable() }
+        Reading {
+            mem_available: self.mem_available(),
+            mem_pressure: self.mem_pressure(),
+            runnable: self.runnable(),
+        }
     }
 
     /// Where the kernel can notify the gates' thread (`crate::triggers`).
     pub fn sources(&self) -> Sources {
         let v1_limits = self.cgroups.iter().filter_map(|c| match c {
-            MemoryCgroup::V1(dir) => Some((dir.clone(), read_number(&dir.join("memory.limit_in_bytes")).filter(|&l| l < NO_LIMIT)?)),
+            MemoryCgroup::V1(dir) => Some((
+                dir.clone(),
+                read_number(&dir.join("memory.limit_in_bytes")).filter(|&l| l < NO_LIMIT)?,
+            )),
             MemoryCgroup::V2(_) => None,
         });
-        Sources { pressure: self.pressure.clone(), v1_limits: v1_limits.collect() }
+        Sources {
+            pressure: self.pressure.clone(),
+            v1_limits: v1_limits.collect(),
+        }
     }
 
     /// PSI `some avg10`, or the share of the last second stalled if that is
@@ -114,7 +129,9 @@ impl Probe {
         let now = Instant::now();
         let recent = psi_some(&text, "total=").and_then(|total| {
             self.stall_totals.push_back((now, total as u64));
-            while self.stall_totals.len() > 2 && now.duration_since(self.stall_totals[1].0) >= PRESSURE_SPAN {
+            while self.stall_totals.len() > 2
+                && now.duration_since(self.stall_totals[1].0) >= PRESSURE_SPAN
+            {
                 self.stall_totals.pop_front();
             }
             let &(then, before) = self.stall_totals.front()?;
@@ -144,8 +161,18 @@ impl MemoryCgroup {
     /// The cgroup's limit less what it uses, or None if it has no limit.
     fn available(&self) -> Option<u64> {
         let (limit, usage, stat, cache_key) = match self {
-            MemoryCgroup::V1(dir) => (dir.join("memory.limit_in_bytes"), dir.join("memory.usage_in_bytes"), dir.join("memory.stat"), "total_inactive_file"),
-            MemoryCgroup::V2(dir) => (dir.join("memory.max"), dir.join("memory.current"), dir.join("memory.stat"), "inactive_file"),
+            MemoryCgroup::V1(dir) => (
+                dir.join("memory.limit_in_bytes"),
+                dir.join("memory.usage_in_bytes"),
+                dir.join("memory.stat"),
+                "total_inactive_file",
+            ),
+            MemoryCgroup::V2(dir) => (
+                dir.join("memory.max"),
+                dir.join("memory.current"),
+                dir.join("memory.stat"),
+                "inactive_file",
+            ),
         };
         let limit = read_number(&limit)?;
         if limit >= NO_LIMIT {
@@ -179,30 +206,43 @@ impl Sampler {
         let waker = armed.waker();
         let sources = probe.sources();
         let on_set = waker.clone();
-        broker.lock().expect("broker lock").on_gates_set(move || on_set.wake());
-        let thread = std::thread::Builder::new().name("baton-gates".into()).spawn(move || {
-            run_before_the_jobs();
-            let mut pausing = Pausing::default();
-            while !stopping.load(Ordering::Relaxed) {
-                // Gates can be set while the broker runs (`baton limit`), so
-                // the thread stays, and measures only while one is set:
-                // else it sleeps until one is (the broker wakes it).
-                let config = broker.lock().expect("broker lock").gate_config();
-                let mut interval = UNTIL_WOKEN;
-                armed.arm(&config, &sources);
-                if config.any() || !pausing.stopped.is_empty() {
-                    let reading = probe.read();
-                    let mut b = broker.lock().expect("broker lock");
-                    b.observe(reading);
-                    interval = if b.gates_urgent() { URGENT_SAMPLE } else { SAMPLE };
-                    drop(b);
-                    pausing.act(&broker);
+        broker
+            .lock()
+            .expect("broker lock")
+            .on_gates_set(move || on_set.wake());
+        let thread = std::thread::Builder::new()
+            .name("baton-gates".into())
+            .spawn(move || {
+                run_before_the_jobs();
+                let mut pausing = Pausing::default();
+                while !stopping.load(Ordering::Relaxed) {
+                    // Gates can be set while the broker runs (`baton limit`), so
+                    // the thread stays, and measures only while one is set:
+                    // else it sleeps until one is (the broker wakes it).
+                    let config = broker.lock().expect("broker lock").gate_config();
+                    let mut interval = UNTIL_WOKEN;
+                    armed.arm(&config, &sources);
+                    if config.any() || !pausing.stopped.is_empty() {
+                        let reading = probe.read();
+                        let mut b = broker.lock().expect("broker lock");
+                        b.observe(reading);
+                        interval = if b.gates_urgent() {
+                            URGENT_SAMPLE
+                        } else {
+                            SAMPLE
+                        };
+                        drop(b);
+                        pausing.act(&broker);
+                    }
+                    armed.wait(interval);
                 }
-                armed.wait(interval);
-            }
-            pausing.resume_all();
-        })?;
-        Ok(Sampler { stop, waker, thread: Some(thread) })
+                pausing.resume_all();
+            })?;
+        Ok(Sampler {
+            stop,
+            waker,
+            thread: Some(thread),
+        })
     }
 }
 
@@ -212,9 +252,13 @@ impl Sampler {
 /// RLIMIT_NICE that permits it); elsewhere the thread keeps its priority.
 fn run_before_the_jobs() {
     // SAFETY: gettid and setpriority on this thread have no preconditions.
-    let done = unsafe { libc::setpriority(libc::PRIO_PROCESS, libc::gettid() as libc::id_t, -10) } == 0;
+    let done =
+        unsafe { libc::setpriority(libc::PRIO_PROCESS, libc::gettid() as libc::id_t, -10) } == 0;
     if !done {
-        log::debug(format_args!("gates: the gates' thread keeps its priority ({})", std::io::Error::last_os_error()));
+        log::debug(format_args!(
+            "gates: the gates' thread keeps its priority ({})",
+            std::io::Error::last_os_error()
+        ));
     }
 }
 
@@ -238,7 +282,11 @@ impl Pausing {
     fn act(&mut self, broker: &Mutex<Broker>) {
         let (pause_on, any_stopped, urgent) = {
             let b = broker.lock().expect("broker lock");
-            (b.gate_config().pause, b.jobs_stopped() > 0, b.gates_urgent())
+            (
+                b.gate_config().pause,
+                b.jobs_stopped() > 0,
+                b.gates_urgent(),
+            )
         };
         if !(any_stopped || pause_on && urgent) {
             // Memory is plentiful: nothing to compare growth with later.
@@ -247,9 +295,24 @@ impl Pausing {
         }
         let clients = broker.lock().expect("broker lock").client_pids();
         let running = Snapshot::take().running(&clients, &self.stopped);
-        let seen: Vec<JobMemory> = running.iter().map(|j| JobMemory { started: j.start, resident: j.resident, resident_before: self.resident.get(&j.root).and_then(|h| h.front()).map(|&(_, r)| r) }).collect();
+        let seen: Vec<JobMemory> = running
+            .iter()
+            .map(|j| JobMemory {
+                started: j.start,
+                resident: j.resident,
+                resident_before: self
+                    .resident
+                    .get(&j.root)
+                    .and_then(|h| h.front())
+                    .map(|&(_, r)| r),
+            })
+            .collect();
         let action = broker.lock().expect("broker lock").pause_action(&seen);
-        log::debug(format_args!("gates: jobs running {:?} MiB, {} stopped: {action:?}", seen.iter().map(|j| j.resident >> 20).collect::<Vec<_>>(), self.stopped.len()));
+        log::debug(format_args!(
+            "gates: jobs running {:?} MiB, {} stopped: {action:?}",
+            seen.iter().map(|j| j.resident >> 20).collect::<Vec<_>>(),
+            self.stopped.len()
+        ));
         self.remember(&running);
         match action {
             PauseAction::Pause(picks) => {
@@ -257,14 +320,26 @@ impl Pausing {
                     self.pause(&running[*i], seen[*i].growing());
                 }
                 let running = running.len().saturating_sub(picks.len()) as u32;
-                broker.lock().expect("broker lock").did_pause(picks.len() as u32, running);
+                broker
+                    .lock()
+                    .expect("broker lock")
+                    .did_pause(picks.len() as u32, running);
             }
             PauseAction::Resume => {
-                let Some(first) = (0..self.stopped.len()).min_by_key(|&i| self.stopped[i].start) else { return };
+                let Some(first) = (0..self.stopped.len()).min_by_key(|&i| self.stopped[i].start)
+                else {
+                    return;
+                };
                 let job = self.stopped.remove(first);
                 jobs::resume(&job);
-                log::info(format_args!("memory is back: resumed job pid {} (SIGCONT)", job.root));
-                broker.lock().expect("broker lock").did_resume(running.len() as u32 + 1);
+                log::info(format_args!(
+                    "memory is back: resumed job pid {} (SIGCONT)",
+                    job.root
+                ));
+                broker
+                    .lock()
+                    .expect("broker lock")
+                    .did_resume(running.len() as u32 + 1);
             }
             PauseAction::Nothing => {}
         }
@@ -313,13 +388,25 @@ fn own_memory_cgroups() -> Vec<MemoryCgroup> {
     let mut found = Vec::new();
     for line in text.lines() {
         let mut parts = line.splitn(3, ':');
-        let (Some(_), Some(controllers), Some(path)) = (parts.next(), parts.next(), parts.next()) else { continue };
+        let (Some(_), Some(controllers), Some(path)) = (parts.next(), parts.next(), parts.next())
+        else {
+            continue;
+        };
         let relative = path.trim_start_matches('/');
         if controllers.split(',').any(|c| c == "memory") {
-            found.extend(ancestors(Path::new("/sys/fs/cgroup/memory"), relative, "memory.limit_in_bytes").map(MemoryCgroup::V1));
+            found.extend(
+                ancestors(
+                    Path::new("/sys/fs/cgroup/memory"),
+                    relative,
+                    "memory.limit_in_bytes",
+                )
+                .map(MemoryCgroup::V1),
+            );
         } else if controllers.is_empty() {
             for mount in ["/sys/fs/cgroup", "/sys/fs/cgroup/unified"] {
-                found.extend(ancestors(Path::new(mount), relative, "memory.max").map(MemoryCgroup::V2));
+                found.extend(
+                    ancestors(Path::new(mount), relative, "memory.max").map(MemoryCgroup::V2),
+                );
             }
         }
     }
@@ -328,9 +415,19 @@ fn own_memory_cgroups() -> Vec<MemoryCgroup> {
 
 /// `mount/relative` and each of its parents up to `mount`, where `marker`
 /// exists (the controller is there).
-fn ancestors<'a>(mount: &'a Path, relative: &str, marker: &'a str) -> impl Iterator<Item = PathBuf> + 'a {
+fn ancestors<'a>(
+    mount: &'a Path,
+    relative: &str,
+    marker: &'a str,
+) -> impl Iterator<Item = PathBuf> + 'a {
     let start = mount.join(relative);
-    start.ancestors().take_while(move |d| d.starts_with(mount)).filter(move |d| d.join(marker).exists()).map(Path::to_path_buf).collect::<Vec<_>>().into_iter()
+    start
+        .ancestors()
+        .take_while(move |d| d.starts_with(mount))
+        .filter(move |d| d.join(marker).exists())
+        .map(Path::to_path_buf)
+        .collect::<Vec<_>>()
+        .into_iter()
 }
 
 fn readable(path: &Path) -> bool {
@@ -348,7 +445,14 @@ fn read_stat(path: &Path, key: &str) -> Option<u64> {
 
 fn read_meminfo_available() -> Option<u64> {
     let text = std::fs::read_to_string("/proc/meminfo").ok()?;
-    let kib = text.lines().find_map(|l| l.strip_prefix("MemAvailable:"))?.trim().trim_end_matches("kB").trim().parse::<u64>().ok()?;
+    let kib = text
+        .lines()
+        .find_map(|l| l.strip_prefix("MemAvailable:"))?
+        .trim()
+        .trim_end_matches("kB")
+        .trim()
+        .parse::<u64>()
+        .ok()?;
     Some(kib * 1024)
 }
 
@@ -360,12 +464,16 @@ fn read_procs_running() -> Option<u64> {
 /// A figure of the `some` line of a PSI file: `avg10=` or `total=`.
 fn psi_some(text: &str, key: &str) -> Option<f64> {
     let some = text.lines().find(|l| l.starts_with("some "))?;
-    some.split_whitespace().find_map(|w| w.strip_prefix(key))?.parse().ok()
+    some.split_whitespace()
+        .find_map(|w| w.strip_prefix(key))?
+        .parse()
+        .ok()
 }
 
 /// The number after `key` and `sep` on the line that starts with `key`.
 fn field(text: &str, key: &str, sep: char) -> Option<u64> {
-    text.lines().find_map(|l| l.strip_prefix(key)?.strip_prefix(sep)?.trim().parse().ok())
+    text.lines()
+        .find_map(|l| l.strip_prefix(key)?.strip_prefix(sep)?.trim().parse().ok())
 }
 
 #[cfg(test)]
@@ -385,12 +493,18 @@ mod tests {
         let text = "cache 5\ntotal_inactive_file 4096\ninactive_file 10\n";
         assert_eq!(field(text, "total_inactive_file", ' '), Some(4096));
         assert_eq!(field(text, "inactive_file", ' '), Some(10));
-        assert_eq!(field("procs_running 3\nprocs_blocked 0\n", "procs_running", ' '), Some(3));
+        assert_eq!(
+            field("procs_running 3\nprocs_blocked 0\n", "procs_running", ' '),
+            Some(3)
+        );
     }
 
     #[test]
     fn this_machine_offers_available_memory() {
         // MemAvailable exists on every Linux since 3.14.
-        assert!(Probe::new(false).read().mem_available.is_some_and(|m| m > 0));
+        assert!(Probe::new(false)
+            .read()
+            .mem_available
+            .is_some_and(|m| m > 0));
     }
 }

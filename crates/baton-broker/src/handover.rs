@@ -18,7 +18,10 @@ use crate::broker::BrokerState;
 use crate::fuse::FsState;
 use crate::socket::ConnState;
 use anyhow::{bail, ensure, Context, Result};
-use nix::sys::socket::{getsockopt, recvmsg, sendmsg, sockopt::PeerCredentials, ControlMessage, ControlMessageOwned, MsgFlags};
+use nix::sys::socket::{
+    getsockopt, recvmsg, sendmsg, sockopt::PeerCredentials, ControlMessage, ControlMessageOwned,
+    MsgFlags,
+};
 use serde::{Deserialize, Serialize};
 use std::io::{IoSlice, IoSliceMut, Read, Write};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
@@ -58,8 +61,10 @@ pub fn path(socket: &Path) -> PathBuf {
 pub fn listen(socket: &Path) -> Result<UnixListener> {
     let path = path(socket);
     let _ = std::fs::remove_file(&path);
-    let listener = UnixListener::bind(&path).with_context(|| format!("cannot listen at {}", path.display()))?;
-    std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600)).with_context(|| format!("cannot make {} private (chmod 0600)", path.display()))?;
+    let listener = UnixListener::bind(&path)
+        .with_context(|| format!("cannot listen at {}", path.display()))?;
+    std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600))
+        .with_context(|| format!("cannot make {} private (chmod 0600)", path.display()))?;
     listener.set_nonblocking(true)?;
     Ok(listener)
 }
@@ -82,10 +87,19 @@ pub fn send(mut stream: UnixStream, state: &State, fds: &[RawFd]) -> Result<()> 
     stream.write_all(&json)?;
     for chunk in fds.chunks(FDS_PER_MESSAGE) {
         let rights = [ControlMessage::ScmRights(chunk)];
-        sendmsg::<()>(stream.as_raw_fd(), &[IoSlice::new(&[0])], &rights, MsgFlags::empty(), None).context("cannot pass descriptors to the successor")?;
+        sendmsg::<()>(
+            stream.as_raw_fd(),
+            &[IoSlice::new(&[0])],
+            &rights,
+            MsgFlags::empty(),
+            None,
+        )
+        .context("cannot pass descriptors to the successor")?;
     }
     let mut answer = [0u8];
-    stream.read_exact(&mut answer).context("the successor did not confirm")?;
+    stream
+        .read_exact(&mut answer)
+        .context("the successor did not confirm")?;
     ensure!(answer[0] == TAKEN, "the successor answered {:?}", answer[0]);
     Ok(())
 }
@@ -102,7 +116,9 @@ impl Handed {
     /// Tells the predecessor we have everything: it exits, and its lock
     /// goes with it.
     pub fn confirm(mut self) -> Result<(State, Vec<OwnedFd>)> {
-        self.stream.write_all(&[TAKEN]).context("the running broker went away before we confirmed")?;
+        self.stream
+            .write_all(&[TAKEN])
+            .context("the running broker went away before we confirmed")?;
         Ok((self.state, self.fds))
     }
 }
@@ -111,15 +127,25 @@ impl Handed {
 /// descriptors (the successor, `baton serve --replace`).
 pub fn receive(socket: &Path) -> Result<Handed> {
     let path = path(socket);
-    let mut stream = UnixStream::connect(&path).with_context(|| format!("no broker to replace at {} (is one running there?)", socket.display()))?;
+    let mut stream = UnixStream::connect(&path).with_context(|| {
+        format!(
+            "no broker to replace at {} (is one running there?)",
+            socket.display()
+        )
+    })?;
     stream.set_read_timeout(Some(Duration::from_secs(30)))?;
     let mut header = [0u8; 16];
-    stream.read_exact(&mut header).context("the running broker sent no state")?;
+    stream
+        .read_exact(&mut header)
+        .context("the running broker sent no state")?;
     let len = u64::from_le_bytes(header[..8].try_into().expect("8 bytes")) as usize;
     let count = u64::from_le_bytes(header[8..].try_into().expect("8 bytes")) as usize;
     let mut json = vec![0u8; len];
-    stream.read_exact(&mut json).context("the running broker's state is cut short")?;
-    let state: State = serde_json::from_slice(&json).context("cannot read the running broker's state (is it a different version?)")?;
+    stream
+        .read_exact(&mut json)
+        .context("the running broker's state is cut short")?;
+    let state: State = serde_json::from_slice(&json)
+        .context("cannot read the running broker's state (is it a different version?)")?;
     let fds = receive_fds(&stream, count)?;
     Ok(Handed { state, fds, stream })
 }
@@ -130,17 +156,33 @@ fn receive_fds(stream: &UnixStream, count: usize) -> Result<Vec<OwnedFd>> {
         let mut byte = [0u8];
         let mut iov = [IoSliceMut::new(&mut byte)];
         let mut space = nix::cmsg_space!([RawFd; FDS_PER_MESSAGE]);
-        let msg = recvmsg::<()>(stream.as_raw_fd(), &mut iov, Some(&mut space), MsgFlags::MSG_CMSG_CLOEXEC).context("cannot receive descriptors")?;
+        let msg = recvmsg::<()>(
+            stream.as_raw_fd(),
+            &mut iov,
+            Some(&mut space),
+            MsgFlags::MSG_CMSG_CLOEXEC,
+        )
+        .context("cannot receive descriptors")?;
         if msg.bytes == 0 {
-            bail!("the running broker went away after sending {} of {count} descriptors", fds.len());
+            bail!(
+                "the running broker went away after sending {} of {count} descriptors",
+                fds.len()
+            );
         }
         for cmsg in msg.cmsgs()? {
             if let ControlMessageOwned::ScmRights(received) = cmsg {
                 // SAFETY: the kernel just gave us these descriptors.
-                fds.extend(received.into_iter().map(|fd| unsafe { OwnedFd::from_raw_fd(fd) }));
+                fds.extend(
+                    received
+                        .into_iter()
+                        .map(|fd| unsafe { OwnedFd::from_raw_fd(fd) }),
+                );
             }
         }
-        ensure!(!msg.flags.contains(MsgFlags::MSG_CTRUNC), "descriptors were lost in passing (out of file descriptors?)");
+        ensure!(
+            !msg.flags.contains(MsgFlags::MSG_CTRUNC),
+            "descriptors were lost in passing (out of file descriptors?)"
+        );
     }
     Ok(fds)
 }

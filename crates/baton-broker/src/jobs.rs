@@ -11,7 +11,9 @@
 use std::collections::{HashMap, HashSet};
 
 /// The tools whose children are jobs.
-const TOOLS: [&str; 7] = ["make", "gmake", "gnumake", "bmake", "ninja", "samu", "cargo"];
+const TOOLS: [&str; 7] = [
+    "make", "gmake", "gnumake", "bmake", "ninja", "samu", "cargo",
+];
 
 #[derive(Debug, Clone)]
 struct Proc {
@@ -58,8 +60,16 @@ impl Snapshot {
 
     /// The jobs under `clients` that are not inside a job in `stopped`.
     pub fn running(&self, clients: &[u32], stopped: &[StoppedJob]) -> Vec<Job> {
-        let frozen: HashSet<u32> = stopped.iter().flat_map(|j| j.pids.iter().copied()).collect();
-        let is_job = |pid: &u32| self.procs.get(pid).and_then(|p| self.procs.get(&p.ppid)).is_some_and(|parent| TOOLS.contains(&parent.comm.as_str()));
+        let frozen: HashSet<u32> = stopped
+            .iter()
+            .flat_map(|j| j.pids.iter().copied())
+            .collect();
+        let is_job = |pid: &u32| {
+            self.procs
+                .get(pid)
+                .and_then(|p| self.procs.get(&p.ppid))
+                .is_some_and(|parent| TOOLS.contains(&parent.comm.as_str()))
+        };
         let under: HashSet<u32> = clients.iter().flat_map(|&c| self.tree(c)).collect();
         let mut jobs: Vec<Job> = under
             .iter()
@@ -67,15 +77,26 @@ impl Snapshot {
             .filter(|pid| !frozen.contains(pid) && is_job(pid))
             // A job inside another job (a recipe's sub-make's own jobs) is
             // counted once, as the outer one.
-            .filter(|&pid| !self.ancestors(pid).take_while(|p| under.contains(p)).any(|p| is_job(&p)))
-            .map(|root| Job { root, start: self.procs[&root].start, resident: self.tree(root).into_iter().filter_map(resident_bytes).sum() })
+            .filter(|&pid| {
+                !self
+                    .ancestors(pid)
+                    .take_while(|p| under.contains(p))
+                    .any(|p| is_job(&p))
+            })
+            .map(|root| Job {
+                root,
+                start: self.procs[&root].start,
+                resident: self.tree(root).into_iter().filter_map(resident_bytes).sum(),
+            })
             .collect();
         jobs.sort_by_key(|j| (j.start, j.root));
         jobs
     }
 
     fn ancestors(&self, pid: u32) -> impl Iterator<Item = u32> + '_ {
-        std::iter::successors(self.procs.get(&pid).map(|p| p.ppid), |p| self.procs.get(p).map(|q| q.ppid))
+        std::iter::successors(self.procs.get(&pid).map(|p| p.ppid), |p| {
+            self.procs.get(p).map(|q| q.ppid)
+        })
     }
 
     /// `root` and all its descendants, parents first.
@@ -104,7 +125,11 @@ pub fn stop(job: &Job) -> StoppedJob {
         signal_all(&new, libc::SIGSTOP);
         stopped.extend(new);
     }
-    StoppedJob { root: job.root, start: job.start, pids: stopped }
+    StoppedJob {
+        root: job.root,
+        start: job.start,
+        pids: stopped,
+    }
 }
 
 /// Lets a stopped job go on.
@@ -133,9 +158,16 @@ fn page_size() -> u64 {
 }
 
 fn read_procs() -> HashMap<u32, Proc> {
-    let Ok(dir) = std::fs::read_dir("/proc") else { return HashMap::new() };
+    let Ok(dir) = std::fs::read_dir("/proc") else {
+        return HashMap::new();
+    };
     dir.filter_map(|e| e.ok()?.file_name().to_str()?.parse::<u32>().ok())
-        .filter_map(|pid| Some((pid, parse_stat(&std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?)?)))
+        .filter_map(|pid| {
+            Some((
+                pid,
+                parse_stat(&std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?)?,
+            ))
+        })
         .collect()
 }
 
@@ -145,7 +177,11 @@ fn parse_stat(stat: &str) -> Option<Proc> {
     let close = stat.rfind(')')?;
     let comm = stat[open + 1..close].to_string();
     let fields: Vec<&str> = stat.get(close + 2..)?.split(' ').collect();
-    Some(Proc { ppid: fields.get(1)?.parse().ok()?, comm, start: fields.get(19)?.parse().ok()? })
+    Some(Proc {
+        ppid: fields.get(1)?.parse().ok()?,
+        comm,
+        start: fields.get(19)?.parse().ok()?,
+    })
 }
 
 #[cfg(test)]
@@ -155,11 +191,26 @@ mod tests {
     #[test]
     fn stat_lines() {
         let p = parse_stat("4242 (make (x)) S 4000 4242 4000 0 -1 4194560 1 0 0 0 0 0 0 0 20 0 1 0 987654 1000 100").unwrap();
-        assert_eq!((p.ppid, p.comm.as_str(), p.start), (4000, "make (x)", 987654));
+        assert_eq!(
+            (p.ppid, p.comm.as_str(), p.start),
+            (4000, "make (x)", 987654)
+        );
     }
 
     fn snapshot(procs: &[(u32, u32, &str, u64)]) -> Snapshot {
-        let procs: HashMap<u32, Proc> = procs.iter().map(|&(pid, ppid, comm, start)| (pid, Proc { ppid, comm: comm.into(), start })).collect();
+        let procs: HashMap<u32, Proc> = procs
+            .iter()
+            .map(|&(pid, ppid, comm, start)| {
+                (
+                    pid,
+                    Proc {
+                        ppid,
+                        comm: comm.into(),
+                        start,
+                    },
+                )
+            })
+            .collect();
         let mut children: HashMap<u32, Vec<u32>> = HashMap::new();
         for (&pid, p) in &procs {
             children.entry(p.ppid).or_default().push(pid);
@@ -171,10 +222,26 @@ mod tests {
     fn jobs_are_the_build_tools_children_once_each() {
         // baton run (10) → make (11) → sh (12, 14) → python3 (13); sh 14
         // runs a sub-make (15) whose job (16) belongs to job 14.
-        let s = snapshot(&[(10, 1, "baton", 0), (11, 10, "make", 1), (12, 11, "sh", 2), (13, 12, "python3", 2), (14, 11, "sh", 3), (15, 14, "make", 3), (16, 15, "sh", 4)]);
+        let s = snapshot(&[
+            (10, 1, "baton", 0),
+            (11, 10, "make", 1),
+            (12, 11, "sh", 2),
+            (13, 12, "python3", 2),
+            (14, 11, "sh", 3),
+            (15, 14, "make", 3),
+            (16, 15, "sh", 4),
+        ]);
         let roots: Vec<u32> = s.running(&[10], &[]).iter().map(|j| j.root).collect();
-        assert_eq!(roots, [12, 14], "make itself is no job, nor the sub-make's own");
-        let stopped = [StoppedJob { root: 12, start: 2, pids: vec![12, 13] }];
+        assert_eq!(
+            roots,
+            [12, 14],
+            "make itself is no job, nor the sub-make's own"
+        );
+        let stopped = [StoppedJob {
+            root: 12,
+            start: 2,
+            pids: vec![12, 13],
+        }];
         let roots: Vec<u32> = s.running(&[10], &stopped).iter().map(|j| j.root).collect();
         assert_eq!(roots, [14]);
     }

@@ -30,8 +30,8 @@ mod broker;
 mod cluster;
 mod fuse;
 mod gates;
-mod jobs;
 mod handover;
+mod jobs;
 mod log;
 mod paths;
 mod serve;
@@ -51,5 +51,8 @@ pub use socket::MAX_CLIENTS;
 #[doc(hidden)]
 pub mod fuzzing {
     pub use crate::broker::{Broker, ClientMeta, Transport};
-    pub use crate::fuse::waiters::{Caller, Fh, Mode, Pid, PollAnswer, PollCall, PollWaker, ReadReply, Waiters, HOLD, RESERVATION};
+    pub use crate::fuse::waiters::{
+        Caller, Fh, Mode, Pid, PollAnswer, PollCall, PollWaker, ReadReply, Waiters, HOLD,
+        RESERVATION,
+    };
 }

@@ -55,7 +55,11 @@ pub fn lock_socket(socket: &Path) -> Result<ServeLock> {
     match Flock::lock(file, FlockArg::LockExclusiveNonblock) {
         Ok(lock) => Ok(ServeLock { _lock: lock }),
         Err((_, nix::errno::Errno::EWOULDBLOCK)) => {
-            bail!("a broker is already running at {} (see it with: baton status --socket {})", socket.display(), socket.display())
+            bail!(
+                "a broker is already running at {} (see it with: baton status --socket {})",
+                socket.display(),
+                socket.display()
+            )
         }
         Err((_, e)) => Err(e).with_context(|| format!("cannot lock {}", lock_path.display())),
     }
@@ -65,9 +69,16 @@ pub fn lock_socket(socket: &Path) -> Result<ServeLock> {
 /// (`--replace`) takes it as its predecessor exits.
 pub fn lock_socket_when_free(socket: &Path) -> Result<ServeLock> {
     let lock_path = lock_path(socket);
-    let file = OpenOptions::new().create(true).truncate(false).write(true).mode(0o600).open(&lock_path)
+    let file = OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .mode(0o600)
+        .open(&lock_path)
         .with_context(|| format!("cannot open the lock file {}", lock_path.display()))?;
-    let lock = Flock::lock(file, FlockArg::LockExclusive).map_err(|(_, e)| e).with_context(|| format!("cannot lock {}", lock_path.display()))?;
+    let lock = Flock::lock(file, FlockArg::LockExclusive)
+        .map_err(|(_, e)| e)
+        .with_context(|| format!("cannot lock {}", lock_path.display()))?;
     Ok(ServeLock { _lock: lock })
 }
 
@@ -89,7 +100,10 @@ pub fn clear_stale_socket(socket: &Path) -> Result<bool> {
         Err(e) => return Err(e).with_context(|| format!("cannot inspect {}", socket.display())),
     };
     if !meta.file_type().is_socket() {
-        bail!("{} exists and is not a socket: refusing to replace it (choose another --socket)", socket.display());
+        bail!(
+            "{} exists and is not a socket: refusing to replace it (choose another --socket)",
+            socket.display()
+        );
     }
     match UnixStream::connect(socket) {
         Ok(_) => bail!(
@@ -98,9 +112,15 @@ pub fn clear_stale_socket(socket: &Path) -> Result<bool> {
             socket.display()
         ),
         Err(e) if e.kind() == ErrorKind::ConnectionRefused => {
-            fs::remove_file(socket).with_context(|| format!("cannot remove the stale socket {}", socket.display()))?;
+            fs::remove_file(socket)
+                .with_context(|| format!("cannot remove the stale socket {}", socket.display()))?;
             Ok(true)
         }
-        Err(e) => Err(e).with_context(|| format!("cannot tell whether a broker answers at {}", socket.display())),
+        Err(e) => Err(e).with_context(|| {
+            format!(
+                "cannot tell whether a broker answers at {}",
+                socket.display()
+            )
+        }),
     }
 }

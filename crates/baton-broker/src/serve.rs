@@ -3,15 +3,15 @@
 use crate::broker::{Broker, Transport};
 use crate::fuse::Options as FuseOptions;
 use crate::gates::{Probe, Sampler};
-use crate::log::LogLevel;
-use baton_core::gates::GateConfig;
 use crate::handover::{self, State};
+use crate::log::LogLevel;
 use crate::socket::{SocketServer, Stop};
 use crate::spin::SpinPolicy;
 use crate::{activation, cluster, fuse, log, paths};
+use anyhow::{Context, Result};
+use baton_core::gates::GateConfig;
 use baton_core::idle::IdleTimer;
 use baton_core::paths::{is_chosen_by_baton, private_dir, socket_path};
-use anyhow::{Context, Result};
 use nix::sys::signal::{kill, SigSet, Signal};
 use nix::sys::signalfd::{SfdFlags, SignalFd};
 use nix::unistd::Pid;
@@ -68,7 +68,11 @@ pub struct ServeOptions {
 pub fn serve(opts: ServeOptions) -> Result<()> {
     log::set_level(opts.log_level);
     // Taken before any thread starts: it edits the environment.
-    let activated = if opts.replace { None } else { activation::inherited_listener()? };
+    let activated = if opts.replace {
+        None
+    } else {
+        activation::inherited_listener()?
+    };
     // Only the directories baton chooses itself are tightened to 0700.
     let chosen_by_us = is_chosen_by_baton(opts.socket.as_deref());
     let socket = match &activated {
@@ -78,11 +82,21 @@ pub fn serve(opts: ServeOptions) -> Result<()> {
     let dir = private_dir(&socket);
     paths::prepare_private_dir(&dir, chosen_by_us)?;
     raise_fd_limit(opts.max_clients);
-    let mut handed = if opts.replace { Some(handover::receive(&socket)?) } else { None };
+    let mut handed = if opts.replace {
+        Some(handover::receive(&socket)?)
+    } else {
+        None
+    };
     // Checked before we confirm: a state we cannot take leaves the
     // running broker serving.
     let restored = match &mut handed {
-        Some(h) => Some(Broker::restore(std::mem::replace(&mut h.state.broker, Broker::new(1)?.snapshot())).context("cannot take the running broker's state (it serves on)")?),
+        Some(h) => Some(
+            Broker::restore(std::mem::replace(
+                &mut h.state.broker,
+                Broker::new(1)?.snapshot(),
+            ))
+            .context("cannot take the running broker's state (it serves on)")?,
+        ),
         None => None,
     };
     let mut handed = handed.map(handover::Handed::confirm).transpose()?;
@@ -90,13 +104,15 @@ pub fn serve(opts: ServeOptions) -> Result<()> {
         Some(_) => paths::lock_socket_when_free(&socket)?,
         None => paths::lock_socket(&socket)?,
     };
-    let a_broker_died_here = activated.is_none() && handed.is_none() && paths::clear_stale_socket(&socket)?;
+    let a_broker_died_here =
+        activated.is_none() && handed.is_none() && paths::clear_stale_socket(&socket)?;
 
     // Block the stop signals before any thread starts so that every thread
     // inherits the mask and only the signalfd sees them.
     let stop = stop_signals();
     stop.thread_block().context("cannot block SIGTERM/SIGINT")?;
-    let signals = SignalFd::with_flags(&stop, SfdFlags::SFD_NONBLOCK | SfdFlags::SFD_CLOEXEC).context("cannot create a signalfd")?;
+    let signals = SignalFd::with_flags(&stop, SfdFlags::SFD_NONBLOCK | SfdFlags::SFD_CLOEXEC)
+        .context("cannot create a signalfd")?;
 
     let broker = match restored {
         Some(broker) => broker,
@@ -112,53 +128,113 @@ pub fn serve(opts: ServeOptions) -> Result<()> {
         give_builds_time_to_reattach(&broker, &socket, opts.reclaim_grace);
     }
     // Joined before the socket listens: no grant escapes the cluster's cap.
-    let _cluster = opts.cluster.map(|config| cluster::join(config, &broker)).transpose()?;
-    let _sampler = Sampler::spawn(broker.clone(), Probe::new(gates.max_mem_pressure.is_some())).context("cannot start the gates' thread")?;
-    let mut fds: Vec<Option<OwnedFd>> = handed.as_mut().map(|(_, fds)| std::mem::take(fds).into_iter().map(Some).collect()).unwrap_or_default();
-    let mut take_fd = |i: usize| fds.get_mut(i).and_then(Option::take).context("the running broker named a descriptor it did not pass");
+    let _cluster = opts
+        .cluster
+        .map(|config| cluster::join(config, &broker))
+        .transpose()?;
+    let _sampler = Sampler::spawn(broker.clone(), Probe::new(gates.max_mem_pressure.is_some()))
+        .context("cannot start the gates' thread")?;
+    let mut fds: Vec<Option<OwnedFd>> = handed
+        .as_mut()
+        .map(|(_, fds)| std::mem::take(fds).into_iter().map(Some).collect())
+        .unwrap_or_default();
+    let mut take_fd = |i: usize| {
+        fds.get_mut(i)
+            .and_then(Option::take)
+            .context("the running broker named a descriptor it did not pass")
+    };
     // Mounted before the socket listens: whoever finds the broker ready finds
     // its token files too (`baton run --jobserver-style auto`).
     let mut fuse = match handed.as_mut().and_then(|(state, _)| state.fuse.take()) {
-        Some((fs, device)) => Some(fuse::adopt(&socket, broker.clone(), take_fd(device)?, fs, opts.fuse.unwrap_or_default())?),
+        Some((fs, device)) => Some(fuse::adopt(
+            &socket,
+            broker.clone(),
+            take_fd(device)?,
+            fs,
+            opts.fuse.unwrap_or_default(),
+        )?),
         None if handed.is_some() => None,
-        None => opts.fuse.and_then(|mode| fuse::mount(&socket, broker.clone(), mode)),
+        None => opts
+            .fuse
+            .and_then(|mode| fuse::mount(&socket, broker.clone(), mode)),
     };
 
     // A socket systemd bound is systemd's to remove.
     let (listener, owned_socket) = match (&handed, activated) {
-        (Some((state, _)), _) => (take_fd(state.listener)?.into(), state.owns_socket.then(|| RemoveOnDrop(socket.clone()))),
+        (Some((state, _)), _) => (
+            take_fd(state.listener)?.into(),
+            state.owns_socket.then(|| RemoveOnDrop(socket.clone())),
+        ),
         (None, Some((listener, _))) => (listener, None),
         (None, None) => (listen(&socket)?, Some(RemoveOnDrop(socket.clone()))),
     };
 
-    let (mut server, waker) = SocketServer::new(listener, signals, broker.clone(), SpinPolicy::for_this_machine(opts.spin_us), opts.io_uring, opts.max_clients).context("cannot start the event loop")?;
+    let (mut server, waker) = SocketServer::new(
+        listener,
+        signals,
+        broker.clone(),
+        SpinPolicy::for_this_machine(opts.spin_us),
+        opts.io_uring,
+        opts.max_clients,
+    )
+    .context("cannot start the event loop")?;
     // Grants other transports cause for socket clients wake the socket
     // thread; it delivers its own at the end of each round.
     let socket_thread = std::thread::current().id();
-    broker.lock().expect("broker lock").on_grants(Transport::Socket, move || {
-        if std::thread::current().id() != socket_thread {
-            let _ = waker.wake();
-        }
-    });
+    broker
+        .lock()
+        .expect("broker lock")
+        .on_grants(Transport::Socket, move || {
+            if std::thread::current().id() != socket_thread {
+                let _ = waker.wake();
+            }
+        });
     if let Some((state, _)) = handed {
-        let conns = state.conns.into_iter().map(|c| Ok((take_fd(c.fd)?, c))).collect::<Result<Vec<_>>>()?;
-        server.adopt(conns.into_iter().map(|(fd, c)| (c, fd)).collect()).context("cannot take the running broker's clients")?;
+        let conns = state
+            .conns
+            .into_iter()
+            .map(|c| Ok((take_fd(c.fd)?, c)))
+            .collect::<Result<Vec<_>>>()?;
+        server
+            .adopt(conns.into_iter().map(|(fd, c)| (c, fd)).collect())
+            .context("cannot take the running broker's clients")?;
     }
     match handover::listen(&socket) {
-        Ok(listener) => server.watch_handover(listener).context("cannot watch for a successor")?,
-        Err(e) => log::warn(format_args!("no handover socket ({e:#}): this broker cannot be replaced in place")),
+        Ok(listener) => server
+            .watch_handover(listener)
+            .context("cannot watch for a successor")?,
+        Err(e) => log::warn(format_args!(
+            "no handover socket ({e:#}): this broker cannot be replaced in place"
+        )),
     }
     if let Some(timeout) = opts.idle_timeout {
-        stop_when_idle(broker.clone(), timeout, owned_socket.as_ref().map(|s| s.0.clone()));
+        stop_when_idle(
+            broker.clone(),
+            timeout,
+            owned_socket.as_ref().map(|s| s.0.clone()),
+        );
     }
     let limit = broker.lock().expect("broker lock").pool().limit();
     let noun = if limit == 1 { "token" } else { "tokens" };
-    let how = if opts.replace { "took over: serving" } else { "serving" };
-    log::info(format_args!("{how} {limit} {noun} at {} (pid {})", socket.display(), std::process::id()));
+    let how = if opts.replace {
+        "took over: serving"
+    } else {
+        "serving"
+    };
+    log::info(format_args!(
+        "{how} {limit} {noun} at {} (pid {})",
+        socket.display(),
+        std::process::id()
+    ));
     let signal = loop {
         match server.run().context("the event loop failed")? {
             Stop::Signal(name) => break name,
-            Stop::Handover(successor) => match hand_over(successor, &mut server, fuse.as_mut(), owned_socket.is_some()) {
+            Stop::Handover(successor) => match hand_over(
+                successor,
+                &mut server,
+                fuse.as_mut(),
+                owned_socket.is_some(),
+            ) {
                 // The successor serves everything now: leave the socket
                 // and the mount as they are, without the destructors.
                 Ok(()) => {
@@ -188,7 +264,12 @@ pub fn serve(opts: ServeOptions) -> Result<()> {
 }
 
 /// Freezes the FUSE side, then sends everything to the successor.
-fn hand_over(successor: std::os::unix::net::UnixStream, server: &mut SocketServer, fuse: Option<&mut fuse::FuseMount>, owns_socket: bool) -> Result<()> {
+fn hand_over(
+    successor: std::os::unix::net::UnixStream,
+    server: &mut SocketServer,
+    fuse: Option<&mut fuse::FuseMount>,
+    owns_socket: bool,
+) -> Result<()> {
     let fs = match fuse {
         Some(fuse) => Some((fuse.freeze()?, fuse.device())),
         None => None,
@@ -198,11 +279,22 @@ fn hand_over(successor: std::os::unix::net::UnixStream, server: &mut SocketServe
         fds.push(device);
         (state, fds.len() - 1)
     });
-    handover::send(successor, &State { broker, listener: 0, owns_socket, conns, fuse }, &fds)
+    handover::send(
+        successor,
+        &State {
+            broker,
+            listener: 0,
+            owns_socket,
+            conns,
+            fuse,
+        },
+        &fds,
+    )
 }
 
 fn listen(socket: &Path) -> Result<UnixListener> {
-    let listener = UnixListener::bind(socket).with_context(|| format!("cannot listen at {}", socket.display()))?;
+    let listener = UnixListener::bind(socket)
+        .with_context(|| format!("cannot listen at {}", socket.display()))?;
     std::fs::set_permissions(socket, std::fs::Permissions::from_mode(0o600))
         .with_context(|| format!("cannot make {} private (chmod 0600)", socket.display()))?;
     Ok(listener)
@@ -226,7 +318,10 @@ fn stop_when_idle(broker: Arc<Mutex<Broker>>, timeout: Duration, own_socket: Opt
                 if let Some(socket) = &own_socket {
                     let _ = std::fs::remove_file(socket);
                 }
-                log::info(format_args!("no clients for {} s: stopping", timeout.as_secs()));
+                log::info(format_args!(
+                    "no clients for {} s: stopping",
+                    timeout.as_secs()
+                ));
                 let _ = kill(Pid::this(), Signal::SIGTERM);
                 return;
             }
@@ -262,7 +357,9 @@ fn stop_signals() -> SigSet {
 /// so when even that is below `--max-clients`.
 fn raise_fd_limit(max_clients: usize) {
     use nix::sys::resource::{getrlimit, setrlimit, Resource};
-    let Ok((soft, hard)) = getrlimit(Resource::RLIMIT_NOFILE) else { return };
+    let Ok((soft, hard)) = getrlimit(Resource::RLIMIT_NOFILE) else {
+        return;
+    };
     if soft < hard {
         let _ = setrlimit(Resource::RLIMIT_NOFILE, hard, hard);
     }

@@ -121,14 +121,30 @@ pub struct SocketServer {
 impl SocketServer {
     /// `io_uring`: send replies in the system call that sleeps, where the
     /// kernel allows (crate::uring).
-    pub fn new(listener: std::os::unix::net::UnixListener, signals: SignalFd, broker: Arc<Mutex<Broker>>, spin: SpinPolicy, io_uring: bool, max_clients: usize) -> io::Result<(Self, Arc<Waker>)> {
+    pub fn new(
+        listener: std::os::unix::net::UnixListener,
+        signals: SignalFd,
+        broker: Arc<Mutex<Broker>>,
+        spin: SpinPolicy,
+        io_uring: bool,
+        max_clients: usize,
+    ) -> io::Result<(Self, Arc<Waker>)> {
         let poll = Poll::new()?;
         listener.set_nonblocking(true)?;
         let mut listener = UnixListener::from_std(listener);
-        poll.registry().register(&mut listener, LISTENER, Interest::READABLE)?;
-        poll.registry().register(&mut SourceFd(&signals.as_raw_fd()), SIGNALS, Interest::READABLE)?;
+        poll.registry()
+            .register(&mut listener, LISTENER, Interest::READABLE)?;
+        poll.registry().register(
+            &mut SourceFd(&signals.as_raw_fd()),
+            SIGNALS,
+            Interest::READABLE,
+        )?;
         let waker = Arc::new(Waker::new(poll.registry(), WAKER)?);
-        let sender = if io_uring { io_uring_sender(&poll) } else { None };
+        let sender = if io_uring {
+            io_uring_sender(&poll)
+        } else {
+            None
+        };
         let server = SocketServer {
             poll,
             listener,
@@ -149,7 +165,11 @@ impl SocketServer {
 
     /// Listens for a successor (crate::handover) on `listener`.
     pub fn watch_handover(&mut self, listener: std::os::unix::net::UnixListener) -> io::Result<()> {
-        self.poll.registry().register(&mut SourceFd(&listener.as_raw_fd()), HANDOVER, Interest::READABLE)?;
+        self.poll.registry().register(
+            &mut SourceFd(&listener.as_raw_fd()),
+            HANDOVER,
+            Interest::READABLE,
+        )?;
         self.handover = Some(listener);
         Ok(())
     }
@@ -193,7 +213,9 @@ impl SocketServer {
         let replied = std::mem::take(&mut self.replied);
         let broker = &self.broker;
         // The broker lock is taken only when the waits before say spin.
-        let spin = self.spin.spin_for(|| replied.max(broker.lock().expect("broker lock").pool().held() as usize));
+        let spin = self
+            .spin
+            .spin_for(|| replied.max(broker.lock().expect("broker lock").pool().held() as usize));
         if spin.is_zero() {
             if self.unsent.is_empty() {
                 self.poll.poll(events, None)?;
@@ -218,18 +240,39 @@ impl SocketServer {
     /// Sends the unsent output and sleeps until events come, in one system
     /// call (crate::uring says why), then collects the events.
     fn send_and_wait(&mut self, events: &mut Events) -> io::Result<()> {
-        let batch = self.sender.as_ref().expect("output is held only with a sender").batch();
+        let batch = self
+            .sender
+            .as_ref()
+            .expect("output is held only with a sender")
+            .batch();
         // More than a batch (a raised limit waking many): the first go out
         // by plain writes.
         let conns = &self.conns;
-        let (long, held): (Vec<Token>, Vec<Token>) = self.unsent.drain(..).partition(|token| conns.get(token).is_some_and(|c| c.outbuf.len() > SEND_WITH_SLEEP_MAX));
+        let (long, held): (Vec<Token>, Vec<Token>) = self.unsent.drain(..).partition(|token| {
+            conns
+                .get(token)
+                .is_some_and(|c| c.outbuf.len() > SEND_WITH_SLEEP_MAX)
+        });
         self.write_held(long);
         let early = held.len().saturating_sub(batch);
         let (early, last) = held.split_at(early);
         self.write_held(early.iter().copied());
-        let last: Vec<Token> = last.iter().copied().filter(|token| self.conns.contains_key(token)).collect();
-        let sends: Vec<(RawFd, &[u8])> = last.iter().map(|token| &self.conns[token]).map(|conn| (conn.stream.as_raw_fd(), &conn.outbuf[..])).collect();
-        match self.sender.as_mut().expect("checked above").send_then_wait(&sends) {
+        let last: Vec<Token> = last
+            .iter()
+            .copied()
+            .filter(|token| self.conns.contains_key(token))
+            .collect();
+        let sends: Vec<(RawFd, &[u8])> = last
+            .iter()
+            .map(|token| &self.conns[token])
+            .map(|conn| (conn.stream.as_raw_fd(), &conn.outbuf[..]))
+            .collect();
+        match self
+            .sender
+            .as_mut()
+            .expect("checked above")
+            .send_then_wait(&sends)
+        {
             Ok(results) => {
                 for (token, result) in last.into_iter().zip(results) {
                     self.finish_send(token, result);
@@ -237,7 +280,9 @@ impl SocketServer {
                 self.poll.poll(events, Some(Duration::ZERO))
             }
             Err(e) => {
-                log::warn(format_args!("io_uring failed ({e}): from now on replies are written, then the loop sleeps"));
+                log::warn(format_args!(
+                    "io_uring failed ({e}): from now on replies are written, then the loop sleeps"
+                ));
                 self.sender = None;
                 self.write_held(last);
                 self.poll.poll(events, None)
@@ -250,12 +295,17 @@ impl SocketServer {
     /// once more by a plain write, which closes the connection if its peer
     /// is gone.
     fn finish_send(&mut self, token: Token, sent: Sent) {
-        let Some(conn) = self.conns.get_mut(&token) else { return };
+        let Some(conn) = self.conns.get_mut(&token) else {
+            return;
+        };
         conn.unsent = false;
         match sent {
             Sent::Bytes(n) => drop(conn.outbuf.drain(..n)),
             Sent::Failed(e) if e.kind() == ErrorKind::WouldBlock => {}
-            Sent::Failed(e) => log::debug(format_args!("pid {}: a send through io_uring failed ({e}); writing instead", conn.pid)),
+            Sent::Failed(e) => log::debug(format_args!(
+                "pid {}: a send through io_uring failed ({e}); writing instead",
+                conn.pid
+            )),
             // Sending again could repeat a reply; closing cannot lose a
             // token (the pool takes back what the connection held).
             Sent::Unknown => return self.close(token),
@@ -272,7 +322,12 @@ impl SocketServer {
 
     /// Looks for events without sleeping until `spin` has passed since
     /// `started`; whether any came.
-    fn spin_wait(&mut self, events: &mut Events, started: Instant, spin: Duration) -> io::Result<bool> {
+    fn spin_wait(
+        &mut self,
+        events: &mut Events,
+        started: Instant,
+        spin: Duration,
+    ) -> io::Result<bool> {
         loop {
             self.poll.poll(events, Some(Duration::ZERO))?;
             if !events.is_empty() {
@@ -311,9 +366,21 @@ impl SocketServer {
         let mut broker = self.broker.lock().expect("broker lock");
         for grant in broker.take_grants(Transport::Socket) {
             let held = broker.pool().held_by(grant.client);
-            let Some(conn) = self.by_client.get(&grant.client).and_then(|t| self.conns.get_mut(t)) else { continue };
+            let Some(conn) = self
+                .by_client
+                .get(&grant.client)
+                .and_then(|t| self.conns.get_mut(t))
+            else {
+                continue;
+            };
             conn.waiting = false;
-            conn.outbuf.extend_from_slice(&Reply::Granted { tokens: grant.tokens, held }.encode());
+            conn.outbuf.extend_from_slice(
+                &Reply::Granted {
+                    tokens: grant.tokens,
+                    held,
+                }
+                .encode(),
+            );
         }
         let mut fds = vec![self.listener.as_raw_fd()];
         let conns = self
@@ -321,7 +388,15 @@ impl SocketServer {
             .values()
             .map(|c| {
                 fds.push(c.stream.as_raw_fd());
-                ConnState { fd: fds.len() - 1, pid: c.pid, client: c.client, inbuf: c.inbuf.clone(), outbuf: c.outbuf.clone(), waiting: c.waiting, closing: c.closing }
+                ConnState {
+                    fd: fds.len() - 1,
+                    pid: c.pid,
+                    client: c.client,
+                    inbuf: c.inbuf.clone(),
+                    outbuf: c.outbuf.clone(),
+                    waiting: c.waiting,
+                    closing: c.closing,
+                }
             })
             .collect();
         (broker.snapshot(), conns, fds)
@@ -337,18 +412,46 @@ impl SocketServer {
             let mut stream = UnixStream::from_std(stream);
             let token = Token(self.next_token);
             self.next_token += 1;
-            self.poll.registry().register(&mut stream, token, Interest::READABLE)?;
+            self.poll
+                .registry()
+                .register(&mut stream, token, Interest::READABLE)?;
             if let Some(id) = state.client {
                 self.by_client.insert(id, token);
             }
-            let ConnState { pid, client, inbuf, outbuf, waiting, closing, .. } = state;
-            self.conns.insert(token, Conn { stream, pid, client, inbuf, outbuf, waiting, closing, interest: Interest::READABLE, unsent: false, last_reply: 0 });
+            let ConnState {
+                pid,
+                client,
+                inbuf,
+                outbuf,
+                waiting,
+                closing,
+                ..
+            } = state;
+            self.conns.insert(
+                token,
+                Conn {
+                    stream,
+                    pid,
+                    client,
+                    inbuf,
+                    outbuf,
+                    waiting,
+                    closing,
+                    interest: Interest::READABLE,
+                    unsent: false,
+                    last_reply: 0,
+                },
+            );
             tokens.push(token);
         }
         for token in tokens {
             self.serve_conn(token);
             // Replies held behind a waiting ACQUIRE leave with its grant.
-            if self.conns.get(&token).is_some_and(|c| !c.outbuf.is_empty() && (!c.waiting || c.closing)) {
+            if self
+                .conns
+                .get(&token)
+                .is_some_and(|c| !c.outbuf.is_empty() && (!c.waiting || c.closing))
+            {
                 self.send_now(token, false);
             }
         }
@@ -379,18 +482,36 @@ impl SocketServer {
     fn add_conn(&mut self, mut stream: UnixStream) {
         let pid = peer_pid(&stream).unwrap_or(0);
         if self.conns.len() >= self.max_clients {
-            let reply = Reply::Err { code: ErrorCode::Full, message: format!("the broker already serves {} clients", self.max_clients) };
+            let reply = Reply::Err {
+                code: ErrorCode::Full,
+                message: format!("the broker already serves {} clients", self.max_clients),
+            };
             let _ = stream.write(&reply.encode());
             return;
         }
         let token = Token(self.next_token);
         self.next_token += 1;
-        if let Err(e) = self.poll.registry().register(&mut stream, token, Interest::READABLE) {
+        if let Err(e) = self
+            .poll
+            .registry()
+            .register(&mut stream, token, Interest::READABLE)
+        {
             log::warn(format_args!("cannot watch a new connection: {e}"));
             return;
         }
         log::debug(format_args!("connection from pid {pid}"));
-        let conn = Conn { stream, pid, client: None, inbuf: Vec::new(), outbuf: Vec::new(), waiting: false, closing: false, interest: Interest::READABLE, unsent: false, last_reply: 0 };
+        let conn = Conn {
+            stream,
+            pid,
+            client: None,
+            inbuf: Vec::new(),
+            outbuf: Vec::new(),
+            waiting: false,
+            closing: false,
+            interest: Interest::READABLE,
+            unsent: false,
+            last_reply: 0,
+        };
         self.conns.insert(token, conn);
     }
 
@@ -398,7 +519,9 @@ impl SocketServer {
         // Read and answer a chunk at a time, so a client streaming requests
         // is served as it goes rather than buffered whole.
         let finished = loop {
-            let Some(conn) = self.conns.get_mut(&token) else { return };
+            let Some(conn) = self.conns.get_mut(&token) else {
+                return;
+            };
             match read_chunk(conn) {
                 // A connection that is closing only drains its replies.
                 Chunk::Data if conn.closing => conn.inbuf.clear(),
@@ -410,7 +533,9 @@ impl SocketServer {
                 break false;
             }
         };
-        let Some(conn) = self.conns.get_mut(&token) else { return };
+        let Some(conn) = self.conns.get_mut(&token) else {
+            return;
+        };
         // While ACQUIRE waits, replies to the requests sent before it wait
         // too and leave with its GRANTED, in order: a client that pipelines
         // RELEASE and ACQUIRE is then woken once per token, not twice.
@@ -424,13 +549,19 @@ impl SocketServer {
     /// a fatal error, or its peer is gone. Watches for writability only
     /// while output is stuck.
     fn flush_or_close(&mut self, token: Token, finished: bool) {
-        let Some(conn) = self.conns.get_mut(&token) else { return };
+        let Some(conn) = self.conns.get_mut(&token) else {
+            return;
+        };
         if !conn.outbuf.is_empty() {
             self.replied += 1;
         }
         // A live connection's output waits for the loop's next sleep, which
         // sends it (crate::uring), unless earlier output is stuck.
-        if self.sender.is_some() && !finished && !conn.closing && conn.interest == Interest::READABLE {
+        if self.sender.is_some()
+            && !finished
+            && !conn.closing
+            && conn.interest == Interest::READABLE
+        {
             if !conn.outbuf.is_empty() && !conn.unsent {
                 conn.unsent = true;
                 self.unsent.push(token);
@@ -443,7 +574,9 @@ impl SocketServer {
     /// Writes what can be written now, then closes or watches as
     /// `flush_or_close` says.
     fn send_now(&mut self, token: Token, finished: bool) {
-        let Some(conn) = self.conns.get_mut(&token) else { return };
+        let Some(conn) = self.conns.get_mut(&token) else {
+            return;
+        };
         // Flush first: a fatal error's reply should reach the client.
         if flush(conn).is_err() {
             return self.close(token);
@@ -462,11 +595,22 @@ impl SocketServer {
                 self.leave_pool(id, pid);
             }
         }
-        let Some(conn) = self.conns.get_mut(&token) else { return };
-        let interest = if conn.outbuf.is_empty() { Interest::READABLE } else { Interest::READABLE | Interest::WRITABLE };
+        let Some(conn) = self.conns.get_mut(&token) else {
+            return;
+        };
+        let interest = if conn.outbuf.is_empty() {
+            Interest::READABLE
+        } else {
+            Interest::READABLE | Interest::WRITABLE
+        };
         if interest != conn.interest {
             conn.interest = interest;
-            if self.poll.registry().reregister(&mut conn.stream, token, interest).is_err() {
+            if self
+                .poll
+                .registry()
+                .reregister(&mut conn.stream, token, interest)
+                .is_err()
+            {
                 self.close(token);
             }
         }
@@ -474,7 +618,9 @@ impl SocketServer {
 
     fn process_lines(&mut self, token: Token) {
         loop {
-            let Some(conn) = self.conns.get_mut(&token) else { return };
+            let Some(conn) = self.conns.get_mut(&token) else {
+                return;
+            };
             if conn.closing {
                 return;
             }
@@ -487,7 +633,11 @@ impl SocketServer {
                 return;
             };
             if end + 1 > MAX_LINE {
-                self.reply_error(token, ErrorCode::TooLong, format!("request longer than {MAX_LINE} bytes"));
+                self.reply_error(
+                    token,
+                    ErrorCode::TooLong,
+                    format!("request longer than {MAX_LINE} bytes"),
+                );
                 return;
             }
             let line: Vec<u8> = conn.inbuf.drain(..=end).collect();
@@ -505,32 +655,61 @@ impl SocketServer {
         let reply = match (conn.client, request) {
             (None, Request::Hello { version, label }) => {
                 if version != protocol::VERSION {
-                    let msg = format!("this broker speaks protocol version {}, not {version}", protocol::VERSION);
+                    let msg = format!(
+                        "this broker speaks protocol version {}, not {version}",
+                        protocol::VERSION
+                    );
                     return self.reply_error(token, ErrorCode::Version, msg);
                 }
-                let command = if label.is_empty() { command_line(conn.pid) } else { label };
+                let command = if label.is_empty() {
+                    command_line(conn.pid)
+                } else {
+                    label
+                };
                 let mut broker = self.broker.lock().expect("broker lock");
                 let id = broker.connect(ClientMeta::new(conn.pid, command, Transport::Socket));
                 conn.client = Some(id);
                 self.by_client.insert(id, token);
-                Reply::Hello { version: protocol::VERSION, client: id.0, limit: broker.pool().limit() }
+                Reply::Hello {
+                    version: protocol::VERSION,
+                    client: id.0,
+                    limit: broker.pool().limit(),
+                }
             }
-            (None, _) => return self.reply_error(token, ErrorCode::Hello, "the first request must be HELLO 1 [label]".into()),
-            (Some(_), Request::Hello { .. }) => return self.reply_error(token, ErrorCode::Hello, "HELLO was already said".into()),
+            (None, _) => {
+                return self.reply_error(
+                    token,
+                    ErrorCode::Hello,
+                    "the first request must be HELLO 1 [label]".into(),
+                )
+            }
+            (Some(_), Request::Hello { .. }) => {
+                return self.reply_error(token, ErrorCode::Hello, "HELLO was already said".into())
+            }
             (Some(id), Request::Cancel) => {
                 let mut broker = self.broker.lock().expect("broker lock");
                 // The grant won the race (another client's RELEASE earlier
                 // in this round): GRANTED goes first, as the protocol says.
                 if let Some(grant) = broker.take_grant_of(Transport::Socket, id, ACQUIRE_TAG) {
                     let held = broker.pool().held_by(id);
-                    conn.outbuf.extend_from_slice(&Reply::Granted { tokens: grant.tokens, held }.encode());
+                    conn.outbuf.extend_from_slice(
+                        &Reply::Granted {
+                            tokens: grant.tokens,
+                            held,
+                        }
+                        .encode(),
+                    );
                 }
                 let tokens = broker.cancel(id, ACQUIRE_TAG);
                 conn.waiting = false;
                 Reply::Cancelled { tokens }
             }
             (Some(_), _) if conn.waiting => {
-                return self.reply_error(token, ErrorCode::Busy, "only CANCEL is allowed while ACQUIRE waits".into())
+                return self.reply_error(
+                    token,
+                    ErrorCode::Busy,
+                    "only CANCEL is allowed while ACQUIRE waits".into(),
+                )
             }
             (Some(id), request) => {
                 let mut broker = self.broker.lock().expect("broker lock");
@@ -540,7 +719,10 @@ impl SocketServer {
                         conn.waiting = true;
                         return;
                     }
-                    Err(e) => Reply::Err { code: error_code(&e), message: e.to_string() },
+                    Err(e) => Reply::Err {
+                        code: error_code(&e),
+                        message: e.to_string(),
+                    },
                 }
             }
         };
@@ -550,9 +732,20 @@ impl SocketServer {
     }
 
     fn reply_error(&mut self, token: Token, code: ErrorCode, message: String) {
-        let Some(conn) = self.conns.get_mut(&token) else { return };
-        log::info(format_args!("pid {}: {code}: {message}{}", conn.pid, if code.is_fatal() { "; closing its connection" } else { "" }));
-        conn.outbuf.extend_from_slice(&Reply::Err { code, message }.encode());
+        let Some(conn) = self.conns.get_mut(&token) else {
+            return;
+        };
+        log::info(format_args!(
+            "pid {}: {code}: {message}{}",
+            conn.pid,
+            if code.is_fatal() {
+                "; closing its connection"
+            } else {
+                ""
+            }
+        ));
+        conn.outbuf
+            .extend_from_slice(&Reply::Err { code, message }.encode());
         if code.is_fatal() {
             conn.closing = true;
         }
@@ -564,19 +757,30 @@ impl SocketServer {
         let grants: Vec<(ClientId, u32, u32)> = {
             let mut broker = self.broker.lock().expect("broker lock");
             let grants = broker.take_grants(Transport::Socket);
-            grants.into_iter().map(|Grant { client, tokens, .. }| (client, tokens, broker.pool().held_by(client))).collect()
+            grants
+                .into_iter()
+                .map(|Grant { client, tokens, .. }| (client, tokens, broker.pool().held_by(client)))
+                .collect()
         };
         for (client, tokens, held) in grants {
-            let Some(&token) = self.by_client.get(&client) else { continue };
-            let conn = self.conns.get_mut(&token).expect("by_client and conns agree");
+            let Some(&token) = self.by_client.get(&client) else {
+                continue;
+            };
+            let conn = self
+                .conns
+                .get_mut(&token)
+                .expect("by_client and conns agree");
             conn.waiting = false;
-            conn.outbuf.extend_from_slice(&Reply::Granted { tokens, held }.encode());
+            conn.outbuf
+                .extend_from_slice(&Reply::Granted { tokens, held }.encode());
             self.flush_or_close(token, false);
         }
     }
 
     fn close(&mut self, token: Token) {
-        let Some(mut conn) = self.conns.remove(&token) else { return };
+        let Some(mut conn) = self.conns.remove(&token) else {
+            return;
+        };
         let _ = self.poll.registry().deregister(&mut conn.stream);
         if let Some(id) = conn.client {
             self.leave_pool(id, conn.pid);
@@ -588,10 +792,16 @@ impl SocketServer {
     fn leave_pool(&mut self, id: ClientId, pid: u32) {
         self.by_client.remove(&id);
         let mut broker = self.broker.lock().expect("broker lock");
-        let command = broker.pool().meta(id).map(|m| m.command.clone()).unwrap_or_default();
+        let command = broker
+            .pool()
+            .meta(id)
+            .map(|m| m.command.clone())
+            .unwrap_or_default();
         let reclaimed = broker.disconnect(id);
         if reclaimed > 0 {
-            log::info(format_args!("reclaimed {reclaimed} token(s) from pid {pid} ({command}): its connection closed"));
+            log::info(format_args!(
+                "reclaimed {reclaimed} token(s) from pid {pid} ({command}): its connection closed"
+            ));
         }
     }
 }
@@ -601,18 +811,31 @@ impl SocketServer {
 fn apply(broker: &mut Broker, id: ClientId, request: Request) -> Result<Option<Reply>, PoolError> {
     Ok(Some(match request {
         Request::Acquire(n) => match broker.acquire(id, ACQUIRE_TAG, n)? {
-            Acquired::Granted => Reply::Granted { tokens: n, held: broker.pool().held_by(id) },
+            Acquired::Granted => Reply::Granted {
+                tokens: n,
+                held: broker.pool().held_by(id),
+            },
             Acquired::Queued => return Ok(None),
         },
         Request::Try(n) => match broker.try_acquire(id, n)? {
-            true => Reply::Granted { tokens: n, held: broker.pool().held_by(id) },
-            false => Reply::Busy { free: broker.pool().free() },
+            true => Reply::Granted {
+                tokens: n,
+                held: broker.pool().held_by(id),
+            },
+            false => Reply::Busy {
+                free: broker.pool().free(),
+            },
         },
         Request::Release(n) => {
             broker.release(id, n)?;
-            Reply::Released { tokens: n, held: broker.pool().held_by(id) }
+            Reply::Released {
+                tokens: n,
+                held: broker.pool().held_by(id),
+            }
         }
-        Request::Status => Reply::Status { json: serde_json::to_string(&broker.status()).expect("status serializes") },
+        Request::Status => Reply::Status {
+            json: serde_json::to_string(&broker.status()).expect("status serializes"),
+        },
         Request::Limit(n) => {
             let old = broker.set_limit(n)?;
             log::info(format_args!("limit changed from {old} to {n}"));
@@ -620,14 +843,23 @@ fn apply(broker: &mut Broker, id: ClientId, request: Request) -> Result<Option<R
         }
         Request::Gate { name, value } => match broker.set_gate(&name, value) {
             Ok(value) => {
-                log::info(format_args!("gate {name} set to {}", value.map_or("off".to_string(), |v| v.to_string())));
+                log::info(format_args!(
+                    "gate {name} set to {}",
+                    value.map_or("off".to_string(), |v| v.to_string())
+                ));
                 Reply::Gate { name, value }
             }
-            Err(message) => Reply::Err { code: ErrorCode::Range, message },
+            Err(message) => Reply::Err {
+                code: ErrorCode::Range,
+                message,
+            },
         },
         Request::Build { weight, name } => {
             let (build, weight) = broker.start_build(id, weight, name)?;
-            Reply::Build { build: build.0, weight }
+            Reply::Build {
+                build: build.0,
+                weight,
+            }
         }
         Request::Wanted => {
             let (tokens, free) = broker.wanted(id);
@@ -635,8 +867,14 @@ fn apply(broker: &mut Broker, id: ClientId, request: Request) -> Result<Option<R
         }
         Request::Hold(n) => {
             broker.hold(id, n)?;
-            log::info(format_args!("client {}: holds {n} token(s) a broker before us granted", id.0));
-            Reply::Granted { tokens: n, held: broker.pool().held_by(id) }
+            log::info(format_args!(
+                "client {}: holds {n} token(s) a broker before us granted",
+                id.0
+            ));
+            Reply::Granted {
+                tokens: n,
+                held: broker.pool().held_by(id),
+            }
         }
         Request::Hello { .. } | Request::Cancel => unreachable!("handled by the caller"),
     }))
@@ -698,8 +936,16 @@ fn flush(conn: &mut Conn) -> io::Result<()> {
 /// lets us have one.
 fn io_uring_sender(poll: &Poll) -> Option<SendAndWait> {
     SendAndWait::new(poll.as_raw_fd(), SEND_BATCH)
-        .inspect(|_| log::info(format_args!("replies go out through io_uring as the loop sleeps")))
-        .inspect_err(|e| log::info(format_args!("no io_uring here ({e}): replies are written, then the loop sleeps")))
+        .inspect(|_| {
+            log::info(format_args!(
+                "replies go out through io_uring as the loop sleeps"
+            ))
+        })
+        .inspect_err(|e| {
+            log::info(format_args!(
+                "no io_uring here ({e}): replies are written, then the loop sleeps"
+            ))
+        })
         .ok()
 }
 
@@ -712,13 +958,19 @@ fn preemptions() -> i64 {
 
 fn peer_pid(stream: &UnixStream) -> Option<u32> {
     use nix::sys::socket::{getsockopt, sockopt::PeerCredentials};
-    getsockopt(stream, PeerCredentials).ok().map(|c| c.pid() as u32)
+    getsockopt(stream, PeerCredentials)
+        .ok()
+        .map(|c| c.pid() as u32)
 }
 
 /// The process's command line from /proc, for status; empty if gone.
 pub fn command_line(pid: u32) -> String {
     let raw = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
-    let words: Vec<String> = raw.split(|&b| b == 0).filter(|w| !w.is_empty()).map(|w| String::from_utf8_lossy(w).into_owned()).collect();
+    let words: Vec<String> = raw
+        .split(|&b| b == 0)
+        .filter(|w| !w.is_empty())
+        .map(|w| String::from_utf8_lossy(w).into_owned())
+        .collect();
     let line = words.join(" ");
     line.chars().take(protocol::MAX_LABEL).collect()
 }

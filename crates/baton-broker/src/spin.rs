@@ -53,12 +53,21 @@ impl SpinPolicy {
     /// `window`: the longest spin; zero never spins. `cpus`: how many the
     /// broker and its clients share.
     pub fn new(window: Duration, cpus: usize) -> Self {
-        SpinPolicy { window, cpus, confidence: 0, sitting_out: 0, backoff: 1 }
+        SpinPolicy {
+            window,
+            cpus,
+            confidence: 0,
+            sitting_out: 0,
+            backoff: 1,
+        }
     }
 
     /// A window of `us` microseconds on the CPUs this process may use.
     pub fn for_this_machine(us: u64) -> Self {
-        Self::new(Duration::from_micros(us), std::thread::available_parallelism().map_or(1, |n| n.get()))
+        Self::new(
+            Duration::from_micros(us),
+            std::thread::available_parallelism().map_or(1, |n| n.get()),
+        )
     }
 
     /// How long to look for events before sleeping: the window while
@@ -89,7 +98,11 @@ impl SpinPolicy {
         } else if spun && short {
             self.backoff = (self.backoff / 2).max(1);
         }
-        self.confidence = if short { (self.confidence + 1).min(CONFIDENT) } else { self.confidence.saturating_sub(1) };
+        self.confidence = if short {
+            (self.confidence + 1).min(CONFIDENT)
+        } else {
+            self.confidence.saturating_sub(1)
+        };
     }
 }
 
@@ -116,12 +129,18 @@ mod tests {
         assert_eq!(after(&[]), Duration::ZERO, "nothing learnt yet");
         assert_eq!(after(&[SHORT]), Duration::ZERO);
         assert_eq!(after(&[SHORT, SHORT]), WINDOW);
-        assert_eq!(after(&[WINDOW, WINDOW]), WINDOW, "a wait of exactly the window would have been caught");
+        assert_eq!(
+            after(&[WINDOW, WINDOW]),
+            WINDOW,
+            "a wait of exactly the window would have been caught"
+        );
     }
 
     #[test]
     fn short_gaps_now_and_then_never_start_a_spin() {
-        let alternating: Vec<Duration> = (0..20).map(|i| if i % 2 == 0 { SHORT } else { LONG }).collect();
+        let alternating: Vec<Duration> = (0..20)
+            .map(|i| if i % 2 == 0 { SHORT } else { LONG })
+            .collect();
         let mut policy = SpinPolicy::new(WINDOW, CPUS);
         for w in alternating {
             policy.waited(w, false, false);
@@ -133,7 +152,11 @@ mod tests {
     fn a_fast_ring_spins_through_one_late_wake_up_but_not_two() {
         assert_eq!(after(&[SHORT, SHORT, SHORT, LONG]), WINDOW);
         assert_eq!(after(&[SHORT, SHORT, SHORT, LONG, LONG]), Duration::ZERO);
-        assert_eq!(after(&[SHORT, SHORT, SHORT, LONG, LONG, SHORT]), WINDOW, "back as soon as gaps shrink");
+        assert_eq!(
+            after(&[SHORT, SHORT, SHORT, LONG, LONG, SHORT]),
+            WINDOW,
+            "back as soon as gaps shrink"
+        );
     }
 
     #[test]
@@ -150,7 +173,11 @@ mod tests {
         let mut policy = SpinPolicy::new(WINDOW, CPUS);
         (0..3).for_each(|_| policy.waited(SHORT, false, false));
         assert_eq!(policy.spin_for(|| 0), WINDOW);
-        assert_eq!(policy.spin_for(|| 1), WINDOW, "one busy client, one spare CPU");
+        assert_eq!(
+            policy.spin_for(|| 1),
+            WINDOW,
+            "one busy client, one spare CPU"
+        );
         assert_eq!(policy.spin_for(|| 2), Duration::ZERO);
         assert_eq!(policy.spin_for(|| 8), Duration::ZERO);
     }
@@ -183,6 +210,10 @@ mod tests {
         assert!(policy.spin_for(|| 1).is_zero());
         policy.waited(SHORT, false, false);
         policy.waited(SHORT, false, false);
-        assert_eq!(policy.spin_for(|| 1), WINDOW, "backoff 16 halved three times is 2");
+        assert_eq!(
+            policy.spin_for(|| 1),
+            WINDOW,
+            "backoff 16 halved three times is 2"
+        );
     }
 }

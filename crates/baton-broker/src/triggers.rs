@@ -65,8 +65,16 @@ pub struct Sources {
 
 impl Triggers {
     pub fn new() -> std::io::Result<Self> {
-        let stop = Arc::new(EventFd::from_value_and_flags(0, EfdFlags::EFD_CLOEXEC | EfdFlags::EFD_NONBLOCK)?);
-        Ok(Triggers { stop, psi: None, thresholds: Vec::new(), armed_for: None })
+        let stop = Arc::new(EventFd::from_value_and_flags(
+            0,
+            EfdFlags::EFD_CLOEXEC | EfdFlags::EFD_NONBLOCK,
+        )?);
+        Ok(Triggers {
+            stop,
+            psi: None,
+            thresholds: Vec::new(),
+            armed_for: None,
+        })
     }
 
     /// What wakes [`Triggers::wait`] at once from another thread.
@@ -85,17 +93,37 @@ impl Triggers {
             _ => None,
         };
         self.thresholds = match config.min_mem_available {
-            Some(min) => sources.v1_limits.iter().flat_map(|(dir, limit)| levels(min, config.pause).into_iter().filter_map(move |room| register_threshold(dir, limit.checked_sub(room)?))).collect(),
+            Some(min) => sources
+                .v1_limits
+                .iter()
+                .flat_map(|(dir, limit)| {
+                    levels(min, config.pause)
+                        .into_iter()
+                        .filter_map(move |room| register_threshold(dir, limit.checked_sub(room)?))
+                })
+                .collect(),
             None => Vec::new(),
         };
-        log::debug(format_args!("gates: {} PSI trigger, {} memory thresholds armed", u8::from(self.psi.is_some()), self.thresholds.len()));
+        log::debug(format_args!(
+            "gates: {} PSI trigger, {} memory thresholds armed",
+            u8::from(self.psi.is_some()),
+            self.thresholds.len()
+        ));
     }
 
     /// Waits up to `timeout` for a notification, or to be woken.
     pub fn wait(&self, timeout: Duration) {
         let mut fds = vec![PollFd::new(self.stop.as_fd(), PollFlags::POLLIN)];
-        fds.extend(self.psi.iter().map(|f| PollFd::new(f.as_fd(), PollFlags::POLLPRI)));
-        fds.extend(self.thresholds.iter().map(|t| PollFd::new(t.event.as_fd(), PollFlags::POLLIN)));
+        fds.extend(
+            self.psi
+                .iter()
+                .map(|f| PollFd::new(f.as_fd(), PollFlags::POLLPRI)),
+        );
+        fds.extend(
+            self.thresholds
+                .iter()
+                .map(|t| PollFd::new(t.event.as_fd(), PollFlags::POLLIN)),
+        );
         let timeout = PollTimeout::try_from(timeout).unwrap_or(PollTimeout::MAX);
         if !matches!(poll(&mut fds, timeout), Ok(n) if n > 0) {
             return;
@@ -122,17 +150,26 @@ impl Triggers {
 /// eighth of `min` below (see `Gates::pause_action`).
 fn levels(min: u64, pause: bool) -> Vec<u64> {
     let below = if pause { 1..8 } else { 0..0 };
-    std::iter::once(min).chain(below.rev().map(|eighths| min / 8 * eighths)).collect()
+    std::iter::once(min)
+        .chain(below.rev().map(|eighths| min / 8 * eighths))
+        .collect()
 }
 
 fn register_threshold(dir: &Path, usage_bytes: u64) -> Option<Threshold> {
-    let event = EventFd::from_value_and_flags(0, EfdFlags::EFD_CLOEXEC | EfdFlags::EFD_NONBLOCK).ok()?;
+    let event =
+        EventFd::from_value_and_flags(0, EfdFlags::EFD_CLOEXEC | EfdFlags::EFD_NONBLOCK).ok()?;
     let usage = File::open(dir.join("memory.usage_in_bytes")).ok()?;
     let line = format!("{} {} {usage_bytes}", event.as_raw_fd(), usage.as_raw_fd());
     match std::fs::write(dir.join("cgroup.event_control"), line) {
-        Ok(()) => Some(Threshold { event, _usage: usage }),
+        Ok(()) => Some(Threshold {
+            event,
+            _usage: usage,
+        }),
         Err(e) => {
-            log::debug(format_args!("gates: no memory threshold on {}: {e}", dir.display()));
+            log::debug(format_args!(
+                "gates: no memory threshold on {}: {e}",
+                dir.display()
+            ));
             None
         }
     }
@@ -143,7 +180,11 @@ fn register_threshold(dir: &Path, usage_bytes: u64) -> Option<Threshold> {
 fn psi_trigger(file: &Path, pct: f64) -> Option<File> {
     let attempt = |window_us: u64| -> std::io::Result<File> {
         let stall_us = ((pct / 100.0 * window_us as f64) as u64).clamp(1, window_us);
-        let mut f = OpenOptions::new().read(true).write(true).custom_flags(libc::O_NONBLOCK).open(file)?;
+        let mut f = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .custom_flags(libc::O_NONBLOCK)
+            .open(file)?;
         // The kernel reads the trigger as a C string.
         f.write_all(format!("some {stall_us} {window_us}\0").as_bytes())?;
         Ok(f)
@@ -151,7 +192,10 @@ fn psi_trigger(file: &Path, pct: f64) -> Option<File> {
     match attempt(1_000_000).or_else(|_| attempt(2_000_000)) {
         Ok(f) => Some(f),
         Err(e) => {
-            log::info(format_args!("no PSI trigger on {} ({e}): memory pressure is measured every 100 ms", file.display()));
+            log::info(format_args!(
+                "no PSI trigger on {} ({e}): memory pressure is measured every 100 ms",
+                file.display()
+            ));
             None
         }
     }

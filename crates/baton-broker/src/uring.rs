@@ -60,12 +60,24 @@ impl SendAndWait {
         let ring = IoUring::new((batch + 1).next_power_of_two())?;
         let mut probe = Probe::new();
         ring.submitter().register_probe(&mut probe)?;
-        for (code, name) in [(opcode::Send::CODE, "IORING_OP_SEND"), (opcode::PollAdd::CODE, "IORING_OP_POLL_ADD")] {
+        for (code, name) in [
+            (opcode::Send::CODE, "IORING_OP_SEND"),
+            (opcode::PollAdd::CODE, "IORING_OP_POLL_ADD"),
+        ] {
             if !probe.is_supported(code) {
-                return Err(io::Error::new(io::ErrorKind::Unsupported, format!("this kernel's io_uring has no {name}")));
+                return Err(io::Error::new(
+                    io::ErrorKind::Unsupported,
+                    format!("this kernel's io_uring has no {name}"),
+                ));
             }
         }
-        Ok(SendAndWait { ring, epoll, buffers: Vec::new(), broken: false, enters: 0 })
+        Ok(SendAndWait {
+            ring,
+            epoll,
+            buffers: Vec::new(),
+            broken: false,
+            enters: 0,
+        })
     }
 
     /// The most sends one call takes.
@@ -81,7 +93,10 @@ impl SendAndWait {
         if self.broken {
             return Err(io::Error::other("an earlier io_uring call failed"));
         }
-        assert!(sends.len() <= self.batch(), "more sends than the ring holds");
+        assert!(
+            sends.len() <= self.batch(),
+            "more sends than the ring holds"
+        );
         self.buffers.resize_with(sends.len(), Vec::new);
         let mut entries: Vec<squeue::Entry> = Vec::with_capacity(sends.len() + 1);
         for (i, &(fd, data)) in sends.iter().enumerate() {
@@ -90,15 +105,21 @@ impl SendAndWait {
             buffer.extend_from_slice(data);
             // MSG_DONTWAIT: a full socket fails the send at once instead of
             // parking it in the kernel.
-            let send = opcode::Send::new(types::Fd(fd), buffer.as_ptr(), buffer.len() as u32).flags(libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL);
+            let send = opcode::Send::new(types::Fd(fd), buffer.as_ptr(), buffer.len() as u32)
+                .flags(libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL);
             entries.push(send.build().user_data(i as u64));
         }
         // Armed after the sends: the epoll file turns readable when the
         // loop has events.
-        entries.push(opcode::PollAdd::new(types::Fd(self.epoll), libc::POLLIN as u32).build().user_data(WAIT));
+        entries.push(
+            opcode::PollAdd::new(types::Fd(self.epoll), libc::POLLIN as u32)
+                .build()
+                .user_data(WAIT),
+        );
         // SAFETY: each buffer stays untouched until its send completes, or
         // forever if its completion is lost (`broken`).
-        unsafe { self.ring.submission().push_multiple(&entries) }.map_err(|_| io::Error::other("io_uring submission queue full"))?;
+        unsafe { self.ring.submission().push_multiple(&entries) }
+            .map_err(|_| io::Error::other("io_uring submission queue full"))?;
         self.complete(sends.len())
     }
 
@@ -142,7 +163,10 @@ impl SendAndWait {
                 }
             }
         }
-        Ok(results.into_iter().map(|r| r.unwrap_or(Sent::Unknown)).collect())
+        Ok(results
+            .into_iter()
+            .map(|r| r.unwrap_or(Sent::Unknown))
+            .collect())
     }
 }
 
@@ -180,8 +204,14 @@ mod tests {
             // SAFETY: plain system calls on descriptors we own.
             let epoll = unsafe { libc::epoll_create1(libc::EPOLL_CLOEXEC) };
             assert!(epoll >= 0);
-            let mut event = libc::epoll_event { events: libc::EPOLLIN as u32, u64: 7 };
-            assert_eq!(unsafe { libc::epoll_ctl(epoll, libc::EPOLL_CTL_ADD, fd, &mut event) }, 0);
+            let mut event = libc::epoll_event {
+                events: libc::EPOLLIN as u32,
+                u64: 7,
+            };
+            assert_eq!(
+                unsafe { libc::epoll_ctl(epoll, libc::EPOLL_CTL_ADD, fd, &mut event) },
+                0
+            );
             Epoll(epoll)
         }
     }
@@ -197,7 +227,9 @@ mod tests {
         match SendAndWait::new(epoll.0, 7) {
             Ok(ring) => Some(ring),
             Err(e) => {
-                record_skip(&format!("io_uring unavailable here ({e}): the socket loop's fallback is what runs"));
+                record_skip(&format!(
+                    "io_uring unavailable here ({e}): the socket loop's fallback is what runs"
+                ));
                 None
             }
         }
@@ -211,7 +243,11 @@ mod tests {
         let line = format!("IoUring\t{test}\t{reason}\n");
         eprint!("SKIPPED: {line}");
         if let Some(path) = std::env::var_os("BATON_TEST_SKIPS") {
-            let mut file = std::fs::OpenOptions::new().append(true).create(true).open(path).expect("open BATON_TEST_SKIPS");
+            let mut file = std::fs::OpenOptions::new()
+                .append(true)
+                .create(true)
+                .open(path)
+                .expect("open BATON_TEST_SKIPS");
             file.write_all(line.as_bytes()).expect("record a skip");
         }
     }
@@ -238,9 +274,14 @@ mod tests {
                 (got, poker)
             }
         });
-        let results = ring.send_then_wait(&[(ours.as_raw_fd(), b"GRANTED 1")]).unwrap();
+        let results = ring
+            .send_then_wait(&[(ours.as_raw_fd(), b"GRANTED 1")])
+            .unwrap();
         assert!(poked.load(SeqCst), "returned before the epoll had events");
-        assert_eq!(ring.enters, 1, "the send and the sleep took more than one system call");
+        assert_eq!(
+            ring.enters, 1,
+            "the send and the sleep took more than one system call"
+        );
         assert!(matches!(results[..], [Sent::Bytes(9)]), "{results:?}");
         let (got, _poker) = poke.join().unwrap();
         assert_eq!(&got, b"GRANTED 1");
@@ -268,8 +309,13 @@ mod tests {
         (&poker).write_all(b"x").unwrap();
         let epoll = Epoll::watching(watched.as_raw_fd());
         let Some(mut ring) = ring(&epoll) else { return };
-        let results = ring.send_then_wait(&[(full.as_raw_fd(), b"lost"), (ok.as_raw_fd(), b"kept")]).unwrap();
-        assert!(matches!(&results[..], [Sent::Failed(e), Sent::Bytes(4)] if e.kind() == io::ErrorKind::WouldBlock), "{results:?}");
+        let results = ring
+            .send_then_wait(&[(full.as_raw_fd(), b"lost"), (ok.as_raw_fd(), b"kept")])
+            .unwrap();
+        assert!(
+            matches!(&results[..], [Sent::Failed(e), Sent::Bytes(4)] if e.kind() == io::ErrorKind::WouldBlock),
+            "{results:?}"
+        );
         let mut got = [0u8; 4];
         ok_peer.read_exact(&mut got).unwrap();
         assert_eq!(&got, b"kept");
@@ -283,7 +329,12 @@ mod tests {
         (&poker).write_all(b"x").unwrap();
         let epoll = Epoll::watching(watched.as_raw_fd());
         let Some(mut ring) = ring(&epoll) else { return };
-        let results = ring.send_then_wait(&[(ours.as_raw_fd(), b"GRANTED 1")]).unwrap();
-        assert!(matches!(&results[..], [Sent::Failed(e)] if e.raw_os_error() == Some(libc::EPIPE)), "{results:?}");
+        let results = ring
+            .send_then_wait(&[(ours.as_raw_fd(), b"GRANTED 1")])
+            .unwrap();
+        assert!(
+            matches!(&results[..], [Sent::Failed(e)] if e.raw_os_error() == Some(libc::EPIPE)),
+            "{results:?}"
+        );
     }
 }

@@ -85,12 +85,29 @@ impl Client {
     pub fn connect(path: impl AsRef<Path>, label: &str) -> Result<Self> {
         let path = path.as_ref();
         let stream = UnixStream::connect(path).map_err(|e| connect_error(path, e))?;
-        let writer = stream.try_clone().map_err(|e| io_error("cloning the socket", e))?;
-        let mut client = Client { reader: BufReader::new(stream), writer, id: 0, limit: 0, held: 0 };
-        let label: String = label.chars().filter(|c| !c.is_control()).take(protocol::MAX_LABEL).collect();
+        let writer = stream
+            .try_clone()
+            .map_err(|e| io_error("cloning the socket", e))?;
+        let mut client = Client {
+            reader: BufReader::new(stream),
+            writer,
+            id: 0,
+            limit: 0,
+            held: 0,
+        };
+        let label: String = label
+            .chars()
+            .filter(|c| !c.is_control())
+            .take(protocol::MAX_LABEL)
+            .collect();
         let label = truncate_bytes(&label, protocol::MAX_LABEL);
-        match client.call(&Request::Hello { version: protocol::VERSION, label: label.to_string() })? {
-            Reply::Hello { client: id, limit, .. } => {
+        match client.call(&Request::Hello {
+            version: protocol::VERSION,
+            label: label.to_string(),
+        })? {
+            Reply::Hello {
+                client: id, limit, ..
+            } => {
                 client.id = id;
                 client.limit = limit;
                 Ok(client)
@@ -175,7 +192,8 @@ impl Client {
     /// The broker's state.
     pub fn status(&mut self) -> Result<Status> {
         match self.call(&Request::Status)? {
-            Reply::Status { json } => serde_json::from_str(&json).map_err(|e| Error::Protocol(format!("bad status JSON: {e}"))),
+            Reply::Status { json } => serde_json::from_str(&json)
+                .map_err(|e| Error::Protocol(format!("bad status JSON: {e}"))),
             other => Err(unexpected(other)),
         }
     }
@@ -188,7 +206,9 @@ impl Client {
                 self.held = held;
                 Ok(n)
             }
-            Reply::Busy { free } if free > 0 && free < n => Ok(if self.try_acquire(free)? { free } else { 0 }),
+            Reply::Busy { free } if free > 0 && free < n => {
+                Ok(if self.try_acquire(free)? { free } else { 0 })
+            }
             Reply::Busy { .. } => Ok(0),
             other => Err(unexpected(other)),
         }
@@ -199,7 +219,10 @@ impl Client {
     /// `weight`. Returns the weight the build has (a `baton run` inside
     /// another stays in the outer build, with its weight).
     pub fn start_build(&mut self, weight: u32, name: &str) -> Result<u32> {
-        match self.call(&Request::Build { weight, name: name.to_string() })? {
+        match self.call(&Request::Build {
+            weight,
+            name: name.to_string(),
+        })? {
             Reply::Build { weight, .. } => Ok(weight),
             other => Err(unexpected(other)),
         }
@@ -228,7 +251,10 @@ impl Client {
     /// `mem-pressure` in percent, `load` in runnable tasks, `min-jobs`);
     /// None turns it off. Returns its threshold now.
     pub fn set_gate(&mut self, name: &str, value: Option<f64>) -> Result<Option<f64>> {
-        match self.call(&Request::Gate { name: name.to_string(), value })? {
+        match self.call(&Request::Gate {
+            name: name.to_string(),
+            value,
+        })? {
             Reply::Gate { value, .. } => Ok(value),
             other => Err(unexpected(other)),
         }
@@ -239,7 +265,9 @@ impl Client {
     /// (see [`Client::as_raw_fd`]) or cancel a pending ACQUIRE.
     pub fn send(&mut self, request: &Request) -> Result<()> {
         let line = format!("{request}\n");
-        self.writer.write_all(line.as_bytes()).map_err(|e| stream_error("sending a request", e))
+        self.writer
+            .write_all(line.as_bytes())
+            .map_err(|e| stream_error("sending a request", e))
     }
 
     /// Reads the next reply. `ERR` replies come back as [`Error::Refused`].
@@ -249,14 +277,20 @@ impl Client {
             self.wait_readable()?;
         }
         let mut line = String::new();
-        let n = self.reader.read_line(&mut line).map_err(|e| stream_error("reading a reply", e))?;
+        let n = self
+            .reader
+            .read_line(&mut line)
+            .map_err(|e| stream_error("reading a reply", e))?;
         if n == 0 || !line.ends_with('\n') {
             return Err(Error::Disconnected);
         }
-        let head = protocol::parse_reply_line(line.trim_end_matches('\n')).map_err(|e| Error::Protocol(e.0))?;
+        let head = protocol::parse_reply_line(line.trim_end_matches('\n'))
+            .map_err(|e| Error::Protocol(e.0))?;
         let reply = match head {
             ReplyHead::Complete(reply) => reply,
-            ReplyHead::StatusFollows(len) => Reply::Status { json: self.read_status_body(len)? },
+            ReplyHead::StatusFollows(len) => Reply::Status {
+                json: self.read_status_body(len)?,
+            },
         };
         match reply {
             Reply::Err { code, message } => Err(Error::Refused { code, message }),
@@ -287,7 +321,11 @@ impl Client {
     /// costs about 1.5 more context switches per grant, its own and the
     /// broker's, than one woken from poll() that then reads.
     fn wait_readable(&self) -> Result<()> {
-        let mut fd = libc::pollfd { fd: self.as_raw_fd(), events: libc::POLLIN, revents: 0 };
+        let mut fd = libc::pollfd {
+            fd: self.as_raw_fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        };
         loop {
             // SAFETY: one valid pollfd, for the duration of the call.
             if unsafe { libc::poll(&mut fd, 1, -1) } >= 0 {
@@ -302,9 +340,13 @@ impl Client {
 
     fn read_status_body(&mut self, len: usize) -> Result<String> {
         let mut body = vec![0; len + 1];
-        self.reader.read_exact(&mut body).map_err(|e| stream_error("reading status", e))?;
+        self.reader
+            .read_exact(&mut body)
+            .map_err(|e| stream_error("reading status", e))?;
         if body.pop() != Some(b'\n') {
-            return Err(Error::Protocol("status body not followed by a newline".into()));
+            return Err(Error::Protocol(
+                "status body not followed by a newline".into(),
+            ));
         }
         String::from_utf8(body).map_err(|_| Error::Protocol("status body is not UTF-8".into()))
     }
@@ -353,24 +395,34 @@ fn connect_error(path: &Path, e: io::Error) -> Error {
     match e.kind() {
         io::ErrorKind::NotFound | io::ErrorKind::ConnectionRefused => Error::NoBroker { path },
         io::ErrorKind::PermissionDenied => Error::PermissionDenied { path },
-        _ => Error::Io { context: format!("connecting to {}", path.display()), source: e },
+        _ => Error::Io {
+            context: format!("connecting to {}", path.display()),
+            source: e,
+        },
     }
 }
 
 fn is_not_a_socket(path: &Path) -> bool {
     use std::os::unix::fs::FileTypeExt;
-    std::fs::metadata(path).map(|m| !m.file_type().is_socket()).unwrap_or(false)
+    std::fs::metadata(path)
+        .map(|m| !m.file_type().is_socket())
+        .unwrap_or(false)
 }
 
 fn stream_error(context: &str, e: io::Error) -> Error {
     match e.kind() {
-        io::ErrorKind::BrokenPipe | io::ErrorKind::ConnectionReset | io::ErrorKind::UnexpectedEof => Error::Disconnected,
+        io::ErrorKind::BrokenPipe
+        | io::ErrorKind::ConnectionReset
+        | io::ErrorKind::UnexpectedEof => Error::Disconnected,
         _ => io_error(context, e),
     }
 }
 
 fn io_error(context: &str, source: io::Error) -> Error {
-    Error::Io { context: context.to_string(), source }
+    Error::Io {
+        context: context.to_string(),
+        source,
+    }
 }
 
 fn unexpected(reply: Reply) -> Error {
@@ -395,7 +447,15 @@ pub fn hold_polls(path: &Path) -> io::Result<()> {
     let value = protocol::FUSE_POLLS_HOLD;
     // SAFETY: both strings are NUL-terminated and outlive the call; the
     // value is read for its length only.
-    let rc = unsafe { libc::setxattr(path.as_ptr(), name.as_ptr(), value.as_ptr().cast(), value.len(), 0) };
+    let rc = unsafe {
+        libc::setxattr(
+            path.as_ptr(),
+            name.as_ptr(),
+            value.as_ptr().cast(),
+            value.len(),
+            0,
+        )
+    };
     if rc == 0 {
         Ok(())
     } else {

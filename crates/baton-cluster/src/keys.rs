@@ -28,7 +28,8 @@ pub fn waiter(pool: &str, lease: i64) -> String {
 /// What a broker writes into its keys: who holds or waits, for people
 /// reading etcd.
 pub fn holder() -> String {
-    let host = std::fs::read_to_string("/proc/sys/kernel/hostname").map_or_else(|_| "?".to_string(), |h| h.trim().to_string());
+    let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .map_or_else(|_| "?".to_string(), |h| h.trim().to_string());
     format!("{host} {}", std::process::id())
 }
 
@@ -48,7 +49,9 @@ mod tests {
     fn slots_sit_under_the_token_prefix() {
         assert!(token("p", 3).starts_with(&tokens("p")));
         assert!(waiter("p", 0x2a).starts_with(&queue("p")));
-        assert!(!token("p", 3).starts_with(&tokens("p2")) && !tokens("p").starts_with(&tokens("p2")));
+        assert!(
+            !token("p", 3).starts_with(&tokens("p2")) && !tokens("p").starts_with(&tokens("p2"))
+        );
     }
 
     #[test]

@@ -18,9 +18,9 @@ mod lease;
 mod session;
 
 use anyhow::{bail, Context, Result};
-use baton_core::cluster::{Config, Contact, Local};
 #[cfg(doc)]
 use baton_core::cluster::admission_cap;
+use baton_core::cluster::{Config, Contact, Local};
 use baton_core::status::ClusterBroker;
 use etcd_client::{Client, Compare, CompareOp, ConnectOptions, GetOptions, Txn, TxnOp};
 use std::sync::Arc;
@@ -66,13 +66,28 @@ impl Link {
     /// etcd cannot be reached, or the pool exists with another limit.
     pub fn start(config: Config, local: Arc<dyn LocalPool>) -> Result<Link> {
         local.set_held(0, Contact::Reachable);
-        let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().context("cannot start the etcd client's runtime")?;
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .context("cannot start the etcd client's runtime")?;
         let client = runtime.block_on(connect(&config))?;
         let wake = Arc::new(Notify::new());
         let (stop, stopped) = oneshot::channel();
-        let link = Runner { config, local, client, wake: wake.clone() };
-        let thread = std::thread::Builder::new().name("baton-cluster".into()).spawn(move || runtime.block_on(link.run(stopped))).context("cannot start the cluster link's thread")?;
-        Ok(Link { wake, stop: Some(stop), thread: Some(thread) })
+        let link = Runner {
+            config,
+            local,
+            client,
+            wake: wake.clone(),
+        };
+        let thread = std::thread::Builder::new()
+            .name("baton-cluster".into())
+            .spawn(move || runtime.block_on(link.run(stopped)))
+            .context("cannot start the cluster link's thread")?;
+        Ok(Link {
+            wake,
+            stop: Some(stop),
+            thread: Some(thread),
+        })
     }
 
     /// Wakes the link to look at the local demand again; cheap, and safe
@@ -100,9 +115,13 @@ impl Drop for Link {
 /// # Errors
 /// etcd cannot be reached.
 pub fn survey(endpoints: &[String], pool: &str) -> Result<Vec<ClusterBroker>> {
-    let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
     runtime.block_on(async {
-        let options = ConnectOptions::new().with_connect_timeout(REQUEST_TIMEOUT).with_timeout(REQUEST_TIMEOUT);
+        let options = ConnectOptions::new()
+            .with_connect_timeout(REQUEST_TIMEOUT)
+            .with_timeout(REQUEST_TIMEOUT);
         let client = Client::connect(endpoints, Some(options)).await?;
         let read = |prefix: String| {
             let client = &client;
@@ -114,14 +133,22 @@ pub fn survey(endpoints: &[String], pool: &str) -> Result<Vec<ClusterBroker>> {
                 .await
             }
         };
-        let (tokens, queue) = (read(keys::tokens(pool)).await?, read(keys::queue(pool)).await?);
+        let (tokens, queue) = (
+            read(keys::tokens(pool)).await?,
+            read(keys::queue(pool)).await?,
+        );
         let mut brokers: Vec<ClusterBroker> = Vec::new();
         let mut entry = |value: &[u8]| -> usize {
             let (host, pid) = keys::parse_holder(&String::from_utf8_lossy(value));
             match brokers.iter().position(|b| b.host == host && b.pid == pid) {
                 Some(i) => i,
                 None => {
-                    brokers.push(ClusterBroker { host, pid, held: 0, waiting: false });
+                    brokers.push(ClusterBroker {
+                        host,
+                        pid,
+                        held: 0,
+                        waiting: false,
+                    });
                     brokers.len() - 1
                 }
             }
@@ -138,8 +165,14 @@ pub fn survey(endpoints: &[String], pool: &str) -> Result<Vec<ClusterBroker>> {
 /// Connects, and writes the pool's limit or checks it against ours.
 async fn connect(config: &Config) -> Result<Client> {
     let endpoints = config.endpoints.join(",");
-    let options = ConnectOptions::new().with_connect_timeout(REQUEST_TIMEOUT).with_timeout(REQUEST_TIMEOUT);
-    let client = Client::connect(&config.endpoints, Some(options)).await.with_context(|| format!("cannot reach etcd at {endpoints} (is it running? check --etcd)"))?;
+    let options = ConnectOptions::new()
+        .with_connect_timeout(REQUEST_TIMEOUT)
+        .with_timeout(REQUEST_TIMEOUT);
+    let client = Client::connect(&config.endpoints, Some(options))
+        .await
+        .with_context(|| {
+            format!("cannot reach etcd at {endpoints} (is it running? check --etcd)")
+        })?;
     let key = keys::limit(&config.pool);
     let create = Txn::new()
         .when([Compare::create_revision(key.clone(), CompareOp::Equal, 0)])
@@ -149,7 +182,10 @@ async fn connect(config: &Config) -> Result<Client> {
         let create = create.clone();
         async move { c.txn(create).await }
     })
-    .await.with_context(|| format!("cannot reach etcd at {endpoints} (is it running, with a quorum? check --etcd)"))?;
+    .await
+    .with_context(|| {
+        format!("cannot reach etcd at {endpoints} (is it running, with a quorum? check --etcd)")
+    })?;
     if !reply.succeeded() {
         let found = client_value(&reply);
         if found.as_deref() != Some(config.jobs.to_string().as_str()) {
@@ -166,7 +202,10 @@ async fn connect(config: &Config) -> Result<Client> {
 
 fn client_value(reply: &etcd_client::TxnResponse) -> Option<String> {
     reply.op_responses().into_iter().find_map(|op| match op {
-        etcd_client::TxnOpResponse::Get(get) => get.kvs().first().and_then(|kv| kv.value_str().ok().map(str::to_string)),
+        etcd_client::TxnOpResponse::Get(get) => get
+            .kvs()
+            .first()
+            .and_then(|kv| kv.value_str().ok().map(str::to_string)),
         _ => None,
     })
 }
@@ -183,7 +222,9 @@ where
         let left = deadline.saturating_duration_since(Instant::now());
         match tokio::time::timeout(left, request(client.clone())).await {
             Ok(Ok(reply)) => return Ok(reply),
-            Ok(Err(_)) if Instant::now() + RETRY_PAUSE < deadline => tokio::time::sleep(RETRY_PAUSE).await,
+            Ok(Err(_)) if Instant::now() + RETRY_PAUSE < deadline => {
+                tokio::time::sleep(RETRY_PAUSE).await
+            }
             Ok(Err(err)) => return Err(err.into()),
             Err(_) => bail!("no answer from etcd within {} s", REQUEST_TIMEOUT.as_secs()),
         }
@@ -192,7 +233,9 @@ where
 
 /// A message on a stream (a watch, the lease's keep-alive) that gives up
 /// after [`REQUEST_TIMEOUT`].
-async fn timed<T>(request: impl std::future::Future<Output = std::result::Result<T, etcd_client::Error>>) -> Result<T> {
+async fn timed<T>(
+    request: impl std::future::Future<Output = std::result::Result<T, etcd_client::Error>>,
+) -> Result<T> {
     match tokio::time::timeout(REQUEST_TIMEOUT, request).await {
         Ok(reply) => Ok(reply?),
         Err(_) => bail!("no answer from etcd within {} s", REQUEST_TIMEOUT.as_secs()),
@@ -214,7 +257,13 @@ impl Runner {
         let pool = &self.config.pool;
         let mut kept: Option<session::Kept> = None;
         loop {
-            let mut session = session::Session::new(&self.config, self.client.clone(), self.local.clone(), self.wake.clone(), kept.take());
+            let mut session = session::Session::new(
+                &self.config,
+                self.client.clone(),
+                self.local.clone(),
+                self.wake.clone(),
+                kept.take(),
+            );
             let outcome = tokio::select! {
                 outcome = session.serve() => outcome,
                 _ = &mut stopped => {
@@ -237,20 +286,34 @@ impl Runner {
                 "cluster pool {pool}: etcd unreachable ({err:#}): no new cluster tokens; the {held} held here stay in use for at most {:.1} s more",
                 surely_until.saturating_duration_since(Instant::now()).as_secs_f64()
             ));
-            if self.wait_for_etcd(held, surely_until, &mut stopped).await.is_err() {
+            if self
+                .wait_for_etcd(held, surely_until, &mut stopped)
+                .await
+                .is_err()
+            {
                 return;
             }
-            self.local.log(format_args!("cluster pool {pool}: etcd answers again"));
+            self.local
+                .log(format_args!("cluster pool {pool}: etcd answers again"));
         }
     }
 
     /// Caps the local pool while etcd is away, at what is surely held
     /// until the lease may have expired, then at nothing; returns when
     /// etcd answers (Err: stopped meanwhile).
-    async fn wait_for_etcd(&self, held: u32, surely_until: Instant, stopped: &mut oneshot::Receiver<()>) -> std::result::Result<(), ()> {
+    async fn wait_for_etcd(
+        &self,
+        held: u32,
+        surely_until: Instant,
+        stopped: &mut oneshot::Receiver<()>,
+    ) -> std::result::Result<(), ()> {
         let mut lost = false;
         loop {
-            let contact = if Instant::now() < surely_until { Contact::Unsure } else { Contact::Lost };
+            let contact = if Instant::now() < surely_until {
+                Contact::Unsure
+            } else {
+                Contact::Lost
+            };
             if contact == Contact::Lost && !lost {
                 lost = true;
                 self.local.log(format_args!("cluster pool {}: the lease may have expired: granting nothing until etcd answers", self.config.pool));

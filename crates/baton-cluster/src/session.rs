@@ -2,13 +2,16 @@
 //! back, lingering (docs/cluster.md says why each step is as it is).
 
 use crate::{ask, keys, lease, LocalPool};
-use baton_core::cluster::Config;
 use anyhow::Result;
+use baton_core::cluster::Config;
 use baton_core::cluster::{step, Contact, Situation, Step};
-use etcd_client::{Client, Compare, CompareOp, EventType, GetOptions, GetResponse, PutOptions, SortOrder, SortTarget, Txn, TxnOp, TxnResponse, WatchFilterType, WatchOptions};
+use etcd_client::{
+    Client, Compare, CompareOp, EventType, GetOptions, GetResponse, PutOptions, SortOrder,
+    SortTarget, Txn, TxnOp, TxnResponse, WatchFilterType, WatchOptions,
+};
 use std::cell::Cell;
-use std::rc::Rc;
 use std::convert::Infallible;
+use std::rc::Rc;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tokio::sync::Notify;
@@ -36,12 +39,28 @@ pub struct Session<'a> {
 }
 
 impl<'a> Session<'a> {
-    pub fn new(config: &'a Config, client: Client, local: Arc<dyn LocalPool>, wake: Arc<Notify>, kept: Option<Kept>) -> Self {
+    pub fn new(
+        config: &'a Config,
+        client: Client,
+        local: Arc<dyn LocalPool>,
+        wake: Arc<Notify>,
+        kept: Option<Kept>,
+    ) -> Self {
         let (lease, slots, renewed) = match kept {
             Some(k) => (Some(k.lease), k.slots, k.renewed),
             None => (None, Vec::new(), Instant::now()),
         };
-        Session { config, client, local, wake, lease, slots, renewed: Rc::new(Cell::new(renewed)), spare_since: None, holder: keys::holder() }
+        Session {
+            config,
+            client,
+            local,
+            wake,
+            lease,
+            slots,
+            renewed: Rc::new(Cell::new(renewed)),
+            spare_since: None,
+            holder: keys::holder(),
+        }
     }
 
     /// Cluster tokens held, and until when they are surely ours.
@@ -50,7 +69,11 @@ impl<'a> Session<'a> {
     }
 
     pub fn into_kept(self) -> Option<Kept> {
-        Some(Kept { lease: self.lease?, slots: self.slots, renewed: self.renewed.get() })
+        Some(Kept {
+            lease: self.lease?,
+            slots: self.slots,
+            renewed: self.renewed.get(),
+        })
     }
 
     /// Serves until etcd fails to answer.
@@ -67,7 +90,11 @@ impl<'a> Session<'a> {
     /// lease deletes its keys.
     pub async fn close(&mut self) {
         if let Some(lease) = self.lease.take() {
-            let _ = ask(&self.client, |mut c| async move { c.lease_revoke(lease).await }).await;
+            let _ = ask(
+                &self.client,
+                |mut c| async move { c.lease_revoke(lease).await },
+            )
+            .await;
         }
         self.local.set_held(0, Contact::Lost);
     }
@@ -80,7 +107,12 @@ impl<'a> Session<'a> {
     /// one, holding nothing.
     async fn establish(&mut self) -> Result<i64> {
         if let Some(lease) = self.lease {
-            let alive = ask(&self.client, |mut c| async move { c.lease_time_to_live(lease, None).await }).await?.ttl() > 0;
+            let alive = ask(&self.client, |mut c| async move {
+                c.lease_time_to_live(lease, None).await
+            })
+            .await?
+            .ttl()
+                > 0;
             if alive {
                 self.slots = self.slots_of(lease).await?;
                 let me = keys::waiter(&self.config.pool, lease);
@@ -100,7 +132,11 @@ impl<'a> Session<'a> {
         }
         let sent = Instant::now();
         let ttl = self.config.ttl.as_secs().max(1) as i64;
-        let lease = ask(&self.client, |mut c| async move { c.lease_grant(ttl, None).await }).await?.id();
+        let lease = ask(&self.client, |mut c| async move {
+            c.lease_grant(ttl, None).await
+        })
+        .await?
+        .id();
         self.lease = Some(lease);
         self.renewed.set(sent);
         Ok(lease)
@@ -111,13 +147,26 @@ impl<'a> Session<'a> {
     /// such a slot is ours to use or give back, not to leave held.
     async fn slots_of(&self, lease: i64) -> Result<Vec<u32>> {
         let prefix = keys::tokens(&self.config.pool);
-        let slots = self.get(prefix.clone(), GetOptions::new().with_prefix()).await?;
-        Ok(slots.kvs().iter().filter(|kv| kv.lease() == lease).filter_map(|kv| kv.key_str().ok()?.strip_prefix(&prefix)?.parse().ok()).collect())
+        let slots = self
+            .get(prefix.clone(), GetOptions::new().with_prefix())
+            .await?;
+        Ok(slots
+            .kvs()
+            .iter()
+            .filter(|kv| kv.lease() == lease)
+            .filter_map(|kv| kv.key_str().ok()?.strip_prefix(&prefix)?.parse().ok())
+            .collect())
     }
 
     fn situation(&self) -> Situation {
         let spare_for = self.spare_since.map_or(Duration::ZERO, |t| t.elapsed());
-        Situation { local: self.local.demand(), held: self.held(), others_waiting: false, spare_for, linger: self.config.linger }
+        Situation {
+            local: self.local.demand(),
+            held: self.held(),
+            others_waiting: false,
+            spare_for,
+            linger: self.config.linger,
+        }
     }
 
     async fn work(&mut self, lease: i64) -> Result<Infallible> {
@@ -150,7 +199,11 @@ impl<'a> Session<'a> {
 
     async fn others_waiting(&mut self) -> Result<bool> {
         let count = GetOptions::new().with_prefix().with_count_only();
-        Ok(self.get(keys::queue(&self.config.pool), count).await?.count() > 0)
+        Ok(self
+            .get(keys::queue(&self.config.pool), count)
+            .await?
+            .count()
+            > 0)
     }
 
     /// Gives `n` spare tokens back. The cap comes down first, under the
@@ -160,7 +213,10 @@ impl<'a> Session<'a> {
         let in_use = self.local.set_held(held - n, Contact::Reachable).held;
         let n = held - in_use.max(held - n);
         let gone: Vec<u32> = self.slots.split_off(self.slots.len() - n as usize);
-        let deletes: Vec<TxnOp> = gone.iter().map(|&s| TxnOp::delete(keys::token(&self.config.pool, s), None)).collect();
+        let deletes: Vec<TxnOp> = gone
+            .iter()
+            .map(|&s| TxnOp::delete(keys::token(&self.config.pool, s), None))
+            .collect();
         self.txn(Txn::new().and_then(deletes)).await?;
         self.spare_since = None;
         Ok(())
@@ -180,7 +236,10 @@ impl<'a> Session<'a> {
         let me = keys::waiter(&self.config.pool, lease);
         let put = ask(&self.client, |mut c| {
             let (me, holder) = (me.clone(), self.holder.clone());
-            async move { c.put(me, holder, Some(PutOptions::new().with_lease(lease))).await }
+            async move {
+                c.put(me, holder, Some(PutOptions::new().with_lease(lease)))
+                    .await
+            }
         })
         .await?;
         let place = put.header().map_or(0, |h| h.revision());
@@ -200,22 +259,37 @@ impl<'a> Session<'a> {
             if !self.short() {
                 return Ok(None);
             }
-            let by_age = GetOptions::new().with_prefix().with_keys_only().with_sort(SortTarget::Create, SortOrder::Ascend);
+            let by_age = GetOptions::new()
+                .with_prefix()
+                .with_keys_only()
+                .with_sort(SortTarget::Create, SortOrder::Ascend);
             let queue = self.get(keys::queue(&pool), by_age).await?;
             let revision = queue.header().map_or(0, |h| h.revision());
-            if let Some(ahead) = queue.kvs().iter().rfind(|kv| kv.create_revision() < place && kv.key() != me.as_bytes()) {
-                self.wait_for_delete(ahead.key().to_vec(), false, revision + 1).await?;
+            if let Some(ahead) = queue
+                .kvs()
+                .iter()
+                .rfind(|kv| kv.create_revision() < place && kv.key() != me.as_bytes())
+            {
+                self.wait_for_delete(ahead.key().to_vec(), false, revision + 1)
+                    .await?;
                 continue;
             }
-            let slots = self.get(keys::tokens(&pool), GetOptions::new().with_prefix().with_keys_only()).await?;
+            let slots = self
+                .get(
+                    keys::tokens(&pool),
+                    GetOptions::new().with_prefix().with_keys_only(),
+                )
+                .await?;
             let used: Vec<&[u8]> = slots.kvs().iter().map(|kv| kv.key()).collect();
-            let free = (0..self.config.jobs).find(|&s| !used.contains(&keys::token(&pool, s).as_bytes()));
+            let free =
+                (0..self.config.jobs).find(|&s| !used.contains(&keys::token(&pool, s).as_bytes()));
             match free {
                 Some(slot) if self.create(lease, slot).await? => return Ok(Some(slot)),
                 Some(_) => continue,
                 None => {
                     let revision = slots.header().map_or(0, |h| h.revision());
-                    self.wait_for_delete(keys::tokens(&pool).into_bytes(), true, revision + 1).await?;
+                    self.wait_for_delete(keys::tokens(&pool).into_bytes(), true, revision + 1)
+                        .await?;
                 }
             }
         }
@@ -227,14 +301,21 @@ impl<'a> Session<'a> {
     async fn take_racing(&mut self, lease: i64) -> Result<Option<u32>> {
         let pool = self.config.pool.clone();
         while self.short() {
-            let slots = self.get(keys::tokens(&pool), GetOptions::new().with_prefix().with_keys_only()).await?;
+            let slots = self
+                .get(
+                    keys::tokens(&pool),
+                    GetOptions::new().with_prefix().with_keys_only(),
+                )
+                .await?;
             let used: Vec<&[u8]> = slots.kvs().iter().map(|kv| kv.key()).collect();
-            match (0..self.config.jobs).find(|&s| !used.contains(&keys::token(&pool, s).as_bytes())) {
+            match (0..self.config.jobs).find(|&s| !used.contains(&keys::token(&pool, s).as_bytes()))
+            {
                 Some(slot) if self.create(lease, slot).await? => return Ok(Some(slot)),
                 Some(_) => {}
                 None => {
                     let revision = slots.header().map_or(0, |h| h.revision());
-                    self.wait_for_delete(keys::tokens(&pool).into_bytes(), true, revision + 1).await?;
+                    self.wait_for_delete(keys::tokens(&pool).into_bytes(), true, revision + 1)
+                        .await?;
                 }
             }
         }
@@ -246,7 +327,11 @@ impl<'a> Session<'a> {
         let key = keys::token(&self.config.pool, slot);
         let txn = Txn::new()
             .when([Compare::create_revision(key.clone(), CompareOp::Equal, 0)])
-            .and_then([TxnOp::put(key, self.holder.clone(), Some(PutOptions::new().with_lease(lease)))]);
+            .and_then([TxnOp::put(
+                key,
+                self.holder.clone(),
+                Some(PutOptions::new().with_lease(lease)),
+            )]);
         Ok(self.txn(txn).await?.succeeded())
     }
 
@@ -269,7 +354,9 @@ impl<'a> Session<'a> {
     /// Waits until `key` (or a key under it, with `prefix`) is deleted at
     /// or after `revision`, or until the local demand changes.
     async fn wait_for_delete(&mut self, key: Vec<u8>, prefix: bool, revision: i64) -> Result<()> {
-        let mut options = WatchOptions::new().with_start_revision(revision).with_filters([WatchFilterType::NoPut]);
+        let mut options = WatchOptions::new()
+            .with_start_revision(revision)
+            .with_filters([WatchFilterType::NoPut]);
         if prefix {
             options = options.with_prefix();
         }

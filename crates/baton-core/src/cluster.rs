@@ -37,7 +37,9 @@ pub struct Config {
 pub fn check_pool_name(name: &str) -> Result<(), String> {
     let fits = |c: char| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.');
     if name.is_empty() || name.len() > 100 || !name.chars().all(fits) {
-        return Err(format!("cluster pool name {name:?}: use 1 to 100 letters, digits, '-', '_' or '.'"));
+        return Err(format!(
+            "cluster pool name {name:?}: use 1 to 100 letters, digits, '-', '_' or '.'"
+        ));
     }
     Ok(())
 }
@@ -63,7 +65,8 @@ impl Local {
     /// and one for every token waited for, up to what the local limit
     /// could ever grant at once.
     pub fn wanted(&self) -> u32 {
-        self.held.max(self.held.saturating_add(self.waiting).min(self.limit))
+        self.held
+            .max(self.held.saturating_add(self.waiting).min(self.limit))
     }
 }
 
@@ -137,7 +140,10 @@ impl Contact {
 
     /// The contact [`Contact::name`] names; anything else is `Lost`.
     pub fn from_name(name: &str) -> Contact {
-        [Contact::Reachable, Contact::Unsure].into_iter().find(|c| c.name() == name).unwrap_or(Contact::Lost)
+        [Contact::Reachable, Contact::Unsure]
+            .into_iter()
+            .find(|c| c.name() == name)
+            .unwrap_or(Contact::Lost)
     }
 }
 
@@ -156,7 +162,17 @@ mod tests {
     use super::*;
 
     fn situation(held_local: u32, waiting: u32, held: u32) -> Situation {
-        Situation { local: Local { held: held_local, waiting, limit: 4 }, held, others_waiting: false, spare_for: Duration::ZERO, linger: Duration::from_millis(200) }
+        Situation {
+            local: Local {
+                held: held_local,
+                waiting,
+                limit: 4,
+            },
+            held,
+            others_waiting: false,
+            spare_for: Duration::ZERO,
+            linger: Duration::from_millis(200),
+        }
     }
 
     #[test]
@@ -181,8 +197,20 @@ mod tests {
     fn a_spare_lingers_then_goes() {
         let s = situation(1, 0, 2);
         assert_eq!(step(s), Step::Linger(Duration::from_millis(200)));
-        assert_eq!(step(Situation { spare_for: Duration::from_millis(200), ..s }), Step::Give(1));
-        assert_eq!(step(Situation { others_waiting: true, ..s }), Step::Give(1));
+        assert_eq!(
+            step(Situation {
+                spare_for: Duration::from_millis(200),
+                ..s
+            }),
+            Step::Give(1)
+        );
+        assert_eq!(
+            step(Situation {
+                others_waiting: true,
+                ..s
+            }),
+            Step::Give(1)
+        );
     }
 
     #[test]

@@ -52,14 +52,23 @@ pub const DEFAULT_SETTLE: Duration = Duration::from_secs(1);
 
 impl Default for GateConfig {
     fn default() -> Self {
-        GateConfig { min_mem_available: None, max_mem_pressure: None, max_load: None, min_jobs: 1, settle: DEFAULT_SETTLE, pause: false }
+        GateConfig {
+            min_mem_available: None,
+            max_mem_pressure: None,
+            max_load: None,
+            min_jobs: 1,
+            settle: DEFAULT_SETTLE,
+            pause: false,
+        }
     }
 }
 
 impl GateConfig {
     /// Whether any gate is configured (the broker measures nothing if not).
     pub fn any(&self) -> bool {
-        self.min_mem_available.is_some() || self.max_mem_pressure.is_some() || self.max_load.is_some()
+        self.min_mem_available.is_some()
+            || self.max_mem_pressure.is_some()
+            || self.max_load.is_some()
     }
 
     /// The configuration with one threshold changed, by the names of the
@@ -69,18 +78,36 @@ impl GateConfig {
     /// # Errors
     /// An unknown name, or a value out of range, with what is expected.
     pub fn with(mut self, name: &str, value: Option<f64>) -> Result<Self, String> {
-        let positive = |v: f64| if v > 0.0 && v.is_finite() { Ok(v) } else { Err(format!("{name} must be above 0")) };
+        let positive = |v: f64| {
+            if v > 0.0 && v.is_finite() {
+                Ok(v)
+            } else {
+                Err(format!("{name} must be above 0"))
+            }
+        };
         match name {
-            "mem-available" => self.min_mem_available = value.map(positive).transpose()?.map(|v| v as u64),
+            "mem-available" => {
+                self.min_mem_available = value.map(positive).transpose()?.map(|v| v as u64)
+            }
             "mem-pressure" => {
-                self.max_mem_pressure = value.map(|v| if (0.0..=100.0).contains(&v) { Ok(v) } else { Err("mem-pressure is a percentage: 0 to 100".to_string()) }).transpose()?
+                self.max_mem_pressure = value
+                    .map(|v| {
+                        if (0.0..=100.0).contains(&v) {
+                            Ok(v)
+                        } else {
+                            Err("mem-pressure is a percentage: 0 to 100".to_string())
+                        }
+                    })
+                    .transpose()?
             }
             "load" => self.max_load = value.map(positive).transpose()?,
             "min-jobs" => {
                 self.min_jobs = match value {
                     None => 1,
                     Some(v) if v >= 1.0 && v.fract() == 0.0 && v <= f64::from(u32::MAX) => v as u32,
-                    Some(_) => return Err("min-jobs must be a whole number, at least 1".to_string()),
+                    Some(_) => {
+                        return Err("min-jobs must be a whole number, at least 1".to_string())
+                    }
                 }
             }
             _ => return Err(format!("unknown gate {name:?}")),
@@ -168,7 +195,15 @@ pub struct Gates {
 impl Gates {
     /// Gates with nothing measured yet.
     pub fn new(config: GateConfig) -> Self {
-        Gates { config, reading: Reading::default(), per_job: None, idle_available: None, young: Vec::new(), pauses: Pauses::default(), closed_since: [None; 3] }
+        Gates {
+            config,
+            reading: Reading::default(),
+            per_job: None,
+            idle_available: None,
+            young: Vec::new(),
+            pauses: Pauses::default(),
+            closed_since: [None; 3],
+        }
     }
 
     /// The configuration.
@@ -209,17 +244,30 @@ impl Gates {
 
     /// Remembers since when each gate has been closed.
     fn note_closed(&mut self, now: Duration) {
-        for kind in [GateKind::MemAvailable, GateKind::MemPressure, GateKind::Load] {
+        for kind in [
+            GateKind::MemAvailable,
+            GateKind::MemPressure,
+            GateKind::Load,
+        ] {
             let open = self.is_open(kind);
             let slot = &mut self.closed_since[kind as usize];
-            *slot = if open { None } else { Some(slot.unwrap_or(now)) };
+            *slot = if open {
+                None
+            } else {
+                Some(slot.unwrap_or(now))
+            };
         }
     }
 
     /// Notes `tokens` granted at `now`: they are young jobs until settled.
     pub fn granted(&mut self, tokens: u32, now: Duration) {
         let available = self.reading.mem_available;
-        self.young.push(YoungGrant { at: now, tokens, available, lowest: available });
+        self.young.push(YoungGrant {
+            at: now,
+            tokens,
+            available,
+            lowest: available,
+        });
     }
 
     /// How many tokens may be held in all right now, given `held` and the
@@ -230,17 +278,32 @@ impl Gates {
     /// The gates count jobs, a request may ask for several at once: with
     /// nothing held, the next request passes whole, or one wider than the
     /// slow start's first step, or than `min_jobs`, would wait for ever.
-    pub fn allowance(&mut self, held: u32, next_request: Option<u32>, now: Duration) -> Option<u32> {
+    pub fn allowance(
+        &mut self,
+        held: u32,
+        next_request: Option<u32>,
+        now: Duration,
+    ) -> Option<u32> {
         if !self.config.any() {
             return None;
         }
         self.settle(now);
         // Stopped jobs need their room back first: nothing new while any
         // is stopped.
-        let open = self.pauses.stopped == 0 && self.is_open(GateKind::MemPressure) && self.is_open(GateKind::Load);
+        let open = self.pauses.stopped == 0
+            && self.is_open(GateKind::MemPressure)
+            && self.is_open(GateKind::Load);
         let extra = if open { self.memory_room(held) } else { 0 };
-        let whole_request = if held == 0 { next_request.unwrap_or(0) } else { 0 };
-        Some(held.saturating_add(extra).max(self.config.min_jobs).max(whole_request))
+        let whole_request = if held == 0 {
+            next_request.unwrap_or(0)
+        } else {
+            0
+        };
+        Some(
+            held.saturating_add(extra)
+                .max(self.config.min_jobs)
+                .max(whole_request),
+        )
     }
 
     /// Jobs stopped by `--on-memory-pressure pause` now.
@@ -264,14 +327,28 @@ impl Gates {
     ///   or the memory gate is turned off, every stopped job goes on.
     pub fn pause_action(&self, running: &[JobMemory]) -> PauseAction {
         let stopped = self.pauses.stopped > 0;
-        let (Some(min), Some(available), true) = (self.config.min_mem_available, self.reading.mem_available, self.config.pause) else {
-            return if stopped { PauseAction::Resume } else { PauseAction::Nothing };
+        let (Some(min), Some(available), true) = (
+            self.config.min_mem_available,
+            self.reading.mem_available,
+            self.config.pause,
+        ) else {
+            return if stopped {
+                PauseAction::Resume
+            } else {
+                PauseAction::Nothing
+            };
         };
         let count = u32::try_from(running.len()).unwrap_or(u32::MAX);
         if available < min {
-            let falling = self.pauses.last_stop_available.is_none_or(|last| available.saturating_add(min / 8) <= last);
+            let falling = self
+                .pauses
+                .last_stop_available
+                .is_none_or(|last| available.saturating_add(min / 8) <= last);
             let stoppable = count.saturating_sub(self.config.min_jobs) as usize;
-            let picks: Vec<usize> = jobs_to_pause(running, falling).into_iter().take(stoppable).collect();
+            let picks: Vec<usize> = jobs_to_pause(running, falling)
+                .into_iter()
+                .take(stoppable)
+                .collect();
             if !picks.is_empty() {
                 return PauseAction::Pause(picks);
             }
@@ -309,8 +386,10 @@ impl Gates {
         let r = self.reading;
         let to_f64 = |v: Option<u64>| v.map(|v| v as f64);
         [
-            c.min_mem_available.map(|t| (GateKind::MemAvailable, to_f64(r.mem_available), t as f64)),
-            c.max_mem_pressure.map(|t| (GateKind::MemPressure, r.mem_pressure, t)),
+            c.min_mem_available
+                .map(|t| (GateKind::MemAvailable, to_f64(r.mem_available), t as f64)),
+            c.max_mem_pressure
+                .map(|t| (GateKind::MemPressure, r.mem_pressure, t)),
             c.max_load.map(|t| (GateKind::Load, r.runnable, t)),
         ]
         .into_iter()
@@ -352,7 +431,9 @@ impl Gates {
     /// than settled ones, so that admissions at most double per settle
     /// time while the estimate catches up with what the jobs really take.
     fn memory_room(&self, held: u32) -> u32 {
-        let (Some(min), Some(available)) = (self.config.min_mem_available, self.reading.mem_available) else {
+        let (Some(min), Some(available)) =
+            (self.config.min_mem_available, self.reading.mem_available)
+        else {
             return u32::MAX;
         };
         let young: u32 = self.young.iter().map(|g| g.tokens).sum();
@@ -361,7 +442,9 @@ impl Gates {
         let room = match self.per_job {
             None => u32::from(available >= min && young == 0),
             Some(per_job) => {
-                let room = available.saturating_sub(u64::from(young).saturating_mul(per_job)).saturating_sub(min);
+                let room = available
+                    .saturating_sub(u64::from(young).saturating_mul(per_job))
+                    .saturating_sub(min);
                 u32::try_from(room / per_job.max(1)).unwrap_or(u32::MAX)
             }
         };
@@ -373,7 +456,10 @@ impl Gates {
     /// it was young, per token), and that updates the estimate.
     fn settle(&mut self, now: Duration) {
         let settle = self.config.settle;
-        let (settled, young): (Vec<_>, Vec<_>) = self.young.drain(..).partition(|g| now.saturating_sub(g.at) >= settle);
+        let (settled, young): (Vec<_>, Vec<_>) = self
+            .young
+            .drain(..)
+            .partition(|g| now.saturating_sub(g.at) >= settle);
         self.young = young;
         for grant in settled {
             if let (Some(before), Some(lowest)) = (grant.available, grant.lowest) {
@@ -453,7 +539,8 @@ pub const GROWTH: u64 = 1 << 20;
 impl JobMemory {
     /// Whether it grew by at least [`GROWTH`] since `resident_before`.
     pub fn growing(&self) -> bool {
-        self.resident_before.is_some_and(|before| self.resident >= before.saturating_add(GROWTH))
+        self.resident_before
+            .is_some_and(|before| self.resident >= before.saturating_add(GROWTH))
     }
 }
 
@@ -466,7 +553,14 @@ impl JobMemory {
 pub fn jobs_to_pause(jobs: &[JobMemory], falling: bool) -> Vec<usize> {
     let mut growing: Vec<usize> = (0..jobs.len()).filter(|&i| jobs[i].growing()).collect();
     if growing.is_empty() {
-        return if falling { (0..jobs.len()).max_by_key(|&i| jobs[i].started).into_iter().collect() } else { Vec::new() };
+        return if falling {
+            (0..jobs.len())
+                .max_by_key(|&i| jobs[i].started)
+                .into_iter()
+                .collect()
+        } else {
+            Vec::new()
+        };
     }
     growing.sort_by_key(|&i| std::cmp::Reverse(jobs[i].started));
     growing.pop();
@@ -491,7 +585,9 @@ struct YoungGrant {
 /// Anything else, zero or negative, with a message saying what is expected.
 pub fn parse_size(text: &str) -> Result<u64, String> {
     let t = text.trim();
-    let expected = || format!("invalid size '{text}': expected a positive number of bytes with an optional K, M, G or T suffix (e.g. 2G, 512M, 1.5G)");
+    let expected = || {
+        format!("invalid size '{text}': expected a positive number of bytes with an optional K, M, G or T suffix (e.g. 2G, 512M, 1.5G)")
+    };
     let lower = t.to_ascii_lowercase();
     let body = lower.trim_end_matches("ib").trim_end_matches('b');
     let (number, unit) = match body.char_indices().last() {
@@ -525,7 +621,11 @@ mod tests {
     const SETTLE: Duration = Duration::from_millis(500);
 
     fn memory_gate(min: u64) -> Gates {
-        Gates::new(GateConfig { min_mem_available: Some(min), settle: SETTLE, ..GateConfig::default() })
+        Gates::new(GateConfig {
+            min_mem_available: Some(min),
+            settle: SETTLE,
+            ..GateConfig::default()
+        })
     }
 
     fn at(ms: u64) -> Duration {
@@ -533,7 +633,10 @@ mod tests {
     }
 
     fn mem(available: u64) -> Reading {
-        Reading { mem_available: Some(available), ..Reading::default() }
+        Reading {
+            mem_available: Some(available),
+            ..Reading::default()
+        }
     }
 
     #[test]
@@ -549,7 +652,11 @@ mod tests {
         g.observe(mem(1000 * MIB), 0, at(0));
         assert_eq!(g.allowance(0, Some(3), at(0)), Some(3));
         g.granted(3, at(0));
-        assert_eq!(g.allowance(3, Some(2), at(1)), Some(3), "with tokens held, the slow start holds it back");
+        assert_eq!(
+            g.allowance(3, Some(2), at(1)),
+            Some(3),
+            "with tokens held, the slow start holds it back"
+        );
     }
 
     #[test]
@@ -569,7 +676,11 @@ mod tests {
         g.granted(1, at(0));
         g.observe(mem(760 * MIB), 1, at(100));
         g.observe(mem(750 * MIB), 1, at(300));
-        assert_eq!(g.allowance(1, None, at(300)), Some(1), "still young: nothing learned");
+        assert_eq!(
+            g.allowance(1, None, at(300)),
+            Some(1),
+            "still young: nothing learned"
+        );
         g.observe(mem(750 * MIB), 1, at(600));
         assert_eq!(g.per_job(), Some(250 * MIB));
         // 750 - 200 leaves room for two more jobs of 250, but with one
@@ -592,7 +703,11 @@ mod tests {
         assert_eq!(g.per_job(), Some(800 * MIB));
         g.granted(1, at(600));
         g.observe(mem(200 * MIB), 1, at(1200));
-        assert_eq!(g.per_job(), Some(700 * MIB), "a job that took nothing moves it by an eighth");
+        assert_eq!(
+            g.per_job(),
+            Some(700 * MIB),
+            "a job that took nothing moves it by an eighth"
+        );
     }
 
     #[test]
@@ -600,27 +715,66 @@ mod tests {
         let mut g = memory_gate(500 * MIB);
         g.observe(mem(100 * MIB), 1, at(0));
         assert!(!g.is_open(GateKind::MemAvailable));
-        assert_eq!(g.allowance(4, None, at(0)), Some(4), "what is held stays held");
+        assert_eq!(
+            g.allowance(4, None, at(0)),
+            Some(4),
+            "what is held stays held"
+        );
         assert_eq!(g.allowance(0, None, at(0)), Some(1), "one job always runs");
     }
 
     #[test]
     fn pressure_and_load_gates_close_above_their_threshold() {
-        let config = GateConfig { max_mem_pressure: Some(10.0), max_load: Some(3.0), min_jobs: 1, settle: SETTLE, ..GateConfig::default() };
+        let config = GateConfig {
+            max_mem_pressure: Some(10.0),
+            max_load: Some(3.0),
+            min_jobs: 1,
+            settle: SETTLE,
+            ..GateConfig::default()
+        };
         let mut g = Gates::new(config);
-        g.observe(Reading { mem_pressure: Some(5.0), runnable: Some(2.0), ..Reading::default() }, 1, at(0));
+        g.observe(
+            Reading {
+                mem_pressure: Some(5.0),
+                runnable: Some(2.0),
+                ..Reading::default()
+            },
+            1,
+            at(0),
+        );
         assert_eq!(g.allowance(2, None, at(0)), Some(u32::MAX));
-        g.observe(Reading { mem_pressure: Some(25.0), runnable: Some(2.0), ..Reading::default() }, 1, at(10));
+        g.observe(
+            Reading {
+                mem_pressure: Some(25.0),
+                runnable: Some(2.0),
+                ..Reading::default()
+            },
+            1,
+            at(10),
+        );
         assert_eq!(g.allowance(2, None, at(10)), Some(2));
         assert_eq!(g.views()[0].closed_since, Some(at(10)));
-        g.observe(Reading { mem_pressure: Some(1.0), runnable: Some(7.0), ..Reading::default() }, 1, at(20));
+        g.observe(
+            Reading {
+                mem_pressure: Some(1.0),
+                runnable: Some(7.0),
+                ..Reading::default()
+            },
+            1,
+            at(20),
+        );
         assert_eq!(g.allowance(2, None, at(20)), Some(2));
         assert!(g.views()[0].open && !g.views()[1].open);
     }
 
     #[test]
     fn a_figure_the_machine_lacks_leaves_its_gate_open() {
-        let config = GateConfig { max_mem_pressure: Some(10.0), min_jobs: 1, settle: SETTLE, ..GateConfig::default() };
+        let config = GateConfig {
+            max_mem_pressure: Some(10.0),
+            min_jobs: 1,
+            settle: SETTLE,
+            ..GateConfig::default()
+        };
         let mut g = Gates::new(config);
         g.observe(Reading::default(), 0, at(0));
         assert!(g.is_open(GateKind::MemPressure));
@@ -641,12 +795,29 @@ mod tests {
 
     #[test]
     fn gate_settings_by_name() {
-        let c = GateConfig::default().with("mem-available", Some(2e9)).unwrap().with("load", Some(3.0)).unwrap();
-        assert_eq!((c.min_mem_available, c.max_load), (Some(2_000_000_000), Some(3.0)));
+        let c = GateConfig::default()
+            .with("mem-available", Some(2e9))
+            .unwrap()
+            .with("load", Some(3.0))
+            .unwrap();
+        assert_eq!(
+            (c.min_mem_available, c.max_load),
+            (Some(2_000_000_000), Some(3.0))
+        );
         assert_eq!(c.with("load", None).unwrap().max_load, None);
         assert_eq!(c.with("min-jobs", Some(2.0)).unwrap().min_jobs, 2);
-        for (name, value) in [("mem-available", 0.0), ("mem-pressure", 101.0), ("load", 0.0), ("min-jobs", 0.0), ("min-jobs", 1.5), ("nope", 1.0)] {
-            assert!(c.with(name, Some(value)).is_err(), "{name} {value} accepted");
+        for (name, value) in [
+            ("mem-available", 0.0),
+            ("mem-pressure", 101.0),
+            ("load", 0.0),
+            ("min-jobs", 0.0),
+            ("min-jobs", 1.5),
+            ("nope", 1.0),
+        ] {
+            assert!(
+                c.with(name, Some(value)).is_err(),
+                "{name} {value} accepted"
+            );
         }
     }
 
@@ -664,46 +835,108 @@ mod tests {
     }
 
     fn job(started: u64, mib: u64, mib_before: Option<u64>) -> JobMemory {
-        JobMemory { started, resident: mib * MIB, resident_before: mib_before.map(|m| m * MIB) }
+        JobMemory {
+            started,
+            resident: mib * MIB,
+            resident_before: mib_before.map(|m| m * MIB),
+        }
     }
 
     #[test]
     fn every_growing_job_but_the_first_started_is_paused_newest_first() {
-        let jobs = [job(1, 400, Some(300)), job(2, 150, Some(100)), job(3, 50, Some(50)), job(4, 60, Some(40))];
-        assert_eq!(jobs_to_pause(&jobs, false), [3, 1], "job 3 does not grow, job 1 may");
+        let jobs = [
+            job(1, 400, Some(300)),
+            job(2, 150, Some(100)),
+            job(3, 50, Some(50)),
+            job(4, 60, Some(40)),
+        ];
+        assert_eq!(
+            jobs_to_pause(&jobs, false),
+            [3, 1],
+            "job 3 does not grow, job 1 may"
+        );
         let crawling = [job(1, 400, Some(300)), job(2, 50, Some(50))];
-        assert_eq!(jobs_to_pause(&crawling, true), Vec::<usize>::new(), "one grows: it may, alone");
+        assert_eq!(
+            jobs_to_pause(&crawling, true),
+            Vec::<usize>::new(),
+            "one grows: it may, alone"
+        );
         let unseen = [job(1, 400, None), job(2, 50, None)];
-        assert_eq!(jobs_to_pause(&unseen, true), [1], "none seen growing, memory falls: the newest");
+        assert_eq!(
+            jobs_to_pause(&unseen, true),
+            [1],
+            "none seen growing, memory falls: the newest"
+        );
         assert_eq!(jobs_to_pause(&unseen, false), Vec::<usize>::new());
-        let page = JobMemory { resident: 50 * MIB + 4096, ..job(2, 50, Some(50)) };
+        let page = JobMemory {
+            resident: 50 * MIB + 4096,
+            ..job(2, 50, Some(50))
+        };
         assert!(!page.growing(), "a page is no growth");
     }
 
     fn pausing(min: u64) -> Gates {
-        Gates::new(GateConfig { min_mem_available: Some(min), pause: true, ..GateConfig::default() })
+        Gates::new(GateConfig {
+            min_mem_available: Some(min),
+            pause: true,
+            ..GateConfig::default()
+        })
     }
 
     #[test]
     fn pause_stops_growing_jobs_while_memory_is_short_never_the_last() {
         let mut g = pausing(400 * MIB);
-        let growing = [job(1, 300, Some(200)), job(2, 200, Some(100)), job(3, 100, Some(50))];
+        let growing = [
+            job(1, 300, Some(200)),
+            job(2, 200, Some(100)),
+            job(3, 100, Some(50)),
+        ];
         g.observe(mem(450 * MIB), 3, at(0));
-        assert_eq!(g.pause_action(&growing), PauseAction::Nothing, "above the threshold: all may grow");
+        assert_eq!(
+            g.pause_action(&growing),
+            PauseAction::Nothing,
+            "above the threshold: all may grow"
+        );
         g.observe(mem(350 * MIB), 3, at(10));
         assert_eq!(g.pause_action(&growing), PauseAction::Pause(vec![2, 1]));
         g.did_pause(2, 1);
-        assert_eq!(g.allowance(3, None, at(10)), Some(3), "nothing new while a job is stopped");
+        assert_eq!(
+            g.allowance(3, None, at(10)),
+            Some(3),
+            "nothing new while a job is stopped"
+        );
         let steady = [job(1, 300, Some(300)), job(2, 200, Some(200))];
         g.observe(mem(340 * MIB), 3, at(20));
-        assert_eq!(g.pause_action(&steady), PauseAction::Nothing, "no job grows, memory steadied: the running jobs fit");
+        assert_eq!(
+            g.pause_action(&steady),
+            PauseAction::Nothing,
+            "no job grows, memory steadied: the running jobs fit"
+        );
         g.observe(mem(290 * MIB), 3, at(30));
-        assert_eq!(g.pause_action(&steady), PauseAction::Pause(vec![1]), "fell by another eighth of the threshold");
+        assert_eq!(
+            g.pause_action(&steady),
+            PauseAction::Pause(vec![1]),
+            "fell by another eighth of the threshold"
+        );
         let mut strict = pausing(400 * MIB);
-        strict.set_config(GateConfig { min_jobs: 2, ..strict.config() }, at(0));
+        strict.set_config(
+            GateConfig {
+                min_jobs: 2,
+                ..strict.config()
+            },
+            at(0),
+        );
         strict.observe(mem(10 * MIB), 3, at(0));
-        assert_eq!(strict.pause_action(&growing), PauseAction::Pause(vec![2]), "never below --min-jobs running");
-        assert_eq!(strict.pause_action(&growing[..1]), PauseAction::Nothing, "the last running job is never stopped");
+        assert_eq!(
+            strict.pause_action(&growing),
+            PauseAction::Pause(vec![2]),
+            "never below --min-jobs running"
+        );
+        assert_eq!(
+            strict.pause_action(&growing[..1]),
+            PauseAction::Nothing,
+            "the last running job is never stopped"
+        );
     }
 
     /// `n` jobs that do not grow.
@@ -717,9 +950,17 @@ mod tests {
         g.observe(mem(150 * MIB), 3, at(0));
         g.did_pause(1, 2);
         g.observe(mem(500 * MIB), 3, at(10));
-        assert_eq!(g.pause_action(&steady(2)), PauseAction::Nothing, "memory is back, but no job finished");
+        assert_eq!(
+            g.pause_action(&steady(2)),
+            PauseAction::Nothing,
+            "memory is back, but no job finished"
+        );
         g.observe(mem(300 * MIB), 3, at(20));
-        assert_eq!(g.pause_action(&steady(1)), PauseAction::Nothing, "a job finished, but memory is below the threshold");
+        assert_eq!(
+            g.pause_action(&steady(1)),
+            PauseAction::Nothing,
+            "a job finished, but memory is below the threshold"
+        );
         g.observe(mem(450 * MIB), 3, at(30));
         assert_eq!(g.pause_action(&steady(1)), PauseAction::Resume);
         g.did_resume(2);
@@ -741,9 +982,22 @@ mod tests {
         let mut g = pausing(400 * MIB);
         g.observe(mem(150 * MIB), 3, at(0));
         g.did_pause(1, 2);
-        g.set_config(GateConfig { min_mem_available: None, ..g.config() }, at(10));
+        g.set_config(
+            GateConfig {
+                min_mem_available: None,
+                ..g.config()
+            },
+            at(10),
+        );
         assert_eq!(g.pause_action(&steady(2)), PauseAction::Resume);
-        let off = Gates::new(GateConfig { min_mem_available: Some(400 * MIB), ..GateConfig::default() });
-        assert_eq!(off.pause_action(&steady(3)), PauseAction::Nothing, "only with --on-memory-pressure pause");
+        let off = Gates::new(GateConfig {
+            min_mem_available: Some(400 * MIB),
+            ..GateConfig::default()
+        });
+        assert_eq!(
+            off.pause_action(&steady(3)),
+            PauseAction::Nothing,
+            "only with --on-memory-pressure pause"
+        );
     }
 }

@@ -13,7 +13,10 @@ pub struct IdleTimer {
 impl IdleTimer {
     /// A timer that expires after `timeout` without a client.
     pub fn new(timeout: Duration) -> Self {
-        IdleTimer { timeout, since: None }
+        IdleTimer {
+            timeout,
+            since: None,
+        }
     }
 
     /// Notes that `clients` were connected at `now`; true once nobody has

@@ -16,5 +16,8 @@ pub mod protocol;
 mod share;
 pub mod status;
 
-pub use pool::{Acquired, BuildView, ClientId, ClientView, Grant, Pool, PoolError, RestoreError, Tag, Totals, MAX_LIMIT};
+pub use pool::{
+    Acquired, BuildView, ClientId, ClientView, Grant, Pool, PoolError, RestoreError, Tag, Totals,
+    MAX_LIMIT,
+};
 pub use share::{BuildId, MAX_WEIGHT};

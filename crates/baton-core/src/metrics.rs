@@ -86,7 +86,10 @@ fn bucket_of(value: u64) -> usize {
 
 /// The largest value that falls in `bucket`.
 fn bucket_top(bucket: usize) -> u64 {
-    let (block, within) = (bucket as u32 >> SUB_BITS, bucket as u64 & ((1 << SUB_BITS) - 1));
+    let (block, within) = (
+        bucket as u32 >> SUB_BITS,
+        bucket as u64 & ((1 << SUB_BITS) - 1),
+    );
     if block == 0 {
         return within;
     }
@@ -119,7 +122,13 @@ impl Utilization {
     /// If `width` is 0.
     pub fn new(width: u64, capacity: usize) -> Self {
         assert!(width > 0, "a slot has a width");
-        Utilization { width, capacity, slots: VecDeque::with_capacity(capacity), at: 0, area: 0 }
+        Utilization {
+            width,
+            capacity,
+            slots: VecDeque::with_capacity(capacity),
+            at: 0,
+            area: 0,
+        }
     }
 
     /// Time is `now`, and `held` tokens were held since the last call. A
@@ -195,7 +204,10 @@ mod tests {
         let mut h = Histogram::default();
         (0..99).for_each(|_| h.record(3));
         h.record(1000);
-        assert_eq!((h.percentile(0.5), h.percentile(0.99), h.percentile(1.0)), (Some(3), Some(3), Some(1000)));
+        assert_eq!(
+            (h.percentile(0.5), h.percentile(0.99), h.percentile(1.0)),
+            (Some(3), Some(3), Some(1000))
+        );
         assert_eq!((h.count(), h.sum()), (100, 99 * 3 + 1000));
     }
 

@@ -27,11 +27,17 @@ pub fn default_socket() -> (PathBuf, &'static str) {
         return (PathBuf::from(p), "$BATON_SOCKET");
     }
     if let Some(dir) = std::env::var_os("XDG_RUNTIME_DIR").filter(|p| !p.is_empty()) {
-        return (Path::new(&dir).join("baton").join("socket"), "$XDG_RUNTIME_DIR");
+        return (
+            Path::new(&dir).join("baton").join("socket"),
+            "$XDG_RUNTIME_DIR",
+        );
     }
     // SAFETY: getuid cannot fail and touches no memory.
     let uid = unsafe { libc::getuid() };
-    (PathBuf::from(format!("/tmp/baton-{uid}/socket")), "/tmp/baton-$UID")
+    (
+        PathBuf::from(format!("/tmp/baton-{uid}/socket")),
+        "/tmp/baton-$UID",
+    )
 }
 
 /// Whether [`socket_path`] with `explicit` falls back to a directory baton
@@ -61,9 +67,15 @@ mod tests {
 
     #[test]
     fn a_broker_s_files_sit_beside_its_socket() {
-        assert_eq!(private_dir(Path::new("/run/u/baton/socket")), Path::new("/run/u/baton"));
+        assert_eq!(
+            private_dir(Path::new("/run/u/baton/socket")),
+            Path::new("/run/u/baton")
+        );
         assert_eq!(private_dir(Path::new("socket")), Path::new("."));
-        assert_eq!(fuse_mount_point(Path::new("/run/u/baton/socket")), Path::new("/run/u/baton/fuse"));
+        assert_eq!(
+            fuse_mount_point(Path::new("/run/u/baton/socket")),
+            Path::new("/run/u/baton/fuse")
+        );
     }
 
     #[test]

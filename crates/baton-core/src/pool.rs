@@ -264,7 +264,14 @@ impl<M> Pool<M> {
         let id = ClientId(self.next_id);
         self.next_id += 1;
         self.shares.get_mut(build).members += 1;
-        self.clients.insert(id, Client { held: 0, build, meta });
+        self.clients.insert(
+            id,
+            Client {
+                held: 0,
+                build,
+                meta,
+            },
+        );
         id
     }
 
@@ -314,7 +321,9 @@ impl<M> Pool<M> {
     /// tokens should give back. A build that is behind its share keeps
     /// them: they would come back to it first anyway.
     pub fn waiting_ahead(&self, id: ClientId) -> u32 {
-        let Some(build) = self.build_of(id) else { return 0 };
+        let Some(build) = self.build_of(id) else {
+            return 0;
+        };
         let mine = self.shares.get(build).vtime;
         let ahead = |w: &&Waiter| w.build != build && self.shares.get(w.build).vtime <= mine;
         self.queue.iter().filter(ahead).map(|w| w.tokens).sum()
@@ -335,7 +344,13 @@ impl<M> Pool<M> {
         }
         let seq = self.next_seq;
         self.next_seq += 1;
-        self.queue.push_back(Waiter { client: id, build, tag, tokens, seq });
+        self.queue.push_back(Waiter {
+            client: id,
+            build,
+            tag,
+            tokens,
+            seq,
+        });
         self.shares.get_mut(build).waiting += tokens;
         if self.shares.oldest(build).is_none() {
             self.shares.set_oldest(build, Some(seq));
@@ -366,12 +381,18 @@ impl<M> Pool<M> {
 
     /// Gives back `tokens` of the client's tokens; they go to waiters first.
     pub fn release(&mut self, id: ClientId, tokens: u32) -> Result<Vec<Grant>, PoolError> {
-        let client = self.clients.get_mut(&id).ok_or(PoolError::UnknownClient(id))?;
+        let client = self
+            .clients
+            .get_mut(&id)
+            .ok_or(PoolError::UnknownClient(id))?;
         if tokens == 0 {
             return Err(PoolError::ZeroTokens);
         }
         if tokens > client.held {
-            return Err(PoolError::OverRelease { asked: tokens, held: client.held });
+            return Err(PoolError::OverRelease {
+                asked: tokens,
+                held: client.held,
+            });
         }
         client.held -= tokens;
         self.held -= tokens;
@@ -401,7 +422,11 @@ impl<M> Pool<M> {
     /// if it was not waiting, e.g. because the grant already happened), and
     /// any grants its departure unblocked for the requests behind it.
     pub fn cancel(&mut self, id: ClientId, tag: Tag) -> (u32, Vec<Grant>) {
-        let Some(pos) = self.queue.iter().position(|w| w.client == id && w.tag == tag) else {
+        let Some(pos) = self
+            .queue
+            .iter()
+            .position(|w| w.client == id && w.tag == tag)
+        else {
             return (0, Vec::new());
         };
         let waiter = self.remove_waiter(pos);
@@ -431,7 +456,10 @@ impl<M> Pool<M> {
     pub fn set_limit(&mut self, limit: u32) -> Result<Vec<Grant>, PoolError> {
         check_limit(limit)?;
         if let Some(w) = self.queue.iter().find(|w| w.tokens > limit) {
-            return Err(PoolError::MoreThanLimit { asked: w.tokens, limit });
+            return Err(PoolError::MoreThanLimit {
+                asked: w.tokens,
+                limit,
+            });
         }
         let held = self.held();
         self.limit = limit;
@@ -505,15 +533,51 @@ impl<M> Pool<M> {
 
     fn check(&self) -> Result<(), &'static str> {
         let held = self.held();
-        ensure(held == self.clients.values().map(|c| c.held).sum::<u32>(), "the pool holds what its clients hold")?;
-        let balanced = if held <= self.limit { self.free + held == self.limit } else { self.free == 0 };
-        ensure(balanced, "free + held must equal the limit (a draining pool has no free tokens)")?;
+        ensure(
+            held == self.clients.values().map(|c| c.held).sum::<u32>(),
+            "the pool holds what its clients hold",
+        )?;
+        let balanced = if held <= self.limit {
+            self.free + held == self.limit
+        } else {
+            self.free == 0
+        };
+        ensure(
+            balanced,
+            "free + held must equal the limit (a draining pool has no free tokens)",
+        )?;
         ensure(check_limit(self.limit).is_ok(), "the limit is out of range")?;
-        ensure(self.queue.iter().all(|w| self.clients.get(&w.client).is_some_and(|c| c.build == w.build)), "a waiter belongs to no client, or to another build")?;
-        ensure(self.queue.iter().all(|w| w.tokens > 0 && w.seq < self.next_seq), "a waiter asks for nothing, or came after the last arrival")?;
-        ensure(self.queue.iter().zip(self.queue.iter().skip(1)).all(|(a, b)| a.seq < b.seq), "the queue is in order of arrival")?;
-        ensure(self.clients.keys().all(|id| id.0 < self.next_id), "a client id is not below the next one")?;
-        ensure(self.clients.values().all(|c| self.shares.builds.contains_key(&c.build)), "a client belongs to no build")?;
+        ensure(
+            self.queue.iter().all(|w| {
+                self.clients
+                    .get(&w.client)
+                    .is_some_and(|c| c.build == w.build)
+            }),
+            "a waiter belongs to no client, or to another build",
+        )?;
+        ensure(
+            self.queue
+                .iter()
+                .all(|w| w.tokens > 0 && w.seq < self.next_seq),
+            "a waiter asks for nothing, or came after the last arrival",
+        )?;
+        ensure(
+            self.queue
+                .iter()
+                .zip(self.queue.iter().skip(1))
+                .all(|(a, b)| a.seq < b.seq),
+            "the queue is in order of arrival",
+        )?;
+        ensure(
+            self.clients.keys().all(|id| id.0 < self.next_id),
+            "a client id is not below the next one",
+        )?;
+        ensure(
+            self.clients
+                .values()
+                .all(|c| self.shares.builds.contains_key(&c.build)),
+            "a client belongs to no build",
+        )?;
         // Each build's books, summed from its clients and requests in one
         // pass (a fuzz input connects hundreds of clients: a scan per build
         // made this check the fuzzer's whole cost).
@@ -530,10 +594,19 @@ impl<M> Pool<M> {
         }
         for b in self.builds() {
             let s = sums.remove(&b.id).unwrap_or_default();
-            ensure(self.shares.oldest(b.id) == s.oldest, "the share policy knows each build's oldest request")?;
+            ensure(
+                self.shares.oldest(b.id) == s.oldest,
+                "the share policy knows each build's oldest request",
+            )?;
             ensure(b.held == s.held, "a build holds what its clients hold")?;
-            ensure(b.waiting == s.waiting, "a build waits for what its clients wait for")?;
-            ensure(s.members == self.shares.get(b.id).members, "a build counts its members")?;
+            ensure(
+                b.waiting == s.waiting,
+                "a build waits for what its clients wait for",
+            )?;
+            ensure(
+                s.members == self.shares.get(b.id).members,
+                "a build counts its members",
+            )?;
         }
         self.shares.check()
     }
@@ -545,10 +618,18 @@ impl<M> Pool<M> {
         if tokens == 0 {
             return Err(PoolError::ZeroTokens);
         }
-        let waiting: u32 = self.queue.iter().filter(|w| w.client == id).map(|w| w.tokens).sum();
+        let waiting: u32 = self
+            .queue
+            .iter()
+            .filter(|w| w.client == id)
+            .map(|w| w.tokens)
+            .sum();
         let total = client.held.saturating_add(waiting).saturating_add(tokens);
         if total > self.limit {
-            return Err(PoolError::MoreThanLimit { asked: total, limit: self.limit });
+            return Err(PoolError::MoreThanLimit {
+                asked: total,
+                limit: self.limit,
+            });
         }
         Ok(())
     }
@@ -556,7 +637,10 @@ impl<M> Pool<M> {
     /// Whether `tokens` more can be handed out now: they are free and the
     /// admission cap, if any, allows them.
     fn fits(&self, tokens: u32) -> bool {
-        tokens <= self.free && self.cap.is_none_or(|cap| self.held().saturating_add(tokens) <= cap)
+        tokens <= self.free
+            && self
+                .cap
+                .is_none_or(|cap| self.held().saturating_add(tokens) <= cap)
     }
 
     fn hand_out(&mut self, id: ClientId, tokens: u32) {
@@ -566,7 +650,10 @@ impl<M> Pool<M> {
 
     /// Books `tokens` as held by the client, its build and the pool.
     fn count_held(&mut self, id: ClientId, tokens: u32) {
-        let client = self.clients.get_mut(&id).expect("caller checked the client");
+        let client = self
+            .clients
+            .get_mut(&id)
+            .expect("caller checked the client");
         client.held += tokens;
         self.held += tokens;
         let build = self.shares.get_mut(client.build);
@@ -586,7 +673,11 @@ impl<M> Pool<M> {
     /// build the share policy picks.
     fn next_waiter(&self) -> Option<usize> {
         let (_, seq) = self.shares.pick()?;
-        Some(self.queue.binary_search_by_key(&seq, |w| w.seq).expect("the policy's requests are queued"))
+        Some(
+            self.queue
+                .binary_search_by_key(&seq, |w| w.seq)
+                .expect("the policy's requests are queued"),
+        )
     }
 
     /// Takes a request out of the queue, keeping its build's books.
@@ -596,7 +687,12 @@ impl<M> Pool<M> {
         if self.shares.oldest(w.build) == Some(w.seq) {
             let next = match self.shares.get(w.build).waiting {
                 0 => None,
-                _ => self.queue.iter().skip(pos).find(|o| o.build == w.build).map(|o| o.seq),
+                _ => self
+                    .queue
+                    .iter()
+                    .skip(pos)
+                    .find(|o| o.build == w.build)
+                    .map(|o| o.seq),
             };
             self.shares.set_oldest(w.build, next);
         }
@@ -612,7 +708,11 @@ impl<M> Pool<M> {
             }
             self.remove_waiter(next);
             self.hand_out(w.client, w.tokens);
-            grants.push(Grant { client: w.client, tag: w.tag, tokens: w.tokens });
+            grants.push(Grant {
+                client: w.client,
+                tag: w.tag,
+                tokens: w.tokens,
+            });
         }
         grants
     }
@@ -674,7 +774,14 @@ mod tests {
         assert_eq!(p.acquire(b, 7, 1), Ok(Acquired::Queued));
         assert_eq!(p.acquire(c, 9, 1), Ok(Acquired::Queued));
         let grants = p.release(a, 1).unwrap();
-        assert_eq!(grants, vec![Grant { client: b, tag: 7, tokens: 1 }]);
+        assert_eq!(
+            grants,
+            vec![Grant {
+                client: b,
+                tag: 7,
+                tokens: 1
+            }]
+        );
         assert_eq!(p.free(), 0);
         p.assert_invariants();
     }
@@ -685,10 +792,21 @@ mod tests {
         let [a, big, small] = [p.connect(()), p.connect(()), p.connect(())];
         p.acquire(a, 0, 2).unwrap();
         assert_eq!(p.acquire(big, 0, 3), Ok(Acquired::Queued));
-        assert_eq!(p.acquire(small, 0, 1), Ok(Acquired::Queued), "one token is free but big is first");
+        assert_eq!(
+            p.acquire(small, 0, 1),
+            Ok(Acquired::Queued),
+            "one token is free but big is first"
+        );
         assert_eq!(p.try_acquire(small, 1), Ok(false));
         let grants = p.release(a, 2).unwrap();
-        assert_eq!(grants, vec![Grant { client: big, tag: 0, tokens: 3 }]);
+        assert_eq!(
+            grants,
+            vec![Grant {
+                client: big,
+                tag: 0,
+                tokens: 3
+            }]
+        );
     }
 
     #[test]
@@ -696,7 +814,10 @@ mod tests {
         let mut p = pool(4);
         let a = p.connect(());
         p.acquire(a, 0, 1).unwrap();
-        assert_eq!(p.release(a, 2), Err(PoolError::OverRelease { asked: 2, held: 1 }));
+        assert_eq!(
+            p.release(a, 2),
+            Err(PoolError::OverRelease { asked: 2, held: 1 })
+        );
         assert_eq!((p.free(), p.held_by(a), p.limit()), (3, 1, 4));
     }
 
@@ -704,10 +825,17 @@ mod tests {
     fn requests_beyond_the_limit_are_refused() {
         let mut p = pool(4);
         let a = p.connect(());
-        assert_eq!(p.acquire(a, 0, 5), Err(PoolError::MoreThanLimit { asked: 5, limit: 4 }));
+        assert_eq!(
+            p.acquire(a, 0, 5),
+            Err(PoolError::MoreThanLimit { asked: 5, limit: 4 })
+        );
         assert_eq!(p.acquire(a, 0, 0), Err(PoolError::ZeroTokens));
         p.acquire(a, 0, 3).unwrap();
-        assert_eq!(p.acquire(a, 1, 2), Err(PoolError::MoreThanLimit { asked: 5, limit: 4 }), "held + asked counts");
+        assert_eq!(
+            p.acquire(a, 1, 2),
+            Err(PoolError::MoreThanLimit { asked: 5, limit: 4 }),
+            "held + asked counts"
+        );
         assert!(Pool::<()>::new(0).is_err());
     }
 
@@ -719,7 +847,14 @@ mod tests {
         p.acquire(b, 3, 1).unwrap();
         let (held, grants) = p.disconnect(a);
         assert_eq!(held, 2);
-        assert_eq!(grants, vec![Grant { client: b, tag: 3, tokens: 1 }]);
+        assert_eq!(
+            grants,
+            vec![Grant {
+                client: b,
+                tag: 3,
+                tokens: 1
+            }]
+        );
         assert_eq!((p.free(), p.totals().reclaimed), (1, 2));
         p.assert_invariants();
     }
@@ -733,8 +868,19 @@ mod tests {
         p.acquire(small, 2, 1).unwrap();
         let (tokens, grants) = p.cancel(big, 1);
         assert_eq!(tokens, 2);
-        assert_eq!(grants, vec![Grant { client: small, tag: 2, tokens: 1 }]);
-        assert_eq!(p.cancel(big, 1), (0, vec![]), "a second cancel finds nothing");
+        assert_eq!(
+            grants,
+            vec![Grant {
+                client: small,
+                tag: 2,
+                tokens: 1
+            }]
+        );
+        assert_eq!(
+            p.cancel(big, 1),
+            (0, vec![]),
+            "a second cancel finds nothing"
+        );
     }
 
     #[test]
@@ -761,7 +907,11 @@ mod tests {
         assert_eq!(p.free(), 0);
         p.assert_invariants();
         p.release(a, 1).unwrap();
-        assert_eq!(p.free(), 0, "held 2 == limit 2: the returned token is retired");
+        assert_eq!(
+            p.free(),
+            0,
+            "held 2 == limit 2: the returned token is retired"
+        );
         p.release(a, 1).unwrap();
         assert_eq!(p.free(), 1);
         p.assert_invariants();
@@ -780,7 +930,11 @@ mod tests {
         assert_eq!(p.waiting_ahead(a), 1, "b is behind a: a gives way");
         assert_eq!(p.acquire(c, 0, 1), Ok(Acquired::Queued));
         p.advance(200);
-        assert_eq!(p.waiting_ahead(b), 1, "c started level with b, and b has used no more since");
+        assert_eq!(
+            p.waiting_ahead(b),
+            1,
+            "c started level with b, and b has used no more since"
+        );
         assert_eq!(p.waiting_ahead(c), 1);
         assert_eq!(p.waiting_ahead(a), 2);
     }
@@ -807,7 +961,14 @@ mod tests {
         p.assert_invariants();
         assert!(p.release(a, 1).unwrap().is_empty(), "held 1 is at the cap");
         let grants = p.set_admission_cap(Some(2));
-        assert_eq!(grants, vec![Grant { client: b, tag: 0, tokens: 1 }]);
+        assert_eq!(
+            grants,
+            vec![Grant {
+                client: b,
+                tag: 0,
+                tokens: 1
+            }]
+        );
         assert_eq!(p.free(), 2);
         p.assert_invariants();
     }
@@ -821,11 +982,26 @@ mod tests {
         let [x, y] = [p.connect(()), p.connect(())];
         p.acquire(x, 0, 2).unwrap();
         p.acquire(y, 0, 1).unwrap();
-        assert_eq!(p.acquire(x, 1, 2), Ok(Acquired::Queued), "one free: x waits");
-        assert_eq!(p.acquire(y, 1, 1), Ok(Acquired::Queued), "x is served first: y waits behind it");
+        assert_eq!(
+            p.acquire(x, 1, 2),
+            Ok(Acquired::Queued),
+            "one free: x waits"
+        );
+        assert_eq!(
+            p.acquire(y, 1, 1),
+            Ok(Acquired::Queued),
+            "x is served first: y waits behind it"
+        );
         p.assert_invariants();
         // x holds twice what y holds: y is served first from now on.
-        assert_eq!(p.advance(100), vec![Grant { client: y, tag: 1, tokens: 1 }]);
+        assert_eq!(
+            p.advance(100),
+            vec![Grant {
+                client: y,
+                tag: 1,
+                tokens: 1
+            }]
+        );
         p.assert_invariants();
     }
 
@@ -839,8 +1015,16 @@ mod tests {
         p.acquire(x, 0, 2).unwrap();
         p.acquire(y, 0, 1).unwrap();
         p.advance(100);
-        assert_eq!(p.acquire(x, 1, 2), Ok(Acquired::Queued), "one free: x waits");
-        assert_eq!(p.acquire(y, 1, 1), Ok(Acquired::Granted), "y has used less for its weight: it is served first");
+        assert_eq!(
+            p.acquire(x, 1, 2),
+            Ok(Acquired::Queued),
+            "one free: x waits"
+        );
+        assert_eq!(
+            p.acquire(y, 1, 1),
+            Ok(Acquired::Granted),
+            "y has used less for its weight: it is served first"
+        );
         p.assert_invariants();
     }
 }

@@ -241,9 +241,13 @@ pub fn parse_request(line: &[u8]) -> Result<Request, ParseError> {
     match verb {
         "HELLO" => {
             let (version, label) = rest.split_once(' ').unwrap_or((rest, ""));
-            let version = parse_number(version).ok_or_else(|| malformed("HELLO needs a protocol version: HELLO 1 [label]"))?;
+            let version = parse_number(version)
+                .ok_or_else(|| malformed("HELLO needs a protocol version: HELLO 1 [label]"))?;
             check_label(label, "HELLO label")?;
-            Ok(Request::Hello { version, label: label.to_string() })
+            Ok(Request::Hello {
+                version,
+                label: label.to_string(),
+            })
         }
         "ACQUIRE" => count("ACQUIRE").map(Request::Acquire),
         "TRY" => count("TRY").map(Request::Try),
@@ -253,21 +257,33 @@ pub fn parse_request(line: &[u8]) -> Result<Request, ParseError> {
         "GATE" => parse_gate(rest).map(|(name, value)| Request::Gate { name, value }),
         "BUILD" => {
             let (weight, name) = rest.split_once(' ').unwrap_or((rest, ""));
-            let weight = parse_number(weight).ok_or_else(|| malformed("BUILD needs a weight: BUILD <weight> [name]"))?;
+            let weight = parse_number(weight)
+                .ok_or_else(|| malformed("BUILD needs a weight: BUILD <weight> [name]"))?;
             check_label(name, "BUILD name")?;
-            Ok(Request::Build { weight, name: name.to_string() })
+            Ok(Request::Build {
+                weight,
+                name: name.to_string(),
+            })
         }
         "WANTED" if rest.is_empty() => Ok(Request::Wanted),
         "CANCEL" if rest.is_empty() => Ok(Request::Cancel),
         "STATUS" if rest.is_empty() => Ok(Request::Status),
         "CANCEL" | "STATUS" | "WANTED" => Err(malformed(format!("{verb} takes no arguments"))),
         "" => Err(malformed("empty request")),
-        _ => Err(malformed(format!("unknown request {:?}", truncate(verb, 32)))),
+        _ => Err(malformed(format!(
+            "unknown request {:?}",
+            truncate(verb, 32)
+        ))),
     }
 }
 
 fn parse_gate(rest: &str) -> Result<(String, Option<f64>), ParseError> {
-    let usage = || malformed(format!("GATE needs a name ({}) and a value or off: GATE mem-available 2147483648", GATE_NAMES.join(", ")));
+    let usage = || {
+        malformed(format!(
+            "GATE needs a name ({}) and a value or off: GATE mem-available 2147483648",
+            GATE_NAMES.join(", ")
+        ))
+    };
     let (name, value) = rest.split_once(' ').ok_or_else(usage)?;
     if !GATE_NAMES.contains(&name) {
         return Err(usage());
@@ -284,8 +300,14 @@ fn parse_gate(rest: &str) -> Result<(String, Option<f64>), ParseError> {
 /// shortest form) is one this accepts: 24 nines would round to 1e24,
 /// whose 25 digits the client would refuse.
 fn parse_decimal(word: &str) -> Option<f64> {
-    let plain = !word.is_empty() && word.len() <= 24 && word.bytes().all(|b| b.is_ascii_digit() || b == b'.') && word.bytes().filter(|&b| b == b'.').count() <= 1;
-    plain.then(|| word.parse().ok()).flatten().filter(|&v| v < MAX_DECIMAL)
+    let plain = !word.is_empty()
+        && word.len() <= 24
+        && word.bytes().all(|b| b.is_ascii_digit() || b == b'.')
+        && word.bytes().filter(|&b| b == b'.').count() <= 1;
+    plain
+        .then(|| word.parse().ok())
+        .flatten()
+        .filter(|&v| v < MAX_DECIMAL)
 }
 
 /// Gate values are below this (no threshold comes near).
@@ -297,13 +319,16 @@ fn gate_value(value: Option<f64>) -> String {
 
 fn check_label(label: &str, what: &str) -> Result<(), ParseError> {
     if label.len() > MAX_LABEL || label.chars().any(char::is_control) {
-        return Err(malformed(format!("{what} must be at most {MAX_LABEL} bytes of printable text")));
+        return Err(malformed(format!(
+            "{what} must be at most {MAX_LABEL} bytes of printable text"
+        )));
     }
     Ok(())
 }
 
 fn parse_count(rest: &str, verb: &str) -> Result<u32, ParseError> {
-    parse_number(rest).ok_or_else(|| malformed(format!("{verb} needs one whole number: {verb} <n>")))
+    parse_number(rest)
+        .ok_or_else(|| malformed(format!("{verb} needs one whole number: {verb} <n>")))
 }
 
 /// Strict decimal: digits only, no sign, no spaces, fits in u32.
@@ -346,7 +371,11 @@ impl Reply {
     /// The reply's bytes on the wire, newline(s) included.
     pub fn encode(&self) -> Vec<u8> {
         let line = match self {
-            Reply::Hello { version, client, limit } => format!("OK {version} {client} {limit}\n"),
+            Reply::Hello {
+                version,
+                client,
+                limit,
+            } => format!("OK {version} {client} {limit}\n"),
             Reply::Granted { tokens, held } => format!("GRANTED {tokens} {held}\n"),
             Reply::Busy { free } => format!("BUSY {free}\n"),
             Reply::Released { tokens, held } => format!("RELEASED {tokens} {held}\n"),
@@ -368,26 +397,55 @@ impl Reply {
 pub fn parse_reply_line(line: &str) -> Result<ReplyHead, ParseError> {
     let mut words = line.split(' ');
     let verb = words.next().unwrap_or("");
-    let mut num = || words.next().and_then(parse_number).ok_or_else(|| malformed(format!("bad reply {line:?}")));
+    let mut num = || {
+        words
+            .next()
+            .and_then(parse_number)
+            .ok_or_else(|| malformed(format!("bad reply {line:?}")))
+    };
     let reply = match verb {
-        "OK" => Reply::Hello { version: num()?, client: u64::from(num()?), limit: num()? },
-        "GRANTED" => Reply::Granted { tokens: num()?, held: num()? },
+        "OK" => Reply::Hello {
+            version: num()?,
+            client: u64::from(num()?),
+            limit: num()?,
+        },
+        "GRANTED" => Reply::Granted {
+            tokens: num()?,
+            held: num()?,
+        },
         "BUSY" => Reply::Busy { free: num()? },
-        "RELEASED" => Reply::Released { tokens: num()?, held: num()? },
+        "RELEASED" => Reply::Released {
+            tokens: num()?,
+            held: num()?,
+        },
         "CANCELLED" => Reply::Cancelled { tokens: num()? },
-        "LIMIT" => Reply::Limit { old: num()?, new: num()? },
-        "BUILD" => Reply::Build { build: u64::from(num()?), weight: num()? },
-        "WANTED" => Reply::Wanted { tokens: num()?, free: num()? },
+        "LIMIT" => Reply::Limit {
+            old: num()?,
+            new: num()?,
+        },
+        "BUILD" => Reply::Build {
+            build: u64::from(num()?),
+            weight: num()?,
+        },
+        "WANTED" => Reply::Wanted {
+            tokens: num()?,
+            free: num()?,
+        },
         "STATUS" => return Ok(ReplyHead::StatusFollows(num()? as usize)),
         "GATE" => {
-            let (name, value) = parse_gate(line.strip_prefix("GATE ").unwrap_or("")).map_err(|_| malformed(format!("bad reply {line:?}")))?;
+            let (name, value) = parse_gate(line.strip_prefix("GATE ").unwrap_or(""))
+                .map_err(|_| malformed(format!("bad reply {line:?}")))?;
             Reply::Gate { name, value }
         }
         "ERR" => {
             let rest = line.strip_prefix("ERR ").unwrap_or("");
             let (code, message) = rest.split_once(' ').unwrap_or((rest, ""));
-            let code = ErrorCode::parse(code).ok_or_else(|| malformed(format!("unknown error code in {line:?}")))?;
-            Reply::Err { code, message: message.to_string() }
+            let code = ErrorCode::parse(code)
+                .ok_or_else(|| malformed(format!("unknown error code in {line:?}")))?;
+            Reply::Err {
+                code,
+                message: message.to_string(),
+            }
         }
         _ => return Err(malformed(format!("unknown reply {line:?}"))),
     };
@@ -410,19 +468,40 @@ mod tests {
     #[test]
     fn requests_round_trip() {
         let requests = [
-            Request::Hello { version: 1, label: "make -C src".into() },
-            Request::Hello { version: 1, label: String::new() },
+            Request::Hello {
+                version: 1,
+                label: "make -C src".into(),
+            },
+            Request::Hello {
+                version: 1,
+                label: String::new(),
+            },
             Request::Acquire(3),
             Request::Try(1),
             Request::Release(2),
             Request::Cancel,
             Request::Status,
             Request::Limit(8),
-            Request::Gate { name: "mem-available".into(), value: Some(2147483648.0) },
-            Request::Gate { name: "mem-pressure".into(), value: Some(12.5) },
-            Request::Gate { name: "load".into(), value: None },
-            Request::Build { weight: 2, name: "ninja -C out".into() },
-            Request::Build { weight: 1, name: String::new() },
+            Request::Gate {
+                name: "mem-available".into(),
+                value: Some(2147483648.0),
+            },
+            Request::Gate {
+                name: "mem-pressure".into(),
+                value: Some(12.5),
+            },
+            Request::Gate {
+                name: "load".into(),
+                value: None,
+            },
+            Request::Build {
+                weight: 2,
+                name: "ninja -C out".into(),
+            },
+            Request::Build {
+                weight: 1,
+                name: String::new(),
+            },
             Request::Wanted,
             Request::Hold(3),
         ];
@@ -433,14 +512,35 @@ mod tests {
 
     #[test]
     fn numbers_are_strict() {
-        for bad in ["ACQUIRE", "ACQUIRE ", "ACQUIRE -1", "ACQUIRE +1", "ACQUIRE 1 2", "ACQUIRE 99999999999", "ACQUIRE x"] {
-            assert!(parse_request(bad.as_bytes()).is_err(), "{bad} should be refused");
+        for bad in [
+            "ACQUIRE",
+            "ACQUIRE ",
+            "ACQUIRE -1",
+            "ACQUIRE +1",
+            "ACQUIRE 1 2",
+            "ACQUIRE 99999999999",
+            "ACQUIRE x",
+        ] {
+            assert!(
+                parse_request(bad.as_bytes()).is_err(),
+                "{bad} should be refused"
+            );
         }
     }
 
     #[test]
     fn garbage_is_refused() {
-        for bad in [&b""[..], b"acquire 1", b"STATUS now", b"WANTED 1", b"BUILD", b"BUILD x", b"\xff\xfe", b"HELLO", b"HELLO 1 a\x07b"] {
+        for bad in [
+            &b""[..],
+            b"acquire 1",
+            b"STATUS now",
+            b"WANTED 1",
+            b"BUILD",
+            b"BUILD x",
+            b"\xff\xfe",
+            b"HELLO",
+            b"HELLO 1 a\x07b",
+        ] {
             assert!(parse_request(bad).is_err(), "{bad:?} should be refused");
         }
     }
@@ -448,17 +548,33 @@ mod tests {
     #[test]
     fn replies_round_trip() {
         let replies = [
-            Reply::Hello { version: 1, client: 7, limit: 4 },
+            Reply::Hello {
+                version: 1,
+                client: 7,
+                limit: 4,
+            },
             Reply::Granted { tokens: 1, held: 2 },
             Reply::Busy { free: 0 },
             Reply::Released { tokens: 1, held: 0 },
             Reply::Cancelled { tokens: 1 },
             Reply::Limit { old: 4, new: 8 },
-            Reply::Gate { name: "load".into(), value: Some(3.0) },
-            Reply::Gate { name: "min-jobs".into(), value: None },
-            Reply::Build { build: 3, weight: 2 },
+            Reply::Gate {
+                name: "load".into(),
+                value: Some(3.0),
+            },
+            Reply::Gate {
+                name: "min-jobs".into(),
+                value: None,
+            },
+            Reply::Build {
+                build: 3,
+                weight: 2,
+            },
             Reply::Wanted { tokens: 2, free: 0 },
-            Reply::Err { code: ErrorCode::OverRelease, message: "cannot give back 2 tokens: only 1 held".into() },
+            Reply::Err {
+                code: ErrorCode::OverRelease,
+                message: "cannot give back 2 tokens: only 1 held".into(),
+            },
         ];
         for r in replies {
             let wire = String::from_utf8(r.encode()).unwrap();
@@ -469,17 +585,37 @@ mod tests {
 
     #[test]
     fn status_reply_carries_its_length() {
-        let wire = Reply::Status { json: "{\"limit\":4}".into() }.encode();
+        let wire = Reply::Status {
+            json: "{\"limit\":4}".into(),
+        }
+        .encode();
         assert_eq!(wire, b"STATUS 11\n{\"limit\":4}\n");
-        assert_eq!(parse_reply_line("STATUS 11"), Ok(ReplyHead::StatusFollows(11)));
+        assert_eq!(
+            parse_reply_line("STATUS 11"),
+            Ok(ReplyHead::StatusFollows(11))
+        );
     }
 
     #[test]
     fn bad_gate_requests_are_malformed() {
-        for line in ["GATE", "GATE load", "GATE load -1", "GATE load abc", "GATE nope 3", "GATE load 1.2.3", "GATE load 3 4"] {
+        for line in [
+            "GATE",
+            "GATE load",
+            "GATE load -1",
+            "GATE load abc",
+            "GATE nope 3",
+            "GATE load 1.2.3",
+            "GATE load 3 4",
+        ] {
             assert!(parse_request(line.as_bytes()).is_err(), "{line} accepted");
         }
-        assert_eq!(parse_request(b"GATE min-jobs 2"), Ok(Request::Gate { name: "min-jobs".into(), value: Some(2.0) }));
+        assert_eq!(
+            parse_request(b"GATE min-jobs 2"),
+            Ok(Request::Gate {
+                name: "min-jobs".into(),
+                value: Some(2.0)
+            })
+        );
     }
 
     /// Caught by the protocol fuzz target's round-trip check: 24 nines were accepted as

@@ -76,7 +76,13 @@ impl Shares {
     pub fn create(&mut self) -> BuildId {
         self.next_id += 1;
         let id = BuildId(self.next_id);
-        self.builds.insert(id, Build { weight: 1, ..Build::default() });
+        self.builds.insert(
+            id,
+            Build {
+                weight: 1,
+                ..Build::default()
+            },
+        );
         id
     }
 
@@ -85,7 +91,9 @@ impl Shares {
     }
 
     pub fn get_mut(&mut self, id: BuildId) -> &mut Build {
-        self.builds.get_mut(&id).expect("every client's build exists")
+        self.builds
+            .get_mut(&id)
+            .expect("every client's build exists")
     }
 
     /// Charges every build for the tokens it held since the last call.
@@ -112,7 +120,10 @@ impl Shares {
     /// The build's oldest waiting request is now `oldest` (None: it has
     /// none left).
     pub fn set_oldest(&mut self, id: BuildId, oldest: Option<u64>) {
-        let b = self.builds.get_mut(&id).expect("every client's build exists");
+        let b = self
+            .builds
+            .get_mut(&id)
+            .expect("every client's build exists");
         if let Some(seq) = b.oldest {
             self.ready.remove(&(b.vtime, seq, id));
         }
@@ -133,7 +144,12 @@ impl Shares {
         if self.get(id).is_active() {
             return;
         }
-        let floor = self.builds.iter().filter(|(&other, b)| other != id && b.is_active()).map(|(_, b)| b.vtime).min();
+        let floor = self
+            .builds
+            .iter()
+            .filter(|(&other, b)| other != id && b.is_active())
+            .map(|(_, b)| b.vtime)
+            .min();
         if let Some(floor) = floor {
             let b = self.get_mut(id);
             b.vtime = b.vtime.max(floor);
@@ -150,11 +166,17 @@ impl Shares {
     /// The order of service agrees with every build's books, and build ids
     /// are below the next one (a restored snapshot must keep both).
     pub fn check(&self) -> Result<(), &'static str> {
-        let expected: BTreeSet<_> = self.builds.iter().filter_map(|(&id, b)| b.oldest.map(|seq| (b.vtime, seq, id))).collect();
+        let expected: BTreeSet<_> = self
+            .builds
+            .iter()
+            .filter_map(|(&id, b)| b.oldest.map(|seq| (b.vtime, seq, id)))
+            .collect();
         if expected != self.ready {
             return Err("the order of service disagrees with the builds' books");
         }
-        if self.builds.iter().any(|(id, b)| id.0 > self.next_id || !(1..=MAX_WEIGHT).contains(&b.weight) || b.members == 0) {
+        if self.builds.iter().any(|(id, b)| {
+            id.0 > self.next_id || !(1..=MAX_WEIGHT).contains(&b.weight) || b.members == 0
+        }) {
             return Err("a build has an id not yet given, a weight out of range, or no members");
         }
         Ok(())

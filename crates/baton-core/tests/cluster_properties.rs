@@ -47,25 +47,45 @@ struct Sim {
 
 impl Sim {
     fn local(&self) -> Local {
-        Local { held: self.pool.held(), waiting: self.pool.queue().map(|(_, _, n)| n).sum(), limit: self.pool.limit() }
+        Local {
+            held: self.pool.held(),
+            waiting: self.pool.queue().map(|(_, _, n)| n).sum(),
+            limit: self.pool.limit(),
+        }
     }
 
     /// Runs the link until it holds, as the broker's link thread would
     /// (one etcd round trip per Take), applying the cap after each change.
     fn settle(&mut self) {
         for _ in 0..100 {
-            let s = Situation { local: self.local(), held: self.cluster, others_waiting: self.others_waiting, spare_for: self.spare_for, linger: LINGER };
+            let s = Situation {
+                local: self.local(),
+                held: self.cluster,
+                others_waiting: self.others_waiting,
+                spare_for: self.spare_for,
+                linger: LINGER,
+            };
             match step(s) {
                 Step::Take => self.cluster += 1,
                 Step::Give(n) => {
-                    assert!(self.cluster - n >= self.pool.held(), "gave back a cluster token under a held local token");
+                    assert!(
+                        self.cluster - n >= self.pool.held(),
+                        "gave back a cluster token under a held local token"
+                    );
                     self.cluster -= n;
                     self.spare_for = Duration::ZERO;
                 }
                 Step::Linger(_) | Step::Hold => return,
             }
-            for grant in self.pool.set_admission_cap(Some(admission_cap(self.cluster, Contact::Reachable))) {
-                let i = self.clients.iter().position(|&c| c == grant.client).unwrap();
+            for grant in self
+                .pool
+                .set_admission_cap(Some(admission_cap(self.cluster, Contact::Reachable)))
+            {
+                let i = self
+                    .clients
+                    .iter()
+                    .position(|&c| c == grant.client)
+                    .unwrap();
                 self.waiting[i] = false;
             }
         }
@@ -94,10 +114,18 @@ impl Sim {
         }
     }
 
-    fn note_grants(&mut self, f: impl FnOnce(&mut Pool<()>, ClientId) -> Vec<baton_core::Grant>, i: usize) {
+    fn note_grants(
+        &mut self,
+        f: impl FnOnce(&mut Pool<()>, ClientId) -> Vec<baton_core::Grant>,
+        i: usize,
+    ) {
         let grants = f(&mut self.pool, self.clients[i]);
         for grant in grants {
-            let j = self.clients.iter().position(|&c| c == grant.client).unwrap();
+            let j = self
+                .clients
+                .iter()
+                .position(|&c| c == grant.client)
+                .unwrap();
             self.waiting[j] = false;
         }
     }

@@ -19,11 +19,20 @@ struct Moment {
 }
 
 fn job() -> impl Strategy<Value = JobMemory> {
-    (0u64..20, 0u64..500, proptest::option::of(0u64..500)).prop_map(|(started, mib, before)| JobMemory { started, resident: mib * MIB, resident_before: before.map(|b| b * MIB) })
+    (0u64..20, 0u64..500, proptest::option::of(0u64..500)).prop_map(|(started, mib, before)| {
+        JobMemory {
+            started,
+            resident: mib * MIB,
+            resident_before: before.map(|b| b * MIB),
+        }
+    })
 }
 
 fn moment() -> impl Strategy<Value = Moment> {
-    (0u64..1000, proptest::collection::vec(job(), 0..6)).prop_map(|(mib, jobs)| Moment { available: mib * MIB, jobs })
+    (0u64..1000, proptest::collection::vec(job(), 0..6)).prop_map(|(mib, jobs)| Moment {
+        available: mib * MIB,
+        jobs,
+    })
 }
 
 proptest! {

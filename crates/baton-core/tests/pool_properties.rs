@@ -49,7 +49,16 @@ struct Model {
 
 impl Model {
     fn new(limit: u32) -> Self {
-        Model { limit, clients: Vec::new(), held: HashMap::new(), waiting: HashMap::new(), queue: VecDeque::new(), granted: 0, released: 0, reclaimed: 0 }
+        Model {
+            limit,
+            clients: Vec::new(),
+            held: HashMap::new(),
+            waiting: HashMap::new(),
+            queue: VecDeque::new(),
+            granted: 0,
+            released: 0,
+            reclaimed: 0,
+        }
     }
 
     fn pick(&self, i: usize) -> Option<ClientId> {
@@ -85,13 +94,24 @@ impl Model {
     /// the next one's tokens are free.
     fn apply_grants(&mut self, grants: &[Grant]) {
         for g in grants {
-            assert_eq!(self.queue.pop_front(), Some(g.client), "a grant skipped an older request: {g:?}");
+            assert_eq!(
+                self.queue.pop_front(),
+                Some(g.client),
+                "a grant skipped an older request: {g:?}"
+            );
             let waited = self.waiting.remove(&g.client);
-            assert_eq!(waited, Some(g.tokens), "a grant must answer that client's pending request");
+            assert_eq!(
+                waited,
+                Some(g.tokens),
+                "a grant must answer that client's pending request"
+            );
             self.grant(g.client, g.tokens);
         }
         if let Some(head) = self.queue.front() {
-            assert!(self.waiting[head] > self.free(), "the oldest request waits although its tokens are free");
+            assert!(
+                self.waiting[head] > self.free(),
+                "the oldest request waits although its tokens are free"
+            );
         }
     }
 }
@@ -99,16 +119,32 @@ impl Model {
 fn check(pool: &Pool<()>, model: &Model) {
     pool.assert_invariants();
     for &c in &model.clients {
-        assert_eq!(pool.held_by(c), model.held.get(&c).copied().unwrap_or(0), "holdings of {c:?}");
+        assert_eq!(
+            pool.held_by(c),
+            model.held.get(&c).copied().unwrap_or(0),
+            "holdings of {c:?}"
+        );
     }
     let held = model.held_total();
-    assert_eq!((pool.limit(), pool.held(), pool.free()), (model.limit, held, model.free()), "a token was created or lost");
+    assert_eq!(
+        (pool.limit(), pool.held(), pool.free()),
+        (model.limit, held, model.free()),
+        "a token was created or lost"
+    );
     assert_eq!(pool.waiting(), model.queue.len());
     let queue: Vec<ClientId> = pool.queue().map(|(c, _, _)| c).collect();
     assert_eq!(queue, Vec::from(model.queue.clone()), "the queue's order");
     let t = pool.totals();
-    assert_eq!((t.granted, t.released, t.reclaimed), (model.granted, model.released, model.reclaimed), "totals");
-    assert_eq!(t.granted, t.released + t.reclaimed + u64::from(held), "granted = released + reclaimed + held");
+    assert_eq!(
+        (t.granted, t.released, t.reclaimed),
+        (model.granted, model.released, model.reclaimed),
+        "totals"
+    );
+    assert_eq!(
+        t.granted,
+        t.released + t.reclaimed + u64::from(held),
+        "granted = released + reclaimed + held"
+    );
 }
 
 proptest! {

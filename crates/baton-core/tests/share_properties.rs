@@ -41,7 +41,10 @@ impl Sim {
 
     fn granted(&mut self, now: u64, grants: Vec<Grant>) {
         for g in grants {
-            let since = self.waiting_since.remove(&g.client).expect("a grant answers a waiting request");
+            let since = self
+                .waiting_since
+                .remove(&g.client)
+                .expect("a grant answers a waiting request");
             self.longest_wait = self.longest_wait.max(now - since);
             self.hold(now, g.client);
         }
@@ -49,7 +52,11 @@ impl Sim {
 
     fn check(&self) {
         self.pool.assert_invariants();
-        assert_eq!(self.pool.free() + self.pool.held(), self.pool.limit(), "a token was created or lost");
+        assert_eq!(
+            self.pool.free() + self.pool.held(),
+            self.pool.limit(),
+            "a token was created or lost"
+        );
     }
 }
 
@@ -133,6 +140,13 @@ fn the_build_that_used_least_goes_first() {
     pool.advance(200);
     // hog used 200 token-ticks, other 100: other goes first though it asked later.
     let grants = pool.release(hog, 1).unwrap();
-    assert_eq!(grants, vec![Grant { client: other, tag: 0, tokens: 1 }]);
+    assert_eq!(
+        grants,
+        vec![Grant {
+            client: other,
+            tag: 0,
+            tokens: 1
+        }]
+    );
     pool.assert_invariants();
 }

@@ -10,16 +10,35 @@ use proptest::prelude::*;
 enum Op {
     Connect,
     ConnectBeside(usize),
-    Weight { client: usize, weight: u32 },
+    Weight {
+        client: usize,
+        weight: u32,
+    },
     Advance(u64),
-    Acquire { client: usize, tag: u64, tokens: u32 },
-    TryAcquire { client: usize, tokens: u32 },
-    Release { client: usize, tokens: u32 },
-    Cancel { client: usize, tag: u64 },
+    Acquire {
+        client: usize,
+        tag: u64,
+        tokens: u32,
+    },
+    TryAcquire {
+        client: usize,
+        tokens: u32,
+    },
+    Release {
+        client: usize,
+        tokens: u32,
+    },
+    Cancel {
+        client: usize,
+        tag: u64,
+    },
     Disconnect(usize),
     SetLimit(u32),
     Cap(Option<u32>),
-    Hold { client: usize, tokens: u32 },
+    Hold {
+        client: usize,
+        tokens: u32,
+    },
 }
 
 fn op() -> impl Strategy<Value = Op> {
@@ -68,15 +87,27 @@ fn apply(pool: &mut Pool<String>, clients: &mut Vec<ClientId>, now: &mut u64, op
             }
             None => Outcome::Nothing,
         },
-        Op::Weight { client, weight } => pick(client).map_or(Outcome::Nothing, |c| Outcome::Tried(pool.set_weight(c, weight).map(|()| true))),
+        Op::Weight { client, weight } => pick(client).map_or(Outcome::Nothing, |c| {
+            Outcome::Tried(pool.set_weight(c, weight).map(|()| true))
+        }),
         Op::Advance(dt) => {
             *now += dt;
             pool.advance(*now);
             Outcome::Nothing
         }
-        Op::Acquire { client, tag, tokens } => pick(client).map_or(Outcome::Nothing, |c| Outcome::Acquired(pool.acquire(c, tag, tokens))),
-        Op::TryAcquire { client, tokens } => pick(client).map_or(Outcome::Nothing, |c| Outcome::Tried(pool.try_acquire(c, tokens))),
-        Op::Release { client, tokens } => pick(client).map_or(Outcome::Nothing, |c| Outcome::Grants(pool.release(c, tokens))),
+        Op::Acquire {
+            client,
+            tag,
+            tokens,
+        } => pick(client).map_or(Outcome::Nothing, |c| {
+            Outcome::Acquired(pool.acquire(c, tag, tokens))
+        }),
+        Op::TryAcquire { client, tokens } => pick(client).map_or(Outcome::Nothing, |c| {
+            Outcome::Tried(pool.try_acquire(c, tokens))
+        }),
+        Op::Release { client, tokens } => pick(client).map_or(Outcome::Nothing, |c| {
+            Outcome::Grants(pool.release(c, tokens))
+        }),
         Op::Cancel { client, tag } => pick(client).map_or(Outcome::Nothing, |c| {
             let (tokens, grants) = pool.cancel(c, tag);
             Outcome::Freed(tokens, grants)
@@ -87,7 +118,9 @@ fn apply(pool: &mut Pool<String>, clients: &mut Vec<ClientId>, now: &mut u64, op
         }),
         Op::SetLimit(limit) => Outcome::Grants(pool.set_limit(limit)),
         Op::Cap(cap) => Outcome::Grants(Ok(pool.set_admission_cap(cap))),
-        Op::Hold { client, tokens } => pick(client).map_or(Outcome::Nothing, |c| Outcome::Tried(pool.hold(c, tokens).map(|()| true))),
+        Op::Hold { client, tokens } => pick(client).map_or(Outcome::Nothing, |c| {
+            Outcome::Tried(pool.hold(c, tokens).map(|()| true))
+        }),
     }
 }
 

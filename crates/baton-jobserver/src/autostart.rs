@@ -8,9 +8,9 @@
 //! `<socket>.lock` still keeps a broker started by hand at the same moment
 //! from serving beside it.)
 
+use anyhow::{bail, Context, Result};
 use baton_client::{Client, Error as ClientError};
 use baton_core::paths::private_dir;
-use anyhow::{bail, Context, Result};
 use nix::fcntl::{Flock, FlockArg};
 use std::ffi::OsString;
 use std::fs::{DirBuilder, File, OpenOptions};
@@ -51,7 +51,9 @@ pub type LazyAutostart = Box<dyn Fn() -> Result<Autostart>>;
 pub fn connect(socket: &Path, label: &str, autostart: Option<&LazyAutostart>) -> Result<Client> {
     match (Client::connect(socket, label), autostart) {
         // Disconnected: we reached a broker that was stopping, idle.
-        (Err(ClientError::NoBroker { .. } | ClientError::Disconnected), Some(start)) => start_then_connect(socket, label, &start()?),
+        (Err(ClientError::NoBroker { .. } | ClientError::Disconnected), Some(start)) => {
+            start_then_connect(socket, label, &start()?)
+        }
         (client, _) => Ok(client?),
     }
 }
@@ -63,7 +65,11 @@ pub fn log_path(socket: &Path) -> PathBuf {
 
 fn start_then_connect(socket: &Path, label: &str, start: &Autostart) -> Result<Client> {
     let dir = private_dir(socket);
-    DirBuilder::new().recursive(true).mode(0o700).create(&dir).with_context(|| format!("cannot create the directory {}", dir.display()))?;
+    DirBuilder::new()
+        .recursive(true)
+        .mode(0o700)
+        .create(&dir)
+        .with_context(|| format!("cannot create the directory {}", dir.display()))?;
     let _only_us = lock_autostart(socket)?;
     // Whoever held the lock before us has started one.
     let mut attempts = 1;
@@ -93,7 +99,9 @@ fn lock_autostart(socket: &Path) -> Result<Flock<File>> {
         .mode(0o600)
         .open(&path)
         .with_context(|| format!("cannot open the lock file {}", path.display()))?;
-    Flock::lock(file, FlockArg::LockExclusive).map_err(|(_, e)| e).with_context(|| format!("cannot lock {}", path.display()))
+    Flock::lock(file, FlockArg::LockExclusive)
+        .map_err(|(_, e)| e)
+        .with_context(|| format!("cannot lock {}", path.display()))
 }
 
 /// A bare connect, no HELLO: the probe takes no client id.
@@ -119,7 +127,12 @@ fn spawn_detached(start: &Autostart, log: &Path) -> Result<Child> {
         .open(log)
         .with_context(|| format!("cannot open the broker's log {}", log.display()))?;
     let mut command = Command::new(&start.program);
-    command.args(&start.args).current_dir("/").stdin(Stdio::null()).stdout(Stdio::null()).stderr(log_file);
+    command
+        .args(&start.args)
+        .current_dir("/")
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(log_file);
     // SAFETY: setsid is async-signal-safe and touches no memory.
     unsafe {
         command.pre_exec(|| match libc::setsid() {
@@ -127,14 +140,21 @@ fn spawn_detached(start: &Autostart, log: &Path) -> Result<Child> {
             _ => Ok(()),
         });
     }
-    command.spawn().with_context(|| format!("cannot start a broker ({})", start.program.display()))
+    command
+        .spawn()
+        .with_context(|| format!("cannot start a broker ({})", start.program.display()))
 }
 
 fn wait_until_serving(socket: &Path, broker: &mut Child, log: &Path) -> Result<()> {
     let started = Instant::now();
     while !serving(socket) {
         if let Some(status) = broker.try_wait().context("cannot wait for the broker")? {
-            bail!("the broker started for {} stopped ({status}): {} (its log: {})", socket.display(), last_line(log), log.display());
+            bail!(
+                "the broker started for {} stopped ({status}): {} (its log: {})",
+                socket.display(),
+                last_line(log),
+                log.display()
+            );
         }
         if started.elapsed() > START_LIMIT {
             bail!(
@@ -153,5 +173,9 @@ fn wait_until_serving(socket: &Path, broker: &mut Child, log: &Path) -> Result<(
 /// What a broker that stopped at once said last (why it stopped).
 fn last_line(log: &Path) -> String {
     let text = std::fs::read_to_string(log).unwrap_or_default();
-    text.lines().rev().find(|line| !line.trim().is_empty()).unwrap_or("it said nothing").to_string()
+    text.lines()
+        .rev()
+        .find(|line| !line.trim().is_empty())
+        .unwrap_or("it said nothing")
+        .to_string()
 }

@@ -29,10 +29,10 @@
 //!   when bmake looks, and tokens bmake gives back reach the pool only
 //!   through the pipe style's separate return pipe.
 
+use crate::probe::Probes;
 use nix::fcntl::{fcntl, FcntlArg, OFlag};
 use std::os::fd::{AsFd, RawFd};
 use std::path::Path;
-use crate::probe::Probes;
 
 /// bmake's token byte; any other byte in its pipe is an abort token.
 pub const TOKEN: u8 = b'+';
@@ -47,11 +47,19 @@ pub const TOKEN: u8 = b'+';
 /// Its answer is bmake's `MAKE_VERSION` (a date, as `20200710`; empty if
 /// it has none); None if it is not bmake.
 pub fn version(probes: &Probes, program: &Path) -> Option<String> {
-    let name = program.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
-    if !(matches!(name.as_str(), "make" | "bmake" | "pmake" | "bsdmake") || name.starts_with("bmake-")) {
+    let name = program
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    if !(matches!(name.as_str(), "make" | "bmake" | "pmake" | "bsdmake")
+        || name.starts_with("bmake-"))
+    {
         return None;
     }
-    let answer = probes.ask(program, &["-r", "-f", "/dev/null", "-V", ".MAKE", "-V", "MAKE_VERSION"])?;
+    let answer = probes.ask(
+        program,
+        &["-r", "-f", "/dev/null", "-V", ".MAKE", "-V", "MAKE_VERSION"],
+    )?;
     let mut lines = answer.stdout.lines();
     let is_bmake = answer.ok && lines.next().is_some_and(|l| !l.trim().is_empty());
     is_bmake.then(|| lines.next().unwrap_or("").trim().to_string())
@@ -97,7 +105,10 @@ pub struct Returns {
 impl Returns {
     pub fn sort(bytes: &[u8]) -> Returns {
         let tokens = bytes.iter().filter(|&&b| b == TOKEN).count() as u32;
-        Returns { tokens, abort: bytes.iter().copied().find(|&b| b != TOKEN) }
+        Returns {
+            tokens,
+            abort: bytes.iter().copied().find(|&b| b != TOKEN),
+        }
     }
 }
 
@@ -109,16 +120,40 @@ mod tests {
     fn makeflags_replace_both_jobserver_forms() {
         assert_eq!(makeflags(None, 5, 6, 8), "-J 5,6 -j 8");
         // What bmake passes its sub-makes, and what GNU make does.
-        assert_eq!(makeflags(Some(" -j 4 -J 15,16 .MAKE.LEVEL.ENV=MAKELEVEL"), 5, 6, 8), ".MAKE.LEVEL.ENV=MAKELEVEL -J 5,6 -j 8");
-        assert_eq!(makeflags(Some("k -j4 --jobserver-auth=3,4"), 5, 6, 2), "k -J 5,6 -j 2");
+        assert_eq!(
+            makeflags(Some(" -j 4 -J 15,16 .MAKE.LEVEL.ENV=MAKELEVEL"), 5, 6, 8),
+            ".MAKE.LEVEL.ENV=MAKELEVEL -J 5,6 -j 8"
+        );
+        assert_eq!(
+            makeflags(Some("k -j4 --jobserver-auth=3,4"), 5, 6, 2),
+            "k -J 5,6 -j 2"
+        );
         assert_eq!(makeflags(Some("-J3,4 -j"), 5, 6, 2), "-J 5,6 -j 2");
     }
 
     #[test]
     fn abort_bytes_are_not_tokens() {
-        assert_eq!(Returns::sort(b"++"), Returns { tokens: 2, abort: None });
-        assert_eq!(Returns::sort(b"+E+E"), Returns { tokens: 2, abort: Some(b'E') });
-        assert_eq!(Returns::sort(b"I"), Returns { tokens: 0, abort: Some(b'I') });
+        assert_eq!(
+            Returns::sort(b"++"),
+            Returns {
+                tokens: 2,
+                abort: None
+            }
+        );
+        assert_eq!(
+            Returns::sort(b"+E+E"),
+            Returns {
+                tokens: 2,
+                abort: Some(b'E')
+            }
+        );
+        assert_eq!(
+            Returns::sort(b"I"),
+            Returns {
+                tokens: 0,
+                abort: Some(b'I')
+            }
+        );
     }
 
     #[test]

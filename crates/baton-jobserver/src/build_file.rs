@@ -30,7 +30,10 @@ impl BuildFile {
     pub fn hold_polls(&self) {
         match baton_client::hold_polls(&self.path) {
             Err(e) if e.raw_os_error() != Some(libc::ENOTSUP) => {
-                crate::log::warn(format_args!("the broker will not hold polls of {} ({e}); the file works without", self.path.display()));
+                crate::log::warn(format_args!(
+                    "the broker will not hold polls of {} ({e}); the file works without",
+                    self.path.display()
+                ));
             }
             _ => {}
         }
@@ -39,7 +42,11 @@ impl BuildFile {
     /// A read end (non-blocking) and a write end on the file, for a client
     /// that takes descriptors (bmake's `-J R,W`).
     pub fn open_ends(&self) -> Result<(OwnedFd, OwnedFd)> {
-        let open = |options: &mut OpenOptions| options.open(&self.path).with_context(|| format!("cannot open the token file {}", self.path.display()));
+        let open = |options: &mut OpenOptions| {
+            options
+                .open(&self.path)
+                .with_context(|| format!("cannot open the token file {}", self.path.display()))
+        };
         let read = open(OpenOptions::new().read(true).custom_flags(libc::O_NONBLOCK))?;
         let write = open(OpenOptions::new().write(true))?;
         Ok((read.into(), write.into()))
@@ -66,9 +73,21 @@ pub fn create(socket: &Path, label: &str) -> Result<Option<BuildFile>> {
     }
     crate::sweep_left_by_dead_runs(&dir, |name| name.split_once('-')?.0.parse().ok());
     let path = dir.join(file_name(std::process::id(), label));
-    let create = || OpenOptions::new().write(true).create_new(true).mode(0o600).open(&path);
+    let create = || {
+        OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .mode(0o600)
+            .open(&path)
+    };
     // A file of the same name was left by a killed run with our pid.
-    let created = create().or_else(|e| if e.kind() == ErrorKind::AlreadyExists { std::fs::remove_file(&path).and_then(|_| create()) } else { Err(e) });
+    let created = create().or_else(|e| {
+        if e.kind() == ErrorKind::AlreadyExists {
+            std::fs::remove_file(&path).and_then(|_| create())
+        } else {
+            Err(e)
+        }
+    });
     created.with_context(|| format!("cannot create the token file {}", path.display()))?;
     Ok(Some(BuildFile { path }))
 }
@@ -76,7 +95,17 @@ pub fn create(socket: &Path, label: &str) -> Result<Option<BuildFile>> {
 /// `<pid>-<label>`, with the label reduced to characters safe in a path
 /// and in MAKEFLAGS (which splits on spaces).
 fn file_name(pid: u32, label: &str) -> String {
-    let safe: String = label.chars().take(80).map(|c| if c.is_ascii_alphanumeric() || "._-".contains(c) { c } else { '_' }).collect();
+    let safe: String = label
+        .chars()
+        .take(80)
+        .map(|c| {
+            if c.is_ascii_alphanumeric() || "._-".contains(c) {
+                c
+            } else {
+                '_'
+            }
+        })
+        .collect();
     format!("{pid}-{safe}")
 }
 
@@ -84,6 +113,9 @@ fn file_name(pid: u32, label: &str) -> String {
 mod tests {
     #[test]
     fn build_file_names_are_safe_in_makeflags() {
-        assert_eq!(super::file_name(42, "baton run -- make -C a/b"), "42-baton_run_--_make_-C_a_b");
+        assert_eq!(
+            super::file_name(42, "baton run -- make -C a/b"),
+            "42-baton_run_--_make_-C_a_b"
+        );
     }
 }

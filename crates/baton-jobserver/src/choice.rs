@@ -43,7 +43,10 @@ pub enum Top {
     /// GNU make.
     Make(Found),
     /// ninja; None when it did not say its version.
-    Ninja { path: PathBuf, version: Option<Version> },
+    Ninja {
+        path: PathBuf,
+        version: Option<Version>,
+    },
     Cargo,
     /// cmake with another generator, a script, anything else.
     Other,
@@ -102,13 +105,25 @@ pub fn choose(tree: &Tree) -> Choice {
     let mut why = Vec::new();
     let mut warnings = Vec::new();
     let style = match &tree.top {
-        Top::Ninja { path, version: Some(v) } if *v >= NINJA_CLIENT && tree.ninja_runs_make && !rw_only.is_empty() => {
-            why.push(format!("ninja {v} ({}) reads both forms (R,W with a warning, and slower)", path.display()));
+        Top::Ninja {
+            path,
+            version: Some(v),
+        } if *v >= NINJA_CLIENT && tree.ninja_runs_make && !rw_only.is_empty() => {
+            why.push(format!(
+                "ninja {v} ({}) reads both forms (R,W with a warning, and slower)",
+                path.display()
+            ));
             why.push("build.ninja runs make".to_string());
             pipe_if_needed(&rw_only, &mut why, Style::Fifo)
         }
-        Top::Ninja { path, version: Some(v) } if *v >= NINJA_CLIENT => {
-            why.push(format!("ninja {v} ({}) reads fifo: best (R,W only with a warning, and slower)", path.display()));
+        Top::Ninja {
+            path,
+            version: Some(v),
+        } if *v >= NINJA_CLIENT => {
+            why.push(format!(
+                "ninja {v} ({}) reads fifo: best (R,W only with a warning, and slower)",
+                path.display()
+            ));
             if let (Some(gcc), true) = (&tree.gcc, tree.lto) {
                 if gcc.version < GCC_FIFO {
                     warnings.push(format!(
@@ -145,14 +160,20 @@ pub fn choose(tree: &Tree) -> Choice {
     if let Some(jobs) = &tree.forced_jobs {
         warnings.push(forced_jobs_warning(&tree.top, jobs));
     }
-    Choice { style, why, warnings }
+    Choice {
+        style,
+        why,
+        warnings,
+    }
 }
 
 /// Clients the build may start that read only `R,W`, each with why.
 fn rw_only_readers(tree: &Tree) -> Vec<String> {
     let mut readers = Vec::new();
     if let Some(make) = tree.make.as_ref().filter(|m| m.version < MAKE_FIFO) {
-        readers.push(format!("make {make}, which scripts and build scripts run, reads only R,W"));
+        readers.push(format!(
+            "make {make}, which scripts and build scripts run, reads only R,W"
+        ));
     }
     if let Some(gcc) = tree.gcc.as_ref().filter(|g| g.version < GCC_FIFO) {
         readers.push(format!("gcc {gcc}: its lto-wrapper reads only R,W"));
@@ -162,7 +183,10 @@ fn rw_only_readers(tree: &Tree) -> Vec<String> {
 
 fn pipe_if_needed(rw_only: &[String], why: &mut Vec<String>, otherwise: Style) -> Style {
     if rw_only.is_empty() {
-        why.push("no client that reads only R,W was found (make on PATH or $MAKE, $CC or cc)".to_string());
+        why.push(
+            "no client that reads only R,W was found (make on PATH or $MAKE, $CC or cc)"
+                .to_string(),
+        );
         if otherwise == Style::Fuse {
             why.push("the FUSE file wakes one waiter per token".to_string());
         }
@@ -175,8 +199,14 @@ fn pipe_if_needed(rw_only: &[String], why: &mut Vec<String>, otherwise: Style) -
 fn forced_jobs_warning(top: &Top, jobs: &str) -> String {
     let tool = match top {
         Top::Make(make) => format!("make {make}"),
-        Top::Ninja { path, version: Some(v) } => format!("ninja {v} ({})", path.display()),
-        Top::Ninja { path, version: None } => format!("ninja ({})", path.display()),
+        Top::Ninja {
+            path,
+            version: Some(v),
+        } => format!("ninja {v} ({})", path.display()),
+        Top::Ninja {
+            path,
+            version: None,
+        } => format!("ninja ({})", path.display()),
         Top::Cargo | Top::Other => "the command".to_string(),
     };
     format!("{tool} was given {jobs} on its own command line: it ignores baton's jobserver and runs that many jobs past the limit (drop {jobs})")
@@ -194,7 +224,14 @@ pub fn inspect(probes: &Probes, command: &[OsString]) -> Tree {
         let (top, forced_jobs, lto, ninja_runs_make) = inspect_command(probes, command);
         let make = make.join().expect("the make probe does not panic");
         let gcc = gcc.join().expect("the cc probe does not panic");
-        Tree { top, make, gcc, lto, ninja_runs_make, forced_jobs }
+        Tree {
+            top,
+            make,
+            gcc,
+            lto,
+            ninja_runs_make,
+            forced_jobs,
+        }
     })
 }
 
@@ -202,7 +239,14 @@ pub fn inspect(probes: &Probes, command: &[OsString]) -> Tree {
 /// (`Probes::recalled`), where threads would cost more than they save.
 pub fn inspect_in_turn(probes: &Probes, command: &[OsString]) -> Tree {
     let (top, forced_jobs, lto, ninja_runs_make) = inspect_command(probes, command);
-    Tree { top, make: gnu_make(probes, &make_program()), gcc: gcc(probes, &c_compiler()), lto, ninja_runs_make, forced_jobs }
+    Tree {
+        top,
+        make: gnu_make(probes, &make_program()),
+        gcc: gcc(probes, &c_compiler()),
+        lto,
+        ninja_runs_make,
+        forced_jobs,
+    }
 }
 
 /// The make a build's recipes run: `$MAKE`, else `make`.
@@ -213,12 +257,21 @@ fn make_program() -> PathBuf {
 /// The command's own tool, a `-j` it forces, and, for ninja, whether its
 /// build file uses LTO or runs make.
 fn inspect_command(probes: &Probes, command: &[OsString]) -> (Top, Option<String>, bool, bool) {
-    let args: Vec<String> = command.iter().map(|a| a.to_string_lossy().into_owned()).collect();
+    let args: Vec<String> = command
+        .iter()
+        .map(|a| a.to_string_lossy().into_owned())
+        .collect();
     let (top, forced_jobs, dir) = match cmake_build_dir(&args) {
-        Some(dir) => (cmake_make_program(&dir).map_or(Top::Other, |p| top_for(probes, &p)), None, dir),
+        Some(dir) => (
+            cmake_make_program(&dir).map_or(Top::Other, |p| top_for(probes, &p)),
+            None,
+            dir,
+        ),
         None => {
             let top = top_for(probes, Path::new(&args[0]));
-            let forced = matches!(top, Top::Make(_) | Top::Ninja { .. }).then(|| forced_jobs(&args[1..])).flatten();
+            let forced = matches!(top, Top::Make(_) | Top::Ninja { .. })
+                .then(|| forced_jobs(&args[1..]))
+                .flatten();
             (top, forced, ninja_dir(&args[1..]))
         }
     };
@@ -226,32 +279,50 @@ fn inspect_command(probes: &Probes, command: &[OsString]) -> (Top, Option<String
         Top::Ninja { .. } => std::fs::read_to_string(dir.join("build.ninja")).unwrap_or_default(),
         _ => String::new(),
     };
-    (top, forced_jobs, ninja_file.contains("-flto"), runs_make(&ninja_file))
+    (
+        top,
+        forced_jobs,
+        ninja_file.contains("-flto"),
+        runs_make(&ninja_file),
+    )
 }
 
 fn top_for(probes: &Probes, program: &Path) -> Top {
-    let name = program.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+    let name = program
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default();
     if name == "ninja" {
-        return Top::Ninja { path: program.to_path_buf(), version: version_line(probes, program, &["--version"]).and_then(|l| parse_version(&l)) };
+        return Top::Ninja {
+            path: program.to_path_buf(),
+            version: version_line(probes, program, &["--version"]).and_then(|l| parse_version(&l)),
+        };
     }
     if name == "cargo" {
         return Top::Cargo;
     }
-    match is_make_name(&name).then(|| gnu_make(probes, program)).flatten() {
+    match is_make_name(&name)
+        .then(|| gnu_make(probes, program))
+        .flatten()
+    {
         Some(make) => Top::Make(make),
         None => Top::Other,
     }
 }
 
 pub fn is_make_name(name: &str) -> bool {
-    matches!(name, "make" | "gmake" | "gnumake") || (name.ends_with("make") && !name.ends_with("cmake") && !name.ends_with("bmake"))
+    matches!(name, "make" | "gmake" | "gnumake")
+        || (name.ends_with("make") && !name.ends_with("cmake") && !name.ends_with("bmake"))
 }
 
 /// GNU make at `program`, with its version; None for any other make.
 pub(crate) fn gnu_make(probes: &Probes, program: &Path) -> Option<Found> {
     let line = version_line(probes, program, &["--version"])?;
     let version = parse_version(line.strip_prefix("GNU Make ")?)?;
-    Some(Found { path: resolve(program), version })
+    Some(Found {
+        path: resolve(program),
+        version,
+    })
 }
 
 /// The compiler `$CC` names (past a launcher such as ccache), else `cc`.
@@ -260,27 +331,49 @@ fn c_compiler() -> PathBuf {
 }
 
 fn compiler_in(cc: &str) -> &str {
-    let is_launcher = |w: &&str| matches!(Path::new(w).file_name().and_then(|n| n.to_str()), Some("ccache" | "sccache" | "distcc"));
-    cc.split_whitespace().find(|w| !is_launcher(w)).unwrap_or("cc")
+    let is_launcher = |w: &&str| {
+        matches!(
+            Path::new(w).file_name().and_then(|n| n.to_str()),
+            Some("ccache" | "sccache" | "distcc")
+        )
+    };
+    cc.split_whitespace()
+        .find(|w| !is_launcher(w))
+        .unwrap_or("cc")
 }
 
 /// gcc at `program` (whatever it is called), with its version: clang
 /// prints no FSF copyright line, other GNU programs no -dumpfullversion.
 fn gcc(probes: &Probes, program: &Path) -> Option<Found> {
-    if !probes.ask(program, &["--version"])?.stdout.contains("Free Software Foundation") {
+    if !probes
+        .ask(program, &["--version"])?
+        .stdout
+        .contains("Free Software Foundation")
+    {
         return None;
     }
     let version = parse_version(&version_line(probes, program, &["-dumpfullversion"])?)?;
-    Some(Found { path: resolve(program), version })
+    Some(Found {
+        path: resolve(program),
+        version,
+    })
 }
 
 fn version_line(probes: &Probes, program: &Path, args: &[&str]) -> Option<String> {
-    probes.ask(program, args)?.stdout.lines().next().map(str::to_string)
+    probes
+        .ask(program, args)?
+        .stdout
+        .lines()
+        .next()
+        .map(str::to_string)
 }
 
 /// The leading `1.13.2` of `1.13.2.git.kitware…`, `4.3`, `12.2.0`.
 fn parse_version(text: &str) -> Option<Version> {
-    let mut parts = text.trim().split(|c: char| !c.is_ascii_digit()).map(|p| p.parse::<u32>().ok());
+    let mut parts = text
+        .trim()
+        .split(|c: char| !c.is_ascii_digit())
+        .map(|p| p.parse::<u32>().ok());
     let major = parts.next()??;
     let minor = parts.next().flatten().unwrap_or(0);
     let patch = parts.next().flatten().unwrap_or(0);
@@ -294,7 +387,10 @@ fn resolve(program: &Path) -> PathBuf {
 
 /// `cmake --build DIR …` → DIR.
 fn cmake_build_dir(args: &[String]) -> Option<PathBuf> {
-    let name = Path::new(&args[0]).file_name()?.to_string_lossy().into_owned();
+    let name = Path::new(&args[0])
+        .file_name()?
+        .to_string_lossy()
+        .into_owned();
     if name != "cmake" {
         return None;
     }
@@ -305,13 +401,23 @@ fn cmake_build_dir(args: &[String]) -> Option<PathBuf> {
 /// The tool a CMake build directory was generated for.
 fn cmake_make_program(dir: &Path) -> Option<PathBuf> {
     let cache = std::fs::read_to_string(dir.join("CMakeCache.txt")).ok()?;
-    cache.lines().find_map(|l| l.strip_prefix("CMAKE_MAKE_PROGRAM:")).and_then(|l| l.split_once('=')).map(|(_, p)| PathBuf::from(p))
+    cache
+        .lines()
+        .find_map(|l| l.strip_prefix("CMAKE_MAKE_PROGRAM:"))
+        .and_then(|l| l.split_once('='))
+        .map(|(_, p)| PathBuf::from(p))
 }
 
 /// ninja's `-C DIR`, else the current directory.
 fn ninja_dir(args: &[String]) -> PathBuf {
-    let dir = args.iter().position(|a| a == "-C").and_then(|i| args.get(i + 1)).map(String::as_str);
-    let attached = args.iter().find_map(|a| a.strip_prefix("-C").filter(|d| !d.is_empty()));
+    let dir = args
+        .iter()
+        .position(|a| a == "-C")
+        .and_then(|i| args.get(i + 1))
+        .map(String::as_str);
+    let attached = args
+        .iter()
+        .find_map(|a| a.strip_prefix("-C").filter(|d| !d.is_empty()));
     PathBuf::from(dir.or(attached).unwrap_or("."))
 }
 
@@ -321,7 +427,8 @@ fn runs_make(text: &str) -> bool {
     text.match_indices("make").any(|(at, _)| {
         let before = text[..at].chars().next_back();
         let after = text[at + 4..].chars().next();
-        before.is_none_or(|c| c.is_whitespace() || "/;&|(".contains(c)) && after.is_none_or(|c| c.is_whitespace() || c == ';')
+        before.is_none_or(|c| c.is_whitespace() || "/;&|(".contains(c))
+            && after.is_none_or(|c| c.is_whitespace() || c == ';')
     })
 }
 
@@ -336,7 +443,9 @@ fn forced_jobs(args: &[String]) -> Option<String> {
         if let Some(n) = word.strip_prefix("-j") {
             if n.is_empty() {
                 // make's -j takes an optional separate number.
-                let next = words.next().filter(|w| w.bytes().all(|b| b.is_ascii_digit()));
+                let next = words
+                    .next()
+                    .filter(|w| w.bytes().all(|b| b.is_ascii_digit()));
                 return Some(next.map_or("-j".to_string(), |n| format!("-j {n}")));
             }
             if n.bytes().all(|b| b.is_ascii_digit()) {
@@ -352,16 +461,32 @@ mod tests {
     use super::*;
 
     fn found(path: &str, v: Version) -> Option<Found> {
-        Some(Found { path: path.into(), version: v })
+        Some(Found {
+            path: path.into(),
+            version: v,
+        })
     }
 
     fn tree(top: Top) -> Tree {
-        let (make, gcc) = (found("/usr/bin/make", Version(4, 4, 1)), found("/usr/bin/cc", Version(13, 2, 0)));
-        Tree { top, make, gcc, lto: false, ninja_runs_make: false, forced_jobs: None }
+        let (make, gcc) = (
+            found("/usr/bin/make", Version(4, 4, 1)),
+            found("/usr/bin/cc", Version(13, 2, 0)),
+        );
+        Tree {
+            top,
+            make,
+            gcc,
+            lto: false,
+            ninja_runs_make: false,
+            forced_jobs: None,
+        }
     }
 
     fn ninja(v: Version) -> Top {
-        Top::Ninja { path: "/bin/ninja".into(), version: Some(v) }
+        Top::Ninja {
+            path: "/bin/ninja".into(),
+            version: Some(v),
+        }
     }
 
     #[test]
@@ -374,62 +499,123 @@ mod tests {
     fn make_4_4_gets_fuse_unless_a_reader_of_r_w_only_is_found() {
         let make44 = Top::Make(found("/m", Version(4, 4, 1)).unwrap());
         assert_eq!(choose(&tree(make44.clone())).style, Style::Fuse);
-        let with_gcc12 = Tree { gcc: found("/usr/bin/cc", Version(12, 2, 0)), ..tree(make44.clone()) };
+        let with_gcc12 = Tree {
+            gcc: found("/usr/bin/cc", Version(12, 2, 0)),
+            ..tree(make44.clone())
+        };
         let choice = choose(&with_gcc12);
         assert_eq!(choice.style, Style::Pipe);
-        assert!(choice.why.iter().any(|w| w.contains("gcc 12.2 ")), "{choice:?}");
-        let with_make43 = Tree { make: found("/usr/bin/make", Version(4, 3, 0)), ..tree(make44) };
+        assert!(
+            choice.why.iter().any(|w| w.contains("gcc 12.2 ")),
+            "{choice:?}"
+        );
+        let with_make43 = Tree {
+            make: found("/usr/bin/make", Version(4, 3, 0)),
+            ..tree(make44)
+        };
         assert_eq!(choose(&with_make43).style, Style::Pipe);
     }
 
     #[test]
     fn make_4_3_and_cargo_beside_make_4_3_get_pipe() {
-        assert_eq!(choose(&tree(Top::Make(found("/m", Version(4, 3, 0)).unwrap()))).style, Style::Pipe);
+        assert_eq!(
+            choose(&tree(Top::Make(found("/m", Version(4, 3, 0)).unwrap()))).style,
+            Style::Pipe
+        );
         assert_eq!(choose(&tree(Top::Cargo)).style, Style::Fuse);
-        let cargo = Tree { make: found("/usr/bin/make", Version(4, 3, 0)), ..tree(Top::Cargo) };
+        let cargo = Tree {
+            make: found("/usr/bin/make", Version(4, 3, 0)),
+            ..tree(Top::Cargo)
+        };
         assert_eq!(choose(&cargo).style, Style::Pipe);
     }
 
     #[test]
     fn ninja_1_13_keeps_fifo_even_beside_make_4_3_and_gcc_12() {
-        let old_tools = Tree { make: found("/usr/bin/make", Version(4, 3, 0)), gcc: found("/usr/bin/cc", Version(12, 2, 0)), ..tree(ninja(Version(1, 13, 2))) };
+        let old_tools = Tree {
+            make: found("/usr/bin/make", Version(4, 3, 0)),
+            gcc: found("/usr/bin/cc", Version(12, 2, 0)),
+            ..tree(ninja(Version(1, 13, 2)))
+        };
         let choice = choose(&old_tools);
         assert_eq!(choice.style, Style::Fifo);
-        assert!(choice.warnings.is_empty(), "no LTO, nothing to warn about: {choice:?}");
-        let choice = choose(&Tree { lto: true, ..old_tools });
+        assert!(
+            choice.warnings.is_empty(),
+            "no LTO, nothing to warn about: {choice:?}"
+        );
+        let choice = choose(&Tree {
+            lto: true,
+            ..old_tools
+        });
         assert_eq!(choice.warnings.len(), 1);
-        assert!(choice.warnings[0].contains("gcc 12.2 ") && choice.warnings[0].contains("--jobserver-style pipe"), "{choice:?}");
+        assert!(
+            choice.warnings[0].contains("gcc 12.2 ")
+                && choice.warnings[0].contains("--jobserver-style pipe"),
+            "{choice:?}"
+        );
     }
 
     #[test]
     fn ninja_that_runs_make_4_3_gets_pipe() {
-        let runs_make43 = Tree { make: found("/usr/bin/make", Version(4, 3, 0)), ninja_runs_make: true, ..tree(ninja(Version(1, 13, 2))) };
+        let runs_make43 = Tree {
+            make: found("/usr/bin/make", Version(4, 3, 0)),
+            ninja_runs_make: true,
+            ..tree(ninja(Version(1, 13, 2)))
+        };
         assert_eq!(choose(&runs_make43).style, Style::Pipe);
-        assert_eq!(choose(&Tree { make: found("/m", Version(4, 4, 1)), ..runs_make43 }).style, Style::Fifo);
-        assert!(runs_make("  command = cd /x && make install") && runs_make("command = /usr/bin/make -C ext\n"));
-        assert!(!runs_make("command = /usr/bin/cmake -E make_directory out && cmake --build .") && !runs_make("CMAKE_MAKE_PROGRAM"));
+        assert_eq!(
+            choose(&Tree {
+                make: found("/m", Version(4, 4, 1)),
+                ..runs_make43
+            })
+            .style,
+            Style::Fifo
+        );
+        assert!(
+            runs_make("  command = cd /x && make install")
+                && runs_make("command = /usr/bin/make -C ext\n")
+        );
+        assert!(
+            !runs_make("command = /usr/bin/cmake -E make_directory out && cmake --build .")
+                && !runs_make("CMAKE_MAKE_PROGRAM")
+        );
     }
 
     #[test]
     fn old_ninja_and_forced_jobs_are_warned_about() {
         let choice = choose(&tree(ninja(Version(1, 11, 1))));
         assert_eq!(choice.warnings.len(), 1);
-        assert!(choice.warnings[0].contains("ninja 1.11.1 (/bin/ninja) is no jobserver client"), "{choice:?}");
-        let forced = Tree { forced_jobs: Some("-j8".into()), ..tree(Top::Make(found("/m", Version(4, 3, 0)).unwrap())) };
+        assert!(
+            choice.warnings[0].contains("ninja 1.11.1 (/bin/ninja) is no jobserver client"),
+            "{choice:?}"
+        );
+        let forced = Tree {
+            forced_jobs: Some("-j8".into()),
+            ..tree(Top::Make(found("/m", Version(4, 3, 0)).unwrap()))
+        };
         let choice = choose(&forced);
-        assert!(choice.warnings[0].starts_with("make 4.3 (/m) was given -j8"), "{choice:?}");
+        assert!(
+            choice.warnings[0].starts_with("make 4.3 (/m) was given -j8"),
+            "{choice:?}"
+        );
     }
 
     #[test]
     fn other_commands_get_fifo_or_pipe() {
         assert_eq!(choose(&tree(Top::Other)).style, Style::Fifo);
-        let beside_gcc12 = Tree { gcc: found("/usr/bin/cc", Version(12, 2, 0)), ..tree(Top::Other) };
+        let beside_gcc12 = Tree {
+            gcc: found("/usr/bin/cc", Version(12, 2, 0)),
+            ..tree(Top::Other)
+        };
         assert_eq!(choose(&beside_gcc12).style, Style::Pipe);
     }
 
     #[test]
     fn versions_and_job_flags_parse() {
-        assert_eq!(parse_version("1.13.2.git.kitware.jobserver-pipe-1"), Some(Version(1, 13, 2)));
+        assert_eq!(
+            parse_version("1.13.2.git.kitware.jobserver-pipe-1"),
+            Some(Version(1, 13, 2))
+        );
         assert_eq!(parse_version("4.3"), Some(Version(4, 3, 0)));
         assert_eq!(parse_version("x"), None);
         let words = |s: &str| s.split(' ').map(String::from).collect::<Vec<_>>();

@@ -22,7 +22,9 @@ pub fn drop_off_the_exit_path<T: AsFd>(thing: T) {
     // Close-on-exec: no program another thread starts meanwhile keeps the
     // grandchild waiting (forks here exec nothing).
     let pipe = || nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC);
-    let (Ok((wait_end, release_end)), Ok((closed_all, closing))) = (pipe(), pipe()) else { return };
+    let (Ok((wait_end, release_end)), Ok((closed_all, closing))) = (pipe(), pipe()) else {
+        return;
+    };
     let keep = thing.as_fd().as_raw_fd();
     let wait_on = wait_end.as_raw_fd();
     // SAFETY: between fork and _exit the child and grandchild make only
@@ -77,8 +79,14 @@ unsafe fn hold_until_released(wait_on: RawFd, keep: RawFd) -> ! {
     close_range(high + 1, u32::MAX);
     // Not for ever, should a copy of the other end leak somewhere: then
     // whoever closes last pays, which costs time, not correctness.
-    let mut fds = [libc::pollfd { fd: wait_on, events: libc::POLLIN, revents: 0 }];
-    while libc::poll(fds.as_mut_ptr(), 1, HOLD_AT_MOST_MS) < 0 && *libc::__errno_location() == libc::EINTR {}
+    let mut fds = [libc::pollfd {
+        fd: wait_on,
+        events: libc::POLLIN,
+        revents: 0,
+    }];
+    while libc::poll(fds.as_mut_ptr(), 1, HOLD_AT_MOST_MS) < 0
+        && *libc::__errno_location() == libc::EINTR
+    {}
     libc::_exit(0)
 }
 
@@ -107,10 +115,17 @@ mod tests {
         let (other_r, other_w) = nix::unistd::pipe().unwrap();
         drop_off_the_exit_path(given_w);
         drop(other_w);
-        assert!(writers_gone(&other_r), "the grandchild holds a descriptor it was not given");
+        assert!(
+            writers_gone(&other_r),
+            "the grandchild holds a descriptor it was not given"
+        );
         // It lets go of the given one once we have (the minute only bounds
         // a hang).
         let mut fds = [PollFd::new(given_r.as_fd(), PollFlags::POLLIN)];
-        assert_eq!(poll(&mut fds, PollTimeout::try_from(60_000).unwrap()).unwrap(), 1, "the given file is still held");
+        assert_eq!(
+            poll(&mut fds, PollTimeout::try_from(60_000).unwrap()).unwrap(),
+            1,
+            "the given file is still held"
+        );
     }
 }

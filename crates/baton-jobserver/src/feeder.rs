@@ -95,14 +95,30 @@ pub fn plan(seen: Seen) -> Plan {
         // its first wave of tokens in one burst as it starts), else queue.
         let ask = spare == 0 && seen.lent < seen.max_lent && !seen.pending;
         let top_up = if ask { seen.max_lent - seen.lent } else { 0 };
-        return Plan { discard, recycle: returned_left, top_up, ask, ..Plan::default() };
+        return Plan {
+            discard,
+            recycle: returned_left,
+            top_up,
+            ask,
+            ..Plan::default()
+        };
     };
     let give_back = wanted.others.min(spare);
     let recycle = returned_left - returned_left.min(give_back);
     let lent = seen.lent - give_back;
-    let top_up = if wanted.others == 0 { wanted.free.min(seen.max_lent - lent) } else { 0 };
+    let top_up = if wanted.others == 0 {
+        wanted.free.min(seen.max_lent - lent)
+    } else {
+        0
+    };
     let ask = spare - give_back + top_up == 0 && lent < seen.max_lent && !seen.pending;
-    Plan { discard, give_back, recycle, top_up, ask }
+    Plan {
+        discard,
+        give_back,
+        recycle,
+        top_up,
+        ask,
+    }
 }
 
 /// How often, at most, the feeder asks the broker whether other builds
@@ -154,7 +170,11 @@ impl Feeder {
     /// stops waking for each of the build's reads and writes (hundreds a
     /// second in a big build) and only looks every [`LOOK_EVERY`].
     pub fn quiet(&self) -> bool {
-        self.lent == self.max_lent && !self.pending && !self.contended && !self.stopper_placed && !self.fifo.has_return_pipe()
+        self.lent == self.max_lent
+            && !self.pending
+            && !self.contended
+            && !self.stopper_placed
+            && !self.fifo.has_return_pipe()
     }
 
     /// The build touched its FIFO: note what it did (see [`Fifo::drain_events`]).
@@ -175,7 +195,17 @@ impl Feeder {
     /// `eager`: the command is known to read its jobserver (make, ninja,
     /// cargo); otherwise nothing is fetched until it opens the FIFO.
     pub fn new(fifo: Fifo, max_lent: u32, eager: bool) -> Self {
-        Feeder { fifo, lent: 0, max_lent, pending: false, last_look: None, contended: false, eager, warned_extra: false, stopper_placed: false }
+        Feeder {
+            fifo,
+            lent: 0,
+            max_lent,
+            pending: false,
+            last_look: None,
+            contended: false,
+            eager,
+            warned_extra: false,
+            stopper_placed: false,
+        }
     }
 
     fn seen(&self) -> Seen {
@@ -211,7 +241,10 @@ impl Feeder {
             let (others, free) = client.wanted()?;
             self.last_look = Some(Instant::now());
             self.contended = others > 0;
-            seen = Seen { wanted: Some(Wanted { others, free }), ..self.seen() };
+            seen = Seen {
+                wanted: Some(Wanted { others, free }),
+                ..self.seen()
+            };
         }
         self.carry_out(plan(seen), client)
     }
@@ -230,7 +263,9 @@ impl Feeder {
             }
         }
         if plan.recycle > 0 {
-            self.fifo.recycle(plan.recycle).map_err(|e| ClientError::Protocol(e.to_string()))?;
+            self.fifo
+                .recycle(plan.recycle)
+                .map_err(|e| ClientError::Protocol(e.to_string()))?;
         }
         // A command that never opens the FIFO (not a jobserver client)
         // would only sit on tokens. The build reads the FIFO too: the cap
@@ -261,7 +296,11 @@ impl Feeder {
     /// so the pool is never promised a token the build might still use.
     fn wind_down(&mut self, client: &mut Client, stopper: u8) -> Result<(), ClientError> {
         self.withdraw(client)?;
-        let unread = if self.stopper_placed { 0 } else { self.fifo.queued() };
+        let unread = if self.stopper_placed {
+            0
+        } else {
+            self.fifo.queued()
+        };
         let back = self.fifo.take(self.fifo.returned() + unread).min(self.lent);
         if back > 0 {
             client.release(back)?;
@@ -271,14 +310,18 @@ impl Feeder {
         // A reader took it and puts it back (through us, in the pipe
         // style): until then, one for the next reader.
         if self.fifo.queued() == 0 {
-            self.fifo.put_byte(stopper).map_err(|e| ClientError::Protocol(e.to_string()))?;
+            self.fifo
+                .put_byte(stopper)
+                .map_err(|e| ClientError::Protocol(e.to_string()))?;
         }
         Ok(())
     }
 
     fn lend(&mut self, tokens: u32) -> Result<(), ClientError> {
         self.lent += tokens;
-        self.fifo.put(tokens).map_err(|e| ClientError::Protocol(e.to_string()))
+        self.fifo
+            .put(tokens)
+            .map_err(|e| ClientError::Protocol(e.to_string()))
     }
 
     fn discard(&mut self, n: u32) {
@@ -335,12 +378,18 @@ impl Feeder {
     /// How long until the feeder should look again: only while the build
     /// has spare tokens, which may be wanted elsewhere.
     pub fn idle_timeout(&self) -> Option<Duration> {
-        let until_look = self.last_look.map_or(Duration::ZERO, |t| LOOK_EVERY.saturating_sub(t.elapsed()));
+        let until_look = self
+            .last_look
+            .map_or(Duration::ZERO, |t| LOOK_EVERY.saturating_sub(t.elapsed()));
         if self.quiet() {
             // Unheard, the build may have written a token back since: look
             // when due, or, if a step just found nothing to look at, in a
             // while (not at once, again and again).
-            return Some(if until_look.is_zero() { LOOK_EVERY } else { until_look });
+            return Some(if until_look.is_zero() {
+                LOOK_EVERY
+            } else {
+                until_look
+            });
         }
         // After a bmake abort, the abort token waits unread on purpose.
         if self.pending || self.stopper_placed || spare(self.seen()) == 0 {
@@ -355,78 +404,200 @@ mod tests {
     use super::*;
 
     fn seen(queued: u32, lent: u32, pending: bool) -> Seen {
-        Seen { queued, returned: 0, lent, pending, max_lent: 3, wanted: None }
+        Seen {
+            queued,
+            returned: 0,
+            lent,
+            pending,
+            max_lent: 3,
+            wanted: None,
+        }
     }
 
     fn looked(seen: Seen, others: u32, free: u32) -> Seen {
-        Seen { wanted: Some(Wanted { others, free }), ..seen }
+        Seen {
+            wanted: Some(Wanted { others, free }),
+            ..seen
+        }
     }
 
     #[test]
     fn asks_for_a_token_when_the_fifo_is_empty() {
         // As many as free right away if nobody waits, else queue for one.
-        assert_eq!(plan(seen(0, 0, false)), Plan { top_up: 3, ask: true, ..Plan::default() });
-        assert_eq!(plan(seen(0, 2, false)), Plan { top_up: 1, ask: true, ..Plan::default() });
+        assert_eq!(
+            plan(seen(0, 0, false)),
+            Plan {
+                top_up: 3,
+                ask: true,
+                ..Plan::default()
+            }
+        );
+        assert_eq!(
+            plan(seen(0, 2, false)),
+            Plan {
+                top_up: 1,
+                ask: true,
+                ..Plan::default()
+            }
+        );
     }
 
     #[test]
     fn respects_the_cap_and_a_pending_request() {
         assert_eq!(plan(seen(0, 3, false)), Plan::default());
         assert_eq!(plan(seen(0, 1, true)), Plan::default());
-        assert_eq!(plan(looked(seen(1, 3, false), 0, 5)), Plan::default(), "no top-up past the cap");
+        assert_eq!(
+            plan(looked(seen(1, 3, false), 0, 5)),
+            Plan::default(),
+            "no top-up past the cap"
+        );
     }
 
     #[test]
     fn fills_the_fifo_with_every_free_token_while_nobody_else_waits() {
-        assert_eq!(plan(looked(seen(1, 1, false), 0, 5)), Plan { top_up: 2, ..Plan::default() });
-        assert_eq!(plan(looked(seen(1, 1, false), 0, 1)), Plan { top_up: 1, ..Plan::default() });
-        assert_eq!(plan(looked(seen(1, 1, false), 0, 0)), Plan::default(), "nothing free: keep what we have");
+        assert_eq!(
+            plan(looked(seen(1, 1, false), 0, 5)),
+            Plan {
+                top_up: 2,
+                ..Plan::default()
+            }
+        );
+        assert_eq!(
+            plan(looked(seen(1, 1, false), 0, 1)),
+            Plan {
+                top_up: 1,
+                ..Plan::default()
+            }
+        );
+        assert_eq!(
+            plan(looked(seen(1, 1, false), 0, 0)),
+            Plan::default(),
+            "nothing free: keep what we have"
+        );
     }
 
     #[test]
     fn keeps_tokens_written_back_while_nobody_else_waits() {
         // Without a fresh look, the last one found nobody: keep them.
         assert_eq!(plan(seen(2, 3, false)), Plan::default());
-        let s = Seen { returned: 2, ..seen(0, 3, false) };
-        assert_eq!(plan(s), Plan { recycle: 2, ..Plan::default() }, "the pipe style's returns go back into the FIFO");
+        let s = Seen {
+            returned: 2,
+            ..seen(0, 3, false)
+        };
+        assert_eq!(
+            plan(s),
+            Plan {
+                recycle: 2,
+                ..Plan::default()
+            },
+            "the pipe style's returns go back into the FIFO"
+        );
     }
 
     #[test]
     fn spare_tokens_go_to_builds_that_wait() {
-        assert_eq!(plan(looked(seen(3, 3, false), 1, 0)), Plan { give_back: 1, ..Plan::default() });
+        assert_eq!(
+            plan(looked(seen(3, 3, false), 1, 0)),
+            Plan {
+                give_back: 1,
+                ..Plan::default()
+            }
+        );
         // All spare tokens given back: the build queues again, behind them.
-        assert_eq!(plan(looked(seen(1, 2, false), 4, 0)), Plan { give_back: 1, ask: true, ..Plan::default() });
+        assert_eq!(
+            plan(looked(seen(1, 2, false), 4, 0)),
+            Plan {
+                give_back: 1,
+                ask: true,
+                ..Plan::default()
+            }
+        );
         assert_eq!(plan(looked(seen(1, 3, false), 0, 0)), Plan::default());
         // The return pipe first; what is left goes back into the FIFO.
-        let s = Seen { returned: 2, ..seen(1, 3, false) };
-        assert_eq!(plan(looked(s, 1, 0)), Plan { give_back: 1, recycle: 1, ..Plan::default() });
+        let s = Seen {
+            returned: 2,
+            ..seen(1, 3, false)
+        };
+        assert_eq!(
+            plan(looked(s, 1, 0)),
+            Plan {
+                give_back: 1,
+                recycle: 1,
+                ..Plan::default()
+            }
+        );
     }
 
     #[test]
     fn looks_only_with_spare_tokens_when_due_or_contended() {
-        assert!(!should_look(seen(0, 3, false), true, true), "nothing to decide");
-        assert!(!should_look(seen(1, 3, false), false, false), "looked a moment ago and nobody waited");
+        assert!(
+            !should_look(seen(0, 3, false), true, true),
+            "nothing to decide"
+        );
+        assert!(
+            !should_look(seen(1, 3, false), false, false),
+            "looked a moment ago and nobody waited"
+        );
         assert!(should_look(seen(1, 3, false), true, false));
         assert!(should_look(seen(1, 3, false), false, true));
-        assert!(!should_look(seen(1, 3, true), true, true), "nothing but CANCEL while ACQUIRE waits");
+        assert!(
+            !should_look(seen(1, 3, true), true, true),
+            "nothing but CANCEL while ACQUIRE waits"
+        );
     }
 
     #[test]
     fn written_back_tokens_go_back_into_the_fifo_before_a_look_unless_others_waited() {
-        let returned = Seen { returned: 2, lent: 3, ..seen(0, 3, false) };
+        let returned = Seen {
+            returned: 2,
+            lent: 3,
+            ..seen(0, 3, false)
+        };
         assert!(recycle_first(returned, false));
-        assert!(!recycle_first(returned, true), "others waited at the last look: the look decides");
-        assert!(!recycle_first(seen(2, 3, false), false), "nothing written back");
+        assert!(
+            !recycle_first(returned, true),
+            "others waited at the last look: the look decides"
+        );
+        assert!(
+            !recycle_first(seen(2, 3, false), false),
+            "nothing written back"
+        );
     }
 
     #[test]
     fn bytes_beyond_what_was_lent_are_thrown_away() {
         // Lent 1, which is in use; the client wrote 10 bytes it never took.
-        assert_eq!(plan(looked(seen(10, 1, false), 1, 0)), Plan { discard: 9, give_back: 1, ask: true, ..Plan::default() });
-        assert_eq!(plan(seen(10, 0, false)), Plan { discard: 10, top_up: 3, ask: true, ..Plan::default() });
+        assert_eq!(
+            plan(looked(seen(10, 1, false), 1, 0)),
+            Plan {
+                discard: 9,
+                give_back: 1,
+                ask: true,
+                ..Plan::default()
+            }
+        );
+        assert_eq!(
+            plan(seen(10, 0, false)),
+            Plan {
+                discard: 10,
+                top_up: 3,
+                ask: true,
+                ..Plan::default()
+            }
+        );
         // Ten bytes written to W by a client that took one token.
-        let s = Seen { returned: 10, ..seen(0, 1, false) };
-        assert_eq!(plan(s), Plan { discard: 9, recycle: 1, ..Plan::default() });
+        let s = Seen {
+            returned: 10,
+            ..seen(0, 1, false)
+        };
+        assert_eq!(
+            plan(s),
+            Plan {
+                discard: 9,
+                recycle: 1,
+                ..Plan::default()
+            }
+        );
     }
 
     /// The broker's side of the feeder's connection, played by a thread:
@@ -441,7 +612,8 @@ mod tests {
     impl PlayedBroker {
         fn start(name: &str, others: u32) -> (PlayedBroker, Client) {
             use std::io::{BufRead, BufReader, Write};
-            let dir = std::env::temp_dir().join(format!("baton-feeder-{name}-{}", std::process::id()));
+            let dir =
+                std::env::temp_dir().join(format!("baton-feeder-{name}-{}", std::process::id()));
             std::fs::create_dir_all(&dir).unwrap();
             let socket = dir.join("socket");
             let listener = std::os::unix::net::UnixListener::bind(&socket).unwrap();
@@ -469,7 +641,9 @@ mod tests {
                         requests.push('\n');
                     }
                     most = most.max(held);
-                    (&stream).write_all(format!("{reply}\n").as_bytes()).unwrap();
+                    (&stream)
+                        .write_all(format!("{reply}\n").as_bytes())
+                        .unwrap();
                 }
                 (requests, most)
             });
@@ -495,14 +669,26 @@ mod tests {
         let mut feeder = Feeder::new(Fifo::create(&broker.dir).unwrap(), 2, true);
         assert!(!feeder.quiet(), "nothing lent yet");
         feeder.tend(&mut client).unwrap();
-        assert!(feeder.quiet() && feeder.event_fds().is_empty(), "both tokens lent, nobody seen waiting");
-        assert!(feeder.idle_timeout().is_some_and(|t| t <= LOOK_EVERY), "it still looks, on a timer");
+        assert!(
+            feeder.quiet() && feeder.event_fds().is_empty(),
+            "both tokens lent, nobody seen waiting"
+        );
+        assert!(
+            feeder.idle_timeout().is_some_and(|t| t <= LOOK_EVERY),
+            "it still looks, on a timer"
+        );
         feeder.last_look = Some(Instant::now() - LOOK_EVERY * 2);
         feeder.tend(&mut client).unwrap();
-        assert!(!feeder.quiet() && !feeder.event_fds().is_empty(), "another build waits: listening again");
+        assert!(
+            !feeder.quiet() && !feeder.event_fds().is_empty(),
+            "another build waits: listening again"
+        );
         drop(client);
         let (requests, _) = broker.finish();
-        assert_eq!(requests, "TRY 2\nWANTED\nRELEASE 1\n", "filled, then looked and gave the waiting build one");
+        assert_eq!(
+            requests, "TRY 2\nWANTED\nRELEASE 1\n",
+            "filled, then looked and gave the waiting build one"
+        );
     }
 
     /// Regression: the idle timer came due just as the build read the
@@ -517,16 +703,24 @@ mod tests {
         let mut build = std::fs::File::open(feeder.fifo.path()).unwrap();
         feeder.on_fifo_event();
         feeder.pending = true;
-        feeder.on_reply(Reply::Granted { tokens: 1, held: 2 }).unwrap();
+        feeder
+            .on_reply(Reply::Granted { tokens: 1, held: 2 })
+            .unwrap();
         // Unread for longer than the feeder waits before looking again ...
         feeder.last_look = Some(Instant::now() - LOOK_EVERY * 2);
         // ... and read by the build just before the feeder looks.
         build.read_exact(&mut [0u8]).unwrap();
         feeder.tend(&mut client).unwrap();
-        assert!(!feeder.is_waiting(), "asked for a second token under --max 1");
+        assert!(
+            !feeder.is_waiting(),
+            "asked for a second token under --max 1"
+        );
         drop(client);
         let (requests, _) = broker.finish();
-        assert_eq!(requests, "", "the feeder sent requests though it was at its cap");
+        assert_eq!(
+            requests, "",
+            "the feeder sent requests though it was at its cap"
+        );
     }
 
     /// Regression: the build read back a token it had written back between
@@ -544,7 +738,12 @@ mod tests {
         let path = feeder.fifo.path().to_path_buf();
         let build = std::thread::spawn(move || {
             use std::os::unix::fs::OpenOptionsExt;
-            let mut fifo = std::fs::OpenOptions::new().read(true).write(true).custom_flags(libc::O_NONBLOCK).open(path).unwrap();
+            let mut fifo = std::fs::OpenOptions::new()
+                .read(true)
+                .write(true)
+                .custom_flags(libc::O_NONBLOCK)
+                .open(path)
+                .unwrap();
             let deadline = Instant::now() + Duration::from_millis(500);
             let mut token = [0u8];
             while Instant::now() < deadline {
@@ -570,7 +769,10 @@ mod tests {
         feeder.withdraw(&mut client).unwrap();
         drop(client);
         let (requests, most) = broker.finish();
-        assert!(requests.contains("RELEASE"), "the build never gave a token back to the feeder: {requests}");
+        assert!(
+            requests.contains("RELEASE"),
+            "the build never gave a token back to the feeder: {requests}"
+        );
         assert!(most <= 1, "the feeder held {most} tokens under --max 1");
     }
 }

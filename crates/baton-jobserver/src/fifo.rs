@@ -36,7 +36,12 @@ pub struct Fifo {
 
 impl Fifo {
     pub fn create(dir: &Path) -> Result<Fifo> {
-        crate::sweep_left_by_dead_runs(dir, |name| name.strip_prefix("jobserver-")?.strip_suffix(".fifo")?.parse().ok());
+        crate::sweep_left_by_dead_runs(dir, |name| {
+            name.strip_prefix("jobserver-")?
+                .strip_suffix(".fifo")?
+                .parse()
+                .ok()
+        });
         let path = dir.join(format!("jobserver-{}.fifo", std::process::id()));
         let _ = std::fs::remove_file(&path);
         nix::unistd::mkfifo(&path, Mode::from_bits_truncate(0o600))
@@ -47,11 +52,23 @@ impl Fifo {
             .custom_flags(libc::O_NONBLOCK | libc::O_CLOEXEC)
             .open(&path)
             .with_context(|| format!("cannot open the jobserver FIFO {}", path.display()))?;
-        let inotify = Inotify::init(InitFlags::IN_NONBLOCK | InitFlags::IN_CLOEXEC).context("cannot create an inotify instance")?;
+        let inotify = Inotify::init(InitFlags::IN_NONBLOCK | InitFlags::IN_CLOEXEC)
+            .context("cannot create an inotify instance")?;
         inotify
-            .add_watch(&path, AddWatchFlags::IN_ACCESS | AddWatchFlags::IN_MODIFY | AddWatchFlags::IN_OPEN)
+            .add_watch(
+                &path,
+                AddWatchFlags::IN_ACCESS | AddWatchFlags::IN_MODIFY | AddWatchFlags::IN_OPEN,
+            )
             .with_context(|| format!("cannot watch {}", path.display()))?;
-        Ok(Fifo { path, handle, inotify: Some(inotify), unlinked: false, returns: None, in_use: false, bmake_returns: None })
+        Ok(Fifo {
+            path,
+            handle,
+            inotify: Some(inotify),
+            unlinked: false,
+            returns: None,
+            in_use: false,
+            bmake_returns: None,
+        })
     }
 
     pub fn path(&self) -> &Path {
@@ -68,12 +85,21 @@ impl Fifo {
         // R a writer itself, a rustc started after `baton run` was killed
         // still opens it (and then finds no token) instead of waiting for
         // good.
-        let read = OpenOptions::new().read(true).write(true).open(&self.path).with_context(|| format!("cannot open {}", self.path.display()))?;
-        let (returns, write) = nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC | nix::fcntl::OFlag::O_NONBLOCK)
-            .context("cannot create the jobserver's return pipe")?;
+        let read = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(&self.path)
+            .with_context(|| format!("cannot open {}", self.path.display()))?;
+        let (returns, write) =
+            nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC | nix::fcntl::OFlag::O_NONBLOCK)
+                .context("cannot create the jobserver's return pipe")?;
         // Only our end is non-blocking: the build's W must block like a
         // jobserver pipe's (make treats a failed token write as fatal).
-        nix::fcntl::fcntl(&write, nix::fcntl::FcntlArg::F_SETFL(nix::fcntl::OFlag::empty())).context("cannot set up the return pipe")?;
+        nix::fcntl::fcntl(
+            &write,
+            nix::fcntl::FcntlArg::F_SETFL(nix::fcntl::OFlag::empty()),
+        )
+        .context("cannot set up the return pipe")?;
         self.returns = Some(File::from(returns));
         std::fs::remove_file(&self.path).ok();
         self.unlinked = true;
@@ -90,7 +116,11 @@ impl Fifo {
     pub fn open_both_ends(&mut self) -> Result<(OwnedFd, OwnedFd)> {
         let open = |write: bool| {
             let flags = if write { 0 } else { libc::O_NONBLOCK };
-            OpenOptions::new().read(!write).write(write).custom_flags(flags).open(&self.path)
+            OpenOptions::new()
+                .read(!write)
+                .write(write)
+                .custom_flags(flags)
+                .open(&self.path)
         };
         let read = open(false).with_context(|| format!("cannot open {}", self.path.display()))?;
         let write = open(true).with_context(|| format!("cannot open {}", self.path.display()))?;
@@ -138,7 +168,9 @@ impl Fifo {
     /// token found there is noted and put back at once, for the build's
     /// other sub-makes: it is never a token.
     fn take_from_fifo(&mut self, n: u32) -> u32 {
-        let Some(sorted) = self.bmake_returns.as_mut() else { return read_up_to(&self.handle, n) };
+        let Some(sorted) = self.bmake_returns.as_mut() else {
+            return read_up_to(&self.handle, n);
+        };
         let mut buf = vec![0u8; n as usize];
         let got = (&self.handle).read(&mut buf).unwrap_or(0);
         let found = bmake::Returns::sort(&buf[..got]);
@@ -162,7 +194,10 @@ impl Fifo {
     }
 
     fn read_bmake_returns(&mut self) {
-        let (Some(sorted), Some(returns)) = (self.bmake_returns.as_mut(), self.returns.as_ref()) else { return };
+        let (Some(sorted), Some(returns)) = (self.bmake_returns.as_mut(), self.returns.as_ref())
+        else {
+            return;
+        };
         let mut buf = [0u8; 512];
         while let Ok(got @ 1..) = (&*returns).read(&mut buf) {
             let new = bmake::Returns::sort(&buf[..got]);
@@ -182,12 +217,16 @@ impl Fifo {
     /// Puts `n` tokens in, in one write: readers waiting wake once, not
     /// once a token. GNU make writes `+`; any byte will do.
     pub fn put(&mut self, n: u32) -> Result<()> {
-        (&self.handle).write_all(&vec![bmake::TOKEN; n as usize]).context("cannot write a token to the jobserver FIFO")
+        (&self.handle)
+            .write_all(&vec![bmake::TOKEN; n as usize])
+            .context("cannot write a token to the jobserver FIFO")
     }
 
     /// Puts one byte in: a token, or bmake's abort token.
     pub fn put_byte(&mut self, byte: u8) -> Result<()> {
-        (&self.handle).write_all(&[byte]).context("cannot write a token to the jobserver FIFO")
+        (&self.handle)
+            .write_all(&[byte])
+            .context("cannot write a token to the jobserver FIFO")
     }
 
     /// Readable when the build has read or written the FIFO, or given a
@@ -217,7 +256,9 @@ impl Fifo {
             if events.is_empty() {
                 break;
             }
-            self.in_use |= events.iter().any(|e| e.mask.contains(AddWatchFlags::IN_OPEN));
+            self.in_use |= events
+                .iter()
+                .any(|e| e.mask.contains(AddWatchFlags::IN_OPEN));
         }
         self.read_bmake_returns();
     }

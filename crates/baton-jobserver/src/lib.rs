@@ -34,9 +34,9 @@ mod log;
 mod probe;
 mod run;
 
+pub use autostart::{log_path as autostart_log_path, Autostart, LazyAutostart};
 use feeder::Feeder;
 use fifo::Fifo;
-pub use autostart::{log_path as autostart_log_path, Autostart, LazyAutostart};
 pub use run::{run, RunOptions};
 
 /// The feeder's pure rules, for the fuzz targets (fuzz/) only.
@@ -48,7 +48,6 @@ pub mod fuzzing {
 
 use std::ffi::OsString;
 use std::path::Path;
-
 
 /// How the build is told where its jobserver is. The variants' docs are
 /// `baton run --help`'s text.
@@ -125,17 +124,22 @@ fn polls_its_jobserver_alone(command: &[OsString]) -> bool {
 
 /// The file name of the command's program ("make" for "/usr/bin/make").
 fn program_name(command: &[OsString]) -> String {
-    Path::new(&command[0]).file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default()
+    Path::new(&command[0])
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default()
 }
 
 /// Why `style` cannot work for the command, if it cannot: GNU make older
 /// than 4.4 stops with "internal error: invalid --jobserver-auth string" on
 /// `fifo:`, which both the fifo and the fuse styles hand it.
 fn unusable_style(probes: &probe::Probes, command: &[OsString], style: Style) -> Option<String> {
-    if !matches!(style, Style::Fifo | Style::Fuse) || !choice::is_make_name(&program_name(command)) {
+    if !matches!(style, Style::Fifo | Style::Fuse) || !choice::is_make_name(&program_name(command))
+    {
         return None;
     }
-    let make = choice::gnu_make(probes, Path::new(&command[0])).filter(|m| m.version < choice::Version(4, 4, 0))?;
+    let make = choice::gnu_make(probes, Path::new(&command[0]))
+        .filter(|m| m.version < choice::Version(4, 4, 0))?;
     Some(format!(
         "GNU make {} cannot open a fifo: jobserver (only make 4.4 and later can): use --jobserver-style pipe or auto",
         make.version
@@ -153,9 +157,13 @@ fn is_jobs_flag(word: &str) -> bool {
 /// remove their own left behind: those whose name gives (`pid_in`) the
 /// pid of a process that no longer runs.
 fn sweep_left_by_dead_runs(dir: &std::path::Path, pid_in: impl Fn(&str) -> Option<u32>) {
-    let Ok(entries) = std::fs::read_dir(dir) else { return };
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return;
+    };
     for entry in entries.flatten() {
-        let Some(pid) = pid_in(&entry.file_name().to_string_lossy()) else { continue };
+        let Some(pid) = pid_in(&entry.file_name().to_string_lossy()) else {
+            continue;
+        };
         if !std::path::Path::new(&format!("/proc/{pid}")).exists() {
             let _ = std::fs::remove_file(entry.path());
         }
@@ -181,36 +189,68 @@ mod tests {
     fn makeflags_are_laid_out_as_gnu_make_writes_them() {
         assert_eq!(makeflags(None, 2, "3,4"), " -j2 --jobserver-auth=3,4");
         assert_eq!(makeflags(Some("s"), 2, "3,4"), "s -j2 --jobserver-auth=3,4");
-        assert_eq!(makeflags(Some("ks --no-print-directory"), 2, "3,4"), "ks -j2 --jobserver-auth=3,4 --no-print-directory");
-        assert_eq!(makeflags(Some(" -- V=1"), 2, "fifo:/f"), " -j2 --jobserver-auth=fifo:/f -- V=1");
-        assert_eq!(makeflags(Some("-- V=1"), 2, "3,4"), " -j2 --jobserver-auth=3,4 -- V=1");
+        assert_eq!(
+            makeflags(Some("ks --no-print-directory"), 2, "3,4"),
+            "ks -j2 --jobserver-auth=3,4 --no-print-directory"
+        );
+        assert_eq!(
+            makeflags(Some(" -- V=1"), 2, "fifo:/f"),
+            " -j2 --jobserver-auth=fifo:/f -- V=1"
+        );
+        assert_eq!(
+            makeflags(Some("-- V=1"), 2, "3,4"),
+            " -j2 --jobserver-auth=3,4 -- V=1"
+        );
     }
 
     #[test]
     fn makeflags_replace_older_jobserver_settings_and_keep_variables_whole() {
         assert_eq!(
-            makeflags(Some("ks -j8 --jobserver-auth=3,4 --no-print-directory"), 4, "5,6"),
+            makeflags(
+                Some("ks -j8 --jobserver-auth=3,4 --no-print-directory"),
+                4,
+                "5,6"
+            ),
             "ks -j4 --jobserver-auth=5,6 --no-print-directory"
         );
-        assert_eq!(makeflags(Some(" -j --jobserver-fds=3,4 --jobserver-auth=3,4"), 3, "fifo:/y"), " -j3 --jobserver-auth=fifo:/y");
-        assert_eq!(makeflags(Some("s -j2 -- CFLAGS=-O2\\ -j8"), 2, "3,4"), "s -j2 --jobserver-auth=3,4 -- CFLAGS=-O2\\ -j8");
+        assert_eq!(
+            makeflags(
+                Some(" -j --jobserver-fds=3,4 --jobserver-auth=3,4"),
+                3,
+                "fifo:/y"
+            ),
+            " -j3 --jobserver-auth=fifo:/y"
+        );
+        assert_eq!(
+            makeflags(Some("s -j2 -- CFLAGS=-O2\\ -j8"), 2, "3,4"),
+            "s -j2 --jobserver-auth=3,4 -- CFLAGS=-O2\\ -j8"
+        );
     }
 
     #[test]
     fn make_4_3_is_refused_a_fifo_but_not_a_pipe() {
         let make43 = || vec![OsString::from("/usr/bin/make")];
         let probes = probe::Probes::open(None);
-        if choice::gnu_make(&probes, Path::new("/usr/bin/make")).is_none_or(|m| m.version >= choice::Version(4, 4, 0)) {
+        if choice::gnu_make(&probes, Path::new("/usr/bin/make"))
+            .is_none_or(|m| m.version >= choice::Version(4, 4, 0))
+        {
             eprintln!("skipped: /usr/bin/make is not GNU make older than 4.4");
             return;
         }
         for style in [Style::Fifo, Style::Fuse] {
-            assert!(unusable_style(&probes, &make43(), style).is_some_and(|e| e.contains("pipe or auto")), "{style:?}");
+            assert!(
+                unusable_style(&probes, &make43(), style)
+                    .is_some_and(|e| e.contains("pipe or auto")),
+                "{style:?}"
+            );
         }
         for style in [Style::Pipe, Style::Auto, Style::None] {
             assert_eq!(unusable_style(&probes, &make43(), style), None, "{style:?}");
         }
-        assert_eq!(unusable_style(&probes, &["ninja".into()], Style::Fifo), None);
+        assert_eq!(
+            unusable_style(&probes, &["ninja".into()], Style::Fifo),
+            None
+        );
     }
 
     #[test]

@@ -56,7 +56,12 @@ impl Probes {
     /// not ours alone (another owner, or writable by others) is not read:
     /// its answers choose how our builds run.
     pub fn open(file: Option<PathBuf>) -> Probes {
-        Probes { file, known: OnceLock::new(), recall_only: AtomicBool::new(false), missed: AtomicBool::new(false) }
+        Probes {
+            file,
+            known: OnceLock::new(),
+            recall_only: AtomicBool::new(false),
+            missed: AtomicBool::new(false),
+        }
     }
 
     /// Runs `f` on remembered answers alone: None if it asked a question
@@ -74,7 +79,10 @@ impl Probes {
     /// recalls its answer; None if it cannot be run.
     pub fn ask(&self, program: &Path, args: &[&str]) -> Option<Answer> {
         let key = key(program, args);
-        if let Some(answer) = key.as_ref().and_then(|k| self.lock().answers.get(k).cloned()) {
+        if let Some(answer) = key
+            .as_ref()
+            .and_then(|k| self.lock().answers.get(k).cloned())
+        {
             return Some(answer);
         }
         // A program that is not found is not run either: no miss.
@@ -100,7 +108,9 @@ impl Probes {
             return;
         }
         let known = self.lock();
-        let Some(file) = self.file.as_deref().filter(|_| known.new) else { return };
+        let Some(file) = self.file.as_deref().filter(|_| known.new) else {
+            return;
+        };
         let tmp = file.with_extension(format!("tmp-{}", std::process::id()));
         let written = std::fs::OpenOptions::new()
             .write(true)
@@ -115,10 +125,20 @@ impl Probes {
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Known> {
         let known = self.known.get_or_init(|| {
-            let answers = self.file.as_deref().and_then(read_if_ours).map(|text| parse(&text)).unwrap_or_default();
-            Mutex::new(Known { answers, new: false })
+            let answers = self
+                .file
+                .as_deref()
+                .and_then(read_if_ours)
+                .map(|text| parse(&text))
+                .unwrap_or_default();
+            Mutex::new(Known {
+                answers,
+                new: false,
+            })
         });
-        known.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+        known
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 }
 
@@ -135,7 +155,10 @@ fn run(program: &Path, args: &[&str]) -> Option<Answer> {
         .ok()?;
     let mut stdout = out.stdout;
     stdout.truncate(KEEP_BYTES);
-    Some(Answer { ok: out.status.success(), stdout: String::from_utf8_lossy(&stdout).into_owned() })
+    Some(Answer {
+        ok: out.status.success(),
+        stdout: String::from_utf8_lossy(&stdout).into_owned(),
+    })
 }
 
 /// The program's path and arguments, and the identity of the file that
@@ -164,7 +187,9 @@ pub fn find(program: &Path) -> Option<PathBuf> {
     let path = std::env::var_os("PATH")?;
     std::env::split_paths(&path)
         .map(|dir| dir.join(program))
-        .find(|p| std::fs::metadata(p).is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 != 0))
+        .find(|p| {
+            std::fs::metadata(p).is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 != 0)
+        })
 }
 
 fn read_if_ours(file: &Path) -> Option<String> {
@@ -178,7 +203,12 @@ fn read_if_ours(file: &Path) -> Option<String> {
 fn format(answers: &HashMap<String, Answer>) -> String {
     let mut text = format!("{HEADER}\n");
     for (key, a) in answers {
-        text.push_str(&format!("{}\t{}\t{}\n", hex(key.as_bytes()), u8::from(a.ok), hex(a.stdout.as_bytes())));
+        text.push_str(&format!(
+            "{}\t{}\t{}\n",
+            hex(key.as_bytes()),
+            u8::from(a.ok),
+            hex(a.stdout.as_bytes())
+        ));
     }
     text
 }
@@ -199,7 +229,10 @@ fn parse(text: &str) -> HashMap<String, Answer> {
                 _ => return None,
             };
             let stdout = String::from_utf8(unhex(fields.next()?)?).ok()?;
-            fields.next().is_none().then_some((key, Answer { ok, stdout }))
+            fields
+                .next()
+                .is_none()
+                .then_some((key, Answer { ok, stdout }))
         })
         .collect()
 }
@@ -212,7 +245,10 @@ fn unhex(text: &str) -> Option<Vec<u8>> {
     if !text.len().is_multiple_of(2) {
         return None;
     }
-    (0..text.len()).step_by(2).map(|i| u8::from_str_radix(text.get(i..i + 2)?, 16).ok()).collect()
+    (0..text.len())
+        .step_by(2)
+        .map(|i| u8::from_str_radix(text.get(i..i + 2)?, 16).ok())
+        .collect()
 }
 
 #[cfg(test)]
@@ -220,7 +256,10 @@ mod tests {
     use super::*;
 
     fn answer(ok: bool, stdout: &str) -> Answer {
-        Answer { ok, stdout: stdout.to_string() }
+        Answer {
+            ok,
+            stdout: stdout.to_string(),
+        }
     }
 
     /// A directory of this test's own with an executable `tool` in it
@@ -238,14 +277,33 @@ mod tests {
     fn recalled_answers_only_what_is_remembered() {
         let (dir, tool) = script("recall", "echo ran >> \"$0.log\"\necho answer");
         let probes = Probes::open(None);
-        let ran = || std::fs::read_to_string(dir.join("tool.log")).unwrap_or_default().lines().count();
-        assert_eq!(probes.recalled(|| probes.ask(&tool, &["-v"])), None, "not yet asked: a miss");
+        let ran = || {
+            std::fs::read_to_string(dir.join("tool.log"))
+                .unwrap_or_default()
+                .lines()
+                .count()
+        };
+        assert_eq!(
+            probes.recalled(|| probes.ask(&tool, &["-v"])),
+            None,
+            "not yet asked: a miss"
+        );
         assert_eq!(ran(), 0, "recalled runs nothing");
         assert_eq!(probes.ask(&tool, &["-v"]).unwrap().stdout, "answer\n");
-        assert_eq!(probes.recalled(|| probes.ask(&tool, &["-v"]).map(|a| a.stdout)), Some(Some("answer\n".to_string())));
-        assert_eq!(probes.recalled(|| probes.ask(&dir.join("missing"), &[])), Some(None), "not found is an answer, not a miss");
+        assert_eq!(
+            probes.recalled(|| probes.ask(&tool, &["-v"]).map(|a| a.stdout)),
+            Some(Some("answer\n".to_string()))
+        );
+        assert_eq!(
+            probes.recalled(|| probes.ask(&dir.join("missing"), &[])),
+            Some(None),
+            "not found is an answer, not a miss"
+        );
         assert_eq!(ran(), 1);
-        assert!(probes.ask(&tool, &["-w"]).is_some(), "outside recalled, questions run again");
+        assert!(
+            probes.ask(&tool, &["-w"]).is_some(),
+            "outside recalled, questions run again"
+        );
         assert_eq!(ran(), 2);
         std::fs::remove_dir_all(&dir).unwrap();
     }
@@ -253,7 +311,10 @@ mod tests {
     #[test]
     fn answers_survive_the_file() {
         let mut answers = HashMap::new();
-        answers.insert("\"/usr/bin/make\" [\"--version\"] 1 2 3 4.5 6.7".to_string(), answer(true, "GNU Make 4.3\nBuilt for x\n"));
+        answers.insert(
+            "\"/usr/bin/make\" [\"--version\"] 1 2 3 4.5 6.7".to_string(),
+            answer(true, "GNU Make 4.3\nBuilt for x\n"),
+        );
         answers.insert("tab\tand newline\n".to_string(), answer(false, ""));
         assert_eq!(parse(&format(&answers)), answers);
     }
@@ -263,7 +324,15 @@ mod tests {
         let good = format!("{}\t1\t{}", hex(b"k"), hex(b"v"));
         assert_eq!(parse(&format!("{HEADER}\n{good}\n")).len(), 1);
         assert!(parse(&format!("other header\n{good}\n")).is_empty());
-        for bad in ["zz\t1\t00", "6b\t2\t00", "6b\t1\t0", "6b\t1", "6b\t1\t00\textra", "", "6b"] {
+        for bad in [
+            "zz\t1\t00",
+            "6b\t2\t00",
+            "6b\t1\t0",
+            "6b\t1",
+            "6b\t1\t00\textra",
+            "",
+            "6b",
+        ] {
             assert!(parse(&format!("{HEADER}\n{bad}\n")).is_empty(), "{bad:?}");
         }
     }
@@ -272,10 +341,18 @@ mod tests {
     fn a_program_is_keyed_by_the_file_that_runs() {
         let (dir, tool) = script("key", "echo one");
         let before = key(&tool, &["--version"]).unwrap();
-        assert_ne!(key(&tool, &["-V"]), Some(before.clone()), "other arguments, another key");
+        assert_ne!(
+            key(&tool, &["-V"]),
+            Some(before.clone()),
+            "other arguments, another key"
+        );
         // Rewritten in place, as an upgrade does: same path, new size.
         std::fs::write(&tool, "#!/bin/sh\necho version two\n").unwrap();
-        assert_ne!(key(&tool, &["--version"]), Some(before), "a changed file is asked again");
+        assert_ne!(
+            key(&tool, &["--version"]),
+            Some(before),
+            "a changed file is asked again"
+        );
         assert_eq!(key(&dir.join("missing"), &[]), None);
         std::fs::remove_dir_all(&dir).unwrap();
     }

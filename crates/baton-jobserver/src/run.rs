@@ -9,10 +9,13 @@ use crate::autostart::{self, LazyAutostart};
 use crate::build_file::{self, BuildFile};
 use crate::choice::{self, Choice};
 use crate::probe::Probes;
-use crate::{bmake, log, makeflags, polls_its_jobserver_alone, reads_its_jobserver, unusable_style, Feeder, Fifo, Style};
-use baton_core::paths::{private_dir, socket_path};
+use crate::{
+    bmake, log, makeflags, polls_its_jobserver_alone, reads_its_jobserver, unusable_style, Feeder,
+    Fifo, Style,
+};
 use anyhow::{bail, Context, Result};
 use baton_client::{Client, Error as ClientError};
+use baton_core::paths::{private_dir, socket_path};
 use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
 use nix::sys::signal::{SigSet, Signal};
 use nix::sys::signalfd::{SfdFlags, SignalFd};
@@ -74,7 +77,10 @@ pub fn run(opts: RunOptions) -> Result<i32> {
     client.start_build(opts.weight, opts.name.as_deref().unwrap_or(""))?;
     let max = opts.max.unwrap_or(client.limit());
     if max < opts.tokens {
-        bail!("--max {max} is below --tokens {}: the build could never start", opts.tokens);
+        bail!(
+            "--max {max} is below --tokens {}: the build could never start",
+            opts.tokens
+        );
     }
     client.acquire(opts.tokens).context("waiting for tokens")?;
 
@@ -94,7 +100,9 @@ pub fn run(opts: RunOptions) -> Result<i32> {
     }
 
     let mut command = Command::new(&opts.command[0]);
-    command.args(&opts.command[1..]).env("BATON_SOCKET", &socket);
+    command
+        .args(&opts.command[1..])
+        .env("BATON_SOCKET", &socket);
     let style = match opts.style {
         Style::Auto if is_bmake => Style::Fifo,
         // The FUSE file has no per-build cap: --max needs the bridge.
@@ -106,7 +114,14 @@ pub fn run(opts: RunOptions) -> Result<i32> {
         style => style,
     };
     let polls_it_alone = !is_bmake && polls_its_jobserver_alone(&opts.command);
-    let setup = Setup { socket: &socket, auto: opts.style == Style::Auto, label: &label, jobs: max, bmake: is_bmake, polls_it_alone };
+    let setup = Setup {
+        socket: &socket,
+        auto: opts.style == Style::Auto,
+        label: &label,
+        jobs: max,
+        bmake: is_bmake,
+        polls_it_alone,
+    };
     let jobserver = set_up_jobserver(&mut command, &setup, style)?;
     if opts.explain {
         match &bmake_version {
@@ -116,16 +131,29 @@ pub fn run(opts: RunOptions) -> Result<i32> {
     }
     let (mut feeder, pipe_ends, build_file) = match jobserver {
         Jobserver::None => (None, None, None),
-        Jobserver::Bridge { fifo, pipe_ends, .. } => {
+        Jobserver::Bridge {
+            fifo, pipe_ends, ..
+        } => {
             let eager = is_bmake || reads_its_jobserver(&opts.command);
-            (Some(Feeder::new(fifo, max - opts.tokens, eager)), pipe_ends, None)
+            (
+                Some(Feeder::new(fifo, max - opts.tokens, eager)),
+                pipe_ends,
+                None,
+            )
         }
         // The broker serves the file itself; we only keep it until the end.
         Jobserver::Fuse { file, ends, .. } => (None, ends, Some(file)),
     };
     let build = (opts.weight, opts.name.clone().unwrap_or_default());
     let build_file_path = build_file.as_ref().map(|f| f.path().to_path_buf());
-    let mut broker = Broker { client, alive: true, socket, build_file: build_file_path, label, build };
+    let mut broker = Broker {
+        client,
+        alive: true,
+        socket,
+        build_file: build_file_path,
+        label,
+        build,
+    };
     // Fill the FIFO before the build starts: ninja reads its first wave of
     // tokens in one burst as it starts, and takes no more after finding it
     // empty until a job of its own ends.
@@ -151,7 +179,12 @@ pub fn run(opts: RunOptions) -> Result<i32> {
 /// else the probes run side by side, and the build waits for the slowest.
 fn look_at_the_tools(probes: &Probes, command: &[OsString]) -> (choice::Tree, Option<String>) {
     let program = Path::new(&command[0]);
-    let in_turn = || (choice::inspect_in_turn(probes, command), bmake::version(probes, program));
+    let in_turn = || {
+        (
+            choice::inspect_in_turn(probes, command),
+            bmake::version(probes, program),
+        )
+    };
     probes.recalled(in_turn).unwrap_or_else(|| {
         std::thread::scope(|s| {
             let bmake = s.spawn(|| bmake::version(probes, program));
@@ -167,10 +200,18 @@ enum Jobserver {
     /// A FIFO fed by this process; for the pipe style, the descriptors the
     /// child inherits (closed in the parent once it has started).
     /// `form` says what the build got, for --explain.
-    Bridge { fifo: Fifo, pipe_ends: Option<(OwnedFd, OwnedFd)>, form: &'static str },
+    Bridge {
+        fifo: Fifo,
+        pipe_ends: Option<(OwnedFd, OwnedFd)>,
+        form: &'static str,
+    },
     /// A token file on the broker's FUSE mount, served by the broker; for
     /// bmake, two descriptors opened on it that the child inherits.
-    Fuse { file: BuildFile, ends: Option<(OwnedFd, OwnedFd)>, form: &'static str },
+    Fuse {
+        file: BuildFile,
+        ends: Option<(OwnedFd, OwnedFd)>,
+        form: &'static str,
+    },
 }
 
 impl Jobserver {
@@ -210,7 +251,10 @@ struct Setup<'a> {
 /// Says which form the build got and why, one line each.
 fn explain(opts: &RunOptions, choice: &Choice, jobserver: &Jobserver, tokens: u32) {
     if opts.style != Style::Auto {
-        log::warn(format_args!("jobserver: {}, as --jobserver-style asked", jobserver.form()));
+        log::warn(format_args!(
+            "jobserver: {}, as --jobserver-style asked",
+            jobserver.form()
+        ));
         return;
     }
     log::warn(format_args!("jobserver: {} (auto)", jobserver.form()));
@@ -221,7 +265,10 @@ fn explain(opts: &RunOptions, choice: &Choice, jobserver: &Jobserver, tokens: u3
         let reason = if opts.max.is_some() {
             "--max needs the bridge".to_string()
         } else if !choice::fuse_pays(tokens) {
-            format!("{tokens} tokens: below {} a FIFO's herd costs less than the file's round trips", choice::FUSE_FROM_TOKENS)
+            format!(
+                "{tokens} tokens: below {} a FIFO's herd costs less than the file's round trips",
+                choice::FUSE_FROM_TOKENS
+            )
         } else {
             "the broker has no FUSE mount".to_string()
         };
@@ -234,13 +281,22 @@ fn explain(opts: &RunOptions, choice: &Choice, jobserver: &Jobserver, tokens: u3
 fn explain_bmake(opts: &RunOptions, version: &str, jobserver: &Jobserver) {
     let program = Path::new(&opts.command[0]);
     let path = crate::probe::find(program).unwrap_or_else(|| program.to_path_buf());
-    let bmake = if version.is_empty() { format!("bmake ({})", path.display()) } else { format!("bmake {version} ({})", path.display()) };
+    let bmake = if version.is_empty() {
+        format!("bmake ({})", path.display())
+    } else {
+        format!("bmake {version} ({})", path.display())
+    };
     if opts.style != Style::Auto {
-        log::warn(format_args!("jobserver: {}, as --jobserver-style asked, for {bmake}", jobserver.form()));
+        log::warn(format_args!(
+            "jobserver: {}, as --jobserver-style asked, for {bmake}",
+            jobserver.form()
+        ));
         return;
     }
     log::warn(format_args!("jobserver: {} (auto)", jobserver.form()));
-    log::warn(format_args!("  because {bmake} reads only its own -J R,W form"));
+    log::warn(format_args!(
+        "  because {bmake} reads only its own -J R,W form"
+    ));
     log::warn(format_args!(
         "  because bmake takes a token only if one is already in the pipe, so the build's FIFO keeps every token \
          it may use waiting there (docs/jobserver.md, bmake)"
@@ -251,7 +307,12 @@ fn explain_bmake(opts: &RunOptions, version: &str, jobserver: &Jobserver) {
 /// at it. FUSE falls back to the FIFO when `auto` chose it and the broker
 /// has no mount.
 fn set_up_jobserver(command: &mut Command, setup: &Setup, style: Style) -> Result<Jobserver> {
-    let Setup { socket, auto, label, .. } = *setup;
+    let Setup {
+        socket,
+        auto,
+        label,
+        ..
+    } = *setup;
     let (jobserver, auth) = match style {
         Style::None | Style::Auto => return Ok(Jobserver::None),
         Style::Fuse => match build_file::create(socket, label)? {
@@ -319,14 +380,23 @@ fn set_up_jobserver(command: &mut Command, setup: &Setup, style: Style) -> Resul
     }
     if let (true, Some((read, write))) = (setup.bmake, jobserver.ends()) {
         let inherited = std::env::var("MAKEFLAGS").ok();
-        command.env("MAKEFLAGS", bmake::makeflags(inherited.as_deref(), read.as_raw_fd(), write.as_raw_fd(), setup.jobs));
+        command.env(
+            "MAKEFLAGS",
+            bmake::makeflags(
+                inherited.as_deref(),
+                read.as_raw_fd(),
+                write.as_raw_fd(),
+                setup.jobs,
+            ),
+        );
     }
     Ok(jobserver)
 }
 
 fn inheritable(fd: &OwnedFd) -> Result<()> {
     use nix::fcntl::{fcntl, FcntlArg, FdFlag};
-    fcntl(fd, FcntlArg::F_SETFD(FdFlag::empty())).context("cannot pass the jobserver descriptors on")?;
+    fcntl(fd, FcntlArg::F_SETFD(FdFlag::empty()))
+        .context("cannot pass the jobserver descriptors on")?;
     Ok(())
 }
 
@@ -358,7 +428,10 @@ impl Broker {
             } else {
                 "the build goes on with the tokens it has, uncounted until a broker starts there again"
             };
-            log::warn(format_args!("lost the broker at {} ({e}); {outlook}", self.socket.display()));
+            log::warn(format_args!(
+                "lost the broker at {} ({e}); {outlook}",
+                self.socket.display()
+            ));
         }
     }
 
@@ -366,7 +439,9 @@ impl Broker {
     fn give_back_all(&mut self, mut feeder: Option<Feeder>) {
         if self.alive {
             // RELEASE may not follow a pending ACQUIRE: withdraw it first.
-            let withdrawn = feeder.as_mut().map_or(Ok(()), |f| f.withdraw(&mut self.client));
+            let withdrawn = feeder
+                .as_mut()
+                .map_or(Ok(()), |f| f.withdraw(&mut self.client));
             if withdrawn.is_ok() {
                 give_back(&mut self.client);
             }
@@ -380,19 +455,37 @@ impl Broker {
     /// it as the same build and tells it what we hold (HOLD), so that it
     /// counts our tokens and feeds the build again.
     fn reattach(&mut self, feeder: Option<&mut Feeder>) {
-        let Ok(mut client) = Client::connect(&self.socket, &self.label) else { return };
+        let Ok(mut client) = Client::connect(&self.socket, &self.label) else {
+            return;
+        };
         let held = self.client.held();
-        let joined = client.start_build(self.build.0, &self.build.1).and_then(|_| if held > 0 { client.hold(held) } else { Ok(()) });
+        let joined = client
+            .start_build(self.build.0, &self.build.1)
+            .and_then(|_| if held > 0 { client.hold(held) } else { Ok(()) });
         if let Err(e) = joined {
-            log::warn(format_args!("a new broker answers at {} but refused us ({e}); the build goes on uncounted", self.socket.display()));
+            log::warn(format_args!(
+                "a new broker answers at {} but refused us ({e}); the build goes on uncounted",
+                self.socket.display()
+            ));
             return;
         }
-        log::warn(format_args!("re-attached to the new broker at {}, holding {held} token(s)", self.socket.display()));
+        log::warn(format_args!(
+            "re-attached to the new broker at {}, holding {held} token(s)",
+            self.socket.display()
+        ));
         // The new broker does not know the file's name: sub-makes that
         // open it by name need it back.
         if let Some(path) = &self.build_file {
-            if let Err(e) = std::fs::OpenOptions::new().write(true).create(true).truncate(false).open(path) {
-                log::warn(format_args!("cannot make {} again ({e}): sub-makes that open it will fail", path.display()));
+            if let Err(e) = std::fs::OpenOptions::new()
+                .write(true)
+                .create(true)
+                .truncate(false)
+                .open(path)
+            {
+                log::warn(format_args!(
+                    "cannot make {} again ({e}): sub-makes that open it will fail",
+                    path.display()
+                ));
             }
         }
         self.client = client;
@@ -427,7 +520,12 @@ fn spawn_tied_to_us(command: &mut Command, blocked: SigSet) -> std::io::Result<C
 
 /// Waits for CMD to end: forwards stop signals, feeds the jobserver, and
 /// notices (once) if the broker goes away.
-fn supervise(mut child: Child, signals: &SignalFd, mut broker: Broker, mut feeder: Option<Feeder>) -> Result<ExitStatus> {
+fn supervise(
+    mut child: Child,
+    signals: &SignalFd,
+    mut broker: Broker,
+    mut feeder: Option<Feeder>,
+) -> Result<ExitStatus> {
     let pidfd = pidfd_open(child.id())?;
     loop {
         if broker.alive && broker.client.has_buffered_reply() {
@@ -435,7 +533,10 @@ fn supervise(mut child: Child, signals: &SignalFd, mut broker: Broker, mut feede
             continue;
         }
         let client_fd = unsafe { BorrowedFd::borrow_raw(broker.client.as_raw_fd()) };
-        let mut fds = vec![PollFd::new(pidfd.as_fd(), PollFlags::POLLIN), PollFd::new(signals.as_fd(), PollFlags::POLLIN)];
+        let mut fds = vec![
+            PollFd::new(pidfd.as_fd(), PollFlags::POLLIN),
+            PollFd::new(signals.as_fd(), PollFlags::POLLIN),
+        ];
         // A lost broker's socket stays out of the set: poll reports its
         // hang-up whatever events are asked for, and would never sleep.
         if broker.alive {
@@ -443,7 +544,11 @@ fn supervise(mut child: Child, signals: &SignalFd, mut broker: Broker, mut feede
         }
         let feeder_at = fds.len();
         if let Some(f) = &feeder {
-            fds.extend(f.event_fds().into_iter().map(|fd| PollFd::new(fd, PollFlags::POLLIN)));
+            fds.extend(
+                f.event_fds()
+                    .into_iter()
+                    .map(|fd| PollFd::new(fd, PollFlags::POLLIN)),
+            );
         }
         let idle = feeder.as_ref().and_then(|f| f.idle_timeout());
         let timeout = match broker.alive {
@@ -455,7 +560,11 @@ fn supervise(mut child: Child, signals: &SignalFd, mut broker: Broker, mut feede
             Err(nix::errno::Errno::EINTR) => continue,
             Err(e) => return Err(e).context("poll failed"),
         }
-        let ready = |i: usize| fds.get(i).and_then(|f| f.revents()).is_some_and(|r| !r.is_empty());
+        let ready = |i: usize| {
+            fds.get(i)
+                .and_then(|f| f.revents())
+                .is_some_and(|r| !r.is_empty())
+        };
         let (child_done, got_signal) = (ready(0), ready(1));
         let broker_event = broker.alive && ready(2);
         let fifo_event = (feeder_at..fds.len()).any(ready);
@@ -480,7 +589,9 @@ fn supervise(mut child: Child, signals: &SignalFd, mut broker: Broker, mut feede
             }
         }
         if child_done {
-            let status = child.wait().context("cannot collect the command's status")?;
+            let status = child
+                .wait()
+                .context("cannot collect the command's status")?;
             broker.give_back_all(feeder);
             return Ok(status);
         }
@@ -489,7 +600,10 @@ fn supervise(mut child: Child, signals: &SignalFd, mut broker: Broker, mut feede
 
 fn on_broker_readable(broker: &mut Broker, feeder: Option<&mut Feeder>) {
     let result = match feeder {
-        Some(f) if f.is_waiting() => broker.client.read_reply().and_then(|reply| f.on_reply(reply)),
+        Some(f) if f.is_waiting() => broker
+            .client
+            .read_reply()
+            .and_then(|reply| f.on_reply(reply)),
         // Nothing is pending, so anything readable is the end.
         _ => Err(ClientError::Disconnected),
     };
@@ -529,7 +643,12 @@ fn forward_signals(signals: &SignalFd, child: u32) {
 
 fn forwarded_signals() -> SigSet {
     let mut set = SigSet::empty();
-    for s in [Signal::SIGTERM, Signal::SIGINT, Signal::SIGHUP, Signal::SIGQUIT] {
+    for s in [
+        Signal::SIGTERM,
+        Signal::SIGINT,
+        Signal::SIGHUP,
+        Signal::SIGQUIT,
+    ] {
         set.add(s);
     }
     set
@@ -539,7 +658,8 @@ fn pidfd_open(pid: u32) -> Result<OwnedFd> {
     // SAFETY: pidfd_open takes a pid and flags and returns a new fd or -1.
     let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid as libc::pid_t, 0) };
     if fd < 0 {
-        return Err(std::io::Error::last_os_error()).context("pidfd_open failed (Linux 5.3 or later is needed)");
+        return Err(std::io::Error::last_os_error())
+            .context("pidfd_open failed (Linux 5.3 or later is needed)");
     }
     // SAFETY: the fd was just returned to us and nothing else owns it.
     Ok(unsafe { OwnedFd::from_raw_fd(fd as i32) })
@@ -562,7 +682,9 @@ fn report_spawn_error(program: &OsString, e: std::io::Error) -> i32 {
 
 /// CMD's exit code, or 128 + the signal that killed it.
 fn exit_code(status: ExitStatus) -> i32 {
-    status.code().unwrap_or_else(|| 128 + status.signal().unwrap_or(0))
+    status
+        .code()
+        .unwrap_or_else(|| 128 + status.signal().unwrap_or(0))
 }
 
 fn label(command: &[OsString]) -> String {
@@ -578,7 +700,8 @@ fn label(command: &[OsString]) -> String {
 /// forever when the limit is 1.
 fn is_a_job_of_a_baton_build(socket: &Path) -> bool {
     let outer = std::env::var_os("BATON_SOCKET").map(|s| absolute(Path::new(&s)));
-    let under_jobserver = std::env::var("MAKEFLAGS").is_ok_and(|flags| flags.contains("--jobserver-auth="));
+    let under_jobserver =
+        std::env::var("MAKEFLAGS").is_ok_and(|flags| flags.contains("--jobserver-auth="));
     outer.as_deref() == Some(socket) && under_jobserver
 }
 

@@ -83,7 +83,12 @@ impl Config {
     fn load_from(path: PathBuf) -> Result<Config> {
         match std::fs::read_to_string(&path) {
             Ok(text) => Config::parse(path, text),
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(Config { path, found: false, text: String::new(), values: FileValues::default() }),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(Config {
+                path,
+                found: false,
+                text: String::new(),
+                values: FileValues::default(),
+            }),
             Err(e) => bail!("cannot read the config file {}: {e}", path.display()),
         }
     }
@@ -93,7 +98,12 @@ impl Config {
             Ok(values) => values,
             Err(e) => return Err(bad_config(&path, &text, e.span(), e.message().trim())),
         };
-        let config = Config { path, found: true, text, values };
+        let config = Config {
+            path,
+            found: true,
+            text,
+            values,
+        };
         config.check_ranges()?;
         Ok(config)
     }
@@ -102,18 +112,33 @@ impl Config {
         if let Some(jobs) = &self.values.jobs {
             if !(1..=baton_core::MAX_LIMIT).contains(jobs.get_ref()) {
                 let message = format!("jobs must be between 1 and {}", baton_core::MAX_LIMIT);
-                return Err(bad_config(&self.path, &self.text, Some(jobs.span()), &message));
+                return Err(bad_config(
+                    &self.path,
+                    &self.text,
+                    Some(jobs.span()),
+                    &message,
+                ));
             }
         }
         if let Some(cluster) = &self.values.cluster {
             if let Err(message) = check_cluster(cluster.get_ref()) {
-                return Err(bad_config(&self.path, &self.text, Some(cluster.span()), &message));
+                return Err(bad_config(
+                    &self.path,
+                    &self.text,
+                    Some(cluster.span()),
+                    &message,
+                ));
             }
         }
         if let Some(weight) = &self.values.weight {
             if !(1..=MAX_WEIGHT).contains(weight.get_ref()) {
                 let message = format!("weight must be between 1 and {MAX_WEIGHT}");
-                return Err(bad_config(&self.path, &self.text, Some(weight.span()), &message));
+                return Err(bad_config(
+                    &self.path,
+                    &self.text,
+                    Some(weight.span()),
+                    &message,
+                ));
             }
         }
         Ok(())
@@ -127,24 +152,40 @@ impl Config {
     /// The pool's limit: `cli`, else the file's `jobs`, else the number of
     /// CPUs.
     pub fn jobs(&self, cli: Option<u32>) -> Setting<u32> {
-        let cpus = || std::thread::available_parallelism().map_or(1, |n| u32::try_from(n.get()).unwrap_or(u32::MAX));
-        self.pick(cli, &self.values.jobs).unwrap_or_else(|| Setting { value: cpus().min(baton_core::MAX_LIMIT), source: Source::Cpus })
+        let cpus = || {
+            std::thread::available_parallelism()
+                .map_or(1, |n| u32::try_from(n.get()).unwrap_or(u32::MAX))
+        };
+        self.pick(cli, &self.values.jobs)
+            .unwrap_or_else(|| Setting {
+                value: cpus().min(baton_core::MAX_LIMIT),
+                source: Source::Cpus,
+            })
     }
 
     /// How long a broker `baton run` started stays with no clients, in
     /// seconds; 0: until stopped.
     pub fn idle_timeout(&self) -> Setting<u64> {
-        self.pick(None, &self.values.idle_timeout).unwrap_or(Setting { value: DEFAULT_IDLE_TIMEOUT_SECS, source: Source::Default })
+        self.pick(None, &self.values.idle_timeout)
+            .unwrap_or(Setting {
+                value: DEFAULT_IDLE_TIMEOUT_SECS,
+                source: Source::Default,
+            })
     }
 
     /// [`Config::idle_timeout`] as the broker takes it.
     pub fn idle_duration(&self) -> Option<Duration> {
-        Some(self.idle_timeout().value).filter(|&secs| secs > 0).map(Duration::from_secs)
+        Some(self.idle_timeout().value)
+            .filter(|&secs| secs > 0)
+            .map(Duration::from_secs)
     }
 
     /// A build's share of the pool relative to others (fair shares).
     pub fn weight(&self) -> Setting<u32> {
-        self.pick(None, &self.values.weight).unwrap_or(Setting { value: DEFAULT_WEIGHT, source: Source::Default })
+        self.pick(None, &self.values.weight).unwrap_or(Setting {
+            value: DEFAULT_WEIGHT,
+            source: Source::Default,
+        })
     }
 
     /// The cluster pool the file's `[cluster]` table names, if any.
@@ -154,17 +195,29 @@ impl Config {
             endpoints: c.etcd.clone(),
             pool: c.pool.clone(),
             jobs: c.jobs,
-            ttl: c.ttl.map_or(baton_core::cluster::DEFAULT_TTL, Duration::from_secs),
-            linger: c.linger_ms.map_or(baton_core::cluster::DEFAULT_LINGER, Duration::from_millis),
+            ttl: c
+                .ttl
+                .map_or(baton_core::cluster::DEFAULT_TTL, Duration::from_secs),
+            linger: c
+                .linger_ms
+                .map_or(baton_core::cluster::DEFAULT_LINGER, Duration::from_millis),
             watch_all: false,
         })
     }
 
     fn pick<T: Copy>(&self, cli: Option<T>, file: &Option<Spanned<T>>) -> Option<Setting<T>> {
         if let Some(value) = cli {
-            return Some(Setting { value, source: Source::CommandLine });
+            return Some(Setting {
+                value,
+                source: Source::CommandLine,
+            });
         }
-        file.as_ref().map(|v| Setting { value: *v.get_ref(), source: Source::File { line: line_of(&self.text, v.span().start) } })
+        file.as_ref().map(|v| Setting {
+            value: *v.get_ref(),
+            source: Source::File {
+                line: line_of(&self.text, v.span().start),
+            },
+        })
     }
 }
 
@@ -182,21 +235,50 @@ impl fmt::Display for Source {
 /// `baton config`: each setting in effect, and where it came from.
 pub fn describe(config: &Config, autostart: bool) -> String {
     let (path, found) = config.path();
-    let file = if found { String::new() } else { " (no such file: defaults in effect)".to_string() };
+    let file = if found {
+        String::new()
+    } else {
+        " (no such file: defaults in effect)".to_string()
+    };
     let (socket, socket_from) = baton_core::paths::default_socket();
     let jobs = config.jobs(None);
     let idle = config.idle_timeout();
     let weight = config.weight();
-    let autostart = if autostart { "on" } else { "off (BATON_NO_AUTOSTART is set)" };
+    let autostart = if autostart {
+        "on"
+    } else {
+        "off (BATON_NO_AUTOSTART is set)"
+    };
     let rows = [
-        ("config file", format!("{}{file}", path.display()), String::new()),
-        ("socket", socket.display().to_string(), socket_from.to_string()),
+        (
+            "config file",
+            format!("{}{file}", path.display()),
+            String::new(),
+        ),
+        (
+            "socket",
+            socket.display().to_string(),
+            socket_from.to_string(),
+        ),
         ("jobs", jobs.value.to_string(), jobs.source.to_string()),
-        ("idle-timeout", format!("{} s", idle.value), idle.source.to_string()),
-        ("weight", weight.value.to_string(), weight.source.to_string()),
+        (
+            "idle-timeout",
+            format!("{} s", idle.value),
+            idle.source.to_string(),
+        ),
+        (
+            "weight",
+            weight.value.to_string(),
+            weight.source.to_string(),
+        ),
         ("autostart", autostart.to_string(), String::new()),
     ];
-    let value_width = rows.iter().filter(|(_, _, from)| !from.is_empty()).map(|(_, value, _)| value.len()).max().unwrap_or(0);
+    let value_width = rows
+        .iter()
+        .filter(|(_, _, from)| !from.is_empty())
+        .map(|(_, value, _)| value.len())
+        .max()
+        .unwrap_or(0);
     rows.iter()
         .map(|(name, value, from)| match from.is_empty() {
             true => format!("{name:<13} {value}\n"),
@@ -208,10 +290,16 @@ pub fn describe(config: &Config, autostart: bool) -> String {
 fn check_cluster(c: &ClusterValues) -> Result<(), String> {
     baton_core::cluster::check_pool_name(&c.pool)?;
     if c.etcd.is_empty() {
-        return Err("cluster.etcd must name at least one etcd endpoint, e.g. [\"http://127.0.0.1:2379\"]".into());
+        return Err(
+            "cluster.etcd must name at least one etcd endpoint, e.g. [\"http://127.0.0.1:2379\"]"
+                .into(),
+        );
     }
     if !(1..=baton_core::MAX_LIMIT).contains(&c.jobs) {
-        return Err(format!("cluster.jobs must be between 1 and {}", baton_core::MAX_LIMIT));
+        return Err(format!(
+            "cluster.jobs must be between 1 and {}",
+            baton_core::MAX_LIMIT
+        ));
     }
     if c.ttl.is_some_and(|t| !(1..=3600).contains(&t)) {
         return Err("cluster.ttl must be between 1 and 3600 seconds".into());
@@ -227,7 +315,9 @@ fn config_path() -> PathBuf {
     let base = std::env::var_os("XDG_CONFIG_HOME")
         .filter(|d| !d.is_empty())
         .map(PathBuf::from)
-        .unwrap_or_else(|| Path::new(&std::env::var_os("HOME").unwrap_or_default()).join(".config"));
+        .unwrap_or_else(|| {
+            Path::new(&std::env::var_os("HOME").unwrap_or_default()).join(".config")
+        });
     base.join("baton").join("config.toml")
 }
 
@@ -243,7 +333,10 @@ fn bad_config(path: &Path, text: &str, span: Option<Range<usize>>, message: &str
         Some(key) => format!(", key {key}"),
         None => String::new(),
     };
-    anyhow::anyhow!("bad config file {}, line {line}{key}: {message} ({fix})", path.display())
+    anyhow::anyhow!(
+        "bad config file {}, line {line}{key}: {message} ({fix})",
+        path.display()
+    )
 }
 
 /// The 1-based line holding byte `offset`.
@@ -255,7 +348,10 @@ fn line_of(text: &str, offset: usize) -> usize {
 fn key_on_line(text: &str, line: usize) -> Option<&str> {
     let (key, _) = text.lines().nth(line - 1)?.split_once('=')?;
     let key = key.trim();
-    let bare = !key.is_empty() && key.chars().all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_');
+    let bare = !key.is_empty()
+        && key
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_');
     bare.then_some(key)
 }
 
@@ -264,7 +360,10 @@ mod tests {
     use super::*;
 
     fn parse(text: &str) -> Result<Config> {
-        Config::parse(PathBuf::from("/home/u/.config/baton/config.toml"), text.to_string())
+        Config::parse(
+            PathBuf::from("/home/u/.config/baton/config.toml"),
+            text.to_string(),
+        )
     }
 
     fn error(text: &str) -> String {
@@ -298,7 +397,10 @@ mod tests {
     #[test]
     fn idle_timeout_zero_means_never() {
         assert_eq!(parse("idle-timeout = 0\n").unwrap().idle_duration(), None);
-        assert_eq!(parse("").unwrap().idle_duration(), Some(Duration::from_secs(DEFAULT_IDLE_TIMEOUT_SECS)));
+        assert_eq!(
+            parse("").unwrap().idle_duration(),
+            Some(Duration::from_secs(DEFAULT_IDLE_TIMEOUT_SECS))
+        );
     }
 
     #[test]
@@ -310,13 +412,21 @@ mod tests {
     #[test]
     fn a_negative_value_names_file_line_and_key() {
         let e = error("\nidle-timeout = -5\n");
-        assert!(e.starts_with("bad config file /home/u/.config/baton/config.toml, line 2, key idle-timeout: "), "{e}");
+        assert!(
+            e.starts_with(
+                "bad config file /home/u/.config/baton/config.toml, line 2, key idle-timeout: "
+            ),
+            "{e}"
+        );
     }
 
     #[test]
     fn a_line_that_is_not_toml_names_file_and_line() {
         let e = error("jobs = 4\nthis is not toml\n");
-        assert!(e.starts_with("bad config file /home/u/.config/baton/config.toml, line 2: "), "{e}");
+        assert!(
+            e.starts_with("bad config file /home/u/.config/baton/config.toml, line 2: "),
+            "{e}"
+        );
     }
 
     #[test]
@@ -324,14 +434,23 @@ mod tests {
         let e = error("jobs = 0\n");
         assert!(e.starts_with("bad config file /home/u/.config/baton/config.toml, line 1, key jobs: jobs must be between 1 and"), "{e}");
         let e = error("weight = 0\n");
-        assert!(e.contains("line 1, key weight: weight must be between 1 and 1000"), "{e}");
+        assert!(
+            e.contains("line 1, key weight: weight must be between 1 and 1000"),
+            "{e}"
+        );
     }
 
     #[test]
     fn a_cluster_table_gives_the_pool_with_defaults() {
-        let config = parse("jobs = 4\n[cluster]\netcd = [\"http://127.0.0.1:2379\"]\npool = \"ci\"\njobs = 6\n").unwrap();
+        let config = parse(
+            "jobs = 4\n[cluster]\netcd = [\"http://127.0.0.1:2379\"]\npool = \"ci\"\njobs = 6\n",
+        )
+        .unwrap();
         let cluster = config.cluster().unwrap();
-        assert_eq!((cluster.pool.as_str(), cluster.jobs, cluster.ttl), ("ci", 6, baton_core::cluster::DEFAULT_TTL));
+        assert_eq!(
+            (cluster.pool.as_str(), cluster.jobs, cluster.ttl),
+            ("ci", 6, baton_core::cluster::DEFAULT_TTL)
+        );
         assert_eq!(config.jobs(None).value, 4);
         assert!(parse("").unwrap().cluster().is_none());
     }

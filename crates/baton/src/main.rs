@@ -104,7 +104,13 @@ enum Cmd {
         /// process tree) and lets it go on (SIGCONT) once another has
         /// finished and memory is back, so the build slows down instead of
         /// losing a job to the OOM killer. Never the last running job.
-        #[arg(long, value_enum, value_name = "WHAT", default_value = "nothing", requires = "min_mem_available")]
+        #[arg(
+            long,
+            value_enum,
+            value_name = "WHAT",
+            default_value = "nothing",
+            requires = "min_mem_available"
+        )]
         on_memory_pressure: OnMemoryPressure,
         /// Stop after SECS with no clients at all (what brokers started by
         /// `baton run` do; the config file's idle-timeout).
@@ -193,7 +199,9 @@ the socket). BATON_NO_AUTOSTART=1 turns that off."
     /// Change the limit or the gates of a running broker. Raising the limit
     /// by K wakes exactly K waiters; lowering it retires tokens as their
     /// holders give them back.
-    #[command(after_help = "Examples:\n  baton limit 12\n  baton limit --min-mem-available 2G --max-load 8\n  baton limit --max-load off")]
+    #[command(
+        after_help = "Examples:\n  baton limit 12\n  baton limit --min-mem-available 2G --max-load 8\n  baton limit --max-load off"
+    )]
     Limit {
         /// The new limit.
         #[arg(value_parser = clap::value_parser!(u32).range(1..=i64::from(baton_core::MAX_LIMIT)), required_unless_present_any = ["min_mem_available", "max_mem_pressure", "max_load", "min_jobs"])]
@@ -231,7 +239,9 @@ the socket). BATON_NO_AUTOSTART=1 turns that off."
 
 /// A pool shared with other brokers through etcd (docs/cluster.md).
 #[derive(clap::Args, Debug)]
-#[command(next_help_heading = "Cluster pool: one limit across machines, kept in etcd (docs/cluster.md)")]
+#[command(
+    next_help_heading = "Cluster pool: one limit across machines, kept in etcd (docs/cluster.md)"
+)]
 struct ClusterArgs {
     /// Join a cluster pool kept in etcd at these endpoints: every job
     /// then needs a cluster token too [default: the config file's
@@ -260,7 +270,14 @@ struct ClusterArgs {
 impl ClusterArgs {
     fn config(self) -> Option<baton_core::cluster::Config> {
         let (pool, jobs) = (self.cluster_pool?, self.cluster_jobs?);
-        Some(baton_core::cluster::Config { endpoints: self.etcd, pool, jobs, ttl: Duration::from_secs(self.cluster_ttl), linger: Duration::from_millis(self.cluster_linger_ms), watch_all: self.cluster_watch_all })
+        Some(baton_core::cluster::Config {
+            endpoints: self.etcd,
+            pool,
+            jobs,
+            ttl: Duration::from_secs(self.cluster_ttl),
+            linger: Duration::from_millis(self.cluster_linger_ms),
+            watch_all: self.cluster_watch_all,
+        })
     }
 }
 
@@ -270,7 +287,9 @@ fn parse_pool_name(text: &str) -> Result<String, String> {
 
 /// The gates (docs/adaptive.md). In `baton limit`, `off` removes one.
 #[derive(clap::Args, Debug, Default)]
-#[command(next_help_heading = "Gates: hold new tokens back while the machine is short (docs/adaptive.md)")]
+#[command(
+    next_help_heading = "Gates: hold new tokens back while the machine is short (docs/adaptive.md)"
+)]
 struct GateArgs {
     /// Grant no new token while available memory (the lower of
     /// MemAvailable and the broker's memory cgroup's room) is below SIZE
@@ -307,14 +326,23 @@ type Setting = Option<f64>;
 impl GateArgs {
     /// (protocol name, setting) for each option given.
     fn settings(&self) -> Vec<(&'static str, Setting)> {
-        [("mem-available", self.min_mem_available), ("mem-pressure", self.max_mem_pressure), ("load", self.max_load), ("min-jobs", self.min_jobs)]
-            .into_iter()
-            .filter_map(|(name, setting)| setting.map(|s| (name, s)))
-            .collect()
+        [
+            ("mem-available", self.min_mem_available),
+            ("mem-pressure", self.max_mem_pressure),
+            ("load", self.max_load),
+            ("min-jobs", self.min_jobs),
+        ]
+        .into_iter()
+        .filter_map(|(name, setting)| setting.map(|s| (name, s)))
+        .collect()
     }
 
     fn config(&self) -> anyhow::Result<GateConfig> {
-        self.settings().into_iter().try_fold(GateConfig::default(), |c, (name, value)| c.with(name, value).map_err(anyhow::Error::msg))
+        self.settings()
+            .into_iter()
+            .try_fold(GateConfig::default(), |c, (name, value)| {
+                c.with(name, value).map_err(anyhow::Error::msg)
+            })
     }
 }
 
@@ -348,38 +376,136 @@ fn main() -> ExitCode {
 
 fn dispatch(command: Cmd) -> anyhow::Result<u8> {
     match command {
-        Cmd::Serve { jobs, socket, verbose, quiet, no_fuse, fuse_notify_all, fuse_hold_ms, spin_us, no_io_uring, gates, mem_settle, on_memory_pressure, idle_timeout, max_clients, cluster, replace, reclaim_grace } => {
-            let log_level = if quiet { LogLevel::Warn } else if verbose { LogLevel::Debug } else { LogLevel::Info };
-            let mode = if fuse_notify_all { FuseMode::NotifyAll } else { FuseMode::OneAtATime };
-            let fuse = (!no_fuse).then_some(FuseOptions { mode, hold: Duration::from_millis(fuse_hold_ms) });
-            let gates = GateConfig { settle: Duration::from_millis(mem_settle), pause: on_memory_pressure == OnMemoryPressure::Pause, ..gates.config()? };
+        Cmd::Serve {
+            jobs,
+            socket,
+            verbose,
+            quiet,
+            no_fuse,
+            fuse_notify_all,
+            fuse_hold_ms,
+            spin_us,
+            no_io_uring,
+            gates,
+            mem_settle,
+            on_memory_pressure,
+            idle_timeout,
+            max_clients,
+            cluster,
+            replace,
+            reclaim_grace,
+        } => {
+            let log_level = if quiet {
+                LogLevel::Warn
+            } else if verbose {
+                LogLevel::Debug
+            } else {
+                LogLevel::Info
+            };
+            let mode = if fuse_notify_all {
+                FuseMode::NotifyAll
+            } else {
+                FuseMode::OneAtATime
+            };
+            let fuse = (!no_fuse).then_some(FuseOptions {
+                mode,
+                hold: Duration::from_millis(fuse_hold_ms),
+            });
+            let gates = GateConfig {
+                settle: Duration::from_millis(mem_settle),
+                pause: on_memory_pressure == OnMemoryPressure::Pause,
+                ..gates.config()?
+            };
             // The file is read only when it is needed: a broker started as
             // another user need not be able to read the caller's home.
-            let file = if jobs.is_none() { Some(Config::load()?) } else { None };
-            let jobs = jobs.unwrap_or_else(|| file.as_ref().expect("read when --jobs is not given").jobs(None).value);
-            let cluster = cluster.config().or_else(|| file.as_ref().and_then(Config::cluster));
+            let file = if jobs.is_none() {
+                Some(Config::load()?)
+            } else {
+                None
+            };
+            let jobs = jobs.unwrap_or_else(|| {
+                file.as_ref()
+                    .expect("read when --jobs is not given")
+                    .jobs(None)
+                    .value
+            });
+            let cluster = cluster
+                .config()
+                .or_else(|| file.as_ref().and_then(Config::cluster));
             let idle_timeout = idle_timeout.map(Duration::from_secs);
             let reclaim_grace = Duration::from_millis(reclaim_grace);
-            baton_broker::serve(ServeOptions { jobs, socket, fuse, spin_us, io_uring: !no_io_uring, log_level, gates, idle_timeout, max_clients, cluster, replace, reclaim_grace })?;
+            baton_broker::serve(ServeOptions {
+                jobs,
+                socket,
+                fuse,
+                spin_us,
+                io_uring: !no_io_uring,
+                log_level,
+                gates,
+                idle_timeout,
+                max_clients,
+                cluster,
+                replace,
+                reclaim_grace,
+            })?;
         }
-        Cmd::Run { socket, tokens, jobserver_style, max, explain, name, weight, command } => {
+        Cmd::Run {
+            socket,
+            tokens,
+            jobserver_style,
+            max,
+            explain,
+            name,
+            weight,
+            command,
+        } => {
             // Read once, and only where needed: to start a broker, or for
             // the default weight.
-            let config = if autostart_enabled() || weight.is_none() { Some(Config::load()?) } else { None };
-            let weight = weight.unwrap_or_else(|| config.as_ref().expect("read when --weight is not given").weight().value);
+            let config = if autostart_enabled() || weight.is_none() {
+                Some(Config::load()?)
+            } else {
+                None
+            };
+            let weight = weight.unwrap_or_else(|| {
+                config
+                    .as_ref()
+                    .expect("read when --weight is not given")
+                    .weight()
+                    .value
+            });
             let autostart = config.filter(|_| autostart_enabled()).map(|config| {
                 let socket = socket.clone();
                 Box::new(move || autostart(socket.as_deref(), &config)) as LazyAutostart
             });
-            let code = baton_jobserver::run(RunOptions { socket, tokens, max, style: jobserver_style, name, weight, command, explain, autostart })?;
+            let code = baton_jobserver::run(RunOptions {
+                socket,
+                tokens,
+                max,
+                style: jobserver_style,
+                name,
+                weight,
+                command,
+                explain,
+                autostart,
+            })?;
             return Ok(u8::try_from(code).unwrap_or(1));
         }
-        Cmd::Status { socket, json, prometheus } => status::print_status(&socket_path(socket), json, prometheus)?,
+        Cmd::Status {
+            socket,
+            json,
+            prometheus,
+        } => status::print_status(&socket_path(socket), json, prometheus)?,
         Cmd::Top { socket } => top::run(&socket_path(socket))?,
-        Cmd::Limit { jobs, socket, gates } => status::set_limit(&socket_path(socket), jobs, &gates.settings())?,
+        Cmd::Limit {
+            jobs,
+            socket,
+            gates,
+        } => status::set_limit(&socket_path(socket), jobs, &gates.settings())?,
         Cmd::Bench(args) => baton_bench::run(args)?,
         Cmd::Config => emit(config::describe(&Config::load()?, autostart_enabled()).as_bytes())?,
-        Cmd::ShellInit { shell } => emit(shell_init::script(shell, &std::env::current_exe()?).as_bytes())?,
+        Cmd::ShellInit { shell } => {
+            emit(shell_init::script(shell, &std::env::current_exe()?).as_bytes())?
+        }
         Cmd::Completions { shell } => {
             let mut text = Vec::new();
             clap_complete::generate(shell, &mut Cli::command(), "baton", &mut text);
@@ -408,9 +534,16 @@ fn emit(text: &[u8]) -> std::io::Result<()> {
 /// serving the same socket with the config file's limit, and stopping
 /// once idle (the caller skips it when BATON_NO_AUTOSTART is set).
 fn autostart(socket: Option<&Path>, config: &Config) -> anyhow::Result<Autostart> {
-    let mut args: Vec<OsString> = vec!["serve".into(), "--jobs".into(), config.jobs(None).value.to_string().into()];
+    let mut args: Vec<OsString> = vec![
+        "serve".into(),
+        "--jobs".into(),
+        config.jobs(None).value.to_string().into(),
+    ];
     if let Some(timeout) = config.idle_duration() {
-        args.extend(["--idle-timeout".into(), timeout.as_secs().to_string().into()]);
+        args.extend([
+            "--idle-timeout".into(),
+            timeout.as_secs().to_string().into(),
+        ]);
     }
     if let Some(cluster) = config.cluster() {
         args.extend(cluster_options(&cluster).into_iter().map(OsString::from));
@@ -419,9 +552,15 @@ fn autostart(socket: Option<&Path>, config: &Config) -> anyhow::Result<Autostart
     // environment is the same) and may make its default directory private.
     if let Some(socket) = socket {
         // The broker starts in /, not here.
-        args.extend(["--socket".into(), std::path::absolute(socket)?.into_os_string()]);
+        args.extend([
+            "--socket".into(),
+            std::path::absolute(socket)?.into_os_string(),
+        ]);
     }
-    Ok(Autostart { program: std::env::current_exe()?, args })
+    Ok(Autostart {
+        program: std::env::current_exe()?,
+        args,
+    })
 }
 
 /// The options of `baton serve` that join `cluster`.

@@ -99,7 +99,8 @@ mod tests {
     #[test]
     fn calls_the_baton_it_was_given() {
         for shell in [Shell::Bash, Shell::Zsh, Shell::Fish] {
-            assert!(script(shell, Path::new("/opt/baton/bin/baton")).contains("'/opt/baton/bin/baton' run -- "));
+            assert!(script(shell, Path::new("/opt/baton/bin/baton"))
+                .contains("'/opt/baton/bin/baton' run -- "));
         }
     }
 }

@@ -68,7 +68,9 @@ fn human_bytes(bytes: f64) -> String {
 }
 
 fn now() -> f64 {
-    SystemTime::now().duration_since(UNIX_EPOCH).map_or(0.0, |d| d.as_secs_f64())
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0.0, |d| d.as_secs_f64())
 }
 
 /// The human-readable report.
@@ -91,23 +93,68 @@ fn render(s: &Status, now: f64) -> String {
         if rows.is_empty() {
             return;
         }
-        out.push_str(&format!("\n{title}\n{:>8} {:>6} {:>8} {:<9} COMMAND\n", "PID", "TOKENS", "FOR", "VIA"));
+        out.push_str(&format!(
+            "\n{title}\n{:>8} {:>6} {:>8} {:<9} COMMAND\n",
+            "PID", "TOKENS", "FOR", "VIA"
+        ));
         for (pid, tokens, since, via, command) in rows {
-            out.push_str(&format!("{pid:>8} {tokens:>6} {:>7.1}s {via:<9} {command}\n", (now - since).max(0.0)));
+            out.push_str(&format!(
+                "{pid:>8} {tokens:>6} {:>7.1}s {via:<9} {command}\n",
+                (now - since).max(0.0)
+            ));
         }
     };
     for g in &s.gates {
-        let value = g.value.map_or("n/a".to_string(), |v| show_gate(&g.name, Some(v)));
+        let value = g
+            .value
+            .map_or("n/a".to_string(), |v| show_gate(&g.name, Some(v)));
         let state = match g.closed_since {
             Some(since) => format!("CLOSED for {:.1}s", (now - since).max(0.0)),
             None if g.open => "open".to_string(),
             None => "CLOSED".to_string(),
         };
-        let (relation, threshold) = if g.name == "mem-available" { ("min", show_gate(&g.name, Some(g.threshold))) } else { ("max", format!("{}", g.threshold)) };
-        out.push_str(&format!("gate {:<13} {state:<16} now {value}  {relation} {threshold}\n", g.name));
+        let (relation, threshold) = if g.name == "mem-available" {
+            ("min", show_gate(&g.name, Some(g.threshold)))
+        } else {
+            ("max", format!("{}", g.threshold))
+        };
+        out.push_str(&format!(
+            "gate {:<13} {state:<16} now {value}  {relation} {threshold}\n",
+            g.name
+        ));
     }
-    rows("HOLDERS", s.holders.iter().map(|h| (h.pid, h.tokens, h.since, h.transport.as_str(), h.command.as_str())).collect(), &mut out);
-    rows("WAITERS", s.waiters.iter().map(|w| (w.pid, w.tokens, w.since, w.transport.as_str(), w.command.as_str())).collect(), &mut out);
+    rows(
+        "HOLDERS",
+        s.holders
+            .iter()
+            .map(|h| {
+                (
+                    h.pid,
+                    h.tokens,
+                    h.since,
+                    h.transport.as_str(),
+                    h.command.as_str(),
+                )
+            })
+            .collect(),
+        &mut out,
+    );
+    rows(
+        "WAITERS",
+        s.waiters
+            .iter()
+            .map(|w| {
+                (
+                    w.pid,
+                    w.tokens,
+                    w.since,
+                    w.transport.as_str(),
+                    w.command.as_str(),
+                )
+            })
+            .collect(),
+        &mut out,
+    );
     render_builds(s, &mut out);
     if let Some(cluster) = &s.cluster {
         render_cluster(cluster, &mut out);
@@ -117,7 +164,12 @@ fn render(s: &Status, now: f64) -> String {
 
 /// The cluster pool: what this broker holds, and who else holds or waits.
 fn render_cluster(c: &baton_core::status::Cluster, out: &mut String) {
-    let elsewhere: u32 = c.brokers.iter().map(|b| b.held).sum::<u32>().saturating_sub(c.held);
+    let elsewhere: u32 = c
+        .brokers
+        .iter()
+        .map(|b| b.held)
+        .sum::<u32>()
+        .saturating_sub(c.held);
     let waiting = c.brokers.iter().filter(|b| b.waiting).count();
     out.push_str(&format!(
         "\nCLUSTER {}  limit {}  held here {}  elsewhere {elsewhere}  brokers waiting {waiting}  etcd {} ({})\n",
@@ -130,9 +182,18 @@ fn render_cluster(c: &baton_core::status::Cluster, out: &mut String) {
     if c.brokers.is_empty() {
         return;
     }
-    out.push_str(&format!("{:<20} {:>8} {:>6} WAITING\n", "HOST", "PID", "HELD"));
+    out.push_str(&format!(
+        "{:<20} {:>8} {:>6} WAITING\n",
+        "HOST", "PID", "HELD"
+    ));
     for b in &c.brokers {
-        out.push_str(&format!("{:<20} {:>8} {:>6} {}\n", b.host, b.pid, b.held, if b.waiting { "yes" } else { "no" }));
+        out.push_str(&format!(
+            "{:<20} {:>8} {:>6} {}\n",
+            b.host,
+            b.pid,
+            b.held,
+            if b.waiting { "yes" } else { "no" }
+        ));
     }
 }
 
@@ -142,10 +203,13 @@ fn render_builds(s: &Status, out: &mut String) {
     if active.is_empty() {
         return;
     }
-    out.push_str(&format!("
+    out.push_str(&format!(
+        "
 BUILDS
 {:>8} {:>6} {:>6} {:>7} {:>8} {:>12} NAME
-", "PID", "WEIGHT", "HELD", "WAITING", "GRANTS", "TOKEN-TIME"));
+",
+        "PID", "WEIGHT", "HELD", "WAITING", "GRANTS", "TOKEN-TIME"
+    ));
     for b in active {
         out.push_str(&format!(
             "{:>8} {:>6} {:>6} {:>7} {:>8} {:>11.1}s {}\n",

@@ -44,7 +44,16 @@ enum Sort {
 }
 
 impl Sort {
-    const ALL: [Sort; 8] = [Sort::Held, Sort::Waiting, Sort::Name, Sort::Weight, Sort::Grants, Sort::WaitP50, Sort::WaitP99, Sort::Running];
+    const ALL: [Sort; 8] = [
+        Sort::Held,
+        Sort::Waiting,
+        Sort::Name,
+        Sort::Weight,
+        Sort::Grants,
+        Sort::WaitP50,
+        Sort::WaitP99,
+        Sort::Running,
+    ];
 
     fn next(self) -> Sort {
         let i = Sort::ALL.iter().position(|&s| s == self).expect("listed");
@@ -133,14 +142,20 @@ impl Top {
 
     /// Asks the broker for its status, connecting first if need be.
     fn refresh(&mut self) {
-        if let Err(e) = self.ask(|client| client.status()).map(|s| self.status = Some(s)) {
+        if let Err(e) = self
+            .ask(|client| client.status())
+            .map(|s| self.status = Some(s))
+        {
             self.gone = Some(e.to_string());
         }
     }
 
     /// One request over the connection; a failure drops it, so that the
     /// next request connects anew (the broker may have been restarted).
-    fn ask<T>(&mut self, request: impl FnOnce(&mut Client) -> baton_client::Result<T>) -> Result<T> {
+    fn ask<T>(
+        &mut self,
+        request: impl FnOnce(&mut Client) -> baton_client::Result<T>,
+    ) -> Result<T> {
         if self.client.is_none() {
             self.client = Some(Client::connect(&self.socket, "baton top")?);
         }
@@ -180,8 +195,12 @@ impl Top {
 
     /// `baton limit` with the limit one up or down.
     fn change_limit(&mut self, by: i64) {
-        let Some(limit) = self.status.as_ref().map(|s| i64::from(s.limit) + by) else { return };
-        let Ok(limit) = u32::try_from(limit.max(1)) else { return };
+        let Some(limit) = self.status.as_ref().map(|s| i64::from(s.limit) + by) else {
+            return;
+        };
+        let Ok(limit) = u32::try_from(limit.max(1)) else {
+            return;
+        };
         self.message = match self.ask(|client| client.set_limit(limit)) {
             Ok(old) => format!("limit {old} -> {limit}"),
             Err(e) => format!("limit not changed: {e}"),
@@ -195,7 +214,9 @@ impl Top {
         if rows.is_empty() {
             return;
         }
-        let at = self.selected.and_then(|id| rows.iter().position(|b| b.id == id));
+        let at = self
+            .selected
+            .and_then(|id| rows.iter().position(|b| b.id == id));
         let next = match at {
             Some(i) => i.saturating_add_signed(by).min(rows.len() - 1),
             None => 0,
@@ -207,8 +228,14 @@ impl Top {
     /// tokens (not idle clients such as this view's own), in the chosen
     /// order.
     fn rows(&self) -> Vec<&Build> {
-        let Some(status) = &self.status else { return Vec::new() };
-        let mut rows: Vec<&Build> = status.builds.iter().filter(|b| b.held + b.waiting > 0 || b.grants > 0).collect();
+        let Some(status) = &self.status else {
+            return Vec::new();
+        };
+        let mut rows: Vec<&Build> = status
+            .builds
+            .iter()
+            .filter(|b| b.held + b.waiting > 0 || b.grants > 0)
+            .collect();
         rows.sort_by(|a, b| self.sort.order(a, b).then(a.id.cmp(&b.id)));
         if self.reversed {
             rows.reverse();
@@ -217,17 +244,33 @@ impl Top {
     }
 
     fn draw(&self, frame: &mut Frame) {
-        let [header, builds, holders, history, footer] =
-            Layout::vertical([Constraint::Length(3), Constraint::Min(4), Constraint::Length(7), Constraint::Length(6), Constraint::Length(1)])
-                .areas(frame.area());
+        let [header, builds, holders, history, footer] = Layout::vertical([
+            Constraint::Length(3),
+            Constraint::Min(4),
+            Constraint::Length(7),
+            Constraint::Length(6),
+            Constraint::Length(1),
+        ])
+        .areas(frame.area());
         frame.render_widget(Paragraph::new(self.header()), header);
         let rows = self.rows();
-        let selected = self.selected.and_then(|id| rows.iter().position(|b| b.id == id)).or(if rows.is_empty() { None } else { Some(0) });
+        let selected = self
+            .selected
+            .and_then(|id| rows.iter().position(|b| b.id == id))
+            .or(if rows.is_empty() { None } else { Some(0) });
         self.draw_builds(frame, builds, &rows, selected);
         self.draw_holders(frame, holders, selected.map(|i| rows[i]));
         self.draw_history(frame, history);
-        let keys = format!("q quit  +/- limit  ↑↓ select  s sort ({}{})  ? help  {}", self.sort.name(), if self.reversed { ", reversed" } else { "" }, self.message);
-        frame.render_widget(Paragraph::new(keys).style(Style::new().add_modifier(Modifier::REVERSED)), footer);
+        let keys = format!(
+            "q quit  +/- limit  ↑↓ select  s sort ({}{})  ? help  {}",
+            self.sort.name(),
+            if self.reversed { ", reversed" } else { "" },
+            self.message
+        );
+        frame.render_widget(
+            Paragraph::new(keys).style(Style::new().add_modifier(Modifier::REVERSED)),
+            footer,
+        );
         if self.help {
             draw_help(frame);
         }
@@ -236,7 +279,10 @@ impl Top {
     fn header(&self) -> Vec<Line<'static>> {
         let mut lines = Vec::new();
         match &self.gone {
-            Some(why) => lines.push(Line::from(format!("broker gone, retrying ({why})")).style(Style::new().fg(Color::Red).bold())),
+            Some(why) => lines.push(
+                Line::from(format!("broker gone, retrying ({why})"))
+                    .style(Style::new().fg(Color::Red).bold()),
+            ),
             None => lines.push(Line::from(format!("baton top  {}", self.socket.display()))),
         }
         let Some(s) = &self.status else { return lines };
@@ -253,7 +299,15 @@ impl Top {
         let gates: Vec<String> = s
             .gates
             .iter()
-            .map(|g| format!("{} {} ({} / {})", g.name, if g.open { "open" } else { "CLOSED" }, g.value.map_or("n/a".into(), |v| format!("{v:.1}")), g.threshold))
+            .map(|g| {
+                format!(
+                    "{} {} ({} / {})",
+                    g.name,
+                    if g.open { "open" } else { "CLOSED" },
+                    g.value.map_or("n/a".into(), |v| format!("{v:.1}")),
+                    g.threshold
+                )
+            })
             .collect();
         if !gates.is_empty() {
             lines.push(Line::from(format!("gates: {}", gates.join("  "))));
@@ -263,7 +317,10 @@ impl Top {
 
     fn draw_builds(&self, frame: &mut Frame, area: Rect, rows: &[&Build], selected: Option<usize>) {
         let now = now();
-        let header = Row::new(["NAME", "WEIGHT", "HELD", "WAITING", "GRANTS", "WAIT p50", "WAIT p99", "RUNNING"]).bold();
+        let header = Row::new([
+            "NAME", "WEIGHT", "HELD", "WAITING", "GRANTS", "WAIT p50", "WAIT p99", "RUNNING",
+        ])
+        .bold();
         let body = rows.iter().map(|b| {
             Row::new([
                 b.name.clone(),
@@ -276,7 +333,16 @@ impl Top {
                 show_seconds(now - b.since),
             ])
         });
-        let widths = [Constraint::Min(8), Constraint::Length(6), Constraint::Length(6), Constraint::Length(7), Constraint::Length(8), Constraint::Length(9), Constraint::Length(9), Constraint::Length(9)];
+        let widths = [
+            Constraint::Min(8),
+            Constraint::Length(6),
+            Constraint::Length(6),
+            Constraint::Length(7),
+            Constraint::Length(8),
+            Constraint::Length(9),
+            Constraint::Length(9),
+            Constraint::Length(9),
+        ];
         let table = Table::new(body, widths)
             .header(header)
             .block(Block::bordered().title(" builds "))
@@ -287,11 +353,29 @@ impl Top {
     /// Who in the selected build holds tokens, and since when.
     fn draw_holders(&self, frame: &mut Frame, area: Rect, build: Option<&Build>) {
         let now = now();
-        let holders = self.status.iter().flat_map(|s| &s.holders).filter(|h| build.is_some_and(|b| b.id == h.build));
-        let body = holders.map(|h| Row::new([h.pid.to_string(), h.tokens.to_string(), show_seconds(now - h.since), h.command.clone()]));
+        let holders = self
+            .status
+            .iter()
+            .flat_map(|s| &s.holders)
+            .filter(|h| build.is_some_and(|b| b.id == h.build));
+        let body = holders.map(|h| {
+            Row::new([
+                h.pid.to_string(),
+                h.tokens.to_string(),
+                show_seconds(now - h.since),
+                h.command.clone(),
+            ])
+        });
         let title = format!(" holders of {} ", build.map_or("-", |b| b.name.as_str()));
-        let widths = [Constraint::Length(8), Constraint::Length(6), Constraint::Length(9), Constraint::Fill(1)];
-        let table = Table::new(body, widths).header(Row::new(["PID", "TOKENS", "SINCE", "COMMAND"]).bold()).block(Block::bordered().title(title));
+        let widths = [
+            Constraint::Length(8),
+            Constraint::Length(6),
+            Constraint::Length(9),
+            Constraint::Fill(1),
+        ];
+        let table = Table::new(body, widths)
+            .header(Row::new(["PID", "TOKENS", "SINCE", "COMMAND"]).bold())
+            .block(Block::bordered().title(title));
         frame.render_widget(table, area);
     }
 
@@ -304,8 +388,16 @@ impl Top {
         let shown = &held[held.len().saturating_sub(width)..];
         // Hundredths, so that a mean of 0.4 tokens still shows.
         let data: Vec<u64> = shown.iter().map(|&h| (h * 100.0).round() as u64).collect();
-        let title = format!(" tokens held, last {} (top = limit {}) ", show_seconds(shown.len() as f64 * s.utilization.interval_s), s.limit);
-        let sparkline = Sparkline::default().block(Block::bordered().title(title)).data(&data).max(u64::from(s.limit) * 100).style(Style::new().fg(Color::Green));
+        let title = format!(
+            " tokens held, last {} (top = limit {}) ",
+            show_seconds(shown.len() as f64 * s.utilization.interval_s),
+            s.limit
+        );
+        let sparkline = Sparkline::default()
+            .block(Block::bordered().title(title))
+            .data(&data)
+            .max(u64::from(s.limit) * 100)
+            .style(Style::new().fg(Color::Green));
         frame.render_widget(sparkline, area);
     }
 }
@@ -323,13 +415,23 @@ fn draw_help(frame: &mut Frame) {
     ];
     let area = frame.area();
     let (w, h) = (area.width.min(72), area.height.min(text.len() as u16 + 2));
-    let popup = Rect { x: area.x + (area.width - w) / 2, y: area.y + (area.height - h) / 2, width: w, height: h };
+    let popup = Rect {
+        x: area.x + (area.width - w) / 2,
+        y: area.y + (area.height - h) / 2,
+        width: w,
+        height: h,
+    };
     frame.render_widget(Clear, popup);
-    frame.render_widget(Paragraph::new(text.join("\n")).block(Block::bordered().title(" baton top ")), popup);
+    frame.render_widget(
+        Paragraph::new(text.join("\n")).block(Block::bordered().title(" baton top ")),
+        popup,
+    );
 }
 
 fn now() -> f64 {
-    SystemTime::now().duration_since(UNIX_EPOCH).map_or(0.0, |d| d.as_secs_f64())
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0.0, |d| d.as_secs_f64())
 }
 
 /// A wait as people read it: 0, 850us, 12ms, 1.5s, 2m05s.
@@ -399,7 +501,11 @@ mod tests {
 
     #[test]
     fn idle_builds_get_no_row_and_busy_ones_sort_by_held() {
-        let top = top_with(vec![build(1, "idle", 0, 0), build(2, "small", 1, 3), build(3, "big", 5, 9)]);
+        let top = top_with(vec![
+            build(1, "idle", 0, 0),
+            build(2, "small", 1, 3),
+            build(3, "big", 5, 9),
+        ]);
         let names: Vec<_> = top.rows().iter().map(|b| b.name.clone()).collect();
         assert_eq!(names, ["big", "small"]);
     }
@@ -428,7 +534,17 @@ mod tests {
 
     #[test]
     fn durations_read_as_people_write_them() {
-        assert_eq!([show_ms(0.0), show_ms(0.25), show_ms(12.4), show_ms(1500.0)], ["0", "250us", "12ms", "1.5s"]);
-        assert_eq!([show_seconds(4.25), show_seconds(187.0), show_seconds(7500.0)], ["4.2s", "3m07s", "2h05m"]);
+        assert_eq!(
+            [show_ms(0.0), show_ms(0.25), show_ms(12.4), show_ms(1500.0)],
+            ["0", "250us", "12ms", "1.5s"]
+        );
+        assert_eq!(
+            [
+                show_seconds(4.25),
+                show_seconds(187.0),
+                show_seconds(7500.0)
+            ],
+            ["4.2s", "3m07s", "2h05m"]
+        );
     }
 }

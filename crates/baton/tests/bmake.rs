@@ -13,7 +13,12 @@ use std::time::Duration;
 /// each `jobs` logged jobs (j0, j1, ...); the job named `fail` (say
 /// "s1j1") logs its run and then fails.
 fn bmake_tree(dir: &Path, log: &Path, subs: usize, jobs: usize, fail: &str) {
-    let names = |prefix: &str, n: usize| (0..n).map(|i| format!("{prefix}{i}")).collect::<Vec<_>>().join(" ");
+    let names = |prefix: &str, n: usize| {
+        (0..n)
+            .map(|i| format!("{prefix}{i}"))
+            .collect::<Vec<_>>()
+            .join(" ")
+    };
     let top = format!("SUBS = {}\nall: ${{SUBS}}\n${{SUBS}}:\n\t@${{MAKE}} -f ${{.CURDIR}}/sub.mk NAME=$@\n.PHONY: all ${{SUBS}}\n", names("s", subs));
     std::fs::write(dir.join("Makefile"), top).unwrap();
     let job = logged_job(log, "0.2");
@@ -26,7 +31,15 @@ fn run_bmake(broker: &Broker, dir: &Path, run_args: &[&str], bmake_args: &[&str]
     let mut args = run_args.to_vec();
     args.extend(["--", bmake.to_str().unwrap()]);
     args.extend_from_slice(bmake_args);
-    let mut child = broker.run(&args).current_dir(dir).env_remove("MAKEFLAGS").env_remove("MAKELEVEL").stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap();
+    let mut child = broker
+        .run(&args)
+        .current_dir(dir)
+        .env_remove("MAKEFLAGS")
+        .env_remove("MAKELEVEL")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
     // Read as it comes, so a chatty build (-dj) never blocks on a full pipe.
     let out = read_all(child.stdout.take().unwrap());
     let err = read_all(child.stderr.take().unwrap());
@@ -34,8 +47,16 @@ fn run_bmake(broker: &Broker, dir: &Path, run_args: &[&str], bmake_args: &[&str]
     if finished.is_none() {
         let _ = child.kill();
     }
-    let output = Output { status: child.wait().unwrap(), stdout: out.join().unwrap(), stderr: err.join().unwrap() };
-    assert!(finished.is_some(), "bmake hung (killed after 120 s): {}", text(&output));
+    let output = Output {
+        status: child.wait().unwrap(),
+        stdout: out.join().unwrap(),
+        stderr: err.join().unwrap(),
+    };
+    assert!(
+        finished.is_some(),
+        "bmake hung (killed after 120 s): {}",
+        text(&output)
+    );
     output
 }
 
@@ -48,7 +69,11 @@ fn read_all(mut from: impl std::io::Read + Send + 'static) -> std::thread::JoinH
 }
 
 fn text(out: &Output) -> String {
-    format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr))
+    format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    )
 }
 
 /// The styles baton offers bmake: `fifo` (auto: both ends on the build's
@@ -58,10 +83,19 @@ fn text(out: &Output) -> String {
 fn styles(broker: &Broker) -> Vec<&'static str> {
     let mount = broker.socket.with_file_name("fuse");
     let mounts = std::fs::read_to_string("/proc/self/mounts").unwrap_or_default();
-    if mounts.lines().any(|l| l.split(' ').nth(1) == mount.to_str()) {
+    if mounts
+        .lines()
+        .any(|l| l.split(' ').nth(1) == mount.to_str())
+    {
         return vec!["fifo", "pipe", "fuse"];
     }
-    skip(Missing::Fuse, &format!("bmake on the FUSE file: the broker has no mount: {}", broker.log()));
+    skip(
+        Missing::Fuse,
+        &format!(
+            "bmake on the FUSE file: the broker has no mount: {}",
+            broker.log()
+        ),
+    );
     vec!["fifo", "pipe"]
 }
 
@@ -73,7 +107,11 @@ fn a_recursive_bmake_tree_holds_the_limit_and_reaches_it() {
         let log = dir.path().join("jobs.log");
         bmake_tree(dir.path(), &log, 4, 8, "none");
         let out = run_bmake(&broker, dir.path(), &["--jobserver-style", style], &[]);
-        assert!(out.status.success(), "bmake failed under baton run ({style}):\n{}", text(&out));
+        assert!(
+            out.status.success(),
+            "bmake failed under baton run ({style}):\n{}",
+            text(&out)
+        );
         let (max, started) = max_overlap(&log);
         assert_eq!(started, 32);
         assert_eq!(max, 4, "most jobs at once under --jobs 4 ({style})");
@@ -89,20 +127,44 @@ fn bmake_is_found_by_what_it_is_and_gets_its_own_form() {
     // Found by what it is, under another name: FreeBSD's make is bmake.
     let link = dir.path().join("make");
     std::os::unix::fs::symlink(bmake(), &link).unwrap();
-    std::fs::write(dir.path().join("Makefile"), "all:\n\t@echo \"$$MAKEFLAGS\"\n").unwrap();
-    let out = broker.run(&["--explain", "--", link.to_str().unwrap()]).current_dir(dir.path()).env_remove("MAKEFLAGS").output().unwrap();
+    std::fs::write(
+        dir.path().join("Makefile"),
+        "all:\n\t@echo \"$$MAKEFLAGS\"\n",
+    )
+    .unwrap();
+    let out = broker
+        .run(&["--explain", "--", link.to_str().unwrap()])
+        .current_dir(dir.path())
+        .env_remove("MAKEFLAGS")
+        .output()
+        .unwrap();
     assert!(out.status.success(), "{}", text(&out));
     let flags = String::from_utf8_lossy(&out.stdout);
-    assert!(flags.contains(" -J ") && flags.contains("-j 2"), "bmake's form: {flags}");
+    assert!(
+        flags.contains(" -J ") && flags.contains("-j 2"),
+        "bmake's form: {flags}"
+    );
     // --explain names what bmake got and why; GNU make's and gcc's
     // versions, which decide a GNU build's form, are no reason here.
     let explained = String::from_utf8_lossy(&out.stderr);
     let first = explained.lines().next().unwrap_or("");
-    assert!(first.contains("jobserver: fifo (bmake's -J R,W") && first.ends_with("(auto)"), "{explained}");
-    let version = Command::new(bmake()).args(["-r", "-f", "/dev/null", "-V", "MAKE_VERSION"]).output().unwrap();
+    assert!(
+        first.contains("jobserver: fifo (bmake's -J R,W") && first.ends_with("(auto)"),
+        "{explained}"
+    );
+    let version = Command::new(bmake())
+        .args(["-r", "-f", "/dev/null", "-V", "MAKE_VERSION"])
+        .output()
+        .unwrap();
     let version = String::from_utf8_lossy(&version.stdout).trim().to_string();
-    assert!(explained.contains(&format!("because bmake {version} ({})", link.display())), "{explained}");
-    assert!(!explained.contains("gcc") && !explained.contains("reads only R,W"), "{explained}");
+    assert!(
+        explained.contains(&format!("because bmake {version} ({})", link.display())),
+        "{explained}"
+    );
+    assert!(
+        !explained.contains("gcc") && !explained.contains("reads only R,W"),
+        "{explained}"
+    );
     broker.assert_all_free();
 }
 
@@ -110,21 +172,37 @@ fn bmake_is_found_by_what_it_is_and_gets_its_own_form() {
 fn bmake_beside_gnu_make_and_ninja_shares_one_limit() {
     let broker = Broker::start(6);
     let log = broker.dir.path().join("all-jobs.log");
-    let dirs: Vec<TempDir> = (0..4).map(|i| TempDir::new(&format!("bmake-mix{i}"))).collect();
+    let dirs: Vec<TempDir> = (0..4)
+        .map(|i| TempDir::new(&format!("bmake-mix{i}")))
+        .collect();
     bmake_tree(dirs[0].path(), &log, 4, 6, "none");
     flat_makefile(dirs[1].path(), &log, 20, "0.2");
     flat_makefile(dirs[2].path(), &log, 20, "0.2");
     flat_ninja(dirs[3].path(), &log, 20, "0.2");
     let spawn = |dir: &Path, tool: PathBuf| -> Child {
-        broker.run(&["--", tool.to_str().unwrap()]).current_dir(dir).env_remove("MAKEFLAGS").stdout(Stdio::null()).spawn().unwrap()
+        broker
+            .run(&["--", tool.to_str().unwrap()])
+            .current_dir(dir)
+            .env_remove("MAKEFLAGS")
+            .stdout(Stdio::null())
+            .spawn()
+            .unwrap()
     };
-    let builds = [spawn(dirs[0].path(), bmake()), spawn(dirs[1].path(), make43()), spawn(dirs[2].path(), make44()), spawn(dirs[3].path(), ninja())];
+    let builds = [
+        spawn(dirs[0].path(), bmake()),
+        spawn(dirs[1].path(), make43()),
+        spawn(dirs[2].path(), make44()),
+        spawn(dirs[3].path(), ninja()),
+    ];
     for mut b in builds {
         assert!(b.wait().unwrap().success());
     }
     let (max, started) = max_overlap(&log);
     assert_eq!(started, 24 + 60);
-    assert!(max <= 6, "{max} jobs at once across four builds under --jobs 6");
+    assert!(
+        max <= 6,
+        "{max} jobs at once across four builds under --jobs 6"
+    );
     broker.assert_all_free();
 }
 
@@ -151,19 +229,40 @@ fn a_failing_bmake_job_stops_its_build(style: &str) {
     let other = TempDir::new("bmake-fail-other");
     let other_log = other.path().join("jobs.log");
     flat_makefile(other.path(), &other_log, 30, "0.1");
-    let mut neighbour = broker.run(&["--", make44().to_str().unwrap()]).current_dir(other.path()).env_remove("MAKEFLAGS").stdout(Stdio::null()).spawn().unwrap();
+    let mut neighbour = broker
+        .run(&["--", make44().to_str().unwrap()])
+        .current_dir(other.path())
+        .env_remove("MAKEFLAGS")
+        .stdout(Stdio::null())
+        .spawn()
+        .unwrap();
     // -dj: each bmake says when it reads an abort token (and none dies
     // quietly).
     let out = run_bmake(&broker, dir.path(), &["--jobserver-style", style], &["-dj"]);
     let said = format!("({style}) {}", text(&out));
     assert_eq!(out.status.code(), Some(2), "{said}");
-    assert!(said.contains("*** [j0] Error code 3"), "bmake's own report of the failure: {said}");
-    assert!(said.contains("aborted by token E"), "no other bmake saw the abort: {said}");
-    assert!(said.contains("A failure has been detected in another branch of the parallel make"), "{said}");
+    assert!(
+        said.contains("*** [j0] Error code 3"),
+        "bmake's own report of the failure: {said}"
+    );
+    assert!(
+        said.contains("aborted by token E"),
+        "no other bmake saw the abort: {said}"
+    );
+    assert!(
+        said.contains("A failure has been detected in another branch of the parallel make"),
+        "{said}"
+    );
     // Had the abort stayed in s1, every job of the two others would run.
     let (_, started) = max_overlap(&log);
-    assert!(started < 2 * 12 + 1, "{started} jobs ran ({style}): the abort stopped no other sub-make");
-    assert!(neighbour.wait().unwrap().success(), "the abort reached another build");
+    assert!(
+        started < 2 * 12 + 1,
+        "{started} jobs ran ({style}): the abort stopped no other sub-make"
+    );
+    assert!(
+        neighbour.wait().unwrap().success(),
+        "the abort reached another build"
+    );
     assert_eq!(max_overlap(&other_log).1, 30);
     broker.assert_all_free();
 }
@@ -178,7 +277,10 @@ fn with_dash_k_bmake_goes_on_past_a_failing_job() {
     let said = text(&out);
     assert!(!out.status.success(), "{said}");
     assert!(said.contains("*** [j1] Error code 3"), "{said}");
-    assert!(!said.contains("another branch"), "-k wrote an abort token: {said}");
+    assert!(
+        !said.contains("another branch"),
+        "-k wrote an abort token: {said}"
+    );
     assert_eq!(max_overlap(&log).1, 24, "-k ran every job: {said}");
     broker.assert_all_free();
 }
@@ -201,13 +303,16 @@ fn kill_9_of_the_top_bmake_gives_every_token_back() {
         .spawn()
         .unwrap();
     // The tokens are in the build's FIFO before bmake starts: wait for both.
-    wait_for(Duration::from_secs(20), "the tree to start and hold every token", || {
-        broker.status().held == 4 && !children(run.id()).is_empty()
-    });
+    wait_for(
+        Duration::from_secs(20),
+        "the tree to start and hold every token",
+        || broker.status().held == 4 && !children(run.id()).is_empty(),
+    );
     let top = children(run.id());
     assert_eq!(top.len(), 1, "baton run has one child, the top bmake");
     unsafe { libc::kill(top[0] as i32, libc::SIGKILL) };
-    let status = wait_timeout(&mut run, Duration::from_secs(10)).expect("baton run ends with its command");
+    let status =
+        wait_timeout(&mut run, Duration::from_secs(10)).expect("baton run ends with its command");
     assert_eq!(status.code(), Some(128 + 9));
     broker.assert_all_free();
     unsafe { libc::kill(-(run.id() as i32), libc::SIGKILL) };
@@ -215,7 +320,11 @@ fn kill_9_of_the_top_bmake_gives_every_token_back() {
 
 fn children(pid: u32) -> Vec<u32> {
     let path = format!("/proc/{pid}/task/{pid}/children");
-    std::fs::read_to_string(path).unwrap_or_default().split_whitespace().filter_map(|p| p.parse().ok()).collect()
+    std::fs::read_to_string(path)
+        .unwrap_or_default()
+        .split_whitespace()
+        .filter_map(|p| p.parse().ok())
+        .collect()
 }
 
 /// bmake does not wait on its pipe, so baton keeps every token the build
@@ -228,7 +337,11 @@ fn tokens_an_idle_bmake_build_leaves_unread_go_to_a_waiting_build() {
     let dir = TempDir::new("bmake-idle");
     let started = dir.path().join("started");
     // One long job: bmake holds its own slot and reads nothing more.
-    std::fs::write(dir.path().join("Makefile"), format!("all:\n\t@touch {}; sleep 30\n", started.display())).unwrap();
+    std::fs::write(
+        dir.path().join("Makefile"),
+        format!("all:\n\t@touch {}; sleep 30\n", started.display()),
+    )
+    .unwrap();
     let bmake = bmake();
     let mut idle = broker
         .run(&["--", bmake.to_str().unwrap()])
@@ -238,17 +351,34 @@ fn tokens_an_idle_bmake_build_leaves_unread_go_to_a_waiting_build() {
         .process_group(0)
         .spawn()
         .unwrap();
-    wait_for(Duration::from_secs(20), "the bmake build to fill its pipe", || started.exists() && broker.status().held == 4);
+    wait_for(
+        Duration::from_secs(20),
+        "the bmake build to fill its pipe",
+        || started.exists() && broker.status().held == 4,
+    );
     let other = TempDir::new("bmake-idle-other");
     let log = other.path().join("jobs.log");
     flat_makefile(other.path(), &log, 12, "0.1");
-    let out = broker.run(&["--", make44().to_str().unwrap()]).current_dir(other.path()).env_remove("MAKEFLAGS").output().unwrap();
+    let out = broker
+        .run(&["--", make44().to_str().unwrap()])
+        .current_dir(other.path())
+        .env_remove("MAKEFLAGS")
+        .output()
+        .unwrap();
     assert!(out.status.success(), "{}", text(&out));
     let (max, started_jobs) = max_overlap(&log);
     assert_eq!(started_jobs, 12);
-    assert!(max >= 2, "the waiting build got no token beyond its own slot");
-    assert!(idle.try_wait().unwrap().is_none(), "the bmake build ended first: the test proves nothing");
+    assert!(
+        max >= 2,
+        "the waiting build got no token beyond its own slot"
+    );
+    assert!(
+        idle.try_wait().unwrap().is_none(),
+        "the bmake build ended first: the test proves nothing"
+    );
     unsafe { libc::kill(-(idle.id() as i32), libc::SIGKILL) };
     idle.wait().unwrap();
-    wait_for(Duration::from_secs(10), "every token to be free", || broker.status().free == 4);
+    wait_for(Duration::from_secs(10), "every token to be free", || {
+        broker.status().free == 4
+    });
 }

@@ -18,7 +18,13 @@ fn two_hundred_runs_never_exceed_four_jobs() {
     let job = logged_job(&log, "0.02");
     let children: Vec<_> = (0..200)
         // Plain commands: no jobserver, so every grant is a command's own.
-        .map(|_| broker.run(&["--jobserver-style", "none", "--", "sh", "-c", &job]).stdout(Stdio::null()).spawn().expect("spawn baton run"))
+        .map(|_| {
+            broker
+                .run(&["--jobserver-style", "none", "--", "sh", "-c", &job])
+                .stdout(Stdio::null())
+                .spawn()
+                .expect("spawn baton run")
+        })
         .collect();
     for mut child in children {
         assert!(child.wait().unwrap().success());
@@ -26,11 +32,17 @@ fn two_hundred_runs_never_exceed_four_jobs() {
     let (max, started) = max_overlap(&log);
     assert_eq!(started, 200, "every job ran");
     assert!(max <= 4, "{max} jobs overlapped under a limit of 4");
-    assert!(max >= 2, "the limit allowed parallelism (saw at most {max} at once)");
+    assert!(
+        max >= 2,
+        "the limit allowed parallelism (saw at most {max} at once)"
+    );
     broker.assert_all_free();
     let s = broker.status();
     assert_eq!(s.totals.granted, 200);
-    assert_eq!(s.totals.reclaimed, 0, "baton run gives its token back itself");
+    assert_eq!(
+        s.totals.reclaimed, 0,
+        "baton run gives its token back itself"
+    );
 }
 
 #[test]
@@ -50,10 +62,14 @@ fn a_freed_token_goes_to_the_longest_waiter() {
             c.release(1).unwrap();
         }));
         // Queue them one after another, in a known order.
-        wait_for(Duration::from_secs(5), "the waiter to queue", || broker.status().waiters.len() == i + 1);
+        wait_for(Duration::from_secs(5), "the waiter to queue", || {
+            broker.status().waiters.len() == i + 1
+        });
     }
     holder.release(1).unwrap();
-    let order: Vec<_> = (0..5).map(|_| rx.recv_timeout(Duration::from_secs(30)).expect("a grant")).collect();
+    let order: Vec<_> = (0..5)
+        .map(|_| rx.recv_timeout(Duration::from_secs(30)).expect("a grant"))
+        .collect();
     assert_eq!(order, vec![0, 1, 2, 3, 4]);
     threads.into_iter().for_each(|t| t.join().unwrap());
     broker.assert_all_free();
@@ -62,8 +78,18 @@ fn a_freed_token_goes_to_the_longest_waiter() {
 #[test]
 fn kill_9_of_holders_gives_their_tokens_to_the_waiter() {
     let broker = Broker::start(2);
-    let mut holders: Vec<_> = (0..2).map(|_| broker.run(&["--jobserver-style", "none", "--", "sleep", "600"]).spawn().unwrap()).collect();
-    let sleepers: Vec<u32> = holders.iter().map(|h| running_command(h.id(), "sleep")).collect();
+    let mut holders: Vec<_> = (0..2)
+        .map(|_| {
+            broker
+                .run(&["--jobserver-style", "none", "--", "sleep", "600"])
+                .spawn()
+                .unwrap()
+        })
+        .collect();
+    let sleepers: Vec<u32> = holders
+        .iter()
+        .map(|h| running_command(h.id(), "sleep"))
+        .collect();
     assert_eq!(broker.status().held, 2);
     let socket = broker.socket.clone();
     let waiter = std::thread::spawn(move || {
@@ -71,17 +97,31 @@ fn kill_9_of_holders_gives_their_tokens_to_the_waiter() {
         c.acquire(2).unwrap();
         c
     });
-    wait_for(Duration::from_secs(10), "the waiter to queue", || broker.status().waiters.len() == 1);
+    wait_for(Duration::from_secs(10), "the waiter to queue", || {
+        broker.status().waiters.len() == 1
+    });
     for h in &mut holders {
         h.kill().unwrap(); // SIGKILL
     }
-    let mut waiter = join_within(waiter, Duration::from_secs(30), "the waiter to get the killed holders' tokens");
+    let mut waiter = join_within(
+        waiter,
+        Duration::from_secs(30),
+        "the waiter to get the killed holders' tokens",
+    );
     let s = broker.status();
-    assert_eq!((s.totals.reclaimed, s.held, s.holders.len()), (2, 2, 1), "the waiter holds both reclaimed tokens: {s:#?}");
+    assert_eq!(
+        (s.totals.reclaimed, s.held, s.holders.len()),
+        (2, 2, 1),
+        "the waiter holds both reclaimed tokens: {s:#?}"
+    );
     waiter.release(2).unwrap();
     holders.iter_mut().for_each(|h| drop(h.wait()));
     // CMD must not outlive baton run holding nothing.
-    wait_for(Duration::from_secs(20), "the commands to die with baton run", || sleepers.iter().all(|&p| !pid_alive(p)));
+    wait_for(
+        Duration::from_secs(20),
+        "the commands to die with baton run",
+        || sleepers.iter().all(|&p| !pid_alive(p)),
+    );
     broker.assert_all_free();
 }
 
@@ -91,13 +131,22 @@ fn status_json_has_the_documented_keys() {
     let broker = Broker::start_with(3, &["--max-load", "100000"]);
     let mut holder = broker.client("holder");
     holder.acquire(2).unwrap();
-    let mut waiter = broker.run(&["--jobserver-style", "none", "--tokens", "2", "--", "true"]).spawn().unwrap();
-    wait_for(Duration::from_secs(10), "a waiter", || broker.status().waiters.len() == 1);
+    let mut waiter = broker
+        .run(&["--jobserver-style", "none", "--tokens", "2", "--", "true"])
+        .spawn()
+        .unwrap();
+    wait_for(Duration::from_secs(10), "a waiter", || {
+        broker.status().waiters.len() == 1
+    });
     let v: serde_json::Value = serde_json::from_str(&broker_status_json(&broker)).unwrap();
     let documented = documented_status_fields();
-    assert!(documented.len() >= 17, "the table in docs/protocol.md was not found: {documented:?}");
+    assert!(
+        documented.len() >= 17,
+        "the table in docs/protocol.md was not found: {documented:?}"
+    );
     for (path, kind) in &documented {
-        let value = json_at(&v, path).unwrap_or_else(|| panic!("{path} is documented but missing: {v:#}"));
+        let value =
+            json_at(&v, path).unwrap_or_else(|| panic!("{path} is documented but missing: {v:#}"));
         let ok = match kind.as_str() {
             "number" => value.is_number(),
             "string" => value.is_string(),
@@ -106,17 +155,52 @@ fn status_json_has_the_documented_keys() {
         };
         assert!(ok, "{path} is not a {kind}: {value}");
     }
-    assert_eq!((v["version"].as_u64(), v["broker_pid"].as_u64()), (Some(1), Some(broker.pid() as u64)));
-    assert_eq!((v["limit"].as_u64(), v["free"].as_u64(), v["held"].as_u64()), (Some(3), Some(1), Some(2)));
+    assert_eq!(
+        (v["version"].as_u64(), v["broker_pid"].as_u64()),
+        (Some(1), Some(broker.pid() as u64))
+    );
+    assert_eq!(
+        (v["limit"].as_u64(), v["free"].as_u64(), v["held"].as_u64()),
+        (Some(3), Some(1), Some(2))
+    );
     let holder_row = &v["holders"][0];
-    assert_eq!((holder_row["pid"].as_u64(), holder_row["tokens"].as_u64()), (Some(std::process::id() as u64), Some(2)));
-    assert_eq!((holder_row["command"].as_str(), holder_row["transport"].as_str()), (Some("holder"), Some("socket")));
+    assert_eq!(
+        (holder_row["pid"].as_u64(), holder_row["tokens"].as_u64()),
+        (Some(std::process::id() as u64), Some(2))
+    );
+    assert_eq!(
+        (
+            holder_row["command"].as_str(),
+            holder_row["transport"].as_str()
+        ),
+        (Some("holder"), Some("socket"))
+    );
     assert!(holder_row["since"].as_f64().unwrap() > 1.7e9);
     let waiter_row = &v["waiters"][0];
-    assert_eq!((waiter_row["pid"].as_u64(), waiter_row["tokens"].as_u64()), (Some(waiter.id() as u64), Some(2)));
-    assert_eq!((waiter_row["command"].as_str(), waiter_row["transport"].as_str()), (Some("baton run -- true"), Some("socket")));
+    assert_eq!(
+        (waiter_row["pid"].as_u64(), waiter_row["tokens"].as_u64()),
+        (Some(waiter.id() as u64), Some(2))
+    );
+    assert_eq!(
+        (
+            waiter_row["command"].as_str(),
+            waiter_row["transport"].as_str()
+        ),
+        (Some("baton run -- true"), Some("socket"))
+    );
     let totals = &v["totals"];
-    assert_eq!([&totals["granted"], &totals["released"], &totals["reclaimed"], &totals["waits"], &totals["clients"]].map(|t| t.as_u64()), [2, 0, 0, 1, 3].map(Some), "{totals}");
+    assert_eq!(
+        [
+            &totals["granted"],
+            &totals["released"],
+            &totals["reclaimed"],
+            &totals["waits"],
+            &totals["clients"]
+        ]
+        .map(|t| t.as_u64()),
+        [2, 0, 0, 1, 3].map(Some),
+        "{totals}"
+    );
     holder.release(2).unwrap();
     assert!(waiter.wait().unwrap().success());
     broker.assert_all_free();
@@ -126,19 +210,31 @@ fn status_json_has_the_documented_keys() {
 /// rows of its table (`holders[].pid` …), and the keys its `waiters` row
 /// lists for each waiter.
 fn documented_status_fields() -> Vec<(String, String)> {
-    let doc = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../../docs/protocol.md")).unwrap();
+    let doc = std::fs::read_to_string(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../../docs/protocol.md"
+    ))
+    .unwrap();
     let mut fields = Vec::new();
     for line in doc.lines() {
         let cells: Vec<&str> = line.split('|').map(str::trim).collect();
-        let [_, field, kind, meaning, _] = cells[..] else { continue };
-        let Some(field) = field.strip_prefix('`').and_then(|f| f.strip_suffix('`')) else { continue };
+        let [_, field, kind, meaning, _] = cells[..] else {
+            continue;
+        };
+        let Some(field) = field.strip_prefix('`').and_then(|f| f.strip_suffix('`')) else {
+            continue;
+        };
         if !["number", "string", "array"].contains(&kind) {
             continue;
         }
         fields.push((field.to_owned(), kind.to_owned()));
         if field == "waiters" {
             for key in meaning.split('`').skip(1).step_by(2) {
-                let kind = if ["command", "transport"].contains(&key) { "string" } else { "number" };
+                let kind = if ["command", "transport"].contains(&key) {
+                    "string"
+                } else {
+                    "number"
+                };
                 fields.push((format!("waiters[].{key}"), kind.to_owned()));
             }
         }
@@ -148,15 +244,24 @@ fn documented_status_fields() -> Vec<(String, String)> {
 
 /// `holders[].pid` in `v`: an array step takes its first element.
 fn json_at<'a>(v: &'a serde_json::Value, path: &str) -> Option<&'a serde_json::Value> {
-    path.split('.').try_fold(v, |v, key| match key.strip_suffix("[]") {
-        Some(array) => v.get(array)?.get(0),
-        None => v.get(key),
-    })
+    path.split('.')
+        .try_fold(v, |v, key| match key.strip_suffix("[]") {
+            Some(array) => v.get(array)?.get(0),
+            None => v.get(key),
+        })
 }
 
 fn broker_status_json(broker: &Broker) -> String {
-    let out = baton().args(["status", "--json", "--socket"]).arg(&broker.socket).output().unwrap();
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let out = baton()
+        .args(["status", "--json", "--socket"])
+        .arg(&broker.socket)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     String::from_utf8(out.stdout).unwrap()
 }
 
@@ -165,13 +270,28 @@ fn human_status_lists_holders_and_waiters() {
     let broker = Broker::start(1);
     let mut holder = broker.client("the-holder");
     holder.acquire(1).unwrap();
-    let mut waiter = broker.run(&["--jobserver-style", "none", "--", "true"]).spawn().unwrap();
-    wait_for(Duration::from_secs(5), "a waiter", || broker.status().waiters.len() == 1);
-    let out = baton().args(["status", "--socket"]).arg(&broker.socket).output().unwrap();
+    let mut waiter = broker
+        .run(&["--jobserver-style", "none", "--", "true"])
+        .spawn()
+        .unwrap();
+    wait_for(Duration::from_secs(5), "a waiter", || {
+        broker.status().waiters.len() == 1
+    });
+    let out = baton()
+        .args(["status", "--socket"])
+        .arg(&broker.socket)
+        .output()
+        .unwrap();
     let text = String::from_utf8(out.stdout).unwrap();
     assert!(text.contains("limit 1  free 0"), "{text}");
-    assert!(text.contains("HOLDERS") && text.contains("the-holder"), "{text}");
-    assert!(text.contains("WAITERS") && text.contains("baton run -- true"), "{text}");
+    assert!(
+        text.contains("HOLDERS") && text.contains("the-holder"),
+        "{text}"
+    );
+    assert!(
+        text.contains("WAITERS") && text.contains("baton run -- true"),
+        "{text}"
+    );
     holder.release(1).unwrap();
     assert!(waiter.wait().unwrap().success());
 }
@@ -179,7 +299,14 @@ fn human_status_lists_holders_and_waiters() {
 #[test]
 fn run_exits_with_the_commands_status() {
     let broker = Broker::start(2);
-    let code = |args: &[&str]| broker.run(args).stderr(Stdio::null()).status().unwrap().code();
+    let code = |args: &[&str]| {
+        broker
+            .run(args)
+            .stderr(Stdio::null())
+            .status()
+            .unwrap()
+            .code()
+    };
     assert_eq!(code(&["--", "sh", "-c", "exit 7"]), Some(7));
     assert_eq!(code(&["--", "sh", "-c", "kill -9 $$"]), Some(128 + 9));
     assert_eq!(code(&["--", "no-such-command-anywhere"]), Some(127));
@@ -191,8 +318,14 @@ fn run_exits_with_the_commands_status() {
 #[test]
 fn run_sets_baton_socket_for_the_command() {
     let broker = Broker::start(1);
-    let out = broker.run(&["--", "sh", "-c", "echo $BATON_SOCKET"]).output().unwrap();
-    assert_eq!(String::from_utf8(out.stdout).unwrap().trim(), broker.socket.to_str().unwrap());
+    let out = broker
+        .run(&["--", "sh", "-c", "echo $BATON_SOCKET"])
+        .output()
+        .unwrap();
+    assert_eq!(
+        String::from_utf8(out.stdout).unwrap().trim(),
+        broker.socket.to_str().unwrap()
+    );
 }
 
 #[test]
@@ -202,8 +335,14 @@ fn kill_9_of_baton_run_kills_its_command_and_frees_its_token() {
     let sleeper = running_command(run.id(), "sleep");
     run.kill().unwrap();
     run.wait().unwrap();
-    wait_for(Duration::from_secs(20), "the orphaned command to die", || !pid_alive(sleeper));
-    wait_for(Duration::from_secs(20), "the token to come back", || broker.status().free == 1);
+    wait_for(
+        Duration::from_secs(20),
+        "the orphaned command to die",
+        || !pid_alive(sleeper),
+    );
+    wait_for(Duration::from_secs(20), "the token to come back", || {
+        broker.status().free == 1
+    });
     assert_eq!(broker.status().totals.reclaimed, 1);
 }
 
@@ -213,7 +352,12 @@ fn sigterm_to_baton_run_reaches_the_command() {
     let mut run = broker.run(&["--", "sleep", "600"]).spawn().unwrap();
     running_command(run.id(), "sleep");
     unsafe { libc::kill(run.id() as i32, libc::SIGTERM) };
-    assert_eq!(wait_timeout(&mut run, Duration::from_secs(20)).unwrap().code(), Some(128 + libc::SIGTERM));
+    assert_eq!(
+        wait_timeout(&mut run, Duration::from_secs(20))
+            .unwrap()
+            .code(),
+        Some(128 + libc::SIGTERM)
+    );
     broker.assert_all_free();
 }
 
@@ -239,7 +383,10 @@ fn more_than_the_limit_is_refused_not_queued_forever() {
     assert!(matches!(c.acquire(3), Err(Error::Refused { .. })));
     assert!(matches!(c.acquire(0), Err(Error::Refused { .. })));
     c.acquire(2).unwrap();
-    assert!(matches!(c.acquire(1), Err(Error::Refused { .. })), "held + asked may not exceed the limit");
+    assert!(
+        matches!(c.acquire(1), Err(Error::Refused { .. })),
+        "held + asked may not exceed the limit"
+    );
     assert!(!c.try_acquire(1).is_ok_and(|x| x));
 }
 
@@ -269,17 +416,27 @@ fn malformed_and_oversized_requests_get_an_error_and_lose_nothing() {
     ];
     for (bytes, expected) in cases {
         let reply = raw_exchange(&broker, bytes);
-        assert!(reply.lines().last().unwrap_or("").starts_with(expected), "{bytes:?} got {reply:?}");
+        assert!(
+            reply.lines().last().unwrap_or("").starts_with(expected),
+            "{bytes:?} got {reply:?}"
+        );
     }
     // Pipelining while ACQUIRE waits is a protocol error, too.
     let mut hog = broker.client("hog");
     hog.acquire(2).unwrap();
     let reply = raw_exchange(&broker, b"HELLO 1 w\nACQUIRE 1\nSTATUS\n");
-    assert!(reply.ends_with("ERR busy only CANCEL is allowed while ACQUIRE waits\n"), "{reply:?}");
+    assert!(
+        reply.ends_with("ERR busy only CANCEL is allowed while ACQUIRE waits\n"),
+        "{reply:?}"
+    );
     hog.release(2).unwrap();
 
     let s = broker.status();
-    assert_eq!((s.free, s.held), (2, 1), "only the bystander holds a token: {s:#?}");
+    assert_eq!(
+        (s.free, s.held),
+        (2, 1),
+        "only the bystander holds a token: {s:#?}"
+    );
     bystander.release(1).unwrap();
     broker.assert_all_free();
 }
@@ -293,8 +450,19 @@ fn cancel_withdraws_a_pending_acquire() {
     session.send("ACQUIRE 1\nCANCEL\nSTATUS\n");
     assert_eq!(session.line(), "CANCELLED 1");
     let status = session.status();
-    assert_eq!(status["waiters"].as_array().map(Vec::len), Some(0), "the request is withdrawn: {status}");
-    assert_eq!((status["held"].as_u64(), status["totals"]["granted"].as_u64()), (Some(1), Some(1)), "{status}");
+    assert_eq!(
+        status["waiters"].as_array().map(Vec::len),
+        Some(0),
+        "the request is withdrawn: {status}"
+    );
+    assert_eq!(
+        (
+            status["held"].as_u64(),
+            status["totals"]["granted"].as_u64()
+        ),
+        (Some(1), Some(1)),
+        "{status}"
+    );
     // The release now goes nowhere: nobody waits.
     holder.release(1).unwrap();
     broker.assert_all_free();
@@ -311,14 +479,24 @@ fn a_cancel_that_loses_the_race_to_a_grant_is_answered_after_it() {
     holder.acquire(1).unwrap();
     let mut waiter = RawSession::open(&broker, "HELLO 1 w");
     waiter.send("ACQUIRE 1\n");
-    wait_for(Duration::from_secs(30), "the ACQUIRE to queue", || broker.status().waiters.len() == 1);
+    wait_for(Duration::from_secs(30), "the ACQUIRE to queue", || {
+        broker.status().waiters.len() == 1
+    });
     let signal = |sig| assert_eq!(unsafe { libc::kill(broker.pid() as i32, sig) }, 0);
     signal(libc::SIGSTOP);
-    holder.send(&baton_core::protocol::Request::Release(1)).unwrap();
+    holder
+        .send(&baton_core::protocol::Request::Release(1))
+        .unwrap();
     waiter.send("CANCEL\n");
     signal(libc::SIGCONT);
-    assert_eq!(holder.read_reply().unwrap(), baton_core::protocol::Reply::Released { tokens: 1, held: 0 });
-    assert_eq!((waiter.line(), waiter.line()), ("GRANTED 1 1".to_owned(), "CANCELLED 0".to_owned()));
+    assert_eq!(
+        holder.read_reply().unwrap(),
+        baton_core::protocol::Reply::Released { tokens: 1, held: 0 }
+    );
+    assert_eq!(
+        (waiter.line(), waiter.line()),
+        ("GRANTED 1 1".to_owned(), "CANCELLED 0".to_owned())
+    );
     waiter.send("RELEASE 1\n");
     assert_eq!(waiter.line(), "RELEASED 1 0");
     broker.assert_all_free();
@@ -332,7 +510,9 @@ impl RawSession {
     /// Connects, sends `hello` and checks the broker's `OK`.
     fn open(broker: &Broker, hello: &str) -> Self {
         let stream = UnixStream::connect(&broker.socket).unwrap();
-        stream.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+        stream
+            .set_read_timeout(Some(Duration::from_secs(30)))
+            .unwrap();
         let mut session = RawSession(std::io::BufReader::new(stream));
         session.send(&format!("{hello}\n"));
         let ok = session.line();
@@ -355,7 +535,10 @@ impl RawSession {
     /// A `STATUS <bytes>` reply's JSON.
     fn status(&mut self) -> serde_json::Value {
         let head = self.line();
-        let bytes: usize = head.strip_prefix("STATUS ").and_then(|n| n.parse().ok()).unwrap_or_else(|| panic!("not a STATUS reply: {head}"));
+        let bytes: usize = head
+            .strip_prefix("STATUS ")
+            .and_then(|n| n.parse().ok())
+            .unwrap_or_else(|| panic!("not a STATUS reply: {head}"));
         let mut body = vec![0u8; bytes + 1];
         self.0.read_exact(&mut body).unwrap();
         assert_eq!(body.pop(), Some(b'\n'));
@@ -367,17 +550,34 @@ impl RawSession {
 fn errors_say_what_to_do() {
     let dir = TempDir::new("errors");
     let missing = dir.path().join("nothing-here");
-    let out = baton().args(["status", "--socket"]).arg(&missing).output().unwrap();
+    let out = baton()
+        .args(["status", "--socket"])
+        .arg(&missing)
+        .output()
+        .unwrap();
     let err = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(1));
-    assert!(err.contains("no broker at") && err.contains("baton serve --jobs"), "{err}");
+    assert!(
+        err.contains("no broker at") && err.contains("baton serve --jobs"),
+        "{err}"
+    );
 
     let file = dir.path().join("plain-file");
     std::fs::write(&file, "").unwrap();
-    let out = baton().args(["status", "--socket"]).arg(&file).output().unwrap();
+    let out = baton()
+        .args(["status", "--socket"])
+        .arg(&file)
+        .output()
+        .unwrap();
     assert!(String::from_utf8_lossy(&out.stderr).contains("is not a socket"));
-    let out = baton().args(["serve", "--jobs", "1", "--socket"]).arg(&file).output().unwrap();
-    assert!(String::from_utf8_lossy(&out.stderr).contains("is not a socket: refusing to replace it"));
+    let out = baton()
+        .args(["serve", "--jobs", "1", "--socket"])
+        .arg(&file)
+        .output()
+        .unwrap();
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("is not a socket: refusing to replace it")
+    );
 
     for bad in ["0", "many", "-3"] {
         let out = baton().args(["serve", "--jobs", bad]).output().unwrap();
@@ -394,7 +594,14 @@ fn permission_denied_is_reported_as_such() {
     }
     let broker = Broker::start(1);
     let out = Command::new("setpriv")
-        .args(["--reuid=nobody", "--regid=nogroup", "--clear-groups", baton_bin(), "status", "--socket"])
+        .args([
+            "--reuid=nobody",
+            "--regid=nogroup",
+            "--clear-groups",
+            baton_bin(),
+            "status",
+            "--socket",
+        ])
         .arg(&broker.socket)
         .output()
         .unwrap();
@@ -405,16 +612,29 @@ fn permission_denied_is_reported_as_such() {
 #[test]
 fn a_second_broker_is_refused_and_a_stale_socket_replaced() {
     let mut broker = Broker::start(1);
-    let out = baton().args(["serve", "--jobs", "1", "--socket"]).arg(&broker.socket).output().unwrap();
+    let out = baton()
+        .args(["serve", "--jobs", "1", "--socket"])
+        .arg(&broker.socket)
+        .output()
+        .unwrap();
     assert_eq!(out.status.code(), Some(1));
     assert!(String::from_utf8_lossy(&out.stderr).contains("already running"));
 
     // kill -9 leaves the socket file behind, with nobody answering.
     let (status, _) = broker.stop_with(libc::SIGKILL);
     assert!(!status.success());
-    assert!(std::fs::metadata(&broker.socket).unwrap().file_type().is_socket());
-    let mut again = baton().args(["serve", "--jobs", "1", "--socket"]).arg(&broker.socket).spawn().unwrap();
-    wait_for(Duration::from_secs(5), "the new broker", || baton_client::Client::connect(&broker.socket, "p").is_ok());
+    assert!(std::fs::metadata(&broker.socket)
+        .unwrap()
+        .file_type()
+        .is_socket());
+    let mut again = baton()
+        .args(["serve", "--jobs", "1", "--socket"])
+        .arg(&broker.socket)
+        .spawn()
+        .unwrap();
+    wait_for(Duration::from_secs(5), "the new broker", || {
+        baton_client::Client::connect(&broker.socket, "p").is_ok()
+    });
     unsafe { libc::kill(again.id() as i32, libc::SIGTERM) };
     assert!(again.wait().unwrap().success());
 }
@@ -441,11 +661,22 @@ fn a_broker_restarted_on_the_same_socket_has_every_token() {
     broker.stop_with(libc::SIGTERM);
     assert!(matches!(c.release(1), Err(Error::Disconnected)));
     // The same socket path, as a service manager would restart it.
-    let mut again = baton().args(["serve", "--jobs", "2", "--socket"]).arg(&broker.socket).stderr(Stdio::null()).spawn().unwrap();
-    wait_for(Duration::from_secs(20), "the new broker", || UnixStream::connect(&broker.socket).is_ok());
+    let mut again = baton()
+        .args(["serve", "--jobs", "2", "--socket"])
+        .arg(&broker.socket)
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    wait_for(Duration::from_secs(20), "the new broker", || {
+        UnixStream::connect(&broker.socket).is_ok()
+    });
     let mut reconnected = baton_client::Client::connect(&broker.socket, "survivor again").unwrap();
     let s = reconnected.status().unwrap();
-    assert_eq!((s.limit, s.free, s.held, s.totals.granted), (2, 2, 0, 0), "{s:#?}");
+    assert_eq!(
+        (s.limit, s.free, s.held, s.totals.granted),
+        (2, 2, 0, 0),
+        "{s:#?}"
+    );
     reconnected.acquire(2).unwrap();
     reconnected.release(2).unwrap();
     drop(reconnected);
@@ -458,11 +689,26 @@ fn raising_the_limit_by_k_wakes_exactly_k_waiters() {
     let broker = Broker::start(1);
     let mut holder = broker.client("holder");
     holder.acquire(1).unwrap();
-    let waiters: Vec<_> = (0..6).map(|_| broker.run(&["--jobserver-style", "none", "--", "sleep", "600"]).spawn().unwrap()).collect();
-    wait_for(Duration::from_secs(10), "six waiters", || broker.status().waiters.len() == 6);
-    let out = baton().args(["limit", "4", "--socket"]).arg(&broker.socket).output().unwrap();
+    let waiters: Vec<_> = (0..6)
+        .map(|_| {
+            broker
+                .run(&["--jobserver-style", "none", "--", "sleep", "600"])
+                .spawn()
+                .unwrap()
+        })
+        .collect();
+    wait_for(Duration::from_secs(10), "six waiters", || {
+        broker.status().waiters.len() == 6
+    });
+    let out = baton()
+        .args(["limit", "4", "--socket"])
+        .arg(&broker.socket)
+        .output()
+        .unwrap();
     assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), "limit 1 -> 4");
-    wait_for(Duration::from_secs(5), "three grants", || broker.status().held == 4);
+    wait_for(Duration::from_secs(5), "three grants", || {
+        broker.status().held == 4
+    });
     let s = broker.status();
     assert_eq!((s.waiters.len(), s.free), (3, 0));
     for mut w in waiters {
@@ -477,10 +723,16 @@ fn raising_the_limit_by_k_wakes_exactly_k_waiters() {
 fn running_command(pid: u32, program: &str) -> u32 {
     let comm = |p: u32| std::fs::read_to_string(format!("/proc/{p}/comm")).unwrap_or_default();
     let mut found = None;
-    wait_for(Duration::from_secs(20), &format!("{program} to run under pid {pid}"), || {
-        found = child_pids(pid).into_iter().find(|&c| comm(c).trim() == program);
-        found.is_some()
-    });
+    wait_for(
+        Duration::from_secs(20),
+        &format!("{program} to run under pid {pid}"),
+        || {
+            found = child_pids(pid)
+                .into_iter()
+                .find(|&c| comm(c).trim() == program);
+            found.is_some()
+        },
+    );
     found.unwrap()
 }
 
@@ -508,7 +760,11 @@ fn run_ring(broker: &Broker, members: u64, rounds: u64) {
         })
         .collect();
     threads.into_iter().for_each(|t| t.join().unwrap());
-    assert_eq!(broker.status().totals.granted, members * rounds, "every acquisition was granted once");
+    assert_eq!(
+        broker.status().totals.granted,
+        members * rounds,
+        "every acquisition was granted once"
+    );
     broker.assert_all_free();
 }
 
@@ -522,20 +778,32 @@ fn a_fast_ring_is_served_whole_and_the_broker_then_sleeps() {
     std::thread::sleep(Duration::from_secs(1));
     let ticks_per_s = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as u64;
     let used = cpu_ticks(broker.pid()) - before;
-    assert!(used * 10 < ticks_per_s, "an idle broker used {used} of {ticks_per_s} ticks in a second");
+    assert!(
+        used * 10 < ticks_per_s,
+        "an idle broker used {used} of {ticks_per_s} ticks in a second"
+    );
 }
 
 #[test]
 fn serve_refuses_a_spin_window_out_of_range() {
-    let out = baton().args(["serve", "--jobs", "1", "--spin-us", "20000"]).output().unwrap();
+    let out = baton()
+        .args(["serve", "--jobs", "1", "--spin-us", "20000"])
+        .output()
+        .unwrap();
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);
-    assert!(err.contains("--spin-us") && err.contains("0..=10000"), "unclear error: {err}");
+    assert!(
+        err.contains("--spin-us") && err.contains("0..=10000"),
+        "unclear error: {err}"
+    );
 }
 
 /// The broker's two ways to send a reply and sleep: in one io_uring call
 /// (the default where the kernel has it) and in two system calls.
-const SEND_PATHS: [&[&str]; 2] = [&["--no-fuse", "--spin-us", "0"], &["--no-fuse", "--spin-us", "0", "--no-io-uring"]];
+const SEND_PATHS: [&[&str]; 2] = [
+    &["--no-fuse", "--spin-us", "0"],
+    &["--no-fuse", "--spin-us", "0", "--no-io-uring"],
+];
 
 /// Checks, once a test is done, that the broker sent through the path
 /// `flags` ask for: io_uring by default (a skip where the kernel refuses
@@ -545,12 +813,24 @@ fn assert_send_path(broker: &Broker, flags: &[&str]) {
     let log = broker.log();
     let through_ring = log.contains("replies go out through io_uring");
     if flags.contains(&"--no-io-uring") {
-        assert!(!through_ring, "{flags:?}: used io_uring when told not to: {log}");
+        assert!(
+            !through_ring,
+            "{flags:?}: used io_uring when told not to: {log}"
+        );
     } else if log.contains("no io_uring here") {
-        skip(Missing::IoUring, &format!("the kernel refuses io_uring, so the default send path was not tested: {log}"));
+        skip(
+            Missing::IoUring,
+            &format!("the kernel refuses io_uring, so the default send path was not tested: {log}"),
+        );
     } else {
-        assert!(through_ring, "{flags:?}: the default path did not say it uses io_uring: {log}");
-        assert!(!log.contains("io_uring failed"), "{flags:?}: fell back to writes: {log}");
+        assert!(
+            through_ring,
+            "{flags:?}: the default path did not say it uses io_uring: {log}"
+        );
+        assert!(
+            !log.contains("io_uring failed"),
+            "{flags:?}: fell back to writes: {log}"
+        );
     }
 }
 
@@ -583,10 +863,23 @@ fn a_raise_wakes_more_waiters_than_one_send_batch_holds() {
                 thread
             })
             .collect();
-        wait_for(Duration::from_secs(10), "100 waiters", || broker.status().waiters.len() == 100);
-        let out = baton().args(["limit", "101", "--socket"]).arg(&broker.socket).output().unwrap();
-        assert!(out.status.success(), "{flags:?}: {}", String::from_utf8_lossy(&out.stderr));
-        let mut granted: Vec<_> = waiters.into_iter().map(|t| join_within(t, Duration::from_secs(60), "every waiter to be served")).collect();
+        wait_for(Duration::from_secs(10), "100 waiters", || {
+            broker.status().waiters.len() == 100
+        });
+        let out = baton()
+            .args(["limit", "101", "--socket"])
+            .arg(&broker.socket)
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{flags:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let mut granted: Vec<_> = waiters
+            .into_iter()
+            .map(|t| join_within(t, Duration::from_secs(60), "every waiter to be served"))
+            .collect();
         assert_eq!(broker.status().held, 101, "{flags:?}");
         granted.iter_mut().for_each(|c| c.release(1).unwrap());
         holder.release(1).unwrap();
@@ -609,9 +902,17 @@ fn a_client_that_reads_late_gets_every_reply_in_order() {
         s.write_all(text.as_bytes()).unwrap();
         // The replies pile up; then the client says it has no more to ask
         // and reads only once the broker has seen that (as `nc -N` would).
-        wait_for(Duration::from_secs(30), "every request to be served", || broker.status().totals.granted == rounds);
+        wait_for(
+            Duration::from_secs(30),
+            "every request to be served",
+            || broker.status().totals.granted == rounds,
+        );
         s.shutdown(std::net::Shutdown::Write).unwrap();
-        wait_for(Duration::from_secs(30), "the broker to see the shutdown", || broker.status().totals.clients == 1);
+        wait_for(
+            Duration::from_secs(30),
+            "the broker to see the shutdown",
+            || broker.status().totals.clients == 1,
+        );
         let mut out = String::new();
         s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
         s.read_to_string(&mut out).unwrap();
@@ -619,12 +920,28 @@ fn a_client_that_reads_late_gets_every_reply_in_order() {
         // and the JSON on a line of its own.
         let lines: Vec<_> = out.lines().collect();
         assert!(lines[0].starts_with("OK 1 "), "{flags:?}: {}", lines[0]);
-        assert_eq!(lines.len(), 4 * rounds as usize + 1, "{flags:?}: a reply for every request");
+        assert_eq!(
+            lines.len(),
+            4 * rounds as usize + 1,
+            "{flags:?}: a reply for every request"
+        );
         for (round, reply) in lines[1..].chunks(4).enumerate() {
-            assert_eq!(reply[..2], ["GRANTED 1 1", "RELEASED 1 0"], "{flags:?}: round {round}");
-            assert_eq!(reply[2], format!("STATUS {}", reply[3].len()), "{flags:?}: a reply whole");
+            assert_eq!(
+                reply[..2],
+                ["GRANTED 1 1", "RELEASED 1 0"],
+                "{flags:?}: round {round}"
+            );
+            assert_eq!(
+                reply[2],
+                format!("STATUS {}", reply[3].len()),
+                "{flags:?}: a reply whole"
+            );
             let status: serde_json::Value = serde_json::from_str(reply[3]).unwrap();
-            assert_eq!(status["totals"]["granted"].as_u64(), Some(round as u64 + 1), "{flags:?}: replies out of order");
+            assert_eq!(
+                status["totals"]["granted"].as_u64(),
+                Some(round as u64 + 1),
+                "{flags:?}: replies out of order"
+            );
         }
         broker.assert_all_free();
     }
@@ -637,20 +954,34 @@ fn a_client_that_shuts_down_its_writing_side_gives_its_tokens_back_and_gets_its_
     holder.acquire(1).unwrap();
     let mut s = UnixStream::connect(&broker.socket).unwrap();
     // One token granted, then a wait for two more that can never come.
-    s.write_all(b"HELLO 1 half-closer\nACQUIRE 1\nSTATUS\n").unwrap();
-    wait_for(Duration::from_secs(5), "the half-closer's token", || broker.status().held == 2);
-    s.write_all(b"ACQUIRE 1\n").unwrap();
-    wait_for(Duration::from_secs(5), "the half-closer to wait", || broker.status().waiters.len() == 1);
-    s.shutdown(std::net::Shutdown::Write).unwrap();
-    wait_for(Duration::from_secs(5), "its token back and its wait withdrawn", || {
-        let status = broker.status();
-        (status.held, status.waiters.len()) == (1, 0)
+    s.write_all(b"HELLO 1 half-closer\nACQUIRE 1\nSTATUS\n")
+        .unwrap();
+    wait_for(Duration::from_secs(5), "the half-closer's token", || {
+        broker.status().held == 2
     });
+    s.write_all(b"ACQUIRE 1\n").unwrap();
+    wait_for(Duration::from_secs(5), "the half-closer to wait", || {
+        broker.status().waiters.len() == 1
+    });
+    s.shutdown(std::net::Shutdown::Write).unwrap();
+    wait_for(
+        Duration::from_secs(5),
+        "its token back and its wait withdrawn",
+        || {
+            let status = broker.status();
+            (status.held, status.waiters.len()) == (1, 0)
+        },
+    );
     let mut out = String::new();
     s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
     s.read_to_string(&mut out).unwrap();
     let lines: Vec<_> = out.lines().collect();
-    assert!(lines[0].starts_with("OK 1 ") && lines[1] == "GRANTED 1 1" && lines[2].starts_with("STATUS "), "{out}");
+    assert!(
+        lines[0].starts_with("OK 1 ")
+            && lines[1] == "GRANTED 1 1"
+            && lines[2].starts_with("STATUS "),
+        "{out}"
+    );
     assert_eq!(lines.len(), 4, "nothing after the STATUS body: {out}");
     holder.release(1).unwrap();
     broker.assert_all_free();
@@ -658,18 +989,30 @@ fn a_client_that_shuts_down_its_writing_side_gives_its_tokens_back_and_gets_its_
 
 /// `baton limit N` against `broker`: its output and exit code.
 fn set_limit(broker: &Broker, limit: u32) -> std::process::Output {
-    baton().args(["limit", &limit.to_string(), "--socket"]).arg(&broker.socket).output().unwrap()
+    baton()
+        .args(["limit", &limit.to_string(), "--socket"])
+        .arg(&broker.socket)
+        .output()
+        .unwrap()
 }
 
 /// A client waiting in ACQUIRE on its own thread; joining gives it back.
-fn queued_acquire(broker: &Broker, label: &str, tokens: u32) -> std::thread::JoinHandle<baton_client::Client> {
+fn queued_acquire(
+    broker: &Broker,
+    label: &str,
+    tokens: u32,
+) -> std::thread::JoinHandle<baton_client::Client> {
     let before = broker.status().waiters.len();
     let mut c = broker.client(label);
     let thread = std::thread::spawn(move || {
         c.acquire(tokens).unwrap();
         c
     });
-    wait_for(Duration::from_secs(20), &format!("{label} to queue"), || broker.status().waiters.len() == before + 1);
+    wait_for(
+        Duration::from_secs(20),
+        &format!("{label} to queue"),
+        || broker.status().waiters.len() == before + 1,
+    );
     thread
 }
 
@@ -682,12 +1025,20 @@ fn a_lowered_limit_drains_before_anyone_is_served() {
     let out = set_limit(&broker, 2);
     assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), "limit 4 -> 2");
     let s = broker.status();
-    assert_eq!((s.limit, s.held, s.free), (2, 4, 0), "held above the limit while it drains: {s:#?}");
+    assert_eq!(
+        (s.limit, s.held, s.free),
+        (2, 4, 0),
+        "held above the limit while it drains: {s:#?}"
+    );
     // Each release retires a token until fewer than the limit are held.
     for held in [3, 2] {
         holder.release(1).unwrap();
         let s = broker.status();
-        assert_eq!((s.held, s.free, s.waiters.len()), (held, 0, 1), "served while {held} held under a limit of 2: {s:#?}");
+        assert_eq!(
+            (s.held, s.free, s.waiters.len()),
+            (held, 0, 1),
+            "served while {held} held under a limit of 2: {s:#?}"
+        );
     }
     holder.release(1).unwrap();
     let mut waiter = join_within(waiter, Duration::from_secs(30), "the waiter to be served");
@@ -702,7 +1053,9 @@ fn a_lowered_limit_drains_before_anyone_is_served() {
     assert_eq!(broker.status().limit, 2);
     holder.release(1).unwrap();
     waiter.release(1).unwrap();
-    join_within(big, Duration::from_secs(30), "the big request to be served").release(2).unwrap();
+    join_within(big, Duration::from_secs(30), "the big request to be served")
+        .release(2)
+        .unwrap();
     let s = broker.status();
     assert_eq!(s.totals.granted, s.totals.released, "{s:#?}");
     broker.assert_all_free();
@@ -713,17 +1066,38 @@ fn a_client_killed_while_queued_never_gets_the_token() {
     let broker = Broker::start(1);
     let mut holder = broker.client("holder");
     holder.acquire(1).unwrap();
-    let mut doomed = broker.run(&["--jobserver-style", "none", "--", "true"]).spawn().unwrap();
-    wait_for(Duration::from_secs(20), "the doomed run to queue", || broker.status().waiters.len() == 1);
+    let mut doomed = broker
+        .run(&["--jobserver-style", "none", "--", "true"])
+        .spawn()
+        .unwrap();
+    wait_for(Duration::from_secs(20), "the doomed run to queue", || {
+        broker.status().waiters.len() == 1
+    });
     let live = queued_acquire(&broker, "live", 1);
     doomed.kill().unwrap();
     doomed.wait().unwrap();
-    wait_for(Duration::from_secs(20), "the dead waiter to leave the queue", || broker.status().waiters.len() == 1);
+    wait_for(
+        Duration::from_secs(20),
+        "the dead waiter to leave the queue",
+        || broker.status().waiters.len() == 1,
+    );
     holder.release(1).unwrap();
-    let mut live = join_within(live, Duration::from_secs(30), "the live waiter to be served");
+    let mut live = join_within(
+        live,
+        Duration::from_secs(30),
+        "the live waiter to be served",
+    );
     let s = broker.status();
-    assert_eq!((s.held, s.holders.len(), s.holders[0].command.as_str()), (1, 1, "live"), "{s:#?}");
-    assert_eq!((s.totals.granted, s.totals.reclaimed), (2, 0), "the dead waiter was never granted: {s:#?}");
+    assert_eq!(
+        (s.held, s.holders.len(), s.holders[0].command.as_str()),
+        (1, 1, "live"),
+        "{s:#?}"
+    );
+    assert_eq!(
+        (s.totals.granted, s.totals.reclaimed),
+        (2, 0),
+        "the dead waiter was never granted: {s:#?}"
+    );
     live.release(1).unwrap();
     broker.assert_all_free();
 }
@@ -733,7 +1107,13 @@ fn protocol_edges_get_the_documented_answers() {
     let broker = Broker::start(2);
     // HELLO twice is fatal.
     let reply = raw_exchange(&broker, b"HELLO 1 a\nHELLO 1 b\n");
-    assert!(reply.lines().nth(1).is_some_and(|l| l.starts_with("ERR hello")), "{reply:?}");
+    assert!(
+        reply
+            .lines()
+            .nth(1)
+            .is_some_and(|l| l.starts_with("ERR hello")),
+        "{reply:?}"
+    );
     // \r\n ends a line as \n does, and is not part of the label.
     let mut crlf = RawSession::open(&broker, "HELLO 1 crlf\r");
     crlf.send("ACQUIRE 1\r\nSTATUS\r\n");
@@ -764,8 +1144,13 @@ fn a_client_that_never_reads_is_cut_off_past_1_mib_and_its_token_comes_back() {
     assert_eq!(hog.line(), "GRANTED 1 1");
     // Some 3 MB of replies, asked for in 70 kB: the socket's buffers hold
     // far less, so the rest piles up in the broker until it gives up.
-    let _ = hog.0.get_mut().write_all("STATUS\n".repeat(10_000).as_bytes());
-    wait_for(Duration::from_secs(60), "the hog to be cut off", || broker.status().totals.reclaimed == 1);
+    let _ = hog
+        .0
+        .get_mut()
+        .write_all("STATUS\n".repeat(10_000).as_bytes());
+    wait_for(Duration::from_secs(60), "the hog to be cut off", || {
+        broker.status().totals.reclaimed == 1
+    });
     let mut other = broker.client("other");
     other.acquire(1).unwrap();
     other.release(1).unwrap();
@@ -796,7 +1181,18 @@ fn a_terminal_sigint_reaches_the_command_and_sighup_is_forwarded() {
         while True: time.sleep(1)\n";
     let (mut master, mut slave) = (0, 0);
     // SAFETY: openpty fills in two new descriptors.
-    assert_eq!(unsafe { libc::openpty(&mut master, &mut slave, std::ptr::null_mut(), std::ptr::null(), std::ptr::null()) }, 0);
+    assert_eq!(
+        unsafe {
+            libc::openpty(
+                &mut master,
+                &mut slave,
+                std::ptr::null_mut(),
+                std::ptr::null(),
+                std::ptr::null(),
+            )
+        },
+        0
+    );
     let mut cmd = broker.run(&["--jobserver-style", "none", "--", "python3", "-c", script]);
     cmd.arg(&ready).arg(&counts);
     // SAFETY: only async-signal-safe calls between fork and exec.
@@ -812,18 +1208,32 @@ fn a_terminal_sigint_reaches_the_command_and_sighup_is_forwarded() {
     }
     let mut run = cmd.spawn().unwrap();
     unsafe { libc::close(slave) };
-    wait_for(Duration::from_secs(30), "the command to set its handlers", || ready.exists());
+    wait_for(
+        Duration::from_secs(30),
+        "the command to set its handlers",
+        || ready.exists(),
+    );
     // ^C, as typed: the terminal sends SIGINT to baton run and python.
     let counted = |text: &str| std::fs::read_to_string(&counts).is_ok_and(|c| c == text);
-    assert_eq!(unsafe { libc::write(master, b"\x03".as_ptr().cast(), 1) }, 1);
-    wait_for(Duration::from_secs(30), "the command to see ^C", || counted("INT=1 HUP=0"));
+    assert_eq!(
+        unsafe { libc::write(master, b"\x03".as_ptr().cast(), 1) },
+        1
+    );
+    wait_for(Duration::from_secs(30), "the command to see ^C", || {
+        counted("INT=1 HUP=0")
+    });
     unsafe { libc::kill(run.id() as i32, libc::SIGHUP) };
-    wait_for(Duration::from_secs(30), "the command to get SIGHUP", || !counted("INT=1 HUP=0"));
+    wait_for(Duration::from_secs(30), "the command to get SIGHUP", || {
+        !counted("INT=1 HUP=0")
+    });
     // Forwarded last, after any second SIGINT baton run would have sent.
     unsafe { libc::kill(run.id() as i32, libc::SIGTERM) };
     let status = wait_timeout(&mut run, Duration::from_secs(30));
     unsafe { libc::close(master) };
     assert!(status.is_some(), "baton run did not end on SIGTERM");
-    assert_eq!(std::fs::read_to_string(&counts).unwrap_or_default(), "INT=1 HUP=1");
+    assert_eq!(
+        std::fs::read_to_string(&counts).unwrap_or_default(),
+        "INT=1 HUP=1"
+    );
     broker.assert_all_free();
 }

@@ -28,19 +28,48 @@ impl Keys for Etcd {
     /// How many token keys pool `pool` has: the cluster tokens held.
     fn tokens(&self, pool: &str) -> usize {
         let prefix = format!("/baton/{pool}/token/");
-        let out = self.etcdctl(&["get", "--prefix", "--keys-only", &prefix]).unwrap();
-        assert!(out.status.success(), "etcdctl get: {}", String::from_utf8_lossy(&out.stderr));
-        String::from_utf8_lossy(&out.stdout).lines().filter(|l| l.starts_with(&prefix)).count()
+        let out = self
+            .etcdctl(&["get", "--prefix", "--keys-only", &prefix])
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "etcdctl get: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8_lossy(&out.stdout)
+            .lines()
+            .filter(|l| l.starts_with(&prefix))
+            .count()
     }
 
     /// The holders written into the pool's token keys (`host pid`).
     fn holders(&self, pool: &str) -> Vec<String> {
-        let out = self.etcdctl(&["get", "--prefix", "--print-value-only", &format!("/baton/{pool}/token/")]).unwrap();
-        String::from_utf8_lossy(&out.stdout).lines().filter(|l| !l.is_empty()).map(str::to_string).collect()
+        let out = self
+            .etcdctl(&[
+                "get",
+                "--prefix",
+                "--print-value-only",
+                &format!("/baton/{pool}/token/"),
+            ])
+            .unwrap();
+        String::from_utf8_lossy(&out.stdout)
+            .lines()
+            .filter(|l| !l.is_empty())
+            .map(str::to_string)
+            .collect()
     }
 
     fn queued(&self, pool: &str) -> bool {
-        !self.etcdctl(&["get", "--prefix", "--keys-only", &format!("/baton/{pool}/queue/")]).unwrap().stdout.is_empty()
+        !self
+            .etcdctl(&[
+                "get",
+                "--prefix",
+                "--keys-only",
+                &format!("/baton/{pool}/queue/"),
+            ])
+            .unwrap()
+            .stdout
+            .is_empty()
     }
 }
 
@@ -50,7 +79,15 @@ fn start_etcd(members: usize, dir: &TempDir) -> Etcd {
 
 fn cluster_broker(etcd: &Etcd, jobs: u32, pool: &str, cluster_jobs: u32, extra: &[&str]) -> Broker {
     let (endpoints, cluster_jobs) = (etcd.endpoints(), cluster_jobs.to_string());
-    let mut args = vec!["--no-fuse", "--etcd", &endpoints, "--cluster-pool", pool, "--cluster-jobs", &cluster_jobs];
+    let mut args = vec![
+        "--no-fuse",
+        "--etcd",
+        &endpoints,
+        "--cluster-pool",
+        pool,
+        "--cluster-jobs",
+        &cluster_jobs,
+    ];
     args.extend_from_slice(extra);
     Broker::start_with(jobs, &args)
 }
@@ -59,7 +96,9 @@ fn cluster_broker(etcd: &Etcd, jobs: u32, pool: &str, cluster_jobs: u32, extra: 
 fn three_brokers_on_three_members_never_run_more_than_the_cluster_limit() {
     let etcd_dir = TempDir::new("etcd");
     let etcd = start_etcd(3, &etcd_dir);
-    let brokers: Vec<Broker> = (0..3).map(|_| cluster_broker(&etcd, 4, "limit", 6, &[])).collect();
+    let brokers: Vec<Broker> = (0..3)
+        .map(|_| cluster_broker(&etcd, 4, "limit", 6, &[]))
+        .collect();
     let work = TempDir::new("cluster-builds");
     let log = work.path().join("jobs.log");
     let builds: Vec<Child> = brokers
@@ -69,7 +108,12 @@ fn three_brokers_on_three_members_never_run_more_than_the_cluster_limit() {
             let dir = work.path().join(format!("b{i}"));
             std::fs::create_dir(&dir).unwrap();
             common::flat_makefile(&dir, &log, 10, "0.2");
-            broker.run(&["--", "/usr/bin/make", "-s", "-C"]).arg(&dir).stdout(Stdio::null()).spawn().unwrap()
+            broker
+                .run(&["--", "/usr/bin/make", "-s", "-C"])
+                .arg(&dir)
+                .stdout(Stdio::null())
+                .spawn()
+                .unwrap()
         })
         .collect();
     // The observer: what etcd holds, sampled while the builds run.
@@ -86,13 +130,21 @@ fn three_brokers_on_three_members_never_run_more_than_the_cluster_limit() {
     let (most_running, started) = max_overlap(&log);
     eprintln!("cluster limit 6, three brokers of 4: at most {most_running} jobs ran at once, {most_in_etcd} cluster tokens seen in etcd");
     assert_eq!(started, 30, "every job ran");
-    assert!(most_running <= 6, "{most_running} jobs ran at once across the brokers, above the cluster limit of 6");
-    assert!(most_in_etcd <= 6, "etcd held {most_in_etcd} tokens of a pool of 6");
+    assert!(
+        most_running <= 6,
+        "{most_running} jobs ran at once across the brokers, above the cluster limit of 6"
+    );
+    assert!(
+        most_in_etcd <= 6,
+        "etcd held {most_in_etcd} tokens of a pool of 6"
+    );
     for broker in &brokers {
         broker.assert_all_free();
     }
     // Spares linger, then go back: the pool ends empty.
-    wait_for(LONG, "every cluster token back in etcd", || etcd.tokens("limit") == 0);
+    wait_for(LONG, "every cluster token back in etcd", || {
+        etcd.tokens("limit") == 0
+    });
 }
 
 #[test]
@@ -104,7 +156,11 @@ fn a_killed_brokers_cluster_tokens_come_back_after_its_lease() {
     let mut holder = doomed.client("holds both");
     holder.acquire(2).unwrap();
     let pid = doomed.pid().to_string();
-    assert!(etcd.holders("reclaim").iter().all(|h| h.ends_with(&pid)), "the doomed broker holds both: {:?}", etcd.holders("reclaim"));
+    assert!(
+        etcd.holders("reclaim").iter().all(|h| h.ends_with(&pid)),
+        "the doomed broker holds both: {:?}",
+        etcd.holders("reclaim")
+    );
 
     let socket = survivor.socket.clone();
     let waiter = std::thread::spawn(move || {
@@ -112,32 +168,70 @@ fn a_killed_brokers_cluster_tokens_come_back_after_its_lease() {
         client.acquire(1).unwrap();
         (client, Instant::now())
     });
-    wait_for(LONG, "the survivor to queue in etcd", || etcd.queued("reclaim"));
+    wait_for(LONG, "the survivor to queue in etcd", || {
+        etcd.queued("reclaim")
+    });
     assert!(!waiter.is_finished(), "granted while the pool was full");
     // baton status asks etcd who holds the pool, and who waits.
-    let out = common::baton().args(["status", "--socket"]).arg(&survivor.socket).output().unwrap();
+    let out = common::baton()
+        .args(["status", "--socket"])
+        .arg(&survivor.socket)
+        .output()
+        .unwrap();
     let text = String::from_utf8_lossy(&out.stdout);
-    assert!(text.contains("CLUSTER reclaim  limit 2  held here 0  elsewhere 2  brokers waiting 1  etcd reachable"), "{text}");
-    let row = |pid: u32, held: u32, waiting: &str| text.lines().any(|l| l.split_whitespace().skip(1).eq([pid.to_string(), held.to_string(), waiting.to_string()]));
-    assert!(row(doomed.pid(), 2, "no") && row(survivor.pid(), 0, "yes"), "{text}");
+    assert!(
+        text.contains(
+            "CLUSTER reclaim  limit 2  held here 0  elsewhere 2  brokers waiting 1  etcd reachable"
+        ),
+        "{text}"
+    );
+    let row = |pid: u32, held: u32, waiting: &str| {
+        text.lines().any(|l| {
+            l.split_whitespace().skip(1).eq([
+                pid.to_string(),
+                held.to_string(),
+                waiting.to_string(),
+            ])
+        })
+    };
+    assert!(
+        row(doomed.pid(), 2, "no") && row(survivor.pid(), 0, "yes"),
+        "{text}"
+    );
 
     let killed = Instant::now();
     doomed.stop_with(libc::SIGKILL);
-    let (mut client, granted) = common::join_within(waiter, LONG, "the survivor's grant after the kill");
-    eprintln!("cluster token usable {:.2} s after kill -9 (lease TTL 2 s)", granted.duration_since(killed).as_secs_f64());
+    let (mut client, granted) =
+        common::join_within(waiter, LONG, "the survivor's grant after the kill");
+    eprintln!(
+        "cluster token usable {:.2} s after kill -9 (lease TTL 2 s)",
+        granted.duration_since(killed).as_secs_f64()
+    );
     let pid = survivor.pid().to_string();
-    assert!(etcd.holders("reclaim").iter().any(|h| h.ends_with(&pid)), "the survivor holds a slot: {:?}", etcd.holders("reclaim"));
+    assert!(
+        etcd.holders("reclaim").iter().any(|h| h.ends_with(&pid)),
+        "the survivor holds a slot: {:?}",
+        etcd.holders("reclaim")
+    );
     client.release(1).unwrap();
     drop(holder);
     survivor.assert_all_free();
-    wait_for(LONG, "every cluster token back in etcd", || etcd.tokens("reclaim") == 0);
+    wait_for(LONG, "every cluster token back in etcd", || {
+        etcd.tokens("reclaim") == 0
+    });
 }
 
 #[test]
 fn losing_etcd_quorum_stops_new_grants_and_its_return_resumes_them() {
     let etcd_dir = TempDir::new("etcd");
     let mut etcd = start_etcd(3, &etcd_dir);
-    let broker = cluster_broker(&etcd, 4, "quorum", 4, &["--cluster-ttl", "3", "--cluster-linger-ms", "0"]);
+    let broker = cluster_broker(
+        &etcd,
+        4,
+        "quorum",
+        4,
+        &["--cluster-ttl", "3", "--cluster-linger-ms", "0"],
+    );
     let mut running = broker.client("a running job");
     running.acquire(1).unwrap();
 
@@ -152,28 +246,45 @@ fn losing_etcd_quorum_stops_new_grants_and_its_return_resumes_them() {
     let before = broker.log().len();
     etcd.members[1].kill();
     let since = || broker.log()[before..].to_string();
-    wait_for(LONG, "the broker to notice", || since().contains("cluster pool quorum: etcd unreachable"));
-    wait_for(LONG, "the lease's time to run out", || since().contains("the lease may have expired: granting nothing"));
+    wait_for(LONG, "the broker to notice", || {
+        since().contains("cluster pool quorum: etcd unreachable")
+    });
+    wait_for(LONG, "the lease's time to run out", || {
+        since().contains("the lease may have expired: granting nothing")
+    });
     let socket = broker.socket.clone();
     let waiter = std::thread::spawn(move || {
         let mut client = baton_client::Client::connect(&socket, "waits out the outage").unwrap();
         client.acquire(1).unwrap();
         client
     });
-    wait_for(LONG, "the request to queue", || broker.status().waiters.len() == 1);
+    wait_for(LONG, "the request to queue", || {
+        broker.status().waiters.len() == 1
+    });
     // The running job keeps its token; releasing it lets nobody in.
     running.release(1).unwrap();
-    assert_eq!(broker.status().waiters.len(), 1, "granted while etcd had no quorum: {}", broker.log());
+    assert_eq!(
+        broker.status().waiters.len(),
+        1,
+        "granted while etcd had no quorum: {}",
+        broker.log()
+    );
 
     // Quorum back: the broker resumes by itself.
     etcd.start_member(1, "existing").unwrap();
     let mut client = common::join_within(waiter, LONG, "the grant once etcd answers again");
-    assert!(since().contains("cluster pool quorum: etcd answers again"), "{}", broker.log());
+    assert!(
+        since().contains("cluster pool quorum: etcd answers again"),
+        "{}",
+        broker.log()
+    );
     assert!(etcd.tokens("quorum") <= 4);
     client.release(1).unwrap();
     drop(running);
     broker.assert_all_free();
-    wait_for(LONG, "every cluster token back in etcd", || etcd.tokens("quorum") == 0);
+    wait_for(LONG, "every cluster token back in etcd", || {
+        etcd.tokens("quorum") == 0
+    });
 }
 
 #[test]
@@ -185,7 +296,14 @@ fn a_broker_given_another_limit_for_the_pool_refuses_to_start() {
     let out = common::baton()
         .args(["serve", "--no-fuse", "--jobs", "2", "--socket"])
         .arg(dir.path().join("socket"))
-        .args(["--etcd", &etcd.endpoints(), "--cluster-pool", "agreed", "--cluster-jobs", "5"])
+        .args([
+            "--etcd",
+            &etcd.endpoints(),
+            "--cluster-pool",
+            "agreed",
+            "--cluster-jobs",
+            "5",
+        ])
         .output()
         .unwrap();
     let stderr = String::from_utf8_lossy(&out.stderr);
@@ -196,7 +314,10 @@ fn a_broker_given_another_limit_for_the_pool_refuses_to_start() {
 #[test]
 fn no_etcd_at_start_is_a_clear_error() {
     let dir = TempDir::new("cluster-no-etcd");
-    let url = format!("http://127.0.0.1:{}", baton_bench::etcd::free_port().unwrap());
+    let url = format!(
+        "http://127.0.0.1:{}",
+        baton_bench::etcd::free_port().unwrap()
+    );
     let out = common::baton()
         .args(["serve", "--no-fuse", "--jobs", "2", "--socket"])
         .arg(dir.path().join("socket"))
@@ -205,7 +326,10 @@ fn no_etcd_at_start_is_a_clear_error() {
         .unwrap();
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success());
-    assert!(stderr.contains(&format!("cannot reach etcd at {url}")), "{stderr}");
+    assert!(
+        stderr.contains(&format!("cannot reach etcd at {url}")),
+        "{stderr}"
+    );
 }
 
 #[test]
@@ -219,5 +343,9 @@ fn a_broker_that_stops_gives_its_cluster_tokens_back_at_once() {
     assert_eq!(etcd.tokens("stop"), 1);
     let (status, log) = broker.stop_with(libc::SIGTERM);
     assert!(status.success(), "{log}");
-    assert_eq!(etcd.tokens("stop"), 0, "tokens left in etcd after the broker stopped: {log}");
+    assert_eq!(
+        etcd.tokens("stop"),
+        0,
+        "tokens left in etcd after the broker stopped: {log}"
+    );
 }

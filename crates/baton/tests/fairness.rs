@@ -14,7 +14,13 @@ use std::time::Duration;
 fn spawn_build(broker: &Broker, dir: &Path, run_args: &[&str], tool: &Path) -> Child {
     let mut args: Vec<&str> = run_args.to_vec();
     args.extend(["--", tool.to_str().unwrap()]);
-    broker.run(&args).current_dir(dir).env_remove("MAKEFLAGS").stdout(Stdio::null()).spawn().expect("start the build")
+    broker
+        .run(&args)
+        .current_dir(dir)
+        .env_remove("MAKEFLAGS")
+        .stdout(Stdio::null())
+        .spawn()
+        .expect("start the build")
 }
 
 fn finish(mut build: Child) {
@@ -41,8 +47,17 @@ fn reaches_the_limit(tool: PathBuf, style: &str, ninja_file: bool) {
     } else {
         flat_makefile(dir.path(), &log, 4, "0.5");
     }
-    finish(spawn_build(&broker, dir.path(), &["--jobserver-style", style], &tool));
-    assert_eq!(max_overlap(&log), (4, 4), "(most jobs at once, jobs started) under --jobs 4");
+    finish(spawn_build(
+        &broker,
+        dir.path(),
+        &["--jobserver-style", style],
+        &tool,
+    ));
+    assert_eq!(
+        max_overlap(&log),
+        (4, 4),
+        "(most jobs at once, jobs started) under --jobs 4"
+    );
     assert_clean_end(&broker);
 }
 
@@ -73,31 +88,66 @@ fn ninja_1_13_alone_reaches_the_limit() {
 fn three_weighted_builds_stay_within_the_limit_all_finish_and_show_in_status() {
     let broker = Broker::start(4);
     let log = broker.dir.path().join("all-jobs.log");
-    let dirs: Vec<TempDir> = (0..3).map(|i| TempDir::new(&format!("weighted{i}"))).collect();
+    let dirs: Vec<TempDir> = (0..3)
+        .map(|i| TempDir::new(&format!("weighted{i}")))
+        .collect();
     flat_makefile(dirs[0].path(), &log, 20, "0.2");
     flat_makefile(dirs[1].path(), &log, 20, "0.2");
     flat_ninja(dirs[2].path(), &log, 20, "0.2");
     let builds = [
-        spawn_build(&broker, dirs[0].path(), &["--name", "m43", "--jobserver-style", "pipe"], &make43()),
-        spawn_build(&broker, dirs[1].path(), &["--name", "m44", "--jobserver-style", "fifo"], &make44()),
-        spawn_build(&broker, dirs[2].path(), &["--name", "ninja", "--weight", "2"], &ninja()),
+        spawn_build(
+            &broker,
+            dirs[0].path(),
+            &["--name", "m43", "--jobserver-style", "pipe"],
+            &make43(),
+        ),
+        spawn_build(
+            &broker,
+            dirs[1].path(),
+            &["--name", "m44", "--jobserver-style", "fifo"],
+            &make44(),
+        ),
+        spawn_build(
+            &broker,
+            dirs[2].path(),
+            &["--name", "ninja", "--weight", "2"],
+            &ninja(),
+        ),
     ];
-    wait_for(Duration::from_secs(30), "three named builds in status", || {
-        let s = broker.status();
-        ["m43", "m44", "ninja"].iter().all(|n| s.builds.iter().any(|b| b.name == *n))
-    });
+    wait_for(
+        Duration::from_secs(30),
+        "three named builds in status",
+        || {
+            let s = broker.status();
+            ["m43", "m44", "ninja"]
+                .iter()
+                .all(|n| s.builds.iter().any(|b| b.name == *n))
+        },
+    );
     let s = broker.status();
     let weight = |name: &str| s.builds.iter().find(|b| b.name == name).map(|b| b.weight);
-    assert_eq!((weight("m43"), weight("m44"), weight("ninja")), (Some(1), Some(1), Some(2)), "{s:#?}");
+    assert_eq!(
+        (weight("m43"), weight("m44"), weight("ninja")),
+        (Some(1), Some(1), Some(2)),
+        "{s:#?}"
+    );
     for b in builds {
         finish(b);
     }
     let (max, started) = max_overlap(&log);
     assert_eq!(started, 60);
-    assert!(max <= 4, "{max} jobs at once across three builds under --jobs 4");
+    assert!(
+        max <= 4,
+        "{max} jobs at once across three builds under --jobs 4"
+    );
     assert_clean_end(&broker);
     let s = broker.status();
-    assert!(s.builds.iter().all(|b| !["m43", "m44", "ninja"].contains(&b.name.as_str())), "finished builds are forgotten: {s:#?}");
+    assert!(
+        s.builds
+            .iter()
+            .all(|b| !["m43", "m44", "ninja"].contains(&b.name.as_str())),
+        "finished builds are forgotten: {s:#?}"
+    );
 }
 
 /// A `baton run` inside another (as a make recipe would run it) belongs to
@@ -106,16 +156,47 @@ fn three_weighted_builds_stay_within_the_limit_all_finish_and_show_in_status() {
 fn a_client_under_baton_run_joins_its_build() {
     let broker = Broker::start(4);
     let socket = broker.socket.to_str().unwrap().to_string();
-    let inner = format!("exec {} run --socket {socket} --name inner --weight 5 --jobserver-style none -- sleep 30", baton_bin());
-    let mut outer = broker.run(&["--name", "outer", "--weight", "3", "--jobserver-style", "none", "--", "sh", "-c", &inner]).spawn().unwrap();
-    wait_for(Duration::from_secs(10), "both baton runs to hold their token", || broker.status().held == 2);
+    let inner = format!(
+        "exec {} run --socket {socket} --name inner --weight 5 --jobserver-style none -- sleep 30",
+        baton_bin()
+    );
+    let mut outer = broker
+        .run(&[
+            "--name",
+            "outer",
+            "--weight",
+            "3",
+            "--jobserver-style",
+            "none",
+            "--",
+            "sh",
+            "-c",
+            &inner,
+        ])
+        .spawn()
+        .unwrap();
+    wait_for(
+        Duration::from_secs(10),
+        "both baton runs to hold their token",
+        || broker.status().held == 2,
+    );
     let s = broker.status();
     let named: Vec<_> = s.builds.iter().filter(|b| b.held > 0).collect();
     assert_eq!(named.len(), 1, "one build: {s:#?}");
-    assert_eq!((named[0].name.as_str(), named[0].weight, named[0].held, named[0].pid), ("outer", 3, 2, outer.id()));
+    assert_eq!(
+        (
+            named[0].name.as_str(),
+            named[0].weight,
+            named[0].held,
+            named[0].pid
+        ),
+        ("outer", 3, 2, outer.id())
+    );
     unsafe { libc::kill(outer.id() as i32, libc::SIGTERM) };
     outer.wait().unwrap();
-    wait_for(Duration::from_secs(10), "the tokens to come back", || broker.status().held == 0);
+    wait_for(Duration::from_secs(10), "the tokens to come back", || {
+        broker.status().held == 0
+    });
     broker.assert_all_free();
 }
 
@@ -124,10 +205,22 @@ fn make_4_3_is_refused_the_fifo_style_with_what_to_use() {
     let broker = Broker::start(2);
     let dir = TempDir::new("refuse");
     flat_makefile(dir.path(), &dir.path().join("jobs.log"), 2, "0");
-    let out = broker.run(&["--jobserver-style", "fifo", "--", make43().to_str().unwrap()]).current_dir(dir.path()).output().unwrap();
+    let out = broker
+        .run(&[
+            "--jobserver-style",
+            "fifo",
+            "--",
+            make43().to_str().unwrap(),
+        ])
+        .current_dir(dir.path())
+        .output()
+        .unwrap();
     assert_eq!(out.status.code(), Some(1));
     let err = String::from_utf8_lossy(&out.stderr);
-    assert!(err.starts_with("baton: ") && err.contains("pipe or auto"), "{err}");
+    assert!(
+        err.starts_with("baton: ") && err.contains("pipe or auto"),
+        "{err}"
+    );
     assert!(!dir.path().join("jobs.log").exists(), "make did not run");
     broker.assert_all_free();
 }
@@ -136,7 +229,10 @@ fn make_4_3_is_refused_the_fifo_style_with_what_to_use() {
 fn a_weight_out_of_range_is_refused_by_the_cli() {
     let broker = Broker::start(2);
     for bad in ["0", "1001", "x"] {
-        let out = broker.run(&["--weight", bad, "--", "true"]).output().unwrap();
+        let out = broker
+            .run(&["--weight", bad, "--", "true"])
+            .output()
+            .unwrap();
         assert_eq!(out.status.code(), Some(2), "--weight {bad}");
     }
 }
@@ -191,22 +287,40 @@ fn build_and_wanted_on_the_wire() {
     assert!(a.say("HELLO 1 a").starts_with("OK 1 "));
     let reply = a.say("BUILD 2 nightly");
     let words: Vec<&str> = reply.split(' ').collect();
-    assert_eq!((words[0], words[2], words.len()), ("BUILD", "2", 3), "{reply}");
-    assert_eq!(a.say("BUILD 0"), "ERR range a weight must be from 1 to 1000, not 0");
+    assert_eq!(
+        (words[0], words[2], words.len()),
+        ("BUILD", "2", 3),
+        "{reply}"
+    );
+    assert_eq!(
+        a.say("BUILD 0"),
+        "ERR range a weight must be from 1 to 1000, not 0"
+    );
     assert_eq!(a.say("ACQUIRE 1"), "GRANTED 1 1");
     assert_eq!(a.say("WANTED"), "WANTED 0 0");
     // The test's own client is under no build: it is another build.
     let b = std::os::unix::net::UnixStream::connect(&broker.socket).unwrap();
     (&b).write_all(b"HELLO 1 b\nACQUIRE 1\n").unwrap();
-    wait_for(Duration::from_secs(10), "b to wait", || broker.status().waiters.len() == 1);
+    wait_for(Duration::from_secs(10), "b to wait", || {
+        broker.status().waiters.len() == 1
+    });
     assert_eq!(a.say("WANTED"), "WANTED 1 0");
     let s = broker.status();
-    let nightly = s.builds.iter().find(|b| b.name == "nightly").expect("the build shows");
-    assert_eq!((nightly.weight, nightly.held, nightly.grants, nightly.pid), (2, 1, 1, a.child.id()));
+    let nightly = s
+        .builds
+        .iter()
+        .find(|b| b.name == "nightly")
+        .expect("the build shows");
+    assert_eq!(
+        (nightly.weight, nightly.held, nightly.grants, nightly.pid),
+        (2, 1, 1, a.child.id())
+    );
     assert_eq!(a.say("RELEASE 1"), "RELEASED 1 0");
     drop(a);
     drop(b);
-    wait_for(Duration::from_secs(10), "b's token to come back", || broker.status().held == 0);
+    wait_for(Duration::from_secs(10), "b's token to come back", || {
+        broker.status().held == 0
+    });
     broker.assert_all_free();
 }
 
@@ -218,7 +332,10 @@ fn bench_builds_measures_every_case_with_the_real_tools() {
     let dir = TempDir::new("bench-builds");
     let plot = dir.path().join("builds.svg");
     let out = std::process::Command::new(baton_bin())
-        .args(["bench", "builds", "--ops", "20", "--tokens", "4", "--job-us", "50000", "--rounds", "2", "--json", "--plot"])
+        .args([
+            "bench", "builds", "--ops", "20", "--tokens", "4", "--job-us", "50000", "--rounds",
+            "2", "--json", "--plot",
+        ])
         .arg(&plot)
         .env("BATON_BENCH_MAKE43", make43())
         .env("BATON_BENCH_MAKE44", make44())
@@ -226,30 +343,68 @@ fn bench_builds_measures_every_case_with_the_real_tools() {
         .env("BATON_BENCH_BMAKE", bmake())
         .output()
         .unwrap();
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let doc: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     let rows = doc["results"].as_array().unwrap();
     // Two rounds of each tool alone still give one row per tool and way: medians.
     assert_eq!(doc["parameters"]["rounds"], 2, "{doc:#}");
     assert_eq!(rows.len(), 2 * 5 + 3 * 3, "{doc:#}");
-    let alone: Vec<&serde_json::Value> = rows.iter().filter(|r| r["case"] == "alone" && r["mechanism"] == "baton run").collect();
+    let alone: Vec<&serde_json::Value> = rows
+        .iter()
+        .filter(|r| r["case"] == "alone" && r["mechanism"] == "baton run")
+        .collect();
     let tools: Vec<&str> = alone.iter().map(|r| r["tool"].as_str().unwrap()).collect();
-    assert_eq!(tools, ["make 4.3", "make 4.4.1", "ninja 1.13", "bmake", "cargo"]);
+    assert_eq!(
+        tools,
+        ["make 4.3", "make 4.4.1", "ninja 1.13", "bmake", "cargo"]
+    );
     for row in alone {
-        assert_eq!(row["rounds"], 2, "each tool alone was measured in two rounds: {row}");
+        assert_eq!(
+            row["rounds"], 2,
+            "each tool alone was measured in two rounds: {row}"
+        );
         // Every job ran, logged by the job itself (a rustc wrapper for
         // cargo; bash, which bmake's .SHELL names, for bmake).
-        assert!(row["running_ratio"].as_f64().is_some_and(|x| x > 0.0) && row["wall_ratio"].as_f64().is_some_and(|x| x > 0.0), "{row}");
+        assert!(
+            row["running_ratio"].as_f64().is_some_and(|x| x > 0.0)
+                && row["wall_ratio"].as_f64().is_some_and(|x| x > 0.0),
+            "{row}"
+        );
     }
     let svg = std::fs::read_to_string(&plot).unwrap();
-    for label in ["each alone", "cargo", "three at once, one shared FIFO", "weights 1:1:2, baton", "fair share"] {
+    for label in [
+        "each alone",
+        "cargo",
+        "three at once, one shared FIFO",
+        "weights 1:1:2, baton",
+        "fair share",
+    ] {
         assert!(svg.contains(label), "the plot has no {label:?}");
     }
-    for case in ["three at once, baton", "three at once, one shared FIFO", "weights 1:1:2, baton"] {
-        let shares: Vec<f64> = rows.iter().filter(|r| r["case"] == case).map(|r| r["share"].as_f64().unwrap()).collect();
+    for case in [
+        "three at once, baton",
+        "three at once, one shared FIFO",
+        "weights 1:1:2, baton",
+    ] {
+        let shares: Vec<f64> = rows
+            .iter()
+            .filter(|r| r["case"] == case)
+            .map(|r| r["share"].as_f64().unwrap())
+            .collect();
         assert_eq!(shares.len(), 3, "{case}");
-        assert!((shares.iter().sum::<f64>() - 1.0).abs() < 0.01, "{case}: {shares:?}");
+        assert!(
+            (shares.iter().sum::<f64>() - 1.0).abs() < 0.01,
+            "{case}: {shares:?}"
+        );
     }
-    let weights: Vec<f64> = rows.iter().filter(|r| r["case"] == "weights 1:1:2, baton").map(|r| r["fair_share"].as_f64().unwrap()).collect();
+    let weights: Vec<f64> = rows
+        .iter()
+        .filter(|r| r["case"] == "weights 1:1:2, baton")
+        .map(|r| r["fair_share"].as_f64().unwrap())
+        .collect();
     assert_eq!(weights, vec![0.25, 0.25, 0.5]);
 }

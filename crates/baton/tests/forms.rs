@@ -20,25 +20,44 @@ fn stdout(out: &Output) -> String {
 }
 
 fn assert_success(out: &Output) {
-    assert!(out.status.success(), "build failed:\n{}\n{}", stdout(out), stderr(out));
+    assert!(
+        out.status.success(),
+        "build failed:\n{}\n{}",
+        stdout(out),
+        stderr(out)
+    );
 }
 
 /// A tool the Debian system provides (installed by scripts/test).
 fn system_tool(path: &str) -> PathBuf {
     let path = PathBuf::from(path);
-    assert!(path.exists(), "{} not found: run scripts/test, which installs it", path.display());
+    assert!(
+        path.exists(),
+        "{} not found: run scripts/test, which installs it",
+        path.display()
+    );
     path
 }
 
 /// `baton run ARGS -- TOOL TOOL_ARGS` in `dir`, without the caller's
 /// MAKEFLAGS.
-fn run_in(broker: &Broker, dir: &Path, run_args: &[&str], tool: &Path, tool_args: &[&str]) -> Command {
+fn run_in(
+    broker: &Broker,
+    dir: &Path,
+    run_args: &[&str],
+    tool: &Path,
+    tool_args: &[&str],
+) -> Command {
     let mut args = run_args.to_vec();
     args.push("--");
     args.push(tool.to_str().unwrap());
     args.extend_from_slice(tool_args);
     let mut cmd = broker.run(&args);
-    cmd.current_dir(dir).env_remove("MAKEFLAGS").env_remove("CARGO_MAKEFLAGS").env_remove("MAKE").env_remove("CC");
+    cmd.current_dir(dir)
+        .env_remove("MAKEFLAGS")
+        .env_remove("CARGO_MAKEFLAGS")
+        .env_remove("MAKE")
+        .env_remove("CC");
     cmd
 }
 
@@ -52,13 +71,29 @@ fn makeflags_carry_the_builds_cap_as_gnu_make_writes_it() {
     let cases: [(&[&str], PathBuf, &[&str], &str); 4] = [
         (&[], make43(), &["-s"], "[s -j3 --jobserver-auth="),
         (&["--max", "2"], make43(), &[], "[ -j2 --jobserver-auth="),
-        (&["--jobserver-style", "fifo"], make44(), &["-s"], "[s -j3 --jobserver-auth=fifo:"),
-        (&["--jobserver-style", "fuse"], make44(), &["-k", "--no-print-directory"], "[k -j3 --jobserver-auth=fifo:"),
+        (
+            &["--jobserver-style", "fifo"],
+            make44(),
+            &["-s"],
+            "[s -j3 --jobserver-auth=fifo:",
+        ),
+        (
+            &["--jobserver-style", "fuse"],
+            make44(),
+            &["-k", "--no-print-directory"],
+            "[k -j3 --jobserver-auth=fifo:",
+        ),
     ];
     for (run_args, make, make_args, expected) in cases {
-        let out = run_in(&broker, dir.path(), run_args, &make, make_args).output().unwrap();
+        let out = run_in(&broker, dir.path(), run_args, &make, make_args)
+            .output()
+            .unwrap();
         assert_success(&out);
-        assert!(stdout(&out).starts_with(expected), "{run_args:?} {make_args:?}: {}", stdout(&out));
+        assert!(
+            stdout(&out).starts_with(expected),
+            "{run_args:?} {make_args:?}: {}",
+            stdout(&out)
+        );
     }
     broker.assert_all_free();
 }
@@ -67,7 +102,11 @@ fn makeflags_carry_the_builds_cap_as_gnu_make_writes_it() {
 /// jobserver, as openssl-src and many -sys crates do.
 fn crate_running_make(dir: &Path, log: &Path) {
     std::fs::create_dir_all(dir.join("src")).unwrap();
-    std::fs::write(dir.join("Cargo.toml"), "[package]\nname = \"runs-make\"\nversion = \"0.1.0\"\nedition = \"2021\"\n").unwrap();
+    std::fs::write(
+        dir.join("Cargo.toml"),
+        "[package]\nname = \"runs-make\"\nversion = \"0.1.0\"\nedition = \"2021\"\n",
+    )
+    .unwrap();
     std::fs::write(dir.join("src/lib.rs"), "pub fn f() -> u32 { 1 }\n").unwrap();
     flat_makefile(dir, log, 6, "0.1");
     let script = r#"fn main() {
@@ -88,11 +127,20 @@ fn a_build_script_running_make_4_3_builds_under_auto() {
     let log = dir.path().join("jobs.log");
     crate_running_make(dir.path(), &log);
     let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
-    let out = run_in(&broker, dir.path(), &["--explain"], Path::new(&cargo), &["build", "--offline", "--quiet"])
-        .env("CARGO_TARGET_DIR", dir.path().join("target"))
-        .env("PATH", format!("/usr/bin:{}", std::env::var("PATH").unwrap()))
-        .output()
-        .unwrap();
+    let out = run_in(
+        &broker,
+        dir.path(),
+        &["--explain"],
+        Path::new(&cargo),
+        &["build", "--offline", "--quiet"],
+    )
+    .env("CARGO_TARGET_DIR", dir.path().join("target"))
+    .env(
+        "PATH",
+        format!("/usr/bin:{}", std::env::var("PATH").unwrap()),
+    )
+    .output()
+    .unwrap();
     assert_success(&out);
     assert!(stderr(&out).contains("jobserver: pipe"), "{}", stderr(&out));
     let (max, started) = max_overlap(&log);
@@ -108,7 +156,11 @@ fn lto_objects(dir: &Path) {
     for f in 0..4 {
         let mut body = format!("__attribute__((noinline)) unsigned f{f}(unsigned x) {{\n");
         for i in 0..1500 {
-            body.push_str(&format!("  x = x * {} + (x >> {}) ^ {i}u;\n", 2 * i + 3, i % 13 + 1));
+            body.push_str(&format!(
+                "  x = x * {} + (x >> {}) ^ {i}u;\n",
+                2 * i + 3,
+                i % 13 + 1
+            ));
         }
         body.push_str("  return x;\n}\n");
         std::fs::write(dir.join(format!("f{f}.c")), body).unwrap();
@@ -116,24 +168,39 @@ fn lto_objects(dir: &Path) {
     }
     main.push_str("int main(int c, char **v) { printf(\"%u\\n\", f0(c) + f1(c) + f2(c) + f3(c)); return 0; }\n");
     std::fs::write(dir.join("main.c"), main).unwrap();
-    let out = Command::new("gcc").args(["-O1", "-flto", "-c", "f0.c", "f1.c", "f2.c", "f3.c", "main.c"]).current_dir(dir).output().unwrap();
+    let out = Command::new("gcc")
+        .args([
+            "-O1", "-flto", "-c", "f0.c", "f1.c", "f2.c", "f3.c", "main.c",
+        ])
+        .current_dir(dir)
+        .output()
+        .unwrap();
     assert_success(&out);
     let objects = "f0.o f1.o f2.o f3.o main.o";
     let link = format!("\t+gcc -v -O1 -flto=auto -flto-partition=max -o $@ {objects}\n");
-    std::fs::write(dir.join("Makefile"), format!("all: p q\np q: {objects}\n{link}")).unwrap();
+    std::fs::write(
+        dir.join("Makefile"),
+        format!("all: p q\np q: {objects}\n{link}"),
+    )
+    .unwrap();
 }
 
 /// LTRANS compilers (`lto1 -fltrans`) running now in `dirs` (other tests
 /// may link at the same time).
 fn ltrans_running(dirs: &[&Path]) -> usize {
-    let Ok(procs) = std::fs::read_dir("/proc") else { return 0 };
+    let Ok(procs) = std::fs::read_dir("/proc") else {
+        return 0;
+    };
     procs
         .flatten()
-        .filter(|p| std::fs::read_link(p.path().join("cwd")).is_ok_and(|cwd| dirs.contains(&cwd.as_path())))
+        .filter(|p| {
+            std::fs::read_link(p.path().join("cwd")).is_ok_and(|cwd| dirs.contains(&cwd.as_path()))
+        })
         .filter_map(|p| std::fs::read(p.path().join("cmdline")).ok())
         .filter(|c| {
             let words: Vec<&[u8]> = c.split(|b| *b == 0).collect();
-            words.first().is_some_and(|w| w.ends_with(b"lto1")) && words.iter().any(|w| *w == b"-fltrans")
+            words.first().is_some_and(|w| w.ends_with(b"lto1"))
+                && words.iter().any(|w| *w == b"-fltrans")
         })
         .count()
 }
@@ -153,9 +220,17 @@ fn sample_ltrans(builds: Vec<Command>, dirs: &[&Path]) -> (Vec<Output>, usize) {
         });
         let children: Vec<_> = builds
             .into_iter()
-            .map(|mut b| b.stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap())
+            .map(|mut b| {
+                b.stdout(Stdio::piped())
+                    .stderr(Stdio::piped())
+                    .spawn()
+                    .unwrap()
+            })
             .collect();
-        let outputs = children.into_iter().map(|c| c.wait_with_output().unwrap()).collect();
+        let outputs = children
+            .into_iter()
+            .map(|c| c.wait_with_output().unwrap())
+            .collect();
         done.store(true, Ordering::Relaxed);
         (outputs, sampler.join().unwrap())
     })
@@ -167,8 +242,15 @@ fn assert_lto_used_the_jobserver(out: &Output) {
     assert_success(out);
     let err = stderr(out);
     assert!(err.contains("jobserver: pipe"), "{err}");
-    assert_eq!(err.matches("Using make jobserver").count(), 2, "both links used the jobserver: {err}");
-    assert!(!err.contains("serial compilation") && !err.contains("jobserver is not available"), "{err}");
+    assert_eq!(
+        err.matches("Using make jobserver").count(),
+        2,
+        "both links used the jobserver: {err}"
+    );
+    assert!(
+        !err.contains("serial compilation") && !err.contains("jobserver is not available"),
+        "{err}"
+    );
 }
 
 fn check_lto_links(make: PathBuf, make_args: &[&str]) {
@@ -178,7 +260,10 @@ fn check_lto_links(make: PathBuf, make_args: &[&str]) {
     let build = run_in(&broker, dir.path(), &["--explain"], &make, make_args);
     let (outs, most) = sample_ltrans(vec![build], &[dir.path()]);
     assert_lto_used_the_jobserver(&outs[0]);
-    assert!((1..=2).contains(&most), "{most} LTRANS compilers at once under --jobs 2");
+    assert!(
+        (1..=2).contains(&most),
+        "{most} LTRANS compilers at once under --jobs 2"
+    );
     broker.assert_all_free();
 }
 
@@ -209,7 +294,10 @@ fn two_lto_builds_at_once_stay_within_one_limit() {
     for out in &outs {
         assert_lto_used_the_jobserver(out);
     }
-    assert!((1..=2).contains(&most), "{most} LTRANS compilers at once in two builds under --jobs 2");
+    assert!(
+        (1..=2).contains(&most),
+        "{most} LTRANS compilers at once in two builds under --jobs 2"
+    );
     broker.assert_all_free();
 }
 
@@ -221,8 +309,15 @@ fn ninja_that_runs_make_4_3_gets_the_pipe_form_and_builds() {
     std::fs::create_dir_all(&sub).unwrap();
     let log = dir.path().join("jobs.log");
     flat_makefile(&sub, &log, 4, "0.05");
-    std::fs::write(dir.path().join("build.ninja"), "rule ext\n  command = make -s -C sub && touch $out\nbuild ext.stamp: ext\n").unwrap();
-    let out = run_in(&broker, dir.path(), &["--explain"], &ninja(), &[]).env("PATH", "/usr/bin:/bin").output().unwrap();
+    std::fs::write(
+        dir.path().join("build.ninja"),
+        "rule ext\n  command = make -s -C sub && touch $out\nbuild ext.stamp: ext\n",
+    )
+    .unwrap();
+    let out = run_in(&broker, dir.path(), &["--explain"], &ninja(), &[])
+        .env("PATH", "/usr/bin:/bin")
+        .output()
+        .unwrap();
     assert_success(&out);
     assert!(stderr(&out).contains("jobserver: pipe"), "{}", stderr(&out));
     let (max, started) = max_overlap(&log);
@@ -233,7 +328,10 @@ fn ninja_that_runs_make_4_3_gets_the_pipe_form_and_builds() {
 
 fn assert_ninja_used_fifo(out: &Output) {
     let text = stdout(out);
-    assert!(text.contains("Jobserver mode detected") && text.contains("--jobserver-auth=fifo:"), "{text}");
+    assert!(
+        text.contains("Jobserver mode detected") && text.contains("--jobserver-auth=fifo:"),
+        "{text}"
+    );
     assert!(!text.contains("'pipe' mode"), "{text}");
 }
 
@@ -243,7 +341,10 @@ fn ninja_1_13_keeps_the_fifo_form_beside_make_4_3() {
     let dir = TempDir::new("ninja-fifo");
     let log = dir.path().join("jobs.log");
     flat_ninja(dir.path(), &log, 8, "0.05");
-    let out = run_in(&broker, dir.path(), &["--explain"], &ninja(), &[]).env("PATH", "/usr/bin:/bin").output().unwrap();
+    let out = run_in(&broker, dir.path(), &["--explain"], &ninja(), &[])
+        .env("PATH", "/usr/bin:/bin")
+        .output()
+        .unwrap();
     assert_success(&out);
     assert!(stderr(&out).contains("jobserver: fifo"), "{}", stderr(&out));
     assert_ninja_used_fifo(&out);
@@ -260,8 +361,16 @@ fn cmake_build_of_a_ninja_project_gets_the_fifo_form() {
     let dir = TempDir::new("cmake");
     let src = dir.path().join("src");
     std::fs::create_dir_all(&src).unwrap();
-    std::fs::write(src.join("CMakeLists.txt"), "cmake_minimum_required(VERSION 3.13)\nproject(p C)\nadd_executable(p a.c b.c)\n").unwrap();
-    std::fs::write(src.join("a.c"), "int b(void);\nint main(void) { return b(); }\n").unwrap();
+    std::fs::write(
+        src.join("CMakeLists.txt"),
+        "cmake_minimum_required(VERSION 3.13)\nproject(p C)\nadd_executable(p a.c b.c)\n",
+    )
+    .unwrap();
+    std::fs::write(
+        src.join("a.c"),
+        "int b(void);\nint main(void) { return b(); }\n",
+    )
+    .unwrap();
     std::fs::write(src.join("b.c"), "int b(void) { return 0; }\n").unwrap();
     let build_dir = dir.path().join("build");
     let configure = Command::new(&cmake)
@@ -274,7 +383,15 @@ fn cmake_build_of_a_ninja_project_gets_the_fifo_form() {
         .output()
         .unwrap();
     assert_success(&configure);
-    let out = run_in(&broker, dir.path(), &["--explain"], &cmake, &["--build", "build"]).output().unwrap();
+    let out = run_in(
+        &broker,
+        dir.path(),
+        &["--explain"],
+        &cmake,
+        &["--build", "build"],
+    )
+    .output()
+    .unwrap();
     assert_success(&out);
     assert!(stderr(&out).contains("jobserver: fifo"), "{}", stderr(&out));
     assert_ninja_used_fifo(&out);
@@ -288,11 +405,21 @@ fn debian_ninja_1_11_gets_a_warning() {
     let dir = TempDir::new("ninja-old");
     let log = dir.path().join("jobs.log");
     flat_ninja(dir.path(), &log, 2, "0.01");
-    let out = run_in(&broker, dir.path(), &[], &old_ninja, &[]).output().unwrap();
+    let out = run_in(&broker, dir.path(), &[], &old_ninja, &[])
+        .output()
+        .unwrap();
     assert_success(&out);
-    let warning = stderr(&out).lines().find(|l| l.contains("is no jobserver client")).map(str::to_string);
+    let warning = stderr(&out)
+        .lines()
+        .find(|l| l.contains("is no jobserver client"))
+        .map(str::to_string);
     let warning = warning.unwrap_or_else(|| panic!("no warning: {}", stderr(&out)));
-    assert!(warning.starts_with("baton: ninja 1.11") && warning.contains("/usr/bin/ninja") && warning.contains("1.13"), "{warning}");
+    assert!(
+        warning.starts_with("baton: ninja 1.11")
+            && warning.contains("/usr/bin/ninja")
+            && warning.contains("1.13"),
+        "{warning}"
+    );
     broker.assert_all_free();
 }
 
@@ -301,10 +428,17 @@ fn make_with_its_own_jobs_gets_a_warning() {
     let broker = Broker::start(2);
     let dir = TempDir::new("forced-jobs");
     std::fs::write(dir.path().join("Makefile"), PRINT_MAKEFLAGS).unwrap();
-    let out = run_in(&broker, dir.path(), &[], &make43(), &["-j3"]).output().unwrap();
+    let out = run_in(&broker, dir.path(), &[], &make43(), &["-j3"])
+        .output()
+        .unwrap();
     assert_success(&out);
     let err = stderr(&out);
-    assert!(err.lines().any(|l| l.starts_with("baton: make 4.3") && l.contains("-j3") && l.contains("drop -j3")), "{err}");
+    assert!(
+        err.lines().any(|l| l.starts_with("baton: make 4.3")
+            && l.contains("-j3")
+            && l.contains("drop -j3")),
+        "{err}"
+    );
     broker.assert_all_free();
 }
 
@@ -322,31 +456,66 @@ fn tool_versions_are_asked_once_and_again_when_the_tool_changes() {
     // make on PATH is a wrapper that notes each call, then runs real make.
     let make = bin.join("make");
     let wrap = |real: &Path| {
-        let script = format!("#!/bin/sh\necho \"$*\" >> {}\nexec {} \"$@\"\n", calls.display(), real.display());
+        let script = format!(
+            "#!/bin/sh\necho \"$*\" >> {}\nexec {} \"$@\"\n",
+            calls.display(),
+            real.display()
+        );
         std::fs::write(&make, script).unwrap();
-        std::fs::set_permissions(&make, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+        std::fs::set_permissions(&make, std::os::unix::fs::PermissionsExt::from_mode(0o755))
+            .unwrap();
     };
-    let calls_so_far = || std::fs::read_to_string(&calls).unwrap_or_default().lines().filter(|l| !l.starts_with("-s")).count();
+    let calls_so_far = || {
+        std::fs::read_to_string(&calls)
+            .unwrap_or_default()
+            .lines()
+            .filter(|l| !l.starts_with("-s"))
+            .count()
+    };
     let build = || {
         let path = format!("{}:/usr/bin:/bin", bin.display());
-        let out = run_in(&broker, dir.path(), &["--explain"], Path::new("make"), &["-s"]).env("PATH", path).output().unwrap();
+        let out = run_in(
+            &broker,
+            dir.path(),
+            &["--explain"],
+            Path::new("make"),
+            &["-s"],
+        )
+        .env("PATH", path)
+        .output()
+        .unwrap();
         assert_success(&out);
         stderr(&out)
     };
     wrap(&make43());
     let first = build();
-    assert!(first.contains("make 4.3") && first.contains("reads only R,W"), "{first}");
+    assert!(
+        first.contains("make 4.3") && first.contains("reads only R,W"),
+        "{first}"
+    );
     let asked = calls_so_far();
     assert!(asked > 0, "make was never asked its version");
-    assert_eq!(build(), first, "the remembered answers choose as the asked ones did");
+    assert_eq!(
+        build(),
+        first,
+        "the remembered answers choose as the asked ones did"
+    );
     assert_eq!(calls_so_far(), asked, "the second build asked make again");
 
     wrap(&make44());
     let upgraded = build();
     assert!(calls_so_far() > asked, "a changed make was not asked again");
-    assert!(upgraded.contains("make 4.4.1") && upgraded.contains("reads both forms"), "{upgraded}");
+    assert!(
+        upgraded.contains("make 4.4.1") && upgraded.contains("reads both forms"),
+        "{upgraded}"
+    );
     let kept = broker.socket.parent().unwrap().join("probes");
-    let mode = std::os::unix::fs::PermissionsExt::mode(&std::fs::metadata(&kept).unwrap().permissions());
-    assert_eq!(mode & 0o077, 0, "the answers are readable by others: {mode:o}");
+    let mode =
+        std::os::unix::fs::PermissionsExt::mode(&std::fs::metadata(&kept).unwrap().permissions());
+    assert_eq!(
+        mode & 0o077,
+        0,
+        "the answers are readable by others: {mode:o}"
+    );
     broker.assert_all_free();
 }

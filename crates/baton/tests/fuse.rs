@@ -23,7 +23,10 @@ pub fn fuse_broker(jobs: u32, extra: &[&str]) -> Option<Broker> {
     if is_fuse(&mount_point(&broker)) {
         return Some(broker);
     }
-    common::skip(common::Missing::Fuse, &format!("FUSE is not available here: {}", broker.log()));
+    common::skip(
+        common::Missing::Fuse,
+        &format!("FUSE is not available here: {}", broker.log()),
+    );
     None
 }
 
@@ -49,8 +52,19 @@ pub fn token_file(broker: &Broker, name: &str) -> PathBuf {
 /// process group so a test can kill the whole tree.
 pub fn make_via_fuse(broker: &Broker, dir: &Path, makefile: &str) -> Command {
     let make = make44();
-    let mut cmd = broker.run(&["--jobserver-style", "fuse", "--", make.to_str().unwrap(), "-s", "--no-print-directory", "-f", makefile]);
-    cmd.current_dir(dir).env_remove("MAKEFLAGS").process_group(0);
+    let mut cmd = broker.run(&[
+        "--jobserver-style",
+        "fuse",
+        "--",
+        make.to_str().unwrap(),
+        "-s",
+        "--no-print-directory",
+        "-f",
+        makefile,
+    ]);
+    cmd.current_dir(dir)
+        .env_remove("MAKEFLAGS")
+        .process_group(0);
     cmd
 }
 
@@ -59,13 +73,20 @@ pub fn make_via_fuse(broker: &Broker, dir: &Path, makefile: &str) -> Command {
 pub fn make_tree(dir: &Path, log: &Path, fanout: usize, jobs: usize, secs: &str) {
     let level = |name: &str, sub: &str, n: usize| {
         let targets: Vec<String> = (0..n).map(|i| format!("t{i}")).collect();
-        let text = format!("all: {all}\n{all}:\n\t@$(MAKE) -f {sub}\n.PHONY: all {all}\n", all = targets.join(" "));
+        let text = format!(
+            "all: {all}\n{all}:\n\t@$(MAKE) -f {sub}\n.PHONY: all {all}\n",
+            all = targets.join(" ")
+        );
         std::fs::write(dir.join(name), text).unwrap();
     };
     level("top.mk", "mid.mk", fanout);
     level("mid.mk", "leaf.mk", fanout);
     let targets: Vec<String> = (0..jobs).map(|i| format!("j{i}")).collect();
-    let leaf = format!("all: {all}\n{all}:\n\t@{job}\n.PHONY: all {all}\n", all = targets.join(" "), job = logged_job(log, secs));
+    let leaf = format!(
+        "all: {all}\n{all}:\n\t@{job}\n.PHONY: all {all}\n",
+        all = targets.join(" "),
+        job = logged_job(log, secs)
+    );
     std::fs::write(dir.join("leaf.mk"), leaf).unwrap();
 }
 
@@ -78,7 +99,12 @@ fn read_token(f: &mut File) -> std::io::Result<()> {
 }
 
 fn open_nonblocking(path: &Path) -> File {
-    OpenOptions::new().read(true).write(true).custom_flags(libc::O_NONBLOCK).open(path).unwrap()
+    OpenOptions::new()
+        .read(true)
+        .write(true)
+        .custom_flags(libc::O_NONBLOCK)
+        .open(path)
+        .unwrap()
 }
 
 fn kill_group(child: &Child) {
@@ -87,24 +113,39 @@ fn kill_group(child: &Child) {
 
 #[test]
 fn read_takes_a_token_write_gives_it_back_and_status_shows_the_process() {
-    let Some(broker) = fuse_broker(2, &[]) else { return };
+    let Some(broker) = fuse_broker(2, &[]) else {
+        return;
+    };
     let path = token_file(&broker, "basic");
     let mut file = open_nonblocking(&path);
     read_token(&mut file).unwrap();
     read_token(&mut file).unwrap();
     let err = read_token(&mut file).unwrap_err();
-    assert_eq!(err.kind(), ErrorKind::WouldBlock, "no token left: EAGAIN, got {err}");
+    assert_eq!(
+        err.kind(),
+        ErrorKind::WouldBlock,
+        "no token left: EAGAIN, got {err}"
+    );
 
     let s = broker.status();
     assert_eq!((s.free, s.held), (0, 2));
     let me = std::process::id();
-    assert!(s.holders.iter().any(|h| h.pid == me && h.tokens == 2 && h.transport == "fuse"), "{s:#?}");
+    assert!(
+        s.holders
+            .iter()
+            .any(|h| h.pid == me && h.tokens == 2 && h.transport == "fuse"),
+        "{s:#?}"
+    );
 
     // Another handle of the same process gives back what this one took.
     let mut writer = OpenOptions::new().write(true).open(&path).unwrap();
     writer.write_all(b"++").unwrap();
     let err = writer.write(b"+").unwrap_err();
-    assert_eq!(err.raw_os_error(), Some(libc::ENOSPC), "gave back more than taken: {err}");
+    assert_eq!(
+        err.raw_os_error(),
+        Some(libc::ENOSPC),
+        "gave back more than taken: {err}"
+    );
     broker.assert_all_free();
 }
 
@@ -119,7 +160,9 @@ fn held_token_file(broker: &Broker, name: &str) -> PathBuf {
 #[test]
 fn a_freed_token_wakes_exactly_one_poller() {
     // Room for all four to wait: a process waits for at most the limit.
-    let Some(broker) = fuse_broker(4, &[]) else { return };
+    let Some(broker) = fuse_broker(4, &[]) else {
+        return;
+    };
     one_poller_per_freed_token(&broker, &token_file(&broker, "pollers"));
 }
 
@@ -127,7 +170,9 @@ fn a_freed_token_wakes_exactly_one_poller() {
 /// reserved for it.
 #[test]
 fn a_freed_token_answers_exactly_one_held_poll() {
-    let Some(broker) = fuse_broker(4, &["--fuse-hold-ms", "600000"]) else { return };
+    let Some(broker) = fuse_broker(4, &["--fuse-hold-ms", "600000"]) else {
+        return;
+    };
     one_poller_per_freed_token(&broker, &held_token_file(&broker, "held"));
 }
 
@@ -135,7 +180,9 @@ fn a_freed_token_answers_exactly_one_held_poll() {
 /// comes, and its poller must still be woken, once.
 #[test]
 fn a_poll_held_past_its_time_is_still_woken_by_its_token() {
-    let Some(broker) = fuse_broker(4, &["--fuse-hold-ms", "1"]) else { return };
+    let Some(broker) = fuse_broker(4, &["--fuse-hold-ms", "1"]) else {
+        return;
+    };
     one_poller_per_freed_token(&broker, &held_token_file(&broker, "expired"));
 }
 
@@ -150,10 +197,15 @@ fn one_poller_per_freed_token(broker: &Broker, path: &Path) {
     let give_back_rx = std::sync::Arc::new(std::sync::Mutex::new(give_back_rx));
     let pollers: Vec<_> = (0..4)
         .map(|_| {
-            let (path, report_tx, give_back_rx) = (path.to_path_buf(), report_tx.clone(), give_back_rx.clone());
+            let (path, report_tx, give_back_rx) =
+                (path.to_path_buf(), report_tx.clone(), give_back_rx.clone());
             std::thread::spawn(move || {
                 let mut file = open_nonblocking(&path);
-                let mut fd = libc::pollfd { fd: file.as_raw_fd(), events: libc::POLLIN, revents: 0 };
+                let mut fd = libc::pollfd {
+                    fd: file.as_raw_fd(),
+                    events: libc::POLLIN,
+                    revents: 0,
+                };
                 // A long timeout: only a hang guard.
                 let woken = unsafe { libc::poll(&mut fd, 1, 60_000) } == 1;
                 let got = woken && read_token(&mut file).is_ok();
@@ -165,19 +217,37 @@ fn one_poller_per_freed_token(broker: &Broker, path: &Path) {
             })
         })
         .collect();
-    wait_for(Duration::from_secs(10), "4 pollers waiting", || broker.status().waiters.len() == 4);
+    wait_for(Duration::from_secs(10), "4 pollers waiting", || {
+        broker.status().waiters.len() == 4
+    });
     // One token at a time: each wakes one poller, which takes it; the
     // others still sleep in poll(), still counted as waiting.
     for freed in 1..=4 {
         holder.release(1).unwrap();
-        let report = reports.recv_timeout(Duration::from_secs(60)).expect("a poller woken");
-        assert_eq!(report, (true, true), "token {freed}: a poller was woken without a token");
-        wait_for(Duration::from_secs(10), "the woken poller to stop waiting", || broker.status().waiters.len() == 4 - freed);
-        assert!(reports.try_recv().is_err(), "token {freed} woke a second poller");
+        let report = reports
+            .recv_timeout(Duration::from_secs(60))
+            .expect("a poller woken");
+        assert_eq!(
+            report,
+            (true, true),
+            "token {freed}: a poller was woken without a token"
+        );
+        wait_for(
+            Duration::from_secs(10),
+            "the woken poller to stop waiting",
+            || broker.status().waiters.len() == 4 - freed,
+        );
+        assert!(
+            reports.try_recv().is_err(),
+            "token {freed} woke a second poller"
+        );
     }
     (0..4).for_each(|_| give_back.send(()).unwrap());
     pollers.into_iter().for_each(|t| t.join().unwrap());
-    assert!(reports.try_recv().is_err(), "a poller was woken for nothing");
+    assert!(
+        reports.try_recv().is_err(),
+        "a poller was woken for nothing"
+    );
     broker.assert_all_free();
 }
 
@@ -187,7 +257,9 @@ fn one_poller_per_freed_token(broker: &Broker, path: &Path) {
 /// within the test.
 #[test]
 fn a_held_poll_ends_at_once_on_a_signal_and_keeps_its_place() {
-    let Some(broker) = fuse_broker(1, &["--fuse-hold-ms", "600000"]) else { return };
+    let Some(broker) = fuse_broker(1, &["--fuse-hold-ms", "600000"]) else {
+        return;
+    };
     let path = held_token_file(&broker, "signalled");
     let mut holder = broker.client("holder");
     holder.acquire(1).unwrap();
@@ -206,8 +278,16 @@ fn a_held_poll_ends_at_once_on_a_signal_and_keeps_its_place() {
         print('polls again:', p.poll()[0][1] & select.POLLIN != 0, flush=True)\n\
         os.read(fd, 1)\n\
         os.write(fd, b'+')\n";
-    let mut child = Command::new("python3").arg("-c").arg(script).arg(&path).stdout(std::process::Stdio::piped()).spawn().unwrap();
-    wait_for(Duration::from_secs(10), "the poll to wait", || broker.status().waiters.len() == 1);
+    let mut child = Command::new("python3")
+        .arg("-c")
+        .arg(script)
+        .arg(&path)
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    wait_for(Duration::from_secs(10), "the poll to wait", || {
+        broker.status().waiters.len() == 1
+    });
     unsafe { libc::kill(child.id() as i32, libc::SIGUSR1) };
     let lines = lines_of(child.stdout.take().unwrap());
     // A hang guard only: without the interrupt the poll waits ten minutes.
@@ -215,18 +295,31 @@ fn a_held_poll_ends_at_once_on_a_signal_and_keeps_its_place() {
     if first.is_err() {
         let _ = child.kill();
     }
-    assert_eq!(first.as_deref().map(str::trim), Ok("interrupted"), "the held poll did not end on SIGUSR1");
+    assert_eq!(
+        first.as_deref().map(str::trim),
+        Ok("interrupted"),
+        "the held poll did not end on SIGUSR1"
+    );
     // It polls again, still first in the queue: the token it gets is the
     // one the holder frees.
-    wait_for(Duration::from_secs(10), "the second poll to wait", || broker.status().waiters.len() == 1);
+    wait_for(Duration::from_secs(10), "the second poll to wait", || {
+        broker.status().waiters.len() == 1
+    });
     holder.release(1).unwrap();
     let second = lines.recv_timeout(Duration::from_secs(60));
     let status = common::wait_timeout(&mut child, Duration::from_secs(60));
     if status.is_none() {
         let _ = child.kill();
     }
-    assert_eq!(second.as_deref().map(str::trim), Ok("polls again: True"), "the second poll was never answered");
-    assert!(status.is_some_and(|s| s.success()), "the poller failed after its poll: {status:?}");
+    assert_eq!(
+        second.as_deref().map(str::trim),
+        Ok("polls again: True"),
+        "the second poll was never answered"
+    );
+    assert!(
+        status.is_some_and(|s| s.success()),
+        "the poller failed after its poll: {status:?}"
+    );
     broker.assert_all_free();
 }
 
@@ -245,18 +338,50 @@ fn lines_of(out: std::process::ChildStdout) -> std::sync::mpsc::Receiver<String>
 /// cargo) `hold`, and leaves any other command's at `notify`.
 #[test]
 fn baton_run_marks_a_make_builds_file_hold_and_another_commands_notify() {
-    let Some(broker) = fuse_broker(2, &[]) else { return };
+    let Some(broker) = fuse_broker(2, &[]) else {
+        return;
+    };
     let dir = TempDir::new("fuse-marks");
     let show = r#"python3 -c 'import os, re; p = re.search(r"fifo:(\S+)", os.environ["MAKEFLAGS"]).group(1); print(os.getxattr(p, "user.baton.polls").decode())'"#;
-    std::fs::write(dir.path().join("Makefile"), format!("all:
+    std::fs::write(
+        dir.path().join("Makefile"),
+        format!(
+            "all:
 	@{show}
-")).unwrap();
+"
+        ),
+    )
+    .unwrap();
     let make = make44();
     let runs = [
-        broker.run(&["--jobserver-style", "fuse", "--", make.to_str().unwrap(), "-s"]).current_dir(dir.path()).env_remove("MAKEFLAGS").output().unwrap(),
-        broker.run(&["--jobserver-style", "fuse", "--", "sh", "-c", show]).env_remove("MAKEFLAGS").output().unwrap(),
+        broker
+            .run(&[
+                "--jobserver-style",
+                "fuse",
+                "--",
+                make.to_str().unwrap(),
+                "-s",
+            ])
+            .current_dir(dir.path())
+            .env_remove("MAKEFLAGS")
+            .output()
+            .unwrap(),
+        broker
+            .run(&["--jobserver-style", "fuse", "--", "sh", "-c", show])
+            .env_remove("MAKEFLAGS")
+            .output()
+            .unwrap(),
     ];
-    let said: Vec<String> = runs.iter().map(|o| format!("{}{}", String::from_utf8_lossy(&o.stdout).trim(), String::from_utf8_lossy(&o.stderr).trim())).collect();
+    let said: Vec<String> = runs
+        .iter()
+        .map(|o| {
+            format!(
+                "{}{}",
+                String::from_utf8_lossy(&o.stdout).trim(),
+                String::from_utf8_lossy(&o.stderr).trim()
+            )
+        })
+        .collect();
     assert_eq!(said, ["hold", "notify"]);
     broker.assert_all_free();
 }
@@ -265,8 +390,13 @@ fn baton_run_marks_a_make_builds_file_hold_and_another_commands_notify() {
 /// herd costs less than the file's round trips (docs/jobserver.md).
 #[test]
 fn auto_gives_make_4_4_the_file_from_32_tokens_and_the_fifo_below() {
-    for (jobs, form) in [(16, "fifo (fifo:PATH)"), (32, "fuse (fifo:PATH on the broker's FUSE mount)")] {
-        let Some(broker) = fuse_broker(jobs, &[]) else { return };
+    for (jobs, form) in [
+        (16, "fifo (fifo:PATH)"),
+        (32, "fuse (fifo:PATH on the broker's FUSE mount)"),
+    ] {
+        let Some(broker) = fuse_broker(jobs, &[]) else {
+            return;
+        };
         let dir = TempDir::new("auto-size");
         std::fs::write(dir.path().join("Makefile"), "all:\n\t@true\n").unwrap();
         let make = make44();
@@ -281,31 +411,50 @@ fn auto_gives_make_4_4_the_file_from_32_tokens_and_the_fifo_below() {
             .unwrap();
         let err = String::from_utf8_lossy(&out.stderr);
         assert!(out.status.success(), "{err}");
-        assert!(err.contains(&format!("jobserver: {form} (auto)")), "{jobs} tokens: {err}");
+        assert!(
+            err.contains(&format!("jobserver: {form} (auto)")),
+            "{jobs} tokens: {err}"
+        );
         broker.assert_all_free();
     }
 }
 
 #[test]
 fn a_poller_that_closes_its_file_stops_waiting() {
-    let Some(broker) = fuse_broker(1, &[]) else { return };
+    let Some(broker) = fuse_broker(1, &[]) else {
+        return;
+    };
     let path = token_file(&broker, "quitter");
     let mut holder = broker.client("holder");
     holder.acquire(1).unwrap();
     let file = open_nonblocking(&path);
-    let mut fd = libc::pollfd { fd: file.as_raw_fd(), events: libc::POLLIN, revents: 0 };
+    let mut fd = libc::pollfd {
+        fd: file.as_raw_fd(),
+        events: libc::POLLIN,
+        revents: 0,
+    };
     // A short poll: it returns with nothing, and leaves the wait queued.
     assert_eq!(unsafe { libc::poll(&mut fd, 1, 10) }, 0);
-    assert_eq!(broker.status().waiters.len(), 1, "the poll queued for a token");
+    assert_eq!(
+        broker.status().waiters.len(),
+        1,
+        "the poll queued for a token"
+    );
     drop(file);
-    wait_for(Duration::from_secs(20), "the closed poller's wait to go", || broker.status().waiters.is_empty());
+    wait_for(
+        Duration::from_secs(20),
+        "the closed poller's wait to go",
+        || broker.status().waiters.is_empty(),
+    );
     holder.release(1).unwrap();
     broker.assert_all_free();
 }
 
 #[test]
 fn a_blocked_reader_gets_the_token_a_socket_client_frees() {
-    let Some(broker) = fuse_broker(1, &[]) else { return };
+    let Some(broker) = fuse_broker(1, &[]) else {
+        return;
+    };
     let path = token_file(&broker, "blocking");
     let path_back = path.clone();
     let mut holder = broker.client("holder");
@@ -315,108 +464,205 @@ fn a_blocked_reader_gets_the_token_a_socket_client_frees() {
         read_token(&mut file).unwrap();
         file
     });
-    wait_for(Duration::from_secs(10), "the reader to wait", || broker.status().waiters.len() == 1);
-    assert!(!reader.is_finished(), "the read returned with no token free");
+    wait_for(Duration::from_secs(10), "the reader to wait", || {
+        broker.status().waiters.len() == 1
+    });
+    assert!(
+        !reader.is_finished(),
+        "the read returned with no token free"
+    );
     holder.release(1).unwrap();
     drop(reader.join().unwrap());
     let s = broker.status();
-    assert!(s.holders.iter().any(|h| h.transport == "fuse" && h.tokens == 1), "the reader holds the token: {s:#?}");
-    OpenOptions::new().write(true).open(&path_back).unwrap().write_all(b"+").unwrap();
+    assert!(
+        s.holders
+            .iter()
+            .any(|h| h.transport == "fuse" && h.tokens == 1),
+        "the reader holds the token: {s:#?}"
+    );
+    OpenOptions::new()
+        .write(true)
+        .open(&path_back)
+        .unwrap()
+        .write_all(b"+")
+        .unwrap();
     broker.assert_all_free();
 }
 
 #[test]
 fn the_issue_tree_runs_all_5120_jobs_within_a_binding_limit_and_returns_every_token() {
     // A limit two cores reach: 512 would never bind here.
-    let Some(broker) = fuse_broker(16, &[]) else { return };
+    let Some(broker) = fuse_broker(16, &[]) else {
+        return;
+    };
     let dir = TempDir::new("fuse-tree");
     let log = dir.path().join("jobs.log");
     make_tree(dir.path(), &log, 16, 20, "0.02");
-    let status = make_via_fuse(&broker, dir.path(), "top.mk").status().unwrap();
+    let status = make_via_fuse(&broker, dir.path(), "top.mk")
+        .status()
+        .unwrap();
     assert!(status.success(), "make failed: {status}");
     let (max, started) = max_overlap(&log);
     assert_eq!(started, 16 * 16 * 20);
     assert!(max <= 16, "{max} jobs at once under a limit of 16");
-    assert!(max >= 2, "the build ran in parallel (at most {max} at once)");
+    assert!(
+        max >= 2,
+        "the build ran in parallel (at most {max} at once)"
+    );
     broker.assert_all_free();
-    assert!(broker.status().totals.granted > 16, "the build did not take its tokens from the FUSE file");
+    assert!(
+        broker.status().totals.granted > 16,
+        "the build did not take its tokens from the FUSE file"
+    );
 }
 
 /// Pids of FUSE holders whose command contains `what`.
 fn fuse_holders(broker: &Broker, what: &str) -> Vec<u32> {
-    broker.status().holders.iter().filter(|h| h.transport == "fuse" && h.command.contains(what)).map(|h| h.pid).collect()
+    broker
+        .status()
+        .holders
+        .iter()
+        .filter(|h| h.transport == "fuse" && h.command.contains(what))
+        .map(|h| h.pid)
+        .collect()
 }
 
 #[test]
 fn killing_a_sub_make_or_the_whole_tree_returns_its_tokens() {
-    let Some(broker) = fuse_broker(64, &[]) else { return };
+    let Some(broker) = fuse_broker(64, &[]) else {
+        return;
+    };
     let dir = TempDir::new("fuse-kill");
     let log = dir.path().join("jobs.log");
     make_tree(dir.path(), &log, 4, 8, "30");
-    let mut make = make_via_fuse(&broker, dir.path(), "top.mk").spawn().unwrap();
-    wait_for(Duration::from_secs(20), "leaf makes holding tokens", || broker.status().free == 0);
+    let mut make = make_via_fuse(&broker, dir.path(), "top.mk")
+        .spawn()
+        .unwrap();
+    wait_for(Duration::from_secs(20), "leaf makes holding tokens", || {
+        broker.status().free == 0
+    });
 
     let victim = fuse_holders(&broker, "leaf.mk")[0];
     unsafe { libc::kill(victim as i32, libc::SIGKILL) };
-    wait_for(Duration::from_secs(20), "the killed sub-make's tokens", || !fuse_holders(&broker, "leaf.mk").contains(&victim));
+    wait_for(
+        Duration::from_secs(20),
+        "the killed sub-make's tokens",
+        || !fuse_holders(&broker, "leaf.mk").contains(&victim),
+    );
     assert!(!pid_alive(victim));
-    assert!(broker.status().totals.reclaimed >= 1, "the sub-make's tokens were reclaimed");
+    assert!(
+        broker.status().totals.reclaimed >= 1,
+        "the sub-make's tokens were reclaimed"
+    );
 
     kill_group(&make);
     let _ = make.wait();
     // baton run is in the group too: the build's own slot comes back with it.
-    wait_for(Duration::from_secs(20), "every token of the tree", || broker.status().free == 64);
+    wait_for(Duration::from_secs(20), "every token of the tree", || {
+        broker.status().free == 64
+    });
     broker.assert_all_free();
 }
 
 /// Files in the mount, but for ones the test made itself.
 fn build_files(broker: &Broker) -> Vec<PathBuf> {
-    std::fs::read_dir(mount_point(broker)).unwrap().map(|e| e.unwrap().path()).collect()
+    std::fs::read_dir(mount_point(broker))
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .collect()
 }
 
 #[test]
 fn the_token_file_of_a_killed_baton_run_is_swept_by_the_next() {
-    let Some(broker) = fuse_broker(2, &[]) else { return };
-    let mut killed = broker.run(&["--jobserver-style", "fuse", "--", "sleep", "600"]).env_remove("MAKEFLAGS").process_group(0).spawn().unwrap();
-    wait_for(Duration::from_secs(20), "its token file", || build_files(&broker).len() == 1);
+    let Some(broker) = fuse_broker(2, &[]) else {
+        return;
+    };
+    let mut killed = broker
+        .run(&["--jobserver-style", "fuse", "--", "sleep", "600"])
+        .env_remove("MAKEFLAGS")
+        .process_group(0)
+        .spawn()
+        .unwrap();
+    wait_for(Duration::from_secs(20), "its token file", || {
+        build_files(&broker).len() == 1
+    });
     let left = build_files(&broker).remove(0);
     kill_group(&killed); // baton run and its sleep: nobody removes the file
     killed.wait().unwrap();
-    wait_for(Duration::from_secs(20), "its token back", || broker.status().free == 2);
-    assert!(left.exists(), "kill -9 left nothing to sweep: the test proves nothing");
+    wait_for(Duration::from_secs(20), "its token back", || {
+        broker.status().free == 2
+    });
+    assert!(
+        left.exists(),
+        "kill -9 left nothing to sweep: the test proves nothing"
+    );
     let other = token_file(&broker, "not-a-build");
-    let out = broker.run(&["--jobserver-style", "fuse", "--", "true"]).env_remove("MAKEFLAGS").output().unwrap();
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let out = broker
+        .run(&["--jobserver-style", "fuse", "--", "true"])
+        .env_remove("MAKEFLAGS")
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     assert!(!left.exists(), "{left:?} outlived the next baton run");
-    assert_eq!(build_files(&broker), vec![other], "only the file no baton run made is left");
+    assert_eq!(
+        build_files(&broker),
+        vec![other],
+        "only the file no baton run made is left"
+    );
     broker.assert_all_free();
 }
 
 #[test]
 fn a_cargo_build_through_the_fuse_file_completes_and_returns_every_token() {
-    let Some(broker) = fuse_broker(4, &[]) else { return };
+    let Some(broker) = fuse_broker(4, &[]) else {
+        return;
+    };
     let dir = TempDir::new("fuse-cargo");
     let log = dir.path().join("jobs.log");
     common::cargo_workspace(dir.path(), &log, 4);
     let out = common::cargo_build(&broker, dir.path(), &["--jobserver-style", "fuse"]);
-    assert!(out.status.success(), "cargo build failed: {}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "cargo build failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     assert_eq!(max_overlap(&log).1, 4, "every build script ran");
     // cargo's process may be gone a moment before its last handle closes.
-    wait_for(Duration::from_secs(20), "every token back", || broker.status().free == 4);
+    wait_for(Duration::from_secs(20), "every token back", || {
+        broker.status().free == 4
+    });
     let s = broker.status();
-    assert!(s.totals.granted > 1, "cargo took no token from the FUSE file: {s:#?}");
-    assert!(max_overlap(&log).0 >= 2, "cargo ran one build script at a time: it read no token");
+    assert!(
+        s.totals.granted > 1,
+        "cargo took no token from the FUSE file: {s:#?}"
+    );
+    assert!(
+        max_overlap(&log).0 >= 2,
+        "cargo ran one build script at a time: it read no token"
+    );
 }
 
 #[test]
 fn a_killed_broker_leaves_a_stale_mount_that_the_next_one_clears() {
-    let Some(mut broker) = fuse_broker(1, &[]) else { return };
+    let Some(mut broker) = fuse_broker(1, &[]) else {
+        return;
+    };
     let mount = mount_point(&broker);
     let socket = broker.socket.clone();
     // Its keeper killed too (it would keep the mount alive for the next
     // broker to serve: tests/restart.rs), the mount is dead.
-    let children = std::fs::read_to_string(format!("/proc/{0}/task/{0}/children", broker.pid())).unwrap();
-    let keeper: i32 = children.split_whitespace().next().expect("the broker has a keeper").parse().unwrap();
+    let children =
+        std::fs::read_to_string(format!("/proc/{0}/task/{0}/children", broker.pid())).unwrap();
+    let keeper: i32 = children
+        .split_whitespace()
+        .next()
+        .expect("the broker has a keeper")
+        .parse()
+        .unwrap();
     broker.stop_with(libc::SIGKILL);
     unsafe { libc::kill(keeper, libc::SIGKILL) };
     let log = broker.dir.path().join("broker2.log");
@@ -426,7 +672,9 @@ fn a_killed_broker_leaves_a_stale_mount_that_the_next_one_clears() {
         .stderr(File::create(&log).unwrap())
         .spawn()
         .unwrap();
-    wait_for(Duration::from_secs(10), "the second broker's mount", || is_fuse(&mount) && std::fs::read_dir(&mount).is_ok());
+    wait_for(Duration::from_secs(10), "the second broker's mount", || {
+        is_fuse(&mount) && std::fs::read_dir(&mount).is_ok()
+    });
     unsafe { libc::kill(second.id() as i32, libc::SIGTERM) };
     second.wait().unwrap();
     assert!(!is_fuse(&mount), "still mounted after SIGTERM");
@@ -437,7 +685,9 @@ fn a_killed_broker_leaves_a_stale_mount_that_the_next_one_clears() {
 /// and its token comes back.
 #[test]
 fn a_process_exiting_with_a_thread_blocked_in_a_read_exits_at_once() {
-    let Some(broker) = fuse_broker(2, &[]) else { return };
+    let Some(broker) = fuse_broker(2, &[]) else {
+        return;
+    };
     let path = token_file(&broker, "helper");
     read_token(&mut File::open(&path).unwrap()).unwrap();
     let script = "import os, sys, threading, time\n\
@@ -446,15 +696,29 @@ fn a_process_exiting_with_a_thread_blocked_in_a_read_exits_at_once() {
         threading.Thread(target=lambda: os.read(os.open(p, os.O_RDWR), 1), daemon=True).start()\n\
         time.sleep(0.3)\n\
         os._exit(0)\n";
-    let mut child = Command::new("python3").arg("-c").arg(script).arg(&path).spawn().unwrap();
-    wait_for(Duration::from_secs(5), "the helper thread to wait", || broker.status().waiters.len() == 1);
+    let mut child = Command::new("python3")
+        .arg("-c")
+        .arg(script)
+        .arg(&path)
+        .spawn()
+        .unwrap();
+    wait_for(Duration::from_secs(5), "the helper thread to wait", || {
+        broker.status().waiters.len() == 1
+    });
     let status = common::wait_timeout(&mut child, Duration::from_secs(30)).unwrap_or_else(|| {
         let _ = child.kill();
         panic!("the process hung on exit")
     });
     assert!(status.success());
-    OpenOptions::new().write(true).open(&path).unwrap().write_all(b"+").unwrap();
-    wait_for(Duration::from_secs(20), "every token back", || broker.status().free == 2);
+    OpenOptions::new()
+        .write(true)
+        .open(&path)
+        .unwrap()
+        .write_all(b"+")
+        .unwrap();
+    wait_for(Duration::from_secs(20), "every token back", || {
+        broker.status().free == 2
+    });
 }
 
 /// Where the broker cannot mount, `auto` must fall back to the FIFO bridge
@@ -469,22 +733,56 @@ fn without_a_mount_auto_falls_back_to_the_fifo_and_fuse_is_refused() {
     // No reader of R,W only in view (gcc 12's lto-wrapper, the make 4.3
     // first on PATH would make auto pick the pipe): make 4.4.1 alone would
     // get the FUSE file.
-    let out = broker.run(&["--", make.to_str().unwrap()]).current_dir(dir.path()).env_remove("MAKEFLAGS").env("CC", "/bin/true").env("MAKE", &make).output().unwrap();
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let out = broker
+        .run(&["--", make.to_str().unwrap()])
+        .current_dir(dir.path())
+        .env_remove("MAKEFLAGS")
+        .env("CC", "/bin/true")
+        .env("MAKE", &make)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let (max, started) = max_overlap(&log);
     assert_eq!(started, 12);
-    assert!((2..=4).contains(&max), "the FIFO bridge fed the build: {max} at once");
+    assert!(
+        (2..=4).contains(&max),
+        "the FIFO bridge fed the build: {max} at once"
+    );
     broker.assert_all_free();
     // The build was told about a FIFO: it did not merely run on its own.
-    std::fs::write(dir.path().join("flags.mk"), "all:\n\t@echo \"$$MAKEFLAGS\"\n").unwrap();
-    let out = broker.run(&["--", make.to_str().unwrap(), "-f", "flags.mk"]).current_dir(dir.path()).env_remove("MAKEFLAGS").env("CC", "/bin/true").env("MAKE", &make).output().unwrap();
+    std::fs::write(
+        dir.path().join("flags.mk"),
+        "all:\n\t@echo \"$$MAKEFLAGS\"\n",
+    )
+    .unwrap();
+    let out = broker
+        .run(&["--", make.to_str().unwrap(), "-f", "flags.mk"])
+        .current_dir(dir.path())
+        .env_remove("MAKEFLAGS")
+        .env("CC", "/bin/true")
+        .env("MAKE", &make)
+        .output()
+        .unwrap();
     let flags = String::from_utf8_lossy(&out.stdout);
-    assert!(flags.contains("--jobserver-auth=fifo:") && !flags.contains("/fuse/"), "auto gave {flags:?}");
+    assert!(
+        flags.contains("--jobserver-auth=fifo:") && !flags.contains("/fuse/"),
+        "auto gave {flags:?}"
+    );
 
-    let out = broker.run(&["--jobserver-style", "fuse", "--", "true"]).output().unwrap();
+    let out = broker
+        .run(&["--jobserver-style", "fuse", "--", "true"])
+        .output()
+        .unwrap();
     assert_eq!(out.status.code(), Some(1));
     let err = String::from_utf8_lossy(&out.stderr);
-    assert!(err.contains("has no FUSE mount") && err.contains("--jobserver-style fifo"), "{err}");
+    assert!(
+        err.contains("has no FUSE mount") && err.contains("--jobserver-style fifo"),
+        "{err}"
+    );
 }
 
 /// A broker that may not mount (here: run as `nobody`, who cannot open
@@ -502,13 +800,29 @@ fn a_broker_that_cannot_mount_says_why_once_and_serves_on() {
     let socket = run_dir.join("socket");
     let log = dir.path().join("broker.log");
     let mut serve = Command::new("setpriv")
-        .args(["--reuid=nobody", "--regid=nogroup", "--clear-groups", common::baton_bin(), "serve", "--jobs", "2", "--socket"])
+        .args([
+            "--reuid=nobody",
+            "--regid=nogroup",
+            "--clear-groups",
+            common::baton_bin(),
+            "serve",
+            "--jobs",
+            "2",
+            "--socket",
+        ])
         .arg(&socket)
         .stderr(File::create(&log).unwrap())
         .spawn()
         .unwrap();
-    wait_for(Duration::from_secs(10), "the broker to listen", || std::os::unix::net::UnixStream::connect(&socket).is_ok());
-    let out = common::baton().args(["run", "--socket"]).arg(&socket).args(["--", "true"]).output().unwrap();
+    wait_for(Duration::from_secs(10), "the broker to listen", || {
+        std::os::unix::net::UnixStream::connect(&socket).is_ok()
+    });
+    let out = common::baton()
+        .args(["run", "--socket"])
+        .arg(&socket)
+        .args(["--", "true"])
+        .output()
+        .unwrap();
     assert!(out.status.success());
     unsafe { libc::kill(serve.id() as i32, libc::SIGTERM) };
     assert!(serve.wait().unwrap().success());
@@ -521,12 +835,25 @@ fn a_broker_that_cannot_mount_says_why_once_and_serves_on() {
 /// mount itself is not shared with other users: either refuses them.
 #[test]
 fn a_second_user_is_refused_at_the_token_file() {
-    let Some(broker) = fuse_broker(1, &[]) else { return };
+    let Some(broker) = fuse_broker(1, &[]) else {
+        return;
+    };
     if !common::can_act_as_another_user() {
         return;
     }
     let path = token_file(&broker, "private");
-    let out = Command::new("setpriv").args(["--reuid=nobody", "--regid=nogroup", "--clear-groups", "head", "-c", "1"]).arg(&path).output().unwrap();
+    let out = Command::new("setpriv")
+        .args([
+            "--reuid=nobody",
+            "--regid=nogroup",
+            "--clear-groups",
+            "head",
+            "-c",
+            "1",
+        ])
+        .arg(&path)
+        .output()
+        .unwrap();
     assert!(!out.status.success(), "nobody read a token");
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("Permission denied"), "{err}");

@@ -21,7 +21,10 @@ fn memory_makefile(dir: &Path, log: &Path, jobs: usize, mib: u64, secs: f64) {
         "echo S >> {log}; python3 -c 'import time; x = b\"1\" * ({mib} << 20); time.sleep({secs})' && echo E >> {log}",
         log = log.display()
     );
-    let text = format!("all: {all}\n{all}:\n\t@{job}\n.PHONY: all {all}\n", all = targets.join(" "));
+    let text = format!(
+        "all: {all}\n{all}:\n\t@{job}\n.PHONY: all {all}\n",
+        all = targets.join(" ")
+    );
     std::fs::write(dir.join("Makefile"), text).unwrap();
 }
 
@@ -42,30 +45,72 @@ fn a_build_the_oom_killer_ends_under_make_j8_finishes_under_the_memory_gate() {
     let control_log = control.path().join("jobs.log");
     memory_makefile(control.path(), &control_log, 12, 250, 1.0);
     let before = cgroup.oom_kills().unwrap();
-    let out = Command::new(enter[0]).args(&enter[1..]).arg(&make).args(["-j8", "-k", "-s"]).current_dir(control.path()).env_remove("MAKEFLAGS").output().unwrap();
+    let out = Command::new(enter[0])
+        .args(&enter[1..])
+        .arg(&make)
+        .args(["-j8", "-k", "-s"])
+        .current_dir(control.path())
+        .env_remove("MAKEFLAGS")
+        .output()
+        .unwrap();
     let control_kills = cgroup.oom_kills().unwrap() - before;
-    assert!(control_kills > 0 && !out.status.success(), "the scenario must bite: make -j8 in 1 GiB had {control_kills} OOM kills, exit {:?}", out.status);
+    assert!(
+        control_kills > 0 && !out.status.success(),
+        "the scenario must bite: make -j8 in 1 GiB had {control_kills} OOM kills, exit {:?}",
+        out.status
+    );
 
     // The same build under baton's memory gate, broker and build inside
     // the cgroup.
     // With the pause as well: on a loaded machine a job may not touch its
     // memory within the settle time, and the gate alone then admits too
     // many (docs/adaptive.md); the pause stops the late growers.
-    let broker = Broker::start_under(&enter, 8, &["--min-mem-available", "200M", "--mem-settle", "2000", "--on-memory-pressure", "pause"]);
+    let broker = Broker::start_under(
+        &enter,
+        8,
+        &[
+            "--min-mem-available",
+            "200M",
+            "--mem-settle",
+            "2000",
+            "--on-memory-pressure",
+            "pause",
+        ],
+    );
     let dir = TempDir::new("oom-gated");
     let log = dir.path().join("jobs.log");
     memory_makefile(dir.path(), &log, 12, 250, 1.0);
     let before = cgroup.oom_kills().unwrap();
     let mut run: Vec<&str> = enter.clone();
     let socket = broker.socket.to_str().unwrap().to_string();
-    run.extend([baton_bin(), "run", "--socket", &socket, "--", make.to_str().unwrap(), "-s"]);
-    let out = Command::new(run[0]).args(&run[1..]).current_dir(dir.path()).env_remove("MAKEFLAGS").output().unwrap();
+    run.extend([
+        baton_bin(),
+        "run",
+        "--socket",
+        &socket,
+        "--",
+        make.to_str().unwrap(),
+        "-s",
+    ]);
+    let out = Command::new(run[0])
+        .args(&run[1..])
+        .current_dir(dir.path())
+        .env_remove("MAKEFLAGS")
+        .output()
+        .unwrap();
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "the gated build failed: {err}");
-    assert_eq!(cgroup.oom_kills().unwrap() - before, 0, "no OOM kill under the gate");
+    assert_eq!(
+        cgroup.oom_kills().unwrap() - before,
+        0,
+        "no OOM kill under the gate"
+    );
     let (most, started) = max_overlap(&log);
     assert_eq!(started, 12);
-    assert!(most >= 2, "the gate must not run the build one job at a time: at most {most} at once");
+    assert!(
+        most >= 2,
+        "the gate must not run the build one job at a time: at most {most} at once"
+    );
     broker.assert_all_free();
 }
 
@@ -75,8 +120,14 @@ fn growing_makefile(dir: &Path, log: &Path, jobs: usize) {
     let grow = "import time\nx = [b'1' * (50 << 20)]\ntime.sleep(0.5)\nfor _ in range(35):\n    x.append(b'1' * (10 << 20))\ntime.sleep(1)\n";
     std::fs::write(dir.join("grow.py"), grow).unwrap();
     let targets: Vec<String> = (0..jobs).map(|i| format!("j{i}")).collect();
-    let job = format!("echo S >> {log}; python3 grow.py && echo E >> {log}", log = log.display());
-    let text = format!("all: {all}\n{all}:\n\t@{job}\n.PHONY: all {all}\n", all = targets.join(" "));
+    let job = format!(
+        "echo S >> {log}; python3 grow.py && echo E >> {log}",
+        log = log.display()
+    );
+    let text = format!(
+        "all: {all}\n{all}:\n\t@{job}\n.PHONY: all {all}\n",
+        all = targets.join(" ")
+    );
     std::fs::write(dir.join("Makefile"), text).unwrap();
 }
 
@@ -94,26 +145,72 @@ fn jobs_that_grow_after_their_grant_are_paused_not_killed() {
     let control = TempDir::new("pause-control");
     growing_makefile(control.path(), &control.path().join("jobs.log"), 8);
     let before = cgroup.oom_kills().unwrap();
-    let out = Command::new(enter[0]).args(&enter[1..]).arg(&make).args(["-j4", "-k", "-s"]).current_dir(control.path()).env_remove("MAKEFLAGS").output().unwrap();
+    let out = Command::new(enter[0])
+        .args(&enter[1..])
+        .arg(&make)
+        .args(["-j4", "-k", "-s"])
+        .current_dir(control.path())
+        .env_remove("MAKEFLAGS")
+        .output()
+        .unwrap();
     let control_kills = cgroup.oom_kills().unwrap() - before;
-    assert!(control_kills > 0 && !out.status.success(), "the scenario must bite: make -j4 in 1 GiB had {control_kills} OOM kills, exit {:?}", out.status);
+    assert!(
+        control_kills > 0 && !out.status.success(),
+        "the scenario must bite: make -j4 in 1 GiB had {control_kills} OOM kills, exit {:?}",
+        out.status
+    );
 
     // A settle time shorter than the jobs take to grow: the gate sees only
     // the 50 MiB each starts with, and admits all 4 (1.6 GB once grown).
-    let broker = Broker::start_under(&enter, 4, &["--min-mem-available", "400M", "--mem-settle", "200", "--on-memory-pressure", "pause"]);
+    let broker = Broker::start_under(
+        &enter,
+        4,
+        &[
+            "--min-mem-available",
+            "400M",
+            "--mem-settle",
+            "200",
+            "--on-memory-pressure",
+            "pause",
+        ],
+    );
     let dir = TempDir::new("pause");
     let log = dir.path().join("jobs.log");
     growing_makefile(dir.path(), &log, 8);
     let before = cgroup.oom_kills().unwrap();
     let mut run: Vec<&str> = enter.clone();
     let socket = broker.socket.to_str().unwrap().to_string();
-    run.extend([baton_bin(), "run", "--socket", &socket, "--", make.to_str().unwrap(), "-s"]);
-    let out = Command::new(run[0]).args(&run[1..]).current_dir(dir.path()).env_remove("MAKEFLAGS").output().unwrap();
+    run.extend([
+        baton_bin(),
+        "run",
+        "--socket",
+        &socket,
+        "--",
+        make.to_str().unwrap(),
+        "-s",
+    ]);
+    let out = Command::new(run[0])
+        .args(&run[1..])
+        .current_dir(dir.path())
+        .env_remove("MAKEFLAGS")
+        .output()
+        .unwrap();
     let broker_log = broker.log();
-    assert!(out.status.success(), "the build failed: {}\n{broker_log}", String::from_utf8_lossy(&out.stderr));
-    assert_eq!(cgroup.oom_kills().unwrap() - before, 0, "no OOM kill with pausing: {broker_log}");
+    assert!(
+        out.status.success(),
+        "the build failed: {}\n{broker_log}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(
+        cgroup.oom_kills().unwrap() - before,
+        0,
+        "no OOM kill with pausing: {broker_log}"
+    );
     assert_eq!(max_overlap(&log).1, 8);
-    let (paused, resumed) = (broker_log.matches("paused job pid").count(), broker_log.matches("resumed job pid").count());
+    let (paused, resumed) = (
+        broker_log.matches("paused job pid").count(),
+        broker_log.matches("resumed job pid").count(),
+    );
     assert!(paused > 0, "at least one job paused: {broker_log}");
     assert_eq!(paused, resumed, "every paused job resumed: {broker_log}");
     broker.assert_all_free();
@@ -128,18 +225,50 @@ fn a_psi_trigger_wakes_the_pressure_gate() {
         Err(why) => return skip(Missing::Root, &format!("{why:#}")),
     };
     let broker = Broker::start_with(2, &["--max-mem-pressure", "1", "-v"]);
-    wait_for(Duration::from_secs(30), "the gates' thread to arm its triggers", || broker.log().contains("PSI trigger"));
+    wait_for(
+        Duration::from_secs(30),
+        "the gates' thread to arm its triggers",
+        || broker.log().contains("PSI trigger"),
+    );
     let log = broker.log();
     if !log.contains("1 PSI trigger") {
-        return skip(Missing::PsiTrigger, &format!("the kernel offers no PSI trigger here: {log}"));
+        return skip(
+            Missing::PsiTrigger,
+            &format!("the kernel offers no PSI trigger here: {log}"),
+        );
     }
     let dir = TempDir::new("psi");
     let file = dir.path().join("big");
     let enter = cgroup.enter();
-    let thrash = format!("head -c 64M /dev/zero > {f}; while :; do cat {f} > /dev/null; done", f = file.display());
-    let mut pressure = Command::new(&enter[0]).args(&enter[1..]).args(["sh", "-c", &thrash]).spawn().unwrap();
-    wait_for(Duration::from_secs(60), "the memory pressure trigger to fire", || broker.log().contains("woken by the memory pressure trigger"));
-    wait_for(Duration::from_secs(30), "the pressure gate to close", || broker.status().gates.iter().any(|g| g.name == "mem-pressure" && !g.open));
+    let thrash = format!(
+        "head -c 64M /dev/zero > {f}; while :; do cat {f} > /dev/null; done",
+        f = file.display()
+    );
+    let mut pressure = Command::new(&enter[0])
+        .args(&enter[1..])
+        .args(["sh", "-c", &thrash])
+        .spawn()
+        .unwrap();
+    wait_for(
+        Duration::from_secs(60),
+        "the memory pressure trigger to fire",
+        || {
+            broker
+                .log()
+                .contains("woken by the memory pressure trigger")
+        },
+    );
+    wait_for(
+        Duration::from_secs(30),
+        "the pressure gate to close",
+        || {
+            broker
+                .status()
+                .gates
+                .iter()
+                .any(|g| g.name == "mem-pressure" && !g.open)
+        },
+    );
     unsafe { libc::kill(pressure.id() as i32, libc::SIGKILL) };
     pressure.wait().unwrap();
     broker.assert_all_free();
@@ -153,25 +282,61 @@ fn gates_are_shown_by_status_and_set_live() {
     assert_eq!(names, ["mem-available", "load"]);
     assert_eq!(s.gates[0].threshold, 1.5 * 1024.0 * 1024.0 * 1024.0);
     assert!(s.gates.iter().all(|g| g.value.is_some()), "{:?}", s.gates);
-    let out = baton().args(["limit", "--socket"]).arg(&broker.socket).args(["--max-load", "off", "--max-mem-pressure", "50"]).output().unwrap();
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let out = baton()
+        .args(["limit", "--socket"])
+        .arg(&broker.socket)
+        .args(["--max-load", "off", "--max-mem-pressure", "50"])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let names: Vec<String> = broker.status().gates.into_iter().map(|g| g.name).collect();
     assert_eq!(names, ["mem-available", "mem-pressure"]);
     // A closed gate holds new tokens back, but never below one job.
-    baton().args(["limit", "--socket"]).arg(&broker.socket).args(["--min-mem-available", "1000T"]).status().unwrap();
+    baton()
+        .args(["limit", "--socket"])
+        .arg(&broker.socket)
+        .args(["--min-mem-available", "1000T"])
+        .status()
+        .unwrap();
     let mut a = broker.client("a");
     a.acquire(1).expect("one job always runs");
     let mut b = broker.client("b");
     assert!(!b.try_acquire(1).unwrap(), "the memory gate is closed");
     let s = broker.status();
-    assert!(!s.gates[0].open && s.gates[0].closed_since.is_some(), "{:?}", s.gates);
-    let text = String::from_utf8(baton().args(["status", "--socket"]).arg(&broker.socket).output().unwrap().stdout).unwrap();
+    assert!(
+        !s.gates[0].open && s.gates[0].closed_since.is_some(),
+        "{:?}",
+        s.gates
+    );
+    let text = String::from_utf8(
+        baton()
+            .args(["status", "--socket"])
+            .arg(&broker.socket)
+            .output()
+            .unwrap()
+            .stdout,
+    )
+    .unwrap();
     assert!(text.contains("gate mem-available CLOSED"), "{text}");
     // Opening it lets the waiter through.
     let waiter = std::thread::spawn(move || b.acquire(1).map(|_| b));
-    wait_for(Duration::from_secs(10), "the waiter to queue", || broker.status().waiters.len() == 1);
-    baton().args(["limit", "--socket"]).arg(&broker.socket).args(["--min-mem-available", "off"]).status().unwrap();
-    let mut b = waiter.join().unwrap().expect("granted once the gate opened");
+    wait_for(Duration::from_secs(10), "the waiter to queue", || {
+        broker.status().waiters.len() == 1
+    });
+    baton()
+        .args(["limit", "--socket"])
+        .arg(&broker.socket)
+        .args(["--min-mem-available", "off"])
+        .status()
+        .unwrap();
+    let mut b = waiter
+        .join()
+        .unwrap()
+        .expect("granted once the gate opened");
     b.release(1).unwrap();
     a.release(1).unwrap();
     broker.assert_all_free();
@@ -186,14 +351,42 @@ fn a_gate_set_on_a_broker_started_without_gates_is_measured() {
     let broker = Broker::start(4);
     assert!(broker.status().gates.is_empty());
     let stress_ng = which("stress-ng").expect("stress-ng (scripts/test installs it)");
-    let mut stress = Command::new(stress_ng).args(["--cpu", "4", "--timeout", "120", "--quiet"]).spawn().unwrap();
-    let out = baton().args(["limit", "--socket"]).arg(&broker.socket).args(["--max-load", "3"]).output().unwrap();
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-    let load_gate_is_open = || broker.status().gates.iter().find(|g| g.name == "load").expect("the load gate is set").open;
-    wait_for(Duration::from_secs(30), "the load gate to close under stress-ng --cpu 4", || !load_gate_is_open());
+    let mut stress = Command::new(stress_ng)
+        .args(["--cpu", "4", "--timeout", "120", "--quiet"])
+        .spawn()
+        .unwrap();
+    let out = baton()
+        .args(["limit", "--socket"])
+        .arg(&broker.socket)
+        .args(["--max-load", "3"])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let load_gate_is_open = || {
+        broker
+            .status()
+            .gates
+            .iter()
+            .find(|g| g.name == "load")
+            .expect("the load gate is set")
+            .open
+    };
+    wait_for(
+        Duration::from_secs(30),
+        "the load gate to close under stress-ng --cpu 4",
+        || !load_gate_is_open(),
+    );
     unsafe { libc::kill(stress.id() as i32, libc::SIGTERM) };
     stress.wait().unwrap();
-    wait_for(Duration::from_secs(30), "the load gate to open once stress-ng ends", load_gate_is_open);
+    wait_for(
+        Duration::from_secs(30),
+        "the load gate to open once stress-ng ends",
+        load_gate_is_open,
+    );
     broker.assert_all_free();
 }
 
@@ -209,7 +402,9 @@ fn a_request_for_several_tokens_passes_the_memory_gate_whole() {
         let result = a.acquire(3);
         done.send((result.is_ok(), a)).unwrap();
     });
-    let (ok, mut a) = granted.recv_timeout(Duration::from_secs(30)).expect("three tokens granted within 30 s, with 1 MiB to keep free");
+    let (ok, mut a) = granted
+        .recv_timeout(Duration::from_secs(30))
+        .expect("three tokens granted within 30 s, with 1 MiB to keep free");
     assert!(ok);
     a.release(3).unwrap();
     broker.assert_all_free();
@@ -219,22 +414,65 @@ fn a_request_for_several_tokens_passes_the_memory_gate_whole() {
 fn bad_gate_values_are_refused_with_a_clear_message() {
     for (flag, value, says) in [
         ("--min-mem-available", "-1", "above zero"),
-        ("--min-mem-available", "abc", "expected a positive number of bytes"),
+        (
+            "--min-mem-available",
+            "abc",
+            "expected a positive number of bytes",
+        ),
         ("--min-mem-available", "0", "above zero"),
         ("--max-mem-pressure", "101", "percentage"),
         ("--max-load", "0", "above 0"),
     ] {
-        let out = baton().args(["serve", "--jobs", "2", "--socket", "/nonexistent/s", flag, value]).output().unwrap();
+        let out = baton()
+            .args([
+                "serve",
+                "--jobs",
+                "2",
+                "--socket",
+                "/nonexistent/s",
+                flag,
+                value,
+            ])
+            .output()
+            .unwrap();
         let err = String::from_utf8_lossy(&out.stderr);
-        assert!(!out.status.success() && err.contains(says), "{flag} {value}: {err}");
+        assert!(
+            !out.status.success() && err.contains(says),
+            "{flag} {value}: {err}"
+        );
     }
     // The pause acts below the memory gate's threshold: it needs one.
-    let out = baton().args(["serve", "--jobs", "2", "--socket", "/nonexistent/s", "--on-memory-pressure", "pause"]).output().unwrap();
+    let out = baton()
+        .args([
+            "serve",
+            "--jobs",
+            "2",
+            "--socket",
+            "/nonexistent/s",
+            "--on-memory-pressure",
+            "pause",
+        ])
+        .output()
+        .unwrap();
     let err = String::from_utf8_lossy(&out.stderr);
-    assert!(!out.status.success() && err.contains("--min-mem-available"), "{err}");
+    assert!(
+        !out.status.success() && err.contains("--min-mem-available"),
+        "{err}"
+    );
     for good in ["2G", "512M", "1.5G"] {
         // Accepted: the broker gets as far as the socket's directory.
-        let out = baton().args(["serve", "--jobs", "2", "--socket", "/proc/nope/s", "--min-mem-available", good]).output().unwrap();
+        let out = baton()
+            .args([
+                "serve",
+                "--jobs",
+                "2",
+                "--socket",
+                "/proc/nope/s",
+                "--min-mem-available",
+                good,
+            ])
+            .output()
+            .unwrap();
         let err = String::from_utf8_lossy(&out.stderr);
         assert!(err.contains("/proc/nope"), "{good}: {err}");
     }
@@ -243,24 +481,60 @@ fn bad_gate_values_are_refused_with_a_clear_message() {
 #[test]
 fn the_load_gate_holds_a_build_to_one_job_while_the_cpus_are_busy() {
     let stress_ng = which("stress-ng").expect("stress-ng (scripts/test installs it)");
-    let mut stress = Command::new(stress_ng).args(["--cpu", "4", "--timeout", "120", "--quiet"]).spawn().unwrap();
+    let mut stress = Command::new(stress_ng)
+        .args(["--cpu", "4", "--timeout", "120", "--quiet"])
+        .spawn()
+        .unwrap();
     let broker = Broker::start_with(4, &["--max-load", "3"]);
-    wait_for(Duration::from_secs(30), "the load gate to close under stress-ng --cpu 4", || broker.status().gates.iter().any(|g| g.name == "load" && !g.open));
+    wait_for(
+        Duration::from_secs(30),
+        "the load gate to close under stress-ng --cpu 4",
+        || {
+            broker
+                .status()
+                .gates
+                .iter()
+                .any(|g| g.name == "load" && !g.open)
+        },
+    );
     let dir = TempDir::new("load-gate");
     let log = dir.path().join("jobs.log");
     flat_makefile(dir.path(), &log, 6, "0.2");
-    let out = broker.run(&["--", make43().to_str().unwrap(), "-s"]).current_dir(dir.path()).env_remove("MAKEFLAGS").output().unwrap();
-    let load_gate_stayed_closed = broker.status().gates.iter().any(|g| g.name == "load" && !g.open);
+    let out = broker
+        .run(&["--", make43().to_str().unwrap(), "-s"])
+        .current_dir(dir.path())
+        .env_remove("MAKEFLAGS")
+        .output()
+        .unwrap();
+    let load_gate_stayed_closed = broker
+        .status()
+        .gates
+        .iter()
+        .any(|g| g.name == "load" && !g.open);
     unsafe { libc::kill(stress.id() as i32, libc::SIGTERM) };
     stress.wait().unwrap();
-    assert!(out.status.success(), "the build finishes under a closed gate: {}", String::from_utf8_lossy(&out.stderr));
-    assert!(load_gate_stayed_closed, "stress-ng kept the gate closed for the whole build");
-    assert_eq!(max_overlap(&log), (1, 6), "a closed gate lets only the build's own slot run jobs");
+    assert!(
+        out.status.success(),
+        "the build finishes under a closed gate: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        load_gate_stayed_closed,
+        "stress-ng kept the gate closed for the whole build"
+    );
+    assert_eq!(
+        max_overlap(&log),
+        (1, 6),
+        "a closed gate lets only the build's own slot run jobs"
+    );
     broker.assert_all_free();
 }
 
 fn which(program: &str) -> Result<PathBuf, ()> {
-    std::env::split_paths(&std::env::var_os("PATH").unwrap_or_default()).map(|d| d.join(program)).find(|p| p.exists()).ok_or(())
+    std::env::split_paths(&std::env::var_os("PATH").unwrap_or_default())
+        .map(|d| d.join(program))
+        .find(|p| p.exists())
+        .ok_or(())
 }
 
 #[test]

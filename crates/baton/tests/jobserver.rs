@@ -4,24 +4,43 @@
 mod common;
 
 use common::*;
+use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Output, Stdio};
-use std::os::unix::process::CommandExt;
 use std::time::Duration;
 
 /// Runs `tool` in `dir` under `baton run`; returns its output.
-fn build(broker: &Broker, dir: &Path, run_args: &[&str], tool: &Path, tool_args: &[&str]) -> Output {
+fn build(
+    broker: &Broker,
+    dir: &Path,
+    run_args: &[&str],
+    tool: &Path,
+    tool_args: &[&str],
+) -> Output {
     let mut args: Vec<&str> = run_args.to_vec();
     args.push("--");
     args.push(tool.to_str().unwrap());
     args.extend_from_slice(tool_args);
-    broker.run(&args).current_dir(dir).env_remove("MAKEFLAGS").output().expect("run the build")
+    broker
+        .run(&args)
+        .current_dir(dir)
+        .env_remove("MAKEFLAGS")
+        .output()
+        .expect("run the build")
 }
 
 fn assert_built(out: &Output) {
-    assert!(out.status.success(), "build failed: {}\n{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "build failed: {}\n{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
     let err = String::from_utf8_lossy(&out.stderr);
-    assert!(!err.contains("lost the broker"), "a normal build kept its connection: {err}");
+    assert!(
+        !err.contains("lost the broker"),
+        "a normal build kept its connection: {err}"
+    );
 }
 
 /// Every token is free, and came back released by baton run, not reclaimed
@@ -37,12 +56,21 @@ fn check_make(make: PathBuf, style: &str) {
     let dir = TempDir::new("make");
     let log = dir.path().join("jobs.log");
     flat_makefile(dir.path(), &log, 24, "0.1");
-    let out = build(&broker, dir.path(), &["--jobserver-style", style], &make, &[]);
+    let out = build(
+        &broker,
+        dir.path(),
+        &["--jobserver-style", style],
+        &make,
+        &[],
+    );
     assert_built(&out);
     let (max, started) = max_overlap(&log);
     assert_eq!(started, 24);
     assert!(max <= 4, "{max} jobs at once under --jobs 4");
-    assert!(max >= 3, "the build ran in parallel (at most {max} at once)");
+    assert!(
+        max >= 3,
+        "the build ran in parallel (at most {max} at once)"
+    );
     assert_clean_end(&broker);
 }
 
@@ -88,8 +116,14 @@ fn cargo_builds_within_the_limit() {
     assert!(max <= 4, "{max} build scripts at once under --jobs 4");
     // With only its own slot, a cargo that never read the jobserver would
     // run one at a time.
-    assert!(max >= 2, "cargo took no token from the jobserver: at most {max} at once");
-    assert!(broker.status().totals.granted >= 2, "only baton run's own slot was granted");
+    assert!(
+        max >= 2,
+        "cargo took no token from the jobserver: at most {max} at once"
+    );
+    assert!(
+        broker.status().totals.granted >= 2,
+        "only baton run's own slot was granted"
+    );
     assert_clean_end(&broker);
 }
 
@@ -97,26 +131,58 @@ fn cargo_builds_within_the_limit() {
 fn three_builds_at_once_share_one_limit() {
     let broker = Broker::start(6);
     let log = broker.dir.path().join("all-jobs.log");
-    let dirs: Vec<TempDir> = (0..3).map(|i| TempDir::new(&format!("shared{i}"))).collect();
+    let dirs: Vec<TempDir> = (0..3)
+        .map(|i| TempDir::new(&format!("shared{i}")))
+        .collect();
     let logs: Vec<PathBuf> = dirs.iter().map(|d| d.path().join("mine.log")).collect();
     // Each job logs to the shared log (for the limit) and its build's own.
     for (d, own) in dirs[..2].iter().zip(&logs) {
-        flat_makefile(d.path(), &log, 30, &format!("0.1; echo S >> {}", own.display()));
+        flat_makefile(
+            d.path(),
+            &log,
+            30,
+            &format!("0.1; echo S >> {}", own.display()),
+        );
     }
-    flat_ninja(dirs[2].path(), &log, 30, &format!("0.1; echo S >> {}", logs[2].display()));
+    flat_ninja(
+        dirs[2].path(),
+        &log,
+        30,
+        &format!("0.1; echo S >> {}", logs[2].display()),
+    );
     let spawn = |dir: &Path, tool: PathBuf| {
-        broker.run(&["--", tool.to_str().unwrap()]).current_dir(dir).env_remove("MAKEFLAGS").stdout(Stdio::null()).spawn().unwrap()
+        broker
+            .run(&["--", tool.to_str().unwrap()])
+            .current_dir(dir)
+            .env_remove("MAKEFLAGS")
+            .stdout(Stdio::null())
+            .spawn()
+            .unwrap()
     };
-    let builds = [spawn(dirs[0].path(), make43()), spawn(dirs[1].path(), make44()), spawn(dirs[2].path(), ninja())];
+    let builds = [
+        spawn(dirs[0].path(), make43()),
+        spawn(dirs[1].path(), make44()),
+        spawn(dirs[2].path(), ninja()),
+    ];
     // The three hold tokens of the one pool at the same time.
-    wait_for(Duration::from_secs(60), "all three builds to hold tokens at once", || broker.status().holders.len() == 3);
+    wait_for(
+        Duration::from_secs(60),
+        "all three builds to hold tokens at once",
+        || broker.status().holders.len() == 3,
+    );
     for mut b in builds {
         assert!(b.wait().unwrap().success());
     }
     let (max, started) = max_overlap(&log);
     assert_eq!(started, 90);
-    assert!(max <= 6, "{max} jobs at once across three builds under --jobs 6");
-    let own: Vec<usize> = logs.iter().map(|l| std::fs::read_to_string(l).unwrap().lines().count()).collect();
+    assert!(
+        max <= 6,
+        "{max} jobs at once across three builds under --jobs 6"
+    );
+    let own: Vec<usize> = logs
+        .iter()
+        .map(|l| std::fs::read_to_string(l).unwrap().lines().count())
+        .collect();
     assert_eq!(own, [30, 30, 30], "every build ran all its jobs");
     broker.assert_all_free();
 }
@@ -126,13 +192,20 @@ fn recursive_tree(dir: &Path, log: &Path, subs: usize, jobs: usize, secs: &str) 
     let sub_names: Vec<String> = (0..subs).map(|i| format!("s{i}")).collect();
     std::fs::write(
         dir.join("Makefile"),
-        format!("all: {all}\n{all}:\n\t+@$(MAKE) -s -f sub.mk\n.PHONY: all {all}\n", all = sub_names.join(" ")),
+        format!(
+            "all: {all}\n{all}:\n\t+@$(MAKE) -s -f sub.mk\n.PHONY: all {all}\n",
+            all = sub_names.join(" ")
+        ),
     )
     .unwrap();
     let job_names: Vec<String> = (0..jobs).map(|i| format!("j{i}")).collect();
     std::fs::write(
         dir.join("sub.mk"),
-        format!("all: {all}\n{all}:\n\t@{job}\n.PHONY: all {all}\n", all = job_names.join(" "), job = logged_job(log, secs)),
+        format!(
+            "all: {all}\n{all}:\n\t@{job}\n.PHONY: all {all}\n",
+            all = job_names.join(" "),
+            job = logged_job(log, secs)
+        ),
     )
     .unwrap();
 }
@@ -162,7 +235,12 @@ fn group_members(pgid: u32) -> Vec<u32> {
         .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
         .filter(|pid| {
             let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
-            let fields: Vec<&str> = stat.rsplit(')').next().unwrap_or("").split_whitespace().collect();
+            let fields: Vec<&str> = stat
+                .rsplit(')')
+                .next()
+                .unwrap_or("")
+                .split_whitespace()
+                .collect();
             fields.get(2) == Some(&pgid.to_string().as_str()) && fields.first() != Some(&"Z")
         })
         .collect()
@@ -182,14 +260,25 @@ fn kill_9_of_a_recursive_make_tree_returns_every_token() {
         let log = dir.path().join("jobs.log");
         recursive_tree(dir.path(), &log, 4, 20, "0.2");
         let mut run = spawn_tree(&broker, dir.path(), &make);
-        wait_for(Duration::from_secs(20), "the tree to run and hold every token", || tree_running(&broker, &log, 6));
+        wait_for(
+            Duration::from_secs(20),
+            "the tree to run and hold every token",
+            || tree_running(&broker, &log, 6),
+        );
         // The tree: everything in the group but baton run itself.
-        let tree: Vec<u32> = group_members(run.id()).into_iter().filter(|&p| p != run.id()).collect();
+        let tree: Vec<u32> = group_members(run.id())
+            .into_iter()
+            .filter(|&p| p != run.id())
+            .collect();
         for &pid in &tree {
             unsafe { libc::kill(pid as i32, libc::SIGKILL) };
         }
-        wait_for(Duration::from_secs(20), "the tree to be gone", || tree.iter().all(|&p| !pid_alive(p)));
-        wait_for(Duration::from_secs(20), "every token to be free", || broker.status().free == 6);
+        wait_for(Duration::from_secs(20), "the tree to be gone", || {
+            tree.iter().all(|&p| !pid_alive(p))
+        });
+        wait_for(Duration::from_secs(20), "every token to be free", || {
+            broker.status().free == 6
+        });
         kill_group(run.id());
         run.wait().unwrap();
     }
@@ -202,11 +291,20 @@ fn kill_9_of_baton_run_returns_every_token_of_its_build() {
     let log = dir.path().join("jobs.log");
     recursive_tree(dir.path(), &log, 4, 20, "0.2");
     let mut run = spawn_tree(&broker, dir.path(), &make44());
-    wait_for(Duration::from_secs(20), "the tree to run and hold every token", || tree_running(&broker, &log, 6));
+    wait_for(
+        Duration::from_secs(20),
+        "the tree to run and hold every token",
+        || tree_running(&broker, &log, 6),
+    );
     run.kill().unwrap();
     run.wait().unwrap();
-    wait_for(Duration::from_secs(20), "every token to be free", || broker.status().free == 6);
-    assert!(broker.status().totals.reclaimed >= 1, "baton run's connection was reclaimed");
+    wait_for(Duration::from_secs(20), "every token to be free", || {
+        broker.status().free == 6
+    });
+    assert!(
+        broker.status().totals.reclaimed >= 1,
+        "baton run's connection was reclaimed"
+    );
     kill_group(run.id()); // orphaned sub-makes, no longer counted
     broker.assert_all_free();
 }
@@ -230,17 +328,32 @@ fn the_pipe_styles_read_end_opens_after_baton_run_is_killed() {
         pid = pid_file.display(),
         opened = opened.display()
     );
-    let status = broker.run(&["--jobserver-style", "pipe", "--", "bash", "-c", &script]).env_remove("MAKEFLAGS").status().unwrap();
+    let status = broker
+        .run(&["--jobserver-style", "pipe", "--", "bash", "-c", &script])
+        .env_remove("MAKEFLAGS")
+        .status()
+        .unwrap();
     assert!(!status.success(), "baton run was to be killed");
-    wait_for(Duration::from_secs(10), "the orphan to start", || std::fs::read_to_string(&pid_file).is_ok_and(|p| p.ends_with('\n')));
-    let orphan: i32 = std::fs::read_to_string(&pid_file).unwrap().trim().parse().unwrap();
+    wait_for(Duration::from_secs(10), "the orphan to start", || {
+        std::fs::read_to_string(&pid_file).is_ok_and(|p| p.ends_with('\n'))
+    });
+    let orphan: i32 = std::fs::read_to_string(&pid_file)
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap();
     let reopened = (0..300).any(|_| {
         std::thread::sleep(Duration::from_millis(100));
         opened.exists()
     });
     unsafe { libc::kill(orphan, libc::SIGKILL) };
-    assert!(reopened, "the orphan's open of the FIFO read end never returned");
-    wait_for(Duration::from_secs(20), "every token back", || broker.status().free == 2);
+    assert!(
+        reopened,
+        "the orphan's open of the FIFO read end never returned"
+    );
+    wait_for(Duration::from_secs(20), "every token back", || {
+        broker.status().free == 2
+    });
     broker.assert_all_free();
 }
 
@@ -268,16 +381,37 @@ fn an_idle_build_gives_its_spare_token_to_a_waiting_build() {
     let broker = Broker::start(2);
     let a = TempDir::new("idle");
     std::fs::write(a.path().join("Makefile"), "all:\n\tsleep 600\n").unwrap();
-    let mut build_a = broker.run(&["--jobserver-style", "fifo", "--", make44().to_str().unwrap()]).current_dir(a.path()).env_remove("MAKEFLAGS").stdout(Stdio::null()).process_group(0).spawn().unwrap();
-    wait_for(Duration::from_secs(10), "A to hold both tokens", || broker.status().held == 2);
+    let mut build_a = broker
+        .run(&[
+            "--jobserver-style",
+            "fifo",
+            "--",
+            make44().to_str().unwrap(),
+        ])
+        .current_dir(a.path())
+        .env_remove("MAKEFLAGS")
+        .stdout(Stdio::null())
+        .process_group(0)
+        .spawn()
+        .unwrap();
+    wait_for(Duration::from_secs(10), "A to hold both tokens", || {
+        broker.status().held == 2
+    });
     // B gets A's spare token while A's one job still runs.
     let mut build_b = broker.run(&["--", "true"]).spawn().unwrap();
     let b = wait_timeout(&mut build_b, Duration::from_secs(60)).expect("B got a token while A ran");
     assert!(b.success());
-    assert!(build_a.try_wait().unwrap().is_none(), "A had ended, so this proves nothing");
+    assert!(
+        build_a.try_wait().unwrap().is_none(),
+        "A had ended, so this proves nothing"
+    );
     // With B gone the pool is idle again, and A may have everything: the
     // token it gave back comes back to it.
-    wait_for(Duration::from_secs(30), "A to take its spare token back", || broker.status().held == 2);
+    wait_for(
+        Duration::from_secs(30),
+        "A to take its spare token back",
+        || broker.status().held == 2,
+    );
     kill_group(build_a.id());
     build_a.wait().unwrap();
 }
@@ -300,8 +434,22 @@ fn a_build_survives_its_broker_going_away() {
     let dir = TempDir::new("orphan");
     let log = dir.path().join("jobs.log");
     flat_makefile(dir.path(), &log, 12, "0.2");
-    let run = broker.run(&["--jobserver-style", "fifo", "--", make44().to_str().unwrap()]).current_dir(dir.path()).env_remove("MAKEFLAGS").stderr(Stdio::piped()).stdout(Stdio::null()).spawn().unwrap();
-    wait_for(Duration::from_secs(10), "the build to start", || log.exists());
+    let run = broker
+        .run(&[
+            "--jobserver-style",
+            "fifo",
+            "--",
+            make44().to_str().unwrap(),
+        ])
+        .current_dir(dir.path())
+        .env_remove("MAKEFLAGS")
+        .stderr(Stdio::piped())
+        .stdout(Stdio::null())
+        .spawn()
+        .unwrap();
+    wait_for(Duration::from_secs(10), "the build to start", || {
+        log.exists()
+    });
     broker.stop_with(libc::SIGKILL);
     // Once the broker is gone, baton run waits for its build in poll(); a
     // loop that polled the dead socket would burn a CPU until the end.
@@ -311,9 +459,16 @@ fn a_build_survives_its_broker_going_away() {
     let ticks_per_s = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as u64;
     let out = run.wait_with_output().unwrap();
     assert!(out.status.success(), "the build finished");
-    assert!(used * 4 < ticks_per_s, "baton run used {used} of {ticks_per_s} CPU ticks in the second after its broker died");
+    assert!(
+        used * 4 < ticks_per_s,
+        "baton run used {used} of {ticks_per_s} CPU ticks in the second after its broker died"
+    );
     let err = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(err.matches("lost the broker").count(), 1, "said once: {err}");
+    assert_eq!(
+        err.matches("lost the broker").count(),
+        1,
+        "said once: {err}"
+    );
     assert_eq!(max_overlap(&log).1, 12);
 }
 
@@ -332,10 +487,16 @@ fn auto_picks_pipe_when_the_make_on_path_is_older_than_4_4() {
             .output()
             .unwrap();
         let text = String::from_utf8(out.stdout).unwrap();
-        let auth = text.trim().strip_prefix("-j2 --jobserver-auth=").unwrap_or_else(|| panic!("{text}"));
+        let auth = text
+            .trim()
+            .strip_prefix("-j2 --jobserver-auth=")
+            .unwrap_or_else(|| panic!("{text}"));
         assert_eq!(auth.starts_with("fifo:"), expect_fifo, "{make:?}: {auth}");
         if !expect_fifo {
-            assert!(auth.split(',').all(|fd| fd.parse::<u32>().is_ok()), "{auth}");
+            assert!(
+                auth.split(',').all(|fd| fd.parse::<u32>().is_ok()),
+                "{auth}"
+            );
         }
     }
 }
@@ -345,9 +506,13 @@ fn a_build_that_ends_while_its_next_token_is_queued_gives_back_cleanly() {
     let broker = Broker::start(2);
     let mut other = broker.client("other");
     other.acquire(1).unwrap(); // the build's own slot takes the last token
-    // Opening the FIFO makes baton queue for a token that cannot come.
+                               // Opening the FIFO makes baton queue for a token that cannot come.
     let script = "exec 3<\"${MAKEFLAGS##*fifo:}\"; sleep 0.3";
-    let out = broker.run(&["--jobserver-style", "fifo", "--", "sh", "-c", script]).env_remove("MAKEFLAGS").output().unwrap();
+    let out = broker
+        .run(&["--jobserver-style", "fifo", "--", "sh", "-c", script])
+        .env_remove("MAKEFLAGS")
+        .output()
+        .unwrap();
     assert_built(&out);
     let s = broker.status();
     assert_eq!((s.free, s.held, s.totals.reclaimed), (1, 1, 0), "{s:#?}");
@@ -357,7 +522,10 @@ fn a_build_that_ends_while_its_next_token_is_queued_gives_back_cleanly() {
 #[test]
 fn a_command_that_never_opens_its_fifo_takes_no_extra_token() {
     let broker = Broker::start(2);
-    let out = broker.run(&["--jobserver-style", "fifo", "--", "sh", "-c", "sleep 0.3"]).output().unwrap();
+    let out = broker
+        .run(&["--jobserver-style", "fifo", "--", "sh", "-c", "sleep 0.3"])
+        .output()
+        .unwrap();
     assert!(out.status.success());
     let s = broker.status();
     assert_eq!(s.totals.granted, 1, "only the command's own slot: {s:#?}");
@@ -392,10 +560,17 @@ fn fifos(broker: &Broker) -> Vec<PathBuf> {
 fn a_finished_build_leaves_no_fifo() {
     let broker = Broker::start(2);
     let script = "f=${MAKEFLAGS##*fifo:}; test -p \"$f\" && echo \"$f\"";
-    let out = broker.run(&["--jobserver-style", "fifo", "--", "sh", "-c", script]).env_remove("MAKEFLAGS").output().unwrap();
+    let out = broker
+        .run(&["--jobserver-style", "fifo", "--", "sh", "-c", script])
+        .env_remove("MAKEFLAGS")
+        .output()
+        .unwrap();
     assert_built(&out);
     let fifo = PathBuf::from(String::from_utf8(out.stdout).unwrap().trim());
-    assert!(fifo.starts_with(broker.socket.parent().unwrap()), "the build saw its FIFO: {fifo:?}");
+    assert!(
+        fifo.starts_with(broker.socket.parent().unwrap()),
+        "the build saw its FIFO: {fifo:?}"
+    );
     assert!(!fifo.exists(), "{fifo:?} is left behind");
     assert!(fifos(&broker).is_empty(), "{:?}", fifos(&broker));
     assert_clean_end(&broker);
@@ -404,14 +579,30 @@ fn a_finished_build_leaves_no_fifo() {
 #[test]
 fn the_fifo_of_a_killed_baton_run_is_swept_by_the_next() {
     let broker = Broker::start(2);
-    let mut killed = broker.run(&["--jobserver-style", "fifo", "--", "sleep", "600"]).env_remove("MAKEFLAGS").process_group(0).spawn().unwrap();
-    wait_for(Duration::from_secs(20), "its FIFO", || fifos(&broker).len() == 1);
+    let mut killed = broker
+        .run(&["--jobserver-style", "fifo", "--", "sleep", "600"])
+        .env_remove("MAKEFLAGS")
+        .process_group(0)
+        .spawn()
+        .unwrap();
+    wait_for(Duration::from_secs(20), "its FIFO", || {
+        fifos(&broker).len() == 1
+    });
     let left = fifos(&broker).remove(0);
     kill_group(killed.id()); // baton run and its sleep: nobody removes the FIFO
     killed.wait().unwrap();
-    wait_for(Duration::from_secs(20), "its token back", || broker.status().free == 2);
-    assert!(left.exists(), "kill -9 left nothing to sweep: the test proves nothing");
-    let out = broker.run(&["--jobserver-style", "fifo", "--", "true"]).env_remove("MAKEFLAGS").output().unwrap();
+    wait_for(Duration::from_secs(20), "its token back", || {
+        broker.status().free == 2
+    });
+    assert!(
+        left.exists(),
+        "kill -9 left nothing to sweep: the test proves nothing"
+    );
+    let out = broker
+        .run(&["--jobserver-style", "fifo", "--", "true"])
+        .env_remove("MAKEFLAGS")
+        .output()
+        .unwrap();
     assert_built(&out);
     assert!(!left.exists(), "{left:?} outlived the next baton run");
     assert!(fifos(&broker).is_empty(), "{:?}", fifos(&broker));
@@ -421,15 +612,28 @@ fn the_fifo_of_a_killed_baton_run_is_swept_by_the_next() {
 #[test]
 fn max_below_the_tokens_a_build_needs_or_with_fuse_is_refused() {
     let broker = Broker::start(4);
-    let out = broker.run(&["--max", "1", "--tokens", "2", "--", "true"]).output().unwrap();
+    let out = broker
+        .run(&["--max", "1", "--tokens", "2", "--", "true"])
+        .output()
+        .unwrap();
     assert_eq!(out.status.code(), Some(1));
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("--max 1 is below --tokens 2"), "{err}");
-    let out = broker.run(&["--max", "2", "--jobserver-style", "fuse", "--", "true"]).output().unwrap();
+    let out = broker
+        .run(&["--max", "2", "--jobserver-style", "fuse", "--", "true"])
+        .output()
+        .unwrap();
     assert_eq!(out.status.code(), Some(1));
     let err = String::from_utf8_lossy(&out.stderr);
-    assert!(err.contains("--max works with the pipe and fifo styles, not with fuse"), "{err}");
-    assert_eq!(broker.status().totals.granted, 0, "refused before taking a token");
+    assert!(
+        err.contains("--max works with the pipe and fifo styles, not with fuse"),
+        "{err}"
+    );
+    assert_eq!(
+        broker.status().totals.granted,
+        0,
+        "refused before taking a token"
+    );
     broker.assert_all_free();
 }
 
@@ -464,13 +668,32 @@ fn the_cap_holds_against_a_broker_that_queues() {
         for _ in range(3000):\n\
         \x20   os.write(fd, os.read(fd, 1))\n\
         print('done')\n";
-    let mut run = broker.run(&["--max", "2", "--jobserver-style", "fifo", "--", "python3", "-c", churn]).env_remove("MAKEFLAGS").stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap();
+    let mut run = broker
+        .run(&[
+            "--max",
+            "2",
+            "--jobserver-style",
+            "fifo",
+            "--",
+            "python3",
+            "-c",
+            churn,
+        ])
+        .env_remove("MAKEFLAGS")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
     let finished = wait_timeout(&mut run, Duration::from_secs(120));
     if finished.is_none() {
         let _ = run.kill();
     }
     let out = run.wait_with_output().unwrap();
-    assert!(finished.is_some(), "the build hung: {}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        finished.is_some(),
+        "the build hung: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     stop.store(true, std::sync::atomic::Ordering::Relaxed);
     let rounds = join_within(rival, Duration::from_secs(60), "the rival to stop");
     assert_built(&out);
@@ -478,7 +701,13 @@ fn the_cap_holds_against_a_broker_that_queues() {
     assert!(rounds > 0, "the rival never got a token: nothing raced");
     let s = broker.status();
     assert!(s.totals.waits > 0, "no request ever queued: {s:#?}");
-    assert_eq!(s.totals.reclaimed, 0, "baton run said: {}\nthe broker said: {}", String::from_utf8_lossy(&out.stderr), broker.log());
+    assert_eq!(
+        s.totals.reclaimed,
+        0,
+        "baton run said: {}\nthe broker said: {}",
+        String::from_utf8_lossy(&out.stderr),
+        broker.log()
+    );
     assert_clean_end(&broker);
 }
 
@@ -489,12 +718,24 @@ fn a_recursive_make_stays_within_a_binding_limit() {
         let dir = TempDir::new("recursive");
         let log = dir.path().join("jobs.log");
         recursive_tree(dir.path(), &log, 4, 10, "0.05");
-        let out = build(&broker, dir.path(), &["--jobserver-style", style], &make, &[]);
+        let out = build(
+            &broker,
+            dir.path(),
+            &["--jobserver-style", style],
+            &make,
+            &[],
+        );
         assert_built(&out);
         let (max, started) = max_overlap(&log);
         assert_eq!(started, 40, "{style}: every job ran");
-        assert!(max <= 3, "{style}: {max} jobs at once under --jobs 3 across sub-makes");
-        assert!(max >= 2, "{style}: the tree ran in parallel (at most {max} at once)");
+        assert!(
+            max <= 3,
+            "{style}: {max} jobs at once under --jobs 3 across sub-makes"
+        );
+        assert!(
+            max >= 2,
+            "{style}: the tree ran in parallel (at most {max} at once)"
+        );
         assert_clean_end(&broker);
     }
 }
@@ -511,15 +752,32 @@ fn baton_run_inside_a_recipe_of_a_build_under_baton_runs_in_its_job_slot() {
         let log = dir.path().join("jobs.log");
         let job = logged_job(&log, "0.1");
         let targets: Vec<String> = (0..4).map(|i| format!("j{i}")).collect();
-        let text = format!("all: {all}\n{all}:\n\t+@{baton} run -- sh -c '{job}'\n.PHONY: all {all}\n", all = targets.join(" "), baton = baton_bin());
+        let text = format!(
+            "all: {all}\n{all}:\n\t+@{baton} run -- sh -c '{job}'\n.PHONY: all {all}\n",
+            all = targets.join(" "),
+            baton = baton_bin()
+        );
         std::fs::write(dir.path().join("Makefile"), text).unwrap();
-        let mut build = broker.run(&["--", make.to_str().unwrap(), "-s"]).current_dir(dir.path()).env_remove("MAKEFLAGS").spawn().unwrap();
+        let mut build = broker
+            .run(&["--", make.to_str().unwrap(), "-s"])
+            .current_dir(dir.path())
+            .env_remove("MAKEFLAGS")
+            .spawn()
+            .unwrap();
         let status = wait_timeout(&mut build, Duration::from_secs(60)).unwrap_or_else(|| {
             let _ = build.kill();
-            panic!("{}: the nested baton runs waited for a token their own build holds", make.display())
+            panic!(
+                "{}: the nested baton runs waited for a token their own build holds",
+                make.display()
+            )
         });
         assert!(status.success(), "{}", make.display());
-        assert_eq!(max_overlap(&log), (1, 4), "{}: one job at a time under --jobs 1", make.display());
+        assert_eq!(
+            max_overlap(&log),
+            (1, 4),
+            "{}: one job at a time under --jobs 1",
+            make.display()
+        );
         broker.assert_all_free();
     }
 }
@@ -535,7 +793,9 @@ fn baton_run_leaves_nothing_in_its_process_group_or_on_its_output() {
     let broker = Broker::start(2);
     for style in ["fifo", "pipe"] {
         let mut run = broker.run(&["--jobserver-style", style, "--", "true"]);
-        run.process_group(0).stdout(Stdio::piped()).stderr(Stdio::null());
+        run.process_group(0)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null());
         let mut child = run.spawn().unwrap();
         let group = child.id() as i32;
         let mut out = child.stdout.take().unwrap();
@@ -545,8 +805,16 @@ fn baton_run_leaves_nothing_in_its_process_group_or_on_its_output() {
         assert!(!alive, "{style}: a process is left in baton run's group");
         // Nobody holds the write end: the read sees end of file, at once
         // (were it held, it would block until the holder exits).
-        let mut fds = [libc::pollfd { fd: std::os::fd::AsRawFd::as_raw_fd(&out), events: libc::POLLIN, revents: 0 }];
-        assert_eq!(unsafe { libc::poll(fds.as_mut_ptr(), 1, 0) }, 1, "{style}: baton run's output is still held open");
+        let mut fds = [libc::pollfd {
+            fd: std::os::fd::AsRawFd::as_raw_fd(&out),
+            events: libc::POLLIN,
+            revents: 0,
+        }];
+        assert_eq!(
+            unsafe { libc::poll(fds.as_mut_ptr(), 1, 0) },
+            1,
+            "{style}: baton run's output is still held open"
+        );
         let mut rest = Vec::new();
         std::io::Read::read_to_end(&mut out, &mut rest).unwrap();
         assert!(rest.is_empty());

@@ -9,8 +9,14 @@ use std::os::unix::net::UnixStream;
 
 fn doc_session() -> Vec<(char, String)> {
     let doc = include_str!("../../../docs/protocol.md");
-    let section = doc.split("## A complete session").nth(1).expect("the doc has a complete session");
-    let block = section.split("```").nth(1).expect("the session is in a code block");
+    let section = doc
+        .split("## A complete session")
+        .nth(1)
+        .expect("the doc has a complete session");
+    let block = section
+        .split("```")
+        .nth(1)
+        .expect("the session is in a code block");
     block
         .lines()
         .filter_map(|l| {
@@ -40,5 +46,9 @@ fn the_documented_session_is_what_the_broker_says() {
         }
     }
     let mut rest = String::new();
-    assert_eq!(replies.read_line(&mut rest).unwrap(), 0, "the broker closed the connection");
+    assert_eq!(
+        replies.read_line(&mut rest).unwrap(),
+        0,
+        "the broker closed the connection"
+    );
 }

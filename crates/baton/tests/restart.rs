@@ -6,8 +6,8 @@ mod common;
 
 use baton_core::status::Status;
 use common::*;
-use std::path::{Path, PathBuf};
 use std::os::unix::process::ExitStatusExt;
+use std::path::{Path, PathBuf};
 use std::process::{Child, Stdio};
 use std::time::Duration;
 
@@ -31,7 +31,11 @@ impl Builds {
         let mut pool = broker.client("the test, holding the pool");
         pool.acquire(4).unwrap();
         let builds = Self::spawn(broker);
-        wait_for_status(broker, "the four builds to wait for their first token", |s| s.waiters.len() == 4);
+        wait_for_status(
+            broker,
+            "the four builds to wait for their first token",
+            |s| s.waiters.len() == 4,
+        );
         pool.release(4).unwrap();
         builds
     }
@@ -40,9 +44,18 @@ impl Builds {
         let gate = broker.dir.path().join("gate");
         // Orphaned by a failed test, a job still ends when the test's
         // directory goes.
-        let job = format!("0.1; while [ ! -e {} ] && [ -d {} ]; do sleep 0.05; done", gate.display(), broker.dir.path().display());
+        let job = format!(
+            "0.1; while [ ! -e {} ] && [ -d {} ]; do sleep 0.05; done",
+            gate.display(),
+            broker.dir.path().display()
+        );
         let make44 = make44();
-        let styles: [(&str, PathBuf, bool); 4] = [("pipe", make43(), false), ("fuse", make44.clone(), false), ("fifo", make44, false), ("fifo", ninja(), true)];
+        let styles: [(&str, PathBuf, bool); 4] = [
+            ("pipe", make43(), false),
+            ("fuse", make44.clone(), false),
+            ("fifo", make44, false),
+            ("fifo", ninja(), true),
+        ];
         let mut dirs = Vec::new();
         let mut children = Vec::new();
         for (style, tool, is_ninja) in styles {
@@ -64,7 +77,11 @@ impl Builds {
             dirs.push(dir);
             children.push(child);
         }
-        Builds { dirs, children, gate }
+        Builds {
+            dirs,
+            children,
+            gate,
+        }
     }
 
     /// Lets every job end, and the builds go on.
@@ -83,7 +100,11 @@ impl Builds {
     /// Every build runs one job on its first token and waits for one more:
     /// every token is held, and four requests wait.
     fn wait_until_saturated(&self, broker: &Broker) -> Status {
-        wait_for_status(broker, "every build to run a job and wait for another", |s| self.every_build_has_started_a_job() && s.held == 4 && s.waiters.len() == 4)
+        wait_for_status(
+            broker,
+            "every build to run a job and wait for another",
+            |s| self.every_build_has_started_a_job() && s.held == 4 && s.waiters.len() == 4,
+        )
     }
 
     /// Waits for every build; each must succeed and have run every job.
@@ -94,7 +115,11 @@ impl Builds {
             let mut err = String::new();
             std::io::Read::read_to_string(child.stderr.as_mut().unwrap(), &mut err).unwrap();
             assert!(status.success(), "build {i} failed ({status}): {err}");
-            assert_eq!(max_overlap(&logs[i]).1, JOBS, "build {i} ran every job: {err}");
+            assert_eq!(
+                max_overlap(&logs[i]).1,
+                JOBS,
+                "build {i} ran every job: {err}"
+            );
         }
     }
 }
@@ -108,7 +133,11 @@ fn wait_for_status(broker: &Broker, what: &str, mut cond: impl FnMut(&Status) ->
         if cond(&s) {
             return s;
         }
-        assert!(started.elapsed() < Duration::from_secs(60), "timed out waiting for {what}: {s:#?}\n{}", broker.log());
+        assert!(
+            started.elapsed() < Duration::from_secs(60),
+            "timed out waiting for {what}: {s:#?}\n{}",
+            broker.log()
+        );
         std::thread::sleep(Duration::from_millis(20));
     }
 }
@@ -132,7 +161,15 @@ fn replace(broker: &Broker) -> Successor {
 
 fn replace_with(broker: &Broker, jobs: u32) -> Successor {
     let log = std::fs::File::create(broker.dir.path().join("successor.log")).unwrap();
-    Successor(baton().args(["serve", "--jobs", &jobs.to_string(), "--socket"]).arg(&broker.socket).arg("--replace").stderr(log).spawn().expect("start the successor"))
+    Successor(
+        baton()
+            .args(["serve", "--jobs", &jobs.to_string(), "--socket"])
+            .arg(&broker.socket)
+            .arg("--replace")
+            .stderr(log)
+            .spawn()
+            .expect("start the successor"),
+    )
 }
 
 /// The successor broker; a test that fails half-way stops it too.
@@ -163,7 +200,10 @@ fn successor_log(broker: &Broker) -> String {
 }
 
 fn is_mounted(path: &Path) -> bool {
-    std::fs::read_to_string("/proc/self/mounts").unwrap().lines().any(|l| l.split(' ').nth(1) == Some(path.to_str().unwrap()))
+    std::fs::read_to_string("/proc/self/mounts")
+        .unwrap()
+        .lines()
+        .any(|l| l.split(' ').nth(1) == Some(path.to_str().unwrap()))
 }
 
 /// A broker of 4 tokens with its FUSE mount, and the four builds holding
@@ -173,7 +213,10 @@ fn four_builds_holding_the_pool() -> Option<(Broker, PathBuf, Builds, Status)> {
     let broker = Broker::start(4);
     let mount = broker.socket.with_file_name("fuse");
     if !is_mounted(&mount) {
-        skip(Missing::Fuse, &format!("FUSE is not available here: {}", broker.log()));
+        skip(
+            Missing::Fuse,
+            &format!("FUSE is not available here: {}", broker.log()),
+        );
         return None;
     }
     let builds = Builds::start(&broker);
@@ -183,15 +226,33 @@ fn four_builds_holding_the_pool() -> Option<(Broker, PathBuf, Builds, Status)> {
 
 #[test]
 fn builds_of_every_style_go_on_through_a_replace() {
-    let Some((mut broker, mount, mut builds, before)) = four_builds_holding_the_pool() else { return };
+    let Some((mut broker, mount, mut builds, before)) = four_builds_holding_the_pool() else {
+        return;
+    };
 
     let mut successor = replace(&broker);
     let status = broker.wait_exit(Duration::from_secs(30));
-    assert!(status.success(), "the predecessor hands over and exits 0: {}", broker.log());
-    assert!(broker.log().contains("handed over to a successor"), "{}", broker.log());
-    wait_for(Duration::from_secs(30), "the successor to take over", || successor_log(&broker).contains("took over"));
+    assert!(
+        status.success(),
+        "the predecessor hands over and exits 0: {}",
+        broker.log()
+    );
+    assert!(
+        broker.log().contains("handed over to a successor"),
+        "{}",
+        broker.log()
+    );
+    wait_for(
+        Duration::from_secs(30),
+        "the successor to take over",
+        || successor_log(&broker).contains("took over"),
+    );
     let after = broker.status();
-    assert_eq!(after.broker_pid, successor.id(), "the successor answers on the same socket");
+    assert_eq!(
+        after.broker_pid,
+        successor.id(),
+        "the successor answers on the same socket"
+    );
     // Nothing moved: the same clients hold the same tokens, and the same
     // requests wait in the same order.
     assert_eq!(after.holders, before.holders, "{}", successor_log(&broker));
@@ -202,19 +263,34 @@ fn builds_of_every_style_go_on_through_a_replace() {
     builds.open_gate();
     builds.finish();
     let s = broker.status();
-    assert_eq!((s.free, s.held), (s.limit, 0), "every token is back: {s:#?}\n{}", successor_log(&broker));
+    assert_eq!(
+        (s.free, s.held),
+        (s.limit, 0),
+        "every token is back: {s:#?}\n{}",
+        successor_log(&broker)
+    );
     // A FUSE make may exit with a token reserved for its last poll (it is
     // reclaimed then, as without a replace); no connection may break.
-    assert!(!successor_log(&broker).contains("its connection closed"), "no connection broke: {s:#?}\n{}", successor_log(&broker));
+    assert!(
+        !successor_log(&broker).contains("its connection closed"),
+        "no connection broke: {s:#?}\n{}",
+        successor_log(&broker)
+    );
 
     let status = successor.stop();
     assert!(status.success(), "{}", successor_log(&broker));
-    assert!(!is_mounted(&mount), "the successor unmounts as it stops: {}", successor_log(&broker));
+    assert!(
+        !is_mounted(&mount),
+        "the successor unmounts as it stops: {}",
+        successor_log(&broker)
+    );
 }
 
 #[test]
 fn builds_of_every_style_survive_a_crash_and_re_attach_to_a_new_broker() {
-    let Some((mut broker, mount, mut builds, _)) = four_builds_holding_the_pool() else { return };
+    let Some((mut broker, mount, mut builds, _)) = four_builds_holding_the_pool() else {
+        return;
+    };
 
     let (status, log) = broker.stop_with(libc::SIGKILL);
     assert_eq!(status.signal(), Some(libc::SIGKILL), "{log}");
@@ -224,12 +300,23 @@ fn builds_of_every_style_survive_a_crash_and_re_attach_to_a_new_broker() {
     // Every `baton run` comes back and says what it holds; the pool may
     // drain meanwhile (a build re-attached early took a free token that
     // a later one turns out to hold already).
-    wait_for_status(&restarted, "the four builds to re-attach", |s| s.builds.iter().filter(|b| b.name.starts_with("baton run") && b.held >= 1).count() == 4);
+    wait_for_status(&restarted, "the four builds to re-attach", |s| {
+        s.builds
+            .iter()
+            .filter(|b| b.name.starts_with("baton run") && b.held >= 1)
+            .count()
+            == 4
+    });
 
     builds.open_gate();
     builds.finish();
     let s = restarted.status();
-    assert_eq!((s.free, s.held), (s.limit, 0), "every token is back: {s:#?}\n{}", restarted.log());
+    assert_eq!(
+        (s.free, s.held),
+        (s.limit, 0),
+        "every token is back: {s:#?}\n{}",
+        restarted.log()
+    );
     restarted.stop_with(libc::SIGTERM);
     assert!(!is_mounted(&mount), "no mount is left: {}", restarted.log());
 }
@@ -242,10 +329,24 @@ fn builds_of_every_style_survive_a_crash_and_re_attach_to_a_new_broker() {
 fn a_broker_where_one_died_grants_nothing_new_before_its_builds_re_attach() {
     let mut broker = Broker::start(2);
     let dir = TempDir::new("reclaim");
-    let (gate, a_end, b_start) = (dir.path().join("gate"), dir.path().join("a_end"), dir.path().join("b_start"));
+    let (gate, a_end, b_start) = (
+        dir.path().join("gate"),
+        dir.path().join("a_end"),
+        dir.path().join("b_start"),
+    );
     // Orphaned by a failed test, it still ends when the test's directory goes.
-    let holder = format!("while [ ! -e {} ] && [ -d {} ]; do sleep 0.05; done; date +%s%N > {}", gate.display(), dir.path().display(), a_end.display());
-    let mut a = broker.run(&["--tokens", "2", "--", "sh", "-c", &holder]).stdout(Stdio::null()).stderr(Stdio::null()).spawn().unwrap();
+    let holder = format!(
+        "while [ ! -e {} ] && [ -d {} ]; do sleep 0.05; done; date +%s%N > {}",
+        gate.display(),
+        dir.path().display(),
+        a_end.display()
+    );
+    let mut a = broker
+        .run(&["--tokens", "2", "--", "sh", "-c", &holder])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
     wait_for_status(&broker, "the build to hold both tokens", |s| s.held == 2);
     broker.stop_with(libc::SIGKILL);
 
@@ -253,23 +354,59 @@ fn a_broker_where_one_died_grants_nothing_new_before_its_builds_re_attach() {
     // newcomer then waits for the build's tokens, not for the grace.
     let restarted = Broker::start_at(&broker, 2, &["--reclaim-grace", "5000"]);
     let newcomer = format!("date +%s%N > {}", b_start.display());
-    let mut b = restarted.run(&["--", "sh", "-c", &newcomer]).stdout(Stdio::null()).stderr(Stdio::null()).spawn().unwrap();
-    let s = wait_for_status(&restarted, "the build to re-attach with both tokens while the newcomer waits", |s| {
-        assert!(!b_start.exists(), "the newcomer ran while the build still held every token: {s:#?}\n{}", restarted.log());
-        s.held == 2 && s.waiters.len() == 1
-    });
-    assert!(s.gates.iter().any(|g| g.name == "reclaim" && !g.open), "the grace shows in the status: {s:#?}");
-    assert!(restarted.log().contains("a broker died at"), "{}", restarted.log());
+    let mut b = restarted
+        .run(&["--", "sh", "-c", &newcomer])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let s = wait_for_status(
+        &restarted,
+        "the build to re-attach with both tokens while the newcomer waits",
+        |s| {
+            assert!(
+                !b_start.exists(),
+                "the newcomer ran while the build still held every token: {s:#?}\n{}",
+                restarted.log()
+            );
+            s.held == 2 && s.waiters.len() == 1
+        },
+    );
+    assert!(
+        s.gates.iter().any(|g| g.name == "reclaim" && !g.open),
+        "the grace shows in the status: {s:#?}"
+    );
+    assert!(
+        restarted.log().contains("a broker died at"),
+        "{}",
+        restarted.log()
+    );
 
     std::fs::write(&gate, "").unwrap();
     assert!(a.wait().unwrap().success());
     assert!(b.wait().unwrap().success());
-    let read = |p: &Path| std::fs::read_to_string(p).unwrap().trim().parse::<u128>().unwrap();
-    assert!(read(&b_start) >= read(&a_end), "the newcomer ran while the build still held every token");
+    let read = |p: &Path| {
+        std::fs::read_to_string(p)
+            .unwrap()
+            .trim()
+            .parse::<u128>()
+            .unwrap()
+    };
+    assert!(
+        read(&b_start) >= read(&a_end),
+        "the newcomer ran while the build still held every token"
+    );
     let s = restarted.status();
     assert_eq!((s.free, s.held), (2, 0), "every token is back: {s:#?}");
-    assert!(s.gates.iter().all(|g| g.name != "reclaim"), "the grace ended: {s:#?}");
-    assert!(restarted.log().contains("re-attach time over: 2 token(s)"), "{}", restarted.log());
+    assert!(
+        s.gates.iter().all(|g| g.name != "reclaim"),
+        "the grace ended: {s:#?}"
+    );
+    assert!(
+        restarted.log().contains("re-attach time over: 2 token(s)"),
+        "{}",
+        restarted.log()
+    );
 }
 
 #[test]
@@ -277,16 +414,23 @@ fn a_broker_whose_successor_goes_away_serves_on() {
     let broker = Broker::start(2);
     let mount = broker.socket.with_file_name("fuse");
     if !is_mounted(&mount) {
-        return skip(Missing::Fuse, &format!("FUSE is not available here: {}", broker.log()));
+        return skip(
+            Missing::Fuse,
+            &format!("FUSE is not available here: {}", broker.log()),
+        );
     }
     let mut holder = broker.client("holds a token through it");
     holder.acquire(1).unwrap();
     // A successor that reads the state and leaves without confirming.
-    let mut successor = std::os::unix::net::UnixStream::connect(broker.socket.with_file_name("socket.handover")).unwrap();
+    let mut successor =
+        std::os::unix::net::UnixStream::connect(broker.socket.with_file_name("socket.handover"))
+            .unwrap();
     let mut header = [0u8; 16];
     std::io::Read::read_exact(&mut successor, &mut header).unwrap();
     drop(successor);
-    wait_for(Duration::from_secs(30), "the broker to serve on", || broker.log().contains("serving on"));
+    wait_for(Duration::from_secs(30), "the broker to serve on", || {
+        broker.log().contains("serving on")
+    });
 
     // The same broker, with the same client and its token...
     let s = broker.status();
@@ -295,12 +439,22 @@ fn a_broker_whose_successor_goes_away_serves_on() {
     // ...and its FUSE thread answering again: a read takes a token.
     let file = mount.join("after-a-failed-handover");
     let reader = std::thread::spawn(move || {
-        let mut tokens = std::fs::OpenOptions::new().read(true).write(true).create(true).truncate(false).open(&file).unwrap();
+        let mut tokens = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(false)
+            .open(&file)
+            .unwrap();
         let mut byte = [0u8];
         std::io::Read::read_exact(&mut tokens, &mut byte).unwrap();
         tokens
     });
-    let mut tokens = join_within(reader, Duration::from_secs(30), "a token read from the FUSE file");
+    let mut tokens = join_within(
+        reader,
+        Duration::from_secs(30),
+        "a token read from the FUSE file",
+    );
     assert_eq!(broker.status().held, 1);
     std::io::Write::write_all(&mut tokens, b"+").unwrap();
     drop(tokens);
@@ -317,7 +471,9 @@ fn a_half_read_line_and_a_waiting_acquire_cross_a_replace() {
     holder.acquire(1).unwrap();
     let connect = |hello: &str| {
         let stream = std::os::unix::net::UnixStream::connect(&broker.socket).unwrap();
-        stream.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+        stream
+            .set_read_timeout(Some(Duration::from_secs(30)))
+            .unwrap();
         let mut reader = BufReader::new(stream.try_clone().unwrap());
         (&stream).write_all(hello.as_bytes()).unwrap();
         let mut line = String::new();
@@ -337,13 +493,24 @@ fn a_half_read_line_and_a_waiting_acquire_cross_a_replace() {
 
     let mut successor = replace_with(&broker, 1);
     broker.wait_exit(Duration::from_secs(30));
-    wait_for(Duration::from_secs(30), "the successor to take over", || successor_log(&broker).contains("took over"));
-    assert_eq!(broker.status().waiters, before.waiters, "the queue came in order");
+    wait_for(
+        Duration::from_secs(30),
+        "the successor to take over",
+        || successor_log(&broker).contains("took over"),
+    );
+    assert_eq!(
+        broker.status().waiters,
+        before.waiters,
+        "the queue came in order"
+    );
 
     partial.write_all(b"Y 1\n").unwrap();
     let mut line = String::new();
     partial_replies.read_line(&mut line).unwrap();
-    assert_eq!(line, "BUSY 0\n", "the line begun before the replace is read whole");
+    assert_eq!(
+        line, "BUSY 0\n",
+        "the line begun before the replace is read whole"
+    );
     holder.release(1).unwrap();
     line.clear();
     first_replies.read_line(&mut line).unwrap();
@@ -352,7 +519,14 @@ fn a_half_read_line_and_a_waiting_acquire_cross_a_replace() {
     line.clear();
     second_replies.read_line(&mut line).unwrap();
     assert_eq!(line, "GRANTED 1 1\n", "then the next");
-    drop((first, second, partial, first_replies, second_replies, partial_replies));
+    drop((
+        first,
+        second,
+        partial,
+        first_replies,
+        second_replies,
+        partial_replies,
+    ));
     drop(holder);
     wait_for_status(&broker, "every token back", |s| s.free == 1 && s.held == 0);
     successor.stop();

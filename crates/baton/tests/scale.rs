@@ -16,7 +16,10 @@ use std::os::unix::net::UnixStream;
 use std::time::{Duration, Instant};
 
 fn clients() -> usize {
-    std::env::var("BATON_SCALE_CLIENTS").ok().and_then(|n| n.parse().ok()).unwrap_or(1_000)
+    std::env::var("BATON_SCALE_CLIENTS")
+        .ok()
+        .and_then(|n| n.parse().ok())
+        .unwrap_or(1_000)
 }
 /// Descriptors this test needs beside its clients' (cargo's, the broker's
 /// pipes), with room.
@@ -26,16 +29,26 @@ const SPARE_FDS: u64 = 128;
 /// our child, inherits the hard limit and raises its own); false, with the
 /// skip recorded, if even that is too low.
 fn enough_files(needed: u64) -> bool {
-    let mut lim = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+    let mut lim = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
     // SAFETY: getrlimit/setrlimit read and write the struct we pass.
     unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) };
     if lim.rlim_max < needed {
-        let reason = format!("needs {needed} open files, the hard limit is {} (raise it: ulimit -Hn {needed})", lim.rlim_max);
+        let reason = format!(
+            "needs {needed} open files, the hard limit is {} (raise it: ulimit -Hn {needed})",
+            lim.rlim_max
+        );
         common::skip(Missing::FileLimit, &reason);
         return false;
     }
     lim.rlim_cur = lim.rlim_max;
-    assert_eq!(unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &lim) }, 0, "raising the open-file limit");
+    assert_eq!(
+        unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &lim) },
+        0,
+        "raising the open-file limit"
+    );
     true
 }
 
@@ -46,8 +59,11 @@ fn hello(socket: &std::path::Path, i: usize) -> UnixStream {
 }
 
 fn hello_as(socket: &std::path::Path, label: &str) -> UnixStream {
-    let mut stream = UnixStream::connect(socket).unwrap_or_else(|e| panic!("{label} cannot connect: {e}"));
-    stream.write_all(format!("HELLO 1 {label}\n").as_bytes()).unwrap();
+    let mut stream =
+        UnixStream::connect(socket).unwrap_or_else(|e| panic!("{label} cannot connect: {e}"));
+    stream
+        .write_all(format!("HELLO 1 {label}\n").as_bytes())
+        .unwrap();
     let mut line = String::new();
     BufReader::new(&stream).read_line(&mut line).unwrap();
     assert!(line.starts_with("OK 1 "), "{label} got {line:?}");
@@ -58,8 +74,15 @@ fn hello_as(socket: &std::path::Path, label: &str) -> UnixStream {
 fn rss_kib(pid: u32) -> (u64, u64) {
     let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
     let field = |name: &str| {
-        let line = status.lines().find(|l| l.starts_with(name)).unwrap_or_else(|| panic!("no {name} in /proc/{pid}/status"));
-        line.split_whitespace().nth(1).unwrap().parse::<u64>().unwrap()
+        let line = status
+            .lines()
+            .find(|l| l.starts_with(name))
+            .unwrap_or_else(|| panic!("no {name} in /proc/{pid}/status"));
+        line.split_whitespace()
+            .nth(1)
+            .unwrap()
+            .parse::<u64>()
+            .unwrap()
     };
     (field("VmRSS:"), field("VmHWM:"))
 }
@@ -73,9 +96,16 @@ impl Ready {
         let epoll = unsafe { libc::epoll_create1(libc::EPOLL_CLOEXEC) };
         assert!(epoll >= 0, "epoll_create1");
         for (i, c) in clients.iter().enumerate() {
-            let mut event = libc::epoll_event { events: libc::EPOLLIN as u32, u64: i as u64 };
+            let mut event = libc::epoll_event {
+                events: libc::EPOLLIN as u32,
+                u64: i as u64,
+            };
             // SAFETY: epoll and the client's descriptor are open; the event is ours.
-            assert_eq!(unsafe { libc::epoll_ctl(epoll, libc::EPOLL_CTL_ADD, c.as_raw_fd(), &mut event) }, 0, "epoll_ctl");
+            assert_eq!(
+                unsafe { libc::epoll_ctl(epoll, libc::EPOLL_CTL_ADD, c.as_raw_fd(), &mut event) },
+                0,
+                "epoll_ctl"
+            );
         }
         Ready(epoll)
     }
@@ -85,7 +115,10 @@ impl Ready {
         let mut events = vec![libc::epoll_event { events: 0, u64: 0 }; 256];
         // SAFETY: the buffer holds as many events as we say.
         let n = unsafe { libc::epoll_wait(self.0, events.as_mut_ptr(), events.len() as i32, 1000) };
-        events[..n.max(0) as usize].iter().map(|e| e.u64 as usize).collect()
+        events[..n.max(0) as usize]
+            .iter()
+            .map(|e| e.u64 as usize)
+            .collect()
     }
 }
 
@@ -122,7 +155,10 @@ fn many_connected_clients_are_each_granted_in_turn() {
     let ready = Ready::new(&clients);
     let (mut granted, mut released, mut last_progress) = (0, 0, Instant::now());
     while released < n {
-        assert!(last_progress.elapsed() < Duration::from_secs(60), "no grant for 60 s: {granted} granted, {released} released");
+        assert!(
+            last_progress.elapsed() < Duration::from_secs(60),
+            "no grant for 60 s: {granted} granted, {released} released"
+        );
         for i in ready.wait() {
             let line = reply(&mut clients[i]);
             match line.split(' ').next() {
@@ -143,7 +179,10 @@ fn many_connected_clients_are_each_granted_in_turn() {
     );
     assert_eq!(granted, n, "every client was granted once");
     broker.assert_all_free();
-    assert!(clients.iter_mut().all(|c| c.write_all(b"TRY 1\n").is_ok()), "the broker dropped a client");
+    assert!(
+        clients.iter_mut().all(|c| c.write_all(b"TRY 1\n").is_ok()),
+        "the broker dropped a client"
+    );
     drop(ready);
     drop(clients);
     broker.assert_all_free();
@@ -163,7 +202,9 @@ fn a_status_longer_than_the_unsent_bound_reaches_its_reader() {
     let mut holder = broker.client("the holder of the one token");
     holder.acquire(1).unwrap();
     let long = "w".repeat(180);
-    let mut waiters: Vec<UnixStream> = (0..WAITERS).map(|i| hello_as(&broker.socket, &format!("{long}-{i}"))).collect();
+    let mut waiters: Vec<UnixStream> = (0..WAITERS)
+        .map(|i| hello_as(&broker.socket, &format!("{long}-{i}")))
+        .collect();
     for w in &mut waiters {
         w.write_all(b"ACQUIRE 1\n").unwrap();
     }
@@ -177,10 +218,19 @@ fn a_status_longer_than_the_unsent_bound_reaches_its_reader() {
     let mut reader = BufReader::new(reader);
     let mut head = String::new();
     reader.read_line(&mut head).unwrap();
-    let length: usize = head.trim().strip_prefix("STATUS ").and_then(|n| n.parse().ok()).unwrap_or_else(|| panic!("got {head:?}"));
-    assert!(length > 3 << 19, "the status must be longer than the bound and the socket's buffers: {length} bytes");
+    let length: usize = head
+        .trim()
+        .strip_prefix("STATUS ")
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("got {head:?}"));
+    assert!(
+        length > 3 << 19,
+        "the status must be longer than the bound and the socket's buffers: {length} bytes"
+    );
     let mut json = vec![0u8; length];
-    reader.read_exact(&mut json).unwrap_or_else(|e| panic!("the broker cut the reply short: {e}"));
+    reader
+        .read_exact(&mut json)
+        .unwrap_or_else(|e| panic!("the broker cut the reply short: {e}"));
     let status: baton_core::status::Status = serde_json::from_slice(&json).unwrap();
     assert_eq!(status.waiters.len(), WAITERS);
     drop(waiters);
@@ -195,7 +245,11 @@ fn wait_for_waiters(broker: &Broker, n: usize) -> baton_core::status::Status {
         if status.waiters.len() == n {
             return status;
         }
-        assert!(started.elapsed() < Duration::from_secs(60), "{} of {n} waiting after a minute", status.waiters.len());
+        assert!(
+            started.elapsed() < Duration::from_secs(60),
+            "{} of {n} waiting after a minute",
+            status.waiters.len()
+        );
         std::thread::sleep(Duration::from_millis(50));
     }
 }

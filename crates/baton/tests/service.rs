@@ -17,7 +17,9 @@ struct Home {
 
 impl Home {
     fn new(name: &str) -> Self {
-        let home = Home { dir: TempDir::new(name) };
+        let home = Home {
+            dir: TempDir::new(name),
+        };
         std::fs::create_dir_all(home.config_file().parent().unwrap()).unwrap();
         home
     }
@@ -27,7 +29,11 @@ impl Home {
     }
 
     fn config_file(&self) -> PathBuf {
-        self.dir.path().join("config").join("baton").join("config.toml")
+        self.dir
+            .path()
+            .join("config")
+            .join("baton")
+            .join("config.toml")
     }
 
     fn write_config(&self, text: &str) {
@@ -53,7 +59,11 @@ impl Home {
 
     /// The pids of the brokers that logged that they serve here.
     fn brokers_started(&self) -> Vec<u32> {
-        self.broker_log().lines().filter(|l| l.contains("serving")).map(|l| logged_pid(l).expect("a pid in the serving line")).collect()
+        self.broker_log()
+            .lines()
+            .filter(|l| l.contains("serving"))
+            .map(|l| logged_pid(l).expect("a pid in the serving line"))
+            .collect()
     }
 }
 
@@ -73,19 +83,30 @@ impl Drop for Started {
         // Gone already (stopped as idle): its pid may be someone else's.
         if pid_alive(self.pid) {
             unsafe { libc::kill(self.pid as i32, libc::SIGTERM) };
-            wait_for(Duration::from_secs(10), "the auto-started broker to stop", || !pid_alive(self.pid));
+            wait_for(
+                Duration::from_secs(10),
+                "the auto-started broker to stop",
+                || !pid_alive(self.pid),
+            );
         }
     }
 }
 
 fn status_json(home: &Home) -> serde_json::Value {
     let out = home.baton(&["status", "--json"]).output().unwrap();
-    assert!(out.status.success(), "baton status: {}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "baton status: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     serde_json::from_slice(&out.stdout).unwrap()
 }
 
 fn assert_all_free(status: &serde_json::Value) {
-    assert_eq!(status["free"], status["limit"], "tokens missing at the end: {status:#}");
+    assert_eq!(
+        status["free"], status["limit"],
+        "tokens missing at the end: {status:#}"
+    );
     assert_eq!(status["held"], 0, "tokens missing at the end: {status:#}");
 }
 
@@ -100,20 +121,43 @@ fn concurrent_first_runs_start_exactly_one_broker() {
     let log = home.dir.path().join("jobs.log");
     let job = logged_job(&log, "0.2");
     let runs: Vec<Child> = (0..8)
-        .map(|_| home.baton(&["run", "--", "sh", "-c", &job]).stdout(Stdio::null()).stderr(Stdio::piped()).spawn().unwrap())
+        .map(|_| {
+            home.baton(&["run", "--", "sh", "-c", &job])
+                .stdout(Stdio::null())
+                .stderr(Stdio::piped())
+                .spawn()
+                .unwrap()
+        })
         .collect();
-    let outputs: Vec<Output> = runs.into_iter().map(|run| run.wait_with_output().unwrap()).collect();
+    let outputs: Vec<Output> = runs
+        .into_iter()
+        .map(|run| run.wait_with_output().unwrap())
+        .collect();
 
     let status = status_json(&home);
-    let _broker = Started { pid: status["broker_pid"].as_u64().unwrap() as u32 };
+    let _broker = Started {
+        pid: status["broker_pid"].as_u64().unwrap() as u32,
+    };
     for out in &outputs {
         assert!(out.status.success(), "a baton run failed: {}", stderr(out));
     }
-    assert_eq!(home.brokers_started(), vec![_broker.pid], "broker log:\n{}", home.broker_log());
-    assert!(!home.broker_log().contains("already running"), "a second broker was started:\n{}", home.broker_log());
+    assert_eq!(
+        home.brokers_started(),
+        vec![_broker.pid],
+        "broker log:\n{}",
+        home.broker_log()
+    );
+    assert!(
+        !home.broker_log().contains("already running"),
+        "a second broker was started:\n{}",
+        home.broker_log()
+    );
     let (most, started) = max_overlap(&log);
     assert_eq!(started, 8);
-    assert!(most <= 2, "{most} jobs ran at once under a limit of 2 (the config file's jobs)");
+    assert!(
+        most <= 2,
+        "{most} jobs ran at once under a limit of 2 (the config file's jobs)"
+    );
     assert_eq!(status["limit"], 2);
     assert_all_free(&status);
 }
@@ -124,7 +168,9 @@ fn without_a_config_file_the_started_broker_has_a_token_per_cpu() {
     let out = home.baton(&["run", "--", "true"]).output().unwrap();
     assert!(out.status.success(), "{}", stderr(&out));
     let status = status_json(&home);
-    let _broker = Started { pid: status["broker_pid"].as_u64().unwrap() as u32 };
+    let _broker = Started {
+        pid: status["broker_pid"].as_u64().unwrap() as u32,
+    };
     let cpus = std::thread::available_parallelism().unwrap().get();
     assert_eq!(status["limit"], cpus as u64);
     assert_all_free(&status);
@@ -133,10 +179,21 @@ fn without_a_config_file_the_started_broker_has_a_token_per_cpu() {
 #[test]
 fn no_autostart_keeps_the_no_broker_error() {
     let home = Home::new("no-autostart");
-    let out = home.baton(&["run", "--", "true"]).env("BATON_NO_AUTOSTART", "1").output().unwrap();
+    let out = home
+        .baton(&["run", "--", "true"])
+        .env("BATON_NO_AUTOSTART", "1")
+        .output()
+        .unwrap();
     assert_eq!(out.status.code(), Some(1));
-    assert!(stderr(&out).contains("no broker at") && stderr(&out).contains("baton serve --jobs"), "{}", stderr(&out));
-    assert!(!home.socket().exists() && home.broker_log().is_empty(), "a broker was started");
+    assert!(
+        stderr(&out).contains("no broker at") && stderr(&out).contains("baton serve --jobs"),
+        "{}",
+        stderr(&out)
+    );
+    assert!(
+        !home.socket().exists() && home.broker_log().is_empty(),
+        "a broker was started"
+    );
 }
 
 #[test]
@@ -146,14 +203,27 @@ fn a_started_broker_stops_once_idle_and_not_while_used() {
     // Busy for three idle timeouts: the broker must stay for the whole run.
     let out = home.baton(&["run", "--", "sleep", "3"]).output().unwrap();
     assert!(out.status.success(), "{}", stderr(&out));
-    assert!(!stderr(&out).contains("lost the broker"), "the broker stopped while in use: {}", stderr(&out));
+    assert!(
+        !stderr(&out).contains("lost the broker"),
+        "the broker stopped while in use: {}",
+        stderr(&out)
+    );
     let pids = home.brokers_started();
     assert_eq!(pids.len(), 1, "broker log:\n{}", home.broker_log());
     let pid = pids[0];
     let _broker = Started { pid };
-    wait_for(Duration::from_secs(20), "the idle broker to stop", || !pid_alive(pid));
-    assert!(home.broker_log().contains("no clients for 1 s: stopping"), "{}", home.broker_log());
-    assert!(!home.socket().exists(), "the stopped broker left its socket");
+    wait_for(Duration::from_secs(20), "the idle broker to stop", || {
+        !pid_alive(pid)
+    });
+    assert!(
+        home.broker_log().contains("no clients for 1 s: stopping"),
+        "{}",
+        home.broker_log()
+    );
+    assert!(
+        !home.socket().exists(),
+        "the stopped broker left its socket"
+    );
 
     // The next build starts a fresh one.
     let out = home.baton(&["run", "--", "true"]).output().unwrap();
@@ -161,7 +231,11 @@ fn a_started_broker_stops_once_idle_and_not_while_used() {
     let pids = home.brokers_started();
     assert_eq!(pids.len(), 2, "broker log:\n{}", home.broker_log());
     let _second = Started { pid: pids[1] };
-    wait_for(Duration::from_secs(20), "the second idle broker to stop", || !pid_alive(pids[1]));
+    wait_for(
+        Duration::from_secs(20),
+        "the second idle broker to stop",
+        || !pid_alive(pids[1]),
+    );
 }
 
 #[test]
@@ -169,8 +243,14 @@ fn a_bad_config_file_is_refused_naming_file_line_and_key() {
     let home = Home::new("bad-config");
     let file = home.config_file();
     let cases = [
-        ("jobs = 4\njbos = 8\n", "line 2, key jbos: unknown field `jbos`"),
-        ("# limits\nidle-timeout = -5\n", "line 2, key idle-timeout: invalid value"),
+        (
+            "jobs = 4\njbos = 8\n",
+            "line 2, key jbos: unknown field `jbos`",
+        ),
+        (
+            "# limits\nidle-timeout = -5\n",
+            "line 2, key idle-timeout: invalid value",
+        ),
         ("jobs = 4\n\nthis is not toml\n", "line 3: "),
         ("jobs = 0\n", "line 1, key jobs: jobs must be between 1 and"),
     ];
@@ -180,9 +260,16 @@ fn a_bad_config_file_is_refused_naming_file_line_and_key() {
         for args in [&["config"][..], &["serve"], &["run", "--", "true"]] {
             let out = home.baton(args).output().unwrap();
             assert_eq!(out.status.code(), Some(1), "baton {args:?} with {text:?}");
-            assert!(stderr(&out).starts_with(&expected), "baton {args:?} with {text:?}: {}", stderr(&out));
+            assert!(
+                stderr(&out).starts_with(&expected),
+                "baton {args:?} with {text:?}: {}",
+                stderr(&out)
+            );
         }
-        assert!(!home.socket().exists() && home.broker_log().is_empty(), "a broker started on a bad config");
+        assert!(
+            !home.socket().exists() && home.broker_log().is_empty(),
+            "a broker started on a bad config"
+        );
     }
 }
 
@@ -193,11 +280,27 @@ fn baton_config_says_where_each_value_comes_from() {
     let out = home.baton(&["config"]).output().unwrap();
     let text = String::from_utf8_lossy(&out.stdout).into_owned();
     assert!(out.status.success(), "{}", stderr(&out));
-    let row = |name: &str| text.lines().find(|l| l.starts_with(name)).unwrap_or_else(|| panic!("no {name} in:\n{text}")).to_string();
-    assert!(row("config file").contains(&home.config_file().display().to_string()), "{text}");
-    assert!(row("socket").contains(&home.socket().display().to_string()) && row("socket").contains("($BATON_SOCKET)"), "{text}");
+    let row = |name: &str| {
+        text.lines()
+            .find(|l| l.starts_with(name))
+            .unwrap_or_else(|| panic!("no {name} in:\n{text}"))
+            .to_string()
+    };
+    assert!(
+        row("config file").contains(&home.config_file().display().to_string()),
+        "{text}"
+    );
+    assert!(
+        row("socket").contains(&home.socket().display().to_string())
+            && row("socket").contains("($BATON_SOCKET)"),
+        "{text}"
+    );
     assert!(row("jobs").ends_with("(the number of CPUs)"), "{text}");
-    assert!(row("idle-timeout").contains("90 s") && row("idle-timeout").ends_with("(config file, line 2)"), "{text}");
+    assert!(
+        row("idle-timeout").contains("90 s")
+            && row("idle-timeout").ends_with("(config file, line 2)"),
+        "{text}"
+    );
     assert!(row("weight").ends_with("(default)"), "{text}");
 }
 
@@ -206,8 +309,14 @@ fn the_command_line_beats_the_config_file() {
     let home = Home::new("cli-wins");
     home.write_config("jobs = 5\n");
     let log = std::fs::File::create(home.dir.path().join("serve.log")).unwrap();
-    let mut serve = home.baton(&["serve", "--no-fuse", "--jobs", "3"]).stderr(log).spawn().unwrap();
-    wait_for(Duration::from_secs(10), "the broker to listen", || std::os::unix::net::UnixStream::connect(home.socket()).is_ok());
+    let mut serve = home
+        .baton(&["serve", "--no-fuse", "--jobs", "3"])
+        .stderr(log)
+        .spawn()
+        .unwrap();
+    wait_for(Duration::from_secs(10), "the broker to listen", || {
+        std::os::unix::net::UnixStream::connect(home.socket()).is_ok()
+    });
     let limit = status_json(&home)["limit"].clone();
     unsafe { libc::kill(serve.id() as i32, libc::SIGTERM) };
     wait_timeout(&mut serve, Duration::from_secs(10)).expect("the broker stops");
@@ -217,7 +326,11 @@ fn the_command_line_beats_the_config_file() {
 #[test]
 fn serve_takes_the_socket_systemd_passes() {
     let activate = Path::new("/usr/bin/systemd-socket-activate");
-    assert!(activate.exists(), "{} not installed (Debian package systemd; scripts/test installs it)", activate.display());
+    assert!(
+        activate.exists(),
+        "{} not installed (Debian package systemd; scripts/test installs it)",
+        activate.display()
+    );
     let home = Home::new("activation");
     std::fs::create_dir_all(home.socket().parent().unwrap()).unwrap();
     let log = std::fs::File::create(home.dir.path().join("serve.log")).unwrap();
@@ -234,12 +347,19 @@ fn serve_takes_the_socket_systemd_passes() {
     // connection, so a client finds the socket before the broker runs.
     // The path appears at bind(), before listen(): wait for a connect to
     // go through (this bare connect is the one that starts baton).
-    wait_for(Duration::from_secs(10), "the socket to listen", || std::os::unix::net::UnixStream::connect(home.socket()).is_ok());
-    let mut client = baton_client::Client::connect(home.socket(), "activated").expect("a client is served on the passed socket");
+    wait_for(Duration::from_secs(10), "the socket to listen", || {
+        std::os::unix::net::UnixStream::connect(home.socket()).is_ok()
+    });
+    let mut client = baton_client::Client::connect(home.socket(), "activated")
+        .expect("a client is served on the passed socket");
     client.acquire(2).unwrap();
     let status = client.status().unwrap();
     assert_eq!((status.limit, status.held), (2, 2));
-    assert_eq!(status.broker_pid, activator.id(), "the activator execs baton in place");
+    assert_eq!(
+        status.broker_pid,
+        activator.id(),
+        "the activator execs baton in place"
+    );
     client.release(2).unwrap();
     drop(client);
     let status = status_json(&home);
@@ -247,8 +367,15 @@ fn serve_takes_the_socket_systemd_passes() {
 
     unsafe { libc::kill(activator.id() as i32, libc::SIGTERM) };
     let stopped = wait_timeout(&mut activator, Duration::from_secs(10)).expect("the broker stops");
-    assert!(stopped.success(), "{stopped:?}: {}", std::fs::read_to_string(home.dir.path().join("serve.log")).unwrap());
-    assert!(home.socket().exists(), "the broker removed the socket systemd owns");
+    assert!(
+        stopped.success(),
+        "{stopped:?}: {}",
+        std::fs::read_to_string(home.dir.path().join("serve.log")).unwrap()
+    );
+    assert!(
+        home.socket().exists(),
+        "the broker removed the socket systemd owns"
+    );
 }
 
 #[test]
@@ -271,13 +398,23 @@ fn systemd_units_verify() {
         .output();
     let out = match analyze {
         Ok(out) => out,
-        Err(e) => return eprintln!("SKIPPED: systemd-analyze cannot run here ({e}; Debian package systemd)"),
+        Err(e) => {
+            return eprintln!(
+                "SKIPPED: systemd-analyze cannot run here ({e}; Debian package systemd)"
+            )
+        }
     };
     let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), stderr(&out));
     if text.contains("Failed to initialize manager") {
-        return eprintln!("SKIPPED: systemd-analyze verify cannot start a user manager here: {}", text.trim());
+        return eprintln!(
+            "SKIPPED: systemd-analyze verify cannot start a user manager here: {}",
+            text.trim()
+        );
     }
-    assert!(out.status.success() && text.trim().is_empty(), "systemd-analyze verify: {text}");
+    assert!(
+        out.status.success() && text.trim().is_empty(),
+        "systemd-analyze verify: {text}"
+    );
 }
 
 /// `SHELL -c` that read `baton shell-init SHELL`, then runs `line` with
@@ -287,7 +424,11 @@ fn shell_with_init(shell: &str, socket: &Path, tool_dir: &Path, line: &str) -> C
         "fish" => format!("'{}' shell-init fish | source", baton_bin()),
         _ => format!("eval \"$('{}' shell-init {shell})\"", baton_bin()),
     };
-    let path = format!("{}:{}", tool_dir.display(), std::env::var("PATH").unwrap_or_default());
+    let path = format!(
+        "{}:{}",
+        tool_dir.display(),
+        std::env::var("PATH").unwrap_or_default()
+    );
     let mut cmd = Command::new(shell);
     cmd.args(["-c", &format!("{init}\n{line}\n")])
         .env("PATH", path)
@@ -319,22 +460,42 @@ fn plain_make_in_shells_with_shell_init_shares_one_limit() {
         flat_makefile(&dir, &log, 6, "0.3");
         // Each job also notes the jobserver it was given.
         let makefile = std::fs::read_to_string(dir.join("Makefile")).unwrap();
-        let makefile = makefile.replace("\t@", &format!("\t@echo \"$$MAKEFLAGS\" >> {}; ", flags.display()));
+        let makefile = makefile.replace(
+            "\t@",
+            &format!("\t@echo \"$$MAKEFLAGS\" >> {}; ", flags.display()),
+        );
         std::fs::write(dir.join("Makefile"), makefile).unwrap();
         let tools = tool_dir("make", &make);
-        builds.push(shell_with_init("bash", &broker.socket, tools.path(), "make -s").current_dir(&dir).stdout(Stdio::null()).stderr(Stdio::piped()).spawn().unwrap());
+        builds.push(
+            shell_with_init("bash", &broker.socket, tools.path(), "make -s")
+                .current_dir(&dir)
+                .stdout(Stdio::null())
+                .stderr(Stdio::piped())
+                .spawn()
+                .unwrap(),
+        );
         tool_dirs.push(tools);
     }
     for build in builds {
         let out = build.wait_with_output().unwrap();
-        assert!(out.status.success(), "a make in a shell failed: {}", stderr(&out));
+        assert!(
+            out.status.success(),
+            "a make in a shell failed: {}",
+            stderr(&out)
+        );
     }
     let given = std::fs::read_to_string(&flags).unwrap();
     assert_eq!(given.lines().count(), 12, "{given}");
-    assert!(given.lines().all(|l| l.contains("--jobserver-auth=")), "a plain make ran without baton's jobserver:\n{given}");
+    assert!(
+        given.lines().all(|l| l.contains("--jobserver-auth=")),
+        "a plain make ran without baton's jobserver:\n{given}"
+    );
     let (most, started) = max_overlap(&log);
     assert_eq!(started, 12);
-    assert!(most <= 3, "{most} jobs ran at once across two builds under a limit of 3");
+    assert!(
+        most <= 3,
+        "{most} jobs ran at once across two builds under a limit of 3"
+    );
     broker.assert_all_free();
 }
 
@@ -345,19 +506,33 @@ fn shell_init_wraps_tools_in_every_shell_but_not_inside_a_build() {
     let tools = tool_dir("ninja", &ninja());
     for shell in ["bash", "zsh", "fish"] {
         let found = Command::new(shell).args(["-c", "exit 0"]).status();
-        assert!(found.is_ok_and(|s| s.success()), "{shell} not found: run scripts/test, which installs it");
+        assert!(
+            found.is_ok_and(|s| s.success()),
+            "{shell} not found: run scripts/test, which installs it"
+        );
         // Outside a build the wrapper goes through baton run, which finds no
         // broker here (and may not start one).
-        let out = shell_with_init(shell, &socket, tools.path(), "ninja --version").output().unwrap();
-        assert!(!out.status.success() && stderr(&out).contains("no broker at"), "{shell}: {}", stderr(&out));
+        let out = shell_with_init(shell, &socket, tools.path(), "ninja --version")
+            .output()
+            .unwrap();
+        assert!(
+            !out.status.success() && stderr(&out).contains("no broker at"),
+            "{shell}: {}",
+            stderr(&out)
+        );
         // Inside one (MAKEFLAGS names a jobserver) it runs ninja itself.
         let inside = match shell {
             "fish" => "set -x MAKEFLAGS ' -j --jobserver-auth=fifo:/nonexistent'; ninja --version",
             _ => "export MAKEFLAGS=' -j --jobserver-auth=fifo:/nonexistent'; ninja --version",
         };
-        let out = shell_with_init(shell, &socket, tools.path(), inside).output().unwrap();
+        let out = shell_with_init(shell, &socket, tools.path(), inside)
+            .output()
+            .unwrap();
         assert!(out.status.success(), "{shell}: {}", stderr(&out));
-        assert!(String::from_utf8_lossy(&out.stdout).starts_with("1.13"), "{shell}");
+        assert!(
+            String::from_utf8_lossy(&out.stdout).starts_with("1.13"),
+            "{shell}"
+        );
     }
 }
 
@@ -367,9 +542,15 @@ fn completions_and_man_page_come_from_the_command_line() {
     for shell in ["bash", "zsh", "fish"] {
         let out = home.baton(&["completions", shell]).output().unwrap();
         let script = String::from_utf8_lossy(&out.stdout).into_owned();
-        assert!(out.status.success() && script.contains("shell-init"), "{shell}: {script}");
+        assert!(
+            out.status.success() && script.contains("shell-init"),
+            "{shell}: {script}"
+        );
         // Parsed, not run: -n reads the script and reports syntax errors.
-        let check = Command::new(shell).args(["-n", "-c", &script]).output().unwrap();
+        let check = Command::new(shell)
+            .args(["-n", "-c", &script])
+            .output()
+            .unwrap();
         assert!(check.status.success(), "{shell} -n: {}", stderr(&check));
     }
     let out = home.baton(&["man"]).output().unwrap();
@@ -382,11 +563,24 @@ fn completions_and_man_page_come_from_the_command_line() {
 #[test]
 fn generated_text_to_a_reader_that_left_is_no_error() {
     let home = Home::new("epipe");
-    for args in [&["man"][..], &["completions", "bash"], &["shell-init", "bash"], &["config"]] {
+    for args in [
+        &["man"][..],
+        &["completions", "bash"],
+        &["shell-init", "bash"],
+        &["config"],
+    ] {
         let (reader, writer) = nix::unistd::pipe().unwrap();
         drop(reader); // every write now fails with EPIPE
-        let out = home.baton(args).stdout(std::process::Stdio::from(writer)).output().unwrap();
-        assert!(out.status.success() && out.stderr.is_empty(), "{args:?}: {}", stderr(&out));
+        let out = home
+            .baton(args)
+            .stdout(std::process::Stdio::from(writer))
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success() && out.stderr.is_empty(),
+            "{args:?}: {}",
+            stderr(&out)
+        );
     }
 }
 
@@ -401,9 +595,17 @@ fn a_long_broker_log_is_moved_aside_when_the_next_broker_starts() {
     let out = home.baton(&["run", "--", "true"]).output().unwrap();
     assert!(out.status.success(), "{}", stderr(&out));
     let pids = home.brokers_started();
-    assert_eq!(pids.len(), 1, "the new log has only the new broker: {}", home.broker_log());
+    assert_eq!(
+        pids.len(),
+        1,
+        "the new log has only the new broker: {}",
+        home.broker_log()
+    );
     let _broker = Started { pid: pids[0] };
-    assert_eq!(std::fs::read_to_string(log.with_extension("log.old")).unwrap(), old);
+    assert_eq!(
+        std::fs::read_to_string(log.with_extension("log.old")).unwrap(),
+        old
+    );
 }
 
 #[cfg(feature = "cluster")]
@@ -418,7 +620,14 @@ fn a_cluster_table_joins_the_brokers_baton_run_starts() {
     let pids = home.brokers_started();
     assert_eq!(pids.len(), 1, "broker log:\n{}", home.broker_log());
     let _broker = Started { pid: pids[0] };
-    assert!(home.broker_log().contains("cluster pool from-file: 3 tokens across every broker"), "{}", home.broker_log());
-    let limit = etcd.etcdctl(&["get", "--print-value-only", "/baton/from-file/limit"]).unwrap();
+    assert!(
+        home.broker_log()
+            .contains("cluster pool from-file: 3 tokens across every broker"),
+        "{}",
+        home.broker_log()
+    );
+    let limit = etcd
+        .etcdctl(&["get", "--print-value-only", "/baton/from-file/limit"])
+        .unwrap();
     assert_eq!(String::from_utf8_lossy(&limit.stdout).trim(), "3");
 }

@@ -45,7 +45,14 @@ enum Kind {
     Native,
 }
 
-const KINDS: [Kind; 6] = [Kind::Make43Pipe, Kind::Make44Fifo, Kind::Make44Fuse, Kind::NinjaFifo, Kind::Cargo, Kind::Native];
+const KINDS: [Kind; 6] = [
+    Kind::Make43Pipe,
+    Kind::Make44Fifo,
+    Kind::Make44Fuse,
+    Kind::NinjaFifo,
+    Kind::Cargo,
+    Kind::Native,
+];
 
 /// A running client: a `baton run` and what it runs.
 struct Running {
@@ -81,14 +88,24 @@ struct Observed {
 }
 
 fn seed() -> u64 {
-    std::env::var("BATON_SOAK_SEED").ok().and_then(|s| s.parse().ok()).unwrap_or_else(|| {
-        let t = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap();
-        t.as_nanos() as u64 | 1
-    })
+    std::env::var("BATON_SOAK_SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| {
+            let t = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .unwrap();
+            t.as_nanos() as u64 | 1
+        })
 }
 
 fn soak_time() -> Duration {
-    Duration::from_secs(std::env::var("BATON_SOAK_SECS").ok().and_then(|s| s.parse().ok()).unwrap_or(15))
+    Duration::from_secs(
+        std::env::var("BATON_SOAK_SECS")
+            .ok()
+            .and_then(|s| s.parse().ok())
+            .unwrap_or(15),
+    )
 }
 
 /// The projects the builds run, each in a directory of its own: every
@@ -100,7 +117,10 @@ struct Projects {
 
 impl Projects {
     fn dir(&self, kind: Kind) -> PathBuf {
-        let dir = self.root.join(format!("{kind:?}-{}", self.next.fetch_add(1, Ordering::Relaxed)));
+        let dir = self.root.join(format!(
+            "{kind:?}-{}",
+            self.next.fetch_add(1, Ordering::Relaxed)
+        ));
         std::fs::create_dir_all(&dir).unwrap();
         let log = dir.join("jobs.log");
         match kind {
@@ -116,7 +136,11 @@ impl Projects {
 fn start(broker_socket: &Path, projects: &Projects, kind: Kind) -> Child {
     let dir = projects.dir(kind);
     let mut run = baton();
-    run.arg("run").arg("--socket").arg(broker_socket).env("BATON_NO_AUTOSTART", "1").current_dir(&dir);
+    run.arg("run")
+        .arg("--socket")
+        .arg(broker_socket)
+        .env("BATON_NO_AUTOSTART", "1")
+        .current_dir(&dir);
     // A process group of its own: a kill of the client and its children
     // reaches every process of it, and none of the test's.
     std::os::unix::process::CommandExt::process_group(&mut run, 0);
@@ -137,18 +161,29 @@ fn start(broker_socket: &Path, projects: &Projects, kind: Kind) -> Child {
             .env_remove("CARGO_BUILD_JOBS"),
         Kind::Native => run.args(["--", "sleep", "0.3"]),
     };
-    run.env_remove("MAKEFLAGS").stdin(Stdio::null()).stdout(Stdio::null()).stderr(Stdio::null()).spawn().expect("start baton run")
+    run.env_remove("MAKEFLAGS")
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("start baton run")
 }
 
 /// The processes of a client's group: the client and its children.
 fn group_members(pgid: u32) -> Vec<u32> {
-    let Ok(entries) = std::fs::read_dir("/proc") else { return Vec::new() };
+    let Ok(entries) = std::fs::read_dir("/proc") else {
+        return Vec::new();
+    };
     entries
         .filter_map(|e| e.ok()?.file_name().to_str()?.parse::<u32>().ok())
         .filter(|&pid| {
             let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
             let after_name = stat.rsplit(')').next().unwrap_or("");
-            after_name.split_whitespace().nth(2).and_then(|g| g.parse::<u32>().ok()) == Some(pgid)
+            after_name
+                .split_whitespace()
+                .nth(2)
+                .and_then(|g| g.parse::<u32>().ok())
+                == Some(pgid)
         })
         .collect()
 }
@@ -165,19 +200,22 @@ fn check_sample(doc: &serde_json::Value, before: Option<&serde_json::Value>) -> 
     let field = |d: &serde_json::Value, k: &str| d[k].as_u64().unwrap_or(u64::MAX);
     let (limit, free, held) = (field(doc, "limit"), field(doc, "free"), field(doc, "held"));
     if held <= limit {
-        return (free + held != limit).then(|| format!("free {free} + held {held} != limit {limit}"));
+        return (free + held != limit)
+            .then(|| format!("free {free} + held {held} != limit {limit}"));
     }
     if free != 0 {
         return Some(format!("held {held} > limit {limit} with {free} free"));
     }
-    let same_broker = |b: &serde_json::Value| b["broker_pid"] == doc["broker_pid"] && field(b, "limit") == limit;
+    let same_broker =
+        |b: &serde_json::Value| b["broker_pid"] == doc["broker_pid"] && field(b, "limit") == limit;
     // Builds re-attaching after a broker's crash say what they hold (HOLD):
     // the pool learns of tokens in use, it grants none.
     let held_again = |d: &serde_json::Value| d["totals"]["held_again"].as_u64().unwrap_or(0);
     match before.filter(|b| same_broker(b)) {
-        Some(b) if held > field(b, "held") + (held_again(doc) - held_again(b)) => {
-            Some(format!("held rose from {} to {held} above limit {limit}", field(b, "held")))
-        }
+        Some(b) if held > field(b, "held") + (held_again(doc) - held_again(b)) => Some(format!(
+            "held rose from {} to {held} above limit {limit}",
+            field(b, "held")
+        )),
         _ => None,
     }
 }
@@ -185,7 +223,12 @@ fn check_sample(doc: &serde_json::Value, before: Option<&serde_json::Value>) -> 
 fn observe(socket: PathBuf, stop: Arc<AtomicBool>, seen: Arc<Mutex<Observed>>) {
     let mut before: Option<serde_json::Value> = None;
     while !stop.load(Ordering::Relaxed) {
-        let out = baton().args(["status", "--json", "--socket"]).arg(&socket).stderr(Stdio::null()).output().expect("run baton status");
+        let out = baton()
+            .args(["status", "--json", "--socket"])
+            .arg(&socket)
+            .stderr(Stdio::null())
+            .output()
+            .expect("run baton status");
         let mut seen = seen.lock().unwrap();
         seen.samples += 1;
         match serde_json::from_slice::<serde_json::Value>(&out.stdout) {
@@ -207,21 +250,29 @@ fn observe(socket: PathBuf, stop: Arc<AtomicBool>, seen: Arc<Mutex<Observed>>) {
 fn restart_after_kill9(broker: &mut Broker, limit: u32) {
     kill9(broker.pid());
     broker.child.wait().expect("reap the killed broker");
-    let log = std::fs::OpenOptions::new().append(true).open(broker.dir.path().join("broker.log")).unwrap();
+    let log = std::fs::OpenOptions::new()
+        .append(true)
+        .open(broker.dir.path().join("broker.log"))
+        .unwrap();
     broker.child = baton()
         .args(["serve", "--jobs", &limit.to_string(), "--socket"])
         .arg(&broker.socket)
         .stderr(log)
         .spawn()
         .expect("start baton serve again");
-    common::wait_for(Duration::from_secs(30), "the new broker to listen", || std::os::unix::net::UnixStream::connect(&broker.socket).is_ok());
+    common::wait_for(Duration::from_secs(30), "the new broker to listen", || {
+        std::os::unix::net::UnixStream::connect(&broker.socket).is_ok()
+    });
 }
 
 /// Replaces the broker in place (`baton serve --replace`, as an upgrade
 /// would): the running one hands everything over and exits; builds must
 /// not notice. Its log goes on in the same file.
 fn replace(broker: &mut Broker, limit: u32) {
-    let log = std::fs::OpenOptions::new().append(true).open(broker.dir.path().join("broker.log")).unwrap();
+    let log = std::fs::OpenOptions::new()
+        .append(true)
+        .open(broker.dir.path().join("broker.log"))
+        .unwrap();
     let successor = baton()
         .args(["serve", "--jobs", &limit.to_string(), "--socket"])
         .arg(&broker.socket)
@@ -229,26 +280,41 @@ fn replace(broker: &mut Broker, limit: u32) {
         .stderr(log)
         .spawn()
         .expect("start the successor");
-    let handed_over = common::wait_timeout(&mut broker.child, Duration::from_secs(60)).expect("the running broker hands over and exits");
-    assert!(handed_over.success(), "the replaced broker exited with {handed_over}: {}", broker.log());
+    let handed_over = common::wait_timeout(&mut broker.child, Duration::from_secs(60))
+        .expect("the running broker hands over and exits");
+    assert!(
+        handed_over.success(),
+        "the replaced broker exited with {handed_over}: {}",
+        broker.log()
+    );
     broker.child = successor;
 }
 
 fn set_limit(broker: &Broker, limit: u32) -> bool {
-    let out = baton().args(["limit", &limit.to_string(), "--socket"]).arg(&broker.socket).stderr(Stdio::null()).output().unwrap();
+    let out = baton()
+        .args(["limit", &limit.to_string(), "--socket"])
+        .arg(&broker.socket)
+        .stderr(Stdio::null())
+        .output()
+        .unwrap();
     out.status.success()
 }
 
 /// Reaps the clients that ended, counting how.
 fn reap(running: &mut Vec<Running>, counts: &mut Counts, failures: &mut Vec<String>) {
     running.retain_mut(|r| {
-        let Some(status) = r.child.try_wait().unwrap() else { return true };
+        let Some(status) = r.child.try_wait().unwrap() else {
+            return true;
+        };
         if status.success() {
             counts.succeeded += 1;
         } else if r.killed || r.restarts_seen > 0 {
             counts.disturbed += 1;
         } else {
-            failures.push(format!("{:?} exited with {status} though nothing disturbed it", r.kind));
+            failures.push(format!(
+                "{:?} exited with {status} though nothing disturbed it",
+                r.kind
+            ));
         }
         false
     });
@@ -257,14 +323,23 @@ fn reap(running: &mut Vec<Running>, counts: &mut Counts, failures: &mut Vec<Stri
 #[test]
 fn chaos_loses_no_token_and_never_breaks_the_limit() {
     let (secs, seed) = (soak_time(), seed());
-    eprintln!("soak: {} s, seed {seed} (BATON_SOAK_SEED={seed} replays the chaos)", secs.as_secs());
+    eprintln!(
+        "soak: {} s, seed {seed} (BATON_SOAK_SEED={seed} replays the chaos)",
+        secs.as_secs()
+    );
     let mut dice = Dice(seed);
     let mut limit = 4;
     let mut broker = Broker::start(limit);
-    let projects = Projects { root: broker.dir.path().join("projects"), next: AtomicU32::new(0) };
+    let projects = Projects {
+        root: broker.dir.path().join("projects"),
+        next: AtomicU32::new(0),
+    };
     let fuse = broker.log().contains("FUSE token files at");
     if !fuse {
-        common::skip(common::Missing::Fuse, "FUSE is not available here: the soak runs without its FUSE clients");
+        common::skip(
+            common::Missing::Fuse,
+            "FUSE is not available here: the soak runs without its FUSE clients",
+        );
     }
     let stop = Arc::new(AtomicBool::new(false));
     let observed = Arc::new(Mutex::new(Observed::default()));
@@ -273,16 +348,23 @@ fn chaos_loses_no_token_and_never_breaks_the_limit() {
         std::thread::spawn(move || observe(socket, stop, observed))
     };
 
-    let (mut counts, mut running, mut failures) = (Counts::default(), Vec::<Running>::new(), Vec::new());
+    let (mut counts, mut running, mut failures) =
+        (Counts::default(), Vec::<Running>::new(), Vec::new());
     let started = Instant::now();
     while started.elapsed() < secs {
         reap(&mut running, &mut counts, &mut failures);
         match dice.below(20) {
             0..=9 if running.len() < 6 => {
                 let kind = KINDS[dice.below(KINDS.len())];
-                let one_cargo = kind == Kind::Cargo && running.iter().any(|r| r.kind == Kind::Cargo);
+                let one_cargo =
+                    kind == Kind::Cargo && running.iter().any(|r| r.kind == Kind::Cargo);
                 if (kind != Kind::Make44Fuse || fuse) && !one_cargo {
-                    running.push(Running { kind, child: start(&broker.socket, &projects, kind), restarts_seen: 0, killed: false });
+                    running.push(Running {
+                        kind,
+                        child: start(&broker.socket, &projects, kind),
+                        restarts_seen: 0,
+                        killed: false,
+                    });
                     counts.started += 1;
                 }
             }
@@ -296,7 +378,10 @@ fn chaos_loses_no_token_and_never_breaks_the_limit() {
             13..=15 if !running.is_empty() => {
                 let victim = dice.below(running.len());
                 let r = &mut running[victim];
-                let children: Vec<u32> = group_members(r.child.id()).into_iter().filter(|&p| p != r.child.id()).collect();
+                let children: Vec<u32> = group_members(r.child.id())
+                    .into_iter()
+                    .filter(|&p| p != r.child.id())
+                    .collect();
                 if !children.is_empty() {
                     kill9(children[dice.below(children.len())]);
                     r.killed = true;
@@ -337,12 +422,28 @@ fn chaos_loses_no_token_and_never_breaks_the_limit() {
     stop.store(true, Ordering::Relaxed);
     observer.join().unwrap();
     let observed = observed.lock().unwrap();
-    eprintln!("soak: {counts:?}; observer: {} samples ({} while no broker answered), {} violations", observed.samples, observed.unanswered, observed.violations.len());
+    eprintln!(
+        "soak: {counts:?}; observer: {} samples ({} while no broker answered), {} violations",
+        observed.samples,
+        observed.unanswered,
+        observed.violations.len()
+    );
     assert!(common::pid_alive(broker.pid()), "the broker died");
     broker.assert_all_free();
-    assert!(observed.violations.is_empty(), "the observer saw the limit broken: {:?}", observed.violations);
-    assert!(failures.is_empty(), "builds failed: {failures:?}\n{}", broker.log());
-    assert!(counts.started > 0 && observed.samples > observed.unanswered, "nothing ran: {counts:?}");
+    assert!(
+        observed.violations.is_empty(),
+        "the observer saw the limit broken: {:?}",
+        observed.violations
+    );
+    assert!(
+        failures.is_empty(),
+        "builds failed: {failures:?}\n{}",
+        broker.log()
+    );
+    assert!(
+        counts.started > 0 && observed.samples > observed.unanswered,
+        "nothing ran: {counts:?}"
+    );
 }
 
 /// The observer's rule on its own: what it must flag, and what a draining
@@ -351,10 +452,30 @@ fn chaos_loses_no_token_and_never_breaks_the_limit() {
 fn the_observer_flags_more_held_than_the_limit() {
     let doc = |pid: u32, limit: u32, free: u32, held: u32| serde_json::json!({ "broker_pid": pid, "limit": limit, "free": free, "held": held });
     assert_eq!(check_sample(&doc(1, 4, 1, 3), None), None);
-    assert!(check_sample(&doc(1, 4, 2, 3), None).is_some(), "a token created");
-    assert!(check_sample(&doc(1, 4, 0, 3), None).is_some(), "a token lost");
-    assert_eq!(check_sample(&doc(1, 2, 0, 3), Some(&doc(1, 2, 0, 4))), None, "a lowered limit drains");
-    assert!(check_sample(&doc(1, 2, 1, 3), None).is_some(), "free tokens while draining");
-    assert!(check_sample(&doc(1, 2, 0, 4), Some(&doc(1, 2, 0, 3))).is_some(), "a grant while draining");
-    assert_eq!(check_sample(&doc(2, 2, 0, 4), Some(&doc(1, 2, 0, 3))), None, "another broker: nothing to compare");
+    assert!(
+        check_sample(&doc(1, 4, 2, 3), None).is_some(),
+        "a token created"
+    );
+    assert!(
+        check_sample(&doc(1, 4, 0, 3), None).is_some(),
+        "a token lost"
+    );
+    assert_eq!(
+        check_sample(&doc(1, 2, 0, 3), Some(&doc(1, 2, 0, 4))),
+        None,
+        "a lowered limit drains"
+    );
+    assert!(
+        check_sample(&doc(1, 2, 1, 3), None).is_some(),
+        "free tokens while draining"
+    );
+    assert!(
+        check_sample(&doc(1, 2, 0, 4), Some(&doc(1, 2, 0, 3))).is_some(),
+        "a grant while draining"
+    );
+    assert_eq!(
+        check_sample(&doc(2, 2, 0, 4), Some(&doc(1, 2, 0, 3))),
+        None,
+        "another broker: nothing to compare"
+    );
 }

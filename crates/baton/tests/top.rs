@@ -24,24 +24,53 @@ impl Tmux {
     /// One detached session of `width` × `height` running `command` (a
     /// shell command line).
     fn start(dir: &Path, width: u16, height: u16, command: &str) -> Self {
-        let tmux = Tmux { socket: dir.join("tmux.sock") };
-        let ok = tmux.cmd(&["new-session", "-d", "-x", &width.to_string(), "-y", &height.to_string(), command]).status().expect("run tmux (scripts/test installs it)");
+        let tmux = Tmux {
+            socket: dir.join("tmux.sock"),
+        };
+        let ok = tmux
+            .cmd(&[
+                "new-session",
+                "-d",
+                "-x",
+                &width.to_string(),
+                "-y",
+                &height.to_string(),
+                command,
+            ])
+            .status()
+            .expect("run tmux (scripts/test installs it)");
         assert!(ok.success(), "tmux new-session failed");
         tmux
     }
 
     fn cmd(&self, args: &[&str]) -> Command {
         let mut c = Command::new("tmux");
-        c.arg("-S").arg(&self.socket).args(["-f", "/dev/null"]).args(args);
+        c.arg("-S")
+            .arg(&self.socket)
+            .args(["-f", "/dev/null"])
+            .args(args);
         c
     }
 
     fn keys(&self, keys: &str) {
-        assert!(self.cmd(&["send-keys", keys]).status().unwrap().success(), "tmux send-keys {keys}");
+        assert!(
+            self.cmd(&["send-keys", keys]).status().unwrap().success(),
+            "tmux send-keys {keys}"
+        );
     }
 
     fn resize(&self, width: u16, height: u16) {
-        assert!(self.cmd(&["resize-window", "-x", &width.to_string(), "-y", &height.to_string()]).status().unwrap().success());
+        assert!(self
+            .cmd(&[
+                "resize-window",
+                "-x",
+                &width.to_string(),
+                "-y",
+                &height.to_string()
+            ])
+            .status()
+            .unwrap()
+            .success());
     }
 
     /// The pane's text as it is on screen now.
@@ -73,14 +102,24 @@ impl Drop for Tmux {
 /// The HELD column of the build named `name` in top's table, if shown.
 fn held_on_screen(screen: &str, name: &str) -> Option<u32> {
     screen.lines().find_map(|line| {
-        let cells: Vec<&str> = line.trim_matches(|c: char| c == '│' || c.is_whitespace()).split_whitespace().collect();
-        (cells.first() == Some(&name)).then(|| cells.get(2)?.parse().ok()).flatten()
+        let cells: Vec<&str> = line
+            .trim_matches(|c: char| c == '│' || c.is_whitespace())
+            .split_whitespace()
+            .collect();
+        (cells.first() == Some(&name))
+            .then(|| cells.get(2)?.parse().ok())
+            .flatten()
     })
 }
 
 /// `baton top` in tmux, writing its exit status to `rc` when it ends.
 fn top_in_tmux(dir: &Path, socket: &Path, rc: &Path) -> Tmux {
-    let command = format!("'{}' top --socket '{}'; echo $? > '{}'; sleep 600", baton_bin(), socket.display(), rc.display());
+    let command = format!(
+        "'{}' top --socket '{}'; echo $? > '{}'; sleep 600",
+        baton_bin(),
+        socket.display(),
+        rc.display()
+    );
     Tmux::start(dir, 110, 36, &command)
 }
 
@@ -91,7 +130,11 @@ struct HoldingBuild(Child);
 impl HoldingBuild {
     fn start(broker: &Broker, name: &str, tokens: u32) -> Self {
         let t = tokens.to_string();
-        let child = broker.run(&["--name", name, "-t", &t, "--max", &t, "--", "sleep", "600"]).stdout(Stdio::null()).spawn().expect("start baton run");
+        let child = broker
+            .run(&["--name", name, "-t", &t, "--max", &t, "--", "sleep", "600"])
+            .stdout(Stdio::null())
+            .spawn()
+            .expect("start baton run");
         HoldingBuild(child)
     }
 }
@@ -107,7 +150,8 @@ impl Drop for HoldingBuild {
 fn wait_for_holdings(broker: &Broker, want: &[(&str, u32)]) {
     wait_for(GUARD, "the builds to hold their tokens", || {
         let s = broker.status();
-        want.iter().all(|&(name, held)| s.builds.iter().any(|b| b.name == name && b.held == held))
+        want.iter()
+            .all(|&(name, held)| s.builds.iter().any(|b| b.name == name && b.held == held))
     });
 }
 
@@ -129,20 +173,32 @@ fn top_shows_both_builds_raises_the_limit_survives_a_resize_and_quits_with_0() {
         wait_for_holdings(&broker, &[("alpha", 2), ("beta", 1)]);
         let rc = dir.path().join("rc");
         let tmux = top_in_tmux(dir.path(), &broker.socket, &rc);
-        tmux.wait_screen("alpha holding 2 and beta 1 on screen", |s| held_on_screen(s, "alpha") == Some(2) && held_on_screen(s, "beta") == Some(1));
+        tmux.wait_screen("alpha holding 2 and beta 1 on screen", |s| {
+            held_on_screen(s, "alpha") == Some(2) && held_on_screen(s, "beta") == Some(1)
+        });
 
         tmux.keys("+");
         wait_for(GUARD, "the limit to be 5", || broker.status().limit == 5);
         tmux.wait_screen("the new limit on screen", |s| s.contains("limit 5 "));
 
         tmux.resize(50, 12);
-        tmux.wait_screen("the narrow layout", |s| s.lines().all(|l| l.chars().count() <= 50) && s.contains("limit 5"));
+        tmux.wait_screen("the narrow layout", |s| {
+            s.lines().all(|l| l.chars().count() <= 50) && s.contains("limit 5")
+        });
         tmux.resize(110, 36);
-        tmux.wait_screen("both builds again after the resize", |s| held_on_screen(s, "alpha") == Some(2) && held_on_screen(s, "beta") == Some(1));
+        tmux.wait_screen("both builds again after the resize", |s| {
+            held_on_screen(s, "alpha") == Some(2) && held_on_screen(s, "beta") == Some(1)
+        });
 
         tmux.keys("q");
-        wait_for(GUARD, "top to exit", || rc.exists() && !std::fs::read_to_string(&rc).unwrap().is_empty());
-        assert_eq!(std::fs::read_to_string(&rc).unwrap().trim(), "0", "top's exit status");
+        wait_for(GUARD, "top to exit", || {
+            rc.exists() && !std::fs::read_to_string(&rc).unwrap().is_empty()
+        });
+        assert_eq!(
+            std::fs::read_to_string(&rc).unwrap().trim(),
+            "0",
+            "top's exit status"
+        );
     }
     wait_until_all_free(&broker);
 }
@@ -159,12 +215,24 @@ fn top_says_the_broker_is_gone_and_reconnects_to_its_successor() {
     tmux.wait_screen("broker gone", |s| s.contains("broker gone, retrying"));
 
     let log = std::fs::File::create(dir.path().join("second.log")).unwrap();
-    let mut second = baton().args(["serve", "--jobs", "7", "--socket"]).arg(&broker.socket).stderr(log).spawn().expect("start the second broker");
-    let screen = tmux.wait_screen("the second broker's limit", |s| s.contains("limit 7 ") && !s.contains("broker gone"));
-    assert!(screen.contains(&format!("broker pid {}", second.id())), "{screen}");
+    let mut second = baton()
+        .args(["serve", "--jobs", "7", "--socket"])
+        .arg(&broker.socket)
+        .stderr(log)
+        .spawn()
+        .expect("start the second broker");
+    let screen = tmux.wait_screen("the second broker's limit", |s| {
+        s.contains("limit 7 ") && !s.contains("broker gone")
+    });
+    assert!(
+        screen.contains(&format!("broker pid {}", second.id())),
+        "{screen}"
+    );
 
     tmux.keys("q");
-    wait_for(GUARD, "top to exit", || std::fs::read_to_string(&rc).is_ok_and(|s| s.trim() == "0"));
+    wait_for(GUARD, "top to exit", || {
+        std::fs::read_to_string(&rc).is_ok_and(|s| s.trim() == "0")
+    });
     unsafe { libc::kill(second.id() as i32, libc::SIGTERM) };
     wait_timeout(&mut second, GUARD).expect("the second broker stops");
 }
@@ -172,11 +240,23 @@ fn top_says_the_broker_is_gone_and_reconnects_to_its_successor() {
 #[test]
 fn top_without_a_terminal_refuses_and_points_at_status_json() {
     let broker = Broker::start(2);
-    let out = baton().args(["top", "--socket"]).arg(&broker.socket).stdin(Stdio::null()).output().unwrap();
+    let out = baton()
+        .args(["top", "--socket"])
+        .arg(&broker.socket)
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
     assert_eq!(out.status.code(), Some(1));
     let err = String::from_utf8_lossy(&out.stderr);
-    assert!(err.starts_with("baton: ") && err.contains("baton status --json"), "{err}");
-    assert!(out.stdout.is_empty(), "nothing drawn: {:?}", String::from_utf8_lossy(&out.stdout));
+    assert!(
+        err.starts_with("baton: ") && err.contains("baton status --json"),
+        "{err}"
+    );
+    assert!(
+        out.stdout.is_empty(),
+        "nothing drawn: {:?}",
+        String::from_utf8_lossy(&out.stdout)
+    );
 }
 
 /// Two named builds holding known counts, a native client holding 1 and
@@ -200,25 +280,58 @@ fn status_json_builds_hold_what_the_builds_really_hold() {
                 c
             }
         });
-        wait_for(GUARD, "the waiter to queue", || broker.status().waiters.len() == 1);
+        wait_for(GUARD, "the waiter to queue", || {
+            broker.status().waiters.len() == 1
+        });
 
-        let json = baton().args(["status", "--json", "--socket"]).arg(&broker.socket).output().unwrap();
+        let json = baton()
+            .args(["status", "--json", "--socket"])
+            .arg(&broker.socket)
+            .output()
+            .unwrap();
         assert!(json.status.success());
         let s: baton_client::Status = serde_json::from_slice(&json.stdout).unwrap();
-        let by_name = |name: &str| s.builds.iter().find(|b| b.name == name).unwrap_or_else(|| panic!("no build {name}: {s:#?}"));
+        let by_name = |name: &str| {
+            s.builds
+                .iter()
+                .find(|b| b.name == name)
+                .unwrap_or_else(|| panic!("no build {name}: {s:#?}"))
+        };
         let held_waiting = |name: &str| (by_name(name).held, by_name(name).waiting);
         assert_eq!(
-            [held_waiting("alpha"), held_waiting("beta"), held_waiting("native holder"), held_waiting("native waiter")],
+            [
+                held_waiting("alpha"),
+                held_waiting("beta"),
+                held_waiting("native holder"),
+                held_waiting("native waiter")
+            ],
             [(2, 0), (1, 0), (1, 0), (0, 1)]
         );
         for b in &s.builds {
-            let held: u32 = s.holders.iter().filter(|h| h.build == b.id).map(|h| h.tokens).sum();
+            let held: u32 = s
+                .holders
+                .iter()
+                .filter(|h| h.build == b.id)
+                .map(|h| h.tokens)
+                .sum();
             assert_eq!(held, b.held, "the holders of {} hold what it holds", b.name);
         }
         assert_eq!(by_name("alpha").weight, 1);
         let holder_build = by_name("native holder");
-        assert_eq!((holder_build.waits, holder_build.wait_ms_p50, holder_build.wait_ms_p99), (1, Some(0.0), Some(0.0)), "granted at once");
-        assert_eq!(by_name("native waiter").wait_ms_p50, None, "no ACQUIRE answered yet");
+        assert_eq!(
+            (
+                holder_build.waits,
+                holder_build.wait_ms_p50,
+                holder_build.wait_ms_p99
+            ),
+            (1, Some(0.0), Some(0.0)),
+            "granted at once"
+        );
+        assert_eq!(
+            by_name("native waiter").wait_ms_p50,
+            None,
+            "no ACQUIRE answered yet"
+        );
 
         // The waiter waits at least as long as the holder keeps its token
         // after the waiter is seen queued.
@@ -228,9 +341,17 @@ fn status_json_builds_hold_what_the_builds_really_hold() {
         let held_back = queued.elapsed().as_secs_f64() * 1000.0;
         let waiter = join_within(waiter, GUARD, "the waiter's grant");
         let s = broker.status();
-        let w = s.builds.iter().find(|b| b.name == "native waiter").expect("still connected");
+        let w = s
+            .builds
+            .iter()
+            .find(|b| b.name == "native waiter")
+            .expect("still connected");
         assert_eq!(w.waits, 1);
-        assert!(w.wait_ms_p99.unwrap() >= 200.0 && w.wait_ms_total >= 200.0, "waited {:?} ms, held back {held_back:.0} ms", w.wait_ms_p99);
+        assert!(
+            w.wait_ms_p99.unwrap() >= 200.0 && w.wait_ms_total >= 200.0,
+            "waited {:?} ms, held back {held_back:.0} ms",
+            w.wait_ms_p99
+        );
         drop(waiter);
     }
     wait_until_all_free(&broker);
@@ -239,7 +360,9 @@ fn status_json_builds_hold_what_the_builds_really_hold() {
 /// The Python interpreter of target/test-venv, where scripts/test puts
 /// prometheus_client.
 fn venv_python() -> PathBuf {
-    tool("BATON_TEST_PYTHON", || Path::new(env!("CARGO_MANIFEST_DIR")).join("../../target/test-venv/bin/python"))
+    tool("BATON_TEST_PYTHON", || {
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("../../target/test-venv/bin/python")
+    })
 }
 
 /// `baton status --prometheus`, read by prometheus_client's own text
@@ -254,10 +377,21 @@ for family in text_string_to_metric_families(sys.stdin.read()):
         out.append([s.name, s.labels, s.value])
 print(json.dumps(out))
 "#;
-    let mut child = Command::new(venv_python()).args(["-c", script]).stdin(Stdio::piped()).stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap();
+    let mut child = Command::new(venv_python())
+        .args(["-c", script])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
     std::io::Write::write_all(&mut child.stdin.take().unwrap(), text).unwrap();
     let out = child.wait_with_output().unwrap();
-    assert!(out.status.success(), "prometheus_client refused the exposition: {}\n{}", String::from_utf8_lossy(&out.stderr), String::from_utf8_lossy(text));
+    assert!(
+        out.status.success(),
+        "prometheus_client refused the exposition: {}\n{}",
+        String::from_utf8_lossy(&out.stderr),
+        String::from_utf8_lossy(text)
+    );
     serde_json::from_slice(&out.stdout).unwrap()
 }
 
@@ -267,24 +401,57 @@ fn status_prometheus_parses_with_the_reference_parser() {
     {
         let _alpha = HoldingBuild::start(&broker, "alpha \"quoted\"", 2);
         wait_for_holdings(&broker, &[("alpha \"quoted\"", 2)]);
-        let out = baton().args(["status", "--prometheus", "--socket"]).arg(&broker.socket).output().unwrap();
-        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        let out = baton()
+            .args(["status", "--prometheus", "--socket"])
+            .arg(&broker.socket)
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
         let samples = parse_prometheus(&out.stdout);
         let value = |name: &str, label: Option<(&str, &str)>| {
             samples
                 .iter()
-                .find(|(n, labels, _)| n == name && label.is_none_or(|(k, v)| labels.get(k).and_then(|x| x.as_str()) == Some(v)))
+                .find(|(n, labels, _)| {
+                    n == name
+                        && label
+                            .is_none_or(|(k, v)| labels.get(k).and_then(|x| x.as_str()) == Some(v))
+                })
                 .map(|s| s.2)
                 .unwrap_or_else(|| panic!("no sample {name} {label:?} in {samples:?}"))
         };
         assert_eq!(value("baton_limit", None), 4.0);
         assert_eq!(value("baton_held", None), 2.0);
-        assert_eq!(value("baton_build_held", Some(("build", "alpha \"quoted\""))), 2.0);
-        assert_eq!(value("baton_build_grants_total", Some(("build", "alpha \"quoted\""))), 2.0);
-        assert!(value("baton_build_wait_seconds_count", Some(("build", "alpha \"quoted\""))) >= 1.0);
-        assert_eq!(value("baton_build_wait_seconds", Some(("quantile", "0.5"))), 0.0, "alpha's ACQUIRE was granted at once");
+        assert_eq!(
+            value("baton_build_held", Some(("build", "alpha \"quoted\""))),
+            2.0
+        );
+        assert_eq!(
+            value(
+                "baton_build_grants_total",
+                Some(("build", "alpha \"quoted\""))
+            ),
+            2.0
+        );
+        assert!(
+            value(
+                "baton_build_wait_seconds_count",
+                Some(("build", "alpha \"quoted\""))
+            ) >= 1.0
+        );
+        assert_eq!(
+            value("baton_build_wait_seconds", Some(("quantile", "0.5"))),
+            0.0,
+            "alpha's ACQUIRE was granted at once"
+        );
         assert_eq!(value("baton_gate_open", Some(("gate", "load"))), 1.0);
-        assert_eq!(value("baton_gate_threshold", Some(("gate", "load"))), 1000.0);
+        assert_eq!(
+            value("baton_gate_threshold", Some(("gate", "load"))),
+            1000.0
+        );
     }
     wait_until_all_free(&broker);
 }
@@ -292,7 +459,14 @@ fn status_prometheus_parses_with_the_reference_parser() {
 /// Resident memory of a process, in KiB: (now, peak).
 fn rss_kib(pid: u32) -> (u64, u64) {
     let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
-    let field = |name: &str| status.lines().find(|l| l.starts_with(name)).and_then(|l| l.split_whitespace().nth(1)).and_then(|v| v.parse().ok()).unwrap();
+    let field = |name: &str| {
+        status
+            .lines()
+            .find(|l| l.starts_with(name))
+            .and_then(|l| l.split_whitespace().nth(1))
+            .and_then(|v| v.parse().ok())
+            .unwrap()
+    };
     (field("VmRSS:"), field("VmHWM:"))
 }
 
@@ -306,12 +480,19 @@ fn rss_kib(pid: u32) -> (u64, u64) {
 fn the_broker_stays_under_20_mb_with_a_thousand_clients() {
     raise_open_file_limit();
     let broker = Broker::start(4);
-    let mut clients: Vec<baton_client::Client> = (0..1000).map(|i| broker.client(&format!("client {i}"))).collect();
+    let mut clients: Vec<baton_client::Client> = (0..1000)
+        .map(|i| broker.client(&format!("client {i}")))
+        .collect();
     for c in &mut clients {
         c.send(&Request::Acquire(1)).unwrap();
     }
-    wait_for(Duration::from_secs(120), "996 waiters", || broker.status().waiters.len() == 996);
-    let hold_for = std::env::var("BATON_TEST_RSS_SECS").ok().and_then(|s| s.parse().ok()).map_or(Duration::ZERO, Duration::from_secs);
+    wait_for(Duration::from_secs(120), "996 waiters", || {
+        broker.status().waiters.len() == 996
+    });
+    let hold_for = std::env::var("BATON_TEST_RSS_SECS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .map_or(Duration::ZERO, Duration::from_secs);
     let start = Instant::now();
     let mut rounds = 0;
     while start.elapsed() < hold_for {
@@ -323,10 +504,24 @@ fn the_broker_stays_under_20_mb_with_a_thousand_clients() {
     }
     let s = broker.status();
     // An earlier status client's close may still be on its way: count ours.
-    assert_eq!(s.builds.iter().filter(|b| b.name.starts_with("client ")).count(), 1000, "each client a build of its own");
-    assert!(s.utilization.held.len() as u64 >= hold_for.as_secs().min(600), "the ring has the run's seconds");
+    assert_eq!(
+        s.builds
+            .iter()
+            .filter(|b| b.name.starts_with("client "))
+            .count(),
+        1000,
+        "each client a build of its own"
+    );
+    assert!(
+        s.utilization.held.len() as u64 >= hold_for.as_secs().min(600),
+        "the ring has the run's seconds"
+    );
     let (rss, peak) = rss_kib(broker.pid());
-    eprintln!("broker with 1000 clients, {} s of history ({} s run): VmRSS {rss} KiB, VmHWM {peak} KiB", s.utilization.held.len(), start.elapsed().as_secs());
+    eprintln!(
+        "broker with 1000 clients, {} s of history ({} s run): VmRSS {rss} KiB, VmHWM {peak} KiB",
+        s.utilization.held.len(),
+        start.elapsed().as_secs()
+    );
     assert!(peak < 20 * 1024, "the broker's peak RSS is {peak} KiB");
     drop(clients);
     wait_until_all_free(&broker);
@@ -334,7 +529,10 @@ fn the_broker_stays_under_20_mb_with_a_thousand_clients() {
 
 /// A thousand sockets need more than the usual soft limit of 1024.
 fn raise_open_file_limit() {
-    let mut limit = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+    let mut limit = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
     // SAFETY: getrlimit and setrlimit read and write the struct given.
     unsafe {
         libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit);

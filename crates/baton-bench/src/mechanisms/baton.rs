@@ -50,7 +50,13 @@ impl Broker {
 
     /// The same, started through `wrapper` (a command that ends by running
     /// its arguments, such as one that enters a cgroup first).
-    pub fn start_under(tokens: u32, env: &Env, wait: Wait, flags: &[&str], wrapper: &[&str]) -> Result<Self> {
+    pub fn start_under(
+        tokens: u32,
+        env: &Env,
+        wait: Wait,
+        flags: &[&str],
+        wrapper: &[&str],
+    ) -> Result<Self> {
         static STARTED: AtomicU32 = AtomicU32::new(0);
         let n = STARTED.fetch_add(1, Relaxed);
         let dir = env.tmp.join(format!("broker-{n}"));
@@ -65,15 +71,36 @@ impl Broker {
             }
             None => Command::new(&env.baton_bin),
         };
-        command.args(["serve", "--quiet", "--jobs", &tokens.to_string(), "--socket"]).arg(&socket).args(flags);
-        command.stdin(Stdio::null()).stdout(Stdio::null()).stderr(std::fs::File::create(&log)?);
+        command
+            .args([
+                "serve",
+                "--quiet",
+                "--jobs",
+                &tokens.to_string(),
+                "--socket",
+            ])
+            .arg(&socket)
+            .args(flags);
+        command
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(&log)?);
         // SAFETY: prctl is async-signal-safe and touches only the child.
         unsafe {
             // The broker must not outlive an interrupted bench.
-            command.pre_exec(|| sys::check(libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGTERM)).map(drop));
+            command.pre_exec(|| {
+                sys::check(libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGTERM)).map(drop)
+            });
         }
-        let child = command.spawn().with_context(|| format!("starting {} serve", env.baton_bin.display()))?;
-        let mut broker = Broker { child, socket, log, wait };
+        let child = command
+            .spawn()
+            .with_context(|| format!("starting {} serve", env.baton_bin.display()))?;
+        let mut broker = Broker {
+            child,
+            socket,
+            log,
+            wait,
+        };
         broker.wait_until_answering()?;
         Ok(broker)
     }
@@ -85,10 +112,17 @@ impl Broker {
                 return Ok(());
             }
             if let Some(status) = self.child.try_wait()? {
-                bail!("baton serve exited ({status}) before answering: {}", self.log_text());
+                bail!(
+                    "baton serve exited ({status}) before answering: {}",
+                    self.log_text()
+                );
             }
             if Instant::now() > deadline {
-                bail!("baton serve did not answer at {} within {STARTUP:?}: {}", self.socket.display(), self.log_text());
+                bail!(
+                    "baton serve did not answer at {} within {STARTUP:?}: {}",
+                    self.socket.display(),
+                    self.log_text()
+                );
             }
             std::thread::sleep(Duration::from_millis(10));
         }
@@ -118,7 +152,10 @@ impl Broker {
     }
 
     fn log_text(&self) -> String {
-        std::fs::read_to_string(&self.log).unwrap_or_default().trim().to_string()
+        std::fs::read_to_string(&self.log)
+            .unwrap_or_default()
+            .trim()
+            .to_string()
     }
 }
 
@@ -134,7 +171,10 @@ pub struct Brokers<'a> {
 
 impl<'a> Brokers<'a> {
     pub fn new(env: &'a Env) -> Self {
-        Brokers { env, running: HashMap::new() }
+        Brokers {
+            env,
+            running: HashMap::new(),
+        }
     }
 
     /// The broker of `tokens` started with `flags`, started now if it is
@@ -171,7 +211,11 @@ impl Drop for Broker {
 impl Pool for Broker {
     fn open(&self) -> Result<Box<dyn Tokens + '_>> {
         let client = Client::connect(&self.socket, "baton bench")?;
-        Ok(Box::new(Connection { client, unread_releases: 0, wait: self.wait }))
+        Ok(Box::new(Connection {
+            client,
+            unread_releases: 0,
+            wait: self.wait,
+        }))
     }
 
     /// The producer holds the pool's one base token (a broker started with
@@ -211,7 +255,8 @@ impl Waker for LimitRaiser {
         self.wait_for_waiters(n)?;
         let base = self.client.limit();
         let text = format!("{}\n{}\n", Request::Limit(base + n), Request::Limit(base));
-        sys::write_all(self.client.as_raw_fd(), text.as_bytes()).context("writing to the broker")?;
+        sys::write_all(self.client.as_raw_fd(), text.as_bytes())
+            .context("writing to the broker")?;
         for _ in 0..2 {
             self.client.read_reply()?;
         }
@@ -237,7 +282,8 @@ impl Connection {
 
     fn next_reply(&mut self) -> Result<Reply> {
         if self.wait == Wait::Poll && !self.client.has_buffered_reply() {
-            sys::poll_readable(self.client.as_raw_fd(), -1).context("polling the broker connection")?;
+            sys::poll_readable(self.client.as_raw_fd(), -1)
+                .context("polling the broker connection")?;
         }
         Ok(self.client.read_reply()?)
     }

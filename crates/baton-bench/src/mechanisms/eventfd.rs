@@ -13,9 +13,13 @@ pub struct Eventfd {
 impl Eventfd {
     pub fn new(tokens: u32) -> Result<Self> {
         // SAFETY: eventfd returns a fresh descriptor or -1.
-        let fd = sys::check(unsafe { libc::eventfd(tokens, libc::EFD_SEMAPHORE | libc::EFD_CLOEXEC) }).context("creating an eventfd")?;
+        let fd =
+            sys::check(unsafe { libc::eventfd(tokens, libc::EFD_SEMAPHORE | libc::EFD_CLOEXEC) })
+                .context("creating an eventfd")?;
         // SAFETY: the descriptor is fresh and owned by nobody else.
-        Ok(Eventfd { fd: unsafe { OwnedFd::from_raw_fd(fd) } })
+        Ok(Eventfd {
+            fd: unsafe { OwnedFd::from_raw_fd(fd) },
+        })
     }
 }
 
@@ -34,6 +38,7 @@ impl Tokens for &Eventfd {
     }
 
     fn release(&mut self, n: u32) -> Result<()> {
-        sys::write_all(self.fd.as_raw_fd(), &u64::from(n).to_ne_bytes()).context("writing the eventfd")
+        sys::write_all(self.fd.as_raw_fd(), &u64::from(n).to_ne_bytes())
+            .context("writing the eventfd")
     }
 }

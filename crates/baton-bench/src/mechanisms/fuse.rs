@@ -47,17 +47,27 @@ impl TokenFile {
         // The broker mounts in the background: wait until the file can be made.
         let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
         loop {
-            match OpenOptions::new().write(true).create(true).truncate(false).mode(0o600).open(&path) {
+            match OpenOptions::new()
+                .write(true)
+                .create(true)
+                .truncate(false)
+                .mode(0o600)
+                .open(&path)
+            {
                 Ok(_) => break,
                 Err(e) if std::time::Instant::now() > deadline => {
-                    bail!("no FUSE token file at {} ({e}): is FUSE available to baton serve?", path.display())
+                    bail!(
+                        "no FUSE token file at {} ({e}): is FUSE available to baton serve?",
+                        path.display()
+                    )
                 }
                 Err(_) => std::thread::sleep(std::time::Duration::from_millis(10)),
             }
         }
         // Its waiters poll it alone, as make does: as baton run marks a
         // GNU make build's file.
-        baton_client::hold_polls(&path).with_context(|| format!("asking the broker to hold polls of {}", path.display()))?;
+        baton_client::hold_polls(&path)
+            .with_context(|| format!("asking the broker to hold polls of {}", path.display()))?;
         Ok(TokenFile { broker, path })
     }
 }
@@ -108,6 +118,7 @@ impl Tokens for Handle {
     }
 
     fn release(&mut self, n: u32) -> Result<()> {
-        sys::write_all(self.file.as_raw_fd(), &vec![b'+'; n as usize]).context("writing the token file")
+        sys::write_all(self.file.as_raw_fd(), &vec![b'+'; n as usize])
+            .context("writing the token file")
     }
 }

@@ -24,7 +24,10 @@ impl Futex {
             let free = word.load(SeqCst);
             if free == 0 {
                 futex(word, libc::FUTEX_WAIT, 0).context("FUTEX_WAIT")?;
-            } else if word.compare_exchange(free, free - 1, SeqCst, SeqCst).is_ok() {
+            } else if word
+                .compare_exchange(free, free - 1, SeqCst, SeqCst)
+                .is_ok()
+            {
                 return Ok(());
             }
         }
@@ -35,7 +38,15 @@ impl Futex {
 /// FUTEX_WAIT returning EAGAIN (the word changed) is not an error.
 fn futex(word: &AtomicU32, op: libc::c_int, val: u32) -> std::io::Result<()> {
     // SAFETY: the word lives in a shared mapping for as long as the pool.
-    let ret = unsafe { libc::syscall(libc::SYS_futex, word.as_ptr(), op, val, std::ptr::null::<libc::timespec>()) };
+    let ret = unsafe {
+        libc::syscall(
+            libc::SYS_futex,
+            word.as_ptr(),
+            op,
+            val,
+            std::ptr::null::<libc::timespec>(),
+        )
+    };
     match sys::check(ret as libc::c_int) {
         Err(e) if matches!(e.raw_os_error(), Some(libc::EAGAIN) | Some(libc::EINTR)) => Ok(()),
         other => other.map(drop),

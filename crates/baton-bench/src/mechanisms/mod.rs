@@ -73,7 +73,15 @@ impl Mechanism {
     }
 
     pub fn is_baton(self) -> bool {
-        matches!(self, Mechanism::BatonNative | Mechanism::BatonNativeNoSpin | Mechanism::BatonNativeNoUring | Mechanism::BatonPoll | Mechanism::BatonFuse | Mechanism::BatonFuseNotifyAll)
+        matches!(
+            self,
+            Mechanism::BatonNative
+                | Mechanism::BatonNativeNoSpin
+                | Mechanism::BatonNativeNoUring
+                | Mechanism::BatonPoll
+                | Mechanism::BatonFuse
+                | Mechanism::BatonFuseNotifyAll
+        )
     }
 
     /// Whether this machine can run it (FUSE needs /dev/fuse).
@@ -96,12 +104,28 @@ impl Mechanism {
             Mechanism::SysvSemaphore => Box::new(semaphore::Sysv::new(tokens)?),
             Mechanism::Eventfd => Box::new(eventfd::Eventfd::new(tokens)?),
             Mechanism::Futex => Box::new(futex::Futex::new(tokens)?),
-            Mechanism::BatonNative => Box::new(baton::Broker::start(tokens, env, baton::Wait::Blocking)?),
-            Mechanism::BatonNativeNoSpin => Box::new(baton::Broker::start_with(tokens, env, baton::Wait::Blocking, &["--no-fuse", "--spin-us", "0"])?),
-            Mechanism::BatonNativeNoUring => Box::new(baton::Broker::start_with(tokens, env, baton::Wait::Blocking, &["--no-fuse", "--no-io-uring"])?),
+            Mechanism::BatonNative => {
+                Box::new(baton::Broker::start(tokens, env, baton::Wait::Blocking)?)
+            }
+            Mechanism::BatonNativeNoSpin => Box::new(baton::Broker::start_with(
+                tokens,
+                env,
+                baton::Wait::Blocking,
+                &["--no-fuse", "--spin-us", "0"],
+            )?),
+            Mechanism::BatonNativeNoUring => Box::new(baton::Broker::start_with(
+                tokens,
+                env,
+                baton::Wait::Blocking,
+                &["--no-fuse", "--no-io-uring"],
+            )?),
             Mechanism::BatonPoll => Box::new(baton::Broker::start(tokens, env, baton::Wait::Poll)?),
-            Mechanism::BatonFuse => Box::new(fuse::TokenFile::start(tokens, env, fuse::Notify::One)?),
-            Mechanism::BatonFuseNotifyAll => Box::new(fuse::TokenFile::start(tokens, env, fuse::Notify::All)?),
+            Mechanism::BatonFuse => {
+                Box::new(fuse::TokenFile::start(tokens, env, fuse::Notify::One)?)
+            }
+            Mechanism::BatonFuseNotifyAll => {
+                Box::new(fuse::TokenFile::start(tokens, env, fuse::Notify::All)?)
+            }
         })
     }
 }

@@ -75,15 +75,21 @@ pub struct Sysv {
 impl Sysv {
     pub fn new(tokens: u32) -> Result<Self> {
         // SAFETY: semget/semctl take plain integers.
-        let id = sys::check(unsafe { libc::semget(libc::IPC_PRIVATE, 1, libc::IPC_CREAT | 0o600) }).context("semget")?;
+        let id = sys::check(unsafe { libc::semget(libc::IPC_PRIVATE, 1, libc::IPC_CREAT | 0o600) })
+            .context("semget")?;
         let sem = Sysv { id };
-        sys::check(unsafe { libc::semctl(id, 0, libc::SETVAL, tokens as libc::c_int) }).context("semctl SETVAL")?;
+        sys::check(unsafe { libc::semctl(id, 0, libc::SETVAL, tokens as libc::c_int) })
+            .context("semctl SETVAL")?;
         Ok(sem)
     }
 
     /// One semop adding `delta` (waiting, if negative, until it can).
     fn add(&self, delta: i32) -> Result<()> {
-        let mut op = libc::sembuf { sem_num: 0, sem_op: delta as libc::c_short, sem_flg: 0 };
+        let mut op = libc::sembuf {
+            sem_num: 0,
+            sem_op: delta as libc::c_short,
+            sem_flg: 0,
+        };
         // SAFETY: one sembuf on this stack frame.
         sys::retry(|| unsafe { libc::semop(self.id, &mut op, 1) }).context("semop")?;
         Ok(())

@@ -6,7 +6,13 @@ use super::{job_runners, Bench, Defaults, Findings, Scale};
 use crate::mechanisms::Mechanism;
 use anyhow::Result;
 
-pub const DEFAULTS: Defaults = Defaults { waiters: &[64], ops: 2_000, tokens: 2, job_us: 1_000, wake: 1 };
+pub const DEFAULTS: Defaults = Defaults {
+    waiters: &[64],
+    ops: 2_000,
+    tokens: 2,
+    job_us: 1_000,
+    wake: 1,
+};
 
 const MECHANISMS: &[Mechanism] = &[
     Mechanism::PipeBlocking,

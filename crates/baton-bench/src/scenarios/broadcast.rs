@@ -17,7 +17,13 @@ use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU64, Ordering::SeqCst};
 use std::time::Duration;
 
-pub const DEFAULTS: Defaults = Defaults { waiters: &[64], ops: 20_000, tokens: 0, job_us: 0, wake: 2 };
+pub const DEFAULTS: Defaults = Defaults {
+    waiters: &[64],
+    ops: 20_000,
+    tokens: 0,
+    job_us: 0,
+    wake: 2,
+};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Flavor {
@@ -48,14 +54,29 @@ pub fn run(bench: &Bench, scale: &Scale) -> Result<Findings> {
     if bench.with_baton() {
         flavors.push(Flavor::BatonLimit);
     }
-    let cases: Vec<(usize, Flavor)> = scale.waiters.iter().flat_map(|&n| flavors.iter().map(move |&f| (n, f))).collect();
-    let rows = bench.each(&cases, |(n, f)| format!("broadcast: {} with {n} threads", f.name()), |&(waiters, flavor)| measure(bench, flavor, waiters, scale))?;
+    let cases: Vec<(usize, Flavor)> = scale
+        .waiters
+        .iter()
+        .flat_map(|&n| flavors.iter().map(move |&f| (n, f)))
+        .collect();
+    let rows = bench.each(
+        &cases,
+        |(n, f)| format!("broadcast: {} with {n} threads", f.name()),
+        |&(waiters, flavor)| measure(bench, flavor, waiters, scale),
+    )?;
     let note = "operations are items taken (baton: grants); wakeups_per_op counts returns from waiting per item";
-    Ok(Findings { rows, notes: vec![note.to_string()] })
+    Ok(Findings {
+        rows,
+        notes: vec![note.to_string()],
+    })
 }
 
 fn measure(bench: &Bench, flavor: Flavor, waiters: usize, scale: &Scale) -> Result<Row> {
-    ensure!(scale.wake as usize <= waiters, "--wake ({}) must not exceed --waiters ({waiters})", scale.wake);
+    ensure!(
+        scale.wake as usize <= waiters,
+        "--wake ({}) must not exceed --waiters ({waiters})",
+        scale.wake
+    );
     let rounds = scale.ops.div_ceil(u64::from(scale.wake));
     let broker = match flavor {
         Flavor::BatonLimit => Some(Mechanism::BatonNative.create(1, &bench.env)?),
@@ -64,11 +85,26 @@ fn measure(bench: &Bench, flavor: Flavor, waiters: usize, scale: &Scale) -> Resu
     let broker_pid = broker.as_ref().and_then(|b| b.broker_pid());
     let outcome = team::run(1, broker_pid, |_, start| {
         let room = Room::new(waiters);
-        let plan = Plan { flavor, waiters, wake: scale.wake, rounds };
+        let plan = Plan {
+            flavor,
+            waiters,
+            wake: scale.wake,
+            rounds,
+        };
         std::thread::scope(|scope| plan.run(scope, &room, broker.as_deref(), start))
     })?;
-    let per_op = |x: u64| if outcome.ops() == 0 { 0.0 } else { x as f64 / outcome.ops() as f64 };
-    Ok(Row::of_team(flavor.name(), waiters, &outcome, broker.is_some()).with("wake", scale.wake).with("wakeups_per_op", per_op(outcome.wakeups())))
+    let per_op = |x: u64| {
+        if outcome.ops() == 0 {
+            0.0
+        } else {
+            x as f64 / outcome.ops() as f64
+        }
+    };
+    Ok(
+        Row::of_team(flavor.name(), waiters, &outcome, broker.is_some())
+            .with("wake", scale.wake)
+            .with("wakeups_per_op", per_op(outcome.wakeups())),
+    )
 }
 
 /// What the threads share.
@@ -102,7 +138,10 @@ struct Board {
 impl Room {
     fn new(waiters: usize) -> Room {
         Room {
-            board: Mutex::new(Board { handed: vec![false; waiters], ..Board::default() }),
+            board: Mutex::new(Board {
+                handed: vec![false; waiters],
+                ..Board::default()
+            }),
             all: Cond::default(),
             own: (0..waiters).map(|_| Cond::default()).collect(),
             done: Cond::default(),
@@ -121,7 +160,10 @@ impl Room {
     }
 
     fn counts(&self) -> Counts {
-        Counts { ops: self.taken.load(SeqCst), wakeups: self.wakeups.load(SeqCst) }
+        Counts {
+            ops: self.taken.load(SeqCst),
+            wakeups: self.wakeups.load(SeqCst),
+        }
     }
 }
 
@@ -134,9 +176,17 @@ struct Plan {
 
 impl Plan {
     /// The producer: starts the waiters, measures the rounds, stops them.
-    fn run<'s>(&'s self, scope: &'s std::thread::Scope<'s, '_>, room: &'s Room, broker: Option<&'s dyn Pool>, start: &mut Start) -> Result<Counts> {
+    fn run<'s>(
+        &'s self,
+        scope: &'s std::thread::Scope<'s, '_>,
+        room: &'s Room,
+        broker: Option<&'s dyn Pool>,
+        start: &mut Start,
+    ) -> Result<Counts> {
         let mut producer = broker.map(|b| b.open_waker()).transpose()?;
-        let handles: Vec<_> = (0..self.waiters).map(|i| scope.spawn(move || self.waiter(i, room, broker))).collect();
+        let handles: Vec<_> = (0..self.waiters)
+            .map(|i| scope.spawn(move || self.waiter(i, room, broker)))
+            .collect();
         while room.board.lock().waiting < self.waiters {
             std::thread::sleep(Duration::from_millis(1));
         }
@@ -148,7 +198,9 @@ impl Plan {
         start.finish(room.counts());
         self.stop(room, producer.as_deref_mut())?;
         for handle in handles {
-            handle.join().map_err(|_| anyhow::anyhow!("a waiter thread panicked"))??;
+            handle
+                .join()
+                .map_err(|_| anyhow::anyhow!("a waiter thread panicked"))??;
         }
         Ok(room.counts())
     }
@@ -164,7 +216,10 @@ impl Plan {
             }
             Flavor::CondHandoff => {
                 for _ in 0..self.wake {
-                    let i = board.idle.pop_front().context("fewer idle waiters than items")?;
+                    let i = board
+                        .idle
+                        .pop_front()
+                        .context("fewer idle waiters than items")?;
                     board.handed[i] = true;
                     room.own[i].signal();
                 }

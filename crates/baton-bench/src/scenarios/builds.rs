@@ -28,7 +28,13 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 /// Jobs per build (`--ops`), the limit (`--tokens`), each job's length.
-pub const DEFAULTS: Defaults = Defaults { waiters: &[3], ops: 40, tokens: 6, job_us: 100_000, wake: 0 };
+pub const DEFAULTS: Defaults = Defaults {
+    waiters: &[3],
+    ops: 40,
+    tokens: 6,
+    job_us: 100_000,
+    wake: 0,
+};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Kind {
@@ -49,11 +55,28 @@ struct Tool {
 }
 
 fn tools() -> Result<Vec<Tool>> {
-    let from = |var: &str, default: &str| std::env::var_os(var).map_or_else(|| PathBuf::from(default), PathBuf::from);
+    let from = |var: &str, default: &str| {
+        std::env::var_os(var).map_or_else(|| PathBuf::from(default), PathBuf::from)
+    };
     let tools = vec![
-        Tool { name: "make 4.3", path: from("BATON_BENCH_MAKE43", "/usr/bin/make"), kind: Kind::Make, fifo: false },
-        Tool { name: "make 4.4.1", path: from("BATON_BENCH_MAKE44", "make"), kind: Kind::Make, fifo: true },
-        Tool { name: "ninja 1.13", path: from("BATON_BENCH_NINJA", "ninja"), kind: Kind::Ninja, fifo: true },
+        Tool {
+            name: "make 4.3",
+            path: from("BATON_BENCH_MAKE43", "/usr/bin/make"),
+            kind: Kind::Make,
+            fifo: false,
+        },
+        Tool {
+            name: "make 4.4.1",
+            path: from("BATON_BENCH_MAKE44", "make"),
+            kind: Kind::Make,
+            fifo: true,
+        },
+        Tool {
+            name: "ninja 1.13",
+            path: from("BATON_BENCH_NINJA", "ninja"),
+            kind: Kind::Ninja,
+            fifo: true,
+        },
     ];
     for (tool, version) in tools.iter().zip(["GNU Make 4.3", "GNU Make 4.4", "1.13"]) {
         check_version(tool.name, &tool.path, version)?;
@@ -65,23 +88,49 @@ fn tools() -> Result<Vec<Tool>> {
 /// alone. It reads only its own `-J R,W` form, so it is no client of the
 /// shared FIFO the three-at-once cases compare against.
 fn bmake() -> Option<Tool> {
-    let path = std::env::var_os("BATON_BENCH_BMAKE").map_or_else(|| PathBuf::from("/usr/bin/bmake"), PathBuf::from);
-    path.exists().then_some(Tool { name: "bmake", path, kind: Kind::Bmake, fifo: false })
+    let path = std::env::var_os("BATON_BENCH_BMAKE")
+        .map_or_else(|| PathBuf::from("/usr/bin/bmake"), PathBuf::from);
+    path.exists().then_some(Tool {
+        name: "bmake",
+        path,
+        kind: Kind::Bmake,
+        fifo: false,
+    })
 }
 
 /// Cargo, if it runs here: it joins the builds that run alone.
 fn cargo() -> Option<Tool> {
-    let path = std::env::var_os("BATON_BENCH_CARGO").map_or_else(|| PathBuf::from("cargo"), PathBuf::from);
-    let runs = Command::new(&path).arg("--version").env_remove("MAKEFLAGS").output().is_ok_and(|o| o.status.success());
-    runs.then_some(Tool { name: "cargo", path, kind: Kind::Cargo, fifo: true })
+    let path =
+        std::env::var_os("BATON_BENCH_CARGO").map_or_else(|| PathBuf::from("cargo"), PathBuf::from);
+    let runs = Command::new(&path)
+        .arg("--version")
+        .env_remove("MAKEFLAGS")
+        .output()
+        .is_ok_and(|o| o.status.success());
+    runs.then_some(Tool {
+        name: "cargo",
+        path,
+        kind: Kind::Cargo,
+        fifo: true,
+    })
 }
 
 /// Fails unless `path --version` starts with `version`.
 pub(super) fn check_version(name: &str, path: &Path, version: &str) -> Result<()> {
-    let out = Command::new(path).arg("--version").env_remove("MAKEFLAGS").output();
-    let said = out.map(|o| String::from_utf8_lossy(&o.stdout).into_owned()).unwrap_or_default();
+    let out = Command::new(path)
+        .arg("--version")
+        .env_remove("MAKEFLAGS")
+        .output();
+    let said = out
+        .map(|o| String::from_utf8_lossy(&o.stdout).into_owned())
+        .unwrap_or_default();
     if !said.starts_with(version) {
-        bail!("{name} not found at {} (set BATON_BENCH_{}; it said {:?})", path.display(), name.replace([' ', '.'], "").to_uppercase(), said.lines().next().unwrap_or(""));
+        bail!(
+            "{name} not found at {} (set BATON_BENCH_{}; it said {:?})",
+            path.display(),
+            name.replace([' ', '.'], "").to_uppercase(),
+            said.lines().next().unwrap_or("")
+        );
     }
     Ok(())
 }
@@ -110,8 +159,20 @@ impl Graph {
             return Ok(Graph { dir, log });
         }
         let (file, text) = match kind {
-            Kind::Make => ("Makefile", format!("SHELL := /bin/bash\nall: {t}\n{t}:\n\t@{job}\n.PHONY: all {t}\n", t = targets.join(" "))),
-            Kind::Bmake => ("Makefile", format!(".SHELL: name=sh path=/bin/bash\nall: {t}\n{t}:\n\t@{job}\n.PHONY: all {t}\n", t = targets.join(" "))),
+            Kind::Make => (
+                "Makefile",
+                format!(
+                    "SHELL := /bin/bash\nall: {t}\n{t}:\n\t@{job}\n.PHONY: all {t}\n",
+                    t = targets.join(" ")
+                ),
+            ),
+            Kind::Bmake => (
+                "Makefile",
+                format!(
+                    ".SHELL: name=sh path=/bin/bash\nall: {t}\n{t}:\n\t@{job}\n.PHONY: all {t}\n",
+                    t = targets.join(" ")
+                ),
+            ),
             Kind::Ninja => {
                 let mut text = format!("rule job\n  command = bash -c '{job}; touch $out'\n");
                 for t in &targets {
@@ -127,7 +188,8 @@ impl Graph {
 
     /// (time, +1 start / -1 end) of every job, in seconds.
     fn events(&self) -> Result<Vec<(f64, i32)>> {
-        let text = std::fs::read_to_string(&self.log).with_context(|| format!("reading {}", self.log.display()))?;
+        let text = std::fs::read_to_string(&self.log)
+            .with_context(|| format!("reading {}", self.log.display()))?;
         let mut events: Vec<(f64, i32)> = text
             .lines()
             .filter_map(|l| {
@@ -146,15 +208,26 @@ impl Graph {
 /// for what cargo asks it otherwise (its version, say).
 fn write_workspace(dir: &Path, targets: &[String], job: &str) -> Result<()> {
     let members: Vec<String> = targets.iter().map(|t| format!("\"{t}\"")).collect();
-    std::fs::write(dir.join("Cargo.toml"), format!("[workspace]\nresolver = \"2\"\nmembers = [{}]\n", members.join(", ")))?;
+    std::fs::write(
+        dir.join("Cargo.toml"),
+        format!(
+            "[workspace]\nresolver = \"2\"\nmembers = [{}]\n",
+            members.join(", ")
+        ),
+    )?;
     for t in targets {
         std::fs::create_dir_all(dir.join(t).join("src"))?;
-        std::fs::write(dir.join(t).join("Cargo.toml"), format!("[package]\nname = \"{t}\"\nversion = \"0.1.0\"\nedition = \"2021\"\n"))?;
+        std::fs::write(
+            dir.join(t).join("Cargo.toml"),
+            format!("[package]\nname = \"{t}\"\nversion = \"0.1.0\"\nedition = \"2021\"\n"),
+        )?;
         std::fs::write(dir.join(t).join("src").join("lib.rs"), "")?;
     }
     // make and ninja unescape $$; this script is read by bash as it is.
     let job = job.replace("$$", "$");
-    let wrap = format!("#!/bin/bash\ncase \" $* \" in *\" --crate-name j\"[0-9]*) {job};; esac\nexec \"$@\"\n");
+    let wrap = format!(
+        "#!/bin/bash\ncase \" $* \" in *\" --crate-name j\"[0-9]*) {job};; esac\nexec \"$@\"\n"
+    );
     let path = dir.join("wrap.sh");
     std::fs::write(&path, wrap)?;
     use std::os::unix::fs::PermissionsExt;
@@ -192,7 +265,11 @@ fn command(bench: &Bench, tool: &Tool, graph: &Graph, slots: &Slots) -> Result<C
     };
     let mut cmd = Command::new(program);
     // Only the jobserver this case gives: none inherited from our caller.
-    cmd.current_dir(&graph.dir).env_remove("MAKEFLAGS").env_remove("CARGO_MAKEFLAGS").stdout(Stdio::null()).stderr(Stdio::null());
+    cmd.current_dir(&graph.dir)
+        .env_remove("MAKEFLAGS")
+        .env_remove("CARGO_MAKEFLAGS")
+        .stdout(Stdio::null())
+        .stderr(Stdio::null());
     match slots {
         Slots::Own(n) if tool.kind == Kind::Cargo => {
             cmd.args(["build", "--offline", "--quiet", &format!("-j{n}")]);
@@ -201,7 +278,10 @@ fn command(bench: &Bench, tool: &Tool, graph: &Graph, slots: &Slots) -> Result<C
             cmd.arg(format!("-j{n}"));
         }
         Slots::Baton { broker, weight } => {
-            cmd.args(["run", "--socket"]).arg(broker.socket()).args(["--weight", &weight.to_string(), "--name", tool.name, "--"]).arg(&tool.path);
+            cmd.args(["run", "--socket"])
+                .arg(broker.socket())
+                .args(["--weight", &weight.to_string(), "--name", tool.name, "--"])
+                .arg(&tool.path);
             if tool.kind == Kind::Cargo {
                 cmd.args(["build", "--offline", "--quiet"]);
             }
@@ -209,7 +289,9 @@ fn command(bench: &Bench, tool: &Tool, graph: &Graph, slots: &Slots) -> Result<C
         Slots::Shared(fifo) => fifo.hand_to(&mut cmd, tool.fifo)?,
     }
     if tool.kind == Kind::Cargo {
-        cmd.env("RUSTC_WRAPPER", graph.dir.join("wrap.sh")).env("CARGO_TARGET_DIR", graph.dir.join("target")).env_remove("CARGO_BUILD_JOBS");
+        cmd.env("RUSTC_WRAPPER", graph.dir.join("wrap.sh"))
+            .env("CARGO_TARGET_DIR", graph.dir.join("target"))
+            .env_remove("CARGO_BUILD_JOBS");
     }
     Ok(cmd)
 }
@@ -235,19 +317,28 @@ impl SharedFifo {
         if unsafe { libc::mkfifo(c.as_ptr(), 0o600) } != 0 {
             return Err(std::io::Error::last_os_error()).context("mkfifo");
         }
-        let mut keep = std::fs::OpenOptions::new().read(true).write(true).open(&path)?;
+        let mut keep = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(&path)?;
         keep.write_all(&vec![b'+'; tokens as usize])?;
         Ok(SharedFifo { path, _keep: keep })
     }
 
     fn hand_to(&self, cmd: &mut Command, fifo: bool) -> Result<()> {
         if fifo {
-            cmd.env("MAKEFLAGS", format!("-j --jobserver-auth=fifo:{}", self.path.display()));
+            cmd.env(
+                "MAKEFLAGS",
+                format!("-j --jobserver-auth=fifo:{}", self.path.display()),
+            );
             return Ok(());
         }
         let read = std::fs::File::open(&self.path)?;
         let write = std::fs::OpenOptions::new().write(true).open(&self.path)?;
-        cmd.env("MAKEFLAGS", format!("-j --jobserver-auth={},{}", SHARED_FDS.0, SHARED_FDS.1));
+        cmd.env(
+            "MAKEFLAGS",
+            format!("-j --jobserver-auth={},{}", SHARED_FDS.0, SHARED_FDS.1),
+        );
         use std::os::fd::AsRawFd;
         let (r, w) = (read.as_raw_fd(), write.as_raw_fd());
         // SAFETY: dup2 is async-signal-safe; the files outlive the spawn
@@ -308,7 +399,16 @@ fn run_together(builds: Vec<(Command, &Graph)>) -> Result<(Vec<Ran>, Usage)> {
         }
         std::thread::sleep(Duration::from_millis(2));
     }
-    let ran = children.iter().zip(walls).map(|((_, graph), wall)| Ok(Ran { wall: wall.expect("every build ended"), events: graph.events()? })).collect::<Result<_>>()?;
+    let ran = children
+        .iter()
+        .zip(walls)
+        .map(|((_, graph), wall)| {
+            Ok(Ran {
+                wall: wall.expect("every build ended"),
+                events: graph.events()?,
+            })
+        })
+        .collect::<Result<_>>()?;
     Ok((ran, children_usage() - before))
 }
 
@@ -316,14 +416,49 @@ pub fn run(bench: &Bench, scale: &Scale) -> Result<Findings> {
     let tools = tools()?;
     let root = bench.env.tmp.join("builds");
     let n = scale.tokens;
-    anyhow::ensure!(n >= 4, "--tokens must be at least 4: three builds each run one job of their own");
-    let mut rows = alone(bench, scale, tools.iter().chain(&bmake()).chain(&cargo()), &root)?;
+    anyhow::ensure!(
+        n >= 4,
+        "--tokens must be at least 4: three builds each run one job of their own"
+    );
+    let mut rows = alone(
+        bench,
+        scale,
+        tools.iter().chain(&bmake()).chain(&cargo()),
+        &root,
+    )?;
     let broker = Broker::start_with(n, &bench.env, Wait::Blocking, &[])?;
-    rows.extend(together(bench, scale, &tools, &root, "three at once, baton", |_| Slots::Baton { broker: &broker, weight: 1 })?);
+    rows.extend(together(
+        bench,
+        scale,
+        &tools,
+        &root,
+        "three at once, baton",
+        |_| Slots::Baton {
+            broker: &broker,
+            weight: 1,
+        },
+    )?);
     let fifo = SharedFifo::create(&root, n - tools.len() as u32)?;
-    rows.extend(together(bench, scale, &tools, &root, "three at once, one shared FIFO", |_| Slots::Shared(&fifo))?);
+    rows.extend(together(
+        bench,
+        scale,
+        &tools,
+        &root,
+        "three at once, one shared FIFO",
+        |_| Slots::Shared(&fifo),
+    )?);
     let weight = |t: &Tool| if t.kind == Kind::Ninja { 2 } else { 1 };
-    rows.extend(together(bench, scale, &tools, &root, "weights 1:1:2, baton", |t| Slots::Baton { broker: &broker, weight: weight(t) })?);
+    rows.extend(together(
+        bench,
+        scale,
+        &tools,
+        &root,
+        "weights 1:1:2, baton",
+        |t| Slots::Baton {
+            broker: &broker,
+            weight: weight(t),
+        },
+    )?);
     let notes = vec![
         format!("{} jobs per build, each sleeping {} ms; limit {n}", scale.ops, scale.job_us / 1000),
         format!("alone: running and wall are baton run's over the tool's own -jN, medians of {} alternating round(s)", scale.rounds.max(1)),
@@ -337,34 +472,71 @@ pub fn run(bench: &Bench, scale: &Scale) -> Result<Findings> {
 /// Each tool alone: its own -jN, then baton run on a pool of N, in
 /// `scale.rounds` alternating rounds. Each row is the round of median wall
 /// time; the ratios are the medians of each round's baton / own.
-fn alone<'a>(bench: &Bench, scale: &Scale, tools: impl IntoIterator<Item = &'a Tool>, root: &Path) -> Result<Vec<Row>> {
+fn alone<'a>(
+    bench: &Bench,
+    scale: &Scale,
+    tools: impl IntoIterator<Item = &'a Tool>,
+    root: &Path,
+) -> Result<Vec<Row>> {
     let n = scale.tokens;
     let broker = Broker::start_with(n, &bench.env, Wait::Blocking, &[])?;
     let mut rows = Vec::new();
     for tool in tools {
-        let ways = [(format!("own -j{n}"), Slots::Own(n)), ("baton run".to_string(), Slots::Baton { broker: &broker, weight: 1 })];
+        let ways = [
+            (format!("own -j{n}"), Slots::Own(n)),
+            (
+                "baton run".to_string(),
+                Slots::Baton {
+                    broker: &broker,
+                    weight: 1,
+                },
+            ),
+        ];
         let mut rounds: [Vec<Alone>; 2] = [Vec::new(), Vec::new()];
         for _ in 0..scale.rounds.max(1) {
             for ((_, slots), measured) in ways.iter().zip(&mut rounds) {
                 // Afresh: nothing built, nothing logged.
                 let graph = Graph::write(root, tool.name, tool.kind, scale.ops, scale.job_us)?;
-                let (ran, usage) = run_together(vec![(command(bench, tool, &graph, slots)?, &graph)])?;
+                let (ran, usage) =
+                    run_together(vec![(command(bench, tool, &graph, slots)?, &graph)])?;
                 let ran = &ran[0];
-                measured.push(Alone { running: busy(&ran.events, 0.0, f64::MAX) / ran.wall, wall: ran.wall, usage });
+                measured.push(Alone {
+                    running: busy(&ran.events, 0.0, f64::MAX) / ran.wall,
+                    wall: ran.wall,
+                    usage,
+                });
             }
         }
-        let ratio = |of: fn(&Alone) -> f64| median(rounds[1].iter().zip(&rounds[0]).map(|(b, o)| of(b) / of(o)).collect());
+        let ratio = |of: fn(&Alone) -> f64| {
+            median(
+                rounds[1]
+                    .iter()
+                    .zip(&rounds[0])
+                    .map(|(b, o)| of(b) / of(o))
+                    .collect(),
+            )
+        };
         for ((label, _), measured) in ways.iter().zip(&rounds) {
             let typical = Alone::median_wall(measured);
-            let row = Row::new(label, 1, scale.ops, typical.usage, None, Duration::from_secs_f64(typical.wall))
-                .with("case", "alone")
-                .with("tool", tool.name)
-                .with("running", round(typical.running))
-                .with("rounds", measured.len());
+            let row = Row::new(
+                label,
+                1,
+                scale.ops,
+                typical.usage,
+                None,
+                Duration::from_secs_f64(typical.wall),
+            )
+            .with("case", "alone")
+            .with("tool", tool.name)
+            .with("running", round(typical.running))
+            .with("rounds", measured.len());
             rows.push(row);
         }
         let last = rows.pop().expect("baton's row");
-        rows.push(last.with("running_ratio", round(ratio(|a| a.running))).with("wall_ratio", round(ratio(|a| a.wall))));
+        rows.push(
+            last.with("running_ratio", round(ratio(|a| a.running)))
+                .with("wall_ratio", round(ratio(|a| a.wall))),
+        );
     }
     Ok(rows)
 }
@@ -388,33 +560,67 @@ impl Alone {
 }
 
 /// The three tools at once, each given its slots by `slots`.
-fn together<'a>(bench: &Bench, scale: &Scale, tools: &'a [Tool], root: &Path, case: &str, slots: impl Fn(&'a Tool) -> Slots<'a>) -> Result<Vec<Row>> {
-    let graphs: Vec<Graph> = tools.iter().map(|t| Graph::write(root, t.name, t.kind, scale.ops, scale.job_us)).collect::<Result<_>>()?;
-    let weights: Vec<u32> = tools.iter().map(|t| match slots(t) {
-        Slots::Baton { weight, .. } => weight,
-        _ => 1,
-    }).collect();
-    let builds = tools.iter().zip(&graphs).map(|(t, g)| Ok((command(bench, t, g, &slots(t))?, g))).collect::<Result<Vec<_>>>()?;
+fn together<'a>(
+    bench: &Bench,
+    scale: &Scale,
+    tools: &'a [Tool],
+    root: &Path,
+    case: &str,
+    slots: impl Fn(&'a Tool) -> Slots<'a>,
+) -> Result<Vec<Row>> {
+    let graphs: Vec<Graph> = tools
+        .iter()
+        .map(|t| Graph::write(root, t.name, t.kind, scale.ops, scale.job_us))
+        .collect::<Result<_>>()?;
+    let weights: Vec<u32> = tools
+        .iter()
+        .map(|t| match slots(t) {
+            Slots::Baton { weight, .. } => weight,
+            _ => 1,
+        })
+        .collect();
+    let builds = tools
+        .iter()
+        .zip(&graphs)
+        .map(|(t, g)| Ok((command(bench, t, g, &slots(t))?, g)))
+        .collect::<Result<Vec<_>>>()?;
     let (ran, usage) = run_together(builds)?;
     // While all three ran jobs: from the last first start to the first last end.
-    let from = ran.iter().map(|r| r.events.first().map_or(0.0, |e| e.0)).fold(f64::MIN, f64::max);
-    let to = ran.iter().map(|r| r.events.last().map_or(0.0, |e| e.0)).fold(f64::MAX, f64::min);
+    let from = ran
+        .iter()
+        .map(|r| r.events.first().map_or(0.0, |e| e.0))
+        .fold(f64::MIN, f64::max);
+    let to = ran
+        .iter()
+        .map(|r| r.events.last().map_or(0.0, |e| e.0))
+        .fold(f64::MAX, f64::min);
     let spent: Vec<f64> = ran.iter().map(|r| busy(&r.events, from, to)).collect();
     let total: f64 = spent.iter().sum();
     let total_weight: u32 = weights.iter().sum();
-    let mechanism = if case.contains("FIFO") { "shared FIFO" } else { "baton run" };
+    let mechanism = if case.contains("FIFO") {
+        "shared FIFO"
+    } else {
+        "baton run"
+    };
     Ok(tools
         .iter()
         .zip(&ran)
         .zip(spent.iter().zip(&weights))
         .map(|((tool, r), (&s, &w))| {
-            Row::new(mechanism, tools.len(), scale.ops, usage, None, Duration::from_secs_f64(r.wall))
-                .with("case", case)
-                .with("tool", tool.name)
-                .with("running", round(busy(&r.events, 0.0, f64::MAX) / r.wall))
-                .with("share", round(if total > 0.0 { s / total } else { 0.0 }))
-                .with("fair_share", round(f64::from(w) / f64::from(total_weight)))
-                .with("window_s", round(to - from))
+            Row::new(
+                mechanism,
+                tools.len(),
+                scale.ops,
+                usage,
+                None,
+                Duration::from_secs_f64(r.wall),
+            )
+            .with("case", case)
+            .with("tool", tool.name)
+            .with("running", round(busy(&r.events, 0.0, f64::MAX) / r.wall))
+            .with("share", round(if total > 0.0 { s / total } else { 0.0 }))
+            .with("fair_share", round(f64::from(w) / f64::from(total_weight)))
+            .with("window_s", round(to - from))
         })
         .collect())
 }

@@ -21,15 +21,34 @@ struct Workload {
 }
 
 /// Measures each mechanism at each number of waiters.
-pub fn run(bench: &Bench, scale: &Scale, scenario: &str, mechanisms: &[Mechanism]) -> Result<Findings> {
+pub fn run(
+    bench: &Bench,
+    scale: &Scale,
+    scenario: &str,
+    mechanisms: &[Mechanism],
+) -> Result<Findings> {
     let cases = cases(&scale.waiters, &bench.mechanisms(mechanisms));
     let rows = bench.each(
         &cases,
         |(n, m)| format!("{scenario}: {} with {n} waiters", m.name()),
-        |&(waiters, mechanism)| measure(bench, mechanism, &Workload { waiters, tokens: scale.tokens, acquisitions: scale.ops, job_us: scale.job_us }),
+        |&(waiters, mechanism)| {
+            measure(
+                bench,
+                mechanism,
+                &Workload {
+                    waiters,
+                    tokens: scale.tokens,
+                    acquisitions: scale.ops,
+                    job_us: scale.job_us,
+                },
+            )
+        },
     )?;
     let note = "operations are acquisitions; each waiter's last one finds the budget spent and passes the token on";
-    Ok(Findings { rows, notes: vec![note.to_string()] })
+    Ok(Findings {
+        rows,
+        notes: vec![note.to_string()],
+    })
 }
 
 fn measure(bench: &Bench, mechanism: Mechanism, work: &Workload) -> Result<Row> {
@@ -41,15 +60,28 @@ fn measure(bench: &Bench, mechanism: Mechanism, work: &Workload) -> Result<Row> 
         start.now()?;
         tokens.acquire(1)?;
         let mut acquisitions = 1;
-        while budget[0].fetch_update(SeqCst, SeqCst, |left| left.checked_sub(1)).is_ok() {
+        while budget[0]
+            .fetch_update(SeqCst, SeqCst, |left| left.checked_sub(1))
+            .is_ok()
+        {
             job(work.job_us);
             tokens.cycle(1)?;
             acquisitions += 1;
         }
         tokens.release(1)?;
-        Ok(Counts { ops: acquisitions, wakeups: 0 })
+        Ok(Counts {
+            ops: acquisitions,
+            wakeups: 0,
+        })
     })?;
-    Ok(Row::of_team(mechanism.name(), work.waiters, &outcome, pool.broker_pid().is_some()).with("tokens", work.tokens).with("job_us", work.job_us))
+    Ok(Row::of_team(
+        mechanism.name(),
+        work.waiters,
+        &outcome,
+        pool.broker_pid().is_some(),
+    )
+    .with("tokens", work.tokens)
+    .with("job_us", work.job_us))
 }
 
 /// A job that sleeps, as a compiler waiting on its disk would, so that the

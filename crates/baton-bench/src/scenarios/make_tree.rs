@@ -23,7 +23,13 @@ use std::process::Command;
 use std::time::Duration;
 
 /// waiters: the `-jN`s; ops: rounds; job_us: each job's sleep.
-pub const DEFAULTS: Defaults = Defaults { waiters: &[16, 512], ops: 3, tokens: 0, job_us: 20_000, wake: 0 };
+pub const DEFAULTS: Defaults = Defaults {
+    waiters: &[16, 512],
+    ops: 3,
+    tokens: 0,
+    job_us: 20_000,
+    wake: 0,
+};
 
 /// Sub-makes per make, and jobs per leaf make.
 const FANOUT: usize = 16;
@@ -54,7 +60,8 @@ impl Way {
 }
 
 pub fn run(bench: &Bench, scale: &Scale) -> Result<Findings> {
-    let make = std::env::var_os("BATON_BENCH_MAKE44").map_or_else(|| PathBuf::from("make"), PathBuf::from);
+    let make =
+        std::env::var_os("BATON_BENCH_MAKE44").map_or_else(|| PathBuf::from("make"), PathBuf::from);
     check_version("make 4.4.1", &make, "GNU Make 4.4")?;
     let mut notes = Vec::new();
     let fuse = Mechanism::BatonFuse.available();
@@ -66,7 +73,11 @@ pub fn run(bench: &Bench, scale: &Scale) -> Result<Findings> {
         .filter(|&w| w == Way::Own || (bench.with_baton() && (fuse || !w.needs_fuse())))
         .collect();
     let tree = write_tree(&bench.env.tmp, scale.job_us)?;
-    let cases: Vec<(usize, Way)> = scale.waiters.iter().flat_map(|&n| ways.iter().map(move |&w| (n, w))).collect();
+    let cases: Vec<(usize, Way)> = scale
+        .waiters
+        .iter()
+        .flat_map(|&n| ways.iter().map(move |&w| (n, w)))
+        .collect();
     let rounds = scale.ops.max(1) as usize;
     let mut brokers = Brokers::new(&bench.env);
     let mut samples: Vec<Vec<(Sample, f64)>> = vec![Vec::new(); cases.len()];
@@ -75,24 +86,48 @@ pub fn run(bench: &Bench, scale: &Scale) -> Result<Findings> {
         for i in (0..cases.len()).map(|i| (i + round) % cases.len()) {
             let (n, way) = cases[i];
             let load = load_average();
-            let sample = build(&mut brokers, &make, &tree, n, way).with_context(|| format!("round {}: {} at -j{n}", round + 1, way.name()))?;
+            let sample = build(&mut brokers, &make, &tree, n, way)
+                .with_context(|| format!("round {}: {} at -j{n}", round + 1, way.name()))?;
             samples[i].push((sample, load));
         }
     }
-    let medians: Vec<Sample> = samples.iter().map(|s| median_sample(&s.iter().map(|(s, _)| *s).collect::<Vec<_>>())).collect();
+    let medians: Vec<Sample> = samples
+        .iter()
+        .map(|s| median_sample(&s.iter().map(|(s, _)| *s).collect::<Vec<_>>()))
+        .collect();
     let mut rows = Vec::new();
     for (i, &(n, way)) in cases.iter().enumerate() {
         let m = medians[i];
         let mut loads: Vec<f64> = samples[i].iter().map(|(_, load)| *load).collect();
         loads.sort_by(f64::total_cmp);
-        let mut row = Row::new(way.name(), n, (FANOUT * FANOUT * JOBS) as u64, m.usage, m.broker, Duration::from_secs_f64(m.wall_s))
-            .with("csw", m.usage.context_switches())
-            .with("load_min", round2(loads[0]))
-            .with("load_max", round2(loads[loads.len() - 1]));
-        if let Some(own) = cases.iter().position(|&c| c == (n, Way::Own)).map(|j| medians[j]) {
+        let mut row = Row::new(
+            way.name(),
+            n,
+            (FANOUT * FANOUT * JOBS) as u64,
+            m.usage,
+            m.broker,
+            Duration::from_secs_f64(m.wall_s),
+        )
+        .with("csw", m.usage.context_switches())
+        .with("load_min", round2(loads[0]))
+        .with("load_max", round2(loads[loads.len() - 1]));
+        if let Some(own) = cases
+            .iter()
+            .position(|&c| c == (n, Way::Own))
+            .map(|j| medians[j])
+        {
             row = row
-                .with("csw_x", round2(m.usage.context_switches() as f64 / own.usage.context_switches().max(1) as f64))
-                .with("cpu_x", round2(m.usage.cpu_us as f64 / own.usage.cpu_us.max(1) as f64))
+                .with(
+                    "csw_x",
+                    round2(
+                        m.usage.context_switches() as f64
+                            / own.usage.context_switches().max(1) as f64,
+                    ),
+                )
+                .with(
+                    "cpu_x",
+                    round2(m.usage.cpu_us as f64 / own.usage.cpu_us.max(1) as f64),
+                )
                 .with("wall_x", round2(m.wall_s / own.wall_s));
         }
         rows.push(row);
@@ -109,12 +144,28 @@ pub fn run(bench: &Bench, scale: &Scale) -> Result<Findings> {
 fn write_tree(tmp: &Path, job_us: u64) -> Result<PathBuf> {
     let dir = tmp.join("make-tree");
     std::fs::create_dir_all(&dir)?;
-    let names = |prefix: &str, n: usize| (0..n).map(|i| format!("{prefix}{i}")).collect::<Vec<_>>().join(" ");
-    let level = |sub: &str| format!("all: {t}\n{t}:\n\t@$(MAKE) -f {sub}\n.PHONY: all {t}\n", t = names("t", FANOUT));
+    let names = |prefix: &str, n: usize| {
+        (0..n)
+            .map(|i| format!("{prefix}{i}"))
+            .collect::<Vec<_>>()
+            .join(" ")
+    };
+    let level = |sub: &str| {
+        format!(
+            "all: {t}\n{t}:\n\t@$(MAKE) -f {sub}\n.PHONY: all {t}\n",
+            t = names("t", FANOUT)
+        )
+    };
     std::fs::write(dir.join("top.mk"), level("mid.mk"))?;
     std::fs::write(dir.join("mid.mk"), level("leaf.mk"))?;
     let sleep = format!("{}.{:06}", job_us / 1_000_000, job_us % 1_000_000);
-    std::fs::write(dir.join("leaf.mk"), format!("all: {t}\n{t}:\n\t@sleep {sleep}\n.PHONY: all {t}\n", t = names("j", JOBS)))?;
+    std::fs::write(
+        dir.join("leaf.mk"),
+        format!(
+            "all: {t}\n{t}:\n\t@sleep {sleep}\n.PHONY: all {t}\n",
+            t = names("j", JOBS)
+        ),
+    )?;
     Ok(dir)
 }
 
@@ -134,7 +185,13 @@ fn build(brokers: &mut Brokers, make: &Path, tree: &Path, n: usize, way: Way) ->
             };
             let mut command = Command::new(brokers.baton_bin());
             let broker = brokers.get(n as u32, flags)?;
-            command.arg("run").arg("--socket").arg(broker.socket()).args(["--jobserver-style", style, "--"]).arg(make).args(make_args);
+            command
+                .arg("run")
+                .arg("--socket")
+                .arg(broker.socket())
+                .args(["--jobserver-style", style, "--"])
+                .arg(make)
+                .args(make_args);
             (command, Some(broker))
         }
     };
@@ -145,5 +202,8 @@ fn build(brokers: &mut Brokers, make: &Path, tree: &Path, n: usize, way: Way) ->
 /// The 1-minute load average: the figures move with it on a shared machine.
 fn load_average() -> f64 {
     let text = std::fs::read_to_string("/proc/loadavg").unwrap_or_default();
-    text.split_whitespace().next().and_then(|l| l.parse().ok()).unwrap_or(0.0)
+    text.split_whitespace()
+        .next()
+        .and_then(|l| l.parse().ok())
+        .unwrap_or(0.0)
 }

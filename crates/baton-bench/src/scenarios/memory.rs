@@ -21,7 +21,13 @@ use std::time::{Duration, Instant};
 
 /// waiters: plain make's -jN and the broker's --jobs (8); ops: rounds;
 /// tokens: jobs per build (12); job_us: how long each job holds its memory.
-pub const DEFAULTS: Defaults = Defaults { waiters: &[8], ops: 3, tokens: 12, job_us: 1_000_000, wake: 0 };
+pub const DEFAULTS: Defaults = Defaults {
+    waiters: &[8],
+    ops: 3,
+    tokens: 12,
+    job_us: 1_000_000,
+    wake: 0,
+};
 
 const LIMIT_MIB: u64 = 1024;
 const JOB_MIB: u64 = 250;
@@ -62,7 +68,10 @@ struct Sample {
 }
 
 pub fn run(bench: &Bench, scale: &Scale) -> Result<Findings> {
-    let n = *scale.waiters.first().context("--waiters: plain make's -jN")?;
+    let n = *scale
+        .waiters
+        .first()
+        .context("--waiters: plain make's -jN")?;
     let cgroup = MemCgroup::new("bench-memory", LIMIT_MIB << 20)?;
     let dir = bench.env.tmp.join("memory");
     std::fs::create_dir_all(&dir)?;
@@ -72,19 +81,31 @@ pub fn run(bench: &Bench, scale: &Scale) -> Result<Findings> {
     if bench.with_baton() {
         ways.extend([Way::Baton(n, false), Way::Baton(n, true)]);
     }
-    let brokers: Vec<(Way, Broker)> = ways.iter().filter(|w| matches!(w, Way::Baton(..))).map(|&w| Ok((w, broker_in(&cgroup, bench, w)?))).collect::<Result<_>>()?;
+    let brokers: Vec<(Way, Broker)> = ways
+        .iter()
+        .filter(|w| matches!(w, Way::Baton(..)))
+        .map(|&w| Ok((w, broker_in(&cgroup, bench, w)?)))
+        .collect::<Result<_>>()?;
     let load_before = load_average();
     let rounds = scale.ops.max(1) as usize;
     let mut samples: Vec<Vec<Sample>> = vec![Vec::new(); ways.len()];
     for round in 0..rounds {
         for i in (0..ways.len()).map(|i| (i + round) % ways.len()) {
             let broker = brokers.iter().find(|(w, _)| *w == ways[i]).map(|(_, b)| b);
-            let sample = build(bench, &cgroup, broker, &dir, &log, ways[i]).with_context(|| format!("round {}: {}", round + 1, ways[i].name()))?;
+            let sample = build(bench, &cgroup, broker, &dir, &log, ways[i])
+                .with_context(|| format!("round {}: {}", round + 1, ways[i].name()))?;
             samples[i].push(sample);
         }
     }
-    let safe = ways.iter().position(|&w| w == Way::Make(SAFE_J)).expect("the safe -j is always measured");
-    let rows = ways.iter().enumerate().map(|(i, &way)| row(way, &samples[i], &samples[safe], scale.tokens)).collect();
+    let safe = ways
+        .iter()
+        .position(|&w| w == Way::Make(SAFE_J))
+        .expect("the safe -j is always measured");
+    let rows = ways
+        .iter()
+        .enumerate()
+        .map(|(i, &way)| row(way, &samples[i], &samples[safe], scale.tokens))
+        .collect();
     let notes = vec![
         format!("{} jobs of {JOB_MIB} MiB held {:.1} s each, in a memory cgroup of {LIMIT_MIB} MiB with broker and build inside", scale.tokens, scale.job_us as f64 / 1e6),
         format!("{rounds} alternating rounds; wall s is the median; wall_x: the median of each round's ratio to make -j{SAFE_J} (same run)"),
@@ -94,33 +115,77 @@ pub fn run(bench: &Bench, scale: &Scale) -> Result<Findings> {
 }
 
 fn row(way: Way, samples: &[Sample], safe: &[Sample], jobs: u32) -> Row {
-    let ratios: Vec<f64> = samples.iter().zip(safe).map(|(s, b)| s.wall_s / b.wall_s.max(1e-9)).collect();
+    let ratios: Vec<f64> = samples
+        .iter()
+        .zip(safe)
+        .map(|(s, b)| s.wall_s / b.wall_s.max(1e-9))
+        .collect();
     let wall = Duration::from_secs_f64(median(samples.iter().map(|s| s.wall_s).collect()));
     let n = match way {
         Way::Make(j) | Way::Baton(j, _) => j,
     };
-    Row::new(&way.name(), n, u64::from(jobs), Usage::default(), None, wall)
-        .with("builds_ok", samples.iter().filter(|s| s.ok).count())
-        .with("oom_kills", samples.iter().map(|s| s.oom_kills).sum::<u64>())
-        .with("most_at_once", samples.iter().map(|s| s.most_at_once).max().unwrap_or(0))
-        .with("wall_x", (median(ratios) * 100.0).round() / 100.0)
+    Row::new(
+        &way.name(),
+        n,
+        u64::from(jobs),
+        Usage::default(),
+        None,
+        wall,
+    )
+    .with("builds_ok", samples.iter().filter(|s| s.ok).count())
+    .with(
+        "oom_kills",
+        samples.iter().map(|s| s.oom_kills).sum::<u64>(),
+    )
+    .with(
+        "most_at_once",
+        samples.iter().map(|s| s.most_at_once).max().unwrap_or(0),
+    )
+    .with("wall_x", (median(ratios) * 100.0).round() / 100.0)
 }
 
-fn build(bench: &Bench, cgroup: &MemCgroup, broker: Option<&Broker>, dir: &Path, log: &Path, way: Way) -> Result<Sample> {
+fn build(
+    bench: &Bench,
+    cgroup: &MemCgroup,
+    broker: Option<&Broker>,
+    dir: &Path,
+    log: &Path,
+    way: Way,
+) -> Result<Sample> {
     let _ = std::fs::remove_file(log);
     let make = make();
     let mut command = cgroup.command();
     match (way, broker) {
         (Way::Make(j), _) => command.arg(&make).arg(format!("-j{j}")).arg("-k"),
-        (Way::Baton(..), Some(broker)) => command.arg(&bench.env.baton_bin).arg("run").arg("--socket").arg(broker.socket()).arg("--").arg(&make),
+        (Way::Baton(..), Some(broker)) => command
+            .arg(&bench.env.baton_bin)
+            .arg("run")
+            .arg("--socket")
+            .arg(broker.socket())
+            .arg("--")
+            .arg(&make),
         (Way::Baton(..), None) => bail!("no broker"),
     };
-    command.arg("-s").current_dir(dir).env_remove("MAKEFLAGS").env_remove("MAKELEVEL").stdin(Stdio::null()).stdout(Stdio::null()).stderr(Stdio::null());
+    command
+        .arg("-s")
+        .current_dir(dir)
+        .env_remove("MAKEFLAGS")
+        .env_remove("MAKELEVEL")
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null());
     let before = cgroup.oom_kills()?;
     let start = Instant::now();
-    let status = command.status().with_context(|| format!("running {}", way.name()))?;
+    let status = command
+        .status()
+        .with_context(|| format!("running {}", way.name()))?;
     let wall_s = start.elapsed().as_secs_f64();
-    Ok(Sample { ok: status.success(), oom_kills: cgroup.oom_kills()? - before, wall_s, most_at_once: most_at_once(log) })
+    Ok(Sample {
+        ok: status.success(),
+        oom_kills: cgroup.oom_kills()? - before,
+        wall_s,
+        most_at_once: most_at_once(log),
+    })
 }
 
 /// The most jobs that ran at once, from their start and end lines.
@@ -141,7 +206,8 @@ fn most_at_once(log: &Path) -> usize {
 }
 
 fn make() -> PathBuf {
-    std::env::var_os("BATON_BENCH_MAKE").map_or_else(|| PathBuf::from("/usr/bin/make"), PathBuf::from)
+    std::env::var_os("BATON_BENCH_MAKE")
+        .map_or_else(|| PathBuf::from("/usr/bin/make"), PathBuf::from)
 }
 
 /// `jobs` targets, each a python3 that touches JOB_MIB and holds it.
@@ -152,18 +218,34 @@ fn write_makefile(dir: &Path, log: &Path, jobs: usize, job_us: u64) -> Result<()
         log = log.display(),
         secs = job_us as f64 / 1e6
     );
-    let text = format!("all: {all}\n{all}:\n\t@{job}\n.PHONY: all {all}\n", all = targets.join(" "));
+    let text = format!(
+        "all: {all}\n{all}:\n\t@{job}\n.PHONY: all {all}\n",
+        all = targets.join(" ")
+    );
     std::fs::write(dir.join("Makefile"), text).context("writing the Makefile")
 }
 
 fn load_average() -> String {
-    std::fs::read_to_string("/proc/loadavg").unwrap_or_default().split_whitespace().take(3).collect::<Vec<_>>().join(" ")
+    std::fs::read_to_string("/proc/loadavg")
+        .unwrap_or_default()
+        .split_whitespace()
+        .take(3)
+        .collect::<Vec<_>>()
+        .join(" ")
 }
 
 /// A broker for `way` inside the cgroup.
 fn broker_in(cgroup: &MemCgroup, bench: &Bench, way: Way) -> Result<Broker> {
-    let Way::Baton(jobs, pause) = way else { bail!("{} needs no broker", way.name()) };
-    let mut flags = vec!["--no-fuse", "--min-mem-available", GATE, "--mem-settle", SETTLE_MS];
+    let Way::Baton(jobs, pause) = way else {
+        bail!("{} needs no broker", way.name())
+    };
+    let mut flags = vec![
+        "--no-fuse",
+        "--min-mem-available",
+        GATE,
+        "--mem-settle",
+        SETTLE_MS,
+    ];
     if pause {
         flags.extend(["--on-memory-pressure", "pause"]);
     }

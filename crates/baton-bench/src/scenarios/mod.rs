@@ -103,7 +103,11 @@ pub struct Scale {
 impl Scale {
     fn from_args(args: &BenchArgs, defaults: Defaults) -> Scale {
         Scale {
-            waiters: if args.waiters.is_empty() { defaults.waiters.to_vec() } else { args.waiters.clone() },
+            waiters: if args.waiters.is_empty() {
+                defaults.waiters.to_vec()
+            } else {
+                args.waiters.clone()
+            },
             ops: args.ops.unwrap_or(defaults.ops),
             tokens: args.tokens.unwrap_or(defaults.tokens),
             job_us: args.job_us.unwrap_or(defaults.job_us),
@@ -140,11 +144,17 @@ impl Bench {
     /// The given mechanisms, less baton's when the run is without it, and
     /// less those this machine cannot run (said once on stderr).
     pub fn mechanisms(&self, all: &[Mechanism]) -> Vec<Mechanism> {
-        let wanted = all.iter().copied().filter(|m| self.with_baton || !m.is_baton());
+        let wanted = all
+            .iter()
+            .copied()
+            .filter(|m| self.with_baton || !m.is_baton());
         wanted
             .filter(|m| {
                 if !m.available() {
-                    eprintln!("note: skipped \"{}\": FUSE is not available here (no /dev/fuse)", m.name());
+                    eprintln!(
+                        "note: skipped \"{}\": FUSE is not available here (no /dev/fuse)",
+                        m.name()
+                    );
                 }
                 m.available()
             })
@@ -156,7 +166,12 @@ impl Bench {
     }
 
     /// Measures each case in turn, showing progress.
-    pub fn each<C>(&self, cases: &[C], label: impl Fn(&C) -> String, mut measure: impl FnMut(&C) -> Result<Row>) -> Result<Vec<Row>> {
+    pub fn each<C>(
+        &self,
+        cases: &[C],
+        label: impl Fn(&C) -> String,
+        mut measure: impl FnMut(&C) -> Result<Row>,
+    ) -> Result<Vec<Row>> {
         let mut rows = Vec::new();
         for (i, case) in cases.iter().enumerate() {
             let label = label(case);
@@ -171,15 +186,28 @@ impl Bench {
 /// Every combination of waiter count and mechanism, counts outermost, so a
 /// table reads as "at this N, each mechanism".
 pub fn cases(waiters: &[usize], mechanisms: &[Mechanism]) -> Vec<(usize, Mechanism)> {
-    waiters.iter().flat_map(|&n| mechanisms.iter().map(move |&m| (n, m))).collect()
+    waiters
+        .iter()
+        .flat_map(|&n| mechanisms.iter().map(move |&m| (n, m)))
+        .collect()
 }
 
 pub fn run(args: &BenchArgs, baton_bin: PathBuf) -> Result<Report> {
     let scenario = args.scenario;
     let scale = Scale::from_args(args, scenario.defaults());
-    anyhow::ensure!(scale.waiters.iter().all(|&n| n >= 1), "--waiters must be at least 1");
+    anyhow::ensure!(
+        scale.waiters.iter().all(|&n| n >= 1),
+        "--waiters must be at least 1"
+    );
     let tmp = TempDir::new()?;
-    let bench = Bench { env: Env { baton_bin, tmp: tmp.0.clone() }, with_baton: !args.without_baton, progress: Progress::new() };
+    let bench = Bench {
+        env: Env {
+            baton_bin,
+            tmp: tmp.0.clone(),
+        },
+        with_baton: !args.without_baton,
+        progress: Progress::new(),
+    };
     let findings = match scenario {
         Scenario::TokenRing => token_ring::run(&bench, &scale)?,
         Scenario::BlockingVsPolling => blocking_vs_polling::run(&bench, &scale)?,
@@ -196,7 +224,13 @@ pub fn run(args: &BenchArgs, baton_bin: PathBuf) -> Result<Report> {
         Value::Object(map) => map,
         _ => Map::new(),
     };
-    Ok(Report { scenario: scenario.name().to_string(), machine: Machine::this(), parameters, results: findings.rows, notes: findings.notes })
+    Ok(Report {
+        scenario: scenario.name().to_string(),
+        machine: Machine::this(),
+        parameters,
+        results: findings.rows,
+        notes: findings.notes,
+    })
 }
 
 /// A private directory for broker sockets, removed at the end.

@@ -17,7 +17,13 @@ use std::sync::atomic::{AtomicU64, Ordering::SeqCst};
 /// The commit's test passes the token 1,000,000 times among 64 processes;
 /// that takes minutes on two cores with six mechanisms, so the default is
 /// smaller (`--ops 1000000` reproduces its size).
-pub const DEFAULTS: Defaults = Defaults { waiters: &[64], ops: 20_000, tokens: 1, job_us: 0, wake: 1 };
+pub const DEFAULTS: Defaults = Defaults {
+    waiters: &[64],
+    ops: 20_000,
+    tokens: 1,
+    job_us: 0,
+    wake: 1,
+};
 
 const MECHANISMS: &[Mechanism] = &[
     Mechanism::PipeBlocking,
@@ -41,7 +47,11 @@ struct Ring {
 
 pub fn run(bench: &Bench, scale: &Scale) -> Result<Findings> {
     let cases = cases(&scale.waiters, &bench.mechanisms(MECHANISMS));
-    let rows = bench.each(&cases, |(n, m)| format!("token-ring: {} among {n} processes", m.name()), |&(processes, mechanism)| measure(bench, mechanism, processes, scale.ops))?;
+    let rows = bench.each(
+        &cases,
+        |(n, m)| format!("token-ring: {} among {n} processes", m.name()),
+        |&(processes, mechanism)| measure(bench, mechanism, processes, scale.ops),
+    )?;
     let notes = vec![
         "operations are token transfers; every second one also puts in an extra token that its taker consumes (as in the Linux commit's test program), except for baton, where only the limit makes tokens".to_string(),
     ];
@@ -54,14 +64,33 @@ fn measure(bench: &Bench, mechanism: Mechanism, processes: usize, transfers: u64
     let outcome = team::run(processes, pool.broker_pid(), |_, start| {
         let mut tokens = pool.open()?;
         start.now()?;
-        let done = pass_token(&mut *tokens, &ring[0], transfers, mechanism.mints_on_release())?;
-        Ok(Counts { ops: done, wakeups: 0 })
+        let done = pass_token(
+            &mut *tokens,
+            &ring[0],
+            transfers,
+            mechanism.mints_on_release(),
+        )?;
+        Ok(Counts {
+            ops: done,
+            wakeups: 0,
+        })
     })?;
-    Ok(Row::of_team(mechanism.name(), processes, &outcome, pool.broker_pid().is_some()).with("extra_token", mechanism.mints_on_release()))
+    Ok(Row::of_team(
+        mechanism.name(),
+        processes,
+        &outcome,
+        pool.broker_pid().is_some(),
+    )
+    .with("extra_token", mechanism.mints_on_release()))
 }
 
 /// One process's part of the ring; returns the transfers it made.
-fn pass_token(tokens: &mut dyn Tokens, ring: &Ring, transfers: u64, with_extra: bool) -> Result<u64> {
+fn pass_token(
+    tokens: &mut dyn Tokens,
+    ring: &Ring,
+    transfers: u64,
+    with_extra: bool,
+) -> Result<u64> {
     let mut made = 0;
     tokens.acquire(1)?;
     loop {
@@ -89,5 +118,7 @@ fn pass_token(tokens: &mut dyn Tokens, ring: &Ring, transfers: u64, with_extra: 
 /// Whether the token just taken counts as an extra one. Tokens are
 /// interchangeable, so of two holders whichever claims first is the extra.
 fn take_extra(ring: &Ring) -> bool {
-    ring.extra.fetch_update(SeqCst, SeqCst, |n| n.checked_sub(1)).is_ok()
+    ring.extra
+        .fetch_update(SeqCst, SeqCst, |n| n.checked_sub(1))
+        .is_ok()
 }

@@ -19,7 +19,13 @@ use std::time::{Duration, Instant};
 
 /// waiters: the `-jN`s (none given: 96, as in the FreeBSD post, and 4 × CPUs); ops:
 /// rounds; job_us: each job's sleep.
-pub const DEFAULTS: Defaults = Defaults { waiters: &[], ops: 3, tokens: 0, job_us: 20_000, wake: 0 };
+pub const DEFAULTS: Defaults = Defaults {
+    waiters: &[],
+    ops: 3,
+    tokens: 0,
+    job_us: 20_000,
+    wake: 0,
+};
 
 /// The two trees.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -66,7 +72,12 @@ impl Way {
     }
 }
 
-const WAYS: [Way; 4] = [Way::Own, Way::Baton("fifo"), Way::Baton("pipe"), Way::Baton("fuse")];
+const WAYS: [Way; 4] = [
+    Way::Own,
+    Way::Baton("fifo"),
+    Way::Baton("pipe"),
+    Way::Baton("fuse"),
+];
 
 /// What one build spent.
 #[derive(Debug, Clone, Copy, Default)]
@@ -81,14 +92,30 @@ pub(super) struct Sample {
 pub fn run(bench: &Bench, scale: &Scale) -> Result<Findings> {
     let bmake = find_bmake()?;
     let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
-    let ns = if scale.waiters.is_empty() { vec![96, 4 * cpus] } else { scale.waiters.clone() };
+    let ns = if scale.waiters.is_empty() {
+        vec![96, 4 * cpus]
+    } else {
+        scale.waiters.clone()
+    };
     // The FUSE style only where FUSE is.
     let fuse = Path::new("/dev/fuse").exists();
-    let ways: Vec<Way> = WAYS.into_iter().filter(|w| bench.with_baton() || *w == Way::Own).filter(|w| fuse || *w != Way::Baton("fuse")).collect();
+    let ways: Vec<Way> = WAYS
+        .into_iter()
+        .filter(|w| bench.with_baton() || *w == Way::Own)
+        .filter(|w| fuse || *w != Way::Baton("fuse"))
+        .collect();
     let shapes = [Shape::Universe, Shape::Flat];
-    let trees: Vec<PathBuf> = shapes.iter().map(|&s| write_tree(&bench.env.tmp, s, scale.job_us)).collect::<Result<_>>()?;
-    let cases: Vec<(usize, usize, Way)> =
-        (0..shapes.len()).flat_map(|s| ns.iter().flat_map(move |&n| WAYS.into_iter().map(move |w| (s, n, w)))).filter(|c| ways.contains(&c.2)).collect();
+    let trees: Vec<PathBuf> = shapes
+        .iter()
+        .map(|&s| write_tree(&bench.env.tmp, s, scale.job_us))
+        .collect::<Result<_>>()?;
+    let cases: Vec<(usize, usize, Way)> = (0..shapes.len())
+        .flat_map(|s| {
+            ns.iter()
+                .flat_map(move |&n| WAYS.into_iter().map(move |w| (s, n, w)))
+        })
+        .filter(|c| ways.contains(&c.2))
+        .collect();
     let rounds = scale.ops.max(1) as usize;
     let mut brokers = Brokers::new(&bench.env);
     let mut samples: Vec<Vec<Sample>> = vec![Vec::new(); cases.len()];
@@ -96,30 +123,58 @@ pub fn run(bench: &Bench, scale: &Scale) -> Result<Findings> {
         // Alternating: each round starts with a different case.
         for i in (0..cases.len()).map(|i| (i + round) % cases.len()) {
             let (s, n, way) = cases[i];
-            let sample = build(&mut brokers, &bmake, &trees[s], n, way)
-                .with_context(|| format!("round {}: {} at -j{n} ({})", round + 1, way.name(), shapes[s].name()))?;
+            let sample = build(&mut brokers, &bmake, &trees[s], n, way).with_context(|| {
+                format!(
+                    "round {}: {} at -j{n} ({})",
+                    round + 1,
+                    way.name(),
+                    shapes[s].name()
+                )
+            })?;
             samples[i].push(sample);
         }
     }
     let mut rows = Vec::new();
     for (i, &(s, n, way)) in cases.iter().enumerate() {
-        let own_samples = cases.iter().position(|&(s2, n2, w2)| (s2, n2, w2) == (s, n, Way::Own)).map(|j| &samples[j]);
+        let own_samples = cases
+            .iter()
+            .position(|&(s2, n2, w2)| (s2, n2, w2) == (s, n, Way::Own))
+            .map(|j| &samples[j]);
         let m = median_sample(&samples[i]);
         let (subs, _, jobs) = shapes[s].size();
         let wall = Duration::from_secs_f64(m.wall_s);
-        let mut row = Row::new(&way.name(), n, (subs * jobs) as u64, m.usage, m.broker, wall)
-            .with("shape", shapes[s].name())
-            .with("user_s", round2(m.user_s))
-            .with("sys_s", round2(m.sys_s))
-            .with("sys_share", round2(m.sys_s / (m.user_s + m.sys_s).max(1e-9)))
-            .with("csw", m.usage.context_switches());
+        let mut row = Row::new(
+            &way.name(),
+            n,
+            (subs * jobs) as u64,
+            m.usage,
+            m.broker,
+            wall,
+        )
+        .with("shape", shapes[s].name())
+        .with("user_s", round2(m.user_s))
+        .with("sys_s", round2(m.sys_s))
+        .with(
+            "sys_share",
+            round2(m.sys_s / (m.user_s + m.sys_s).max(1e-9)),
+        )
+        .with("csw", m.usage.context_switches());
         if let Some(own_samples) = own_samples {
             let own = median_sample(own_samples);
             row = row
                 .with("wall_x", round2(m.wall_s / own.wall_s))
-                .with("wall_pair_x", round3(median_paired_ratio(&samples[i], own_samples, |s| s.wall_s)))
+                .with(
+                    "wall_pair_x",
+                    round3(median_paired_ratio(&samples[i], own_samples, |s| s.wall_s)),
+                )
                 .with("sys_x", round2(m.sys_s / own.sys_s.max(1e-9)))
-                .with("csw_x", round2(m.usage.context_switches() as f64 / own.usage.context_switches().max(1) as f64));
+                .with(
+                    "csw_x",
+                    round2(
+                        m.usage.context_switches() as f64
+                            / own.usage.context_switches().max(1) as f64,
+                    ),
+                );
         }
         rows.push(row);
     }
@@ -145,8 +200,16 @@ fn round3(x: f64) -> f64 {
 /// sample of the same round)`. Builds of one round run close together, so
 /// the pair shares the machine's state of the moment; the ratio of the two
 /// medians also carries the drift between rounds.
-pub(super) fn median_paired_ratio(samples: &[Sample], baseline: &[Sample], f: fn(&Sample) -> f64) -> f64 {
-    let mut ratios: Vec<f64> = samples.iter().zip(baseline).map(|(s, b)| f(s) / f(b).max(1e-9)).collect();
+pub(super) fn median_paired_ratio(
+    samples: &[Sample],
+    baseline: &[Sample],
+    f: fn(&Sample) -> f64,
+) -> f64 {
+    let mut ratios: Vec<f64> = samples
+        .iter()
+        .zip(baseline)
+        .map(|(s, b)| f(s) / f(b).max(1e-9))
+        .collect();
     ratios.sort_by(f64::total_cmp);
     ratios[ratios.len() / 2]
 }
@@ -155,14 +218,24 @@ pub(super) fn median_paired_ratio(samples: &[Sample], baseline: &[Sample], f: fn
 /// that polls its token pipe (scripts/polling-bmake) and one that does not
 /// may carry the same one.
 fn bmake_version(bmake: &Path) -> String {
-    let out = Command::new(bmake).args(["-r", "-f", "/dev/null", "-V", "MAKE_VERSION"]).output();
-    out.ok().map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string()).filter(|v| !v.is_empty()).unwrap_or_else(|| "version unknown".into())
+    let out = Command::new(bmake)
+        .args(["-r", "-f", "/dev/null", "-V", "MAKE_VERSION"])
+        .output();
+    out.ok()
+        .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
+        .filter(|v| !v.is_empty())
+        .unwrap_or_else(|| "version unknown".into())
 }
 
 fn find_bmake() -> Result<PathBuf> {
-    let path = std::env::var_os("BATON_BENCH_BMAKE").map(PathBuf::from).unwrap_or_else(|| PathBuf::from("/usr/bin/bmake"));
+    let path = std::env::var_os("BATON_BENCH_BMAKE")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from("/usr/bin/bmake"));
     if !path.exists() {
-        bail!("{} not found (install bmake, e.g. apt-get install bmake, or set BATON_BENCH_BMAKE)", path.display());
+        bail!(
+            "{} not found (install bmake, e.g. apt-get install bmake, or set BATON_BENCH_BMAKE)",
+            path.display()
+        );
     }
     Ok(path)
 }
@@ -172,7 +245,12 @@ fn find_bmake() -> Result<PathBuf> {
 fn write_tree(tmp: &Path, shape: Shape, job_us: u64) -> Result<PathBuf> {
     let (subs, up_to_date, jobs) = shape.size();
     let dir = tmp.join(shape.name());
-    let names = |prefix: &str, n: usize| (0..n).map(|i| format!("{prefix}{i}")).collect::<Vec<_>>().join(" ");
+    let names = |prefix: &str, n: usize| {
+        (0..n)
+            .map(|i| format!("{prefix}{i}"))
+            .collect::<Vec<_>>()
+            .join(" ")
+    };
     let top = format!("SUBS = {}\nall: ${{SUBS}}\n${{SUBS}}:\n\t@cd ${{.CURDIR}}/$@ && ${{MAKE}} -f ../sub.mk\n.PHONY: all ${{SUBS}}\n", names("s", subs));
     std::fs::create_dir_all(&dir)?;
     std::fs::write(dir.join("Makefile"), top)?;
@@ -208,7 +286,12 @@ fn build(brokers: &mut Brokers, bmake: &Path, tree: &Path, n: usize, way: Way) -
             let flags: &[&str] = if style == "fuse" { &[] } else { &["--no-fuse"] };
             let mut command = Command::new(brokers.baton_bin());
             let broker = brokers.get(n as u32, flags)?;
-            command.arg("run").arg("--socket").arg(broker.socket()).args(["--jobserver-style", style, "--"]).arg(bmake);
+            command
+                .arg("run")
+                .arg("--socket")
+                .arg(broker.socket())
+                .args(["--jobserver-style", style, "--"])
+                .arg(bmake);
             (command, Some(broker))
         }
     };
@@ -218,10 +301,17 @@ fn build(brokers: &mut Brokers, bmake: &Path, tree: &Path, n: usize, way: Way) -
 
 /// [`measure`], then checks that every token of the broker (if any) came
 /// back: the next build uses it too.
-pub(super) fn measure_and_check(command: Command, broker: Option<&Broker>, tokens: usize, name: &str) -> Result<Sample> {
+pub(super) fn measure_and_check(
+    command: Command,
+    broker: Option<&Broker>,
+    tokens: usize,
+    name: &str,
+) -> Result<Sample> {
     let sample = measure(command, broker, name)?;
     if let Some(broker) = broker {
-        broker.check_all_free(tokens as u32).with_context(|| format!("after {name}"))?;
+        broker
+            .check_all_free(tokens as u32)
+            .with_context(|| format!("after {name}"))?;
     }
     Ok(sample)
 }
@@ -230,12 +320,18 @@ pub(super) fn measure_and_check(command: Command, broker: Option<&Broker>, token
 /// spent meanwhile. Only the jobserver the command gives is used: none
 /// inherited from our caller.
 pub(super) fn measure(mut command: Command, broker: Option<&Broker>, name: &str) -> Result<Sample> {
-    command.env_remove("MAKEFLAGS").env_remove("MAKELEVEL").stdin(Stdio::null()).stdout(Stdio::null());
+    command
+        .env_remove("MAKEFLAGS")
+        .env_remove("MAKELEVEL")
+        .stdin(Stdio::null())
+        .stdout(Stdio::null());
     let broker_pid = broker.and_then(|b| b.broker_pid());
     let broker_before = broker_pid.map(Usage::of_process).transpose()?;
     let before = children_rusage();
     let start = Instant::now();
-    let status = command.status().with_context(|| format!("running {name}"))?;
+    let status = command
+        .status()
+        .with_context(|| format!("running {name}"))?;
     let wall = start.elapsed();
     let after = children_rusage();
     let broker_after = broker_pid.map(Usage::of_process).transpose()?;
@@ -254,7 +350,13 @@ pub(super) fn measure(mut command: Command, broker: Option<&Broker>, name: &str)
         user_s += b.cpu_us as f64 / 1e6 * share;
         sys_s += b.cpu_us as f64 / 1e6 * (1.0 - share);
     }
-    Ok(Sample { wall_s: wall.as_secs_f64(), user_s, sys_s, usage, broker: broker_usage })
+    Ok(Sample {
+        wall_s: wall.as_secs_f64(),
+        user_s,
+        sys_s,
+        usage,
+        broker: broker_usage,
+    })
 }
 
 fn secs(tv: libc::timeval) -> f64 {
@@ -273,10 +375,21 @@ fn children_rusage() -> libc::rusage {
 /// A process's user and system time so far, in /proc's ticks (seconds).
 fn proc_user_sys(pid: libc::pid_t) -> (f64, f64) {
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
-    let fields: Vec<&str> = stat.rsplit(')').next().unwrap_or("").split_whitespace().collect();
+    let fields: Vec<&str> = stat
+        .rsplit(')')
+        .next()
+        .unwrap_or("")
+        .split_whitespace()
+        .collect();
     // SAFETY: sysconf only reads a system constant.
     let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as f64;
-    let tick = |i: usize| fields.get(i).and_then(|f| f.parse::<f64>().ok()).unwrap_or(0.0) / hz;
+    let tick = |i: usize| {
+        fields
+            .get(i)
+            .and_then(|f| f.parse::<f64>().ok())
+            .unwrap_or(0.0)
+            / hz
+    };
     (tick(11), tick(12))
 }
 
@@ -289,15 +402,34 @@ pub(super) fn median_sample(samples: &[Sample]) -> Sample {
     let of = |f: fn(&Sample) -> f64| median(samples.iter().map(f).collect());
     let usage_of = |f: fn(&Usage) -> u64| median(samples.iter().map(|s| f(&s.usage)).collect());
     let broker = samples[0].broker.map(|_| Usage {
-        voluntary_switches: median(samples.iter().filter_map(|s| s.broker.map(|b| b.voluntary_switches)).collect()),
-        involuntary_switches: median(samples.iter().filter_map(|s| s.broker.map(|b| b.involuntary_switches)).collect()),
-        cpu_us: median(samples.iter().filter_map(|s| s.broker.map(|b| b.cpu_us)).collect()),
+        voluntary_switches: median(
+            samples
+                .iter()
+                .filter_map(|s| s.broker.map(|b| b.voluntary_switches))
+                .collect(),
+        ),
+        involuntary_switches: median(
+            samples
+                .iter()
+                .filter_map(|s| s.broker.map(|b| b.involuntary_switches))
+                .collect(),
+        ),
+        cpu_us: median(
+            samples
+                .iter()
+                .filter_map(|s| s.broker.map(|b| b.cpu_us))
+                .collect(),
+        ),
     });
     Sample {
         wall_s: of(|s| s.wall_s),
         user_s: of(|s| s.user_s),
         sys_s: of(|s| s.sys_s),
-        usage: Usage { voluntary_switches: usage_of(|u| u.voluntary_switches), involuntary_switches: usage_of(|u| u.involuntary_switches), cpu_us: usage_of(|u| u.cpu_us) },
+        usage: Usage {
+            voluntary_switches: usage_of(|u| u.voluntary_switches),
+            involuntary_switches: usage_of(|u| u.involuntary_switches),
+            cpu_us: usage_of(|u| u.cpu_us),
+        },
         broker,
     }
 }
@@ -307,7 +439,12 @@ mod tests {
     use super::*;
 
     fn walls(ws: &[f64]) -> Vec<Sample> {
-        ws.iter().map(|&wall_s| Sample { wall_s, ..Sample::default() }).collect()
+        ws.iter()
+            .map(|&wall_s| Sample {
+                wall_s,
+                ..Sample::default()
+            })
+            .collect()
     }
 
     #[test]

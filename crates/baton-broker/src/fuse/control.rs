@@ -26,8 +26,14 @@ impl Control {
     pub fn spawn(shared: Arc<Shared>, poll: Poll, waker: Arc<Waker>) -> std::io::Result<Self> {
         let stop = Arc::new(AtomicBool::new(false));
         let stopping = stop.clone();
-        let thread = std::thread::Builder::new().name("baton-fuse".into()).spawn(move || run(&shared, poll, &stopping))?;
-        Ok(Control { waker, stop, thread: Some(thread) })
+        let thread = std::thread::Builder::new()
+            .name("baton-fuse".into())
+            .spawn(move || run(&shared, poll, &stopping))?;
+        Ok(Control {
+            waker,
+            stop,
+            thread: Some(thread),
+        })
     }
 }
 
@@ -46,8 +52,14 @@ fn run(shared: &Shared, mut poll: Poll, stop: &AtomicBool) {
     while !stop.load(Ordering::Relaxed) {
         let timeout = shared.with(|inner, _| {
             // Handed over: nothing to act on until woken (a failed handover).
-            inner.control_sleeps_until = if inner.frozen { None } else { inner.next_wakeup() };
-            inner.control_sleeps_until.map(|t| t.saturating_duration_since(Instant::now()))
+            inner.control_sleeps_until = if inner.frozen {
+                None
+            } else {
+                inner.next_wakeup()
+            };
+            inner
+                .control_sleeps_until
+                .map(|t| t.saturating_duration_since(Instant::now()))
         });
         match poll.poll(&mut events, timeout) {
             Ok(()) => {}
@@ -57,7 +69,12 @@ fn run(shared: &Shared, mut poll: Poll, stop: &AtomicBool) {
                 return;
             }
         }
-        let exited: Vec<u32> = events.iter().map(|e| e.token()).filter(|&t| t != WAKER).map(|t| t.0 as u32).collect();
+        let exited: Vec<u32> = events
+            .iter()
+            .map(|e| e.token())
+            .filter(|&t| t != WAKER)
+            .map(|t| t.0 as u32)
+            .collect();
         shared.with(|inner, broker| {
             if inner.frozen {
                 return;

@@ -9,14 +9,17 @@
 //! state below. Lock order: `Inner`, then the broker.
 
 use super::procs::{Exits, Threads};
-use super::waiters::{Caller, Fh, Pid, PollAnswer, PollCall, PollWaker, ReadReply, Waiters, WaitersState};
+use super::waiters::{
+    Caller, Fh, Pid, PollAnswer, PollCall, PollWaker, ReadReply, Waiters, WaitersState,
+};
 use crate::broker::{Broker, ClientMeta, Transport};
 use crate::log;
 use baton_core::protocol::{FUSE_POLLS_HOLD, FUSE_POLLS_NOTIFY, FUSE_POLLS_XATTR as POLLS_XATTR};
 use fuser::{
-    Errno, FileAttr, FileHandle, FileType, Filesystem, FopenFlags, Generation, INodeNo, LockOwner, OpenFlags, PollEvents,
-    Notifier, PollFlags, PollHandle, PollNotifier, ReplyAttr, ReplyCreate, ReplyData, ReplyDirectory, ReplyEmpty, ReplyEntry, ReplyOpen, ReplyPoll,
-    ReplyWrite, ReplyXattr, Request, RequestId, TimeOrNow, WriteFlags,
+    Errno, FileAttr, FileHandle, FileType, Filesystem, FopenFlags, Generation, INodeNo, LockOwner,
+    Notifier, OpenFlags, PollEvents, PollFlags, PollHandle, PollNotifier, ReplyAttr, ReplyCreate,
+    ReplyData, ReplyDirectory, ReplyEmpty, ReplyEntry, ReplyOpen, ReplyPoll, ReplyWrite,
+    ReplyXattr, Request, RequestId, TimeOrNow, WriteFlags,
 };
 use mio::Waker;
 use serde::{Deserialize, Serialize};
@@ -165,7 +168,12 @@ pub struct Inner {
 }
 
 impl Shared {
-    pub fn new(broker: Arc<Mutex<Broker>>, waiters: Waiters<FuseRead, FusePoll, FuseAnswer>, exits: Exits, control: Arc<Waker>) -> Self {
+    pub fn new(
+        broker: Arc<Mutex<Broker>>,
+        waiters: Waiters<FuseRead, FusePoll, FuseAnswer>,
+        exits: Exits,
+        control: Arc<Waker>,
+    ) -> Self {
         let inner = Inner {
             waiters,
             threads: Threads::default(),
@@ -180,7 +188,12 @@ impl Shared {
             next_fh: 1,
             frozen: false,
         };
-        Shared { broker, inner: Mutex::new(inner), control, handover: Mutex::new(None) }
+        Shared {
+            broker,
+            inner: Mutex::new(inner),
+            control,
+            handover: Mutex::new(None),
+        }
     }
 
     /// Carries on from a predecessor's token files; `notifier` wakes the
@@ -241,7 +254,11 @@ impl Shared {
             let waiters = inner.waiters.hand_over(&mut broker, Instant::now());
             FsState {
                 waiters,
-                files: inner.files.iter().map(|(&ino, n)| (ino, n.clone())).collect(),
+                files: inner
+                    .files
+                    .iter()
+                    .map(|(&ino, n)| (ino, n.clone()))
+                    .collect(),
                 next_ino: inner.next_ino,
                 handles: inner.handles.iter().map(|(&fh, &ino)| (fh, ino)).collect(),
                 next_fh: inner.next_fh,
@@ -277,7 +294,11 @@ impl Shared {
         }
         DELIVERING.with(|d| d.set(false));
         let due = inner.next_wakeup();
-        if due.is_some_and(|due| inner.control_sleeps_until.is_none_or(|planned| due < planned)) {
+        if due.is_some_and(|due| {
+            inner
+                .control_sleeps_until
+                .is_none_or(|planned| due < planned)
+        }) {
             inner.control_sleeps_until = due;
             let _ = self.control.wake();
         }
@@ -302,16 +323,34 @@ impl Inner {
     /// When the control thread must next act by itself: a reservation runs
     /// out, or blocked readers are due for a signal check.
     pub fn next_wakeup(&self) -> Option<Instant> {
-        let scan = self.waiters.blocked_threads().next().map(|_| self.scanned_at + KILL_SCAN);
-        [self.waiters.next_deadline(), scan].into_iter().flatten().min()
+        let scan = self
+            .waiters
+            .blocked_threads()
+            .next()
+            .map(|_| self.scanned_at + KILL_SCAN);
+        [self.waiters.next_deadline(), scan]
+            .into_iter()
+            .flatten()
+            .min()
     }
 
     /// The process behind a request, registered with the broker and
     /// watched for its exit on first sight.
     fn process(&mut self, broker: &mut Broker, tid: u32, fh: Fh) -> Option<Pid> {
         let pid = self.threads.process_of(tid)?;
-        let file = self.handles.get(&fh).and_then(|ino| self.files.get(ino)).cloned().unwrap_or_default();
-        let describe = || ClientMeta::new(pid, format!("{} [{file}]", crate::socket::command_line(pid)), Transport::Fuse);
+        let file = self
+            .handles
+            .get(&fh)
+            .and_then(|ino| self.files.get(ino))
+            .cloned()
+            .unwrap_or_default();
+        let describe = || {
+            ClientMeta::new(
+                pid,
+                format!("{} [{file}]", crate::socket::command_line(pid)),
+                Transport::Fuse,
+            )
+        };
         let (_, new) = self.waiters.process(broker, pid, describe);
         if new {
             if let Err(e) = self.exits.watch(pid) {
@@ -342,12 +381,17 @@ impl Inner {
     /// Marks the file behind `fh` aborted by `byte` (the first one stays).
     fn abort(&mut self, fh: Fh, byte: u8) {
         if let Some(&ino) = self.handles.get(&fh) {
-            self.aborted.entry(ino).or_insert_with(|| Aborted::new(byte));
+            self.aborted
+                .entry(ino)
+                .or_insert_with(|| Aborted::new(byte));
         }
     }
 
     fn lookup(&self, name: &OsStr) -> Option<u64> {
-        self.files.iter().find(|(_, n)| OsStr::new(n.as_str()) == name).map(|(&ino, _)| ino)
+        self.files
+            .iter()
+            .find(|(_, n)| OsStr::new(n.as_str()) == name)
+            .map(|(&ino, _)| ino)
     }
 }
 
@@ -359,7 +403,10 @@ impl Inner {
 pub fn sort_written(data: &[u8]) -> (u32, Option<u8>) {
     let is_abort = |b: &u8| matches!(b, b'E' | b'I');
     let tokens = data.iter().filter(|b| !is_abort(b)).count();
-    (u32::try_from(tokens).unwrap_or(u32::MAX), data.iter().copied().find(is_abort))
+    (
+        u32::try_from(tokens).unwrap_or(u32::MAX),
+        data.iter().copied().find(is_abort),
+    )
 }
 
 /// A file a bmake build wrote an abort token to. It answers as bmake's pipe
@@ -376,7 +423,10 @@ pub struct Aborted {
 
 impl Aborted {
     fn new(byte: u8) -> Self {
-        Aborted { byte, drained: Default::default() }
+        Aborted {
+            byte,
+            drained: Default::default(),
+        }
     }
 
     /// What a read by `pid` returns: the abort token, or nothing to read.
@@ -403,7 +453,11 @@ impl TokenFs {
 }
 
 fn attr(ino: u64) -> FileAttr {
-    let (kind, perm, nlink) = if ino == INodeNo::ROOT.0 { (FileType::Directory, 0o700, 2) } else { (FileType::RegularFile, 0o600, 1) };
+    let (kind, perm, nlink) = if ino == INodeNo::ROOT.0 {
+        (FileType::Directory, 0o700, 2)
+    } else {
+        (FileType::RegularFile, 0o600, 1)
+    };
     let now = SystemTime::now();
     FileAttr {
         ino: INodeNo(ino),
@@ -437,7 +491,11 @@ impl Filesystem for TokenFs {
                 return self.0.wait_after_handover(go_on);
             }
         }
-        match self.with(|inner, _| (parent == INodeNo::ROOT).then(|| inner.lookup(name)).flatten()) {
+        match self.with(|inner, _| {
+            (parent == INodeNo::ROOT)
+                .then(|| inner.lookup(name))
+                .flatten()
+        }) {
             Some(ino) => reply.entry(&TTL, &attr(ino), Generation(0)),
             None => reply.error(Errno::ENOENT),
         }
@@ -474,8 +532,19 @@ impl Filesystem for TokenFs {
         self.getattr(req, ino, fh, reply);
     }
 
-    fn create(&self, _req: &Request, parent: INodeNo, name: &OsStr, _mode: u32, _umask: u32, _flags: i32, reply: ReplyCreate) {
-        let Some(name) = name.to_str().filter(|_| parent == INodeNo::ROOT) else { return reply.error(Errno::EINVAL) };
+    fn create(
+        &self,
+        _req: &Request,
+        parent: INodeNo,
+        name: &OsStr,
+        _mode: u32,
+        _umask: u32,
+        _flags: i32,
+        reply: ReplyCreate,
+    ) {
+        let Some(name) = name.to_str().filter(|_| parent == INodeNo::ROOT) else {
+            return reply.error(Errno::EINVAL);
+        };
         let (ino, fh) = self.with(|inner, _| {
             let ino = inner.lookup(OsStr::new(name)).unwrap_or_else(|| {
                 let ino = inner.next_ino;
@@ -502,7 +571,12 @@ impl Filesystem for TokenFs {
     }
 
     fn open(&self, _req: &Request, ino: INodeNo, _flags: OpenFlags, reply: ReplyOpen) {
-        let fh = self.with(|inner, _| inner.files.contains_key(&ino.0).then(|| inner.open_handle(ino.0)));
+        let fh = self.with(|inner, _| {
+            inner
+                .files
+                .contains_key(&ino.0)
+                .then(|| inner.open_handle(ino.0))
+        });
         match fh {
             Some(fh) => reply.opened(FileHandle(fh), OPEN_FLAGS),
             None => reply.error(Errno::ENOENT),
@@ -526,13 +600,20 @@ impl Filesystem for TokenFs {
         // make ≥ 4.3 reads with O_NONBLOCK after pselect(); the jobserver
         // crate reads blocking first (docs/jobserver.md, "What clients do").
         let blocking = flags.0 & libc::O_NONBLOCK == 0;
-        let caller = Caller { tid: req.pid(), unique: req.unique().0 };
+        let caller = Caller {
+            tid: req.pid(),
+            unique: req.unique().0,
+        };
         self.with(|inner, broker| {
-            let Some(pid) = inner.process(broker, caller.tid, fh.0) else { return reply.error(Errno::ESRCH) };
+            let Some(pid) = inner.process(broker, caller.tid, fh.0) else {
+                return reply.error(Errno::ESRCH);
+            };
             match inner.aborted(fh.0).map(|aborted| aborted.read(pid)) {
                 Some(Ok(byte)) => reply.data(&[byte]),
                 Some(Err(errno)) => reply.error(Errno::from_i32(errno)),
-                None => inner.waiters.read(broker, pid, caller, fh.0, blocking, FuseRead(reply)),
+                None => inner
+                    .waiters
+                    .read(broker, pid, caller, fh.0, blocking, FuseRead(reply)),
             }
         });
     }
@@ -549,7 +630,9 @@ impl Filesystem for TokenFs {
         _lock_owner: Option<LockOwner>,
         reply: ReplyWrite,
     ) {
-        let Ok(written) = u32::try_from(data.len()) else { return reply.error(Errno::ENOSPC) };
+        let Ok(written) = u32::try_from(data.len()) else {
+            return reply.error(Errno::ENOSPC);
+        };
         let (tokens, abort) = sort_written(data);
         let given = self.with(|inner, broker| {
             if let Some(byte) = abort {
@@ -567,13 +650,24 @@ impl Filesystem for TokenFs {
         }
     }
 
-    fn poll(&self, req: &Request, ino: INodeNo, fh: FileHandle, ph: PollNotifier, events: PollEvents, flags: PollFlags, reply: ReplyPoll) {
+    fn poll(
+        &self,
+        req: &Request,
+        ino: INodeNo,
+        fh: FileHandle,
+        ph: PollNotifier,
+        events: PollEvents,
+        flags: PollFlags,
+        reply: ReplyPoll,
+    ) {
         let answer = FuseAnswer { reply, events };
         if !events.intersects(PollEvents::POLLIN | PollEvents::POLLRDNORM) {
             return answer.not_ready();
         }
         self.with(|inner, broker| {
-            let Some(pid) = inner.process(broker, req.pid(), fh.0) else { return answer.not_ready() };
+            let Some(pid) = inner.process(broker, req.pid(), fh.0) else {
+                return answer.not_ready();
+            };
             if let Some(aborted) = inner.aborted(fh.0) {
                 let readable = aborted.readable(pid);
                 return answer.answer(readable);
@@ -598,7 +692,16 @@ impl Filesystem for TokenFs {
     }
 
     /// Only [`POLLS_XATTR`], with `hold` or `notify` (see `baton_core::protocol::FUSE_POLLS_XATTR`).
-    fn setxattr(&self, _req: &Request, ino: INodeNo, name: &OsStr, value: &[u8], _flags: i32, _position: u32, reply: ReplyEmpty) {
+    fn setxattr(
+        &self,
+        _req: &Request,
+        ino: INodeNo,
+        name: &OsStr,
+        value: &[u8],
+        _flags: i32,
+        _position: u32,
+        reply: ReplyEmpty,
+    ) {
         if name != POLLS_XATTR {
             return reply.error(Errno::ENOTSUP);
         }
@@ -629,10 +732,19 @@ impl Filesystem for TokenFs {
         if name != POLLS_XATTR {
             return reply.error(Errno::ENODATA);
         }
-        let Some(hold) = self.with(|inner, _| inner.files.contains_key(&ino.0).then(|| inner.holding.contains(&ino.0))) else {
+        let Some(hold) = self.with(|inner, _| {
+            inner
+                .files
+                .contains_key(&ino.0)
+                .then(|| inner.holding.contains(&ino.0))
+        }) else {
             return reply.error(Errno::ENOENT);
         };
-        let value = if hold { FUSE_POLLS_HOLD } else { FUSE_POLLS_NOTIFY };
+        let value = if hold {
+            FUSE_POLLS_HOLD
+        } else {
+            FUSE_POLLS_NOTIFY
+        };
         match size {
             0 => reply.size(value.len() as u32),
             n if n as usize >= value.len() => reply.data(value),
@@ -657,12 +769,29 @@ impl Filesystem for TokenFs {
         reply.ok();
     }
 
-    fn readdir(&self, _req: &Request, ino: INodeNo, _fh: FileHandle, offset: u64, mut reply: ReplyDirectory) {
+    fn readdir(
+        &self,
+        _req: &Request,
+        ino: INodeNo,
+        _fh: FileHandle,
+        offset: u64,
+        mut reply: ReplyDirectory,
+    ) {
         if ino != INodeNo::ROOT {
             return reply.error(Errno::ENOTDIR);
         }
-        let mut entries = vec![(INodeNo::ROOT.0, FileType::Directory, ".".to_string()), (INodeNo::ROOT.0, FileType::Directory, "..".to_string())];
-        self.with(|inner, _| entries.extend(inner.files.iter().map(|(&ino, name)| (ino, FileType::RegularFile, name.clone()))));
+        let mut entries = vec![
+            (INodeNo::ROOT.0, FileType::Directory, ".".to_string()),
+            (INodeNo::ROOT.0, FileType::Directory, "..".to_string()),
+        ];
+        self.with(|inner, _| {
+            entries.extend(
+                inner
+                    .files
+                    .iter()
+                    .map(|(&ino, name)| (ino, FileType::RegularFile, name.clone())),
+            )
+        });
         for (i, (ino, kind, name)) in entries.into_iter().enumerate().skip(offset as usize) {
             if reply.add(INodeNo(ino), i as u64 + 1, kind, name) {
                 break;
@@ -690,6 +819,10 @@ mod tests {
         assert_eq!(aborted.read(10), Ok(b'E'));
         assert_eq!(aborted.read(10), Err(libc::EAGAIN), "its drain ends");
         assert!(aborted.readable(11) && !aborted.readable(10));
-        assert_eq!(aborted.read(11), Ok(b'E'), "the next reader finds it too, however soon");
+        assert_eq!(
+            aborted.read(11),
+            Ok(b'E'),
+            "the next reader finds it too, however soon"
+        );
     }
 }

@@ -43,9 +43,11 @@ impl Keeper {
     pub fn spawn(socket: &Path, device: RawFd) -> Result<Keeper> {
         let path = path(socket);
         let _ = std::fs::remove_file(&path);
-        let listener = UnixListener::bind(&path).with_context(|| format!("cannot listen at {}", path.display()))?;
+        let listener = UnixListener::bind(&path)
+            .with_context(|| format!("cannot listen at {}", path.display()))?;
         std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600))?;
-        let (life_read, life) = nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC).context("cannot make a pipe")?;
+        let (life_read, life) =
+            nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC).context("cannot make a pipe")?;
         // SAFETY: the child runs only `keep`, which makes raw system calls.
         match unsafe { libc::fork() } {
             -1 => Err(std::io::Error::last_os_error()).context("cannot fork the FUSE keeper"),
@@ -69,11 +71,19 @@ impl Keeper {
 /// if there is one. None: no keeper, or its broker still lives.
 pub fn take(socket: &Path) -> Option<OwnedFd> {
     let stream = UnixStream::connect(path(socket)).ok()?;
-    stream.set_read_timeout(Some(Duration::from_secs(10))).ok()?;
+    stream
+        .set_read_timeout(Some(Duration::from_secs(10)))
+        .ok()?;
     let mut byte = [0u8];
     let mut iov = [IoSliceMut::new(&mut byte)];
     let mut space = nix::cmsg_space!([RawFd; 1]);
-    let msg = recvmsg::<()>(stream.as_raw_fd(), &mut iov, Some(&mut space), MsgFlags::MSG_CMSG_CLOEXEC).ok()?;
+    let msg = recvmsg::<()>(
+        stream.as_raw_fd(),
+        &mut iov,
+        Some(&mut space),
+        MsgFlags::MSG_CMSG_CLOEXEC,
+    )
+    .ok()?;
     let fd = msg.cmsgs().ok()?.find_map(|c| match c {
         ControlMessageOwned::ScmRights(fds) => fds.first().copied(),
         _ => None,
@@ -117,9 +127,21 @@ unsafe fn keep(device: RawFd, life: RawFd, listener: RawFd) -> ! {
         // The device, for the end of the connection only (no events asked:
         // requests pending while we wait must not wake us).
         let mut fds = [
-            libc::pollfd { fd: DEVICE, events: 0, revents: 0 },
-            libc::pollfd { fd: if orphaned { -1 } else { LIFE }, events: libc::POLLIN, revents: 0 },
-            libc::pollfd { fd: LISTENER, events: libc::POLLIN, revents: 0 },
+            libc::pollfd {
+                fd: DEVICE,
+                events: 0,
+                revents: 0,
+            },
+            libc::pollfd {
+                fd: if orphaned { -1 } else { LIFE },
+                events: libc::POLLIN,
+                revents: 0,
+            },
+            libc::pollfd {
+                fd: LISTENER,
+                events: libc::POLLIN,
+                revents: 0,
+            },
         ];
         if libc::poll(fds.as_mut_ptr(), 3, -1) < 0 {
             continue;
@@ -143,13 +165,25 @@ unsafe fn keep(device: RawFd, life: RawFd, listener: RawFd) -> ! {
 /// Accepts one connection and, if our broker is gone and the caller is
 /// our user, sends it the device. Whether it was sent.
 unsafe fn pass_on(orphaned: bool) -> bool {
-    let conn = libc::accept4(LISTENER, std::ptr::null_mut(), std::ptr::null_mut(), libc::SOCK_CLOEXEC);
+    let conn = libc::accept4(
+        LISTENER,
+        std::ptr::null_mut(),
+        std::ptr::null_mut(),
+        libc::SOCK_CLOEXEC,
+    );
     if conn < 0 {
         return false;
     }
     let mut cred: libc::ucred = std::mem::zeroed();
     let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
-    let ours = libc::getsockopt(conn, libc::SOL_SOCKET, libc::SO_PEERCRED, (&mut cred as *mut libc::ucred).cast(), &mut len) == 0 && cred.uid == libc::getuid();
+    let ours = libc::getsockopt(
+        conn,
+        libc::SOL_SOCKET,
+        libc::SO_PEERCRED,
+        (&mut cred as *mut libc::ucred).cast(),
+        &mut len,
+    ) == 0
+        && cred.uid == libc::getuid();
     let sent = orphaned && ours && send_device(conn);
     libc::close(conn);
     sent
@@ -159,7 +193,10 @@ unsafe fn send_device(conn: RawFd) -> bool {
     // u64s: a cmsghdr must be aligned.
     let mut control = [0u64; 8];
     let mut byte = [0u8; 1];
-    let mut iov = libc::iovec { iov_base: byte.as_mut_ptr().cast(), iov_len: 1 };
+    let mut iov = libc::iovec {
+        iov_base: byte.as_mut_ptr().cast(),
+        iov_len: 1,
+    };
     let mut msg: libc::msghdr = std::mem::zeroed();
     msg.msg_iov = &mut iov;
     msg.msg_iovlen = 1;

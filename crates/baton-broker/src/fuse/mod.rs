@@ -34,12 +34,12 @@ use nix::errno::Errno;
 use nix::sys::statfs::{statfs, FUSE_SUPER_MAGIC};
 use std::io::ErrorKind;
 use std::os::fd::{AsFd, AsRawFd, OwnedFd, RawFd};
-use std::sync::mpsc::Sender;
-use std::time::Duration;
 use std::os::unix::ffi::OsStrExt;
 use std::os::unix::fs::DirBuilderExt;
 use std::path::{Path, PathBuf};
+use std::sync::mpsc::Sender;
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 /// How the token files serve their waiters (`baton serve`'s options).
 #[derive(Debug, Clone, Copy)]
@@ -53,7 +53,10 @@ pub struct Options {
 
 impl Default for Options {
     fn default() -> Self {
-        Options { mode: Mode::OneAtATime, hold: waiters::HOLD }
+        Options {
+            mode: Mode::OneAtATime,
+            hold: waiters::HOLD,
+        }
     }
 }
 
@@ -90,52 +93,122 @@ pub fn mount(socket: &Path, broker: Arc<Mutex<Broker>>, options: Options) -> Opt
             Some(mount)
         }
         Err(e) => {
-            log::warn(format_args!("no FUSE token files ({e:#}); builds will use the FIFO bridge"));
+            log::warn(format_args!(
+                "no FUSE token files ({e:#}); builds will use the FIFO bridge"
+            ));
             None
         }
     }
 }
 
-fn try_mount(socket: &Path, path: &Path, broker: Arc<Mutex<Broker>>, options: Options) -> Result<FuseMount> {
+fn try_mount(
+    socket: &Path,
+    path: &Path,
+    broker: Arc<Mutex<Broker>>,
+    options: Options,
+) -> Result<FuseMount> {
     if !Path::new("/dev/fuse").exists() {
         bail!("/dev/fuse does not exist");
     }
     clear_stale_mount(path)?;
-    std::fs::DirBuilder::new().mode(0o700).create(path).or_else(|e| if e.kind() == ErrorKind::AlreadyExists { Ok(()) } else { Err(e) })
+    std::fs::DirBuilder::new()
+        .mode(0o700)
+        .create(path)
+        .or_else(|e| {
+            if e.kind() == ErrorKind::AlreadyExists {
+                Ok(())
+            } else {
+                Err(e)
+            }
+        })
         .with_context(|| format!("cannot create {}", path.display()))?;
     let (poll, waker, shared) = new_shared(broker.clone(), options)?;
     let session = Session::new(TokenFs(shared.clone()), path, &config())
         .with_context(|| format!("cannot mount at {}", path.display()))?;
-    start(session, socket.to_path_buf(), path, broker, poll, waker, shared)
+    start(
+        session,
+        socket.to_path_buf(),
+        path,
+        broker,
+        poll,
+        waker,
+        shared,
+    )
 }
 
 /// Serves the mount of a broker that was killed, whose keeper passed us
 /// the descriptor: its state is lost, so files, handles and what each
 /// process holds start afresh (docs/fuse.md, "When the broker dies").
-fn adopt_orphan(socket: &Path, path: &Path, broker: Arc<Mutex<Broker>>, device: OwnedFd, options: Options) -> Result<FuseMount> {
+fn adopt_orphan(
+    socket: &Path,
+    path: &Path,
+    broker: Arc<Mutex<Broker>>,
+    device: OwnedFd,
+    options: Options,
+) -> Result<FuseMount> {
     let (poll, waker, shared) = new_shared(broker.clone(), options)?;
     shared.take_orphan();
-    let session = Session::from_initialized_fd(TokenFs(shared.clone()), device, SessionACL::Owner, config());
-    log::info(format_args!("FUSE token files at {}: serving the mount a killed broker left", path.display()));
-    start(session, socket.to_path_buf(), path, broker, poll, waker, shared)
+    let session =
+        Session::from_initialized_fd(TokenFs(shared.clone()), device, SessionACL::Owner, config());
+    log::info(format_args!(
+        "FUSE token files at {}: serving the mount a killed broker left",
+        path.display()
+    ));
+    start(
+        session,
+        socket.to_path_buf(),
+        path,
+        broker,
+        poll,
+        waker,
+        shared,
+    )
 }
 
 /// Serves the mount a predecessor broker handed over (crate::handover):
 /// its /dev/fuse descriptor and its token files' state.
-pub fn adopt(socket: &Path, broker: Arc<Mutex<Broker>>, device: OwnedFd, state: FsState, options: Options) -> Result<FuseMount> {
+pub fn adopt(
+    socket: &Path,
+    broker: Arc<Mutex<Broker>>,
+    device: OwnedFd,
+    state: FsState,
+    options: Options,
+) -> Result<FuseMount> {
     let path = baton_core::paths::fuse_mount_point(socket);
     let (poll, waker, shared) = new_shared(broker.clone(), options)?;
-    let session = Session::from_initialized_fd(TokenFs(shared.clone()), device, SessionACL::Owner, config());
-    shared.adopt(state, &session.notifier()).map_err(|e| anyhow::anyhow!("the predecessor's token files are inconsistent: {e}"))?;
-    log::info(format_args!("FUSE token files at {} taken over", path.display()));
-    start(session, socket.to_path_buf(), &path, broker, poll, waker, shared)
+    let session =
+        Session::from_initialized_fd(TokenFs(shared.clone()), device, SessionACL::Owner, config());
+    shared
+        .adopt(state, &session.notifier())
+        .map_err(|e| anyhow::anyhow!("the predecessor's token files are inconsistent: {e}"))?;
+    log::info(format_args!(
+        "FUSE token files at {} taken over",
+        path.display()
+    ));
+    start(
+        session,
+        socket.to_path_buf(),
+        &path,
+        broker,
+        poll,
+        waker,
+        shared,
+    )
 }
 
-fn new_shared(broker: Arc<Mutex<Broker>>, options: Options) -> Result<(Poll, Arc<Waker>, Arc<Shared>)> {
+fn new_shared(
+    broker: Arc<Mutex<Broker>>,
+    options: Options,
+) -> Result<(Poll, Arc<Waker>, Arc<Shared>)> {
     let poll = Poll::new().context("cannot create an event loop")?;
     let waker = Arc::new(Waker::new(poll.registry(), WAKER)?);
     let exits = procs::Exits::new(poll.registry().try_clone()?);
-    let shared = Arc::new(Shared::new(broker, waiters::Waiters::new(options.mode, options.hold), exits, waker.clone()));
+    let shared = Arc::new(Shared::new(
+        broker,
+        waiters::Waiters::new(options.mode, options.hold),
+        exits,
+        waker.clone(),
+    ));
     Ok((poll, waker, shared))
 }
 
@@ -151,8 +224,19 @@ fn config() -> Config {
     config
 }
 
-fn start(session: Session<TokenFs>, socket: PathBuf, path: &Path, broker: Arc<Mutex<Broker>>, poll: Poll, waker: Arc<Waker>, shared: Arc<Shared>) -> Result<FuseMount> {
-    let device = session.as_fd().try_clone_to_owned().context("cannot duplicate the FUSE descriptor")?;
+fn start(
+    session: Session<TokenFs>,
+    socket: PathBuf,
+    path: &Path,
+    broker: Arc<Mutex<Broker>>,
+    poll: Poll,
+    waker: Arc<Waker>,
+    shared: Arc<Shared>,
+) -> Result<FuseMount> {
+    let device = session
+        .as_fd()
+        .try_clone_to_owned()
+        .context("cannot duplicate the FUSE descriptor")?;
     let keeper = keeper::Keeper::spawn(&socket, device.as_raw_fd())
         .inspect_err(|e| log::warn(format_args!("no keeper for the FUSE mount ({e:#}): if this broker is killed, FUSE-style builds fail")))
         .ok();
@@ -161,13 +245,25 @@ fn start(session: Session<TokenFs>, socket: PathBuf, path: &Path, broker: Arc<Mu
     // Grants socket clients cause for FUSE waiters wake the control thread;
     // the FUSE threads deliver their own (see fs::delivering_here).
     let hook_waker = waker.clone();
-    broker.lock().expect("broker lock").on_grants(Transport::Fuse, move || {
-        if !fs::delivering_here() {
-            let _ = hook_waker.wake();
-        }
-    });
-    let control = Control::spawn(shared.clone(), poll, waker).context("cannot start the FUSE thread")?;
-    Ok(FuseMount { control: Some(control), session: Some(session), path: path.to_path_buf(), shared, device, go_on: None, keeper })
+    broker
+        .lock()
+        .expect("broker lock")
+        .on_grants(Transport::Fuse, move || {
+            if !fs::delivering_here() {
+                let _ = hook_waker.wake();
+            }
+        });
+    let control =
+        Control::spawn(shared.clone(), poll, waker).context("cannot start the FUSE thread")?;
+    Ok(FuseMount {
+        control: Some(control),
+        session: Some(session),
+        path: path.to_path_buf(),
+        shared,
+        device,
+        go_on: None,
+        keeper,
+    })
 }
 
 impl FuseMount {
@@ -180,7 +276,9 @@ impl FuseMount {
         // A lookup of this name reaches the FUSE thread between two
         // requests; the kernel does not cache the ENOENT it gets.
         let _ = std::fs::metadata(self.path.join(fs::HANDOVER_NAME));
-        state.recv_timeout(Duration::from_secs(30)).context("the FUSE thread did not hand over its state")
+        state
+            .recv_timeout(Duration::from_secs(30))
+            .context("the FUSE thread did not hand over its state")
     }
 
     /// A handover failed: the FUSE thread goes on serving.
@@ -223,7 +321,10 @@ fn clear_stale_mount(path: &Path) -> Result<()> {
         Err(_) => false,
     };
     if stale {
-        log::info(format_args!("unmounting a stale FUSE mount at {}", path.display()));
+        log::info(format_args!(
+            "unmounting a stale FUSE mount at {}",
+            path.display()
+        ));
         detach(path);
     }
     Ok(())
@@ -231,11 +332,16 @@ fn clear_stale_mount(path: &Path) -> Result<()> {
 
 /// Unmounts lazily: umount2 as root, else the setuid fusermount3.
 fn detach(path: &Path) {
-    let Ok(cpath) = std::ffi::CString::new(path.as_os_str().as_bytes()) else { return };
+    let Ok(cpath) = std::ffi::CString::new(path.as_os_str().as_bytes()) else {
+        return;
+    };
     // SAFETY: umount2 reads a NUL-terminated path.
     if unsafe { libc::umount2(cpath.as_ptr(), libc::MNT_DETACH) } == 0 {
         return;
     }
-    let _ = std::process::Command::new("fusermount3").arg("-uz").arg(path).stderr(std::process::Stdio::null()).status();
+    let _ = std::process::Command::new("fusermount3")
+        .arg("-uz")
+        .arg(path)
+        .stderr(std::process::Stdio::null())
+        .status();
 }
-

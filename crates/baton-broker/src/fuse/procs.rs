@@ -19,8 +19,14 @@ pub fn process_of(tid: u32) -> Option<u32> {
 /// being killed or exits (its other threads get one), SIGUSR1 from the
 /// jobserver crate stopping its helper thread.
 pub fn signal_pending(tid: u32) -> bool {
-    let Some(status) = status(tid) else { return false };
-    let mask = |name: &str| field(&status, name).and_then(|v| u64::from_str_radix(v, 16).ok()).unwrap_or(0);
+    let Some(status) = status(tid) else {
+        return false;
+    };
+    let mask = |name: &str| {
+        field(&status, name)
+            .and_then(|v| u64::from_str_radix(v, 16).ok())
+            .unwrap_or(0)
+    };
     let pending = mask("SigPnd:") | mask("ShdPnd:");
     pending & !mask("SigBlk:") & !mask("SigIgn:") != 0
 }
@@ -37,7 +43,10 @@ pub fn ancestors(pid: u32) -> impl Iterator<Item = u32> {
 fn parent_of(pid: u32) -> Option<u32> {
     use std::io::Read;
     let mut buf = [0u8; 1024];
-    let n = std::fs::File::open(format!("/proc/{pid}/stat")).ok()?.read(&mut buf).ok()?;
+    let n = std::fs::File::open(format!("/proc/{pid}/stat"))
+        .ok()?
+        .read(&mut buf)
+        .ok()?;
     parent_in_stat(&buf[..n])
 }
 
@@ -55,7 +64,10 @@ fn status(tid: u32) -> Option<String> {
 }
 
 fn field<'a>(status: &'a str, name: &str) -> Option<&'a str> {
-    status.lines().find_map(|l| l.strip_prefix(name)).map(str::trim)
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix(name))
+        .map(str::trim)
 }
 
 /// Thread → process, remembered so that a request costs a /proc read only
@@ -90,12 +102,19 @@ pub struct Exits {
 
 impl Exits {
     pub fn new(registry: Registry) -> Self {
-        Exits { registry, pidfds: HashMap::new() }
+        Exits {
+            registry,
+            pidfds: HashMap::new(),
+        }
     }
 
     pub fn watch(&mut self, pid: u32) -> io::Result<()> {
         let fd = pidfd_open(pid)?;
-        self.registry.register(&mut SourceFd(&fd.as_raw_fd()), Token(pid as usize), Interest::READABLE)?;
+        self.registry.register(
+            &mut SourceFd(&fd.as_raw_fd()),
+            Token(pid as usize),
+            Interest::READABLE,
+        )?;
         self.pidfds.insert(pid, fd);
         Ok(())
     }
@@ -125,7 +144,10 @@ mod tests {
     fn our_ancestors_start_with_us_and_our_parent() {
         let mut up = ancestors(std::process::id());
         assert_eq!(up.next(), Some(std::process::id()));
-        assert_eq!(up.next(), Some(std::os::unix::process::parent_id()).filter(|&p| p > 1));
+        assert_eq!(
+            up.next(),
+            Some(std::os::unix::process::parent_id()).filter(|&p| p > 1)
+        );
     }
 
     #[test]
@@ -133,7 +155,10 @@ mod tests {
         assert_eq!(parent_in_stat(b"4242 (make) S 17 4242 17 0 -1"), Some(17));
         assert_eq!(parent_in_stat(b"4242 (a (b) c) R 99 1 1 0"), Some(99));
         assert_eq!(parent_in_stat(b"4242 (truncated"), None);
-        assert_eq!(parent_of(std::process::id()), Some(std::os::unix::process::parent_id()));
+        assert_eq!(
+            parent_of(std::process::id()),
+            Some(std::os::unix::process::parent_id())
+        );
     }
 
     #[test]
@@ -157,10 +182,14 @@ mod tests {
     fn a_signal_is_pending_only_while_it_waits_to_be_delivered() {
         assert!(!signal_pending(std::process::id()));
         // A stopped process keeps a SIGTERM pending until it runs again.
-        let mut child = std::process::Command::new("sleep").arg("600").spawn().unwrap();
+        let mut child = std::process::Command::new("sleep")
+            .arg("600")
+            .spawn()
+            .unwrap();
         let pid = child.id();
         unsafe { libc::kill(pid as i32, libc::SIGSTOP) };
-        let stopped = || status(pid).is_some_and(|s| field(&s, "State:").is_some_and(|v| v.starts_with('T')));
+        let stopped =
+            || status(pid).is_some_and(|s| field(&s, "State:").is_some_and(|v| v.starts_with('T')));
         let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
         while !stopped() {
             assert!(std::time::Instant::now() < deadline, "sleep never stopped");

@@ -147,12 +147,21 @@ struct Polled<N, A> {
 
 impl<N, A: PollAnswer> Polled<N, A> {
     fn new(client: ClientId, waker: N) -> Self {
-        Polled { client, waker, queued: false, reserved_until: None, held: None, sleeps: false }
+        Polled {
+            client,
+            waker,
+            queued: false,
+            reserved_until: None,
+            held: None,
+            sleeps: false,
+        }
     }
 
     /// Answers the held poll, if any, "not ready"; whether there was one.
     fn release_held(&mut self) -> bool {
-        let Some(held) = self.held.take() else { return false };
+        let Some(held) = self.held.take() else {
+            return false;
+        };
         held.answer.not_ready();
         true
     }
@@ -192,7 +201,14 @@ pub struct Waiters<R, N, A> {
 
 impl<R: ReadReply, N: PollWaker, A: PollAnswer> Waiters<R, N, A> {
     pub fn new(mode: Mode, hold: Duration) -> Self {
-        Waiters { mode, hold, forgiving: false, processes: HashMap::new(), reads: HashMap::new(), polled: HashMap::new() }
+        Waiters {
+            mode,
+            hold,
+            forgiving: false,
+            processes: HashMap::new(),
+            reads: HashMap::new(),
+            polled: HashMap::new(),
+        }
     }
 
     /// The state to hand a successor. A blocked read cannot travel (its
@@ -219,20 +235,43 @@ impl<R: ReadReply, N: PollWaker, A: PollAnswer> Waiters<R, N, A> {
                 reserved_for: p.reserved_until.map(|t| t.saturating_duration_since(now)),
             })
             .collect();
-        WaitersState { mode: self.mode, processes: self.processes.iter().map(|(&pid, &id)| (pid, id)).collect(), polled }
+        WaitersState {
+            mode: self.mode,
+            processes: self.processes.iter().map(|(&pid, &id)| (pid, id)).collect(),
+            polled,
+        }
     }
 
     /// Carries on from a predecessor's waiters, holding polls for `hold`
     /// (ours to choose); `waker` makes the waker for a kernel poll handle.
     /// Every process and client named must be known to `broker`, which
     /// came with them.
-    pub fn adopt(state: WaitersState, broker: &Broker, waker: impl Fn(u64) -> N, now: Instant, hold: Duration) -> Result<Self, &'static str> {
-        let known = |pid: Pid, client: ClientId| broker.pool().meta(client).is_some_and(|m| m.pid == pid && m.transport == Transport::Fuse);
-        if !state.processes.iter().all(|&(pid, client)| known(pid, client)) {
+    pub fn adopt(
+        state: WaitersState,
+        broker: &Broker,
+        waker: impl Fn(u64) -> N,
+        now: Instant,
+        hold: Duration,
+    ) -> Result<Self, &'static str> {
+        let known = |pid: Pid, client: ClientId| {
+            broker
+                .pool()
+                .meta(client)
+                .is_some_and(|m| m.pid == pid && m.transport == Transport::Fuse)
+        };
+        if !state
+            .processes
+            .iter()
+            .all(|&(pid, client)| known(pid, client))
+        {
             return Err("a FUSE process is not the broker's FUSE client");
         }
         let processes: HashMap<Pid, ClientId> = state.processes.into_iter().collect();
-        if !state.polled.iter().all(|p| processes.values().any(|&c| c == p.client)) {
+        if !state
+            .polled
+            .iter()
+            .all(|p| processes.values().any(|&c| c == p.client))
+        {
             return Err("a polled handle belongs to no FUSE process");
         }
         let polled = state
@@ -241,10 +280,25 @@ impl<R: ReadReply, N: PollWaker, A: PollAnswer> Waiters<R, N, A> {
             .map(|p| {
                 let reserved_until = p.reserved_for.map(|d| now + d);
                 // Whoever polled it may sleep on the handle.
-                (p.fh, Polled { queued: p.queued, reserved_until, sleeps: true, ..Polled::new(p.client, waker(p.kernel_handle)) })
+                (
+                    p.fh,
+                    Polled {
+                        queued: p.queued,
+                        reserved_until,
+                        sleeps: true,
+                        ..Polled::new(p.client, waker(p.kernel_handle))
+                    },
+                )
             })
             .collect();
-        Ok(Waiters { mode: state.mode, hold, forgiving: false, processes, reads: HashMap::new(), polled })
+        Ok(Waiters {
+            mode: state.mode,
+            hold,
+            forgiving: false,
+            processes,
+            reads: HashMap::new(),
+            polled,
+        })
     }
 
     /// How long a poll is held at most.
@@ -259,7 +313,12 @@ impl<R: ReadReply, N: PollWaker, A: PollAnswer> Waiters<R, N, A> {
 
     /// The broker client of a process; `describe` is asked for its metadata
     /// only the first time. `true`: the process is new here.
-    pub fn process(&mut self, broker: &mut Broker, pid: Pid, describe: impl FnOnce() -> ClientMeta) -> (ClientId, bool) {
+    pub fn process(
+        &mut self,
+        broker: &mut Broker,
+        pid: Pid,
+        describe: impl FnOnce() -> ClientMeta,
+    ) -> (ClientId, bool) {
         if let Some(&id) = self.processes.get(&pid) {
             return (id, false);
         }
@@ -269,8 +328,18 @@ impl<R: ReadReply, N: PollWaker, A: PollAnswer> Waiters<R, N, A> {
     }
 
     /// A read of one token by `caller`, a thread of `pid`, through handle `fh`.
-    pub fn read(&mut self, broker: &mut Broker, pid: Pid, caller: Caller, fh: Fh, blocking: bool, reply: R) {
-        let Some(&client) = self.processes.get(&pid) else { return reply.fail(libc::EPERM) };
+    pub fn read(
+        &mut self,
+        broker: &mut Broker,
+        pid: Pid,
+        caller: Caller,
+        fh: Fh,
+        blocking: bool,
+        reply: R,
+    ) {
+        let Some(&client) = self.processes.get(&pid) else {
+            return reply.fail(libc::EPERM);
+        };
         if self.take_reservation(broker, client, fh) {
             return reply.token();
         }
@@ -286,7 +355,8 @@ impl<R: ReadReply, N: PollWaker, A: PollAnswer> Waiters<R, N, A> {
         match broker.acquire(client, tag, 1) {
             Ok(Acquired::Granted) => reply.token(),
             Ok(Acquired::Queued) => {
-                self.reads.insert((client, tag), BlockedRead { reply, caller });
+                self.reads
+                    .insert((client, tag), BlockedRead { reply, caller });
             }
             Err(e) => reply.fail(errno_of(&e)),
         }
@@ -297,7 +367,9 @@ impl<R: ReadReply, N: PollWaker, A: PollAnswer> Waiters<R, N, A> {
     /// pool is unchanged. On a mount taken from a killed broker, what is
     /// beyond is that broker's, which our pool never counted: thrown away.
     pub fn write(&mut self, broker: &mut Broker, pid: Pid, tokens: u32) -> Result<(), i32> {
-        let Some(&client) = self.processes.get(&pid) else { return Err(libc::ENOSPC) };
+        let Some(&client) = self.processes.get(&pid) else {
+            return Err(libc::ENOSPC);
+        };
         let taken = self.taken(broker, client);
         if tokens > taken && !self.forgiving {
             return Err(libc::ENOSPC);
@@ -316,12 +388,27 @@ impl<R: ReadReply, N: PollWaker, A: PollAnswer> Waiters<R, N, A> {
     /// A poll() of handle `fh` by `pid`, answered through `call.answer`:
     /// at once, or, held, when a token is reserved for it or its thread is
     /// interrupted.
-    pub fn poll(&mut self, broker: &mut Broker, pid: Pid, fh: Fh, call: PollCall<N, A>, now: Instant) {
-        let Some(&client) = self.processes.get(&pid) else { return call.answer.not_ready() };
+    pub fn poll(
+        &mut self,
+        broker: &mut Broker,
+        pid: Pid,
+        fh: Fh,
+        call: PollCall<N, A>,
+        now: Instant,
+    ) {
+        let Some(&client) = self.processes.get(&pid) else {
+            return call.answer.not_ready();
+        };
         if self.mode == Mode::NotifyAll {
             return self.poll_herd(broker, client, fh, call);
         }
-        let PollCall { will_wait, hold, unique, waker, answer } = call;
+        let PollCall {
+            will_wait,
+            hold,
+            unique,
+            waker,
+            answer,
+        } = call;
         let p = match self.polled.entry(fh) {
             // Waiting or reserved already: it keeps its place in the queue.
             Entry::Occupied(known) => {
@@ -343,14 +430,22 @@ impl<R: ReadReply, N: PollWaker, A: PollAnswer> Waiters<R, N, A> {
                     return answer.not_ready();
                 }
                 let reserved_until = reserved.then_some(now + RESERVATION);
-                new.insert(Polled { queued: !reserved, reserved_until, ..Polled::new(client, waker) })
+                new.insert(Polled {
+                    queued: !reserved,
+                    reserved_until,
+                    ..Polled::new(client, waker)
+                })
             }
         };
         if p.reserved_until.is_some() {
             return answer.ready();
         }
         if hold && will_wait && !self.hold.is_zero() && p.held.is_none() {
-            p.held = Some(Held { unique, answer, until: now + self.hold });
+            p.held = Some(Held {
+                unique,
+                answer,
+                until: now + self.hold,
+            });
             return;
         }
         p.sleeps |= will_wait;
@@ -364,14 +459,23 @@ impl<R: ReadReply, N: PollWaker, A: PollAnswer> Waiters<R, N, A> {
             return call.answer.ready();
         }
         if call.will_wait {
-            self.polled.insert(fh, Polled { queued: true, sleeps: true, ..Polled::new(client, call.waker) });
+            self.polled.insert(
+                fh,
+                Polled {
+                    queued: true,
+                    sleeps: true,
+                    ..Polled::new(client, call.waker)
+                },
+            );
         }
         call.answer.not_ready();
     }
 
     /// The handle is closed: its wait ends and its reservation is released.
     pub fn close(&mut self, broker: &mut Broker, fh: Fh) {
-        let Some(mut p) = self.polled.remove(&fh) else { return };
+        let Some(mut p) = self.polled.remove(&fh) else {
+            return;
+        };
         p.release_held();
         if self.mode == Mode::NotifyAll {
             return;
@@ -387,7 +491,9 @@ impl<R: ReadReply, N: PollWaker, A: PollAnswer> Waiters<R, N, A> {
     /// The process is gone: every token it held or had reserved comes back.
     /// Returns how many.
     pub fn exited(&mut self, broker: &mut Broker, pid: Pid) -> u32 {
-        let Some(client) = self.processes.remove(&pid) else { return 0 };
+        let Some(client) = self.processes.remove(&pid) else {
+            return 0;
+        };
         self.reads.retain(|&(c, _), _| c != client);
         // A held poll on a handle it shared is another process's: answered.
         for p in self.polled.values_mut().filter(|p| p.client == client) {
@@ -454,12 +560,17 @@ impl<R: ReadReply, N: PollWaker, A: PollAnswer> Waiters<R, N, A> {
                 p.sleeps = true;
             }
         }
-        self.polled.retain(|_, p| p.queued || p.reserved_until.is_some());
+        self.polled
+            .retain(|_, p| p.queued || p.reserved_until.is_some());
     }
 
     /// When the next reservation or hold runs out.
     pub fn next_deadline(&self) -> Option<Instant> {
-        self.polled.values().flat_map(|p| [p.reserved_until, p.held.as_ref().map(|h| h.until)]).flatten().min()
+        self.polled
+            .values()
+            .flat_map(|p| [p.reserved_until, p.held.as_ref().map(|h| h.until)])
+            .flatten()
+            .min()
     }
 
     /// Threads blocked in a read of the file.
@@ -485,13 +596,21 @@ impl<R: ReadReply, N: PollWaker, A: PollAnswer> Waiters<R, N, A> {
         if self.fail_reads(broker, |caller| caller.unique == unique) > 0 {
             return true;
         }
-        let held = self.polled.values_mut().find(|p| p.held.as_ref().is_some_and(|h| h.unique == unique));
+        let held = self
+            .polled
+            .values_mut()
+            .find(|p| p.held.as_ref().is_some_and(|h| h.unique == unique));
         held.is_some_and(Polled::release_held)
     }
 
     /// Fails the blocked reads `which` picks with EINTR; returns how many.
     fn fail_reads(&mut self, broker: &mut Broker, which: impl Fn(&Caller) -> bool) -> usize {
-        let keys: Vec<_> = self.reads.iter().filter(|(_, r)| which(&r.caller)).map(|(&k, _)| k).collect();
+        let keys: Vec<_> = self
+            .reads
+            .iter()
+            .filter(|(_, r)| which(&r.caller))
+            .map(|(&k, _)| k)
+            .collect();
         for &(client, tag) in &keys {
             broker.cancel(client, tag);
             if let Some(read) = self.reads.remove(&(client, tag)) {
@@ -503,7 +622,9 @@ impl<R: ReadReply, N: PollWaker, A: PollAnswer> Waiters<R, N, A> {
 
     /// Takes the token reserved on `fh`, if any, for `client`.
     fn take_reservation(&mut self, broker: &mut Broker, client: ClientId, fh: Fh) -> bool {
-        let Some(p) = self.polled.get_mut(&fh) else { return false };
+        let Some(p) = self.polled.get_mut(&fh) else {
+            return false;
+        };
         if p.reserved_until.take().is_none() {
             return false;
         }
@@ -521,14 +642,20 @@ impl<R: ReadReply, N: PollWaker, A: PollAnswer> Waiters<R, N, A> {
     /// Tokens a client took and may give back: what it holds, less its
     /// reservations.
     fn taken(&self, broker: &Broker, client: ClientId) -> u32 {
-        let reserved = self.polled.values().filter(|p| p.client == client && p.reserved_until.is_some()).count() as u32;
+        let reserved = self
+            .polled
+            .values()
+            .filter(|p| p.client == client && p.reserved_until.is_some())
+            .count() as u32;
         broker.pool().held_by(client).saturating_sub(reserved)
     }
 
     /// A tag for a blocking read not in use by the client: reads of one
     /// process may wait in several threads at once.
     fn read_tag(&self, client: ClientId) -> Tag {
-        (0..).find(|t| !self.reads.contains_key(&(client, *t))).expect("fewer than 2^63 reads")
+        (0..)
+            .find(|t| !self.reads.contains_key(&(client, *t)))
+            .expect("fewer than 2^63 reads")
     }
 }
 
@@ -555,7 +682,9 @@ mod tests {
             self.0.borrow_mut().push(format!("{} token", self.1));
         }
         fn fail(self, errno: i32) {
-            self.0.borrow_mut().push(format!("{} errno {errno}", self.1));
+            self.0
+                .borrow_mut()
+                .push(format!("{} errno {errno}", self.1));
         }
     }
 
@@ -592,16 +721,25 @@ mod tests {
 
     impl Fixture {
         fn new(limit: u32, mode: Mode, pids: &[Pid]) -> Self {
-            let mut f = Fixture { broker: Broker::new(limit).unwrap(), waiters: Waiters::new(mode, HOLD), log: Log::default(), now: Instant::now() };
+            let mut f = Fixture {
+                broker: Broker::new(limit).unwrap(),
+                waiters: Waiters::new(mode, HOLD),
+                log: Log::default(),
+                now: Instant::now(),
+            };
             for &pid in pids {
-                f.waiters.process(&mut f.broker, pid, || ClientMeta::new(pid, format!("p{pid}"), Transport::Fuse));
+                f.waiters.process(&mut f.broker, pid, || {
+                    ClientMeta::new(pid, format!("p{pid}"), Transport::Fuse)
+                });
             }
             f
         }
         /// Thread 1 holds the one token; then each of `pollers` (its pid
         /// and name) holds a poll, its request id the pid × 10.
         fn polls_held_behind_a_holder(pollers: &[(Pid, &'static str)]) -> Self {
-            let pids: Vec<Pid> = std::iter::once(1).chain(pollers.iter().map(|&(pid, _)| pid)).collect();
+            let pids: Vec<Pid> = std::iter::once(1)
+                .chain(pollers.iter().map(|&(pid, _)| pid))
+                .collect();
             let mut f = Fixture::new(1, Mode::OneAtATime, &pids);
             f.read(1, 10, false, "holder");
             for &(pid, name) in pollers {
@@ -611,7 +749,17 @@ mod tests {
         }
         /// A read by thread `pid` of `pid`; its request id is `fh`.
         fn read(&mut self, pid: Pid, fh: Fh, blocking: bool, name: &'static str) {
-            self.waiters.read(&mut self.broker, pid, Caller { tid: pid, unique: fh }, fh, blocking, Reply(self.log.clone(), name));
+            self.waiters.read(
+                &mut self.broker,
+                pid,
+                Caller {
+                    tid: pid,
+                    unique: fh,
+                },
+                fh,
+                blocking,
+                Reply(self.log.clone(), name),
+            );
             self.settle();
         }
         /// A poll that is answered at once: whether it is ready. Its answer
@@ -627,10 +775,22 @@ mod tests {
         fn poll_held(&mut self, pid: Pid, fh: Fh, name: &'static str) {
             self.call(pid, fh, true, name);
         }
-        fn call(&mut self, pid: Pid, fh: Fh, hold: bool, name: &'static str) -> Rc<Cell<Option<bool>>> {
+        fn call(
+            &mut self,
+            pid: Pid,
+            fh: Fh,
+            hold: bool,
+            name: &'static str,
+        ) -> Rc<Cell<Option<bool>>> {
             let answered = Rc::new(Cell::new(None));
             let answer = Answer(self.log.clone(), name, answered.clone());
-            let call = PollCall { will_wait: true, hold, unique: fh, waker: Waker(self.log.clone(), name), answer };
+            let call = PollCall {
+                will_wait: true,
+                hold,
+                unique: fh,
+                waker: Waker(self.log.clone(), name),
+                answer,
+            };
             self.waiters.poll(&mut self.broker, pid, fh, call, self.now);
             self.settle();
             answered
@@ -670,7 +830,10 @@ mod tests {
         let mut f = Fixture::new(1, Mode::OneAtATime, &[1, 2]);
         f.read(1, 10, false, "a");
         f.read(2, 20, false, "b");
-        assert_eq!(f.events(), ["a token", format!("b errno {}", libc::EAGAIN).as_str()]);
+        assert_eq!(
+            f.events(),
+            ["a token", format!("b errno {}", libc::EAGAIN).as_str()]
+        );
     }
 
     #[test]
@@ -714,7 +877,11 @@ mod tests {
         f.write(1, 1).unwrap();
         f.events();
         assert_eq!(f.waiters.next_deadline(), Some(f.now + RESERVATION));
-        assert_eq!(f.write(2, 1), Err(libc::ENOSPC), "a reserved token is not yet taken");
+        assert_eq!(
+            f.write(2, 1),
+            Err(libc::ENOSPC),
+            "a reserved token is not yet taken"
+        );
         f.now += RESERVATION;
         f.waiters.expire(&mut f.broker, f.now);
         f.settle();
@@ -732,7 +899,13 @@ mod tests {
         assert_eq!(f.free(), 0);
         f.read(2, 20, false, "other");
         f.read(1, 10, false, "p1 read");
-        assert_eq!(f.events(), [format!("other errno {}", libc::EAGAIN), "p1 read token".into()]);
+        assert_eq!(
+            f.events(),
+            [
+                format!("other errno {}", libc::EAGAIN),
+                "p1 read token".into()
+            ]
+        );
     }
 
     #[test]
@@ -769,7 +942,14 @@ mod tests {
         assert_eq!(f.waiters.blocked_threads().count(), 2);
         f.waiters.interrupt(&mut f.broker, 2);
         f.write(1, 1).unwrap();
-        assert_eq!(f.events(), ["holder token".to_string(), format!("doomed errno {}", libc::EINTR), "next token".into()]);
+        assert_eq!(
+            f.events(),
+            [
+                "holder token".to_string(),
+                format!("doomed errno {}", libc::EINTR),
+                "next token".into()
+            ]
+        );
     }
 
     #[test]
@@ -777,7 +957,11 @@ mod tests {
         let mut f = Fixture::polls_held_behind_a_holder(&[(2, "p2"), (3, "p3")]);
         assert_eq!(f.events(), ["holder token"], "held: no answer yet");
         f.write(1, 1).unwrap();
-        assert_eq!(f.events(), ["p2 ready"], "only the first is answered, and no handle is woken");
+        assert_eq!(
+            f.events(),
+            ["p2 ready"],
+            "only the first is answered, and no handle is woken"
+        );
         f.read(2, 20, false, "p2 read");
         f.write(2, 1).unwrap();
         assert_eq!(f.events(), ["p2 read token", "p3 ready"]);
@@ -788,7 +972,10 @@ mod tests {
         let mut f = Fixture::polls_held_behind_a_holder(&[(2, "p2"), (3, "p3")]);
         f.events();
         assert!(f.waiters.interrupted(&mut f.broker, 20));
-        assert!(!f.waiters.interrupted(&mut f.broker, 20), "answered already: not ours to answer again");
+        assert!(
+            !f.waiters.interrupted(&mut f.broker, 20),
+            "answered already: not ours to answer again"
+        );
         assert_eq!(f.events(), ["p2 not ready"], "answered once");
         // Its next poll is held again, still ahead of p3.
         f.poll_held(2, 20, "p2 again");
@@ -803,9 +990,19 @@ mod tests {
         f.read(2, 20, true, "doomed");
         f.read(3, 30, true, "next");
         assert!(f.waiters.interrupted(&mut f.broker, 20));
-        assert!(!f.waiters.interrupted(&mut f.broker, 99), "a request we never held");
+        assert!(
+            !f.waiters.interrupted(&mut f.broker, 99),
+            "a request we never held"
+        );
         f.write(1, 1).unwrap();
-        assert_eq!(f.events(), ["holder token".to_string(), format!("doomed errno {}", libc::EINTR), "next token".into()]);
+        assert_eq!(
+            f.events(),
+            [
+                "holder token".to_string(),
+                format!("doomed errno {}", libc::EINTR),
+                "next token".into()
+            ]
+        );
     }
 
     #[test]
@@ -839,7 +1036,14 @@ mod tests {
         let state = f.waiters.hand_over(&mut f.broker, f.now);
         assert_eq!(f.events(), ["p2 not ready"]);
         let log = f.log.clone();
-        f.waiters = Waiters::adopt(state, &f.broker, |_| Waker(log.clone(), "adopted p2"), f.now, HOLD).unwrap();
+        f.waiters = Waiters::adopt(
+            state,
+            &f.broker,
+            |_| Waker(log.clone(), "adopted p2"),
+            f.now,
+            HOLD,
+        )
+        .unwrap();
         f.write(1, 1).unwrap();
         assert_eq!(f.events(), ["adopted p2 woken"]);
     }

@@ -29,11 +29,18 @@ pub enum Missing {
 /// scripts/test); without it, stderr is all there is.
 pub fn skip(missing: Missing, reason: &str) {
     let test = std::thread::current().name().unwrap_or("?").to_owned();
-    let line = format!("{missing:?}\t{test}\t{}\n", reason.trim().replace(['\n', '\t'], " "));
+    let line = format!(
+        "{missing:?}\t{test}\t{}\n",
+        reason.trim().replace(['\n', '\t'], " ")
+    );
     eprint!("SKIPPED: {line}");
     if let Some(path) = std::env::var_os("BATON_TEST_SKIPS") {
         use std::io::Write;
-        let mut file = std::fs::OpenOptions::new().append(true).create(true).open(path).expect("open BATON_TEST_SKIPS");
+        let mut file = std::fs::OpenOptions::new()
+            .append(true)
+            .create(true)
+            .open(path)
+            .expect("open BATON_TEST_SKIPS");
         file.write_all(line.as_bytes()).expect("record a skip");
     }
 }
@@ -45,7 +52,10 @@ pub fn can_act_as_another_user() -> bool {
         return false;
     }
     if Command::new("setpriv").arg("--version").output().is_err() {
-        skip(Missing::Root, "needs setpriv (util-linux) to act as another user");
+        skip(
+            Missing::Root,
+            "needs setpriv (util-linux) to act as another user",
+        );
         return false;
     }
     true
@@ -66,7 +76,8 @@ impl TempDir {
     pub fn new(name: &str) -> Self {
         static NEXT: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
         let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        let dir = std::env::temp_dir().join(format!("baton-test-{name}-{}-{n}", std::process::id()));
+        let dir =
+            std::env::temp_dir().join(format!("baton-test-{name}-{}-{n}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(&dir).unwrap();
         TempDir(dir)
@@ -124,7 +135,12 @@ impl Broker {
             .stderr(log)
             .spawn()
             .expect("start baton serve");
-        let broker = Broker { child, socket, dir, stopped: false };
+        let broker = Broker {
+            child,
+            socket,
+            dir,
+            stopped: false,
+        };
         broker.wait_until_ready();
         broker
     }
@@ -134,15 +150,28 @@ impl Broker {
     pub fn start_at(old: &Broker, jobs: u32, extra: &[&str]) -> Self {
         let dir = TempDir::new("broker-again");
         let log = std::fs::File::create(dir.path().join("broker.log")).unwrap();
-        let child = baton().args(["serve", "--jobs", &jobs.to_string(), "--socket"]).arg(&old.socket).args(extra).stderr(log).spawn().expect("start baton serve");
-        let broker = Broker { child, socket: old.socket.clone(), dir, stopped: false };
+        let child = baton()
+            .args(["serve", "--jobs", &jobs.to_string(), "--socket"])
+            .arg(&old.socket)
+            .args(extra)
+            .stderr(log)
+            .spawn()
+            .expect("start baton serve");
+        let broker = Broker {
+            child,
+            socket: old.socket.clone(),
+            dir,
+            stopped: false,
+        };
         broker.wait_until_ready();
         broker
     }
 
     fn wait_until_ready(&self) {
         // A bare connect, no HELLO: the probe takes no client id.
-        wait_for(Duration::from_secs(10), "the broker to listen", || std::os::unix::net::UnixStream::connect(&self.socket).is_ok());
+        wait_for(Duration::from_secs(10), "the broker to listen", || {
+            std::os::unix::net::UnixStream::connect(&self.socket).is_ok()
+        });
     }
 
     pub fn client(&self, label: &str) -> Client {
@@ -189,7 +218,11 @@ impl Broker {
     /// Checks that every token is back: free == limit, nobody holds any.
     pub fn assert_all_free(&self) {
         let s = self.status();
-        assert_eq!((s.free, s.held), (s.limit, 0), "tokens missing at the end: {s:#?}");
+        assert_eq!(
+            (s.free, s.held),
+            (s.limit, 0),
+            "tokens missing at the end: {s:#?}"
+        );
     }
 }
 
@@ -209,7 +242,9 @@ impl Drop for Broker {
 }
 
 fn detach(mount: &Path) {
-    let Ok(path) = std::ffi::CString::new(mount.as_os_str().as_encoded_bytes()) else { return };
+    let Ok(path) = std::ffi::CString::new(mount.as_os_str().as_encoded_bytes()) else {
+        return;
+    };
     // SAFETY: umount2 reads a NUL-terminated path; failure (not mounted,
     // not root) is fine.
     unsafe { libc::umount2(path.as_ptr(), libc::MNT_DETACH) };
@@ -230,7 +265,10 @@ pub fn wait_timeout(child: &mut Child, limit: Duration) -> Option<std::process::
 pub fn wait_for(limit: Duration, what: &str, mut cond: impl FnMut() -> bool) {
     let start = Instant::now();
     while !cond() {
-        assert!(start.elapsed() < limit, "timed out after {limit:?} waiting for {what}");
+        assert!(
+            start.elapsed() < limit,
+            "timed out after {limit:?} waiting for {what}"
+        );
         std::thread::sleep(Duration::from_millis(2));
     }
 }
@@ -246,7 +284,12 @@ pub fn join_within<T>(thread: std::thread::JoinHandle<T>, limit: Duration, what:
 pub fn pid_alive(pid: u32) -> bool {
     // A zombie still answers kill(0): look at /proc state too.
     match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
-        Ok(stat) => !stat.rsplit(')').next().unwrap_or("").trim_start().starts_with('Z'),
+        Ok(stat) => !stat
+            .rsplit(')')
+            .next()
+            .unwrap_or("")
+            .trim_start()
+            .starts_with('Z'),
         Err(_) => false,
     }
 }
@@ -273,20 +316,35 @@ pub fn max_overlap(log: &Path) -> (usize, usize) {
 
 /// A shell command that logs its start and end around `sleep secs`.
 pub fn logged_job(log: &Path, secs: &str) -> String {
-    format!("echo S >> {log}; sleep {secs}; echo E >> {log}", log = log.display())
+    format!(
+        "echo S >> {log}; sleep {secs}; echo E >> {log}",
+        log = log.display()
+    )
 }
 
 /// A real build tool the tests need: `$env` (set by scripts/test), else the
 /// usual place. Missing tools fail the test with what to run: these tests
 /// exist to drive the real thing.
 pub fn tool(env: &str, fallback: impl FnOnce() -> PathBuf) -> PathBuf {
-    let path = std::env::var_os(env).map(PathBuf::from).unwrap_or_else(fallback);
-    assert!(path.exists(), "{} not found ({env} unset or wrong): run scripts/test, which installs it", path.display());
+    let path = std::env::var_os(env)
+        .map(PathBuf::from)
+        .unwrap_or_else(fallback);
+    assert!(
+        path.exists(),
+        "{} not found ({env} unset or wrong): run scripts/test, which installs it",
+        path.display()
+    );
     path
 }
 
 fn python_scripts_dir() -> PathBuf {
-    let out = Command::new("python3").args(["-c", "import sysconfig; print(sysconfig.get_path('scripts'))"]).output().expect("python3");
+    let out = Command::new("python3")
+        .args([
+            "-c",
+            "import sysconfig; print(sysconfig.get_path('scripts'))",
+        ])
+        .output()
+        .expect("python3");
     PathBuf::from(String::from_utf8(out.stdout).unwrap().trim())
 }
 
@@ -323,7 +381,10 @@ pub fn flat_makefile(dir: &Path, log: &Path, jobs: usize, secs: &str) {
 
 /// A build.ninja with `jobs` independent logged jobs.
 pub fn flat_ninja(dir: &Path, log: &Path, jobs: usize, secs: &str) {
-    let mut text = format!("rule job\n  command = sh -c '{}; touch $out'\n", logged_job(log, secs));
+    let mut text = format!(
+        "rule job\n  command = sh -c '{}; touch $out'\n",
+        logged_job(log, secs)
+    );
     for i in 0..jobs {
         text.push_str(&format!("build out{i}: job\n"));
     }
@@ -334,11 +395,22 @@ pub fn flat_ninja(dir: &Path, log: &Path, jobs: usize, secs: &str) {
 /// build script that logs its start and end to `log` around a short sleep.
 pub fn cargo_workspace(dir: &Path, log: &Path, crates: usize) {
     let members: Vec<String> = (0..crates).map(|i| format!("\"c{i}\"")).collect();
-    std::fs::write(dir.join("Cargo.toml"), format!("[workspace]\nresolver = \"2\"\nmembers = [{}]\n", members.join(", "))).unwrap();
+    std::fs::write(
+        dir.join("Cargo.toml"),
+        format!(
+            "[workspace]\nresolver = \"2\"\nmembers = [{}]\n",
+            members.join(", ")
+        ),
+    )
+    .unwrap();
     for i in 0..crates {
         let c = dir.join(format!("c{i}"));
         std::fs::create_dir_all(c.join("src")).unwrap();
-        std::fs::write(c.join("Cargo.toml"), format!("[package]\nname = \"c{i}\"\nversion = \"0.1.0\"\nedition = \"2021\"\n")).unwrap();
+        std::fs::write(
+            c.join("Cargo.toml"),
+            format!("[package]\nname = \"c{i}\"\nversion = \"0.1.0\"\nedition = \"2021\"\n"),
+        )
+        .unwrap();
         std::fs::write(c.join("src/lib.rs"), "pub fn f() -> u32 { 1 }\n").unwrap();
         let script = format!(
             r#"use std::io::Write;
