@@ -299,7 +299,12 @@ impl Broker {
         // A cluster pool wants them back too: a token parked in a build's
         // pipe holds a cluster token that another machine may wait for.
         let machine = u32::from(self.gates.config().any() || self.cluster.is_some());
-        (self.pool.waiting_ahead(id).max(machine), self.pool.free())
+        // A lowered limit (or builds re-attached past it) wants back what
+        // is held beyond it: tokens parked in a build's FIFO would start
+        // jobs past the new limit (issue #32).
+        let draining = self.pool.held().saturating_sub(self.pool.limit());
+        let wanted = self.pool.waiting_ahead(id).max(machine).max(draining);
+        (wanted, self.pool.free())
     }
 
     pub fn acquire(&mut self, id: ClientId, tag: Tag, tokens: u32) -> Result<Acquired, PoolError> {

@@ -369,8 +369,16 @@ impl<M> Pool<M> {
 
     /// Takes `tokens` tokens if that can be done without waiting or jumping
     /// the queue; never queues.
+    ///
+    /// A TRY past the limit (with what the client holds) is "not now", not
+    /// an error: it never waits, so it cannot wait forever, and the bridge
+    /// tops up with TRY as far as the limit it started under; a lowered
+    /// limit must not look like a broken broker to it (issue #32).
     pub fn try_acquire(&mut self, id: ClientId, tokens: u32) -> Result<bool, PoolError> {
-        self.check_request(id, tokens)?;
+        match self.check_request(id, tokens) {
+            Err(PoolError::MoreThanLimit { .. }) => return Ok(false),
+            checked => checked?,
+        }
         if self.queue.is_empty() && self.fits(tokens) {
             self.shares.wake(self.clients[&id].build);
             self.hand_out(id, tokens);
@@ -408,10 +416,27 @@ impl<M> Pool<M> {
     /// draining as a lowered limit does (held > limit, nothing free), so
     /// that the limit holds again once they come back. Nothing is created:
     /// the tokens were in use already, and the pool only learns of them.
+    ///
+    /// Held tokens are facts, not requests: a build that re-attaches to a
+    /// broker started with a lower limit than the one that granted them
+    /// still runs jobs on them, so they are counted even past the limit
+    /// (the pool drains until they come back). Refusing them would leave
+    /// the build running uncounted, and it would ask again and again.
+    /// Only the pool's bound on all tokens ([`MAX_LIMIT`]) is refused.
     pub fn hold(&mut self, id: ClientId, tokens: u32) -> Result<(), PoolError> {
-        // At most the limit, with what it holds and waits for: as for a
-        // request, anything more could leave its own request waiting forever.
-        self.check_request(id, tokens)?;
+        if !self.clients.contains_key(&id) {
+            return Err(PoolError::UnknownClient(id));
+        }
+        if tokens == 0 {
+            return Err(PoolError::ZeroTokens);
+        }
+        let total = self.held.saturating_add(tokens);
+        if total > MAX_LIMIT {
+            return Err(PoolError::MoreThanLimit {
+                asked: total,
+                limit: MAX_LIMIT,
+            });
+        }
         self.free -= tokens.min(self.free);
         self.count_held(id, tokens);
         self.totals.held_again += u64::from(tokens);

@@ -4,7 +4,7 @@
 
 use crate::{log, Fifo};
 use baton_client::{Client, Error as ClientError};
-use baton_core::protocol::{Reply, Request};
+use baton_core::protocol::{ErrorCode, Reply, Request};
 use std::time::{Duration, Instant};
 
 /// What the broker said when the feeder last looked (`WANTED`).
@@ -127,6 +127,23 @@ pub fn plan(seen: Seen) -> Plan {
 /// while another build waits: this, plus a round trip to the broker.
 pub const LOOK_EVERY: Duration = Duration::from_millis(50);
 
+/// How often a build whose request a lowered limit refused tries again
+/// (`TRY`), in case the limit went up: with no spare token it may have
+/// nothing else that wakes the feeder.
+pub const PAST_LIMIT_RETRY: Duration = Duration::from_millis(200);
+
+/// Whether the broker refused a request because the build holds what a
+/// lowered limit allows, or more: not the broker's end, only "not now".
+pub fn refused_past_the_limit(e: &ClientError) -> bool {
+    matches!(
+        e,
+        ClientError::Refused {
+            code: ErrorCode::Range,
+            ..
+        }
+    )
+}
+
 /// Moves tokens between the pool and the build's FIFO.
 pub struct Feeder {
     fifo: Fifo,
@@ -145,6 +162,9 @@ pub struct Feeder {
     warned_extra: bool,
     /// A bmake build aborted and the tokens put in before were taken out.
     stopper_placed: bool,
+    /// The broker refused our last ACQUIRE: the build holds what the
+    /// (lowered) limit allows. No ACQUIRE until a TRY or a look finds room.
+    past_limit: bool,
 }
 
 impl Feeder {
@@ -205,6 +225,7 @@ impl Feeder {
             eager,
             warned_extra: false,
             stopper_placed: false,
+            past_limit: false,
         }
     }
 
@@ -239,6 +260,7 @@ impl Feeder {
                 self.carry_out(plan(seen), client)?;
             }
             let (others, free) = client.wanted()?;
+            self.past_limit &= free == 0;
             self.last_look = Some(Instant::now());
             self.contended = others > 0;
             seen = Seen {
@@ -278,8 +300,10 @@ impl Feeder {
             0 => 0,
             n => client.try_up_to(n)?,
         };
+        self.past_limit &= got == 0;
         self.lend(got)?;
-        if got == 0 && plan.ask && room > 0 && self.fifo.queued() + self.fifo.returned() == 0 {
+        let may_ask = plan.ask && !self.past_limit && room > 0;
+        if got == 0 && may_ask && self.fifo.queued() + self.fifo.returned() == 0 {
             client.send(&Request::Acquire(1))?;
             self.pending = true;
         }
@@ -334,6 +358,21 @@ impl Feeder {
         }
     }
 
+    /// Takes the broker's answer to our pending request, or its refusal: a
+    /// refusal because the build holds what a lowered limit allows ends the
+    /// request, not the connection (issue #32).
+    pub fn on_answer(&mut self, answer: Result<Reply, ClientError>) -> Result<(), ClientError> {
+        match answer {
+            Ok(reply) => self.on_reply(reply),
+            Err(e) if self.pending && refused_past_the_limit(&e) => {
+                self.pending = false;
+                self.past_limit = true;
+                Ok(())
+            }
+            Err(e) => Err(e),
+        }
+    }
+
     /// Takes the broker's answer to our pending request.
     pub fn on_reply(&mut self, reply: Reply) -> Result<(), ClientError> {
         match reply {
@@ -358,9 +397,10 @@ impl Feeder {
     fn cancel(&mut self, client: &mut Client) -> Result<(), ClientError> {
         client.send(&Request::Cancel)?;
         loop {
-            match client.read_reply()? {
-                Reply::Cancelled { .. } => break,
-                reply => self.on_reply(reply)?,
+            match client.read_reply() {
+                Ok(Reply::Cancelled { .. }) => break,
+                // The request was refused before the CANCEL arrived.
+                answer => self.on_answer(answer)?,
             }
         }
         self.pending = false;
@@ -390,6 +430,9 @@ impl Feeder {
             } else {
                 until_look
             });
+        }
+        if self.past_limit && !self.pending {
+            return Some(until_look.max(PAST_LIMIT_RETRY));
         }
         // After a bmake abort, the abort token waits unread on purpose.
         if self.pending || self.stopper_placed || spare(self.seen()) == 0 {

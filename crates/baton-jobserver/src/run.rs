@@ -73,16 +73,7 @@ pub fn run(opts: RunOptions) -> Result<i32> {
         return Ok(run_in_the_outer_build(&opts.command));
     }
     let label = label(&opts.command);
-    let mut client = autostart::connect(&socket, &label, opts.autostart.as_ref())?;
-    client.start_build(opts.weight, opts.name.as_deref().unwrap_or(""))?;
-    let max = opts.max.unwrap_or(client.limit());
-    if max < opts.tokens {
-        bail!(
-            "--max {max} is below --tokens {}: the build could never start",
-            opts.tokens
-        );
-    }
-    client.acquire(opts.tokens).context("waiting for tokens")?;
+    let (client, max) = first_tokens(&opts, &socket, &label)?;
 
     let forwarded = forwarded_signals();
     forwarded.thread_block().context("cannot block signals")?;
@@ -153,6 +144,7 @@ pub fn run(opts: RunOptions) -> Result<i32> {
         build_file: build_file_path,
         label,
         build,
+        reattach: Reattach::new(),
     };
     // Fill the FIFO before the build starts: ninja reads its first wave of
     // tokens in one burst as it starts, and takes no more after finding it
@@ -172,6 +164,55 @@ pub fn run(opts: RunOptions) -> Result<i32> {
     drop(pipe_ends); // the child has its copies
     let status = supervise(child, &signals, broker, feeder)?;
     Ok(exit_code(status))
+}
+
+/// Joins the broker as a new build and waits for CMD's own tokens; returns
+/// the connection and the build's cap. A broker that goes away while we
+/// wait (killed, or replaced) costs the build nothing: we wait for the
+/// next one at the socket, as builds that hold tokens re-attach (#32).
+fn first_tokens(opts: &RunOptions, socket: &Path, label: &str) -> Result<(Client, u32)> {
+    let mut reattach = Reattach::new();
+    loop {
+        let mut client = autostart::connect(socket, label, opts.autostart.as_ref())?;
+        client.start_build(opts.weight, opts.name.as_deref().unwrap_or(""))?;
+        let max = opts.max.unwrap_or(client.limit());
+        if max < opts.tokens {
+            bail!(
+                "--max {max} is below --tokens {}: the build could never start",
+                opts.tokens
+            );
+        }
+        match client.acquire(opts.tokens) {
+            Ok(()) => return Ok((client, max)),
+            Err(ClientError::Disconnected | ClientError::Io { .. }) => {}
+            Err(e) => return Err(e).context("waiting for tokens"),
+        }
+        if reattach.first_time("gone") {
+            log::warn(format_args!(
+                "the broker at {} went away while we waited for our first token; waiting for the next one",
+                socket.display()
+            ));
+        }
+        match opts.autostart {
+            // The next connect starts one if nobody has meanwhile.
+            Some(_) => {
+                reattach.failed(true);
+                std::thread::sleep(reattach.backoff);
+            }
+            None => wait_for_a_broker(socket, &mut reattach),
+        }
+    }
+}
+
+/// Sleeps until something answers at the socket again, backing off.
+fn wait_for_a_broker(socket: &Path, reattach: &mut Reattach) {
+    loop {
+        reattach.failed(true);
+        std::thread::sleep(reattach.backoff);
+        if std::os::unix::net::UnixStream::connect(socket).is_ok() {
+            return;
+        }
+    }
 }
 
 /// What `choice` finds of the build's tools, and bmake's version if CMD is
@@ -404,6 +445,47 @@ fn inheritable(fd: &OwnedFd) -> Result<()> {
 /// same socket: a restarted broker is found within about this long.
 const REATTACH_EVERY: Duration = Duration::from_millis(200);
 
+/// The longest wait between tries of a broker that answers but refuses
+/// us: the tries back off, so a refusal never becomes a storm of them.
+const REATTACH_AT_MOST_EVERY: Duration = Duration::from_secs(5);
+
+/// When to try the socket again after losing the broker, and what we
+/// said about it: each refusal is said once, not once per try.
+struct Reattach {
+    next_try: std::time::Instant,
+    backoff: Duration,
+    last_said: Option<String>,
+}
+
+impl Reattach {
+    fn new() -> Self {
+        Reattach {
+            next_try: std::time::Instant::now(),
+            backoff: REATTACH_EVERY,
+            last_said: None,
+        }
+    }
+
+    fn due(&self) -> bool {
+        std::time::Instant::now() >= self.next_try
+    }
+
+    /// A try failed: the next waits longer, up to [`REATTACH_AT_MOST_EVERY`].
+    fn failed(&mut self, backoff: bool) {
+        if backoff {
+            self.backoff = (self.backoff * 2).min(REATTACH_AT_MOST_EVERY);
+        }
+        self.next_try = std::time::Instant::now() + self.backoff;
+    }
+
+    /// Whether `message` is new: said once, however often the try fails.
+    fn first_time(&mut self, message: &str) -> bool {
+        let new = self.last_said.as_deref() != Some(message);
+        self.last_said = Some(message.to_string());
+        new
+    }
+}
+
 /// Our connection to the broker, and whether it still answers.
 struct Broker {
     client: Client,
@@ -415,6 +497,7 @@ struct Broker {
     /// the build's weight and name.
     label: String,
     build: (u32, String),
+    reattach: Reattach,
 }
 
 impl Broker {
@@ -455,7 +538,11 @@ impl Broker {
     /// it as the same build and tells it what we hold (HOLD), so that it
     /// counts our tokens and feeds the build again.
     fn reattach(&mut self, feeder: Option<&mut Feeder>) {
+        if !self.reattach.due() {
+            return;
+        }
         let Ok(mut client) = Client::connect(&self.socket, &self.label) else {
+            self.reattach.failed(false);
             return;
         };
         let held = self.client.held();
@@ -463,12 +550,18 @@ impl Broker {
             .start_build(self.build.0, &self.build.1)
             .and_then(|_| if held > 0 { client.hold(held) } else { Ok(()) });
         if let Err(e) = joined {
-            log::warn(format_args!(
-                "a new broker answers at {} but refused us ({e}); the build goes on uncounted",
-                self.socket.display()
-            ));
+            let said = e.to_string();
+            if self.reattach.first_time(&said) {
+                log::warn(format_args!(
+                    "a new broker answers at {} but refused us ({said}); the build goes on uncounted, \
+                     trying again every few seconds",
+                    self.socket.display()
+                ));
+            }
+            self.reattach.failed(true);
             return;
         }
+        self.reattach = Reattach::new();
         log::warn(format_args!(
             "re-attached to the new broker at {}, holding {held} token(s)",
             self.socket.display()
@@ -600,10 +693,7 @@ fn supervise(
 
 fn on_broker_readable(broker: &mut Broker, feeder: Option<&mut Feeder>) {
     let result = match feeder {
-        Some(f) if f.is_waiting() => broker
-            .client
-            .read_reply()
-            .and_then(|reply| f.on_reply(reply)),
+        Some(f) if f.is_waiting() => f.on_answer(broker.client.read_reply()),
         // Nothing is pending, so anything readable is the end.
         _ => Err(ClientError::Disconnected),
     };

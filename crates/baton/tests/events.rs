@@ -1,0 +1,229 @@
+//! The limit holds under the events of a busy machine (issue #32): a
+//! lowered limit, a broker that dies while a build waits for its first
+//! token, a stopped build. Jobs are counted from the jobs themselves (each
+//! logs its start and end), never from the broker's own books.
+
+mod common;
+
+use common::*;
+use std::collections::BTreeSet;
+use std::io::Write;
+use std::path::Path;
+use std::process::{Child, Stdio};
+use std::time::Duration;
+
+/// A makefile of `jobs` independent jobs that log `S id` and `E id`.
+fn logged_makefile(dir: &Path, log: &Path, jobs: usize, secs: &str) {
+    let names: Vec<String> = (0..jobs).map(|i| format!("j{i}")).collect();
+    let mut text = format!(".PHONY: all {0}\nall: {0}\n", names.join(" "));
+    for name in &names {
+        text += &format!(
+            "{name}:\n\t@echo 'S {name}' >> {log}; sleep {secs}; echo 'E {name}' >> {log}\n",
+            log = log.display()
+        );
+    }
+    std::fs::write(dir.join("Makefile"), text).unwrap();
+}
+
+/// Appends a line to the jobs' log, in the order of their own lines.
+fn mark(log: &Path, line: &str) {
+    let mut file = std::fs::OpenOptions::new()
+        .append(true)
+        .create(true)
+        .open(log)
+        .unwrap();
+    writeln!(file, "{line}").unwrap();
+}
+
+fn started(log: &Path) -> usize {
+    let text = std::fs::read_to_string(log).unwrap_or_default();
+    text.lines().filter(|l| l.starts_with("S ")).count()
+}
+
+fn running(log: &Path) -> usize {
+    let text = std::fs::read_to_string(log).unwrap_or_default();
+    let (s, e) = text.lines().fold((0, 0), |(s, e), l| {
+        (
+            s + usize::from(l.starts_with("S ")),
+            e + usize::from(l.starts_with("E ")),
+        )
+    });
+    s - e
+}
+
+/// The most jobs running at once after every job that was running at the
+/// mark `L` had ended: from then on, every running job started after the
+/// limit changed. Also returns how many jobs started in that stretch.
+fn overlap_after_the_change(log: &Path) -> (usize, usize) {
+    let text = std::fs::read_to_string(log).unwrap();
+    let mut running = BTreeSet::new();
+    let mut old: Option<BTreeSet<String>> = None;
+    let (mut max, mut starts) = (0, 0);
+    for line in text.lines() {
+        match line.split_once(' ') {
+            Some(("S", id)) => {
+                running.insert(id.to_string());
+                if old.as_ref().is_some_and(|o| o.is_empty()) {
+                    starts += 1;
+                }
+            }
+            Some(("E", id)) => {
+                running.remove(id);
+                if let Some(o) = old.as_mut() {
+                    o.remove(id);
+                }
+            }
+            _ if line == "L" => old = Some(running.clone()),
+            _ => {}
+        }
+        if old.as_ref().is_some_and(|o| o.is_empty()) {
+            max = usize::max(max, running.len());
+        }
+    }
+    assert!(old.is_some(), "the log has no mark of the change:\n{text}");
+    (max, starts)
+}
+
+fn spawn_build(broker: &Broker, dir: &Path, style: &str, make: &Path) -> Child {
+    broker
+        .run(&["--jobserver-style", style, "--", make.to_str().unwrap()])
+        .current_dir(dir)
+        .env_remove("MAKEFLAGS")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("start baton run")
+}
+
+fn set_limit(broker: &Broker, limit: u32) {
+    let out = baton()
+        .arg("limit")
+        .arg(limit.to_string())
+        .arg("--socket")
+        .arg(&broker.socket)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// A build running 4 jobs at once under a limit of 4 keeps its connection
+/// when the limit drops to 1, gives back what it holds beyond it, and the
+/// jobs it starts from then on obey the new limit.
+fn a_lowered_limit_holds(style: &str, make: &Path) {
+    let broker = Broker::start(4);
+    let dir = TempDir::new("lowered");
+    let log = dir.path().join("jobs.log");
+    logged_makefile(dir.path(), &log, 12, "0.4");
+    let child = spawn_build(&broker, dir.path(), style, make);
+    wait_for(Duration::from_secs(30), "4 jobs at once", || {
+        running(&log) >= 4
+    });
+    set_limit(&broker, 1);
+    mark(&log, "L");
+    let out = child.wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "the build failed: {err}");
+    for storm in ["lost the broker", "refused us"] {
+        assert!(
+            !err.contains(storm),
+            "a lowered limit is not a lost broker: {err}"
+        );
+    }
+    assert_eq!(started(&log), 12, "every job ran");
+    let (max, starts) = overlap_after_the_change(&log);
+    assert!(
+        starts > 0,
+        "no job started after the change: nothing was shown"
+    );
+    assert_eq!(
+        max,
+        1,
+        "jobs started after the limit dropped to 1 ran {max} at once:\n{}",
+        std::fs::read_to_string(&log).unwrap()
+    );
+    broker.assert_all_free();
+    assert_eq!(
+        broker.status().totals.reclaimed,
+        0,
+        "released, not reclaimed"
+    );
+}
+
+#[test]
+fn a_lowered_limit_holds_for_make_4_3_through_the_pipe() {
+    a_lowered_limit_holds("pipe", &make43());
+}
+
+#[test]
+fn a_lowered_limit_holds_for_make_4_4_through_the_pipe() {
+    a_lowered_limit_holds("pipe", &make44());
+}
+
+/// A build that holds more than a new broker's limit (it re-attaches
+/// after its broker died, and the new one was started smaller) is counted
+/// whole, once, and the pool drains until it is back under the limit.
+#[test]
+fn a_build_re_attaching_past_a_smaller_limit_is_counted_once() {
+    let mut old = Broker::start(4);
+    let dir = TempDir::new("smaller");
+    let log = dir.path().join("jobs.log");
+    logged_makefile(dir.path(), &log, 8, "1");
+    let child = spawn_build(&old, dir.path(), "pipe", &make43());
+    wait_for(Duration::from_secs(30), "4 jobs at once", || {
+        running(&log) >= 4
+    });
+    old.stop_with(libc::SIGKILL);
+    let new = Broker::start_at(&old, 2, &[]);
+    let out = child.wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "the build failed: {err}");
+    assert!(
+        err.contains("re-attached to the new broker"),
+        "the build re-attached: {err}"
+    );
+    assert!(
+        !err.contains("refused us"),
+        "HOLD past the limit was refused: {err}"
+    );
+    assert_eq!(
+        err.matches("lost the broker").count(),
+        1,
+        "said once: {err}"
+    );
+    new.assert_all_free();
+}
+
+/// `baton run` queued for its first token when the broker is killed waits
+/// for the next broker and runs its command (it used to exit 1 with
+/// "waiting for tokens: the broker closed the connection").
+#[test]
+fn a_build_waiting_for_its_first_token_outlives_its_broker() {
+    let mut old = Broker::start(1);
+    let mut holder = old.client("holder");
+    holder.acquire(1).unwrap();
+    let dir = TempDir::new("first-token");
+    let ran = dir.path().join("ran");
+    let mut waiting = old
+        .run(&["--", "touch", ran.to_str().unwrap()])
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    wait_for(Duration::from_secs(10), "the run to queue", || {
+        old.status().waiters.len() == 1
+    });
+    old.stop_with(libc::SIGKILL);
+    drop(holder);
+    let new = Broker::start_at(&old, 1, &[]);
+    let status = wait_timeout(&mut waiting, Duration::from_secs(60));
+    let _ = waiting.kill(); // by pid, if it hung
+    let mut err = String::new();
+    std::io::Read::read_to_string(&mut waiting.stderr.take().unwrap(), &mut err).unwrap();
+    assert_eq!(status.map(|s| s.code()), Some(Some(0)), "{err}");
+    assert!(ran.exists(), "the command ran: {err}");
+    assert!(err.contains("waiting for the next one"), "{err}");
+    new.assert_all_free();
+}
