@@ -111,8 +111,13 @@ mod tests {
     /// nothing else of ours by the time we return.
     #[test]
     fn the_grandchild_keeps_only_the_file_it_was_given() {
-        let (given_r, given_w) = nix::unistd::pipe().unwrap();
-        let (other_r, other_w) = nix::unistd::pipe().unwrap();
+        // Close-on-exec, as every descriptor of ours is: tests beside this
+        // one start processes at the same time, and a plain pipe's write
+        // end leaks into them and reads as "still held" (14 of 60 runs
+        // beside stress-ng failed so, #34).
+        let cloexec = nix::fcntl::OFlag::O_CLOEXEC;
+        let (given_r, given_w) = nix::unistd::pipe2(cloexec).unwrap();
+        let (other_r, other_w) = nix::unistd::pipe2(cloexec).unwrap();
         drop_off_the_exit_path(given_w);
         drop(other_w);
         assert!(
