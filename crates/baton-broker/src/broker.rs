@@ -698,6 +698,7 @@ impl Broker {
                 since: epoch_seconds(c.meta.holding_since.unwrap_or(SystemTime::now())),
                 transport: c.meta.transport.name().to_string(),
                 build: c.build.0,
+                stopped: crate::jobs::is_stopped(c.meta.pid),
             })
             .collect();
         holders.sort_by(|a, b| a.since.total_cmp(&b.since));

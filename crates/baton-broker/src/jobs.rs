@@ -171,6 +171,26 @@ fn read_procs() -> HashMap<u32, Proc> {
         .collect()
 }
 
+/// Whether `pid`, or a process it started, is stopped (state `T`, or `t`
+/// under a tracer): a `^Z`ed `baton run` stops with its build, a
+/// `kill -STOP` of make stops only the child. One or two reads of /proc
+/// per holder, only when a status is asked for.
+pub fn is_stopped(pid: u32) -> bool {
+    let stopped = |pid: &str| {
+        std::fs::read_to_string(format!("/proc/{pid}/stat"))
+            .ok()
+            .and_then(|stat| stat_state(&stat))
+            .is_some_and(|state| matches!(state, 'T' | 't'))
+    };
+    let children = std::fs::read_to_string(format!("/proc/{pid}/task/{pid}/children"));
+    stopped(&pid.to_string()) || children.is_ok_and(|c| c.split_whitespace().any(stopped))
+}
+
+/// The state letter: the first field after the command's closing paren.
+fn stat_state(stat: &str) -> Option<char> {
+    stat.get(stat.rfind(')')? + 2..)?.chars().next()
+}
+
 /// ppid (4th field), comm (2nd, in parentheses) and starttime (22nd).
 fn parse_stat(stat: &str) -> Option<Proc> {
     let open = stat.find('(')?;
@@ -187,6 +207,13 @@ fn parse_stat(stat: &str) -> Option<Proc> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_state_follows_the_last_paren() {
+        assert_eq!(stat_state("42 (a) b) T 1 42"), Some('T'));
+        assert_eq!(stat_state("42 (make) S 1 42"), Some('S'));
+        assert_eq!(stat_state("42 (make"), None);
+    }
 
     #[test]
     fn stat_lines() {

@@ -125,6 +125,11 @@ pub struct Holder {
     /// The `id` of its build.
     #[serde(default)]
     pub build: u64,
+    /// The holder, or a process it started, is stopped (SIGSTOP, `^Z`):
+    /// its tokens wait with it while other builds may wait for them.
+    /// Absent (false) from brokers that predate it.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub stopped: bool,
 }
 
 /// A request waiting for tokens.

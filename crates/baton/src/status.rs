@@ -123,17 +123,19 @@ fn render(s: &Status, now: f64) -> String {
             g.name
         ));
     }
+    let holder_commands: Vec<String> = s.holders.iter().map(holder_command).collect();
     rows(
         "HOLDERS",
         s.holders
             .iter()
-            .map(|h| {
+            .zip(&holder_commands)
+            .map(|(h, command)| {
                 (
                     h.pid,
                     h.tokens,
                     h.since,
                     h.transport.as_str(),
-                    h.command.as_str(),
+                    command.as_str(),
                 )
             })
             .collect(),
@@ -163,6 +165,15 @@ fn render(s: &Status, now: f64) -> String {
 }
 
 /// The cluster pool: what this broker holds, and who else holds or waits.
+/// A holder's command line, marked when it is stopped: its tokens wait
+/// with it (issue #32).
+pub fn holder_command(h: &baton_core::status::Holder) -> String {
+    match h.stopped {
+        true => format!("[stopped] {}", h.command),
+        false => h.command.clone(),
+    }
+}
+
 fn render_cluster(c: &baton_core::status::Cluster, out: &mut String) {
     let elsewhere: u32 = c
         .brokers

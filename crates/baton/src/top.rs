@@ -363,7 +363,7 @@ impl Top {
                 h.pid.to_string(),
                 h.tokens.to_string(),
                 show_seconds(now - h.since),
-                h.command.clone(),
+                crate::status::holder_command(h),
             ])
         });
         let title = format!(" holders of {} ", build.map_or("-", |b| b.name.as_str()));

@@ -227,3 +227,54 @@ fn a_build_waiting_for_its_first_token_outlives_its_broker() {
     assert!(err.contains("waiting for the next one"), "{err}");
     new.assert_all_free();
 }
+
+fn status_text(broker: &Broker) -> String {
+    let out = baton()
+        .args(["status", "--socket"])
+        .arg(&broker.socket)
+        .output()
+        .unwrap();
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+fn holder_stopped(broker: &Broker) -> bool {
+    broker.status().holders.iter().any(|h| h.stopped)
+}
+
+/// A stopped build keeps its tokens while others wait: `status` (text and
+/// JSON) says it is stopped, whether its command or `baton run` itself
+/// (`^Z` stops both) was stopped, and stops saying so once it goes on.
+#[test]
+fn a_stopped_build_is_shown_as_stopped() {
+    let broker = Broker::start(2);
+    let mut run = broker
+        .run(&["--jobserver-style", "none", "--", "sleep", "60"])
+        .spawn()
+        .unwrap();
+    wait_for(Duration::from_secs(10), "the build to hold", || {
+        broker.status().held == 1
+    });
+    assert!(!holder_stopped(&broker), "a running build is not stopped");
+    let children = format!("/proc/{0}/task/{0}/children", run.id());
+    let first_child = || {
+        let text = std::fs::read_to_string(&children).unwrap_or_default();
+        text.split_whitespace()
+            .next()
+            .map(|pid| pid.parse::<i32>().unwrap())
+    };
+    wait_for(Duration::from_secs(10), "baton run to start sleep", || {
+        first_child().is_some()
+    });
+    let child = first_child().unwrap();
+    for (pid, what) in [(child, "its command"), (run.id() as i32, "baton run")] {
+        unsafe { libc::kill(pid, libc::SIGSTOP) };
+        wait_for(Duration::from_secs(10), what, || holder_stopped(&broker));
+        assert!(status_text(&broker).contains("[stopped] baton run -- sleep 60"));
+        unsafe { libc::kill(pid, libc::SIGCONT) };
+        wait_for(Duration::from_secs(10), "it to go on", || {
+            !holder_stopped(&broker)
+        });
+    }
+    run.kill().unwrap();
+    run.wait().unwrap();
+}
