@@ -48,6 +48,11 @@ pub enum Top {
         version: Option<Version>,
     },
     Cargo,
+    /// A Python program (pip, `python -m build`, meson, SCons, a script
+    /// whose `#!` names python): its subprocesses start with Python's
+    /// default `close_fds=True`, so inherited descriptors never reach the
+    /// tools it runs.
+    Python(PathBuf),
     /// cmake with another generator, a script, anything else.
     Other,
 }
@@ -155,6 +160,15 @@ pub fn choose(tree: &Tree) -> Choice {
             why.push("cargo reads both forms".to_string());
             pipe_if_needed(&rw_only, &mut why, Style::Fuse)
         }
+        Top::Python(path) => {
+            why.push(format!(
+                "{} is a Python program: Python's subprocess closes inherited descriptors \
+                 (close_fds=True), so R,W would not reach the tools it runs; fifo:PATH does",
+                path.display()
+            ));
+            warnings.extend(lost_under_python(tree, path));
+            Style::Fifo
+        }
         Top::Other => pipe_if_needed(&rw_only, &mut why, Style::Fifo),
     };
     if let Some(jobs) = &tree.forced_jobs {
@@ -179,6 +193,27 @@ fn rw_only_readers(tree: &Tree) -> Vec<String> {
         readers.push(format!("gcc {gcc}: its lto-wrapper reads only R,W"));
     }
     readers
+}
+
+/// What the readers of `R,W` only will do under a Python driver's
+/// `fifo:`: no form serves them there (their descriptors would be closed).
+fn lost_under_python(tree: &Tree, driver: &Path) -> Vec<String> {
+    let driver = driver.display();
+    let mut warnings = Vec::new();
+    if let Some(make) = tree.make.as_ref().filter(|m| m.version < MAKE_FIFO) {
+        warnings.push(format!(
+            "make {make} reads only R,W: a make 4.3 that {driver} runs stops with \
+             \"invalid --jobserver-auth string\" on fifo: (--jobserver-style pipe runs it one job \
+             at a time instead, and gives everything else {driver} runs no jobserver)"
+        ));
+    }
+    if let Some(gcc) = tree.gcc.as_ref().filter(|g| g.version < GCC_FIFO) {
+        warnings.push(format!(
+            "gcc {gcc} reads only R,W, which cannot reach it past {driver}: its -flto=auto links \
+             run their own LTRANS jobs past the limit (gcc 13 reads fifo:)"
+        ));
+    }
+    warnings
 }
 
 fn pipe_if_needed(rw_only: &[String], why: &mut Vec<String>, otherwise: Style) -> Style {
@@ -207,7 +242,7 @@ fn forced_jobs_warning(top: &Top, jobs: &str) -> String {
             path,
             version: None,
         } => format!("ninja ({})", path.display()),
-        Top::Cargo | Top::Other => "the command".to_string(),
+        Top::Cargo | Top::Python(_) | Top::Other => "the command".to_string(),
     };
     format!("{tool} was given {jobs} on its own command line: it ignores baton's jobserver and runs that many jobs past the limit (drop {jobs})")
 }
@@ -301,6 +336,9 @@ fn top_for(probes: &Probes, program: &Path) -> Top {
     if name == "cargo" {
         return Top::Cargo;
     }
+    if is_python_name(&name) || has_python_shebang(program) {
+        return Top::Python(resolve(program));
+    }
     match is_make_name(&name)
         .then(|| gnu_make(probes, program))
         .flatten()
@@ -308,6 +346,34 @@ fn top_for(probes: &Probes, program: &Path) -> Top {
         Some(make) => Top::Make(make),
         None => Top::Other,
     }
+}
+
+/// `python`, `python3`, `python3.11`, `pypy3`.
+fn is_python_name(name: &str) -> bool {
+    ["python", "pypy"].iter().any(|stem| {
+        name.strip_prefix(stem)
+            .is_some_and(|v| v.bytes().all(|b| b.is_ascii_digit() || b == b'.'))
+    })
+}
+
+/// Whether `program` (found on PATH) is a script whose `#!` line runs
+/// Python: pip, meson, scons, pyproject-build and every console script
+/// pip installs.
+fn has_python_shebang(program: &Path) -> bool {
+    use std::io::Read;
+    let Some(file) = crate::probe::find(program).and_then(|p| std::fs::File::open(p).ok()) else {
+        return false;
+    };
+    let mut first = [0u8; 256];
+    let Ok(n) = file.take(first.len() as u64).read(&mut first) else {
+        return false;
+    };
+    let line = first[..n].split(|b| *b == b'\n').next().unwrap_or_default();
+    line.starts_with(b"#!")
+        && String::from_utf8_lossy(&line[2..])
+            .split_whitespace()
+            .filter_map(|w| Path::new(w).file_name())
+            .any(|w| is_python_name(&w.to_string_lossy()))
 }
 
 pub fn is_make_name(name: &str) -> bool {
@@ -633,6 +699,33 @@ mod tests {
         assert_eq!(compiler_in("gcc-12 -std=c99"), "gcc-12");
         assert_eq!(compiler_in("/usr/bin/ccache gcc"), "gcc");
         assert_eq!(compiler_in("sccache"), "cc");
+    }
+
+    #[test]
+    fn python_drivers_get_fifo_and_a_warning_for_each_reader_left_behind() {
+        let pip = Top::Python("/venv/bin/pip".into());
+        let choice = choose(&tree(pip.clone()));
+        assert_eq!(choice.style, Style::Fifo);
+        assert!(choice.why[0].contains("close_fds=True"), "{choice:?}");
+        assert!(choice.warnings.is_empty(), "{choice:?}");
+        let old_tools = Tree {
+            make: found("/usr/bin/make", Version(4, 3, 0)),
+            gcc: found("/usr/bin/cc", Version(12, 2, 0)),
+            ..tree(pip)
+        };
+        let choice = choose(&old_tools);
+        assert_eq!(choice.style, Style::Fifo);
+        assert_eq!(choice.warnings.len(), 2, "{choice:?}");
+        assert!(choice.warnings[0].starts_with("make 4.3 (/usr/bin/make)"));
+        assert!(choice.warnings[1].starts_with("gcc 12.2 (/usr/bin/cc)"));
+    }
+
+    #[test]
+    fn python_names() {
+        assert!(
+            is_python_name("python") && is_python_name("python3.11") && is_python_name("pypy3")
+        );
+        assert!(!is_python_name("python-config") && !is_python_name("pip"));
     }
 
     #[test]

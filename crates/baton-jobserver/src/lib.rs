@@ -64,7 +64,9 @@ pub enum Style {
     Fuse,
     /// the form every client the build may start reads: pipe where make < 4.4
     /// or gcc < 13 is found (ninja 1.13: only if it runs make); else make >=
-    /// 4.4 and cargo: fuse (fifo without a mount); ninja and the rest: fifo
+    /// 4.4 and cargo: fuse (fifo without a mount); ninja and the rest: fifo;
+    /// a Python program (pip, meson, scons), which closes inherited
+    /// descriptors: fifo
     Auto,
     /// No jobserver: only hold the tokens
     None,

@@ -519,3 +519,116 @@ fn tool_versions_are_asked_once_and_again_when_the_tool_changes() {
     );
     broker.assert_all_free();
 }
+
+/// The bin directory of the test venv, with pip, meson-python, meson and
+/// ninja 1.13 (scripts/test installs them).
+fn meson_python_venv() -> PathBuf {
+    let python = tool("BATON_TEST_PYTHON", || ninja().with_file_name("python"));
+    let has = Command::new(&python)
+        .args(["-c", "import mesonpy, mesonbuild"])
+        .status()
+        .unwrap();
+    assert!(
+        has.success(),
+        "{} has no meson-python: run scripts/test, which installs it",
+        python.display()
+    );
+    python.parent().unwrap().to_path_buf()
+}
+
+/// A meson-python package of a C extension of `files` sources, and a CC
+/// that logs each compile of them (a second long) to `log`.
+fn meson_python_package(dir: &Path, log: &Path, files: usize) -> PathBuf {
+    let src = dir.join("pkg");
+    std::fs::create_dir_all(src.join("src")).unwrap();
+    std::fs::write(
+        src.join("pyproject.toml"),
+        "[build-system]\nbuild-backend = \"mesonpy\"\nrequires = [\"meson-python\"]\n\
+         [project]\nname = \"tiny\"\nversion = \"0.1\"\n",
+    )
+    .unwrap();
+    let mut sources = vec!["'src/m.c'".to_string()];
+    for i in 0..files {
+        std::fs::write(
+            src.join(format!("src/f{i}.c")),
+            format!("int f{i}(void) {{ return {i}; }}\n"),
+        )
+        .unwrap();
+        sources.push(format!("'src/f{i}.c'"));
+    }
+    std::fs::write(
+        src.join("src/m.c"),
+        "#include <Python.h>\nstatic struct PyModuleDef m = {PyModuleDef_HEAD_INIT, \"tiny\", NULL, -1, NULL};\n\
+         PyMODINIT_FUNC PyInit_tiny(void) { return PyModule_Create(&m); }\n",
+    )
+    .unwrap();
+    std::fs::write(
+        src.join("meson.build"),
+        format!(
+            "project('tiny', 'c')\npy = import('python').find_installation()\n\
+             py.extension_module('tiny', {}, install: true)\n",
+            sources.join(", ")
+        ),
+    )
+    .unwrap();
+    // meson runs the compiler to check it first: only the package's own
+    // compiles are logged jobs.
+    let cc = dir.join("cc-log");
+    std::fs::write(
+        &cc,
+        format!(
+            "#!/bin/sh\ncase \"$*\" in\n*\" -c \"*src/*) echo S >> {log}; sleep 1; gcc \"$@\"; rc=$?; echo E >> {log}; exit $rc;;\nesac\nexec gcc \"$@\"\n",
+            log = log.display()
+        ),
+    )
+    .unwrap();
+    std::fs::set_permissions(&cc, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+    src
+}
+
+/// pip starts meson-python, and meson-python ninja, with Python's default
+/// close_fds=True: an R,W jobserver never reaches ninja, which then runs
+/// its own jobs. Debian's make 4.3 and gcc 12 are on PATH, as on the
+/// machines where that happened.
+#[test]
+fn a_meson_python_package_built_by_pip_stays_within_the_limit() {
+    let venv = meson_python_venv();
+    let broker = Broker::start(2);
+    let dir = TempDir::new("meson-python");
+    let log = dir.path().join("jobs.log");
+    let src = meson_python_package(dir.path(), &log, 5);
+    let pip = venv.join("pip");
+    let wheels = dir.path().join("wheels");
+    let out = run_in(
+        &broker,
+        &src,
+        &["--explain"],
+        &pip,
+        &[
+            "wheel",
+            "--no-build-isolation",
+            "--no-deps",
+            "-w",
+            wheels.to_str().unwrap(),
+            ".",
+        ],
+    )
+    .env("CC", dir.path().join("cc-log"))
+    .env("PIP_CACHE_DIR", dir.path().join("pip-cache"))
+    .env("PATH", format!("{}:/usr/bin:/bin", venv.display()))
+    .output()
+    .unwrap();
+    assert_success(&out);
+    let err = stderr(&out);
+    let (max, started) = max_overlap(&log);
+    assert_eq!(started, 6, "every source was compiled: {err}");
+    assert!(
+        (1..=2).contains(&max),
+        "{max} compilers at once under --jobs 2"
+    );
+    assert!(
+        err.contains("jobserver: fifo") && err.contains("is a Python program"),
+        "{err}"
+    );
+    broker.assert_all_free();
+}
