@@ -181,6 +181,42 @@ pub fn choose(tree: &Tree) -> Choice {
     }
 }
 
+/// Why a `--jobserver-style` asked for cannot serve a tool found in the
+/// build's tree, if it cannot: what `auto` would have avoided, stated so
+/// that the build is refused before it breaks or overshoots in silence.
+pub fn unreadable(tree: &Tree, style: Style) -> Option<String> {
+    if !matches!(style, Style::Fifo | Style::Fuse) {
+        return None;
+    }
+    let old_make = tree.make.as_ref().filter(|m| m.version < MAKE_FIFO);
+    let make_runner = match &tree.top {
+        Top::Cargo => Some("cargo's build scripts run"),
+        Top::Ninja { .. } if tree.ninja_runs_make => Some("build.ninja runs"),
+        _ => None,
+    };
+    if let (Some(make), Some(runner)) = (old_make, make_runner) {
+        return Some(format!(
+            "make {make}, which {runner}, reads only R,W: it stops with \
+             \"internal error: invalid --jobserver-auth string\" on fifo:"
+        ));
+    }
+    if let (Some(gcc), true) = (tree.gcc.as_ref().filter(|g| g.version < GCC_FIFO), tree.lto) {
+        return Some(format!(
+            "gcc {gcc} reads only R,W and the build links with -flto: each link's lto-wrapper \
+             ignores fifo: and runs its own LTRANS jobs past the limit"
+        ));
+    }
+    match &tree.top {
+        Top::Ninja { path, version } if style == Style::Fuse => Some(format!(
+            "ninja{} ({}) wants a real FIFO: on the FUSE file it prints \
+             \"Not a fifo path\" and runs its own jobs past the limit",
+            version.map_or(String::new(), |v| format!(" {v}")),
+            path.display()
+        )),
+        _ => None,
+    }
+}
+
 /// Clients the build may start that read only `R,W`, each with why.
 fn rw_only_readers(tree: &Tree) -> Vec<String> {
     let mut readers = Vec::new();
@@ -307,19 +343,18 @@ fn inspect_command(probes: &Probes, command: &[OsString]) -> (Top, Option<String
             let forced = matches!(top, Top::Make(_) | Top::Ninja { .. })
                 .then(|| forced_jobs(&args[1..]))
                 .flatten();
-            (top, forced, ninja_dir(&args[1..]))
+            (top, forced, dir_arg(&args[1..]))
         }
     };
     let ninja_file = match top {
         Top::Ninja { .. } => std::fs::read_to_string(dir.join("build.ninja")).unwrap_or_default(),
         _ => String::new(),
     };
-    (
-        top,
-        forced_jobs,
-        ninja_file.contains("-flto"),
-        runs_make(&ninja_file),
-    )
+    let lto = match top {
+        Top::Make(_) => makefile(&args[1..]).contains("-flto"),
+        _ => ninja_file.contains("-flto"),
+    };
+    (top, forced_jobs, lto, runs_make(&ninja_file))
 }
 
 fn top_for(probes: &Probes, program: &Path) -> Top {
@@ -474,8 +509,29 @@ fn cmake_make_program(dir: &Path) -> Option<PathBuf> {
         .map(|(_, p)| PathBuf::from(p))
 }
 
-/// ninja's `-C DIR`, else the current directory.
-fn ninja_dir(args: &[String]) -> PathBuf {
+/// The text of the makefile make reads first (`-f FILE`, else GNUmakefile,
+/// makefile or Makefile in `-C DIR` or here); empty if there is none.
+fn makefile(args: &[String]) -> String {
+    let dir = dir_arg(args);
+    let named = args
+        .iter()
+        .position(|a| a == "-f" || a == "--file")
+        .and_then(|i| args.get(i + 1))
+        .map(|f| vec![dir.join(f)]);
+    let candidates = named.unwrap_or_else(|| {
+        ["GNUmakefile", "makefile", "Makefile"]
+            .iter()
+            .map(|f| dir.join(f))
+            .collect()
+    });
+    candidates
+        .iter()
+        .find_map(|f| std::fs::read_to_string(f).ok())
+        .unwrap_or_default()
+}
+
+/// make's or ninja's `-C DIR`, else the current directory.
+fn dir_arg(args: &[String]) -> PathBuf {
     let dir = args
         .iter()
         .position(|a| a == "-C")
@@ -500,7 +556,7 @@ fn runs_make(text: &str) -> bool {
 
 /// `-j`, `-j8`, `-j 8`, `--jobs`, `--jobs=8` among the tool's own arguments
 /// (before a `--`).
-fn forced_jobs(args: &[String]) -> Option<String> {
+pub(crate) fn forced_jobs(args: &[String]) -> Option<String> {
     let mut words = args.iter().take_while(|a| *a != "--");
     while let Some(word) = words.next() {
         if word == "--jobs" || word.starts_with("--jobs=") {
@@ -726,6 +782,35 @@ mod tests {
             is_python_name("python") && is_python_name("python3.11") && is_python_name("pypy3")
         );
         assert!(!is_python_name("python-config") && !is_python_name("pip"));
+    }
+
+    #[test]
+    fn explicit_path_forms_are_refused_where_a_tool_found_cannot_read_them() {
+        let old_make = found("/usr/bin/make", Version(4, 3, 0));
+        let cargo = Tree {
+            make: old_make.clone(),
+            ..tree(Top::Cargo)
+        };
+        for style in [Style::Fifo, Style::Fuse] {
+            assert!(unreadable(&cargo, style).is_some_and(|w| w.contains("make 4.3")));
+        }
+        assert_eq!(unreadable(&cargo, Style::Pipe), None);
+        // make 4.4 runs itself as $(MAKE): the make on PATH is no reader.
+        let make44 = Top::Make(found("/m", Version(4, 4, 1)).unwrap());
+        let beside = Tree {
+            make: old_make,
+            ..tree(make44.clone())
+        };
+        assert_eq!(unreadable(&beside, Style::Fifo), None);
+        let lto = Tree {
+            gcc: found("/usr/bin/cc", Version(12, 2, 0)),
+            lto: true,
+            ..tree(make44)
+        };
+        assert!(unreadable(&lto, Style::Fuse).is_some_and(|w| w.contains("gcc 12.2")));
+        let ninja = tree(ninja(Version(1, 13, 2)));
+        assert!(unreadable(&ninja, Style::Fuse).is_some_and(|w| w.contains("real FIFO")));
+        assert_eq!(unreadable(&ninja, Style::Fifo), None);
     }
 
     #[test]

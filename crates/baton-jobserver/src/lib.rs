@@ -143,7 +143,8 @@ fn unusable_style(probes: &probe::Probes, command: &[OsString], style: Style) ->
     let make = choice::gnu_make(probes, Path::new(&command[0]))
         .filter(|m| m.version < choice::Version(4, 4, 0))?;
     Some(format!(
-        "GNU make {} cannot open a fifo: jobserver (only make 4.4 and later can): use --jobserver-style pipe or auto",
+        "GNU make {} cannot open a fifo: jobserver (only make 4.4 and later can): use --jobserver-style pipe or auto \
+         (--force runs it anyway)",
         make.version
     ))
 }

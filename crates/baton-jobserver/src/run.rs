@@ -50,6 +50,9 @@ pub struct RunOptions {
     pub explain: bool,
     /// How to start a broker if none answers; None: fail instead.
     pub autostart: Option<LazyAutostart>,
+    /// Run with an explicit style that a tool found in the build cannot
+    /// read (a warning instead of a refusal).
+    pub force: bool,
 }
 
 /// Runs the command under the broker; returns the exit code `baton run`
@@ -67,7 +70,10 @@ pub fn run(opts: RunOptions) -> Result<i32> {
     let socket = absolute(&socket_path(opts.socket.clone()));
     let probes = Probes::open(Some(private_dir(&socket).join(PROBES_FILE)));
     if let Some(why) = unusable_style(&probes, &opts.command, opts.style) {
-        bail!(why);
+        match opts.force {
+            true => log::warn(format_args!("{why}; running anyway, as --force asked")),
+            false => bail!(why),
+        }
     }
     if opts.tokens == 1 && is_a_job_of_a_baton_build(&socket) {
         return Ok(run_in_the_outer_build(&opts.command));
@@ -95,6 +101,18 @@ pub fn run(opts: RunOptions) -> Result<i32> {
     let is_bmake = bmake_version.is_some();
     probes.save();
     let choice = choice::choose(&tree);
+    if let Some(why) = (!is_bmake)
+        .then(|| choice::unreadable(&tree, opts.style))
+        .flatten()
+    {
+        let style = format!("{:?}", opts.style).to_lowercase();
+        let why = format!("--jobserver-style {style} cannot serve this build: {why}");
+        if !opts.force {
+            give_back(&mut client);
+            bail!("{why}. Use --jobserver-style auto or pipe (--force runs it anyway)");
+        }
+        log::warn(format_args!("{why}; running anyway, as --force asked"));
+    }
     for warning in &choice.warnings {
         log::warn(format_args!("{warning}"));
     }

@@ -632,3 +632,104 @@ fn a_meson_python_package_built_by_pip_stays_within_the_limit() {
     );
     broker.assert_all_free();
 }
+
+fn assert_refused(out: &Output, names: &[&str]) {
+    let err = stderr(out);
+    assert!(!out.status.success(), "not refused: {err}");
+    for name in names {
+        assert!(err.contains(name), "no {name:?} in: {err}");
+    }
+    assert!(err.contains("--force"), "{err}");
+}
+
+#[test]
+fn explicit_fifo_is_refused_where_a_build_script_runs_make_4_3() {
+    let broker = Broker::start(2);
+    let dir = TempDir::new("cargo-make-fifo");
+    let log = dir.path().join("jobs.log");
+    crate_running_make(dir.path(), &log);
+    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+    let out = run_in(
+        &broker,
+        dir.path(),
+        &["--jobserver-style", "fifo"],
+        Path::new(&cargo),
+        &["build", "--offline", "--quiet"],
+    )
+    .env("CARGO_TARGET_DIR", dir.path().join("target"))
+    .env(
+        "PATH",
+        format!("/usr/bin:{}", std::env::var("PATH").unwrap()),
+    )
+    .output()
+    .unwrap();
+    assert_refused(
+        &out,
+        &["--jobserver-style fifo", "make 4.3", "build scripts"],
+    );
+    assert!(!dir.path().join("target").exists(), "cargo ran");
+    broker.assert_all_free();
+}
+
+#[test]
+fn explicit_fifo_and_fuse_are_refused_for_gcc_12_lto_links() {
+    let probe = Command::new("gcc")
+        .arg("-dumpfullversion")
+        .output()
+        .unwrap();
+    let major: u32 = stdout(&probe)
+        .split('.')
+        .next()
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap();
+    assert!(
+        major < 13,
+        "gcc {major} reads fifo: this test needs Debian's gcc 12"
+    );
+    let broker = Broker::start(2);
+    let dir = TempDir::new("lto-fifo");
+    lto_objects(dir.path());
+    for style in ["fifo", "fuse"] {
+        let out = run_in(
+            &broker,
+            dir.path(),
+            &["--jobserver-style", style],
+            &make44(),
+            &["-s"],
+        )
+        .output()
+        .unwrap();
+        assert_refused(&out, &[style, "gcc 12", "-flto", "LTRANS"]);
+        assert!(!dir.path().join("p").exists(), "make ran");
+    }
+    broker.assert_all_free();
+}
+
+#[test]
+fn explicit_fuse_is_refused_for_ninja() {
+    let broker = Broker::start(2);
+    let dir = TempDir::new("ninja-fuse");
+    let log = dir.path().join("jobs.log");
+    flat_ninja(dir.path(), &log, 4, "0.05");
+    let out = run_in(
+        &broker,
+        dir.path(),
+        &["--jobserver-style", "fuse"],
+        &ninja(),
+        &[],
+    )
+    .output()
+    .unwrap();
+    assert_refused(&out, &["ninja 1.13", "real FIFO"]);
+    assert!(!log.exists(), "ninja ran");
+    let forced = ["--jobserver-style", "fuse", "--force"];
+    let out = run_in(&broker, dir.path(), &forced, &ninja(), &[])
+        .output()
+        .unwrap();
+    assert_success(&out);
+    assert!(stderr(&out).contains("running anyway"), "{}", stderr(&out));
+    assert_eq!(max_overlap(&log).1, 4, "ninja built under --force");
+    broker.assert_all_free();
+}
