@@ -33,6 +33,7 @@ mod fifo;
 mod log;
 mod probe;
 mod run;
+mod submakes;
 
 pub use autostart::{log_path as autostart_log_path, Autostart, LazyAutostart};
 use feeder::Feeder;

@@ -10,8 +10,8 @@ use crate::build_file::{self, BuildFile};
 use crate::choice::{self, Choice};
 use crate::probe::Probes;
 use crate::{
-    bmake, log, makeflags, polls_its_jobserver_alone, reads_its_jobserver, unusable_style, Feeder,
-    Fifo, Style,
+    bmake, log, makeflags, polls_its_jobserver_alone, reads_its_jobserver, submakes,
+    unusable_style, Feeder, Fifo, Style,
 };
 use anyhow::{bail, Context, Result};
 use baton_client::{Client, Error as ClientError};
@@ -188,7 +188,11 @@ pub fn run(opts: RunOptions) -> Result<i32> {
         }
     };
     drop(pipe_ends); // the child has its copies
+    let submakes = (!is_bmake && style != Style::None).then(|| submakes::watch(child.id()));
     let status = supervise(child, &signals, broker, feeder)?;
+    for line in submakes.map(submakes::Watch::finish).unwrap_or_default() {
+        log::warn(format_args!("{line}"));
+    }
     Ok(exit_code(status))
 }
 

@@ -733,3 +733,58 @@ fn explicit_fuse_is_refused_for_ninja() {
     assert_eq!(max_overlap(&log).1, 4, "ninja built under --force");
     broker.assert_all_free();
 }
+
+/// `$(MAKE) -j4 -C sub` starts a private pool of 4, and so does
+/// `$(MAKE) $(MFLAGS)`, whose MFLAGS carry the -j2 of the build's own
+/// MAKEFLAGS: make says so in its own warning, and baton names each at
+/// the end, with the jobs it ran on no token.
+#[test]
+fn a_sub_make_forcing_its_own_jobs_is_named_at_the_end() {
+    let broker = Broker::start(2);
+    let dir = TempDir::new("forced-submake");
+    let (sub, sub2) = (dir.path().join("sub"), dir.path().join("sub2"));
+    let log = dir.path().join("jobs.log");
+    std::fs::create_dir_all(&sub).unwrap();
+    std::fs::create_dir_all(&sub2).unwrap();
+    flat_makefile(&sub, &log, 4, "1");
+    flat_makefile(&sub2, &dir.path().join("jobs2.log"), 2, "1");
+    std::fs::write(
+        dir.path().join("Makefile"),
+        "all: one two\none:\n\t$(MAKE) -s -j4 -C sub\ntwo:\n\t$(MAKE) $(MFLAGS) -C sub2\n",
+    )
+    .unwrap();
+    let out = run_in(&broker, dir.path(), &[], &make44(), &["-s"])
+        .output()
+        .unwrap();
+    assert_success(&out);
+    let err = stderr(&out);
+    let named = |jobs: &str, sub: &Path| -> String {
+        let lines: Vec<&str> = err
+            .lines()
+            .filter(|l| l.starts_with("baton: a sub-make forced") && l.contains(jobs))
+            .collect();
+        assert_eq!(lines.len(), 1, "{jobs}: {err}");
+        assert!(
+            lines[0].contains(&format!("in {} ran up to", sub.display())),
+            "{}\n{err}",
+            lines[0]
+        );
+        lines[0].to_string()
+    };
+    let line = named("forced -j4", &sub);
+    assert!(line.contains("`") && line.contains("-j4 -C sub`"), "{line}");
+    // The watcher samples the tree: it sees at most what the jobs logged.
+    let seen: usize = line
+        .split("up to ")
+        .nth(1)
+        .and_then(|rest| rest.split(' ').next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("no count in {line}"));
+    let (max, _) = max_overlap(&log);
+    assert!(
+        (2..=max).contains(&seen) && line.contains(&format!("{} of them on no token", seen - 1)),
+        "{line} ({max} jobs at once in the log)"
+    );
+    named("forced -j2", &sub2);
+    broker.assert_all_free();
+}
