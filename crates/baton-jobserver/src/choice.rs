@@ -68,8 +68,9 @@ pub struct Tree {
     pub gcc: Option<Found>,
     /// The build's ninja file asks for link-time optimisation.
     pub lto: bool,
-    /// The build's ninja file runs `make` (an external project, say).
-    pub ninja_runs_make: bool,
+    /// The build's ninja file runs `make` (an external project, say), or
+    /// a cargo build's build scripts are seen to (see [`cargo_runs_make`]).
+    pub build_runs_make: bool,
     /// `-jN` (or `-j`, `--jobs`) on the top-level tool's own command line.
     pub forced_jobs: Option<String>,
 }
@@ -113,7 +114,7 @@ pub fn choose(tree: &Tree) -> Choice {
         Top::Ninja {
             path,
             version: Some(v),
-        } if *v >= NINJA_CLIENT && tree.ninja_runs_make && !rw_only.is_empty() => {
+        } if *v >= NINJA_CLIENT && tree.build_runs_make && !rw_only.is_empty() => {
             why.push(format!(
                 "ninja {v} ({}) reads both forms (R,W with a warning, and slower)",
                 path.display()
@@ -190,8 +191,8 @@ pub fn unreadable(tree: &Tree, style: Style) -> Option<String> {
     }
     let old_make = tree.make.as_ref().filter(|m| m.version < MAKE_FIFO);
     let make_runner = match &tree.top {
-        Top::Cargo => Some("cargo's build scripts run"),
-        Top::Ninja { .. } if tree.ninja_runs_make => Some("build.ninja runs"),
+        Top::Cargo if tree.build_runs_make => Some("the crate's build scripts run"),
+        Top::Ninja { .. } if tree.build_runs_make => Some("build.ninja runs"),
         _ => None,
     };
     if let (Some(make), Some(runner)) = (old_make, make_runner) {
@@ -292,7 +293,7 @@ pub fn inspect(probes: &Probes, command: &[OsString]) -> Tree {
     std::thread::scope(|s| {
         let make = s.spawn(|| gnu_make(probes, &make_program()));
         let gcc = s.spawn(|| gcc(probes, &c_compiler()));
-        let (top, forced_jobs, lto, ninja_runs_make) = inspect_command(probes, command);
+        let (top, forced_jobs, lto, build_runs_make) = inspect_command(probes, command);
         let make = make.join().expect("the make probe does not panic");
         let gcc = gcc.join().expect("the cc probe does not panic");
         Tree {
@@ -300,7 +301,7 @@ pub fn inspect(probes: &Probes, command: &[OsString]) -> Tree {
             make,
             gcc,
             lto,
-            ninja_runs_make,
+            build_runs_make,
             forced_jobs,
         }
     })
@@ -309,13 +310,13 @@ pub fn inspect(probes: &Probes, command: &[OsString]) -> Tree {
 /// [`inspect`] one probe after the other: for answers already known
 /// (`Probes::recalled`), where threads would cost more than they save.
 pub fn inspect_in_turn(probes: &Probes, command: &[OsString]) -> Tree {
-    let (top, forced_jobs, lto, ninja_runs_make) = inspect_command(probes, command);
+    let (top, forced_jobs, lto, build_runs_make) = inspect_command(probes, command);
     Tree {
         top,
         make: gnu_make(probes, &make_program()),
         gcc: gcc(probes, &c_compiler()),
         lto,
-        ninja_runs_make,
+        build_runs_make,
         forced_jobs,
     }
 }
@@ -354,7 +355,11 @@ fn inspect_command(probes: &Probes, command: &[OsString]) -> (Top, Option<String
         Top::Make(_) => makefile(&args[1..]).contains("-flto"),
         _ => ninja_file.contains("-flto"),
     };
-    (top, forced_jobs, lto, runs_make(&ninja_file))
+    let build_runs_make = match top {
+        Top::Cargo => cargo_runs_make(&dir_arg(&args[1..])),
+        _ => runs_make(&ninja_file),
+    };
+    (top, forced_jobs, lto, build_runs_make)
 }
 
 fn top_for(probes: &Probes, program: &Path) -> Top {
@@ -530,6 +535,62 @@ fn makefile(args: &[String]) -> String {
         .unwrap_or_default()
 }
 
+/// Crates that run make in their build scripts: openssl-src and the
+/// jemalloc ones run it themselves, `autotools` runs configure and make,
+/// `cmake` builds with the "Unix Makefiles" generator unless told
+/// otherwise.
+const CRATES_RUNNING_MAKE: [&str; 6] = [
+    "cmake",
+    "autotools",
+    "openssl-src",
+    "make-cmd",
+    "jemalloc-sys",
+    "tikv-jemalloc-sys",
+];
+
+/// Whether a cargo build in `dir` is seen to run make from a build script:
+/// a `build.rs` of its own that names make (`Command::new("make")`), or a
+/// crate of [`CRATES_RUNNING_MAKE`] in its Cargo.lock. A dependency's own
+/// build script is seen only through the lock file.
+fn cargo_runs_make(dir: &Path) -> bool {
+    let lock = std::fs::read_to_string(dir.join("Cargo.lock")).unwrap_or_default();
+    let locked = CRATES_RUNNING_MAKE
+        .iter()
+        .any(|c| lock.contains(&format!("name = \"{c}\"\n")));
+    locked
+        || build_scripts(dir, 3)
+            .iter()
+            .any(|script| names_make(script))
+}
+
+/// The text of every `build.rs` in `dir`, down to `depth` directories,
+/// leaving out target directories and hidden ones.
+fn build_scripts(dir: &Path, depth: u32) -> Vec<String> {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return Vec::new();
+    };
+    let mut scripts = Vec::new();
+    for entry in entries.flatten() {
+        let name = entry.file_name().to_string_lossy().into_owned();
+        let is_dir = entry.file_type().is_ok_and(|t| t.is_dir());
+        if is_dir && depth > 0 && name != "target" && !name.starts_with('.') {
+            scripts.extend(build_scripts(&entry.path(), depth - 1));
+        } else if name == "build.rs" {
+            scripts.extend(std::fs::read_to_string(entry.path()));
+        }
+    }
+    scripts
+}
+
+/// Whether Rust source names make as a program: `"make"`, `"gmake"`,
+/// `"/usr/bin/make"`, not `"cmake"`.
+fn names_make(source: &str) -> bool {
+    source.match_indices("make\"").any(|(at, _)| {
+        let before = source[..at].trim_end_matches('g');
+        before.ends_with('"') || before.ends_with('/')
+    })
+}
+
 /// make's or ninja's `-C DIR`, else the current directory.
 fn dir_arg(args: &[String]) -> PathBuf {
     let dir = args
@@ -599,7 +660,7 @@ mod tests {
             make,
             gcc,
             lto: false,
-            ninja_runs_make: false,
+            build_runs_make: false,
             forced_jobs: None,
         }
     }
@@ -681,7 +742,7 @@ mod tests {
     fn ninja_that_runs_make_4_3_gets_pipe() {
         let runs_make43 = Tree {
             make: found("/usr/bin/make", Version(4, 3, 0)),
-            ninja_runs_make: true,
+            build_runs_make: true,
             ..tree(ninja(Version(1, 13, 2)))
         };
         assert_eq!(choose(&runs_make43).style, Style::Pipe);
@@ -789,12 +850,19 @@ mod tests {
         let old_make = found("/usr/bin/make", Version(4, 3, 0));
         let cargo = Tree {
             make: old_make.clone(),
+            build_runs_make: true,
             ..tree(Top::Cargo)
         };
         for style in [Style::Fifo, Style::Fuse] {
             assert!(unreadable(&cargo, style).is_some_and(|w| w.contains("make 4.3")));
         }
         assert_eq!(unreadable(&cargo, Style::Pipe), None);
+        // No build script seen to run make: a pure Rust build reads fifo:.
+        let pure = Tree {
+            build_runs_make: false,
+            ..cargo.clone()
+        };
+        assert_eq!(unreadable(&pure, Style::Fifo), None);
         // make 4.4 runs itself as $(MAKE): the make on PATH is no reader.
         let make44 = Top::Make(found("/m", Version(4, 4, 1)).unwrap());
         let beside = Tree {
@@ -811,6 +879,13 @@ mod tests {
         let ninja = tree(ninja(Version(1, 13, 2)));
         assert!(unreadable(&ninja, Style::Fuse).is_some_and(|w| w.contains("real FIFO")));
         assert_eq!(unreadable(&ninja, Style::Fifo), None);
+    }
+
+    #[test]
+    fn build_scripts_that_name_make() {
+        assert!(names_make(r#"Command::new("make").arg("-C")"#));
+        assert!(names_make(r#"Command::new("/usr/bin/make")"#) && names_make(r#"("gmake")"#));
+        assert!(!names_make(r#"Command::new("cmake")"#) && !names_make("// make it so"));
     }
 
     #[test]
