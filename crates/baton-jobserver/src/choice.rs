@@ -81,6 +81,9 @@ pub struct Choice {
     pub style: Style,
     pub why: Vec<String>,
     pub warnings: Vec<String>,
+    /// Readers that `style` leaves without a jobserver, where no form
+    /// serves them: said only when `auto` chose `style`.
+    pub left_behind: Vec<String>,
 }
 
 /// GNU make reads `fifo:` from 4.4 on; gcc's lto-wrapper from 13 on;
@@ -110,6 +113,7 @@ pub fn choose(tree: &Tree) -> Choice {
     let rw_only = rw_only_readers(tree);
     let mut why = Vec::new();
     let mut warnings = Vec::new();
+    let mut left_behind = Vec::new();
     let style = match &tree.top {
         Top::Ninja {
             path,
@@ -167,7 +171,7 @@ pub fn choose(tree: &Tree) -> Choice {
                  (close_fds=True), so R,W would not reach the tools it runs; fifo:PATH does",
                 path.display()
             ));
-            warnings.extend(lost_under_python(tree, path));
+            left_behind = lost_under_python(tree, path);
             Style::Fifo
         }
         Top::Other => pipe_if_needed(&rw_only, &mut why, Style::Fifo),
@@ -179,6 +183,7 @@ pub fn choose(tree: &Tree) -> Choice {
         style,
         why,
         warnings,
+        left_behind,
     }
 }
 
@@ -824,7 +829,7 @@ mod tests {
         let choice = choose(&tree(pip.clone()));
         assert_eq!(choice.style, Style::Fifo);
         assert!(choice.why[0].contains("close_fds=True"), "{choice:?}");
-        assert!(choice.warnings.is_empty(), "{choice:?}");
+        assert!(choice.left_behind.is_empty(), "{choice:?}");
         let old_tools = Tree {
             make: found("/usr/bin/make", Version(4, 3, 0)),
             gcc: found("/usr/bin/cc", Version(12, 2, 0)),
@@ -832,9 +837,9 @@ mod tests {
         };
         let choice = choose(&old_tools);
         assert_eq!(choice.style, Style::Fifo);
-        assert_eq!(choice.warnings.len(), 2, "{choice:?}");
-        assert!(choice.warnings[0].starts_with("make 4.3 (/usr/bin/make)"));
-        assert!(choice.warnings[1].starts_with("gcc 12.2 (/usr/bin/cc)"));
+        assert_eq!(choice.left_behind.len(), 2, "{choice:?}");
+        assert!(choice.left_behind[0].starts_with("make 4.3 (/usr/bin/make)"));
+        assert!(choice.left_behind[1].starts_with("gcc 12.2 (/usr/bin/cc)"));
     }
 
     #[test]

@@ -113,7 +113,11 @@ pub fn run(opts: RunOptions) -> Result<i32> {
         }
         log::warn(format_args!("{why}; running anyway, as --force asked"));
     }
-    for warning in &choice.warnings {
+    let left_behind = match opts.style {
+        Style::Auto if !is_bmake => &choice.left_behind[..],
+        _ => &[],
+    };
+    for warning in choice.warnings.iter().chain(left_behind) {
         log::warn(format_args!("{warning}"));
     }
 

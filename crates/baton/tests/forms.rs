@@ -630,6 +630,12 @@ fn a_meson_python_package_built_by_pip_stays_within_the_limit() {
         err.contains("jobserver: fifo") && err.contains("is a Python program"),
         "{err}"
     );
+    // No form serves gcc 12's LTO past pip: said before the build starts.
+    assert!(
+        err.lines()
+            .any(|l| l.starts_with("baton: gcc 12") && l.contains("LTRANS jobs past the limit")),
+        "{err}"
+    );
     broker.assert_all_free();
 }
 
