@@ -593,50 +593,53 @@ fn meson_python_package(dir: &Path, log: &Path, files: usize) -> PathBuf {
 #[test]
 fn a_meson_python_package_built_by_pip_stays_within_the_limit() {
     let venv = meson_python_venv();
+    // Wheels of meson-python and what it needs, for the isolated build
+    // environment pip makes without the network (scripts/test fetches them).
+    let wheelhouse = venv.parent().unwrap().join("wheelhouse");
+    assert!(
+        wheelhouse.is_dir(),
+        "{} not found: run scripts/test, which fills it",
+        wheelhouse.display()
+    );
     let broker = Broker::start(2);
-    let dir = TempDir::new("meson-python");
-    let log = dir.path().join("jobs.log");
-    let src = meson_python_package(dir.path(), &log, 5);
-    let pip = venv.join("pip");
-    let wheels = dir.path().join("wheels");
-    let out = run_in(
-        &broker,
-        &src,
-        &["--explain"],
-        &pip,
-        &[
-            "wheel",
-            "--no-build-isolation",
-            "--no-deps",
-            "-w",
-            wheels.to_str().unwrap(),
-            ".",
-        ],
-    )
-    .env("CC", dir.path().join("cc-log"))
-    .env("PIP_CACHE_DIR", dir.path().join("pip-cache"))
-    .env("PATH", format!("{}:/usr/bin:/bin", venv.display()))
-    .output()
-    .unwrap();
-    assert_success(&out);
-    let err = stderr(&out);
-    let (max, started) = max_overlap(&log);
-    assert_eq!(started, 6, "every source was compiled: {err}");
-    assert!(
-        (1..=2).contains(&max),
-        "{max} compilers at once under --jobs 2"
-    );
-    assert!(
-        err.contains("jobserver: fifo") && err.contains("is a Python program"),
-        "{err}"
-    );
-    // No form serves gcc 12's LTO past pip: said before the build starts.
-    assert!(
-        err.lines()
-            .any(|l| l.starts_with("baton: gcc 12") && l.contains("LTRANS jobs past the limit")),
-        "{err}"
-    );
-    broker.assert_all_free();
+    let isolated = ["--no-index", "--find-links", wheelhouse.to_str().unwrap()];
+    for isolation in [&["--no-build-isolation"][..], &isolated[..]] {
+        let dir = TempDir::new("meson-python");
+        let log = dir.path().join("jobs.log");
+        let src = meson_python_package(dir.path(), &log, 5);
+        let wheels = dir.path().join("wheels");
+        let mut pip_args = vec!["wheel", "--no-deps", "-w", wheels.to_str().unwrap()];
+        pip_args.extend_from_slice(isolation);
+        pip_args.push(".");
+        let out = run_in(&broker, &src, &["--explain"], &venv.join("pip"), &pip_args)
+            .env("CC", dir.path().join("cc-log"))
+            .env("PIP_CACHE_DIR", dir.path().join("pip-cache"))
+            .env("PATH", format!("{}:/usr/bin:/bin", venv.display()))
+            .output()
+            .unwrap();
+        assert_success(&out);
+        let err = stderr(&out);
+        let (max, started) = max_overlap(&log);
+        assert_eq!(
+            started, 6,
+            "{isolation:?}: every source was compiled: {err}"
+        );
+        assert!(
+            (1..=2).contains(&max),
+            "{isolation:?}: {max} compilers at once under --jobs 2"
+        );
+        assert!(
+            err.contains("jobserver: fifo") && err.contains("is a Python program"),
+            "{err}"
+        );
+        // No form serves gcc 12's LTO past pip: said before the build starts.
+        assert!(
+            err.lines()
+                .any(|l| l.starts_with("baton: gcc 12") && l.contains("LTRANS jobs past the limit")),
+            "{err}"
+        );
+        broker.assert_all_free();
+    }
 }
 
 fn assert_refused(out: &Output, names: &[&str]) {
