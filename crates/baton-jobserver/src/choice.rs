@@ -191,6 +191,14 @@ pub fn choose(tree: &Tree) -> Choice {
 /// build's tree, if it cannot: what `auto` would have avoided, stated so
 /// that the build is refused before it breaks or overshoots in silence.
 pub fn unreadable(tree: &Tree, style: Style) -> Option<String> {
+    if let (Top::Python(driver), Style::Pipe) = (&tree.top, style) {
+        return Some(format!(
+            "{} is a Python program, which closes inherited descriptors (close_fds=True): \
+             the ninja or make it runs finds no R,W jobserver (ninja: \"Invalid file \
+             descriptors\", then its own jobs past the limit; make: one job at a time)",
+            driver.display()
+        ));
+    }
     if !matches!(style, Style::Fifo | Style::Fuse) {
         return None;
     }
@@ -244,9 +252,9 @@ fn lost_under_python(tree: &Tree, driver: &Path) -> Vec<String> {
     let mut warnings = Vec::new();
     if let Some(make) = tree.make.as_ref().filter(|m| m.version < MAKE_FIFO) {
         warnings.push(format!(
-            "make {make} reads only R,W: a make 4.3 that {driver} runs stops with \
-             \"invalid --jobserver-auth string\" on fifo: (--jobserver-style pipe runs it one job \
-             at a time instead, and gives everything else {driver} runs no jobserver)"
+            "make {make} reads only R,W: if {driver} runs it, it stops with \
+             \"invalid --jobserver-auth string\" on fifo: (--jobserver-style pipe --force runs it \
+             one job at a time instead, and gives everything else {driver} runs no jobserver)"
         ));
     }
     if let Some(gcc) = tree.gcc.as_ref().filter(|g| g.version < GCC_FIFO) {
@@ -881,6 +889,9 @@ mod tests {
             ..tree(make44)
         };
         assert!(unreadable(&lto, Style::Fuse).is_some_and(|w| w.contains("gcc 12.2")));
+        let pip = tree(Top::Python("/venv/bin/pip".into()));
+        assert!(unreadable(&pip, Style::Pipe).is_some_and(|w| w.contains("close_fds=True")));
+        assert_eq!(unreadable(&pip, Style::Fifo), None);
         let ninja = tree(ninja(Version(1, 13, 2)));
         assert!(unreadable(&ninja, Style::Fuse).is_some_and(|w| w.contains("real FIFO")));
         assert_eq!(unreadable(&ninja, Style::Fifo), None);

@@ -743,6 +743,34 @@ fn explicit_fuse_is_refused_for_ninja() {
     broker.assert_all_free();
 }
 
+/// The pipe form's descriptors never reach past pip: refused before pip
+/// runs.
+#[test]
+fn explicit_pipe_is_refused_for_a_python_driver() {
+    let pip = meson_python_venv().join("pip");
+    let broker = Broker::start(2);
+    let dir = TempDir::new("pip-pipe");
+    let out = run_in(
+        &broker,
+        dir.path(),
+        &["--jobserver-style", "pipe"],
+        &pip,
+        &["--version"],
+    )
+    .output()
+    .unwrap();
+    assert_refused(
+        &out,
+        &[
+            "--jobserver-style pipe",
+            "is a Python program",
+            "Invalid file descriptors",
+        ],
+    );
+    assert!(!stdout(&out).contains("pip "), "pip ran: {}", stdout(&out));
+    broker.assert_all_free();
+}
+
 /// `$(MAKE) -j4 -C sub` starts a private pool of 4, and so does
 /// `$(MAKE) $(MFLAGS)`, whose MFLAGS carry the -j2 of the build's own
 /// MAKEFLAGS: make says so in its own warning, and baton names each at
