@@ -101,17 +101,8 @@ pub fn run(opts: RunOptions) -> Result<i32> {
     let is_bmake = bmake_version.is_some();
     probes.save();
     let choice = choice::choose(&tree);
-    if let Some(why) = (!is_bmake)
-        .then(|| choice::unreadable(&tree, opts.style))
-        .flatten()
-    {
-        let style = format!("{:?}", opts.style).to_lowercase();
-        let why = format!("--jobserver-style {style} cannot serve this build: {why}");
-        if !opts.force {
-            give_back(&mut client);
-            bail!("{why}. Use --jobserver-style auto or pipe (--force runs it anyway)");
-        }
-        log::warn(format_args!("{why}; running anyway, as --force asked"));
+    if !is_bmake {
+        refuse_unreadable_style(&opts, &tree, &mut client)?;
     }
     let left_behind = match opts.style {
         Style::Auto if !is_bmake => &choice.left_behind[..],
@@ -198,6 +189,27 @@ pub fn run(opts: RunOptions) -> Result<i32> {
         log::warn(format_args!("{line}"));
     }
     Ok(exit_code(status))
+}
+
+/// Refuses (giving our tokens back) an explicit `--jobserver-style` that
+/// a tool found in the build cannot read; under `--force`, says why and
+/// goes on.
+fn refuse_unreadable_style(
+    opts: &RunOptions,
+    tree: &choice::Tree,
+    client: &mut Client,
+) -> Result<()> {
+    let Some(why) = choice::unreadable(tree, opts.style) else {
+        return Ok(());
+    };
+    let style = format!("{:?}", opts.style).to_lowercase();
+    let why = format!("--jobserver-style {style} cannot serve this build: {why}");
+    if opts.force {
+        log::warn(format_args!("{why}; running anyway, as --force asked"));
+        return Ok(());
+    }
+    give_back(client);
+    bail!("{why}. Use --jobserver-style auto, which chooses from the tools found (--force runs it anyway)")
 }
 
 /// What `choice` finds of the build's tools, and bmake's version if CMD is

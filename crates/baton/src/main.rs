@@ -166,7 +166,7 @@ the socket). BATON_NO_AUTOSTART=1 turns that off."
         explain: bool,
         /// Run even if --jobserver-style names a form that a tool found in
         /// the build cannot read (make 4.3 under fifo, gcc 12's LTO, ninja
-        /// under fuse).
+        /// under fuse, a Python driver under pipe).
         #[arg(long)]
         force: bool,
         /// The build's name in `baton status` (default: the command line).
