@@ -66,7 +66,8 @@ pub struct Tree {
     pub make: Option<Found>,
     /// The C compiler (`$CC`, else `cc` on PATH) if it is gcc.
     pub gcc: Option<Found>,
-    /// The build's ninja file asks for link-time optimisation.
+    /// The build's ninja file, or the makefile a top-level make reads,
+    /// asks for link-time optimisation (`-flto`).
     pub lto: bool,
     /// The build's ninja file runs `make` (an external project, say), or
     /// a cargo build's build scripts are seen to (see [`cargo_runs_make`]).
