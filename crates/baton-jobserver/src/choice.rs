@@ -48,6 +48,11 @@ pub enum Top {
         version: Option<Version>,
     },
     Cargo,
+    /// A Python program (pip, `python -m build`, meson, SCons, a script
+    /// whose `#!` names python): its subprocesses start with Python's
+    /// default `close_fds=True`, so inherited descriptors never reach the
+    /// tools it runs.
+    Python(PathBuf),
     /// cmake with another generator, a script, anything else.
     Other,
 }
@@ -61,10 +66,12 @@ pub struct Tree {
     pub make: Option<Found>,
     /// The C compiler (`$CC`, else `cc` on PATH) if it is gcc.
     pub gcc: Option<Found>,
-    /// The build's ninja file asks for link-time optimisation.
+    /// The build's ninja file, or the makefile a top-level make reads,
+    /// asks for link-time optimisation (`-flto`).
     pub lto: bool,
-    /// The build's ninja file runs `make` (an external project, say).
-    pub ninja_runs_make: bool,
+    /// The build's ninja file runs `make` (an external project, say), or
+    /// a cargo build's build scripts are seen to (see [`cargo_runs_make`]).
+    pub build_runs_make: bool,
     /// `-jN` (or `-j`, `--jobs`) on the top-level tool's own command line.
     pub forced_jobs: Option<String>,
 }
@@ -75,6 +82,9 @@ pub struct Choice {
     pub style: Style,
     pub why: Vec<String>,
     pub warnings: Vec<String>,
+    /// Readers that `style` leaves without a jobserver, where no form
+    /// serves them: said only when `auto` chose `style`.
+    pub left_behind: Vec<String>,
 }
 
 /// GNU make reads `fifo:` from 4.4 on; gcc's lto-wrapper from 13 on;
@@ -104,11 +114,12 @@ pub fn choose(tree: &Tree) -> Choice {
     let rw_only = rw_only_readers(tree);
     let mut why = Vec::new();
     let mut warnings = Vec::new();
+    let mut left_behind = Vec::new();
     let style = match &tree.top {
         Top::Ninja {
             path,
             version: Some(v),
-        } if *v >= NINJA_CLIENT && tree.ninja_runs_make && !rw_only.is_empty() => {
+        } if *v >= NINJA_CLIENT && tree.build_runs_make && !rw_only.is_empty() => {
             why.push(format!(
                 "ninja {v} ({}) reads both forms (R,W with a warning, and slower)",
                 path.display()
@@ -155,6 +166,15 @@ pub fn choose(tree: &Tree) -> Choice {
             why.push("cargo reads both forms".to_string());
             pipe_if_needed(&rw_only, &mut why, Style::Fuse)
         }
+        Top::Python(path) => {
+            why.push(format!(
+                "{} is a Python program: Python's subprocess closes inherited descriptors \
+                 (close_fds=True), so R,W would not reach the tools it runs; fifo:PATH does",
+                path.display()
+            ));
+            left_behind = lost_under_python(tree, path);
+            Style::Fifo
+        }
         Top::Other => pipe_if_needed(&rw_only, &mut why, Style::Fifo),
     };
     if let Some(jobs) = &tree.forced_jobs {
@@ -164,6 +184,51 @@ pub fn choose(tree: &Tree) -> Choice {
         style,
         why,
         warnings,
+        left_behind,
+    }
+}
+
+/// Why a `--jobserver-style` asked for cannot serve a tool found in the
+/// build's tree, if it cannot: what `auto` would have avoided, stated so
+/// that the build is refused before it breaks or overshoots in silence.
+pub fn unreadable(tree: &Tree, style: Style) -> Option<String> {
+    if let (Top::Python(driver), Style::Pipe) = (&tree.top, style) {
+        return Some(format!(
+            "{} is a Python program, which closes inherited descriptors (close_fds=True): \
+             the ninja or make it runs finds no R,W jobserver (ninja: \"Invalid file \
+             descriptors\", then its own jobs past the limit; make: one job at a time)",
+            driver.display()
+        ));
+    }
+    if !matches!(style, Style::Fifo | Style::Fuse) {
+        return None;
+    }
+    let old_make = tree.make.as_ref().filter(|m| m.version < MAKE_FIFO);
+    let make_runner = match &tree.top {
+        Top::Cargo if tree.build_runs_make => Some("the crate's build scripts run"),
+        Top::Ninja { .. } if tree.build_runs_make => Some("build.ninja runs"),
+        _ => None,
+    };
+    if let (Some(make), Some(runner)) = (old_make, make_runner) {
+        return Some(format!(
+            "make {make}, which {runner}, reads only R,W: it stops with \
+             \"internal error: invalid --jobserver-auth string\" on fifo:"
+        ));
+    }
+    if let (Some(gcc), true) = (tree.gcc.as_ref().filter(|g| g.version < GCC_FIFO), tree.lto) {
+        return Some(format!(
+            "gcc {gcc} reads only R,W and the build links with -flto: each link's lto-wrapper \
+             ignores fifo: and runs its own LTRANS jobs past the limit"
+        ));
+    }
+    match &tree.top {
+        Top::Ninja { path, version } if style == Style::Fuse => Some(format!(
+            "ninja{} ({}) wants a real FIFO: on the FUSE file it prints \
+             \"Not a fifo path\" and runs its own jobs past the limit",
+            version.map_or(String::new(), |v| format!(" {v}")),
+            path.display()
+        )),
+        _ => None,
     }
 }
 
@@ -179,6 +244,27 @@ fn rw_only_readers(tree: &Tree) -> Vec<String> {
         readers.push(format!("gcc {gcc}: its lto-wrapper reads only R,W"));
     }
     readers
+}
+
+/// What the readers of `R,W` only will do under a Python driver's
+/// `fifo:`: no form serves them there (their descriptors would be closed).
+fn lost_under_python(tree: &Tree, driver: &Path) -> Vec<String> {
+    let driver = driver.display();
+    let mut warnings = Vec::new();
+    if let Some(make) = tree.make.as_ref().filter(|m| m.version < MAKE_FIFO) {
+        warnings.push(format!(
+            "make {make} reads only R,W: if {driver} runs it, it stops with \
+             \"invalid --jobserver-auth string\" on fifo: (--jobserver-style pipe --force runs it \
+             one job at a time instead, and gives everything else {driver} runs no jobserver)"
+        ));
+    }
+    if let Some(gcc) = tree.gcc.as_ref().filter(|g| g.version < GCC_FIFO) {
+        warnings.push(format!(
+            "gcc {gcc} reads only R,W, which cannot reach it past {driver}: its -flto=auto links \
+             run their own LTRANS jobs past the limit (gcc 13 reads fifo:)"
+        ));
+    }
+    warnings
 }
 
 fn pipe_if_needed(rw_only: &[String], why: &mut Vec<String>, otherwise: Style) -> Style {
@@ -207,7 +293,7 @@ fn forced_jobs_warning(top: &Top, jobs: &str) -> String {
             path,
             version: None,
         } => format!("ninja ({})", path.display()),
-        Top::Cargo | Top::Other => "the command".to_string(),
+        Top::Cargo | Top::Python(_) | Top::Other => "the command".to_string(),
     };
     format!("{tool} was given {jobs} on its own command line: it ignores baton's jobserver and runs that many jobs past the limit (drop {jobs})")
 }
@@ -221,7 +307,7 @@ pub fn inspect(probes: &Probes, command: &[OsString]) -> Tree {
     std::thread::scope(|s| {
         let make = s.spawn(|| gnu_make(probes, &make_program()));
         let gcc = s.spawn(|| gcc(probes, &c_compiler()));
-        let (top, forced_jobs, lto, ninja_runs_make) = inspect_command(probes, command);
+        let (top, forced_jobs, lto, build_runs_make) = inspect_command(probes, command);
         let make = make.join().expect("the make probe does not panic");
         let gcc = gcc.join().expect("the cc probe does not panic");
         Tree {
@@ -229,7 +315,7 @@ pub fn inspect(probes: &Probes, command: &[OsString]) -> Tree {
             make,
             gcc,
             lto,
-            ninja_runs_make,
+            build_runs_make,
             forced_jobs,
         }
     })
@@ -238,13 +324,13 @@ pub fn inspect(probes: &Probes, command: &[OsString]) -> Tree {
 /// [`inspect`] one probe after the other: for answers already known
 /// (`Probes::recalled`), where threads would cost more than they save.
 pub fn inspect_in_turn(probes: &Probes, command: &[OsString]) -> Tree {
-    let (top, forced_jobs, lto, ninja_runs_make) = inspect_command(probes, command);
+    let (top, forced_jobs, lto, build_runs_make) = inspect_command(probes, command);
     Tree {
         top,
         make: gnu_make(probes, &make_program()),
         gcc: gcc(probes, &c_compiler()),
         lto,
-        ninja_runs_make,
+        build_runs_make,
         forced_jobs,
     }
 }
@@ -272,19 +358,22 @@ fn inspect_command(probes: &Probes, command: &[OsString]) -> (Top, Option<String
             let forced = matches!(top, Top::Make(_) | Top::Ninja { .. })
                 .then(|| forced_jobs(&args[1..]))
                 .flatten();
-            (top, forced, ninja_dir(&args[1..]))
+            (top, forced, dir_arg(&args[1..]))
         }
     };
     let ninja_file = match top {
         Top::Ninja { .. } => std::fs::read_to_string(dir.join("build.ninja")).unwrap_or_default(),
         _ => String::new(),
     };
-    (
-        top,
-        forced_jobs,
-        ninja_file.contains("-flto"),
-        runs_make(&ninja_file),
-    )
+    let lto = match top {
+        Top::Make(_) => makefile(&args[1..]).contains("-flto"),
+        _ => ninja_file.contains("-flto"),
+    };
+    let build_runs_make = match top {
+        Top::Cargo => cargo_runs_make(&dir_arg(&args[1..])),
+        _ => runs_make(&ninja_file),
+    };
+    (top, forced_jobs, lto, build_runs_make)
 }
 
 fn top_for(probes: &Probes, program: &Path) -> Top {
@@ -301,6 +390,9 @@ fn top_for(probes: &Probes, program: &Path) -> Top {
     if name == "cargo" {
         return Top::Cargo;
     }
+    if is_python_name(&name) || has_python_shebang(program) {
+        return Top::Python(resolve(program));
+    }
     match is_make_name(&name)
         .then(|| gnu_make(probes, program))
         .flatten()
@@ -308,6 +400,34 @@ fn top_for(probes: &Probes, program: &Path) -> Top {
         Some(make) => Top::Make(make),
         None => Top::Other,
     }
+}
+
+/// `python`, `python3`, `python3.11`, `pypy3`.
+fn is_python_name(name: &str) -> bool {
+    ["python", "pypy"].iter().any(|stem| {
+        name.strip_prefix(stem)
+            .is_some_and(|v| v.bytes().all(|b| b.is_ascii_digit() || b == b'.'))
+    })
+}
+
+/// Whether `program` (found on PATH) is a script whose `#!` line runs
+/// Python: pip, meson, scons, pyproject-build and every console script
+/// pip installs.
+fn has_python_shebang(program: &Path) -> bool {
+    use std::io::Read;
+    let Some(file) = crate::probe::find(program).and_then(|p| std::fs::File::open(p).ok()) else {
+        return false;
+    };
+    let mut first = [0u8; 256];
+    let Ok(n) = file.take(first.len() as u64).read(&mut first) else {
+        return false;
+    };
+    let line = first[..n].split(|b| *b == b'\n').next().unwrap_or_default();
+    line.starts_with(b"#!")
+        && String::from_utf8_lossy(&line[2..])
+            .split_whitespace()
+            .filter_map(|w| Path::new(w).file_name())
+            .any(|w| is_python_name(&w.to_string_lossy()))
 }
 
 pub fn is_make_name(name: &str) -> bool {
@@ -408,8 +528,85 @@ fn cmake_make_program(dir: &Path) -> Option<PathBuf> {
         .map(|(_, p)| PathBuf::from(p))
 }
 
-/// ninja's `-C DIR`, else the current directory.
-fn ninja_dir(args: &[String]) -> PathBuf {
+/// The text of the makefile make reads first (`-f FILE`, else GNUmakefile,
+/// makefile or Makefile in `-C DIR` or here); empty if there is none.
+fn makefile(args: &[String]) -> String {
+    let dir = dir_arg(args);
+    let named = args
+        .iter()
+        .position(|a| a == "-f" || a == "--file")
+        .and_then(|i| args.get(i + 1))
+        .map(|f| vec![dir.join(f)]);
+    let candidates = named.unwrap_or_else(|| {
+        ["GNUmakefile", "makefile", "Makefile"]
+            .iter()
+            .map(|f| dir.join(f))
+            .collect()
+    });
+    candidates
+        .iter()
+        .find_map(|f| std::fs::read_to_string(f).ok())
+        .unwrap_or_default()
+}
+
+/// Crates that run make in their build scripts: openssl-src and the
+/// jemalloc ones run it themselves, `autotools` runs configure and make,
+/// `cmake` builds with the "Unix Makefiles" generator unless told
+/// otherwise.
+const CRATES_RUNNING_MAKE: [&str; 6] = [
+    "cmake",
+    "autotools",
+    "openssl-src",
+    "make-cmd",
+    "jemalloc-sys",
+    "tikv-jemalloc-sys",
+];
+
+/// Whether a cargo build in `dir` is seen to run make from a build script:
+/// a `build.rs` of its own that names make (`Command::new("make")`), or a
+/// crate of [`CRATES_RUNNING_MAKE`] in its Cargo.lock. A dependency's own
+/// build script is seen only through the lock file.
+fn cargo_runs_make(dir: &Path) -> bool {
+    let lock = std::fs::read_to_string(dir.join("Cargo.lock")).unwrap_or_default();
+    let locked = CRATES_RUNNING_MAKE
+        .iter()
+        .any(|c| lock.contains(&format!("name = \"{c}\"\n")));
+    locked
+        || build_scripts(dir, 3)
+            .iter()
+            .any(|script| names_make(script))
+}
+
+/// The text of every `build.rs` in `dir`, down to `depth` directories,
+/// leaving out target directories and hidden ones.
+fn build_scripts(dir: &Path, depth: u32) -> Vec<String> {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return Vec::new();
+    };
+    let mut scripts = Vec::new();
+    for entry in entries.flatten() {
+        let name = entry.file_name().to_string_lossy().into_owned();
+        let is_dir = entry.file_type().is_ok_and(|t| t.is_dir());
+        if is_dir && depth > 0 && name != "target" && !name.starts_with('.') {
+            scripts.extend(build_scripts(&entry.path(), depth - 1));
+        } else if name == "build.rs" {
+            scripts.extend(std::fs::read_to_string(entry.path()));
+        }
+    }
+    scripts
+}
+
+/// Whether Rust source names make as a program: `"make"`, `"gmake"`,
+/// `"/usr/bin/make"`, not `"cmake"`.
+fn names_make(source: &str) -> bool {
+    source.match_indices("make\"").any(|(at, _)| {
+        let before = source[..at].trim_end_matches('g');
+        before.ends_with('"') || before.ends_with('/')
+    })
+}
+
+/// make's or ninja's `-C DIR`, else the current directory.
+fn dir_arg(args: &[String]) -> PathBuf {
     let dir = args
         .iter()
         .position(|a| a == "-C")
@@ -434,7 +631,7 @@ fn runs_make(text: &str) -> bool {
 
 /// `-j`, `-j8`, `-j 8`, `--jobs`, `--jobs=8` among the tool's own arguments
 /// (before a `--`).
-fn forced_jobs(args: &[String]) -> Option<String> {
+pub(crate) fn forced_jobs(args: &[String]) -> Option<String> {
     let mut words = args.iter().take_while(|a| *a != "--");
     while let Some(word) = words.next() {
         if word == "--jobs" || word.starts_with("--jobs=") {
@@ -477,7 +674,7 @@ mod tests {
             make,
             gcc,
             lto: false,
-            ninja_runs_make: false,
+            build_runs_make: false,
             forced_jobs: None,
         }
     }
@@ -559,7 +756,7 @@ mod tests {
     fn ninja_that_runs_make_4_3_gets_pipe() {
         let runs_make43 = Tree {
             make: found("/usr/bin/make", Version(4, 3, 0)),
-            ninja_runs_make: true,
+            build_runs_make: true,
             ..tree(ninja(Version(1, 13, 2)))
         };
         assert_eq!(choose(&runs_make43).style, Style::Pipe);
@@ -633,6 +830,79 @@ mod tests {
         assert_eq!(compiler_in("gcc-12 -std=c99"), "gcc-12");
         assert_eq!(compiler_in("/usr/bin/ccache gcc"), "gcc");
         assert_eq!(compiler_in("sccache"), "cc");
+    }
+
+    #[test]
+    fn python_drivers_get_fifo_and_a_warning_for_each_reader_left_behind() {
+        let pip = Top::Python("/venv/bin/pip".into());
+        let choice = choose(&tree(pip.clone()));
+        assert_eq!(choice.style, Style::Fifo);
+        assert!(choice.why[0].contains("close_fds=True"), "{choice:?}");
+        assert!(choice.left_behind.is_empty(), "{choice:?}");
+        let old_tools = Tree {
+            make: found("/usr/bin/make", Version(4, 3, 0)),
+            gcc: found("/usr/bin/cc", Version(12, 2, 0)),
+            ..tree(pip)
+        };
+        let choice = choose(&old_tools);
+        assert_eq!(choice.style, Style::Fifo);
+        assert_eq!(choice.left_behind.len(), 2, "{choice:?}");
+        assert!(choice.left_behind[0].starts_with("make 4.3 (/usr/bin/make)"));
+        assert!(choice.left_behind[1].starts_with("gcc 12.2 (/usr/bin/cc)"));
+    }
+
+    #[test]
+    fn python_names() {
+        assert!(
+            is_python_name("python") && is_python_name("python3.11") && is_python_name("pypy3")
+        );
+        assert!(!is_python_name("python-config") && !is_python_name("pip"));
+    }
+
+    #[test]
+    fn explicit_path_forms_are_refused_where_a_tool_found_cannot_read_them() {
+        let old_make = found("/usr/bin/make", Version(4, 3, 0));
+        let cargo = Tree {
+            make: old_make.clone(),
+            build_runs_make: true,
+            ..tree(Top::Cargo)
+        };
+        for style in [Style::Fifo, Style::Fuse] {
+            assert!(unreadable(&cargo, style).is_some_and(|w| w.contains("make 4.3")));
+        }
+        assert_eq!(unreadable(&cargo, Style::Pipe), None);
+        // No build script seen to run make: a pure Rust build reads fifo:.
+        let pure = Tree {
+            build_runs_make: false,
+            ..cargo.clone()
+        };
+        assert_eq!(unreadable(&pure, Style::Fifo), None);
+        // make 4.4 runs itself as $(MAKE): the make on PATH is no reader.
+        let make44 = Top::Make(found("/m", Version(4, 4, 1)).unwrap());
+        let beside = Tree {
+            make: old_make,
+            ..tree(make44.clone())
+        };
+        assert_eq!(unreadable(&beside, Style::Fifo), None);
+        let lto = Tree {
+            gcc: found("/usr/bin/cc", Version(12, 2, 0)),
+            lto: true,
+            ..tree(make44)
+        };
+        assert!(unreadable(&lto, Style::Fuse).is_some_and(|w| w.contains("gcc 12.2")));
+        let pip = tree(Top::Python("/venv/bin/pip".into()));
+        assert!(unreadable(&pip, Style::Pipe).is_some_and(|w| w.contains("close_fds=True")));
+        assert_eq!(unreadable(&pip, Style::Fifo), None);
+        let ninja = tree(ninja(Version(1, 13, 2)));
+        assert!(unreadable(&ninja, Style::Fuse).is_some_and(|w| w.contains("real FIFO")));
+        assert_eq!(unreadable(&ninja, Style::Fifo), None);
+    }
+
+    #[test]
+    fn build_scripts_that_name_make() {
+        assert!(names_make(r#"Command::new("make").arg("-C")"#));
+        assert!(names_make(r#"Command::new("/usr/bin/make")"#) && names_make(r#"("gmake")"#));
+        assert!(!names_make(r#"Command::new("cmake")"#) && !names_make("// make it so"));
     }
 
     #[test]

@@ -33,6 +33,7 @@ mod fifo;
 mod log;
 mod probe;
 mod run;
+mod submakes;
 
 pub use autostart::{log_path as autostart_log_path, Autostart, LazyAutostart};
 use feeder::Feeder;
@@ -64,7 +65,9 @@ pub enum Style {
     Fuse,
     /// the form every client the build may start reads: pipe where make < 4.4
     /// or gcc < 13 is found (ninja 1.13: only if it runs make); else make >=
-    /// 4.4 and cargo: fuse (fifo without a mount); ninja and the rest: fifo
+    /// 4.4 and cargo: fuse (fifo without a mount); ninja and the rest: fifo;
+    /// a Python program (pip, meson, scons), which closes inherited
+    /// descriptors: fifo
     Auto,
     /// No jobserver: only hold the tokens
     None,
@@ -141,7 +144,8 @@ fn unusable_style(probes: &probe::Probes, command: &[OsString], style: Style) ->
     let make = choice::gnu_make(probes, Path::new(&command[0]))
         .filter(|m| m.version < choice::Version(4, 4, 0))?;
     Some(format!(
-        "GNU make {} cannot open a fifo: jobserver (only make 4.4 and later can): use --jobserver-style pipe or auto",
+        "GNU make {} cannot open a fifo: jobserver (only make 4.4 and later can): use --jobserver-style pipe or auto \
+         (--force runs it anyway)",
         make.version
     ))
 }

@@ -10,8 +10,8 @@ use crate::build_file::{self, BuildFile};
 use crate::choice::{self, Choice};
 use crate::probe::Probes;
 use crate::{
-    bmake, log, makeflags, polls_its_jobserver_alone, reads_its_jobserver, unusable_style, Feeder,
-    Fifo, Style,
+    bmake, log, makeflags, polls_its_jobserver_alone, reads_its_jobserver, submakes,
+    unusable_style, Feeder, Fifo, Style,
 };
 use anyhow::{bail, Context, Result};
 use baton_client::{Client, Error as ClientError};
@@ -50,6 +50,9 @@ pub struct RunOptions {
     pub explain: bool,
     /// How to start a broker if none answers; None: fail instead.
     pub autostart: Option<LazyAutostart>,
+    /// Run with an explicit style that a tool found in the build cannot
+    /// read (a warning instead of a refusal).
+    pub force: bool,
 }
 
 /// Runs the command under the broker; returns the exit code `baton run`
@@ -67,13 +70,16 @@ pub fn run(opts: RunOptions) -> Result<i32> {
     let socket = absolute(&socket_path(opts.socket.clone()));
     let probes = Probes::open(Some(private_dir(&socket).join(PROBES_FILE)));
     if let Some(why) = unusable_style(&probes, &opts.command, opts.style) {
-        bail!(why);
+        match opts.force {
+            true => log::warn(format_args!("{why}; running anyway, as --force asked")),
+            false => bail!(why),
+        }
     }
     if opts.tokens == 1 && is_a_job_of_a_baton_build(&socket) {
         return Ok(run_in_the_outer_build(&opts.command));
     }
     let label = label(&opts.command);
-    let (client, max) = first_tokens(&opts, &socket, &label)?;
+    let (mut client, max) = first_tokens(&opts, &socket, &label)?;
 
     let forwarded = forwarded_signals();
     forwarded.thread_block().context("cannot block signals")?;
@@ -86,7 +92,14 @@ pub fn run(opts: RunOptions) -> Result<i32> {
     let is_bmake = bmake_version.is_some();
     probes.save();
     let choice = choice::choose(&tree);
-    for warning in &choice.warnings {
+    if !is_bmake {
+        refuse_unreadable_style(&opts, &tree, &mut client)?;
+    }
+    let left_behind = match opts.style {
+        Style::Auto if !is_bmake => &choice.left_behind[..],
+        _ => &[],
+    };
+    for warning in choice.warnings.iter().chain(left_behind) {
         log::warn(format_args!("{warning}"));
     }
 
@@ -162,7 +175,11 @@ pub fn run(opts: RunOptions) -> Result<i32> {
         }
     };
     drop(pipe_ends); // the child has its copies
+    let submakes = (!is_bmake && style != Style::None).then(|| submakes::watch(child.id()));
     let status = supervise(child, &signals, broker, feeder)?;
+    for line in submakes.map(submakes::Watch::finish).unwrap_or_default() {
+        log::warn(format_args!("{line}"));
+    }
     Ok(exit_code(status))
 }
 
@@ -213,6 +230,27 @@ fn wait_for_a_broker(socket: &Path, reattach: &mut Reattach) {
             return;
         }
     }
+}
+
+/// Refuses (giving our tokens back) an explicit `--jobserver-style` that
+/// a tool found in the build cannot read; under `--force`, says why and
+/// goes on.
+fn refuse_unreadable_style(
+    opts: &RunOptions,
+    tree: &choice::Tree,
+    client: &mut Client,
+) -> Result<()> {
+    let Some(why) = choice::unreadable(tree, opts.style) else {
+        return Ok(());
+    };
+    let style = format!("{:?}", opts.style).to_lowercase();
+    let why = format!("--jobserver-style {style} cannot serve this build: {why}");
+    if opts.force {
+        log::warn(format_args!("{why}; running anyway, as --force asked"));
+        return Ok(());
+    }
+    give_back(client);
+    bail!("{why}. Use --jobserver-style auto, which chooses from the tools found (--force runs it anyway)")
 }
 
 /// What `choice` finds of the build's tools, and bmake's version if CMD is

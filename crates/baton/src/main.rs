@@ -164,6 +164,11 @@ the socket). BATON_NO_AUTOSTART=1 turns that off."
         /// Say which jobserver form CMD gets, and why, before it starts.
         #[arg(long)]
         explain: bool,
+        /// Run even if --jobserver-style names a form that a tool found in
+        /// the build cannot read (make 4.3 under fifo, gcc 12's LTO, ninja
+        /// under fuse, a Python driver under pipe).
+        #[arg(long)]
+        force: bool,
         /// The build's name in `baton status` (default: the command line).
         #[arg(long, value_name = "NAME")]
         name: Option<String>,
@@ -455,6 +460,7 @@ fn dispatch(command: Cmd) -> anyhow::Result<u8> {
             jobserver_style,
             max,
             explain,
+            force,
             name,
             weight,
             command,
@@ -487,6 +493,7 @@ fn dispatch(command: Cmd) -> anyhow::Result<u8> {
                 command,
                 explain,
                 autostart,
+                force,
             })?;
             return Ok(u8::try_from(code).unwrap_or(1));
         }

@@ -519,3 +519,309 @@ fn tool_versions_are_asked_once_and_again_when_the_tool_changes() {
     );
     broker.assert_all_free();
 }
+
+/// The bin directory of the test venv, with pip, meson-python, meson and
+/// ninja 1.13 (scripts/test installs them).
+fn meson_python_venv() -> PathBuf {
+    let python = tool("BATON_TEST_PYTHON", || ninja().with_file_name("python"));
+    let has = Command::new(&python)
+        .args(["-c", "import mesonpy, mesonbuild"])
+        .status()
+        .unwrap();
+    assert!(
+        has.success(),
+        "{} has no meson-python: run scripts/test, which installs it",
+        python.display()
+    );
+    python.parent().unwrap().to_path_buf()
+}
+
+/// A meson-python package of a C extension of `files` sources, and a CC
+/// that logs each compile of them (a second long) to `log`.
+fn meson_python_package(dir: &Path, log: &Path, files: usize) -> PathBuf {
+    let src = dir.join("pkg");
+    std::fs::create_dir_all(src.join("src")).unwrap();
+    std::fs::write(
+        src.join("pyproject.toml"),
+        "[build-system]\nbuild-backend = \"mesonpy\"\nrequires = [\"meson-python\"]\n\
+         [project]\nname = \"tiny\"\nversion = \"0.1\"\n",
+    )
+    .unwrap();
+    let mut sources = vec!["'src/m.c'".to_string()];
+    for i in 0..files {
+        std::fs::write(
+            src.join(format!("src/f{i}.c")),
+            format!("int f{i}(void) {{ return {i}; }}\n"),
+        )
+        .unwrap();
+        sources.push(format!("'src/f{i}.c'"));
+    }
+    std::fs::write(
+        src.join("src/m.c"),
+        "#include <Python.h>\nstatic struct PyModuleDef m = {PyModuleDef_HEAD_INIT, \"tiny\", NULL, -1, NULL};\n\
+         PyMODINIT_FUNC PyInit_tiny(void) { return PyModule_Create(&m); }\n",
+    )
+    .unwrap();
+    std::fs::write(
+        src.join("meson.build"),
+        format!(
+            "project('tiny', 'c')\npy = import('python').find_installation()\n\
+             py.extension_module('tiny', {}, install: true)\n",
+            sources.join(", ")
+        ),
+    )
+    .unwrap();
+    // meson runs the compiler to check it first: only the package's own
+    // compiles are logged jobs.
+    let cc = dir.join("cc-log");
+    std::fs::write(
+        &cc,
+        format!(
+            "#!/bin/sh\ncase \"$*\" in\n*\" -c \"*src/*) echo S >> {log}; sleep 1; gcc \"$@\"; rc=$?; echo E >> {log}; exit $rc;;\nesac\nexec gcc \"$@\"\n",
+            log = log.display()
+        ),
+    )
+    .unwrap();
+    std::fs::set_permissions(&cc, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+    src
+}
+
+/// pip starts meson-python, and meson-python ninja, with Python's default
+/// close_fds=True: an R,W jobserver never reaches ninja, which then runs
+/// its own jobs. Debian's make 4.3 and gcc 12 are on PATH, as on the
+/// machines where that happened.
+#[test]
+fn a_meson_python_package_built_by_pip_stays_within_the_limit() {
+    let venv = meson_python_venv();
+    // Wheels of meson-python and what it needs, for the isolated build
+    // environment pip makes without the network (scripts/test fetches them).
+    let wheelhouse = venv.parent().unwrap().join("wheelhouse");
+    assert!(
+        wheelhouse.is_dir(),
+        "{} not found: run scripts/test, which fills it",
+        wheelhouse.display()
+    );
+    let broker = Broker::start(2);
+    let isolated = ["--no-index", "--find-links", wheelhouse.to_str().unwrap()];
+    for isolation in [&["--no-build-isolation"][..], &isolated[..]] {
+        let dir = TempDir::new("meson-python");
+        let log = dir.path().join("jobs.log");
+        let src = meson_python_package(dir.path(), &log, 5);
+        let wheels = dir.path().join("wheels");
+        let mut pip_args = vec!["wheel", "--no-deps", "-w", wheels.to_str().unwrap()];
+        pip_args.extend_from_slice(isolation);
+        pip_args.push(".");
+        let out = run_in(&broker, &src, &["--explain"], &venv.join("pip"), &pip_args)
+            .env("CC", dir.path().join("cc-log"))
+            .env("PIP_CACHE_DIR", dir.path().join("pip-cache"))
+            .env("PATH", format!("{}:/usr/bin:/bin", venv.display()))
+            .output()
+            .unwrap();
+        assert_success(&out);
+        let err = stderr(&out);
+        let (max, started) = max_overlap(&log);
+        assert_eq!(
+            started, 6,
+            "{isolation:?}: every source was compiled: {err}"
+        );
+        assert!(
+            (1..=2).contains(&max),
+            "{isolation:?}: {max} compilers at once under --jobs 2"
+        );
+        assert!(
+            err.contains("jobserver: fifo") && err.contains("is a Python program"),
+            "{err}"
+        );
+        // No form serves gcc 12's LTO past pip: said before the build starts.
+        assert!(
+            err.lines()
+                .any(|l| l.starts_with("baton: gcc 12") && l.contains("LTRANS jobs past the limit")),
+            "{err}"
+        );
+        broker.assert_all_free();
+    }
+}
+
+fn assert_refused(out: &Output, names: &[&str]) {
+    let err = stderr(out);
+    assert!(!out.status.success(), "not refused: {err}");
+    for name in names {
+        assert!(err.contains(name), "no {name:?} in: {err}");
+    }
+    assert!(err.contains("--force"), "{err}");
+}
+
+#[test]
+fn explicit_fifo_is_refused_where_a_build_script_runs_make_4_3() {
+    let broker = Broker::start(2);
+    let dir = TempDir::new("cargo-make-fifo");
+    let log = dir.path().join("jobs.log");
+    crate_running_make(dir.path(), &log);
+    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+    let out = run_in(
+        &broker,
+        dir.path(),
+        &["--jobserver-style", "fifo"],
+        Path::new(&cargo),
+        &["build", "--offline", "--quiet"],
+    )
+    .env("CARGO_TARGET_DIR", dir.path().join("target"))
+    .env(
+        "PATH",
+        format!("/usr/bin:{}", std::env::var("PATH").unwrap()),
+    )
+    .output()
+    .unwrap();
+    assert_refused(
+        &out,
+        &["--jobserver-style fifo", "make 4.3", "build scripts"],
+    );
+    assert!(!dir.path().join("target").exists(), "cargo ran");
+    broker.assert_all_free();
+}
+
+#[test]
+fn explicit_fifo_and_fuse_are_refused_for_gcc_12_lto_links() {
+    let probe = Command::new("gcc")
+        .arg("-dumpfullversion")
+        .output()
+        .unwrap();
+    let major: u32 = stdout(&probe)
+        .split('.')
+        .next()
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap();
+    assert!(
+        major < 13,
+        "gcc {major} reads fifo: this test needs Debian's gcc 12"
+    );
+    let broker = Broker::start(2);
+    let dir = TempDir::new("lto-fifo");
+    lto_objects(dir.path());
+    for style in ["fifo", "fuse"] {
+        let out = run_in(
+            &broker,
+            dir.path(),
+            &["--jobserver-style", style],
+            &make44(),
+            &["-s"],
+        )
+        .output()
+        .unwrap();
+        assert_refused(&out, &[style, "gcc 12", "-flto", "LTRANS"]);
+        assert!(!dir.path().join("p").exists(), "make ran");
+    }
+    broker.assert_all_free();
+}
+
+#[test]
+fn explicit_fuse_is_refused_for_ninja() {
+    let broker = Broker::start(2);
+    let dir = TempDir::new("ninja-fuse");
+    let log = dir.path().join("jobs.log");
+    flat_ninja(dir.path(), &log, 4, "0.05");
+    let out = run_in(
+        &broker,
+        dir.path(),
+        &["--jobserver-style", "fuse"],
+        &ninja(),
+        &[],
+    )
+    .output()
+    .unwrap();
+    assert_refused(&out, &["ninja 1.13", "real FIFO"]);
+    assert!(!log.exists(), "ninja ran");
+    let forced = ["--jobserver-style", "fuse", "--force"];
+    let out = run_in(&broker, dir.path(), &forced, &ninja(), &[])
+        .output()
+        .unwrap();
+    assert_success(&out);
+    assert!(stderr(&out).contains("running anyway"), "{}", stderr(&out));
+    assert_eq!(max_overlap(&log).1, 4, "ninja built under --force");
+    broker.assert_all_free();
+}
+
+/// The pipe form's descriptors never reach past pip: refused before pip
+/// runs.
+#[test]
+fn explicit_pipe_is_refused_for_a_python_driver() {
+    let pip = meson_python_venv().join("pip");
+    let broker = Broker::start(2);
+    let dir = TempDir::new("pip-pipe");
+    let out = run_in(
+        &broker,
+        dir.path(),
+        &["--jobserver-style", "pipe"],
+        &pip,
+        &["--version"],
+    )
+    .output()
+    .unwrap();
+    assert_refused(
+        &out,
+        &[
+            "--jobserver-style pipe",
+            "is a Python program",
+            "Invalid file descriptors",
+        ],
+    );
+    assert!(!stdout(&out).contains("pip "), "pip ran: {}", stdout(&out));
+    broker.assert_all_free();
+}
+
+/// `$(MAKE) -j4 -C sub` starts a private pool of 4, and so does
+/// `$(MAKE) $(MFLAGS)`, whose MFLAGS carry the -j2 of the build's own
+/// MAKEFLAGS: make says so in its own warning, and baton names each at
+/// the end, with the jobs it ran on no token.
+#[test]
+fn a_sub_make_forcing_its_own_jobs_is_named_at_the_end() {
+    let broker = Broker::start(2);
+    let dir = TempDir::new("forced-submake");
+    let (sub, sub2) = (dir.path().join("sub"), dir.path().join("sub2"));
+    let log = dir.path().join("jobs.log");
+    std::fs::create_dir_all(&sub).unwrap();
+    std::fs::create_dir_all(&sub2).unwrap();
+    flat_makefile(&sub, &log, 4, "1");
+    flat_makefile(&sub2, &dir.path().join("jobs2.log"), 2, "1");
+    std::fs::write(
+        dir.path().join("Makefile"),
+        "all: one two\none:\n\t$(MAKE) -s -j4 -C sub\ntwo:\n\t$(MAKE) $(MFLAGS) -C sub2\n",
+    )
+    .unwrap();
+    let out = run_in(&broker, dir.path(), &[], &make44(), &["-s"])
+        .output()
+        .unwrap();
+    assert_success(&out);
+    let err = stderr(&out);
+    let named = |jobs: &str, sub: &Path| -> String {
+        let lines: Vec<&str> = err
+            .lines()
+            .filter(|l| l.starts_with("baton: a sub-make forced") && l.contains(jobs))
+            .collect();
+        assert_eq!(lines.len(), 1, "{jobs}: {err}");
+        assert!(
+            lines[0].contains(&format!("in {} ran up to", sub.display())),
+            "{}\n{err}",
+            lines[0]
+        );
+        lines[0].to_string()
+    };
+    let line = named("forced -j4", &sub);
+    assert!(line.contains("`") && line.contains("-j4 -C sub`"), "{line}");
+    // The watcher samples the tree: it sees at most what the jobs logged.
+    let seen: usize = line
+        .split("up to ")
+        .nth(1)
+        .and_then(|rest| rest.split(' ').next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("no count in {line}"));
+    let (max, _) = max_overlap(&log);
+    assert!(
+        (2..=max).contains(&seen) && line.contains(&format!("{} of them on no token", seen - 1)),
+        "{line} ({max} jobs at once in the log)"
+    );
+    named("forced -j2", &sub2);
+    broker.assert_all_free();
+}
