@@ -365,10 +365,16 @@ fn venv_python() -> PathBuf {
     })
 }
 
+type Samples = Vec<(String, serde_json::Map<String, serde_json::Value>, f64)>;
+
 /// `baton status --prometheus`, read by prometheus_client's own text
 /// parser (the reference client library's): every sample, as JSON.
-fn parse_prometheus(text: &[u8]) -> Vec<(String, serde_json::Map<String, serde_json::Value>, f64)> {
-    let script = r#"
+fn parse_prometheus(text: &[u8]) -> Samples {
+    python_samples(&["-c", PARSE_SAMPLES], text)
+}
+
+/// Prints every sample of the exposition on stdin as JSON.
+const PARSE_SAMPLES: &str = r#"
 import json, sys
 from prometheus_client.parser import text_string_to_metric_families
 out = []
@@ -377,8 +383,29 @@ for family in text_string_to_metric_families(sys.stdin.read()):
         out.append([s.name, s.labels, s.value])
 print(json.dumps(out))
 "#;
+
+/// GET `url` with Python's own HTTP client, checks the answer is the
+/// Prometheus text format, and parses it as [`parse_prometheus`] does.
+fn scrape(url: &str) -> Samples {
+    let script = r#"
+import json, sys, urllib.request
+from prometheus_client.parser import text_string_to_metric_families
+with urllib.request.urlopen(sys.argv[1], timeout=30) as r:
+    kind = r.headers["Content-Type"]
+    assert kind.startswith("text/plain; version=0.0.4"), kind
+    text = r.read().decode()
+out = []
+for family in text_string_to_metric_families(text):
+    for s in family.samples:
+        out.append([s.name, s.labels, s.value])
+print(json.dumps(out))
+"#;
+    python_samples(&["-c", script, url], b"")
+}
+
+fn python_samples(args: &[&str], text: &[u8]) -> Samples {
     let mut child = Command::new(venv_python())
-        .args(["-c", script])
+        .args(args)
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
@@ -412,17 +439,7 @@ fn status_prometheus_parses_with_the_reference_parser() {
             String::from_utf8_lossy(&out.stderr)
         );
         let samples = parse_prometheus(&out.stdout);
-        let value = |name: &str, label: Option<(&str, &str)>| {
-            samples
-                .iter()
-                .find(|(n, labels, _)| {
-                    n == name
-                        && label
-                            .is_none_or(|(k, v)| labels.get(k).and_then(|x| x.as_str()) == Some(v))
-                })
-                .map(|s| s.2)
-                .unwrap_or_else(|| panic!("no sample {name} {label:?} in {samples:?}"))
-        };
+        let value = |name: &str, label: Option<(&str, &str)>| sample(&samples, name, label);
         assert_eq!(value("baton_limit", None), 4.0);
         assert_eq!(value("baton_held", None), 2.0);
         assert_eq!(
@@ -438,12 +455,15 @@ fn status_prometheus_parses_with_the_reference_parser() {
         );
         assert!(
             value(
-                "baton_build_wait_seconds_count",
+                "baton_build_waits_total",
                 Some(("build", "alpha \"quoted\""))
             ) >= 1.0
         );
         assert_eq!(
-            value("baton_build_wait_seconds", Some(("quantile", "0.5"))),
+            value(
+                "baton_build_wait_quantile_seconds",
+                Some(("quantile", "0.5"))
+            ),
             0.0,
             "alpha's ACQUIRE was granted at once"
         );
@@ -452,6 +472,98 @@ fn status_prometheus_parses_with_the_reference_parser() {
             value("baton_gate_threshold", Some(("gate", "load"))),
             1000.0
         );
+    }
+    wait_until_all_free(&broker);
+}
+
+/// The value of the first sample named `name` (with the label, if given).
+fn sample(samples: &Samples, name: &str, label: Option<(&str, &str)>) -> f64 {
+    samples
+        .iter()
+        .find(|(n, labels, _)| {
+            n == name
+                && label.is_none_or(|(k, v)| labels.get(k).and_then(|x| x.as_str()) == Some(v))
+        })
+        .map(|s| s.2)
+        .unwrap_or_else(|| panic!("no sample {name} {label:?} in {samples:?}"))
+}
+
+/// The distinct values of label `key` over all samples.
+fn label_values(samples: &Samples, key: &str) -> std::collections::BTreeSet<String> {
+    samples
+        .iter()
+        .filter_map(|(_, labels, _)| Some(labels.get(key)?.as_str()?.to_string()))
+        .collect()
+}
+
+/// `serve --metrics-listen` on a free port: two scrapes over HTTP, read
+/// by the reference parser, give what the builds hold, with no pid label,
+/// and neither they nor `baton status --prometheus` show up as a build.
+#[test]
+fn metrics_endpoint_serves_what_builds_hold_and_scrapes_are_not_builds() {
+    let broker = Broker::start_with(4, &["--metrics-listen", "127.0.0.1:0"]);
+    let mut url = String::new();
+    wait_for(GUARD, "the broker to log its metrics address", || {
+        let log = broker.log();
+        url = log
+            .split_whitespace()
+            .find(|w| w.starts_with("http://") && w.ends_with("/metrics"))
+            .unwrap_or_default()
+            .to_string();
+        !url.is_empty()
+    });
+    {
+        let _alpha = HoldingBuild::start(&broker, "alpha", 3);
+        wait_for_holdings(&broker, &[("alpha", 3)]);
+        let builds_before: Vec<u64> = broker.status().builds.iter().map(|b| b.id).collect();
+        let first = scrape(&url);
+        let second = scrape(&url);
+        for samples in [&first, &second] {
+            assert_eq!(sample(samples, "baton_limit", None), 4.0);
+            assert_eq!(sample(samples, "baton_held", None), 3.0);
+            assert_eq!(sample(samples, "baton_free", None), 1.0);
+            assert_eq!(
+                sample(samples, "baton_build_held", Some(("build", "alpha"))),
+                3.0
+            );
+            assert_eq!(
+                sample(
+                    samples,
+                    "baton_build_grants_total",
+                    Some(("build", "alpha"))
+                ),
+                3.0
+            );
+            assert_eq!(
+                label_values(samples, "build"),
+                ["alpha".to_string()].into(),
+                "only the build that holds tokens is a build: {samples:?}"
+            );
+            assert!(
+                samples
+                    .iter()
+                    .all(|(_, labels, _)| !labels.contains_key("pid")),
+                "no pid label: {samples:?}"
+            );
+        }
+        assert_eq!(
+            label_values(&first, "id"),
+            label_values(&second, "id"),
+            "a build keeps its series from one scrape to the next"
+        );
+        let out = baton()
+            .args(["status", "--prometheus", "--socket"])
+            .arg(&broker.socket)
+            .output()
+            .unwrap();
+        assert!(out.status.success());
+        assert_eq!(
+            label_values(&parse_prometheus(&out.stdout), "build"),
+            ["alpha".to_string()].into(),
+            "baton status --prometheus is not a build either"
+        );
+        let builds_after: Vec<u64> = broker.status().builds.iter().map(|b| b.id).collect();
+        assert_eq!(builds_before, builds_after, "the scrapes started no build");
     }
     wait_until_all_free(&broker);
 }
