@@ -45,6 +45,12 @@ mod uring;
 
 pub use fuse::{Mode as FuseMode, Options as FuseOptions};
 pub use log::LogLevel;
+
+/// Says why `baton serve` stops, as a line of the broker's log (with its
+/// time and ERROR), so that the reason sits with the events before it.
+pub fn log_fatal(message: &str) {
+    log::error(format_args!("{message}"));
+}
 pub use serve::{serve, ServeOptions};
 pub use socket::MAX_CLIENTS;
 

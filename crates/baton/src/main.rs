@@ -370,8 +370,13 @@ fn parse_setting(text: &str) -> Result<Setting, String> {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
+    let serving = matches!(cli.command, Cmd::Serve { .. });
     match dispatch(cli.command) {
         Ok(code) => ExitCode::from(code),
+        Err(e) if serving => {
+            baton_broker::log_fatal(&error_chain(&e));
+            ExitCode::from(1)
+        }
         Err(e) => {
             eprintln!("baton: {}", error_chain(&e));
             ExitCode::from(1)
