@@ -179,11 +179,23 @@ fn top_shows_both_builds_raises_the_limit_survives_a_resize_and_quits_with_0() {
 
         tmux.keys("+");
         wait_for(GUARD, "the limit to be 5", || broker.status().limit == 5);
-        tmux.wait_screen("the new limit on screen", |s| s.contains("limit 5 "));
+        tmux.wait_screen("the new limit and how to undo it", |s| {
+            s.contains("limit 5 ") && s.contains("limit 4 -> 5 (undo: -, or baton limit 4)")
+        });
 
-        tmux.resize(50, 12);
-        tmux.wait_screen("the narrow layout", |s| {
-            s.lines().all(|l| l.chars().count() <= 50) && s.contains("limit 5")
+        tmux.resize(50, 14);
+        let narrow = tmux.wait_screen("the narrow layout, whole", |s| {
+            s.lines().all(|l| l.chars().count() <= 50)
+                && s.starts_with("baton top")
+                && s.contains("limit 5 ")
+                && s.contains("NAME")
+        });
+        assert_headers_whole(&narrow);
+        tmux.keys("-");
+        wait_for(GUARD, "the limit back at 4", || broker.status().limit == 4);
+        tmux.wait_screen("the undo of the undo, whole in 50 columns", |s| {
+            let joined = s.split_whitespace().collect::<Vec<_>>().join(" ");
+            joined.contains("limit 5 -> 4 (undo: +, or baton limit 5)")
         });
         tmux.resize(110, 36);
         tmux.wait_screen("both builds again after the resize", |s| {
@@ -201,6 +213,60 @@ fn top_shows_both_builds_raises_the_limit_survives_a_resize_and_quits_with_0() {
         );
     }
     wait_until_all_free(&broker);
+}
+
+/// Every word of the builds table's header line is a whole header.
+fn assert_headers_whole(screen: &str) {
+    const WORDS: [&str; 9] = [
+        "NAME", "WEIGHT", "HELD", "WAITING", "GRANTS", "WAIT", "p50", "p99", "RUNNING",
+    ];
+    let header = screen
+        .lines()
+        .find(|l| l.contains("NAME"))
+        .unwrap_or_else(|| panic!("no table header on screen:\n{screen}"));
+    let words: Vec<&str> = header
+        .split(|c: char| c.is_whitespace() || c == '│')
+        .filter(|w| !w.is_empty())
+        .collect();
+    assert!(
+        words.contains(&"HELD") && words.iter().all(|w| WORDS.contains(w)),
+        "a header is cut: {header:?}\n{screen}"
+    );
+}
+
+/// Before any broker answers at the socket, top says there is none there
+/// (not that one went away); with one that has no builds, the holders
+/// panel says why it is empty; once it stops, top says it is gone.
+#[test]
+fn top_tells_no_broker_yet_from_broker_gone_and_explains_an_empty_panel() {
+    let dir = TempDir::new("top-never");
+    let socket = dir.path().join("later/socket");
+    let rc = dir.path().join("rc");
+    let tmux = top_in_tmux(dir.path(), &socket, &rc);
+    let screen = tmux.wait_screen("no broker at the path", |s| {
+        s.contains(&format!("no broker at {}", socket.display()))
+    });
+    assert!(!screen.contains("broker gone"), "{screen}");
+
+    let log = std::fs::File::create(dir.path().join("broker.log")).unwrap();
+    let mut broker = baton()
+        .args(["serve", "--jobs", "2", "--no-fuse", "--socket"])
+        .arg(&socket)
+        .stderr(log)
+        .spawn()
+        .expect("start a broker");
+    let screen = tmux.wait_screen("the broker, with no builds", |s| {
+        s.contains("limit 2 ") && s.contains("no build holds or waits for tokens")
+    });
+    assert!(!screen.contains("holders of -"), "{screen}");
+
+    unsafe { libc::kill(broker.id() as i32, libc::SIGTERM) };
+    wait_timeout(&mut broker, GUARD).expect("the broker stops");
+    tmux.wait_screen("broker gone", |s| s.contains("broker gone, retrying"));
+    tmux.keys("q");
+    wait_for(GUARD, "top to exit", || {
+        std::fs::read_to_string(&rc).is_ok_and(|s| s.trim() == "0")
+    });
 }
 
 #[test]
