@@ -176,7 +176,12 @@ impl Bench {
         for (i, case) in cases.iter().enumerate() {
             let label = label(case);
             self.progress.step(i, cases.len(), &label);
-            rows.push(measure(case).with_context(|| format!("measuring {label}"))?);
+            let row = measure(case).with_context(|| format!("measuring {label}"));
+            if row.is_err() {
+                // The error is printed on a line of its own.
+                self.progress.done();
+            }
+            rows.push(row?);
         }
         self.progress.done();
         Ok(rows)
@@ -206,7 +211,7 @@ pub fn run(args: &BenchArgs, baton_bin: PathBuf) -> Result<Report> {
             tmp: tmp.0.clone(),
         },
         with_baton: !args.without_baton,
-        progress: Progress::new(),
+        progress: Progress::new(&tmp.0),
     };
     let findings = match scenario {
         Scenario::TokenRing => token_ring::run(&bench, &scale)?,
@@ -233,7 +238,8 @@ pub fn run(args: &BenchArgs, baton_bin: PathBuf) -> Result<Report> {
     })
 }
 
-/// A private directory for broker sockets, removed at the end.
+/// A private directory for broker sockets, removed at the end (and, if
+/// the bench is interrupted, by the progress watcher).
 struct TempDir(PathBuf);
 
 impl TempDir {
