@@ -370,13 +370,8 @@ fn parse_setting(text: &str) -> Result<Setting, String> {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    let serving = matches!(cli.command, Cmd::Serve { .. });
     match dispatch(cli.command) {
         Ok(code) => ExitCode::from(code),
-        Err(e) if serving => {
-            baton_broker::log_fatal(&error_chain(&e));
-            ExitCode::from(1)
-        }
         Err(e) => {
             eprintln!("baton: {}", error_chain(&e));
             ExitCode::from(1)
@@ -445,7 +440,10 @@ fn dispatch(command: Cmd) -> anyhow::Result<u8> {
                 .or_else(|| file.as_ref().and_then(Config::cluster));
             let idle_timeout = idle_timeout.map(Duration::from_secs);
             let reclaim_grace = Duration::from_millis(reclaim_grace);
-            baton_broker::serve(ServeOptions {
+            // Why a broker stops goes into its log, as an ERROR line
+            // with its time; a bad command line or config file above is
+            // the user's to read, plainly, before any broker exists.
+            let served = baton_broker::serve(ServeOptions {
                 jobs,
                 socket,
                 fuse,
@@ -459,7 +457,11 @@ fn dispatch(command: Cmd) -> anyhow::Result<u8> {
                 replace,
                 reclaim_grace,
                 metrics_listen,
-            })?;
+            });
+            if let Err(e) = served {
+                baton_broker::log_fatal(&error_chain(&e));
+                return Ok(1);
+            }
         }
         Cmd::Run {
             socket,
