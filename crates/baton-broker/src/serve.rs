@@ -220,7 +220,7 @@ pub fn serve(opts: ServeOptions) -> Result<()> {
         );
     }
     if let Some(addr) = opts.metrics_listen {
-        serve_metrics(addr, &broker)?;
+        serve_metrics(addr, opts.replace, &broker)?;
     }
     let limit = broker.lock().expect("broker lock").pool().limit();
     let noun = if limit == 1 { "token" } else { "tokens" };
@@ -302,8 +302,8 @@ fn hand_over(
 
 /// Binds the metrics endpoint and says where it is: with port 0, the log
 /// line is where the port chosen is found.
-fn serve_metrics(addr: SocketAddr, broker: &Arc<Mutex<Broker>>) -> Result<()> {
-    let listener = TcpListener::bind(addr).with_context(|| {
+fn serve_metrics(addr: SocketAddr, replace: bool, broker: &Arc<Mutex<Broker>>) -> Result<()> {
+    let listener = bind_metrics(addr, replace).with_context(|| {
         format!("cannot serve metrics at {addr} (--metrics-listen: is the port taken?)")
     })?;
     let bound = listener
@@ -312,6 +312,29 @@ fn serve_metrics(addr: SocketAddr, broker: &Arc<Mutex<Broker>>) -> Result<()> {
     metrics::serve_http(listener, broker.clone()).context("cannot start the metrics thread")?;
     log::info(format_args!("metrics at http://{bound}/metrics"));
     Ok(())
+}
+
+/// The metrics listener, with SO_REUSEPORT so that `serve --replace`
+/// binds the same port while the broker it replaces still listens there
+/// (it stops listening as it exits). A fresh broker first binds without
+/// it: a port another process holds is then an error, not a port shared
+/// with it.
+fn bind_metrics(addr: SocketAddr, replace: bool) -> std::io::Result<TcpListener> {
+    use nix::sys::socket::{self, sockopt, AddressFamily, Backlog, SockFlag, SockType};
+    use std::os::fd::AsRawFd;
+    if !replace && addr.port() != 0 {
+        drop(TcpListener::bind(addr)?);
+    }
+    let family = match addr {
+        SocketAddr::V4(_) => AddressFamily::Inet,
+        SocketAddr::V6(_) => AddressFamily::Inet6,
+    };
+    let fd = socket::socket(family, SockType::Stream, SockFlag::SOCK_CLOEXEC, None)?;
+    socket::setsockopt(&fd, sockopt::ReuseAddr, &true)?;
+    socket::setsockopt(&fd, sockopt::ReusePort, &true)?;
+    socket::bind(fd.as_raw_fd(), &socket::SockaddrStorage::from(addr))?;
+    socket::listen(&fd, Backlog::new(64).expect("a valid backlog"))?;
+    Ok(TcpListener::from(fd))
 }
 
 fn listen(socket: &Path) -> Result<UnixListener> {

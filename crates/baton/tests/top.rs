@@ -634,6 +634,54 @@ fn metrics_endpoint_serves_what_builds_hold_and_scrapes_are_not_builds() {
     wait_until_all_free(&broker);
 }
 
+/// `serve --replace` with the same `--metrics-listen` takes the port over
+/// from the broker it replaces (both listen on it for a moment), while a
+/// broker at another socket is refused that port.
+#[test]
+fn a_replacing_broker_takes_over_the_metrics_port() {
+    let free = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = free.local_addr().unwrap().to_string();
+    drop(free);
+    let url = format!("http://{addr}/metrics");
+    let mut broker = Broker::start_with(3, &["--metrics-listen", &addr]);
+    assert_eq!(sample(&scrape(&url), "baton_limit", None), 3.0);
+
+    let elsewhere = TempDir::new("metrics-elsewhere");
+    let refused = baton()
+        .args(["serve", "--jobs", "1", "--no-fuse", "--socket"])
+        .arg(elsewhere.path().join("socket"))
+        .args(["--metrics-listen", &addr])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&refused.stderr);
+    assert!(
+        !refused.status.success() && err.contains(&format!("cannot serve metrics at {addr}")),
+        "{err}"
+    );
+
+    let log = broker.dir.path().join("successor.log");
+    let mut successor = baton()
+        .args(["serve", "--jobs", "3", "--socket"])
+        .arg(&broker.socket)
+        .args(["--replace", "--metrics-listen", &addr])
+        .stderr(std::fs::File::create(&log).unwrap())
+        .spawn()
+        .expect("start the successor");
+    broker.wait_exit(GUARD);
+    let successor_log = || std::fs::read_to_string(&log).unwrap_or_default();
+    wait_for(GUARD, "the successor to serve metrics", || {
+        successor_log().contains(&format!("metrics at {url}"))
+    });
+    assert_eq!(
+        sample(&scrape(&url), "baton_limit", None),
+        3.0,
+        "{}",
+        successor_log()
+    );
+    unsafe { libc::kill(successor.id() as i32, libc::SIGTERM) };
+    wait_timeout(&mut successor, GUARD).expect("the successor stops");
+}
+
 /// Resident memory of a process, in KiB: (now, peak).
 fn rss_kib(pid: u32) -> (u64, u64) {
     let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
