@@ -258,6 +258,10 @@ impl Report {
         )
     }
 
+    /// One figure against the waiter counts: a linear axis from 0, so that
+    /// a mechanism at zero (no context switch per operation) keeps its
+    /// line; each count measured is a labelled place on the x axis, evenly
+    /// spaced; the legend beside the chart, off the data.
     fn plot_panel<DB: plotters::prelude::DrawingBackend>(
         &self,
         area: &plotters::prelude::DrawingArea<DB, plotters::coord::Shift>,
@@ -268,51 +272,57 @@ impl Report {
         DB::ErrorType: 'static,
     {
         use plotters::prelude::*;
-        let plotted: Vec<&Row> = self.results.iter().filter(|r| value(r) > 0.0).collect();
-        let (x_min, x_max) = bounds(plotted.iter().map(|r| r.waiters as f64));
-        let (y_min, y_max) = bounds(plotted.iter().map(|r| value(r)));
-        let mut chart = ChartBuilder::on(area)
+        let mut counts: Vec<usize> = self.results.iter().map(|r| r.waiters).collect();
+        counts.sort_unstable();
+        counts.dedup();
+        let place = |waiters: usize| counts.iter().position(|&n| n == waiters).unwrap_or(0);
+        let top = self.results.iter().map(&value).fold(0.0, f64::max);
+        let top = if top > 0.0 { top * 1.1 } else { 1.0 };
+        let width = area.dim_in_pixel().0;
+        let (plot_area, legend_area) = area.split_horizontally(width * 3 / 4);
+        let mut chart = ChartBuilder::on(&plot_area)
             .caption(format!("{}: {what}", self.scenario), ("sans-serif", 20))
             .margin(15)
             .x_label_area_size(40)
             .y_label_area_size(60)
+            // A discrete range holds both ends: 0..k-1 is k places.
             .build_cartesian_2d(
-                (x_min / 1.2..x_max * 1.2).log_scale(),
-                (y_min / 1.5..y_max * 1.5).log_scale(),
+                (0..counts.len().saturating_sub(1)).into_segmented(),
+                0.0..top,
             )?;
-        // Whole numbers, and few of them: a log axis otherwise labels every
-        // minor step, and the labels run together.
+        let x_label = |x: &SegmentValue<usize>| match x {
+            SegmentValue::CenterOf(i) => counts.get(*i).map_or(String::new(), usize::to_string),
+            _ => String::new(),
+        };
         chart
             .configure_mesh()
             .x_desc("waiters (N)")
             .y_desc(what)
-            .x_labels(6)
-            .x_label_formatter(&|x| format!("{x:.0}"))
-            .y_label_formatter(&|y| format!("{y}"))
+            .x_labels(counts.len())
+            .x_label_formatter(&x_label)
             .draw()?;
         for (i, mechanism) in self.mechanisms().into_iter().enumerate() {
             let color = Palette99::pick(i).stroke_width(2);
-            let points: Vec<(f64, f64)> = plotted
+            let points: Vec<(SegmentValue<usize>, f64)> = self
+                .results
                 .iter()
                 .filter(|r| r.mechanism == mechanism)
-                .map(|r| (r.waiters as f64, value(r)))
+                .map(|r| (SegmentValue::CenterOf(place(r.waiters)), value(r)))
                 .collect();
-            chart
-                .draw_series(LineSeries::new(points.clone(), color))?
-                .label(mechanism)
-                .legend(move |(x, y)| PathElement::new([(x, y), (x + 20, y)], color));
+            chart.draw_series(LineSeries::new(points.clone(), color))?;
             chart.draw_series(
                 points
                     .into_iter()
                     .map(|p| Circle::new(p, 3, color.filled())),
             )?;
+            let y = 60 + 22 * i as i32;
+            legend_area.draw(&PathElement::new([(5, y), (25, y)], color))?;
+            legend_area.draw(&Text::new(
+                mechanism,
+                (30, y - 7),
+                ("sans-serif", 13).into_font(),
+            ))?;
         }
-        chart
-            .configure_series_labels()
-            .background_style(WHITE.mix(0.8))
-            .border_style(BLACK)
-            .position(SeriesLabelPosition::UpperLeft)
-            .draw()?;
         Ok(())
     }
 
@@ -417,15 +427,6 @@ where
     Ok(())
 }
 
-fn bounds(values: impl Iterator<Item = f64>) -> (f64, f64) {
-    let (lo, hi) = values.fold((f64::MAX, f64::MIN), |(lo, hi), v| (lo.min(v), hi.max(v)));
-    if lo > hi {
-        (1.0, 10.0)
-    } else {
-        (lo, hi)
-    }
-}
-
 fn table_cells(row: &Row, extra_keys: &[String]) -> Vec<String> {
     let mut cells = vec![
         row.mechanism.clone(),
@@ -496,4 +497,55 @@ fn render_table(header: &[&str], rows: &[Vec<String>]) -> String {
         out += &line(row.iter().map(String::as_str).collect());
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::measure::Usage;
+
+    fn row(mechanism: &str, waiters: usize, switches: u64) -> Row {
+        let usage = Usage {
+            voluntary_switches: switches,
+            involuntary_switches: 0,
+            cpu_us: 10,
+        };
+        Row::new(
+            mechanism,
+            waiters,
+            10,
+            usage,
+            None,
+            Duration::from_millis(1),
+        )
+    }
+
+    /// A mechanism with no context switch at all keeps its points and its
+    /// legend entry; each waiter count is a label of the x axis.
+    #[test]
+    fn the_plot_keeps_zero_values_and_labels_each_waiter_count() {
+        let report = Report {
+            scenario: "token-ring".to_string(),
+            machine: Machine::this(),
+            parameters: Map::new(),
+            results: vec![
+                row("futex", 16, 0),
+                row("baton native", 16, 20),
+                row("futex", 256, 0),
+                row("baton native", 256, 21),
+            ],
+            notes: Vec::new(),
+        };
+        let path = std::env::temp_dir().join(format!("baton-plot-{}.svg", std::process::id()));
+        report.plot(&path).unwrap();
+        let svg = std::fs::read_to_string(&path).unwrap();
+        std::fs::remove_file(&path).unwrap();
+        let circles = svg.matches("<circle").count();
+        assert_eq!(circles, 4 * 2, "every row in both panels, zeros included");
+        // Text nodes as plotters writes them, with the spaces around removed.
+        let squashed: String = svg.split_whitespace().collect();
+        for label in [">futex<", ">batonnative<", ">16<", ">256<"] {
+            assert!(squashed.contains(label), "{label} missing");
+        }
+    }
 }

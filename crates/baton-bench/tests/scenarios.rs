@@ -252,6 +252,17 @@ fn token_ring_counts_every_transfer(h: &Harness) -> Result<()> {
         // Exactly the asked transfers, extra tokens notwithstanding.
         ensure!(u64_of(row, "operations") == 300, "transfers in {row}");
     }
+    // baton's rows cost more than the kernel's hand-offs: a note says why.
+    let says_why = doc["notes"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .any(|n| n.as_str().is_some_and(|n| n.contains("the broker hop")));
+    ensure!(
+        says_why == h.baton.is_some(),
+        "a note on baton's broker hop exactly when baton's rows are there: {}",
+        doc["notes"]
+    );
     Ok(())
 }
 

@@ -640,6 +640,10 @@ impl Broker {
             .collect();
         self.pool
             .builds()
+            // A client that only asks (`baton status`, `baton top`, a
+            // scraper's exporter) is not a build: listed only once it
+            // said BUILD or used tokens.
+            .filter(|b| roots.contains_key(&b.id) || b.held + b.waiting > 0 || b.granted > 0)
             .map(|b| {
                 let starter = roots.get(&b.id).or(first.get(&b.id));
                 let name = self
@@ -683,6 +687,14 @@ impl Broker {
             interval_s: HISTORY_SLOT.as_secs_f64(),
             held,
         }
+    }
+
+    /// The status document with each build's token-time brought to now,
+    /// for a reader that connects no client (the metrics endpoint): a
+    /// client's connect does that for STATUS.
+    pub fn status_now(&mut self) -> Status {
+        self.tick();
+        self.status()
     }
 
     /// The document `STATUS` returns.

@@ -22,6 +22,8 @@
 //! - `activation`: the listening socket systemd passes (socket activation).
 //! - `cluster`: joining a cluster pool in etcd (the `cluster` feature).
 //! - `handover`: passing the running state to a successor (`--replace`).
+//! - `metrics`: the figures in the Prometheus text format, and the HTTP
+//!   endpoint `--metrics-listen` serves them on.
 // The fuzzing feature makes undocumented internals public.
 #![cfg_attr(not(feature = "fuzzing"), deny(missing_docs))]
 
@@ -33,6 +35,7 @@ mod gates;
 mod handover;
 mod jobs;
 mod log;
+pub mod metrics;
 mod paths;
 mod serve;
 mod socket;
@@ -42,6 +45,12 @@ mod uring;
 
 pub use fuse::{Mode as FuseMode, Options as FuseOptions};
 pub use log::LogLevel;
+
+/// Says why `baton serve` stops, as a line of the broker's log (with its
+/// time and ERROR), so that the reason sits with the events before it.
+pub fn log_fatal(message: &str) {
+    log::error(format_args!("{message}"));
+}
 pub use serve::{serve, ServeOptions};
 pub use socket::MAX_CLIENTS;
 

@@ -7,7 +7,7 @@ use crate::handover::{self, State};
 use crate::log::LogLevel;
 use crate::socket::{SocketServer, Stop};
 use crate::spin::SpinPolicy;
-use crate::{activation, cluster, fuse, log, paths};
+use crate::{activation, cluster, fuse, log, metrics, paths};
 use anyhow::{Context, Result};
 use baton_core::gates::GateConfig;
 use baton_core::idle::IdleTimer;
@@ -15,6 +15,7 @@ use baton_core::paths::{is_chosen_by_baton, private_dir, socket_path};
 use nix::sys::signal::{kill, SigSet, Signal};
 use nix::sys::signalfd::{SfdFlags, SignalFd};
 use nix::unistd::Pid;
+use std::net::{SocketAddr, TcpListener};
 use std::os::fd::OwnedFd;
 use std::os::unix::fs::PermissionsExt;
 use std::os::unix::net::UnixListener;
@@ -55,6 +56,10 @@ pub struct ServeOptions {
     /// After a broker died at the socket: how long nothing new is granted
     /// while its builds re-attach ([`Broker::start_reclaim`]); zero: no wait.
     pub reclaim_grace: Duration,
+    /// Serve `GET /metrics` (the Prometheus text format) over HTTP at
+    /// this address; port 0 takes a free one, logged at start. None: no
+    /// HTTP endpoint.
+    pub metrics_listen: Option<SocketAddr>,
 }
 
 /// Serves until SIGTERM or SIGINT (or, with `idle_timeout`, until nobody
@@ -214,6 +219,9 @@ pub fn serve(opts: ServeOptions) -> Result<()> {
             owned_socket.as_ref().map(|s| s.0.clone()),
         );
     }
+    if let Some(addr) = opts.metrics_listen {
+        serve_metrics(addr, opts.replace, &broker)?;
+    }
     let limit = broker.lock().expect("broker lock").pool().limit();
     let noun = if limit == 1 { "token" } else { "tokens" };
     let how = if opts.replace {
@@ -290,6 +298,43 @@ fn hand_over(
         },
         &fds,
     )
+}
+
+/// Binds the metrics endpoint and says where it is: with port 0, the log
+/// line is where the port chosen is found.
+fn serve_metrics(addr: SocketAddr, replace: bool, broker: &Arc<Mutex<Broker>>) -> Result<()> {
+    let listener = bind_metrics(addr, replace).with_context(|| {
+        format!("cannot serve metrics at {addr} (--metrics-listen: is the port taken?)")
+    })?;
+    let bound = listener
+        .local_addr()
+        .context("the metrics listener has no address")?;
+    metrics::serve_http(listener, broker.clone()).context("cannot start the metrics thread")?;
+    log::info(format_args!("metrics at http://{bound}/metrics"));
+    Ok(())
+}
+
+/// The metrics listener, with SO_REUSEPORT so that `serve --replace`
+/// binds the same port while the broker it replaces still listens there
+/// (it stops listening as it exits). A fresh broker first binds without
+/// it: a port another process holds is then an error, not a port shared
+/// with it.
+fn bind_metrics(addr: SocketAddr, replace: bool) -> std::io::Result<TcpListener> {
+    use nix::sys::socket::{self, sockopt, AddressFamily, Backlog, SockFlag, SockType};
+    use std::os::fd::AsRawFd;
+    if !replace && addr.port() != 0 {
+        drop(TcpListener::bind(addr)?);
+    }
+    let family = match addr {
+        SocketAddr::V4(_) => AddressFamily::Inet,
+        SocketAddr::V6(_) => AddressFamily::Inet6,
+    };
+    let fd = socket::socket(family, SockType::Stream, SockFlag::SOCK_CLOEXEC, None)?;
+    socket::setsockopt(&fd, sockopt::ReuseAddr, &true)?;
+    socket::setsockopt(&fd, sockopt::ReusePort, &true)?;
+    socket::bind(fd.as_raw_fd(), &socket::SockaddrStorage::from(addr))?;
+    socket::listen(&fd, Backlog::new(64).expect("a valid backlog"))?;
+    Ok(TcpListener::from(fd))
 }
 
 fn listen(socket: &Path) -> Result<UnixListener> {

@@ -10,7 +10,6 @@
 //! bridge `baton-jobserver`, the experiments `baton-bench` (ARCHITECTURE.md).
 
 mod config;
-mod prometheus;
 mod shell_init;
 mod status;
 mod top;
@@ -134,6 +133,12 @@ enum Cmd {
         /// not wait, and the limit may be exceeded until they are back.
         #[arg(long, value_name = "MS", default_value_t = 1000, value_parser = clap::value_parser!(u64).range(0..=600_000))]
         reclaim_grace: u64,
+        /// Serve the broker's figures over HTTP at ADDR (IP:PORT, e.g.
+        /// 127.0.0.1:9464), as `GET /metrics` in the Prometheus text
+        /// format; port 0 takes a free port, named in the log
+        /// (docs/metrics.md).
+        #[arg(long, value_name = "ADDR")]
+        metrics_listen: Option<std::net::SocketAddr>,
     },
     /// Run CMD holding tokens from the broker, with a GNU jobserver (MAKEFLAGS)
     /// fed from the pool; every token goes back when CMD ends.
@@ -399,6 +404,7 @@ fn dispatch(command: Cmd) -> anyhow::Result<u8> {
             cluster,
             replace,
             reclaim_grace,
+            metrics_listen,
         } => {
             let log_level = if quiet {
                 LogLevel::Warn
@@ -439,7 +445,10 @@ fn dispatch(command: Cmd) -> anyhow::Result<u8> {
                 .or_else(|| file.as_ref().and_then(Config::cluster));
             let idle_timeout = idle_timeout.map(Duration::from_secs);
             let reclaim_grace = Duration::from_millis(reclaim_grace);
-            baton_broker::serve(ServeOptions {
+            // Why a broker stops goes into its log, as an ERROR line
+            // with its time; a bad command line or config file above is
+            // the user's to read, plainly, before any broker exists.
+            let served = baton_broker::serve(ServeOptions {
                 jobs,
                 socket,
                 fuse,
@@ -452,7 +461,12 @@ fn dispatch(command: Cmd) -> anyhow::Result<u8> {
                 cluster,
                 replace,
                 reclaim_grace,
-            })?;
+                metrics_listen,
+            });
+            if let Err(e) = served {
+                baton_broker::log_fatal(&error_chain(&e));
+                return Ok(1);
+            }
         }
         Cmd::Run {
             socket,

@@ -13,7 +13,7 @@ pub fn print_status(socket: &Path, json: bool, prometheus: bool) -> Result<()> {
     if json {
         println!("{}", serde_json::to_string_pretty(&status)?);
     } else if prometheus {
-        print!("{}", crate::prometheus::render(&status));
+        print!("{}", baton_broker::metrics::render(&status));
     } else {
         print!("{}", render(&status, now()));
     }

@@ -11,7 +11,7 @@ use ratatui::crossterm::event::{self, Event, KeyCode, KeyEvent, KeyEventKind, Ke
 use ratatui::layout::{Constraint, Layout, Rect};
 use ratatui::style::{Color, Modifier, Style, Stylize};
 use ratatui::text::Line;
-use ratatui::widgets::{Block, Clear, Paragraph, Row, Sparkline, Table, TableState};
+use ratatui::widgets::{Block, Clear, Paragraph, Row, Sparkline, Table, TableState, Wrap};
 use ratatui::{DefaultTerminal, Frame};
 use std::io::IsTerminal;
 use std::path::{Path, PathBuf};
@@ -202,7 +202,7 @@ impl Top {
             return;
         };
         self.message = match self.ask(|client| client.set_limit(limit)) {
-            Ok(old) => format!("limit {old} -> {limit}"),
+            Ok(old) => limit_changed(old, limit),
             Err(e) => format!("limit not changed: {e}"),
         };
         self.refresh();
@@ -244,12 +244,17 @@ impl Top {
     }
 
     fn draw(&self, frame: &mut Frame) {
+        // The answer to + or - gets lines of its own, as many as a narrow
+        // terminal needs to show it whole.
+        let width = usize::from(frame.area().width.max(1));
+        let message_lines = self.message.chars().count().div_ceil(width);
+        let footer_lines = 1 + u16::try_from(message_lines).unwrap_or(1);
         let [header, builds, holders, history, footer] = Layout::vertical([
             Constraint::Length(3),
             Constraint::Min(4),
             Constraint::Length(7),
             Constraint::Length(6),
-            Constraint::Length(1),
+            Constraint::Length(footer_lines),
         ])
         .areas(frame.area());
         frame.render_widget(Paragraph::new(self.header()), header);
@@ -262,14 +267,21 @@ impl Top {
         self.draw_holders(frame, holders, selected.map(|i| rows[i]));
         self.draw_history(frame, history);
         let keys = format!(
-            "q quit  +/- limit  ↑↓ select  s sort ({}{})  ? help  {}",
+            "q quit  +/- limit  ↑↓ select  s sort ({}{})  ? help",
             self.sort.name(),
             if self.reversed { ", reversed" } else { "" },
-            self.message
+        );
+        let [message, keys_line] =
+            Layout::vertical([Constraint::Fill(1), Constraint::Length(1)]).areas(footer);
+        frame.render_widget(
+            Paragraph::new(self.message.clone())
+                .bold()
+                .wrap(Wrap { trim: true }),
+            message,
         );
         frame.render_widget(
             Paragraph::new(keys).style(Style::new().add_modifier(Modifier::REVERSED)),
-            footer,
+            keys_line,
         );
         if self.help {
             draw_help(frame);
@@ -279,6 +291,11 @@ impl Top {
     fn header(&self) -> Vec<Line<'static>> {
         let mut lines = Vec::new();
         match &self.gone {
+            // Never reached: the client's error names the path and how
+            // to start a broker there.
+            Some(why) if self.status.is_none() => lines.push(
+                Line::from(format!("{why}; retrying")).style(Style::new().fg(Color::Red).bold()),
+            ),
             Some(why) => lines.push(
                 Line::from(format!("broker gone, retrying ({why})"))
                     .style(Style::new().fg(Color::Red).bold()),
@@ -317,32 +334,16 @@ impl Top {
 
     fn draw_builds(&self, frame: &mut Frame, area: Rect, rows: &[&Build], selected: Option<usize>) {
         let now = now();
-        let header = Row::new([
-            "NAME", "WEIGHT", "HELD", "WAITING", "GRANTS", "WAIT p50", "WAIT p99", "RUNNING",
-        ])
-        .bold();
-        let body = rows.iter().map(|b| {
-            Row::new([
-                b.name.clone(),
-                b.weight.to_string(),
-                b.held.to_string(),
-                b.waiting.to_string(),
-                b.grants.to_string(),
-                b.wait_ms_p50.map_or("-".into(), show_ms),
-                b.wait_ms_p99.map_or("-".into(), show_ms),
-                show_seconds(now - b.since),
-            ])
+        // Inside the border.
+        let columns = columns_that_fit(area.width.saturating_sub(2));
+        let header = Row::new(columns.iter().map(|c| c.header)).bold();
+        let body = rows
+            .iter()
+            .map(|b| Row::new(columns.iter().map(|c| (c.cell)(b, now))));
+        let widths = columns.iter().map(|c| match c.header {
+            "NAME" => Constraint::Min(c.width),
+            _ => Constraint::Length(c.width),
         });
-        let widths = [
-            Constraint::Min(8),
-            Constraint::Length(6),
-            Constraint::Length(6),
-            Constraint::Length(7),
-            Constraint::Length(8),
-            Constraint::Length(9),
-            Constraint::Length(9),
-            Constraint::Length(9),
-        ];
         let table = Table::new(body, widths)
             .header(header)
             .block(Block::bordered().title(" builds "))
@@ -350,15 +351,33 @@ impl Top {
         frame.render_stateful_widget(table, area, &mut TableState::new().with_selected(selected));
     }
 
-    /// Who in the selected build holds tokens, and since when.
+    /// Who in the selected build holds tokens, and since when; with none,
+    /// a line that says so.
     fn draw_holders(&self, frame: &mut Frame, area: Rect, build: Option<&Build>) {
         let now = now();
-        let holders = self
+        let holders: Vec<_> = self
             .status
             .iter()
             .flat_map(|s| &s.holders)
-            .filter(|h| build.is_some_and(|b| b.id == h.build));
-        let body = holders.map(|h| {
+            .filter(|h| build.is_some_and(|b| b.id == h.build))
+            .collect();
+        if holders.is_empty() {
+            let (title, text) = match build {
+                Some(b) => (
+                    format!(" holders of {} ", b.name),
+                    format!("{} holds no tokens now", b.name),
+                ),
+                None => (
+                    " holders ".to_string(),
+                    "no build holds or waits for tokens: the holders of the selected build show here"
+                        .to_string(),
+                ),
+            };
+            let empty = Paragraph::new(text).block(Block::bordered().title(title));
+            frame.render_widget(empty, area);
+            return;
+        }
+        let body = holders.into_iter().map(|h| {
             Row::new([
                 h.pid.to_string(),
                 h.tokens.to_string(),
@@ -366,7 +385,7 @@ impl Top {
                 crate::status::holder_command(h),
             ])
         });
-        let title = format!(" holders of {} ", build.map_or("-", |b| b.name.as_str()));
+        let title = format!(" holders of {} ", build.map_or("", |b| b.name.as_str()));
         let widths = [
             Constraint::Length(8),
             Constraint::Length(6),
@@ -405,7 +424,8 @@ impl Top {
 fn draw_help(frame: &mut Frame) {
     let text = [
         "q, Esc      quit",
-        "+ / -       raise / lower the broker's limit by one (as baton limit)",
+        "+ / -       raise / lower the broker's limit by one, for every build",
+        "            (as baton limit; the other key, or baton limit N, undoes it)",
         "↑ / ↓       select a build: its holders show below",
         "s           sort by the next column; r reverses",
         "?           this help; any key closes it",
@@ -426,6 +446,99 @@ fn draw_help(frame: &mut Frame) {
         Paragraph::new(text.join("\n")).block(Block::bordered().title(" baton top ")),
         popup,
     );
+}
+
+/// A column of the builds table.
+struct Column {
+    header: &'static str,
+    /// Never less than the header's, so that a header shows whole.
+    width: u16,
+    /// When the terminal is too narrow for every column, the highest rank
+    /// goes first; NAME and HELD (0) stay.
+    drop_rank: u8,
+    cell: fn(&Build, f64) -> String,
+}
+
+const COLUMNS: [Column; 8] = [
+    Column {
+        header: "NAME",
+        width: 8,
+        drop_rank: 0,
+        cell: |b, _| b.name.clone(),
+    },
+    Column {
+        header: "WEIGHT",
+        width: 6,
+        drop_rank: 5,
+        cell: |b, _| b.weight.to_string(),
+    },
+    Column {
+        header: "HELD",
+        width: 6,
+        drop_rank: 0,
+        cell: |b, _| b.held.to_string(),
+    },
+    Column {
+        header: "WAITING",
+        width: 7,
+        drop_rank: 2,
+        cell: |b, _| b.waiting.to_string(),
+    },
+    Column {
+        header: "GRANTS",
+        width: 8,
+        drop_rank: 4,
+        cell: |b, _| b.grants.to_string(),
+    },
+    Column {
+        header: "WAIT p50",
+        width: 9,
+        drop_rank: 3,
+        cell: |b, _| b.wait_ms_p50.map_or("-".into(), show_ms),
+    },
+    Column {
+        header: "WAIT p99",
+        width: 9,
+        drop_rank: 6,
+        cell: |b, _| b.wait_ms_p99.map_or("-".into(), show_ms),
+    },
+    Column {
+        header: "RUNNING",
+        width: 9,
+        drop_rank: 7,
+        cell: |b, now| show_seconds(now - b.since),
+    },
+];
+
+/// The columns that fit in `width` cells with their headers whole (one
+/// cell between columns): a narrow terminal loses whole columns, least
+/// telling first, rather than the ends of every header.
+fn columns_that_fit(width: u16) -> Vec<&'static Column> {
+    let mut shown: Vec<&Column> = COLUMNS.iter().collect();
+    let needed = |cols: &[&Column]| cols.iter().map(|c| c.width + 1).sum::<u16>();
+    while needed(&shown) > width {
+        let Some((at, _)) = shown
+            .iter()
+            .enumerate()
+            .filter(|(_, c)| c.drop_rank > 0)
+            .max_by_key(|(_, c)| c.drop_rank)
+        else {
+            break;
+        };
+        shown.remove(at);
+    }
+    shown
+}
+
+/// What `+` or `-` did to the limit and how to take it back; short
+/// enough for 50 columns (the help says the limit is every build's).
+fn limit_changed(old: u32, new: u32) -> String {
+    let undo = match new.cmp(&old) {
+        std::cmp::Ordering::Greater => "-",
+        std::cmp::Ordering::Less => "+",
+        std::cmp::Ordering::Equal => return format!("limit stays {new}"),
+    };
+    format!("limit {old} -> {new} (undo: {undo}, or baton limit {old})")
 }
 
 fn now() -> f64 {

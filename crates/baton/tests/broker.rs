@@ -639,6 +639,57 @@ fn a_second_broker_is_refused_and_a_stale_socket_replaced() {
     assert!(again.wait().unwrap().success());
 }
 
+/// The time and level a broker log line starts with, if it has them:
+/// `2026-11-25T17:20:41.123Z INFO baton: ...`.
+fn stamp_and_level(line: &str) -> Option<(std::time::SystemTime, &str)> {
+    let mut words = line.splitn(4, ' ');
+    let (time, level, tag) = (words.next()?, words.next()?, words.next()?);
+    let millis = time.strip_suffix('Z')?.rsplit_once('.')?.1;
+    let well_formed = time.len() == "2026-11-25T17:20:41.123Z".len()
+        && millis.len() == 3
+        && ["INFO", "WARN", "ERROR", "DEBUG"].contains(&level)
+        && tag == "baton:";
+    well_formed
+        .then(|| Some((humantime::parse_rfc3339(time).ok()?, level)))
+        .flatten()
+}
+
+/// Every line of the broker's log says when (RFC 3339, UTC, to the
+/// millisecond, within the broker's life) and how serious it is; a broker
+/// that cannot start says why as an ERROR line.
+#[test]
+fn every_log_line_has_an_rfc3339_utc_time_and_a_level() {
+    let before = std::time::SystemTime::now() - Duration::from_millis(1);
+    let mut broker = Broker::start(1);
+    let refused = baton()
+        .args(["serve", "--jobs", "1", "--socket"])
+        .arg(&broker.socket)
+        .output()
+        .unwrap();
+    let (status, log) = broker.stop_with(libc::SIGTERM);
+    assert!(status.success(), "{log}");
+    let after = std::time::SystemTime::now();
+    let refused = String::from_utf8_lossy(&refused.stderr).into_owned();
+    let mut levels = Vec::new();
+    for line in log.lines().chain(refused.lines()) {
+        let (at, level) = stamp_and_level(line)
+            .unwrap_or_else(|| panic!("no RFC 3339 time and level at the start of: {line}"));
+        assert!(
+            before <= at && at <= after,
+            "{line}: not within the test's run"
+        );
+        levels.push((level, line));
+    }
+    let has = |level: &str, text: &str| {
+        levels
+            .iter()
+            .any(|&(l, line)| l == level && line.contains(text))
+    };
+    assert!(has("INFO", "serving 1 token at"), "{log}");
+    assert!(has("INFO", "stopping on SIGTERM"), "{log}");
+    assert!(has("ERROR", "already running"), "{refused}");
+}
+
 #[test]
 fn socket_is_private_and_removed_on_sigterm_and_sigint() {
     for signal in [libc::SIGTERM, libc::SIGINT] {

@@ -399,21 +399,92 @@ fn systemd_units_verify() {
     let out = match analyze {
         Ok(out) => out,
         Err(e) => {
-            return eprintln!(
-                "SKIPPED: systemd-analyze cannot run here ({e}; Debian package systemd)"
+            return skip(
+                Missing::Systemd,
+                &format!("systemd-analyze cannot run here ({e}; Debian package systemd)"),
             )
         }
     };
     let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), stderr(&out));
     if text.contains("Failed to initialize manager") {
-        return eprintln!(
-            "SKIPPED: systemd-analyze verify cannot start a user manager here: {}",
-            text.trim()
+        return skip(
+            Missing::Systemd,
+            &format!(
+                "systemd-analyze verify cannot start a user manager here: {}",
+                text.trim()
+            ),
         );
     }
     assert!(
         out.status.success() && text.trim().is_empty(),
         "systemd-analyze verify: {text}"
+    );
+}
+
+/// The unit's `LimitNOFILE=` is enough for the broker's default
+/// `--max-clients`, by the broker's own account: started with a low
+/// open-file limit (lowering needs no privilege; raising would), it warns
+/// how many clients that limit serves against how many it wants, which
+/// gives what it needs in all; the unit must give at least that.
+#[test]
+fn the_service_units_open_file_limit_is_what_the_broker_wants() {
+    let unit = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../contrib/systemd/baton.service");
+    let text = std::fs::read_to_string(&unit).unwrap();
+    let value = text
+        .lines()
+        .find_map(|l| l.trim().strip_prefix("LimitNOFILE="))
+        .unwrap_or_else(|| panic!("{} has no LimitNOFILE=", unit.display()));
+    let given: u64 = value
+        .parse()
+        .unwrap_or_else(|_| panic!("LimitNOFILE={value}: expected one number"));
+
+    const LOW: u64 = 1024;
+    let dir = TempDir::new("nofile");
+    let log_path = dir.path().join("broker.log");
+    let mut serve = baton();
+    serve
+        .args(["serve", "--jobs", "1", "--no-fuse", "--socket"])
+        .arg(dir.path().join("socket"))
+        .stderr(std::fs::File::create(&log_path).unwrap());
+    unsafe {
+        std::os::unix::process::CommandExt::pre_exec(&mut serve, || {
+            let low = libc::rlimit {
+                rlim_cur: LOW as libc::rlim_t,
+                rlim_max: LOW as libc::rlim_t,
+            };
+            match libc::setrlimit(libc::RLIMIT_NOFILE, &low) {
+                0 => Ok(()),
+                _ => Err(std::io::Error::last_os_error()),
+            }
+        });
+    }
+    let mut broker = serve.spawn().expect("start the broker");
+    let log = || std::fs::read_to_string(&log_path).unwrap_or_default();
+    wait_for(Duration::from_secs(30), "the broker to serve", || {
+        log().contains("serving 1 token")
+    });
+    unsafe { libc::kill(broker.id() as i32, libc::SIGTERM) };
+    wait_timeout(&mut broker, Duration::from_secs(30)).expect("the broker stops");
+
+    // "the open-file limit (1024) lets the broker serve about 960 clients,
+    // not --max-clients 60000 (...)"
+    let log = log();
+    let numbers: Vec<u64> = log
+        .lines()
+        .find(|l| l.contains(&format!("the open-file limit ({LOW})")))
+        .unwrap_or_else(|| panic!("no open-file warning at a limit of {LOW}: {log}"))
+        .split(|c: char| !c.is_ascii_digit())
+        .filter_map(|w| w.parse().ok())
+        .collect();
+    let [.., serves, max_clients] = numbers[..] else {
+        panic!("unexpected warning: {log}")
+    };
+    let wanted = max_clients + (LOW - serves);
+    assert!(
+        given >= wanted,
+        "LimitNOFILE={given} in {}: the broker wants {wanted} ({max_clients} clients and {} of its own)",
+        unit.display(),
+        LOW - serves
     );
 }
 

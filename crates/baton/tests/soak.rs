@@ -9,7 +9,8 @@
 //! broker alive.
 //!
 //! `BATON_SOAK_SECS` sets how long the chaos lasts (default 15 s, the test
-//! suite's run); scripts/soak runs it for longer and prints the counts.
+//! suite's run); scripts/soak runs it for longer and prints the counts,
+//! every `BATON_SOAK_REPORT_SECS` (default 30) and at the end.
 //! Chaos actions are drawn from a seed printed at the start;
 //! `BATON_SOAK_SEED` replays one.
 
@@ -106,6 +107,16 @@ fn soak_time() -> Duration {
             .and_then(|s| s.parse().ok())
             .unwrap_or(15),
     )
+}
+
+/// How often a running soak says how it goes: `BATON_SOAK_REPORT_SECS`,
+/// default 30 s (the test suite's 15 s run says nothing until its end).
+fn report_every() -> u64 {
+    std::env::var("BATON_SOAK_REPORT_SECS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(30)
+        .max(1)
 }
 
 /// The projects the builds run, each in a directory of its own: every
@@ -351,8 +362,22 @@ fn chaos_loses_no_token_and_never_breaks_the_limit() {
     let (mut counts, mut running, mut failures) =
         (Counts::default(), Vec::<Running>::new(), Vec::new());
     let started = Instant::now();
+    let mut reported = 0;
     while started.elapsed() < secs {
         reap(&mut running, &mut counts, &mut failures);
+        // A line per interval, so that a long soak shows it is alive and
+        // how it goes (scripts/soak passes `soak:` lines on).
+        let elapsed = started.elapsed().as_secs();
+        if elapsed >= reported + report_every() {
+            reported = elapsed;
+            let seen = observed.lock().unwrap();
+            eprintln!(
+                "soak: {elapsed}/{} s: {counts:?}; {} samples, {} violations",
+                secs.as_secs(),
+                seen.samples,
+                seen.violations.len()
+            );
+        }
         match dice.below(20) {
             0..=9 if running.len() < 6 => {
                 let kind = KINDS[dice.below(KINDS.len())];

@@ -179,11 +179,23 @@ fn top_shows_both_builds_raises_the_limit_survives_a_resize_and_quits_with_0() {
 
         tmux.keys("+");
         wait_for(GUARD, "the limit to be 5", || broker.status().limit == 5);
-        tmux.wait_screen("the new limit on screen", |s| s.contains("limit 5 "));
+        tmux.wait_screen("the new limit and how to undo it", |s| {
+            s.contains("limit 5 ") && s.contains("limit 4 -> 5 (undo: -, or baton limit 4)")
+        });
 
-        tmux.resize(50, 12);
-        tmux.wait_screen("the narrow layout", |s| {
-            s.lines().all(|l| l.chars().count() <= 50) && s.contains("limit 5")
+        tmux.resize(50, 14);
+        let narrow = tmux.wait_screen("the narrow layout, whole", |s| {
+            s.lines().all(|l| l.chars().count() <= 50)
+                && s.starts_with("baton top")
+                && s.contains("limit 5 ")
+                && s.contains("NAME")
+        });
+        assert_headers_whole(&narrow);
+        tmux.keys("-");
+        wait_for(GUARD, "the limit back at 4", || broker.status().limit == 4);
+        tmux.wait_screen("the undo of the undo, whole in 50 columns", |s| {
+            let joined = s.split_whitespace().collect::<Vec<_>>().join(" ");
+            joined.contains("limit 5 -> 4 (undo: +, or baton limit 5)")
         });
         tmux.resize(110, 36);
         tmux.wait_screen("both builds again after the resize", |s| {
@@ -201,6 +213,60 @@ fn top_shows_both_builds_raises_the_limit_survives_a_resize_and_quits_with_0() {
         );
     }
     wait_until_all_free(&broker);
+}
+
+/// Every word of the builds table's header line is a whole header.
+fn assert_headers_whole(screen: &str) {
+    const WORDS: [&str; 9] = [
+        "NAME", "WEIGHT", "HELD", "WAITING", "GRANTS", "WAIT", "p50", "p99", "RUNNING",
+    ];
+    let header = screen
+        .lines()
+        .find(|l| l.contains("NAME"))
+        .unwrap_or_else(|| panic!("no table header on screen:\n{screen}"));
+    let words: Vec<&str> = header
+        .split(|c: char| c.is_whitespace() || c == '│')
+        .filter(|w| !w.is_empty())
+        .collect();
+    assert!(
+        words.contains(&"HELD") && words.iter().all(|w| WORDS.contains(w)),
+        "a header is cut: {header:?}\n{screen}"
+    );
+}
+
+/// Before any broker answers at the socket, top says there is none there
+/// (not that one went away); with one that has no builds, the holders
+/// panel says why it is empty; once it stops, top says it is gone.
+#[test]
+fn top_tells_no_broker_yet_from_broker_gone_and_explains_an_empty_panel() {
+    let dir = TempDir::new("top-never");
+    let socket = dir.path().join("later/socket");
+    let rc = dir.path().join("rc");
+    let tmux = top_in_tmux(dir.path(), &socket, &rc);
+    let screen = tmux.wait_screen("no broker at the path", |s| {
+        s.contains(&format!("no broker at {}", socket.display()))
+    });
+    assert!(!screen.contains("broker gone"), "{screen}");
+
+    let log = std::fs::File::create(dir.path().join("broker.log")).unwrap();
+    let mut broker = baton()
+        .args(["serve", "--jobs", "2", "--no-fuse", "--socket"])
+        .arg(&socket)
+        .stderr(log)
+        .spawn()
+        .expect("start a broker");
+    let screen = tmux.wait_screen("the broker, with no builds", |s| {
+        s.contains("limit 2 ") && s.contains("no build holds or waits for tokens")
+    });
+    assert!(!screen.contains("holders of -"), "{screen}");
+
+    unsafe { libc::kill(broker.id() as i32, libc::SIGTERM) };
+    wait_timeout(&mut broker, GUARD).expect("the broker stops");
+    tmux.wait_screen("broker gone", |s| s.contains("broker gone, retrying"));
+    tmux.keys("q");
+    wait_for(GUARD, "top to exit", || {
+        std::fs::read_to_string(&rc).is_ok_and(|s| s.trim() == "0")
+    });
 }
 
 #[test]
@@ -365,10 +431,16 @@ fn venv_python() -> PathBuf {
     })
 }
 
+type Samples = Vec<(String, serde_json::Map<String, serde_json::Value>, f64)>;
+
 /// `baton status --prometheus`, read by prometheus_client's own text
 /// parser (the reference client library's): every sample, as JSON.
-fn parse_prometheus(text: &[u8]) -> Vec<(String, serde_json::Map<String, serde_json::Value>, f64)> {
-    let script = r#"
+fn parse_prometheus(text: &[u8]) -> Samples {
+    python_samples(&["-c", PARSE_SAMPLES], text)
+}
+
+/// Prints every sample of the exposition on stdin as JSON.
+const PARSE_SAMPLES: &str = r#"
 import json, sys
 from prometheus_client.parser import text_string_to_metric_families
 out = []
@@ -377,8 +449,29 @@ for family in text_string_to_metric_families(sys.stdin.read()):
         out.append([s.name, s.labels, s.value])
 print(json.dumps(out))
 "#;
+
+/// GET `url` with Python's own HTTP client, checks the answer is the
+/// Prometheus text format, and parses it as [`parse_prometheus`] does.
+fn scrape(url: &str) -> Samples {
+    let script = r#"
+import json, sys, urllib.request
+from prometheus_client.parser import text_string_to_metric_families
+with urllib.request.urlopen(sys.argv[1], timeout=30) as r:
+    kind = r.headers["Content-Type"]
+    assert kind.startswith("text/plain; version=0.0.4"), kind
+    text = r.read().decode()
+out = []
+for family in text_string_to_metric_families(text):
+    for s in family.samples:
+        out.append([s.name, s.labels, s.value])
+print(json.dumps(out))
+"#;
+    python_samples(&["-c", script, url], b"")
+}
+
+fn python_samples(args: &[&str], text: &[u8]) -> Samples {
     let mut child = Command::new(venv_python())
-        .args(["-c", script])
+        .args(args)
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
@@ -412,17 +505,7 @@ fn status_prometheus_parses_with_the_reference_parser() {
             String::from_utf8_lossy(&out.stderr)
         );
         let samples = parse_prometheus(&out.stdout);
-        let value = |name: &str, label: Option<(&str, &str)>| {
-            samples
-                .iter()
-                .find(|(n, labels, _)| {
-                    n == name
-                        && label
-                            .is_none_or(|(k, v)| labels.get(k).and_then(|x| x.as_str()) == Some(v))
-                })
-                .map(|s| s.2)
-                .unwrap_or_else(|| panic!("no sample {name} {label:?} in {samples:?}"))
-        };
+        let value = |name: &str, label: Option<(&str, &str)>| sample(&samples, name, label);
         assert_eq!(value("baton_limit", None), 4.0);
         assert_eq!(value("baton_held", None), 2.0);
         assert_eq!(
@@ -438,12 +521,15 @@ fn status_prometheus_parses_with_the_reference_parser() {
         );
         assert!(
             value(
-                "baton_build_wait_seconds_count",
+                "baton_build_waits_total",
                 Some(("build", "alpha \"quoted\""))
             ) >= 1.0
         );
         assert_eq!(
-            value("baton_build_wait_seconds", Some(("quantile", "0.5"))),
+            value(
+                "baton_build_wait_quantile_seconds",
+                Some(("quantile", "0.5"))
+            ),
             0.0,
             "alpha's ACQUIRE was granted at once"
         );
@@ -454,6 +540,146 @@ fn status_prometheus_parses_with_the_reference_parser() {
         );
     }
     wait_until_all_free(&broker);
+}
+
+/// The value of the first sample named `name` (with the label, if given).
+fn sample(samples: &Samples, name: &str, label: Option<(&str, &str)>) -> f64 {
+    samples
+        .iter()
+        .find(|(n, labels, _)| {
+            n == name
+                && label.is_none_or(|(k, v)| labels.get(k).and_then(|x| x.as_str()) == Some(v))
+        })
+        .map(|s| s.2)
+        .unwrap_or_else(|| panic!("no sample {name} {label:?} in {samples:?}"))
+}
+
+/// The distinct values of label `key` over all samples.
+fn label_values(samples: &Samples, key: &str) -> std::collections::BTreeSet<String> {
+    samples
+        .iter()
+        .filter_map(|(_, labels, _)| Some(labels.get(key)?.as_str()?.to_string()))
+        .collect()
+}
+
+/// `serve --metrics-listen` on a free port: two scrapes over HTTP, read
+/// by the reference parser, give what the builds hold, with no pid label,
+/// and neither they nor `baton status --prometheus` show up as a build.
+#[test]
+fn metrics_endpoint_serves_what_builds_hold_and_scrapes_are_not_builds() {
+    let broker = Broker::start_with(4, &["--metrics-listen", "127.0.0.1:0"]);
+    let mut url = String::new();
+    wait_for(GUARD, "the broker to log its metrics address", || {
+        let log = broker.log();
+        url = log
+            .split_whitespace()
+            .find(|w| w.starts_with("http://") && w.ends_with("/metrics"))
+            .unwrap_or_default()
+            .to_string();
+        !url.is_empty()
+    });
+    {
+        let _alpha = HoldingBuild::start(&broker, "alpha", 3);
+        wait_for_holdings(&broker, &[("alpha", 3)]);
+        let builds_before: Vec<u64> = broker.status().builds.iter().map(|b| b.id).collect();
+        let first = scrape(&url);
+        let second = scrape(&url);
+        for samples in [&first, &second] {
+            assert_eq!(sample(samples, "baton_limit", None), 4.0);
+            assert_eq!(sample(samples, "baton_held", None), 3.0);
+            assert_eq!(sample(samples, "baton_free", None), 1.0);
+            assert_eq!(
+                sample(samples, "baton_build_held", Some(("build", "alpha"))),
+                3.0
+            );
+            assert_eq!(
+                sample(
+                    samples,
+                    "baton_build_grants_total",
+                    Some(("build", "alpha"))
+                ),
+                3.0
+            );
+            assert_eq!(
+                label_values(samples, "build"),
+                ["alpha".to_string()].into(),
+                "only the build that holds tokens is a build: {samples:?}"
+            );
+            assert!(
+                samples
+                    .iter()
+                    .all(|(_, labels, _)| !labels.contains_key("pid")),
+                "no pid label: {samples:?}"
+            );
+        }
+        assert_eq!(
+            label_values(&first, "id"),
+            label_values(&second, "id"),
+            "a build keeps its series from one scrape to the next"
+        );
+        let out = baton()
+            .args(["status", "--prometheus", "--socket"])
+            .arg(&broker.socket)
+            .output()
+            .unwrap();
+        assert!(out.status.success());
+        assert_eq!(
+            label_values(&parse_prometheus(&out.stdout), "build"),
+            ["alpha".to_string()].into(),
+            "baton status --prometheus is not a build either"
+        );
+        let builds_after: Vec<u64> = broker.status().builds.iter().map(|b| b.id).collect();
+        assert_eq!(builds_before, builds_after, "the scrapes started no build");
+    }
+    wait_until_all_free(&broker);
+}
+
+/// `serve --replace` with the same `--metrics-listen` takes the port over
+/// from the broker it replaces (both listen on it for a moment), while a
+/// broker at another socket is refused that port.
+#[test]
+fn a_replacing_broker_takes_over_the_metrics_port() {
+    let free = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = free.local_addr().unwrap().to_string();
+    drop(free);
+    let url = format!("http://{addr}/metrics");
+    let mut broker = Broker::start_with(3, &["--metrics-listen", &addr]);
+    assert_eq!(sample(&scrape(&url), "baton_limit", None), 3.0);
+
+    let elsewhere = TempDir::new("metrics-elsewhere");
+    let refused = baton()
+        .args(["serve", "--jobs", "1", "--no-fuse", "--socket"])
+        .arg(elsewhere.path().join("socket"))
+        .args(["--metrics-listen", &addr])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&refused.stderr);
+    assert!(
+        !refused.status.success() && err.contains(&format!("cannot serve metrics at {addr}")),
+        "{err}"
+    );
+
+    let log = broker.dir.path().join("successor.log");
+    let mut successor = baton()
+        .args(["serve", "--jobs", "3", "--socket"])
+        .arg(&broker.socket)
+        .args(["--replace", "--metrics-listen", &addr])
+        .stderr(std::fs::File::create(&log).unwrap())
+        .spawn()
+        .expect("start the successor");
+    broker.wait_exit(GUARD);
+    let successor_log = || std::fs::read_to_string(&log).unwrap_or_default();
+    wait_for(GUARD, "the successor to serve metrics", || {
+        successor_log().contains(&format!("metrics at {url}"))
+    });
+    assert_eq!(
+        sample(&scrape(&url), "baton_limit", None),
+        3.0,
+        "{}",
+        successor_log()
+    );
+    unsafe { libc::kill(successor.id() as i32, libc::SIGTERM) };
+    wait_timeout(&mut successor, GUARD).expect("the successor stops");
 }
 
 /// Resident memory of a process, in KiB: (now, peak).

@@ -13,7 +13,7 @@ use crate::report::Row;
 use anyhow::{bail, Context, Result};
 use baton_client::Client;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Command};
 use std::sync::atomic::{AtomicU64, Ordering::SeqCst};
 use std::sync::{Arc, Barrier};
 use std::time::{Duration, Instant};
@@ -76,7 +76,8 @@ fn measure(
             )
         })
         .collect::<Result<Vec<_>>>()?;
-    for broker in &brokers {
+    let mut brokers = brokers;
+    for broker in &mut brokers {
         broker.wait_until_ready()?;
     }
     let mut pids: Vec<i32> = brokers.iter().map(|b| b.child.id() as i32).collect();
@@ -195,6 +196,7 @@ fn ms(d: Duration) -> f64 {
 struct Broker {
     child: Child,
     socket: PathBuf,
+    log: PathBuf,
 }
 
 impl Broker {
@@ -225,16 +227,29 @@ impl Broker {
         if watch_all {
             serve.arg("--cluster-watch-all");
         }
+        // Its own log, not our stderr: what it says would run into the
+        // progress line, and an error quotes it whole.
+        let log = dir.join("broker.log");
         let child = serve
-            .stderr(Stdio::inherit())
+            .stderr(std::fs::File::create(&log)?)
             .spawn()
             .context("starting baton serve")?;
-        Ok(Broker { child, socket })
+        Ok(Broker { child, socket, log })
     }
 
-    fn wait_until_ready(&self) -> Result<()> {
+    /// Waits until the broker listens; an error at once if it exits first
+    /// (a baton built without cluster pools refuses --etcd).
+    fn wait_until_ready(&mut self) -> Result<()> {
         let start = Instant::now();
         while std::os::unix::net::UnixStream::connect(&self.socket).is_err() {
+            if let Some(status) = self.child.try_wait()? {
+                bail!(
+                    "the cluster scenario cannot run: baton serve --etcd exited ({status}) before listening: {}",
+                    std::fs::read_to_string(&self.log)
+                        .unwrap_or_default()
+                        .trim()
+                );
+            }
             if start.elapsed() > Duration::from_secs(60) {
                 bail!(
                     "the broker at {} did not listen within 60 s",

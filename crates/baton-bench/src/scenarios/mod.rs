@@ -176,7 +176,12 @@ impl Bench {
         for (i, case) in cases.iter().enumerate() {
             let label = label(case);
             self.progress.step(i, cases.len(), &label);
-            rows.push(measure(case).with_context(|| format!("measuring {label}"))?);
+            let row = measure(case).with_context(|| format!("measuring {label}"));
+            if row.is_err() {
+                // The error is printed on a line of its own.
+                self.progress.done();
+            }
+            rows.push(row?);
         }
         self.progress.done();
         Ok(rows)
@@ -206,7 +211,7 @@ pub fn run(args: &BenchArgs, baton_bin: PathBuf) -> Result<Report> {
             tmp: tmp.0.clone(),
         },
         with_baton: !args.without_baton,
-        progress: Progress::new(),
+        progress: Progress::new(&tmp.0),
     };
     let findings = match scenario {
         Scenario::TokenRing => token_ring::run(&bench, &scale)?,
@@ -220,6 +225,14 @@ pub fn run(args: &BenchArgs, baton_bin: PathBuf) -> Result<Report> {
         Scenario::Memory => memory::run(&bench, &scale)?,
         Scenario::MakeTree => make_tree::run(&bench, &scale)?,
     };
+    let mut findings = findings;
+    if findings
+        .rows
+        .iter()
+        .any(|r| r.mechanism.starts_with("baton"))
+    {
+        findings.notes.push(BROKER_HOP.to_string());
+    }
     let parameters = match serde_json::to_value(&scale)? {
         Value::Object(map) => map,
         _ => Map::new(),
@@ -233,7 +246,12 @@ pub fn run(args: &BenchArgs, baton_bin: PathBuf) -> Result<Report> {
     })
 }
 
-/// A private directory for broker sockets, removed at the end.
+/// Under every table with baton's rows: why they cost more than the
+/// kernel's own hand-offs, and what for.
+const BROKER_HOP: &str = "baton's rows pay for the broker hop: a token goes from its holder to the broker (RELEASE) and from the broker to the next waiter (GRANTED), two messages and a wake-up of the broker (broker csw/op), where a pipe or a semaphore hands it over inside the kernel; that hop is what gives one limit across every build and process, fair shares between builds, and tokens taken back from a holder that dies";
+
+/// A private directory for broker sockets, removed at the end (and, if
+/// the bench is interrupted, by the progress watcher).
 struct TempDir(PathBuf);
 
 impl TempDir {

@@ -8,7 +8,7 @@ use std::process::{Child, Command};
 use std::time::{Duration, Instant};
 
 /// What a skipped test could not find. scripts/test fails a CI run that
-/// skipped for something it installs itself (`Fuse`, `Root`); `IoUring`
+/// skipped for something it installs itself (`Fuse`, `Root`, `Systemd`); `IoUring`
 /// depends on the kernel, which no script installs, and `FileLimit` on the
 /// open-file limit the machine gives.
 #[derive(Debug, Clone, Copy)]
@@ -20,6 +20,8 @@ pub enum Missing {
     PsiTrigger,
     /// A hard limit on open files below what a test needs.
     FileLimit,
+    /// systemd's tools (`systemd-analyze`), or a manager they can start.
+    Systemd,
 }
 
 /// Records that the running test could not do its work here, so that the
