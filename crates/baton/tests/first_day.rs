@@ -173,17 +173,6 @@ fn limit_alone_prints_the_limit_and_the_gates() {
 }
 
 #[test]
-fn a_killed_broker_leaves_what_the_next_one_needs_to_take_builds_back() {
-    let mut broker = Broker::start(2);
-    broker.stop_with(libc::SIGKILL);
-    let left = names_in(broker.socket.parent().unwrap());
-    assert!(
-        left.contains(&"socket".to_string()) && left.contains(&"socket.lock".to_string()),
-        "{left:?}"
-    );
-}
-
-#[test]
 fn a_broker_started_at_an_unusual_socket_says_so_once() {
     let home = Home::new("unusual-socket");
     let socket = home.dir.path().join("typo/socket");
