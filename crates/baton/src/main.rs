@@ -10,11 +10,13 @@
 //! bridge `baton-jobserver`, the experiments `baton-bench` (ARCHITECTURE.md).
 
 mod config;
+mod man;
 mod prometheus;
 mod shell_init;
 mod status;
 mod top;
 
+use anyhow::Context;
 use baton_broker::{FuseMode, FuseOptions, LogLevel, ServeOptions};
 use baton_core::gates::GateConfig;
 use baton_core::paths::socket_path;
@@ -240,8 +242,14 @@ the socket). BATON_NO_AUTOSTART=1 turns that off."
         #[arg(value_enum)]
         shell: clap_complete::Shell,
     },
-    /// Print the manual page (roff): baton man > baton.1; man ./baton.1
-    Man,
+    /// Write the manual pages, baton.1 and one per subcommand
+    /// (baton-run.1, ...), into DIR: baton man ~/.local/share/man/man1.
+    /// Without DIR, print baton.1 (roff).
+    Man {
+        /// The directory to write the pages into (made if missing).
+        #[arg(value_name = "DIR")]
+        dir: Option<PathBuf>,
+    },
 }
 
 /// A pool shared with other brokers through etcd (docs/cluster.md).
@@ -540,10 +548,13 @@ fn dispatch(command: Cmd) -> anyhow::Result<u8> {
             clap_complete::generate(shell, &mut Cli::command(), "baton", &mut text);
             emit(&text)?;
         }
-        Cmd::Man => {
-            let mut text = Vec::new();
-            clap_mangen::Man::new(Cli::command()).render(&mut text)?;
-            emit(&text)?;
+        Cmd::Man { dir: None } => emit(&man::top_page(Cli::command())?)?,
+        Cmd::Man { dir: Some(dir) } => {
+            let pages = man::write_pages(Cli::command(), &dir)
+                .with_context(|| format!("cannot write the manual pages into {}", dir.display()))?;
+            for page in pages {
+                println!("{}", page.display());
+            }
         }
     }
     Ok(0)

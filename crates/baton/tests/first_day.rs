@@ -262,3 +262,69 @@ fn gates_in_the_config_file_reach_the_broker_baton_run_starts() {
     assert!(home.output(&["stop"]).status.success());
     assert!(log.contains("serving 3 tokens"), "{log}");
 }
+
+/// The subcommands `baton --help` lists (but help).
+fn subcommands() -> Vec<String> {
+    let help = text(&baton().arg("--help").output().unwrap().stdout);
+    help.split("Commands:\n")
+        .nth(1)
+        .expect("a Commands section")
+        .lines()
+        .take_while(|l| !l.trim().is_empty())
+        .filter_map(|l| l.split_whitespace().next())
+        .filter(|name| *name != "help")
+        .map(str::to_string)
+        .collect()
+}
+
+#[test]
+fn every_subcommand_has_a_man_page_that_renders_cleanly_and_refers_only_to_pages_that_exist() {
+    let dir = TempDir::new("man");
+    let out = baton().arg("man").arg(dir.path()).output().unwrap();
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let mut expected: Vec<String> = subcommands()
+        .iter()
+        .map(|name| format!("baton-{name}.1"))
+        .collect();
+    assert!(expected.len() >= 10, "{expected:?}");
+    expected.push("baton.1".into());
+    expected.sort();
+    assert_eq!(names_in(dir.path()), expected);
+    for name in &expected {
+        let path = dir.path().join(name);
+        let page = std::fs::read_to_string(&path).unwrap();
+        for section in [".SH ENVIRONMENT", ".SH FILES", ".SH \"SEE ALSO\""] {
+            assert!(page.contains(section), "{name} has no {section}");
+        }
+        // -ww: every warning; -z: no output, only the diagnostics.
+        let groff = Command::new("groff")
+            .args(["-man", "-Tutf8", "-ww", "-z"])
+            .arg(&path)
+            .output()
+            .expect("groff (installed by scripts/test)");
+        assert!(
+            groff.status.success() && groff.stderr.is_empty(),
+            "{name}: {}",
+            text(&groff.stderr)
+        );
+        let plain = page
+            .replace("\\fB", " ")
+            .replace("\\fR", "")
+            .replace("\\-", "-");
+        let references = plain
+            .split(|c: char| !(c.is_ascii_alphanumeric() || "-()".contains(c)))
+            .filter(|word| word.starts_with("baton") && word.ends_with("(1)"));
+        for reference in references {
+            let file = reference.replace("(1)", ".1");
+            assert!(
+                dir.path().join(&file).exists(),
+                "{name} refers to {reference}, which was not generated"
+            );
+        }
+    }
+    let top = std::fs::read_to_string(dir.path().join("baton.1")).unwrap();
+    assert!(
+        top.contains("baton\\-stop(1)"),
+        "the top page lists the subcommands' pages"
+    );
+}
