@@ -230,10 +230,24 @@ the socket). BATON_NO_AUTOSTART=1 turns that off."
     /// Print lines for a shell profile after which plain make, ninja, cargo
     /// and cmake --build run under the broker's limit:
     /// eval "$(baton shell-init bash)".
+    #[command(
+        after_help = "For builds started without such a shell (scripts, IDEs, CI steps): \
+baton shell-init --wrappers writes make, ninja, cargo and cmake wrappers into \
+~/.local/share/baton/bin, which the package's /etc/profile.d/baton.sh (baton shell-init \
+--profile) puts first on PATH at login (docs/setup.md, \"Builds started without a shell\")."
+    )]
     ShellInit {
         /// The shell to write for.
-        #[arg(value_enum)]
-        shell: shell_init::Shell,
+        #[arg(value_enum, required_unless_present_any = ["wrappers", "profile"])]
+        shell: Option<shell_init::Shell>,
+        /// Write wrapper scripts for make, ninja, cargo and cmake into DIR
+        /// [default: $XDG_DATA_HOME/baton/bin, else ~/.local/share/baton/bin].
+        #[arg(long, value_name = "DIR", num_args = 0..=1, conflicts_with_all = ["shell", "profile"])]
+        wrappers: Option<Option<PathBuf>>,
+        /// Print the lines for /etc/profile.d that put the wrappers first on
+        /// PATH.
+        #[arg(long, conflicts_with = "shell")]
+        profile: bool,
     },
     /// Print the completion script for SHELL (e.g. baton completions bash >
     /// ~/.local/share/bash-completion/completions/baton).
@@ -540,9 +554,21 @@ fn dispatch(command: Cmd) -> anyhow::Result<u8> {
         Cmd::Stop { socket } => return status::stop(&socket_path(socket)),
         Cmd::Bench(args) => baton_bench::run(args)?,
         Cmd::Config => emit(config::describe(&Config::load()?, autostart_enabled()).as_bytes())?,
-        Cmd::ShellInit { shell } => {
-            emit(shell_init::script(shell, &std::env::current_exe()?).as_bytes())?
+        Cmd::ShellInit {
+            shell: Some(shell), ..
+        } => emit(shell_init::script(shell, &std::env::current_exe()?).as_bytes())?,
+        Cmd::ShellInit {
+            wrappers: Some(dir),
+            ..
+        } => {
+            let dir = dir.unwrap_or_else(shell_init::default_wrapper_dir);
+            for path in shell_init::write_wrappers(&dir, &std::env::current_exe()?)
+                .with_context(|| format!("cannot write the wrappers into {}", dir.display()))?
+            {
+                println!("{}", path.display());
+            }
         }
+        Cmd::ShellInit { .. } => emit(shell_init::profile_snippet().as_bytes())?,
         Cmd::Completions { shell } => {
             let mut text = Vec::new();
             clap_complete::generate(shell, &mut Cli::command(), "baton", &mut text);

@@ -328,3 +328,61 @@ fn every_subcommand_has_a_man_page_that_renders_cleanly_and_refers_only_to_pages
         "the top page lists the subcommands' pages"
     );
 }
+
+#[test]
+fn wrappers_count_a_build_started_without_an_interactive_shell_once() {
+    let broker = Broker::start(2);
+    let home = TempDir::new("wrappers");
+    let wrote = baton()
+        .args(["shell-init", "--wrappers"])
+        .env("HOME", home.path())
+        .env_remove("XDG_DATA_HOME")
+        .output()
+        .unwrap();
+    assert!(wrote.status.success(), "{}", text(&wrote.stderr));
+    let bin = home.path().join(".local/share/baton/bin");
+    assert_eq!(names_in(&bin), ["cargo", "cmake", "make", "ninja"]);
+    let profile = baton().args(["shell-init", "--profile"]).output().unwrap();
+    std::fs::write(home.path().join("profile.sh"), &profile.stdout).unwrap();
+
+    // The recipe of `a` records the jobserver it got; `b` runs a plain
+    // `make`, which finds the wrapper again, inside the build.
+    let build = home.path().join("build");
+    std::fs::create_dir_all(build.join("sub")).unwrap();
+    std::fs::write(
+        build.join("Makefile"),
+        "all: a b\na:\n\t@echo \"$$MAKEFLAGS\" > flags\nb:\n\t@make -s -C sub\n.PHONY: all a b\n",
+    )
+    .unwrap();
+    std::fs::write(build.join("sub/Makefile"), "x:\n\t@touch ../sub-ran\n").unwrap();
+    let make_dir = make43().parent().unwrap().to_path_buf();
+    let out = Command::new("sh")
+        .args(["-c", ". \"$HOME/profile.sh\" && make -s"])
+        .current_dir(&build)
+        .env_clear()
+        .env("HOME", home.path())
+        .env("PATH", format!("{}:/usr/bin:/bin", make_dir.display()))
+        .env("BATON_SOCKET", &broker.socket)
+        .env("BATON_NO_AUTOSTART", "1")
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}{}",
+        text(&out.stdout),
+        text(&out.stderr)
+    );
+    let flags = std::fs::read_to_string(build.join("flags")).unwrap();
+    assert!(
+        flags.contains("--jobserver-auth="),
+        "make ran without baton: {flags}"
+    );
+    assert!(build.join("sub-ran").exists());
+    let status = broker.status();
+    assert_eq!(
+        status.builds.len(),
+        1,
+        "one build, the nested make inside it: {:#?}",
+        status.builds
+    );
+}
