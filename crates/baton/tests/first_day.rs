@@ -386,3 +386,28 @@ fn wrappers_count_a_build_started_without_an_interactive_shell_once() {
         status.builds
     );
 }
+
+/// docs/protocol.md, "STOP": the bytes on the wire.
+#[test]
+fn stop_on_the_wire_is_as_documented() {
+    use std::io::{BufRead, BufReader, Read, Write};
+    let mut broker = Broker::start(2);
+    let mut holder = broker.client("holder");
+    holder.acquire(2).unwrap();
+    let mut stream = std::os::unix::net::UnixStream::connect(&broker.socket).unwrap();
+    stream.write_all(b"HELLO 1 stopper\nSTOP\n").unwrap();
+    let mut replies = BufReader::new(stream);
+    let mut hello = String::new();
+    replies.read_line(&mut hello).unwrap();
+    assert!(hello.starts_with("OK 1 "), "{hello}");
+    let mut stopping = String::new();
+    replies.read_line(&mut stopping).unwrap();
+    assert_eq!(stopping, format!("STOPPING {} 1 2\n", broker.pid()));
+    let mut rest = Vec::new();
+    replies.read_to_end(&mut rest).unwrap();
+    assert!(
+        rest.is_empty(),
+        "the broker closes the connection after STOPPING"
+    );
+    assert!(broker.wait_exit(Duration::from_secs(10)).success());
+}
