@@ -44,48 +44,105 @@ pub struct ServeLock {
 }
 
 pub fn lock_socket(socket: &Path) -> Result<ServeLock> {
-    let lock_path = lock_path(socket);
-    let file = OpenOptions::new()
-        .create(true)
-        .truncate(false)
-        .write(true)
-        .mode(0o600)
-        .open(&lock_path)
-        .with_context(|| format!("cannot open the lock file {}", lock_path.display()))?;
-    match Flock::lock(file, FlockArg::LockExclusiveNonblock) {
-        Ok(lock) => Ok(ServeLock { _lock: lock }),
-        Err((_, nix::errno::Errno::EWOULDBLOCK)) => {
-            bail!(
-                "a broker is already running at {} (see it with: baton status --socket {})",
-                socket.display(),
-                socket.display()
-            )
-        }
-        Err((_, e)) => Err(e).with_context(|| format!("cannot lock {}", lock_path.display())),
+    match lock_file(&lock_path(socket), FlockArg::LockExclusiveNonblock) {
+        Err(LockError::Busy) => bail!(
+            "a broker is already running at {} (see it with: baton status --socket {})",
+            socket.display(),
+            socket.display()
+        ),
+        result => Ok(ServeLock {
+            _lock: result.map_err(LockError::into_anyhow)?,
+        }),
     }
 }
 
 /// The lock, waiting for the broker that holds it to let go: a successor
 /// (`--replace`) takes it as its predecessor exits.
 pub fn lock_socket_when_free(socket: &Path) -> Result<ServeLock> {
-    let lock_path = lock_path(socket);
-    let file = OpenOptions::new()
-        .create(true)
-        .truncate(false)
-        .write(true)
-        .mode(0o600)
-        .open(&lock_path)
-        .with_context(|| format!("cannot open the lock file {}", lock_path.display()))?;
-    let lock = Flock::lock(file, FlockArg::LockExclusive)
-        .map_err(|(_, e)| e)
-        .with_context(|| format!("cannot lock {}", lock_path.display()))?;
+    let lock =
+        lock_file(&lock_path(socket), FlockArg::LockExclusive).map_err(LockError::into_anyhow)?;
     Ok(ServeLock { _lock: lock })
 }
 
+enum LockError {
+    Busy,
+    Other(anyhow::Error),
+}
+
+impl LockError {
+    fn into_anyhow(self) -> anyhow::Error {
+        match self {
+            LockError::Busy => anyhow::anyhow!("the lock is held"),
+            LockError::Other(e) => e,
+        }
+    }
+}
+
+/// Locks the file at `path`, and makes sure it is still the file at
+/// `path` once locked: a broker that stops cleanly removes its lock file
+/// while it holds it, and whoever locked the removed file must not think
+/// it owns the new one.
+fn lock_file(path: &Path, how: FlockArg) -> Result<Flock<File>, LockError> {
+    loop {
+        let file = OpenOptions::new()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .mode(0o600)
+            .open(path)
+            .with_context(|| format!("cannot open the lock file {}", path.display()))
+            .map_err(LockError::Other)?;
+        let lock = match Flock::lock(file, how) {
+            Ok(lock) => lock,
+            Err((_, nix::errno::Errno::EWOULDBLOCK)) => return Err(LockError::Busy),
+            Err((_, e)) => {
+                return Err(LockError::Other(
+                    anyhow::Error::from(e).context(format!("cannot lock {}", path.display())),
+                ))
+            }
+        };
+        let held = lock.metadata().map(|m| (m.dev(), m.ino()));
+        let named = fs::metadata(path).map(|m| (m.dev(), m.ino()));
+        if let (Ok(held), Ok(named)) = (held, named) {
+            if held == named {
+                return Ok(lock);
+            }
+        }
+    }
+}
+
 fn lock_path(socket: &Path) -> PathBuf {
-    let mut name = socket.file_name().unwrap_or_default().to_os_string();
-    name.push(".lock");
-    socket.with_file_name(name)
+    baton_core::paths::beside(socket, ".lock")
+}
+
+/// After a clean stop: removes every file the broker at `socket` and the
+/// builds that used it leave in its directory, but its log. Called while
+/// the lock is held (the lock file goes last; see [`lock_file`]). Never
+/// after a handover or a crash: the next broker needs the dead one's
+/// socket file and FUSE keeper to take its builds back.
+pub fn remove_leftovers(socket: &Path) {
+    let _ = fs::remove_dir(baton_core::paths::fuse_mount_point(socket));
+    for path in [
+        crate::handover::path(socket),
+        crate::fuse::keeper_path(socket),
+        baton_core::paths::probes_path(socket),
+    ] {
+        let _ = fs::remove_file(path);
+    }
+    remove_autostart_lock(socket);
+    let _ = fs::remove_file(lock_path(socket));
+}
+
+/// Removes `baton run`'s start-up lock unless a `baton run` holds it now
+/// (it is starting the next broker).
+fn remove_autostart_lock(socket: &Path) {
+    let path = baton_core::paths::autostart_lock_path(socket);
+    let Ok(file) = File::open(&path) else {
+        return;
+    };
+    if let Ok(_free) = Flock::lock(file, FlockArg::LockExclusiveNonblock) {
+        let _ = fs::remove_file(&path);
+    }
 }
 
 /// Clears the way for binding `socket`: refuses if a live broker answers

@@ -234,9 +234,10 @@ pub fn serve(opts: ServeOptions) -> Result<()> {
         socket.display(),
         std::process::id()
     ));
-    let signal = loop {
+    let why = loop {
         match server.run().context("the event loop failed")? {
-            Stop::Signal(name) => break name,
+            Stop::Signal(name) => break name.to_string(),
+            Stop::Asked(pid) => break format!("a STOP request (pid {pid}, baton stop)"),
             Stop::Handover(successor) => match hand_over(
                 successor,
                 &mut server,
@@ -261,13 +262,21 @@ pub fn serve(opts: ServeOptions) -> Result<()> {
             },
         }
     };
-    let broker = broker.lock().expect("broker lock");
-    log::info(format_args!(
-        "stopping on {signal}: {} of {} tokens held by {} client(s) at exit",
-        broker.pool().held(),
-        broker.pool().limit(),
-        broker.pool().clients().count()
-    ));
+    {
+        let broker = broker.lock().expect("broker lock");
+        log::info(format_args!(
+            "stopping on {why}: {} of {} tokens held by {} client(s) at exit",
+            broker.pool().held(),
+            broker.pool().limit(),
+            broker.pool().clients().count()
+        ));
+    }
+    // A clean stop leaves nothing but the log: connections close (builds
+    // carry on with what they hold), the mount goes, then the files.
+    drop(server);
+    drop(fuse);
+    drop(owned_socket);
+    paths::remove_leftovers(&socket);
     Ok(())
 }
 

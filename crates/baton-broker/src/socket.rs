@@ -93,6 +93,8 @@ pub enum Stop {
     Signal(&'static str),
     /// A successor asks for our state (crate::handover).
     Handover(std::os::unix::net::UnixStream),
+    /// A client said STOP (`baton stop`); its pid.
+    Asked(u32),
 }
 
 /// The socket server's state. Created by `serve`, run on its own thread.
@@ -116,6 +118,8 @@ pub struct SocketServer {
     max_clients: usize,
     /// Where a successor asks for our state (crate::handover).
     handover: Option<std::os::unix::net::UnixListener>,
+    /// The pid of a client that said STOP: the loop ends after this round.
+    stop_asked: Option<u32>,
 }
 
 impl SocketServer {
@@ -159,6 +163,7 @@ impl SocketServer {
             unsent: Vec::new(),
             max_clients,
             handover: None,
+            stop_asked: None,
         };
         Ok((server, waker))
     }
@@ -203,6 +208,9 @@ impl SocketServer {
             }
             // Grants caused by this round (ours or other transports').
             self.deliver_grants();
+            if let Some(pid) = self.stop_asked {
+                return Ok(Stop::Asked(pid));
+            }
         }
     }
 
@@ -711,6 +719,13 @@ impl SocketServer {
                     "only CANCEL is allowed while ACQUIRE waits".into(),
                 )
             }
+            (Some(_), Request::Stop) => {
+                // The reply goes out at once and the connection closes; the
+                // loop ends after this round, as on SIGTERM.
+                conn.closing = true;
+                self.stop_asked = Some(conn.pid);
+                stopping(&self.broker.lock().expect("broker lock"))
+            }
             (Some(id), request) => {
                 let mut broker = self.broker.lock().expect("broker lock");
                 match apply(&mut broker, id, request) {
@@ -806,6 +821,21 @@ impl SocketServer {
     }
 }
 
+/// The answer to STOP: who carries on without the broker.
+fn stopping(broker: &Broker) -> Reply {
+    let status = broker.status();
+    let builds = status
+        .builds
+        .iter()
+        .filter(|b| b.held + b.waiting > 0)
+        .count();
+    Reply::Stopping {
+        pid: std::process::id(),
+        builds: u32::try_from(builds).unwrap_or(u32::MAX),
+        held: status.held,
+    }
+}
+
 /// Applies a request of a connected client. `Ok(None)`: ACQUIRE queued,
 /// the reply comes with the grant.
 fn apply(broker: &mut Broker, id: ClientId, request: Request) -> Result<Option<Reply>, PoolError> {
@@ -876,7 +906,9 @@ fn apply(broker: &mut Broker, id: ClientId, request: Request) -> Result<Option<R
                 held: broker.pool().held_by(id),
             }
         }
-        Request::Hello { .. } | Request::Cancel => unreachable!("handled by the caller"),
+        Request::Hello { .. } | Request::Cancel | Request::Stop => {
+            unreachable!("handled by the caller")
+        }
     }))
 }
 

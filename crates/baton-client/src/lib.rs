@@ -236,6 +236,20 @@ impl Client {
         }
     }
 
+    /// Asks the broker to stop, as SIGTERM would: its pid, the builds that
+    /// carry on without it, and the tokens they hold. Waits until the
+    /// broker has closed this connection; it then exits (it still holds
+    /// its lock until its files are removed).
+    pub fn stop(mut self) -> Result<Stopping> {
+        let stopping = match self.call(&Request::Stop)? {
+            Reply::Stopping { pid, builds, held } => Stopping { pid, builds, held },
+            other => return Err(unexpected(other)),
+        };
+        let mut rest = Vec::new();
+        let _ = self.reader.read_to_end(&mut rest);
+        Ok(stopping)
+    }
+
     /// Changes the pool's limit; returns the old one.
     pub fn set_limit(&mut self, limit: u32) -> Result<u32> {
         match self.call(&Request::Limit(limit))? {
@@ -355,6 +369,17 @@ impl Client {
         self.send(request)?;
         self.read_reply()
     }
+}
+
+/// What a broker said as it stopped ([`Client::stop`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Stopping {
+    /// The broker's pid.
+    pub pid: u32,
+    /// Builds holding or waiting for tokens: they carry on without it.
+    pub builds: u32,
+    /// Tokens they held.
+    pub held: u32,
 }
 
 /// One token, given back to the broker when dropped.

@@ -26,6 +26,16 @@ pub fn default_socket() -> (PathBuf, &'static str) {
     if let Some(p) = std::env::var_os("BATON_SOCKET").filter(|p| !p.is_empty()) {
         return (PathBuf::from(p), "$BATON_SOCKET");
     }
+    standard_socket()
+}
+
+/// Where the socket is when neither `--socket` nor `$BATON_SOCKET` says:
+/// the one brokers and builds meet at unless told otherwise.
+pub fn standard_socket_path() -> PathBuf {
+    standard_socket().0
+}
+
+fn standard_socket() -> (PathBuf, &'static str) {
     if let Some(dir) = std::env::var_os("XDG_RUNTIME_DIR").filter(|p| !p.is_empty()) {
         return (
             Path::new(&dir).join("baton").join("socket"),
@@ -59,6 +69,24 @@ pub fn private_dir(socket: &Path) -> PathBuf {
 /// Where the broker serving `socket` mounts its FUSE token files.
 pub fn fuse_mount_point(socket: &Path) -> PathBuf {
     private_dir(socket).join("fuse")
+}
+
+/// The lock `baton run` takes while it starts a broker for `socket`.
+pub fn autostart_lock_path(socket: &Path) -> PathBuf {
+    beside(socket, ".autostart")
+}
+
+/// Where `baton run` keeps what it learnt of build tools' jobserver
+/// support (a cache: a broker that stops cleanly removes it).
+pub fn probes_path(socket: &Path) -> PathBuf {
+    private_dir(socket).join("probes")
+}
+
+/// The socket's path with `suffix` added to its file name.
+pub fn beside(socket: &Path, suffix: &str) -> PathBuf {
+    let mut name = socket.file_name().unwrap_or_default().to_os_string();
+    name.push(suffix);
+    socket.with_file_name(name)
 }
 
 #[cfg(test)]

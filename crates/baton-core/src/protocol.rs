@@ -76,6 +76,8 @@ pub enum Request {
     /// `HOLD <n>`: count n tokens this client already holds, granted by a
     /// broker that went away, as its own (a `baton run` re-attaching).
     Hold(u32),
+    /// `STOP`: the broker stops as on SIGTERM (`baton stop`).
+    Stop,
 }
 
 /// The names GATE accepts.
@@ -150,6 +152,16 @@ pub enum Reply {
         tokens: u32,
         /// Tokens nobody holds.
         free: u32,
+    },
+    /// `STOPPING <pid> <builds> <held>`: answer to STOP; the broker
+    /// closes the connection as it exits.
+    Stopping {
+        /// The broker's pid.
+        pid: u32,
+        /// Builds that hold or wait for tokens: they carry on without it.
+        builds: u32,
+        /// Tokens held at that moment.
+        held: u32,
     },
     /// `ERR <code> <message>`.
     Err {
@@ -268,7 +280,10 @@ pub fn parse_request(line: &[u8]) -> Result<Request, ParseError> {
         "WANTED" if rest.is_empty() => Ok(Request::Wanted),
         "CANCEL" if rest.is_empty() => Ok(Request::Cancel),
         "STATUS" if rest.is_empty() => Ok(Request::Status),
-        "CANCEL" | "STATUS" | "WANTED" => Err(malformed(format!("{verb} takes no arguments"))),
+        "STOP" if rest.is_empty() => Ok(Request::Stop),
+        "CANCEL" | "STATUS" | "WANTED" | "STOP" => {
+            Err(malformed(format!("{verb} takes no arguments")))
+        }
         "" => Err(malformed("empty request")),
         _ => Err(malformed(format!(
             "unknown request {:?}",
@@ -363,6 +378,7 @@ impl fmt::Display for Request {
             Request::Build { weight, name } => write!(f, "BUILD {weight} {name}"),
             Request::Wanted => f.write_str("WANTED"),
             Request::Hold(n) => write!(f, "HOLD {n}"),
+            Request::Stop => f.write_str("STOP"),
         }
     }
 }
@@ -385,6 +401,7 @@ impl Reply {
             Reply::Gate { name, value } => format!("GATE {name} {}\n", gate_value(*value)),
             Reply::Build { build, weight } => format!("BUILD {build} {weight}\n"),
             Reply::Wanted { tokens, free } => format!("WANTED {tokens} {free}\n"),
+            Reply::Stopping { pid, builds, held } => format!("STOPPING {pid} {builds} {held}\n"),
             Reply::Err { code, message } => format!("ERR {code} {}\n", message.replace('\n', " ")),
         };
         line.into_bytes()
@@ -430,6 +447,11 @@ pub fn parse_reply_line(line: &str) -> Result<ReplyHead, ParseError> {
         "WANTED" => Reply::Wanted {
             tokens: num()?,
             free: num()?,
+        },
+        "STOPPING" => Reply::Stopping {
+            pid: num()?,
+            builds: num()?,
+            held: num()?,
         },
         "STATUS" => return Ok(ReplyHead::StatusFollows(num()? as usize)),
         "GATE" => {
@@ -504,6 +526,7 @@ mod tests {
             },
             Request::Wanted,
             Request::Hold(3),
+            Request::Stop,
         ];
         for r in requests {
             assert_eq!(parse_request(r.to_string().as_bytes()), Ok(r));
@@ -571,6 +594,11 @@ mod tests {
                 weight: 2,
             },
             Reply::Wanted { tokens: 2, free: 0 },
+            Reply::Stopping {
+                pid: 42,
+                builds: 2,
+                held: 3,
+            },
             Reply::Err {
                 code: ErrorCode::OverRelease,
                 message: "cannot give back 2 tokens: only 1 held".into(),

@@ -35,6 +35,10 @@ pub struct Autostart {
     pub program: PathBuf,
     /// Its arguments (`serve --jobs N --idle-timeout S`).
     pub args: Vec<OsString>,
+    /// A line for stderr once the broker we started serves: a broker
+    /// started at an unusual socket (a mistyped `--socket`) is a second
+    /// limit the user should hear of.
+    pub announce: Option<String>,
 }
 
 /// Works out an [`Autostart`] only when a broker must start: a `baton run`
@@ -77,7 +81,12 @@ fn start_then_connect(socket: &Path, label: &str, start: &Autostart) -> Result<C
         let log = log_path(socket);
         let mut broker = spawn_detached(start, &log)?;
         match wait_until_serving(socket, &mut broker, &log) {
-            Ok(()) => break,
+            Ok(()) => {
+                if let Some(line) = &start.announce {
+                    eprintln!("baton: {line}");
+                }
+                break;
+            }
             // A broker stopping as idle holds its lock until it is gone;
             // ours then finds the socket taken and stops at once.
             Err(_) if attempts < START_ATTEMPTS => std::thread::sleep(Duration::from_millis(100)),
@@ -89,9 +98,7 @@ fn start_then_connect(socket: &Path, label: &str, start: &Autostart) -> Result<C
 }
 
 fn lock_autostart(socket: &Path) -> Result<Flock<File>> {
-    let mut name = socket.file_name().unwrap_or_default().to_os_string();
-    name.push(".autostart");
-    let path = socket.with_file_name(name);
+    let path = baton_core::paths::autostart_lock_path(socket);
     let file = OpenOptions::new()
         .create(true)
         .truncate(false)

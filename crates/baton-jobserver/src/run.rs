@@ -27,9 +27,6 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus};
 use std::time::Duration;
 
-/// Where the tools' answers are kept, beside the socket (see `probe`).
-const PROBES_FILE: &str = "probes";
-
 /// What `baton run` was asked to do.
 pub struct RunOptions {
     /// The broker's socket; None: `baton_core::paths::default_socket_path`.
@@ -68,7 +65,7 @@ pub fn run(opts: RunOptions) -> Result<i32> {
         bail!("--max works with the pipe and fifo styles, not with fuse");
     }
     let socket = absolute(&socket_path(opts.socket.clone()));
-    let probes = Probes::open(Some(private_dir(&socket).join(PROBES_FILE)));
+    let probes = Probes::open(Some(baton_core::paths::probes_path(&socket)));
     if let Some(why) = unusable_style(&probes, &opts.command, opts.style) {
         match opts.force {
             true => log::warn(format_args!("{why}; running anyway, as --force asked")),

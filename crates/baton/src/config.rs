@@ -2,11 +2,14 @@
 //! `~/.config/baton/config.toml`): the defaults of `baton serve` and of the
 //! brokers `baton run` starts. Options on the command line win.
 //!
-//! A file that does not parse, names a key we do not know, or gives a value
-//! out of range is refused whole, naming the file, line and key: a broker
-//! never starts on half of a config.
+//! `baton config` and `baton serve` refuse a file that does not parse,
+//! names a key we do not know, or gives a value out of range, naming the
+//! file, line and key. `baton run` only needs the file to start a broker,
+//! and a typo must not break every build: it warns about each bad line,
+//! with the same words, and goes on without it ([`Config::load_lenient`]).
 
 use anyhow::{bail, Result};
+use baton_core::gates::GateConfig;
 use serde::Deserialize;
 use std::fmt;
 use std::ops::Range;
@@ -22,14 +25,20 @@ const DEFAULT_WEIGHT: u32 = 1;
 const MAX_WEIGHT: u32 = 1000;
 
 /// The keys a config file may hold. Unknown keys are refused, so a typo
-/// is an error rather than a setting silently ignored. (Gates for memory
-/// and load are to come as a `[gates]` table.)
+/// is an error rather than a setting silently ignored. The gates' keys are
+/// the `baton serve` options of the same name (docs/adaptive.md).
 #[derive(Debug, Default, Deserialize)]
 #[serde(deny_unknown_fields, rename_all = "kebab-case")]
 struct FileValues {
     jobs: Option<Spanned<u32>>,
     idle_timeout: Option<Spanned<u64>>,
     weight: Option<Spanned<u32>>,
+    min_mem_available: Option<Spanned<String>>,
+    max_mem_pressure: Option<Spanned<f64>>,
+    max_load: Option<Spanned<f64>>,
+    min_jobs: Option<Spanned<u32>>,
+    mem_settle: Option<Spanned<u64>>,
+    on_memory_pressure: Option<Spanned<String>>,
     cluster: Option<Spanned<ClusterValues>>,
 }
 
@@ -80,9 +89,57 @@ impl Config {
         Config::load_from(config_path())
     }
 
+    /// [`Config::load`] for `baton run`: each bad line is a warning on
+    /// stderr (file, line, key, what is wrong) and is left out; a file that
+    /// cannot be read is a warning and the defaults.
+    pub fn load_lenient() -> Config {
+        Config::load_lenient_from(config_path(), |warning| {
+            eprintln!("baton: warning: {warning}")
+        })
+    }
+
+    fn load_lenient_from(path: PathBuf, mut warn: impl FnMut(String)) -> Config {
+        let empty = |path: PathBuf| Config {
+            path,
+            found: false,
+            text: String::new(),
+            values: FileValues::default(),
+        };
+        let text = match std::fs::read_to_string(&path) {
+            Ok(text) => text,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return empty(path),
+            Err(e) => {
+                warn(format!(
+                    "cannot read the config file {}: {e}; using the defaults",
+                    path.display()
+                ));
+                return empty(path);
+            }
+        };
+        // Each round leaves out the line the error names (blank, so that
+        // the lines after keep their numbers), until the rest is good.
+        let mut kept = text.clone();
+        for _ in 0..=text.lines().count() {
+            match Config::parse(path.clone(), kept.clone()) {
+                Ok(config) => return config,
+                Err(bad) => {
+                    warn(format!(
+                        "{}: {}; the line is ignored (baton config checks the file)",
+                        bad.place, bad.message
+                    ));
+                    match bad.line {
+                        Some(line) => kept = blank_line(&kept, line),
+                        None => break,
+                    }
+                }
+            }
+        }
+        empty(path)
+    }
+
     fn load_from(path: PathBuf) -> Result<Config> {
         match std::fs::read_to_string(&path) {
-            Ok(text) => Config::parse(path, text),
+            Ok(text) => Ok(Config::parse(path, text)?),
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(Config {
                 path,
                 found: false,
@@ -93,7 +150,7 @@ impl Config {
         }
     }
 
-    fn parse(path: PathBuf, text: String) -> Result<Config> {
+    fn parse(path: PathBuf, text: String) -> Result<Config, BadConfig> {
         let values: FileValues = match toml::from_str(&text) {
             Ok(values) => values,
             Err(e) => return Err(bad_config(&path, &text, e.span(), e.message().trim())),
@@ -108,7 +165,8 @@ impl Config {
         Ok(config)
     }
 
-    fn check_ranges(&self) -> Result<()> {
+    fn check_ranges(&self) -> Result<(), BadConfig> {
+        self.check_gates()?;
         if let Some(jobs) = &self.values.jobs {
             if !(1..=baton_core::MAX_LIMIT).contains(jobs.get_ref()) {
                 let message = format!("jobs must be between 1 and {}", baton_core::MAX_LIMIT);
@@ -142,6 +200,128 @@ impl Config {
             }
         }
         Ok(())
+    }
+
+    /// Each gate the file sets must be one `baton serve` would take.
+    fn check_gates(&self) -> Result<(), BadConfig> {
+        let v = &self.values;
+        let bad = |span: Range<usize>, message: String| {
+            bad_config(&self.path, &self.text, Some(span), &message)
+        };
+        if let Some(size) = &v.min_mem_available {
+            baton_core::gates::parse_size(size.get_ref()).map_err(|e| bad(size.span(), e))?;
+        }
+        for (name, value) in [("mem-pressure", &v.max_mem_pressure), ("load", &v.max_load)] {
+            if let Some(value) = value {
+                GateConfig::default()
+                    .with(name, Some(*value.get_ref()))
+                    .map_err(|e| bad(value.span(), e))?;
+            }
+        }
+        if let Some(n) = &v.min_jobs {
+            GateConfig::default()
+                .with("min-jobs", Some(f64::from(*n.get_ref())))
+                .map_err(|e| bad(n.span(), e))?;
+        }
+        if let Some(ms) = v
+            .mem_settle
+            .as_ref()
+            .filter(|ms| !(1..=600_000).contains(ms.get_ref()))
+        {
+            return Err(bad(
+                ms.span(),
+                "mem-settle must be between 1 and 600000 (milliseconds)".into(),
+            ));
+        }
+        if let Some(what) = &v.on_memory_pressure {
+            if !["nothing", "pause"].contains(&what.get_ref().as_str()) {
+                return Err(bad(
+                    what.span(),
+                    "on-memory-pressure is \"nothing\" or \"pause\"".into(),
+                ));
+            }
+            if v.min_mem_available.is_none() {
+                return Err(bad(
+                    what.span(),
+                    "on-memory-pressure needs min-mem-available".into(),
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// The gates the file sets, as `baton serve` options
+    /// (`--max-load=8`), for the brokers `baton run` starts.
+    pub fn gate_options(&self) -> Vec<String> {
+        let v = &self.values;
+        let mut options = Vec::new();
+        let mut add = |name: &str, value: Option<String>| {
+            if let Some(value) = value {
+                options.push(format!("--{name}={value}"));
+            }
+        };
+        add(
+            "min-mem-available",
+            v.min_mem_available.as_ref().map(|s| s.get_ref().clone()),
+        );
+        add(
+            "max-mem-pressure",
+            v.max_mem_pressure.as_ref().map(|s| s.get_ref().to_string()),
+        );
+        add(
+            "max-load",
+            v.max_load.as_ref().map(|s| s.get_ref().to_string()),
+        );
+        add(
+            "min-jobs",
+            v.min_jobs.as_ref().map(|s| s.get_ref().to_string()),
+        );
+        add(
+            "mem-settle",
+            v.mem_settle.as_ref().map(|s| s.get_ref().to_string()),
+        );
+        add(
+            "on-memory-pressure",
+            v.on_memory_pressure.as_ref().map(|s| s.get_ref().clone()),
+        );
+        options
+    }
+
+    /// The gate thresholds the file sets, by protocol name, as
+    /// [`GateConfig::with`] takes them.
+    pub fn gate_settings(&self) -> Vec<(&'static str, f64)> {
+        let v = &self.values;
+        let size = v
+            .min_mem_available
+            .as_ref()
+            .and_then(|s| baton_core::gates::parse_size(s.get_ref()).ok());
+        [
+            ("mem-available", size.map(|b| b as f64)),
+            (
+                "mem-pressure",
+                v.max_mem_pressure.as_ref().map(|s| *s.get_ref()),
+            ),
+            ("load", v.max_load.as_ref().map(|s| *s.get_ref())),
+            (
+                "min-jobs",
+                v.min_jobs.as_ref().map(|s| f64::from(*s.get_ref())),
+            ),
+        ]
+        .into_iter()
+        .filter_map(|(name, value)| Some((name, value?)))
+        .collect()
+    }
+
+    /// The file's `mem-settle` (ms) and whether `on-memory-pressure` is
+    /// `pause`.
+    pub fn settle_and_pause(&self) -> (Option<u64>, bool) {
+        let v = &self.values;
+        (
+            v.mem_settle.as_ref().map(|s| *s.get_ref()),
+            v.on_memory_pressure
+                .as_ref()
+                .is_some_and(|s| s.get_ref() == "pause"),
+        )
     }
 
     /// The file's path, and whether it exists.
@@ -321,22 +501,61 @@ fn config_path() -> PathBuf {
     base.join("baton").join("config.toml")
 }
 
-/// `bad config file PATH, line N (key K): what is wrong (what to do)`.
-fn bad_config(path: &Path, text: &str, span: Option<Range<usize>>, message: &str) -> anyhow::Error {
-    let message = message.lines().next().unwrap_or(message);
-    let fix = "fix the file, or remove it to use the defaults";
+/// What is wrong with the config file, and where.
+#[derive(Debug)]
+pub struct BadConfig {
+    /// The line at fault, if the error names one.
+    line: Option<usize>,
+    /// `bad config file PATH, line N, key K`.
+    place: String,
+    /// What is wrong.
+    message: String,
+}
+
+impl fmt::Display for BadConfig {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "{}: {} (fix the file, or remove it to use the defaults)",
+            self.place, self.message
+        )
+    }
+}
+
+impl std::error::Error for BadConfig {}
+
+/// `bad config file PATH, line N, key K: what is wrong (what to do)`.
+fn bad_config(path: &Path, text: &str, span: Option<Range<usize>>, message: &str) -> BadConfig {
+    let message = message.lines().next().unwrap_or(message).to_string();
     let Some(span) = span else {
-        return anyhow::anyhow!("bad config file {}: {message} ({fix})", path.display());
+        return BadConfig {
+            line: None,
+            place: format!("bad config file {}", path.display()),
+            message,
+        };
     };
     let line = line_of(text, span.start);
     let key = match key_on_line(text, line) {
         Some(key) => format!(", key {key}"),
         None => String::new(),
     };
-    anyhow::anyhow!(
-        "bad config file {}, line {line}{key}: {message} ({fix})",
-        path.display()
-    )
+    BadConfig {
+        line: Some(line),
+        place: format!("bad config file {}, line {line}{key}", path.display()),
+        message,
+    }
+}
+
+/// `text` with its 1-based line `line` emptied.
+fn blank_line(text: &str, line: usize) -> String {
+    text.split_inclusive('\n')
+        .enumerate()
+        .map(|(i, l)| match i + 1 == line {
+            true if l.ends_with('\n') => "\n",
+            true => "",
+            false => l,
+        })
+        .collect()
 }
 
 /// The 1-based line holding byte `offset`.
@@ -360,10 +579,10 @@ mod tests {
     use super::*;
 
     fn parse(text: &str) -> Result<Config> {
-        Config::parse(
+        Ok(Config::parse(
             PathBuf::from("/home/u/.config/baton/config.toml"),
             text.to_string(),
-        )
+        )?)
     }
 
     fn error(text: &str) -> String {

@@ -10,10 +10,12 @@
 //! bridge `baton-jobserver`, the experiments `baton-bench` (ARCHITECTURE.md).
 
 mod config;
+mod man;
 mod shell_init;
 mod status;
 mod top;
 
+use anyhow::Context;
 use baton_broker::{FuseMode, FuseOptions, LogLevel, ServeOptions};
 use baton_core::gates::GateConfig;
 use baton_core::paths::socket_path;
@@ -95,22 +97,17 @@ enum Cmd {
         gates: GateArgs,
         /// How long a newly granted job counts as young for the memory
         /// gate: about the time your jobs take to reach most of their
-        /// memory.
-        #[arg(long, value_name = "MS", default_value_t = 1000, value_parser = clap::value_parser!(u64).range(1..=600_000))]
-        mem_settle: u64,
+        /// memory [default: the config file's mem-settle, else 1000].
+        #[arg(long, value_name = "MS", value_parser = clap::value_parser!(u64).range(1..=600_000))]
+        mem_settle: Option<u64>,
         /// When available memory falls below half of --min-mem-available:
         /// `pause` stops the most recently started job (SIGSTOP, its whole
         /// process tree) and lets it go on (SIGCONT) once another has
         /// finished and memory is back, so the build slows down instead of
-        /// losing a job to the OOM killer. Never the last running job.
-        #[arg(
-            long,
-            value_enum,
-            value_name = "WHAT",
-            default_value = "nothing",
-            requires = "min_mem_available"
-        )]
-        on_memory_pressure: OnMemoryPressure,
+        /// losing a job to the OOM killer. Never the last running job
+        /// [default: the config file's on-memory-pressure, else nothing].
+        #[arg(long, value_enum, value_name = "WHAT", requires = "min_mem_available")]
+        on_memory_pressure: Option<OnMemoryPressure>,
         /// Stop after SECS with no clients at all (what brokers started by
         /// `baton run` do; the config file's idle-timeout).
         #[arg(long, value_name = "SECS", value_parser = clap::value_parser!(u64).range(1..))]
@@ -213,14 +210,26 @@ the socket). BATON_NO_AUTOSTART=1 turns that off."
         after_help = "Examples:\n  baton limit 12\n  baton limit --min-mem-available 2G --max-load 8\n  baton limit --max-load off"
     )]
     Limit {
-        /// The new limit.
-        #[arg(value_parser = clap::value_parser!(u32).range(1..=i64::from(baton_core::MAX_LIMIT)), required_unless_present_any = ["min_mem_available", "max_mem_pressure", "max_load", "min_jobs"])]
+        /// The new limit; with no JOBS and no gate option, print the
+        /// limit and the gates.
+        #[arg(value_parser = clap::value_parser!(u32).range(1..=i64::from(baton_core::MAX_LIMIT)))]
         jobs: Option<u32>,
         /// Socket of the broker.
         #[arg(long, value_name = "PATH")]
         socket: Option<PathBuf>,
         #[command(flatten)]
         gates: GateArgs,
+    },
+    /// Stop the broker as SIGTERM would: it grants nothing more, closes
+    /// its connections and removes its files; running builds carry on with
+    /// the tokens they hold and re-attach to the next broker at the socket.
+    #[command(
+        after_help = "Exit status: 0 when a broker stopped, 3 when none answered at the socket (nothing to stop), 1 on any other error."
+    )]
+    Stop {
+        /// Socket of the broker.
+        #[arg(long, value_name = "PATH")]
+        socket: Option<PathBuf>,
     },
     /// Re-run published wake-up experiments: baton beside pipes, semaphores,
     /// futexes and condition variables, measured in the same run.
@@ -231,10 +240,24 @@ the socket). BATON_NO_AUTOSTART=1 turns that off."
     /// Print lines for a shell profile after which plain make, ninja, cargo
     /// and cmake --build run under the broker's limit:
     /// eval "$(baton shell-init bash)".
+    #[command(
+        after_help = "For builds started without such a shell (scripts, IDEs, CI steps): \
+baton shell-init --wrappers writes make, ninja, cargo and cmake wrappers into \
+~/.local/share/baton/bin, which the package's /etc/profile.d/baton.sh (baton shell-init \
+--profile) puts first on PATH at login (docs/setup.md, \"Builds started without a shell\")."
+    )]
     ShellInit {
         /// The shell to write for.
-        #[arg(value_enum)]
-        shell: shell_init::Shell,
+        #[arg(value_enum, required_unless_present_any = ["wrappers", "profile"])]
+        shell: Option<shell_init::Shell>,
+        /// Write wrapper scripts for make, ninja, cargo and cmake into DIR
+        /// [default: $XDG_DATA_HOME/baton/bin, else ~/.local/share/baton/bin].
+        #[arg(long, value_name = "DIR", num_args = 0..=1, conflicts_with_all = ["shell", "profile"])]
+        wrappers: Option<Option<PathBuf>>,
+        /// Print the lines for /etc/profile.d that put the wrappers first on
+        /// PATH.
+        #[arg(long, conflicts_with = "shell")]
+        profile: bool,
     },
     /// Print the completion script for SHELL (e.g. baton completions bash >
     /// ~/.local/share/bash-completion/completions/baton).
@@ -243,8 +266,14 @@ the socket). BATON_NO_AUTOSTART=1 turns that off."
         #[arg(value_enum)]
         shell: clap_complete::Shell,
     },
-    /// Print the manual page (roff): baton man > baton.1; man ./baton.1
-    Man,
+    /// Write the manual pages, baton.1 and one per subcommand
+    /// (baton-run.1, ...), into DIR: baton man ~/.local/share/man/man1.
+    /// Without DIR, print baton.1 (roff).
+    Man {
+        /// The directory to write the pages into (made if missing).
+        #[arg(value_name = "DIR")]
+        dir: Option<PathBuf>,
+    },
 }
 
 /// A pool shared with other brokers through etcd (docs/cluster.md).
@@ -356,6 +385,31 @@ impl GateArgs {
     }
 }
 
+/// The gates of `baton serve`: its options, else the config file's (when
+/// it was read), else none.
+fn serve_gates(
+    cli: &GateArgs,
+    mem_settle: Option<u64>,
+    on_memory_pressure: Option<OnMemoryPressure>,
+    file: Option<&Config>,
+) -> anyhow::Result<GateConfig> {
+    let given = cli.settings();
+    let mut config = cli.config()?;
+    let (file_settle, file_pause) = file.map_or((None, false), Config::settle_and_pause);
+    for (name, value) in file.map(Config::gate_settings).unwrap_or_default() {
+        if !given.iter().any(|(n, _)| *n == name) {
+            config = config.with(name, Some(value)).map_err(anyhow::Error::msg)?;
+        }
+    }
+    Ok(GateConfig {
+        settle: mem_settle
+            .or(file_settle)
+            .map_or(baton_core::gates::DEFAULT_SETTLE, Duration::from_millis),
+        pause: on_memory_pressure.map_or(file_pause, |w| w == OnMemoryPressure::Pause),
+        ..config
+    })
+}
+
 fn parse_size_setting(text: &str) -> Result<Setting, String> {
     if text == "off" {
         return Ok(None);
@@ -422,11 +476,6 @@ fn dispatch(command: Cmd) -> anyhow::Result<u8> {
                 mode,
                 hold: Duration::from_millis(fuse_hold_ms),
             });
-            let gates = GateConfig {
-                settle: Duration::from_millis(mem_settle),
-                pause: on_memory_pressure == OnMemoryPressure::Pause,
-                ..gates.config()?
-            };
             // The file is read only when it is needed: a broker started as
             // another user need not be able to read the caller's home.
             let file = if jobs.is_none() {
@@ -434,6 +483,7 @@ fn dispatch(command: Cmd) -> anyhow::Result<u8> {
             } else {
                 None
             };
+            let gates = serve_gates(&gates, mem_settle, on_memory_pressure, file.as_ref())?;
             let jobs = jobs.unwrap_or_else(|| {
                 file.as_ref()
                     .expect("read when --jobs is not given")
@@ -482,7 +532,7 @@ fn dispatch(command: Cmd) -> anyhow::Result<u8> {
             // Read once, and only where needed: to start a broker, or for
             // the default weight.
             let config = if autostart_enabled() || weight.is_none() {
-                Some(Config::load()?)
+                Some(Config::load_lenient())
             } else {
                 None
             };
@@ -522,20 +572,36 @@ fn dispatch(command: Cmd) -> anyhow::Result<u8> {
             socket,
             gates,
         } => status::set_limit(&socket_path(socket), jobs, &gates.settings())?,
+        Cmd::Stop { socket } => return status::stop(&socket_path(socket)),
         Cmd::Bench(args) => baton_bench::run(args)?,
         Cmd::Config => emit(config::describe(&Config::load()?, autostart_enabled()).as_bytes())?,
-        Cmd::ShellInit { shell } => {
-            emit(shell_init::script(shell, &std::env::current_exe()?).as_bytes())?
+        Cmd::ShellInit {
+            shell: Some(shell), ..
+        } => emit(shell_init::script(shell, &std::env::current_exe()?).as_bytes())?,
+        Cmd::ShellInit {
+            wrappers: Some(dir),
+            ..
+        } => {
+            let dir = dir.unwrap_or_else(shell_init::default_wrapper_dir);
+            for path in shell_init::write_wrappers(&dir, &std::env::current_exe()?)
+                .with_context(|| format!("cannot write the wrappers into {}", dir.display()))?
+            {
+                println!("{}", path.display());
+            }
         }
+        Cmd::ShellInit { .. } => emit(shell_init::profile_snippet().as_bytes())?,
         Cmd::Completions { shell } => {
             let mut text = Vec::new();
             clap_complete::generate(shell, &mut Cli::command(), "baton", &mut text);
             emit(&text)?;
         }
-        Cmd::Man => {
-            let mut text = Vec::new();
-            clap_mangen::Man::new(Cli::command()).render(&mut text)?;
-            emit(&text)?;
+        Cmd::Man { dir: None } => emit(&man::top_page(Cli::command())?)?,
+        Cmd::Man { dir: Some(dir) } => {
+            let pages = man::write_pages(Cli::command(), &dir)
+                .with_context(|| format!("cannot write the manual pages into {}", dir.display()))?;
+            for page in pages {
+                println!("{}", page.display());
+            }
         }
     }
     Ok(0)
@@ -569,6 +635,7 @@ fn autostart(socket: Option<&Path>, config: &Config) -> anyhow::Result<Autostart
     if let Some(cluster) = config.cluster() {
         args.extend(cluster_options(&cluster).into_iter().map(OsString::from));
     }
+    args.extend(config.gate_options().into_iter().map(OsString::from));
     // Without --socket the broker finds the same path as we do (the
     // environment is the same) and may make its default directory private.
     if let Some(socket) = socket {
@@ -581,6 +648,22 @@ fn autostart(socket: Option<&Path>, config: &Config) -> anyhow::Result<Autostart
     Ok(Autostart {
         program: std::env::current_exe()?,
         args,
+        announce: unusual_socket_note(socket),
+    })
+}
+
+/// "started a broker at PATH (not the default DEFAULT)" when `--socket` or
+/// $BATON_SOCKET name a socket other than the usual one: a typo there
+/// would otherwise start a second pool, with a second limit, in silence.
+fn unusual_socket_note(socket: Option<&Path>) -> Option<String> {
+    let chosen = std::path::absolute(socket_path(socket.map(Path::to_path_buf))).ok()?;
+    let standard = baton_core::paths::standard_socket_path();
+    (chosen != standard).then(|| {
+        format!(
+            "started a broker at {} (not the default {})",
+            chosen.display(),
+            standard.display()
+        )
     })
 }
 

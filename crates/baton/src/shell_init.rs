@@ -86,6 +86,101 @@ fn fish_quote(text: &str) -> String {
     format!("'{}'", text.replace('\\', r"\\").replace('\'', r"\'"))
 }
 
+/// The tools the wrappers stand in for.
+const WRAPPED: [&str; 4] = ["make", "ninja", "cargo", "cmake"];
+
+/// `baton shell-init --wrappers DIR`: writes DIR/make, DIR/ninja,
+/// DIR/cargo and DIR/cmake, small sh scripts that run the real tool (the
+/// next one on PATH after DIR) under `baton run`, for programs that start
+/// builds without a shell that read the profile: scripts, IDEs, CI steps.
+/// Returns the files written.
+pub fn write_wrappers(dir: &Path, baton: &Path) -> std::io::Result<Vec<std::path::PathBuf>> {
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::create_dir_all(dir)?;
+    let mut written = Vec::new();
+    for tool in WRAPPED {
+        let path = dir.join(tool);
+        std::fs::write(&path, wrapper(tool, &posix_quote(&baton.to_string_lossy())))?;
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o755))?;
+        written.push(path);
+    }
+    Ok(written)
+}
+
+/// One wrapper: finds the real `tool` on PATH without the wrapper's own
+/// directory, then runs it under `baton run`, or as it is inside a build
+/// (MAKEFLAGS names a jobserver) or for cmake other than `--build`.
+fn wrapper(tool: &str, baton: &str) -> String {
+    let bypass = match tool {
+        "cmake" => r#"[ "${1-}" = --build ] || exec "$real" "$@""#,
+        _ => "",
+    };
+    format!(
+        r#"#!/bin/sh
+# baton shell-init --wrappers: {tool} under baton's limit (baton run), for
+# builds started without an interactive shell. Inside a build, whose
+# MAKEFLAGS already names a jobserver, the real {tool} runs as it is.
+# The build runs with this directory off PATH: baton run, and the build's
+# own tools, must find the real programs, never a wrapper again.
+set -f  # PATH is split on : below, never globbed
+here=$(CDPATH= cd -- "$(dirname -- "$0")" && pwd -P)
+real=
+rest=
+IFS_was=$IFS; IFS=:
+for dir in $PATH; do
+    [ -n "$dir" ] || dir=.
+    [ "$(CDPATH= cd -- "$dir" 2>/dev/null && pwd -P)" = "$here" ] && continue
+    rest=${{rest:+$rest:}}$dir
+    if [ -z "$real" ] && [ -x "$dir/{tool}" ] && [ ! -d "$dir/{tool}" ]; then real=$dir/{tool}; fi
+done
+IFS=$IFS_was
+PATH=$rest
+export PATH
+if [ -z "$real" ]; then
+    echo "baton wrapper: no {tool} on PATH besides this wrapper ($0)" >&2
+    exit 127
+fi
+{bypass}
+case " ${{MAKEFLAGS-}} " in
+    *--jobserver-auth=*|*--jobserver-fds=*) exec "$real" "$@" ;;
+esac
+exec {baton} run -- "$real" "$@"
+"#
+    )
+}
+
+/// `baton shell-init --profile`: lines for /etc/profile.d (the package
+/// ships them as /etc/profile.d/baton.sh) that put a user's wrapper
+/// directory first on PATH, if the user made one.
+pub fn profile_snippet() -> String {
+    r#"# baton: if you ran `baton shell-init --wrappers`, put its wrappers first on
+# PATH so that scripts, IDEs and CI steps started from this login run make,
+# ninja, cargo and cmake --build under baton's limit (docs/setup.md).
+baton_wrappers="${XDG_DATA_HOME:-$HOME/.local/share}/baton/bin"
+if [ -x "$baton_wrappers/make" ]; then
+    case ":$PATH:" in
+        *":$baton_wrappers:"*) ;;
+        *) PATH="$baton_wrappers:$PATH"; export PATH ;;
+    esac
+fi
+unset baton_wrappers
+"#
+    .to_string()
+}
+
+/// Where `--wrappers` writes when given no directory:
+/// `$XDG_DATA_HOME/baton/bin`, else `~/.local/share/baton/bin` (the
+/// directory the profile snippet looks at).
+pub fn default_wrapper_dir() -> std::path::PathBuf {
+    let data = std::env::var_os("XDG_DATA_HOME")
+        .filter(|d| !d.is_empty())
+        .map(std::path::PathBuf::from)
+        .unwrap_or_else(|| {
+            Path::new(&std::env::var_os("HOME").unwrap_or_default()).join(".local/share")
+        });
+    data.join("baton").join("bin")
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

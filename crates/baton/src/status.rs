@@ -35,9 +35,14 @@ fn survey(cluster: &mut baton_core::status::Cluster) {
     eprintln!("baton: this baton was built without cluster pools: the other brokers of pool {} are not shown", cluster.pool);
 }
 
-/// `baton limit`: the gates first, then the limit, each change printed.
+/// `baton limit`: the gates first, then the limit, each change printed;
+/// with nothing to change, the limit and the gates as they are.
 pub fn set_limit(socket: &Path, limit: Option<u32>, gates: &[(&str, Option<f64>)]) -> Result<()> {
     let mut client = Client::connect(socket, "baton limit")?;
+    if limit.is_none() && gates.is_empty() {
+        print!("{}", render_limit(&client.status()?));
+        return Ok(());
+    }
     for &(name, value) in gates {
         let now = client.set_gate(name, value)?;
         println!("gate {name} {}", show_gate(name, now));
@@ -47,6 +52,73 @@ pub fn set_limit(socket: &Path, limit: Option<u32>, gates: &[(&str, Option<f64>)
         println!("limit {old} -> {limit}");
     }
     Ok(())
+}
+
+/// `baton limit` alone: the limit, then each gate's threshold.
+fn render_limit(s: &Status) -> String {
+    let mut out = format!("limit {}\n", s.limit);
+    let gates: Vec<_> = s.gates.iter().filter(|g| g.name != "reclaim").collect();
+    if gates.is_empty() {
+        out.push_str("gates none (set one: baton limit --max-load N, --min-mem-available SIZE)\n");
+    }
+    for g in gates {
+        let relation = if g.name == "mem-available" {
+            "min"
+        } else {
+            "max"
+        };
+        out.push_str(&format!(
+            "gate {:<13} {relation} {}\n",
+            g.name,
+            show_gate(&g.name, Some(g.threshold))
+        ));
+    }
+    out
+}
+
+/// Exit status of `baton stop` when no broker answers at the socket.
+pub const STOP_NO_BROKER: u8 = 3;
+
+/// `baton stop`: asks the broker to stop as on SIGTERM, waits until it has
+/// removed its files, and says what it did.
+pub fn stop(socket: &Path) -> Result<u8> {
+    let client = match Client::connect(socket, "baton stop") {
+        Err(baton_client::Error::NoBroker { path }) => {
+            eprintln!("baton: no broker at {}: nothing to stop", path.display());
+            return Ok(STOP_NO_BROKER);
+        }
+        other => other?,
+    };
+    // Opened before the broker removes it: it is gone (no links left)
+    // once the broker has cleaned up and is about to exit.
+    let lock = std::fs::File::open(baton_core::paths::beside(socket, ".lock")).ok();
+    let stopped = client.stop()?;
+    wait_until_removed(lock);
+    let builds = match stopped.builds {
+        0 => "no build was using it".to_string(),
+        n => format!(
+            "{n} build{} carried on without it, holding {} token{} (they re-attach to the next broker at this socket)",
+            if n == 1 { "" } else { "s" },
+            stopped.held,
+            if stopped.held == 1 { "" } else { "s" },
+        ),
+    };
+    println!(
+        "stopped the broker at {} (pid {}); {builds}",
+        socket.display(),
+        stopped.pid
+    );
+    Ok(0)
+}
+
+/// Waits, for a while, until the file open as `file` has no name left.
+fn wait_until_removed(file: Option<std::fs::File>) {
+    use std::os::unix::fs::MetadataExt;
+    let Some(file) = file else { return };
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    while file.metadata().is_ok_and(|m| m.nlink() > 0) && std::time::Instant::now() < deadline {
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
 }
 
 /// A gate's threshold as people read it: sizes in MiB or GiB.

@@ -257,7 +257,9 @@ fn a_bad_config_file_is_refused_naming_file_line_and_key() {
     for (text, expected) in cases {
         home.write_config(text);
         let expected = format!("baton: bad config file {}, {expected}", file.display());
-        for args in [&["config"][..], &["serve"], &["run", "--", "true"]] {
+        // `baton run` only warns (tests/first_day.rs): a typo must not
+        // break every build.
+        for args in [&["config"][..], &["serve"]] {
             let out = home.baton(args).output().unwrap();
             assert_eq!(out.status.code(), Some(1), "baton {args:?} with {text:?}");
             assert!(

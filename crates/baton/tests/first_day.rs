@@ -1,0 +1,413 @@
+//! What a new user meets on the first day (issue #36): `baton stop`,
+//! `baton limit` alone, a config file that never breaks a build, a broker
+//! started at an unusual socket, and a clean stop that leaves nothing but
+//! the log. All through the real binary.
+
+mod common;
+
+use common::*;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output, Stdio};
+use std::time::Duration;
+
+fn text(bytes: &[u8]) -> String {
+    String::from_utf8_lossy(bytes).into_owned()
+}
+
+/// The names in `dir`, sorted (none if it is gone).
+fn names_in(dir: &Path) -> Vec<String> {
+    let mut names: Vec<String> = std::fs::read_dir(dir)
+        .map(|entries| {
+            entries
+                .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+                .collect()
+        })
+        .unwrap_or_default();
+    names.sort();
+    names
+}
+
+/// A temporary $XDG_RUNTIME_DIR and $XDG_CONFIG_HOME: the broker `baton
+/// run` starts here is at the standard socket, `DIR/runtime/baton/socket`.
+struct Home {
+    dir: TempDir,
+}
+
+/// Stops by pid, when the test ends, a broker `baton run` started.
+struct Started(u32);
+
+impl Drop for Started {
+    fn drop(&mut self) {
+        if pid_alive(self.0) {
+            unsafe { libc::kill(self.0 as i32, libc::SIGTERM) };
+            wait_for(
+                Duration::from_secs(10),
+                "the started broker to stop",
+                || !pid_alive(self.0),
+            );
+        }
+    }
+}
+
+impl Home {
+    fn new(name: &str) -> Self {
+        let dir = TempDir::new(name);
+        std::fs::create_dir_all(dir.path().join("config/baton")).unwrap();
+        std::fs::create_dir_all(dir.path().join("runtime")).unwrap();
+        Home { dir }
+    }
+
+    fn standard_socket(&self) -> PathBuf {
+        self.dir.path().join("runtime/baton/socket")
+    }
+
+    fn write_config(&self, text: &str) -> PathBuf {
+        let path = self.dir.path().join("config/baton/config.toml");
+        std::fs::write(&path, text).unwrap();
+        path
+    }
+
+    fn baton(&self, args: &[&str]) -> Command {
+        let mut cmd = baton();
+        cmd.args(args)
+            .env("XDG_RUNTIME_DIR", self.dir.path().join("runtime"))
+            .env("XDG_CONFIG_HOME", self.dir.path().join("config"))
+            .env_remove("BATON_SOCKET")
+            .env_remove("BATON_NO_AUTOSTART")
+            .env_remove("MAKEFLAGS")
+            .env_remove("MFLAGS");
+        cmd
+    }
+
+    fn output(&self, args: &[&str]) -> Output {
+        self.baton(args).output().unwrap()
+    }
+
+    /// The broker serving `socket`, to stop when the test ends.
+    fn started(&self, socket: &Path) -> Started {
+        let status = baton_client::Client::connect(socket, "test")
+            .expect("a broker serves")
+            .status()
+            .unwrap();
+        Started(status.broker_pid)
+    }
+}
+
+#[test]
+fn stop_stops_the_broker_says_what_carried_on_and_leaves_only_its_log() {
+    let mut broker = Broker::start(2);
+    let mut build = broker
+        .run(&["--", "sleep", "60"])
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    wait_for(Duration::from_secs(10), "the build to hold a token", || {
+        broker.status().builds.iter().any(|b| b.held > 0)
+    });
+    let out = baton()
+        .args(["stop", "--socket"])
+        .arg(&broker.socket)
+        .output()
+        .unwrap();
+    let said = text(&out.stdout);
+    assert_eq!(out.status.code(), Some(0), "{said}{}", text(&out.stderr));
+    // How many tokens it holds depends on how far its feeder got.
+    let expected = format!(
+        "stopped the broker at {} (pid {}); 1 build carried on without it, holding ",
+        broker.socket.display(),
+        broker.pid()
+    );
+    assert!(
+        said.starts_with(&expected)
+            && said.ends_with("(they re-attach to the next broker at this socket)\n"),
+        "{said}"
+    );
+    assert!(broker.wait_exit(Duration::from_secs(10)).success());
+    assert!(pid_alive(build.id()), "the build carries on");
+    assert_eq!(
+        names_in(broker.socket.parent().unwrap()),
+        Vec::<String>::new(),
+        "left in the broker's directory after a clean stop"
+    );
+    assert!(
+        broker.log().contains("stopping on a STOP request"),
+        "{}",
+        broker.log()
+    );
+    unsafe { libc::kill(build.id() as i32, libc::SIGTERM) };
+    wait_timeout(&mut build, Duration::from_secs(10)).expect("the build stops");
+}
+
+#[test]
+fn stop_with_no_broker_says_so_and_exits_3() {
+    let dir = TempDir::new("stop-none");
+    let socket = dir.path().join("socket");
+    let out = baton()
+        .args(["stop", "--socket"])
+        .arg(&socket)
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(3), "{}", text(&out.stderr));
+    assert_eq!(
+        text(&out.stderr),
+        format!(
+            "baton: no broker at {}: nothing to stop\n",
+            socket.display()
+        )
+    );
+}
+
+#[test]
+fn limit_alone_prints_the_limit_and_the_gates() {
+    let broker = Broker::start_with(3, &["--max-load", "7", "--min-mem-available", "1G"]);
+    let out = baton()
+        .args(["limit", "--socket"])
+        .arg(&broker.socket)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert_eq!(
+        text(&out.stdout),
+        "limit 3\ngate mem-available min 1.0G\ngate load          max 7\n"
+    );
+}
+
+#[test]
+fn a_broker_started_at_an_unusual_socket_says_so_once() {
+    let home = Home::new("unusual-socket");
+    let socket = home.dir.path().join("typo/socket");
+    let socket_arg = socket.to_str().unwrap();
+    let out = home.output(&["run", "--socket", socket_arg, "--", "true"]);
+    let _broker = home.started(&socket);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert_eq!(
+        text(&out.stderr),
+        format!(
+            "baton: started a broker at {} (not the default {})\n",
+            socket.display(),
+            home.standard_socket().display()
+        )
+    );
+    let again = home.output(&["run", "--socket", socket_arg, "--", "true"]);
+    assert_eq!(
+        text(&again.stderr),
+        "",
+        "only the run that starts it says so"
+    );
+
+    let stop = home.output(&["stop", "--socket", socket_arg]);
+    assert!(stop.status.success(), "{}", text(&stop.stderr));
+    assert_eq!(
+        names_in(socket.parent().unwrap()),
+        vec!["broker.log".to_string()],
+        "a clean stop leaves the log alone"
+    );
+}
+
+#[test]
+fn a_config_typo_is_a_warning_for_baton_run_and_an_error_for_baton_config() {
+    let home = Home::new("config-typo");
+    let file = home.write_config("jbos=3\n");
+    let out = home.output(&["run", "--", "true"]);
+    let _broker = home.started(&home.standard_socket());
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+    let warning = text(&out.stderr);
+    assert_eq!(warning.lines().count(), 1, "{warning}");
+    assert!(
+        warning.starts_with(&format!(
+            "baton: warning: bad config file {}, line 1, key jbos: unknown field `jbos`",
+            file.display()
+        )),
+        "{warning}"
+    );
+    let config = home.output(&["config"]);
+    assert_eq!(config.status.code(), Some(1));
+    assert!(
+        text(&config.stderr).starts_with(&format!(
+            "baton: bad config file {}, line 1, key jbos:",
+            file.display()
+        )),
+        "{}",
+        text(&config.stderr)
+    );
+    // A value of the wrong type, with a broker already serving: the rest
+    // of the file still counts, and the build runs.
+    home.write_config("weight = \"heavy\"\n");
+    let out = home.output(&["run", "--", "true"]);
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+    assert!(
+        text(&out.stderr).contains("line 1, key weight: invalid type"),
+        "{}",
+        text(&out.stderr)
+    );
+    assert!(home.output(&["stop"]).status.success());
+}
+
+#[test]
+fn gates_in_the_config_file_reach_the_broker_baton_run_starts() {
+    let home = Home::new("config-gates");
+    home.write_config(
+        "jobs = 3\nmax-load = 7\nmin-mem-available = \"1G\"\non-memory-pressure = \"pause\"\n",
+    );
+    let out = home.output(&["run", "--", "true"]);
+    let _broker = home.started(&home.standard_socket());
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert_eq!(text(&out.stderr), "");
+    let limit = home.output(&["limit"]);
+    assert_eq!(
+        text(&limit.stdout),
+        "limit 3\ngate mem-available min 1.0G\ngate load          max 7\n"
+    );
+    let log = std::fs::read_to_string(home.dir.path().join("runtime/baton/broker.log")).unwrap();
+    assert!(home.output(&["stop"]).status.success());
+    assert!(log.contains("serving 3 tokens"), "{log}");
+}
+
+/// The subcommands `baton --help` lists (but help).
+fn subcommands() -> Vec<String> {
+    let help = text(&baton().arg("--help").output().unwrap().stdout);
+    help.split("Commands:\n")
+        .nth(1)
+        .expect("a Commands section")
+        .lines()
+        .take_while(|l| !l.trim().is_empty())
+        .filter_map(|l| l.split_whitespace().next())
+        .filter(|name| *name != "help")
+        .map(str::to_string)
+        .collect()
+}
+
+#[test]
+fn every_subcommand_has_a_man_page_that_renders_cleanly_and_refers_only_to_pages_that_exist() {
+    let dir = TempDir::new("man");
+    let out = baton().arg("man").arg(dir.path()).output().unwrap();
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let mut expected: Vec<String> = subcommands()
+        .iter()
+        .map(|name| format!("baton-{name}.1"))
+        .collect();
+    assert!(expected.len() >= 10, "{expected:?}");
+    expected.push("baton.1".into());
+    expected.sort();
+    assert_eq!(names_in(dir.path()), expected);
+    for name in &expected {
+        let path = dir.path().join(name);
+        let page = std::fs::read_to_string(&path).unwrap();
+        for section in [".SH ENVIRONMENT", ".SH FILES", ".SH \"SEE ALSO\""] {
+            assert!(page.contains(section), "{name} has no {section}");
+        }
+        // -ww: every warning; -z: no output, only the diagnostics.
+        let groff = Command::new("groff")
+            .args(["-man", "-Tutf8", "-ww", "-z"])
+            .arg(&path)
+            .output()
+            .expect("groff (installed by scripts/test)");
+        assert!(
+            groff.status.success() && groff.stderr.is_empty(),
+            "{name}: {}",
+            text(&groff.stderr)
+        );
+        let plain = page
+            .replace("\\fB", " ")
+            .replace("\\fR", "")
+            .replace("\\-", "-");
+        let references = plain
+            .split(|c: char| !(c.is_ascii_alphanumeric() || "-()".contains(c)))
+            .filter(|word| word.starts_with("baton") && word.ends_with("(1)"));
+        for reference in references {
+            let file = reference.replace("(1)", ".1");
+            assert!(
+                dir.path().join(&file).exists(),
+                "{name} refers to {reference}, which was not generated"
+            );
+        }
+    }
+    let top = std::fs::read_to_string(dir.path().join("baton.1")).unwrap();
+    assert!(
+        top.contains("baton\\-stop(1)"),
+        "the top page lists the subcommands' pages"
+    );
+}
+
+#[test]
+fn wrappers_count_a_build_started_without_an_interactive_shell_once() {
+    let broker = Broker::start(2);
+    let home = TempDir::new("wrappers");
+    let wrote = baton()
+        .args(["shell-init", "--wrappers"])
+        .env("HOME", home.path())
+        .env_remove("XDG_DATA_HOME")
+        .output()
+        .unwrap();
+    assert!(wrote.status.success(), "{}", text(&wrote.stderr));
+    let bin = home.path().join(".local/share/baton/bin");
+    assert_eq!(names_in(&bin), ["cargo", "cmake", "make", "ninja"]);
+    let profile = baton().args(["shell-init", "--profile"]).output().unwrap();
+    std::fs::write(home.path().join("profile.sh"), &profile.stdout).unwrap();
+
+    // The recipe of `a` records the jobserver it got; `b` runs a plain
+    // `make`, which finds the wrapper again, inside the build.
+    let build = home.path().join("build");
+    std::fs::create_dir_all(build.join("sub")).unwrap();
+    std::fs::write(
+        build.join("Makefile"),
+        "all: a b\na:\n\t@echo \"$$MAKEFLAGS\" > flags\nb:\n\t@make -s -C sub\n.PHONY: all a b\n",
+    )
+    .unwrap();
+    std::fs::write(build.join("sub/Makefile"), "x:\n\t@touch ../sub-ran\n").unwrap();
+    let make_dir = make43().parent().unwrap().to_path_buf();
+    let out = Command::new("sh")
+        .args(["-c", ". \"$HOME/profile.sh\" && make -s"])
+        .current_dir(&build)
+        .env_clear()
+        .env("HOME", home.path())
+        .env("PATH", format!("{}:/usr/bin:/bin", make_dir.display()))
+        .env("BATON_SOCKET", &broker.socket)
+        .env("BATON_NO_AUTOSTART", "1")
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}{}",
+        text(&out.stdout),
+        text(&out.stderr)
+    );
+    let flags = std::fs::read_to_string(build.join("flags")).unwrap();
+    assert!(
+        flags.contains("--jobserver-auth="),
+        "make ran without baton: {flags}"
+    );
+    assert!(build.join("sub-ran").exists());
+    let status = broker.status();
+    assert_eq!(
+        status.builds.len(),
+        1,
+        "one build, the nested make inside it: {:#?}",
+        status.builds
+    );
+}
+
+/// docs/protocol.md, "STOP": the bytes on the wire.
+#[test]
+fn stop_on_the_wire_is_as_documented() {
+    use std::io::{BufRead, BufReader, Read, Write};
+    let mut broker = Broker::start(2);
+    let mut holder = broker.client("holder");
+    holder.acquire(2).unwrap();
+    let mut stream = std::os::unix::net::UnixStream::connect(&broker.socket).unwrap();
+    stream.write_all(b"HELLO 1 stopper\nSTOP\n").unwrap();
+    let mut replies = BufReader::new(stream);
+    let mut hello = String::new();
+    replies.read_line(&mut hello).unwrap();
+    assert!(hello.starts_with("OK 1 "), "{hello}");
+    let mut stopping = String::new();
+    replies.read_line(&mut stopping).unwrap();
+    assert_eq!(stopping, format!("STOPPING {} 1 2\n", broker.pid()));
+    let mut rest = Vec::new();
+    replies.read_to_end(&mut rest).unwrap();
+    assert!(
+        rest.is_empty(),
+        "the broker closes the connection after STOPPING"
+    );
+    assert!(broker.wait_exit(Duration::from_secs(10)).success());
+}
