@@ -119,6 +119,26 @@ pub struct Broker {
     /// broker that died here are given the time to re-attach before
     /// anything new is granted.
     reclaim: Option<(Duration, Duration)>,
+    /// The session of each client that started a build: where its
+    /// processes are looked for if it dies before them.
+    sessions: HashMap<ClientId, u32>,
+    /// Builds whose `baton run` died while their processes run on (#32).
+    orphaned: HashMap<ClientId, Orphaned>,
+    /// Wakes the thread that looks at orphaned builds' processes.
+    orphans_hook: Option<GrantHook>,
+}
+
+/// A build whose `baton run` died (`kill -9`) while processes it started
+/// run on: a sub-make, jobs. Its client stays in the pool, holding as many
+/// tokens as those processes run jobs (at most what it held), until the
+/// last one ends; so the machine never runs more jobs than the limit
+/// because a build lost its `baton run` (docs/jobserver.md).
+#[derive(Debug, Clone, Copy, Serialize, Deserialize)]
+pub struct Orphaned {
+    /// The dead `baton run`'s pid, which its processes carry in their
+    /// environment ([`crate::jobs::RUN_PID_VAR`]).
+    owner: u32,
+    session: u32,
 }
 
 /// Everything a broker knows, as its successor (`baton serve --replace`)
@@ -131,6 +151,12 @@ pub struct BrokerState {
     gates: GateConfig,
     roots: Vec<(u32, ClientId)>,
     names: Vec<(BuildId, String)>,
+    #[serde(default)]
+    sessions: Vec<(ClientId, u32)>,
+    /// Orphaned builds travel too: their clients have no connection, and
+    /// only this tells the successor when their tokens come back.
+    #[serde(default)]
+    orphaned: Vec<(ClientId, Orphaned)>,
     /// How long the pool's clock had run: the successor's goes on from there.
     clock: Duration,
     started: SystemTime,
@@ -153,6 +179,9 @@ impl Broker {
             stats: HashMap::new(),
             utilization: Utilization::new(HISTORY_SLOT.as_nanos() as u64, HISTORY_SLOTS),
             started: (Instant::now(), SystemTime::now()),
+            sessions: HashMap::new(),
+            orphaned: HashMap::new(),
+            orphans_hook: None,
         })
     }
 
@@ -170,6 +199,8 @@ impl Broker {
             gates: self.gates.config(),
             roots: self.roots.iter().map(|(&pid, &id)| (pid, id)).collect(),
             names: self.names.iter().map(|(&b, n)| (b, n.clone())).collect(),
+            sessions: self.sessions.iter().map(|(&id, &s)| (id, s)).collect(),
+            orphaned: self.orphaned.iter().map(|(&id, &o)| (id, o)).collect(),
             clock: self.clock(),
             started: self.started.1,
         }
@@ -210,6 +241,9 @@ impl Broker {
             stats: HashMap::new(),
             utilization: Utilization::new(HISTORY_SLOT.as_nanos() as u64, HISTORY_SLOTS),
             started: (started, state.started),
+            sessions: state.sessions.into_iter().collect(),
+            orphaned: state.orphaned.into_iter().collect(),
+            orphans_hook: None,
         };
         broker.set_gates(state.gates);
         Ok(broker)
@@ -279,6 +313,9 @@ impl Broker {
             let name = if name.is_empty() { command } else { name };
             self.names.insert(build, name);
             self.roots.insert(pid, id);
+            if let Some(session) = crate::jobs::session_of(pid) {
+                self.sessions.insert(id, session);
+            }
         }
         let weight = self
             .pool
@@ -388,6 +425,11 @@ impl Broker {
     pub fn disconnect(&mut self, id: ClientId) -> u32 {
         self.tick();
         self.roots.retain(|_, &mut root| root != id);
+        if let Some(session) = self.sessions.remove(&id) {
+            if self.outlived_by_its_processes(id, session) {
+                return 0;
+            }
+        }
         let build = self.pool.build_of(id);
         let (reclaimed, grants) = self.pool.disconnect(id);
         let pool = &self.pool;
@@ -399,6 +441,90 @@ impl Broker {
         self.route(grants);
         self.demand_changed();
         reclaimed
+    }
+
+    /// A build's `baton run` is gone, holding tokens: if processes it
+    /// started still run jobs, its client stays, holding as many tokens as
+    /// they run jobs (at most what it held), and the rest go back now.
+    fn outlived_by_its_processes(&mut self, id: ClientId, session: u32) -> bool {
+        let Some(owner) = self.pool.meta(id).map(|m| m.pid) else {
+            return false;
+        };
+        if self.pool.held_by(id) == 0 {
+            return false;
+        }
+        let jobs = crate::jobs::orphan_jobs(owner, session);
+        if jobs == 0 {
+            return false;
+        }
+        let waits: Vec<Tag> = self
+            .pool
+            .queue()
+            .filter(|&(client, _, _)| client == id)
+            .map(|(_, tag, _)| tag)
+            .collect();
+        for tag in waits {
+            let (_, grants) = self.pool.cancel(id, tag);
+            self.route(grants);
+        }
+        if let Some(meta) = self.pool.meta_mut(id) {
+            meta.command = format!("[orphaned] {}", meta.command);
+            meta.waiting_since.clear();
+        }
+        self.orphaned.insert(id, Orphaned { owner, session });
+        log::info(format_args!(
+            "baton run pid {owner} died while its build runs {jobs} job(s): its tokens come back as they end"
+        ));
+        self.hold_for_orphans(id, jobs);
+        if let Some(hook) = &self.orphans_hook {
+            (hook.0)();
+        }
+        true
+    }
+
+    /// Keeps `jobs` of an orphaned build's tokens (never more than it
+    /// holds: nothing is created) and gives the rest back.
+    fn hold_for_orphans(&mut self, id: ClientId, jobs: u32) {
+        let spare = self.pool.held_by(id).saturating_sub(jobs);
+        if spare > 0 {
+            let grants = self.pool.release(id, spare).unwrap_or_default();
+            self.route(grants);
+            self.demand_changed();
+        }
+    }
+
+    /// Looks at every orphaned build's processes again: tokens come back as
+    /// their jobs end, and the build goes when the last one has. Returns
+    /// whether any orphaned build is left.
+    pub fn watch_orphans(&mut self) -> bool {
+        self.tick();
+        let orphaned: Vec<(ClientId, Orphaned)> =
+            self.orphaned.iter().map(|(&id, &o)| (id, o)).collect();
+        for (id, o) in orphaned {
+            match crate::jobs::orphan_jobs(o.owner, o.session) {
+                0 => {
+                    self.orphaned.remove(&id);
+                    let held = self.disconnect(id);
+                    log::info(format_args!(
+                        "the last job of baton run pid {}'s build ended: {held} token(s) back",
+                        o.owner
+                    ));
+                }
+                jobs => self.hold_for_orphans(id, jobs),
+            }
+        }
+        !self.orphaned.is_empty()
+    }
+
+    /// Whether an orphaned build waits to be looked at.
+    pub fn has_orphans(&self) -> bool {
+        !self.orphaned.is_empty()
+    }
+
+    /// Calls `hook` when a build becomes orphaned, to wake the thread that
+    /// calls [`Broker::watch_orphans`].
+    pub fn on_orphans(&mut self, hook: impl Fn() + Send + Sync + 'static) {
+        self.orphans_hook = Some(GrantHook(Box::new(hook)));
     }
 
     pub fn set_limit(&mut self, limit: u32) -> Result<u32, PoolError> {

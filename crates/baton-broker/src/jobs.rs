@@ -186,6 +186,53 @@ pub fn is_stopped(pid: u32) -> bool {
     stopped(&pid.to_string()) || children.is_ok_and(|c| c.split_whitespace().any(stopped))
 }
 
+pub use baton_core::protocol::RUN_PID_VAR;
+
+/// The session a process belongs to (`getsid`), from /proc.
+pub fn session_of(pid: u32) -> Option<u32> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    stat_fields(&stat)?.get(3)?.parse().ok()
+}
+
+/// How many jobs the processes of a build whose `baton run` (pid `owner`,
+/// in session `session`) is gone still run: its processes that have no
+/// child of their own among them (a sub-make waiting for its jobs is not a
+/// job; a shell running gcc is one job, gcc). Processes that left the
+/// session (daemons the build started, which call setsid) are not the
+/// build's any more: they would hold its tokens for ever.
+pub fn orphan_jobs(owner: u32, session: u32) -> u32 {
+    let marker = format!("{RUN_PID_VAR}={owner}");
+    let Ok(dir) = std::fs::read_dir("/proc") else {
+        return 0;
+    };
+    let members: HashMap<u32, u32> = dir
+        .filter_map(|e| e.ok()?.file_name().to_str()?.parse::<u32>().ok())
+        .filter_map(|pid| {
+            let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+            let fields = stat_fields(&stat)?;
+            let live = fields.first().is_some_and(|s| *s != "Z" && *s != "X");
+            let ours = fields.get(3)?.parse::<u32>().ok()? == session;
+            (live && ours && has_in_environment(pid, &marker))
+                .then(|| Some((pid, fields.get(1)?.parse().ok()?)))?
+        })
+        .collect();
+    let parents: std::collections::HashSet<u32> = members.values().copied().collect();
+    members.keys().filter(|pid| !parents.contains(pid)).count() as u32
+}
+
+/// Whether `NAME=VALUE` is one of the process's environment strings (as
+/// it was started; readable for our own processes, or as root).
+fn has_in_environment(pid: u32, entry: &str) -> bool {
+    std::fs::read(format!("/proc/{pid}/environ"))
+        .is_ok_and(|env| env.split(|&b| b == 0).any(|e| e == entry.as_bytes()))
+}
+
+/// The fields after the command's closing paren: state, ppid, pgrp,
+/// session, ...
+fn stat_fields(stat: &str) -> Option<Vec<&str>> {
+    Some(stat.get(stat.rfind(')')? + 2..)?.split(' ').collect())
+}
+
 /// The state letter: the first field after the command's closing paren.
 fn stat_state(stat: &str) -> Option<char> {
     stat.get(stat.rfind(')')? + 2..)?.chars().next()
@@ -207,6 +254,32 @@ fn parse_stat(stat: &str) -> Option<Proc> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_session_is_the_fourth_field_after_the_paren() {
+        let me = std::process::id();
+        // SAFETY: getsid(0) has no preconditions.
+        let sid = unsafe { libc::getsid(0) } as u32;
+        assert_eq!(session_of(me), Some(sid));
+    }
+
+    #[test]
+    fn a_process_with_the_marker_and_no_child_is_a_job() {
+        let owner = 4_000_000_000u32 - std::process::id();
+        // SAFETY: getsid(0) has no preconditions.
+        let sid = unsafe { libc::getsid(0) } as u32;
+        assert_eq!(orphan_jobs(owner, sid), 0);
+        let mut job = std::process::Command::new("sleep")
+            .arg("30")
+            .env(RUN_PID_VAR, owner.to_string())
+            .spawn()
+            .unwrap();
+        assert_eq!(orphan_jobs(owner, sid), 1);
+        assert_eq!(orphan_jobs(owner, sid + 1), 0, "another session's is not");
+        job.kill().unwrap();
+        job.wait().unwrap();
+        assert_eq!(orphan_jobs(owner, sid), 0);
+    }
 
     #[test]
     fn the_state_follows_the_last_paren() {

@@ -129,6 +129,7 @@ pub fn serve(opts: ServeOptions) -> Result<()> {
     };
     let gates = broker.gate_config();
     let broker = Arc::new(Mutex::new(broker));
+    watch_orphaned_builds(&broker);
     if a_broker_died_here && !opts.reclaim_grace.is_zero() {
         give_builds_time_to_reattach(&broker, &socket, opts.reclaim_grace);
     }
@@ -379,6 +380,30 @@ fn stop_when_idle(broker: Arc<Mutex<Broker>>, timeout: Duration, own_socket: Opt
                 let _ = kill(Pid::this(), Signal::SIGTERM);
                 return;
             }
+        }
+    });
+}
+
+/// How often the processes of builds whose `baton run` died are looked
+/// at: their tokens come back within this of their last job's end.
+const ORPHANS_EVERY: Duration = Duration::from_millis(250);
+
+/// Looks at orphaned builds' processes while there are any
+/// ([`Broker::watch_orphans`]); sleeps otherwise, until the broker says a
+/// build was orphaned. One read of /proc per process per look, only then.
+fn watch_orphaned_builds(broker: &Arc<Mutex<Broker>>) {
+    let (wake, woken) = std::sync::mpsc::channel::<()>();
+    broker.lock().expect("broker lock").on_orphans(move || {
+        let _ = wake.send(());
+    });
+    let broker = broker.clone();
+    std::thread::spawn(move || loop {
+        // Orphaned builds a predecessor handed over are there before any wake.
+        if !broker.lock().expect("broker lock").has_orphans() && woken.recv().is_err() {
+            return;
+        }
+        while broker.lock().expect("broker lock").watch_orphans() {
+            std::thread::sleep(ORPHANS_EVERY);
         }
     });
 }

@@ -172,6 +172,12 @@ pub enum Reply {
     },
 }
 
+/// The environment variable `baton run` gives its command, naming its own
+/// pid: every process of the build inherits it, so the broker finds the
+/// build's processes after `baton run` died and they were re-parented, and
+/// keeps their tokens until they end (docs/jobserver.md, #32).
+pub const RUN_PID_VAR: &str = "BATON_RUN_PID";
+
 /// Machine-readable error codes. Fatal ones close the connection after the
 /// reply (its tokens go back to the pool); the others leave it usable.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

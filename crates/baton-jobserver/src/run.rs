@@ -2,8 +2,10 @@
 //! CMD a GNU jobserver fed from the pool (see the crate's docs).
 //!
 //! Every token of the build belongs to this process's connection, so if it
-//! is killed the broker takes them all back at once; CMD gets SIGKILL
-//! through the parent-death signal, so it cannot run on holding nothing.
+//! is killed the broker takes them back; CMD gets SIGKILL through the
+//! parent-death signal, and the jobs it leaves behind keep their tokens
+//! until they end: they carry `BATON_RUN_PID` for the broker to find them
+//! (docs/jobserver.md, "When `baton run` is killed").
 
 use crate::autostart::{self, LazyAutostart};
 use crate::build_file::{self, BuildFile};
@@ -16,6 +18,7 @@ use crate::{
 use anyhow::{bail, Context, Result};
 use baton_client::{Client, Error as ClientError};
 use baton_core::paths::{private_dir, socket_path};
+use baton_core::protocol::RUN_PID_VAR;
 use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
 use nix::sys::signal::{SigSet, Signal};
 use nix::sys::signalfd::{SfdFlags, SignalFd};
@@ -103,7 +106,8 @@ pub fn run(opts: RunOptions) -> Result<i32> {
     let mut command = Command::new(&opts.command[0]);
     command
         .args(&opts.command[1..])
-        .env("BATON_SOCKET", &socket);
+        .env("BATON_SOCKET", &socket)
+        .env(RUN_PID_VAR, std::process::id().to_string());
     let style = match opts.style {
         Style::Auto if is_bmake => Style::Fifo,
         // The FUSE file has no per-build cap: --max needs the bridge.

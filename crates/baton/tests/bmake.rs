@@ -336,10 +336,18 @@ fn tokens_an_idle_bmake_build_leaves_unread_go_to_a_waiting_build() {
     let broker = Broker::start(4);
     let dir = TempDir::new("bmake-idle");
     let started = dir.path().join("started");
-    // One long job: bmake holds its own slot and reads nothing more.
+    // One long job: bmake holds its own slot and reads nothing more. It
+    // writes its pid: bmake runs it in a process group of its own, so the
+    // group's kill below leaves it running, and the broker keeps its token
+    // until it ends (#32).
+    let job_pid = dir.path().join("job.pid");
     std::fs::write(
         dir.path().join("Makefile"),
-        format!("all:\n\t@touch {}; sleep 30\n", started.display()),
+        format!(
+            "all:\n\t@touch {}; echo $$$$ > {}; exec sleep 30\n",
+            started.display(),
+            job_pid.display()
+        ),
     )
     .unwrap();
     let bmake = bmake();
@@ -378,6 +386,12 @@ fn tokens_an_idle_bmake_build_leaves_unread_go_to_a_waiting_build() {
     );
     unsafe { libc::kill(-(idle.id() as i32), libc::SIGKILL) };
     idle.wait().unwrap();
+    let job: i32 = std::fs::read_to_string(&job_pid)
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap();
+    unsafe { libc::kill(job, libc::SIGKILL) };
     wait_for(Duration::from_secs(10), "every token to be free", || {
         broker.status().free == 4
     });

@@ -278,3 +278,60 @@ fn a_stopped_build_is_shown_as_stopped() {
     run.kill().unwrap();
     run.wait().unwrap();
 }
+
+/// A build of two 3-second jobs under `baton run`, logging to `log`.
+fn spawn_logged_build(broker: &Broker, dir: &Path, log: &Path, make: &Path, style: &str) -> Child {
+    flat_makefile(dir, log, 2, "3");
+    broker
+        .run(&["--jobserver-style", style, "--", make.to_str().unwrap()])
+        .current_dir(dir)
+        .env_remove("MAKEFLAGS")
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("start baton run")
+}
+
+/// `kill -9` of a build's `baton run` while its jobs run: the jobs run on
+/// (make dies, its children do not), so the broker keeps their tokens
+/// until they end. A second build started right after waits for them:
+/// never more than the limit of jobs at once, counted from the jobs.
+fn a_killed_baton_runs_jobs_keep_their_tokens(make: &Path, style: &str) {
+    let broker = Broker::start(2);
+    let (a, b) = (TempDir::new("orphans-a"), TempDir::new("orphans-b"));
+    let log = a.path().join("jobs.log");
+    let mut first = spawn_logged_build(&broker, a.path(), &log, make, style);
+    wait_for(Duration::from_secs(30), "both jobs to run", || {
+        max_overlap(&log).0 == 2
+    });
+    first.kill().unwrap(); // SIGKILL
+    first.wait().unwrap();
+    let second = spawn_logged_build(&broker, b.path(), &log, make, style);
+    let out = second.wait_with_output().unwrap();
+    assert!(out.status.success());
+    let (most, started) = max_overlap(&log);
+    assert_eq!(started, 4, "every job ran");
+    assert_eq!(
+        most, 2,
+        "{most} jobs ran at once under a limit of 2 after baton run was killed ({style})"
+    );
+    wait_for(Duration::from_secs(10), "every token back", || {
+        broker.status().free == 2
+    });
+    broker.assert_all_free();
+}
+
+#[test]
+fn a_killed_baton_runs_jobs_keep_their_tokens_in_the_pipe_style() {
+    a_killed_baton_runs_jobs_keep_their_tokens(&make43(), "pipe");
+}
+
+#[test]
+fn a_killed_baton_runs_jobs_keep_their_tokens_in_the_fifo_style() {
+    a_killed_baton_runs_jobs_keep_their_tokens(&make44(), "fifo");
+}
+
+#[test]
+fn a_killed_baton_runs_jobs_keep_their_tokens_with_bmake() {
+    a_killed_baton_runs_jobs_keep_their_tokens(&bmake(), "auto");
+}
