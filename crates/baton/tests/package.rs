@@ -19,7 +19,14 @@ fn text(bytes: &[u8]) -> String {
 
 /// Builds the package (without the cluster feature: quicker, and the test
 /// is about the package, not etcd); returns the .deb.
+///
+/// scripts/test builds it once before the suite (a release build and
+/// cargo-deb's install take minutes, which beside the other tests would
+/// only slow them) and names it in `BATON_TEST_DEB`.
 fn build_package() -> PathBuf {
+    if let Some(deb) = std::env::var_os("BATON_TEST_DEB") {
+        return PathBuf::from(deb);
+    }
     let out = Command::new(workspace().join("scripts/package"))
         .arg("--no-cluster")
         .output()
