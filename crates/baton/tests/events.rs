@@ -95,19 +95,12 @@ fn spawn_build(broker: &Broker, dir: &Path, style: &str, make: &Path) -> Child {
         .expect("start baton run")
 }
 
+/// `baton limit` would do the same, through the same request.
 fn set_limit(broker: &Broker, limit: u32) {
-    let out = baton()
-        .arg("limit")
-        .arg(limit.to_string())
-        .arg("--socket")
-        .arg(&broker.socket)
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    broker
+        .client("limit")
+        .set_limit(limit)
+        .expect("the limit changes");
 }
 
 /// A build running 4 jobs at once under a limit of 4 keeps its connection
@@ -282,14 +275,7 @@ fn a_stopped_build_is_shown_as_stopped() {
 /// A build of two 3-second jobs under `baton run`, logging to `log`.
 fn spawn_logged_build(broker: &Broker, dir: &Path, log: &Path, make: &Path, style: &str) -> Child {
     flat_makefile(dir, log, 2, "3");
-    broker
-        .run(&["--jobserver-style", style, "--", make.to_str().unwrap()])
-        .current_dir(dir)
-        .env_remove("MAKEFLAGS")
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .expect("start baton run")
+    spawn_build(broker, dir, style, make)
 }
 
 /// `kill -9` of a build's `baton run` while its jobs run: the jobs run on
