@@ -459,3 +459,63 @@ fn a_broker_out_of_descriptors_answers_full_in_words() {
         "{logged}"
     );
 }
+
+/// The C client (clients/c, compiled here) and the Python client
+/// (clients/python) against a broker of the other user.
+#[test]
+fn the_c_and_python_clients_refuse_a_broker_of_another_user() {
+    if !can_act_as_another_user() {
+        return;
+    }
+    let tmp = TempDir::new("others-broker-c-py");
+    chmod(tmp.path(), 0o755);
+    let socket = tmp.path().join("theirs").join("socket");
+    let _theirs = OthersBroker::start(&socket, &tmp.path().join("theirs.log"));
+    let clients = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../clients");
+
+    let program = tmp.path().join("connect.c");
+    std::fs::write(
+        &program,
+        "#include <baton.h>\n#include <errno.h>\n#include <stdio.h>\n#include <string.h>\n\
+         int main(int argc, char **argv) {\n\
+           baton_t *c = baton_connect(argv[1], \"c\", NULL);\n\
+           if (c) { printf(\"connected, limit %u\\n\", baton_limit(c)); return 0; }\n\
+           printf(\"refused: %s\\n\", strerror(errno));\n\
+           return errno == EPERM ? 3 : 1;\n\
+         }\n",
+    )
+    .unwrap();
+    let sources: Vec<PathBuf> = std::fs::read_dir(clients.join("c/src"))
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|e| e == "c"))
+        .collect();
+    let binary = tmp.path().join("connect");
+    let built = Command::new("cc")
+        .args(["-D_GNU_SOURCE", "-I"])
+        .arg(clients.join("c/include"))
+        .args(&sources)
+        .arg(&program)
+        .arg("-o")
+        .arg(&binary)
+        .output()
+        .expect("cc (the C client's tests need a C compiler)");
+    assert!(built.status.success(), "{}", text(&built));
+    let c = Command::new(&binary).arg(&socket).output().unwrap();
+    assert_eq!(c.status.code(), Some(3), "C client: {}", text(&c));
+    assert!(text(&c).contains("Operation not permitted"), "{}", text(&c));
+
+    let connect = "import sys, baton_client\n\
+        try:\n    baton_client.Client(sys.argv[1])\n\
+        except baton_client.BatonError as e:\n    print(e); sys.exit(3)\n\
+        print('connected')\n";
+    let py = Command::new(python())
+        .args(["-c", connect])
+        .arg(&socket)
+        .env("PYTHONPATH", clients.join("python/src"))
+        .output()
+        .unwrap();
+    let said = text(&py);
+    assert_eq!(py.status.code(), Some(3), "Python client: {said}");
+    assert!(said.contains(&format!("process of uid {OTHER}")), "{said}");
+}
