@@ -11,7 +11,7 @@ use crate::{activation, cluster, fuse, log, paths};
 use anyhow::{Context, Result};
 use baton_core::gates::GateConfig;
 use baton_core::idle::IdleTimer;
-use baton_core::paths::{is_chosen_by_baton, private_dir, socket_path};
+use baton_core::paths::{is_default_private_dir, private_dir, socket_path};
 use nix::sys::signal::{kill, SigSet, Signal};
 use nix::sys::signalfd::{SfdFlags, SignalFd};
 use nix::unistd::Pid;
@@ -73,14 +73,14 @@ pub fn serve(opts: ServeOptions) -> Result<()> {
     } else {
         activation::inherited_listener()?
     };
-    // Only the directories baton chooses itself are tightened to 0700.
-    let chosen_by_us = is_chosen_by_baton(opts.socket.as_deref());
     let socket = match &activated {
         Some((_, path)) => path.clone(),
         None => socket_path(opts.socket.clone()),
     };
     let dir = private_dir(&socket);
-    paths::prepare_private_dir(&dir, chosen_by_us)?;
+    // baton's own directories must be closed to others (as clients check
+    // them); one systemd or the user named is left as it is, if ours.
+    paths::prepare_private_dir(&dir, is_default_private_dir(&dir))?;
     let max_clients = raise_fd_limit(opts.max_clients);
     let mut handed = if opts.replace {
         Some(handover::receive(&socket)?)
