@@ -40,20 +40,11 @@ pub fn prepare_private_dir(dir: &Path, is_default: bool) -> Result<()> {
         fs::symlink_metadata(dir).with_context(|| format!("cannot read {}", dir.display()))?;
     let uid = nix::unistd::getuid().as_raw();
     if let Some(problem) =
-        baton_core::paths::private_dir_problem(dir, dir_facts(&meta), uid, is_default || created)
+        baton_core::paths::private_dir_problem(dir, (&meta).into(), uid, is_default || created)
     {
         bail!("{problem}");
     }
     refuse_a_shared_dir_unless_sticky(dir, meta.mode())
-}
-
-fn dir_facts(meta: &fs::Metadata) -> baton_core::paths::DirFacts {
-    baton_core::paths::DirFacts {
-        is_symlink: meta.file_type().is_symlink(),
-        is_dir: meta.is_dir(),
-        owner: meta.uid(),
-        mode: meta.mode(),
-    }
 }
 
 /// In a directory anyone may write to, anyone may rename our socket away
@@ -88,7 +79,7 @@ pub fn own_subdir(path: &Path) -> Result<()> {
     let meta =
         fs::symlink_metadata(path).with_context(|| format!("cannot read {}", path.display()))?;
     let uid = nix::unistd::getuid().as_raw();
-    match baton_core::paths::private_dir_problem(path, dir_facts(&meta), uid, false) {
+    match baton_core::paths::private_dir_problem(path, (&meta).into(), uid, false) {
         Some(problem) => bail!("{problem}"),
         None => Ok(()),
     }

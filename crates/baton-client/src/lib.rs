@@ -476,7 +476,6 @@ fn first_number(text: &str) -> Option<u64> {
 /// `$XDG_RUNTIME_DIR/baton`) unless that directory is a private one of
 /// ours: another user may have made it first (docs/security.md).
 fn refuse_squatted_dir(socket: &Path) -> Result<()> {
-    use std::os::unix::fs::MetadataExt;
     let dir = baton_core::paths::private_dir(socket);
     if !baton_core::paths::is_default_private_dir(&dir) {
         return Ok(());
@@ -484,13 +483,7 @@ fn refuse_squatted_dir(socket: &Path) -> Result<()> {
     let Ok(meta) = std::fs::symlink_metadata(&dir) else {
         return Ok(()); // no directory, no broker: connect says so
     };
-    let facts = baton_core::paths::DirFacts {
-        is_symlink: meta.file_type().is_symlink(),
-        is_dir: meta.is_dir(),
-        owner: meta.uid(),
-        mode: meta.mode(),
-    };
-    match baton_core::paths::private_dir_problem(&dir, facts, my_uid(), true) {
+    match baton_core::paths::private_dir_problem(&dir, (&meta).into(), my_uid(), true) {
         Some(problem) => Err(Error::UnsafeDirectory(problem)),
         None => Ok(()),
     }

@@ -73,6 +73,19 @@ pub struct DirFacts {
     pub mode: u32,
 }
 
+impl From<&std::fs::Metadata> for DirFacts {
+    /// From `symlink_metadata` (lstat), never `metadata`, which follows a link.
+    fn from(meta: &std::fs::Metadata) -> Self {
+        use std::os::unix::fs::MetadataExt;
+        DirFacts {
+            is_symlink: meta.file_type().is_symlink(),
+            is_dir: meta.is_dir(),
+            owner: meta.uid(),
+            mode: meta.mode(),
+        }
+    }
+}
+
 /// Why `dir` may not hold the broker of user `me`, if it may not: a
 /// symbolic link (someone could point it elsewhere later), not a directory,
 /// owned by someone else, or, when `private` (baton's own directories),

@@ -92,15 +92,9 @@ fn start_then_connect(socket: &Path, label: &str, start: &Autostart) -> Result<C
 /// The directory we are about to write into, judged by lstat as the broker
 /// and the client judge it: another user may have made it first.
 fn refuse_unless_ours(dir: &Path) -> Result<()> {
-    use std::os::unix::fs::MetadataExt;
     let meta =
         std::fs::symlink_metadata(dir).with_context(|| format!("cannot read {}", dir.display()))?;
-    let facts = baton_core::paths::DirFacts {
-        is_symlink: meta.file_type().is_symlink(),
-        is_dir: meta.is_dir(),
-        owner: meta.uid(),
-        mode: meta.mode(),
-    };
+    let facts = (&meta).into();
     let me = nix::unistd::getuid().as_raw();
     let strict = baton_core::paths::is_default_private_dir(dir);
     match baton_core::paths::private_dir_problem(dir, facts, me, strict) {

@@ -108,8 +108,13 @@ fn try_mount(
     if !Path::new("/dev/fuse").exists() {
         bail!("/dev/fuse does not exist");
     }
-    // Checked first, by lstat: a link planted here would have us unmount,
-    // then mount over, whatever it points at.
+    // A dead mount (a broker killed with its keeper) answers lstat with
+    // ENOTCONN: a mount point, not a link; it is cleared first.
+    if std::fs::symlink_metadata(path).is_err_and(|e| e.raw_os_error() == Some(libc::ENOTCONN)) {
+        clear_stale_mount(path)?;
+    }
+    // Checked by lstat before anything else: a link planted here would
+    // have us unmount, then mount over, whatever it points at.
     crate::paths::own_subdir(path)?;
     clear_stale_mount(path)?;
     let (poll, waker, shared) = new_shared(broker.clone(), options)?;
