@@ -519,3 +519,33 @@ fn the_c_and_python_clients_refuse_a_broker_of_another_user() {
     assert_eq!(py.status.code(), Some(3), "Python client: {said}");
     assert!(said.contains(&format!("process of uid {OTHER}")), "{said}");
 }
+
+/// A `--socket` in a directory every user may write to, without the
+/// sticky bit that keeps each name to its owner, is refused in words.
+#[test]
+fn a_socket_in_a_world_writable_directory_without_the_sticky_bit_is_refused() {
+    let tmp = TempDir::new("open-dir");
+    let open = tmp.path().join("open");
+    std::fs::create_dir(&open).unwrap();
+    chmod(&open, 0o777);
+    let out = baton()
+        .args([
+            "serve",
+            "--jobs",
+            "1",
+            "--no-fuse",
+            "--idle-timeout",
+            "1",
+            "--socket",
+        ])
+        .arg(open.join("socket"))
+        .output()
+        .unwrap();
+    let said = text(&out);
+    assert!(!out.status.success(), "{said}");
+    assert!(
+        said.contains("writable by every user and not sticky"),
+        "{said}"
+    );
+    assert!(!open.join("socket").exists());
+}
