@@ -59,7 +59,10 @@ struct timespec baton_deadline(unsigned long ms);
  * are dropped and it is cut to 200 bytes. Returns the connection, or NULL:
  *   ENOENT, ECONNREFUSED  no broker listens there (start one with:
  *                         baton serve --jobs N)
- *   EACCES        the socket belongs to another user
+ *   EACCES        the socket belongs to another user, or the broker does
+ *                 not serve our uid (ERR denied)
+ *   EPERM         a process of another user (neither ours nor root) answers
+ *                 there: not our broker, refused before a word is sent
  *   ENAMETOOLONG  the path does not fit a Unix socket address
  *   EUSERS        the broker already serves its maximum of connections
  *   ETIMEDOUT     no answer before the deadline

@@ -42,6 +42,22 @@ static int open_socket(const char *path) {
         errno = e;
         return -1;
     }
+    /* Only our own uid's broker, or root's: a process of another user at
+     * the path (a squatted directory, a socket opened to all) could lie
+     * about tokens or read our labels (docs/security.md). */
+    struct ucred peer = {0};
+    socklen_t len = sizeof peer;
+    if (getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &peer, &len) < 0) {
+        int e = errno;
+        close(fd);
+        errno = e;
+        return -1;
+    }
+    if (peer.uid != getuid() && peer.uid != 0) {
+        close(fd);
+        errno = EPERM;
+        return -1;
+    }
     return fd;
 }
 

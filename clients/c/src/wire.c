@@ -14,6 +14,7 @@ static const struct {
 } refusals[] = {
     {"range", ERANGE},   {"over-release", EINVAL}, {"full", EUSERS},   {"malformed", EPROTO},
     {"too-long", EPROTO}, {"version", EPROTO},      {"hello", EPROTO}, {"busy", EPROTO},
+    {"denied", EACCES},
 };
 
 int baton__errno_of(const char *code) {

@@ -19,6 +19,7 @@
 //! - `triggers`: kernel notifications (PSI triggers, cgroup v1 memory
 //!   thresholds) that wake the gates' thread.
 //! - `paths`: the socket's directory, lock and stale-socket checks.
+//! - `admission`: who may connect (SO_PEERCRED).
 //! - `activation`: the listening socket systemd passes (socket activation).
 //! - `cluster`: joining a cluster pool in etcd (the `cluster` feature).
 //! - `handover`: passing the running state to a successor (`--replace`).
@@ -28,6 +29,7 @@
 #![cfg_attr(not(feature = "fuzzing"), deny(missing_docs))]
 
 mod activation;
+mod admission;
 mod broker;
 mod cluster;
 mod fuse;

@@ -7,34 +7,119 @@ use anyhow::{bail, Context, Result};
 use nix::fcntl::{Flock, FlockArg};
 use std::fs::{self, File, OpenOptions};
 use std::io::ErrorKind;
-use std::os::unix::fs::{DirBuilderExt, FileTypeExt, MetadataExt, OpenOptionsExt, PermissionsExt};
+use std::os::unix::fs::{DirBuilderExt, FileTypeExt, MetadataExt, OpenOptionsExt};
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 
-/// Makes sure the socket's directory exists and only we can use it. A
-/// directory we create is made 0700. One that exists must belong to us; we
-/// tighten it to 0700 only if it is one of our default directories, since
-/// `--socket` may point into a directory the user wants left as it is.
+/// Makes sure the socket's directory exists and only we can use it, without
+/// following a symbolic link anyone planted: the last component is made
+/// with mkdir (0700), and whatever was there already is judged by lstat.
+/// It must be a directory of ours; baton's own directories (`is_default`)
+/// and any we just made must also be closed to group and world. Nothing
+/// is ever chmod'ed: a directory of ours left open is refused with the
+/// command that closes it. A `--socket` in a world-writable directory is
+/// refused unless that directory is sticky (as /tmp is), where each name
+/// belongs to whoever made it; then a warning says why a private
+/// directory is better (docs/security.md).
 pub fn prepare_private_dir(dir: &Path, is_default: bool) -> Result<()> {
-    fs::DirBuilder::new()
-        .recursive(true)
-        .mode(0o700)
-        .create(dir)
-        .with_context(|| format!("cannot create the directory {}", dir.display()))?;
-    let meta = fs::metadata(dir).with_context(|| format!("cannot read {}", dir.display()))?;
+    if let Some(parent) = dir.parent().filter(|p| !p.as_os_str().is_empty()) {
+        fs::DirBuilder::new()
+            .recursive(true)
+            .mode(0o700)
+            .create(parent)
+            .with_context(|| format!("cannot create the directory {}", parent.display()))?;
+    }
+    let created = match fs::DirBuilder::new().mode(0o700).create(dir) {
+        Ok(()) => true,
+        Err(e) if e.kind() == ErrorKind::AlreadyExists => false,
+        Err(e) => {
+            return Err(e).with_context(|| format!("cannot create the directory {}", dir.display()))
+        }
+    };
+    let meta =
+        fs::symlink_metadata(dir).with_context(|| format!("cannot read {}", dir.display()))?;
     let uid = nix::unistd::getuid().as_raw();
-    if meta.uid() != uid {
+    if let Some(problem) =
+        baton_core::paths::private_dir_problem(dir, (&meta).into(), uid, is_default || created)
+    {
+        bail!("{problem}");
+    }
+    refuse_a_shared_dir_unless_sticky(dir, meta.mode())
+}
+
+/// In a directory anyone may write to, anyone may rename our socket away
+/// and put theirs in its place, unless the sticky bit keeps each name to
+/// its owner.
+fn refuse_a_shared_dir_unless_sticky(dir: &Path, mode: u32) -> Result<()> {
+    if mode & 0o002 == 0 {
+        return Ok(());
+    }
+    if mode & 0o1000 == 0 {
         bail!(
-            "{} belongs to uid {}, not to you (uid {uid}): refusing to put the broker's socket there",
-            dir.display(),
-            meta.uid()
+            "{} is writable by every user and not sticky: anyone could replace the broker's socket there (choose a private --socket directory, or leave --socket out)",
+            dir.display()
         );
     }
-    if is_default && meta.mode() & 0o077 != 0 {
-        fs::set_permissions(dir, fs::Permissions::from_mode(0o700))
-            .with_context(|| format!("cannot make {} private (chmod 0700)", dir.display()))?;
-    }
+    crate::log::warn(format_args!(
+        "{} is shared with every user: baton refuses names others plant beside its socket (a lock, a mount point), but a private directory is safer (leave --socket out, or name a directory of your own)",
+        dir.display()
+    ));
     Ok(())
+}
+
+/// Makes `path` a directory of ours inside the private directory (the
+/// FUSE mount point), or makes sure what is there is one: never through a
+/// symbolic link, never someone else's.
+pub fn own_subdir(path: &Path) -> Result<()> {
+    match fs::DirBuilder::new().mode(0o700).create(path) {
+        Ok(()) => return Ok(()),
+        Err(e) if e.kind() == ErrorKind::AlreadyExists => {}
+        Err(e) => return Err(e).with_context(|| format!("cannot create {}", path.display())),
+    }
+    let meta =
+        fs::symlink_metadata(path).with_context(|| format!("cannot read {}", path.display()))?;
+    let uid = nix::unistd::getuid().as_raw();
+    match baton_core::paths::private_dir_problem(path, (&meta).into(), uid, false) {
+        Some(problem) => bail!("{problem}"),
+        None => Ok(()),
+    }
+}
+
+/// Opens (creating if need be) a file of ours beside the socket, never
+/// through a symbolic link (O_NOFOLLOW), and refuses one someone else made
+/// there first.
+pub fn open_own_file(path: &Path) -> Result<File> {
+    let file = OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .mode(0o600)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
+        .open(path)
+        .map_err(|e| {
+            // ELOOP, or EACCES where the kernel protects sticky directories'
+            // links (fs.protected_symlinks): either way, say what is there.
+            if fs::symlink_metadata(path).is_ok_and(|m| m.file_type().is_symlink()) {
+                anyhow::anyhow!(
+                    "{} is a symbolic link: refusing to follow it (remove it, or choose another --socket)",
+                    path.display()
+                )
+            } else {
+                anyhow::Error::new(e).context(format!("cannot open {}", path.display()))
+            }
+        })?;
+    let owner = file
+        .metadata()
+        .with_context(|| format!("cannot read {}", path.display()))?
+        .uid();
+    let uid = nix::unistd::getuid().as_raw();
+    if owner != uid {
+        bail!(
+            "{} belongs to uid {owner}, not to you (uid {uid}): refusing it (remove it, or choose another --socket)",
+            path.display()
+        );
+    }
+    Ok(file)
 }
 
 /// An exclusive lock on `<socket>.lock`, held for the broker's lifetime so
@@ -84,14 +169,8 @@ impl LockError {
 /// it owns the new one.
 fn lock_file(path: &Path, how: FlockArg) -> Result<Flock<File>, LockError> {
     loop {
-        let file = OpenOptions::new()
-            .create(true)
-            .truncate(false)
-            .write(true)
-            .mode(0o600)
-            .open(path)
-            .with_context(|| format!("cannot open the lock file {}", path.display()))
-            .map_err(LockError::Other)?;
+        // Never through a link someone planted, and only a file of ours.
+        let file = open_own_file(path).map_err(LockError::Other)?;
         let lock = match Flock::lock(file, how) {
             Ok(lock) => lock,
             Err((_, nix::errno::Errno::EWOULDBLOCK)) => return Err(LockError::Busy),
@@ -102,7 +181,7 @@ fn lock_file(path: &Path, how: FlockArg) -> Result<Flock<File>, LockError> {
             }
         };
         let held = lock.metadata().map(|m| (m.dev(), m.ino()));
-        let named = fs::metadata(path).map(|m| (m.dev(), m.ino()));
+        let named = fs::symlink_metadata(path).map(|m| (m.dev(), m.ino()));
         if let (Ok(held), Ok(named)) = (held, named) {
             if held == named {
                 return Ok(lock);

@@ -11,7 +11,7 @@ use crate::{activation, cluster, fuse, log, metrics, paths};
 use anyhow::{Context, Result};
 use baton_core::gates::GateConfig;
 use baton_core::idle::IdleTimer;
-use baton_core::paths::{is_chosen_by_baton, private_dir, socket_path};
+use baton_core::paths::{is_default_private_dir, private_dir, socket_path};
 use nix::sys::signal::{kill, SigSet, Signal};
 use nix::sys::signalfd::{SfdFlags, SignalFd};
 use nix::unistd::Pid;
@@ -78,15 +78,15 @@ pub fn serve(opts: ServeOptions) -> Result<()> {
     } else {
         activation::inherited_listener()?
     };
-    // Only the directories baton chooses itself are tightened to 0700.
-    let chosen_by_us = is_chosen_by_baton(opts.socket.as_deref());
     let socket = match &activated {
         Some((_, path)) => path.clone(),
         None => socket_path(opts.socket.clone()),
     };
     let dir = private_dir(&socket);
-    paths::prepare_private_dir(&dir, chosen_by_us)?;
-    raise_fd_limit(opts.max_clients);
+    // baton's own directories must be closed to others (as clients check
+    // them); one systemd or the user named is left as it is, if ours.
+    paths::prepare_private_dir(&dir, is_default_private_dir(&dir))?;
+    let max_clients = raise_fd_limit(opts.max_clients);
     let mut handed = if opts.replace {
         Some(handover::receive(&socket)?)
     } else {
@@ -181,7 +181,7 @@ pub fn serve(opts: ServeOptions) -> Result<()> {
         broker.clone(),
         SpinPolicy::for_this_machine(opts.spin_us),
         opts.io_uring,
-        opts.max_clients,
+        max_clients,
     )
     .context("cannot start the event loop")?;
     // Grants other transports cause for socket clients wake the socket
@@ -433,21 +433,28 @@ fn stop_signals() -> SigSet {
 
 /// Every client costs the broker a file descriptor; the usual soft limit of
 /// 1024 would cap a big build, so take what the hard limit allows, and say
-/// so when even that is below `--max-clients`.
-fn raise_fd_limit(max_clients: usize) {
+/// so when even that is below `--max-clients`. Returns how many clients
+/// the broker takes: more get `ERR full`, not a connection left waiting
+/// for an accept() that fails for want of descriptors.
+fn raise_fd_limit(max_clients: usize) -> usize {
     use nix::sys::resource::{getrlimit, setrlimit, Resource};
     let Ok((soft, hard)) = getrlimit(Resource::RLIMIT_NOFILE) else {
-        return;
+        return max_clients;
     };
     if soft < hard {
         let _ = setrlimit(Resource::RLIMIT_NOFILE, hard, hard);
     }
-    if hard < (max_clients + FDS_BESIDE_CLIENTS) as u64 {
+    let Ok((usable, _)) = getrlimit(Resource::RLIMIT_NOFILE) else {
+        return max_clients;
+    };
+    let allowed = usable.saturating_sub(FDS_BESIDE_CLIENTS as u64).max(1);
+    if allowed < max_clients as u64 {
         log::warn(format_args!(
-            "the open-file limit ({hard}) lets the broker serve about {} clients, not --max-clients {max_clients} (raise it: ulimit -Hn, or LimitNOFILE= in its systemd unit)",
-            hard.saturating_sub(FDS_BESIDE_CLIENTS as u64)
+            "the open-file limit ({usable}) lets the broker serve {allowed} clients, not --max-clients {max_clients}: more are told the broker is full (raise it: ulimit -Hn, or LimitNOFILE= in its systemd unit)"
         ));
+        return allowed as usize;
     }
+    max_clients
 }
 
 /// Descriptors the broker keeps open besides its clients' (the listening

@@ -5,6 +5,7 @@
 //! SIGINT). A waiting client blocks in read() on its own connection, so a
 //! grant wakes exactly that process: the broker never broadcasts.
 
+use crate::admission::Admission;
 use crate::broker::{Broker, BrokerState, ClientMeta, Transport};
 use crate::log;
 use crate::spin::SpinPolicy;
@@ -33,7 +34,8 @@ const FIRST_CONN: usize = 4;
 const ACQUIRE_TAG: u64 = 0;
 
 /// A client that does not read its replies cannot make the broker buffer
-/// without end: past this much unsent output it is disconnected.
+/// without end: past this much unsent output its requests are no longer
+/// read (the kernel's socket buffer then stops its writes) until it reads.
 const MAX_UNSENT: usize = 1 << 20;
 
 /// At most this many connections at once unless told otherwise
@@ -66,10 +68,6 @@ struct Conn {
     interest: Interest,
     /// Its output waits to be sent with the loop's next sleep.
     unsent: bool,
-    /// The length of the last reply queued: one reply may be longer than
-    /// [`MAX_UNSENT`] (a STATUS listing ten thousand clients) and is sent
-    /// whole, however slowly the client reads it.
-    last_reply: usize,
 }
 
 /// A connection as a successor broker receives it (crate::handover): what
@@ -120,6 +118,12 @@ pub struct SocketServer {
     handover: Option<std::os::unix::net::UnixListener>,
     /// The pid of a client that said STOP: the loop ends after this round.
     stop_asked: Option<u32>,
+    /// Who may connect.
+    admission: Admission,
+    /// A descriptor kept in reserve: out of descriptors, it is closed for a
+    /// moment so that one more connection can be accepted and told
+    /// `ERR full`, rather than left waiting in the backlog.
+    spare_fd: Option<std::fs::File>,
 }
 
 impl SocketServer {
@@ -164,6 +168,8 @@ impl SocketServer {
             max_clients,
             handover: None,
             stop_asked: None,
+            admission: Admission::own_user(),
+            spare_fd: std::fs::File::open("/dev/null").ok(),
         };
         Ok((server, waker))
     }
@@ -447,7 +453,6 @@ impl SocketServer {
                     closing,
                     interest: Interest::READABLE,
                     unsent: false,
-                    last_reply: 0,
                 },
             );
             tokens.push(token);
@@ -476,7 +481,9 @@ impl SocketServer {
                 Err(e) if e.kind() == ErrorKind::Interrupted => continue,
                 Err(e) if e.raw_os_error() == Some(libc::EMFILE) => {
                     log::warn(format_args!("cannot accept a connection: {e} (raise the broker's open-file limit: ulimit -Hn, or LimitNOFILE= in its systemd unit)"));
-                    return;
+                    if !self.refuse_one_with_the_spare_fd() {
+                        return;
+                    }
                 }
                 Err(e) => {
                     // ENFILE and friends: log and keep serving those we have.
@@ -487,14 +494,50 @@ impl SocketServer {
         }
     }
 
+    /// Out of descriptors: gives back the one in reserve, accepts one
+    /// connection with it to answer `ERR full`, and takes the reserve
+    /// again. False if there was nobody to accept, or no reserve.
+    fn refuse_one_with_the_spare_fd(&mut self) -> bool {
+        if self.spare_fd.take().is_none() {
+            return false;
+        }
+        if let Ok((mut stream, _)) = self.listener.accept() {
+            let _ = stream.write(&self.full_reply());
+        }
+        self.spare_fd = std::fs::File::open("/dev/null").ok();
+        self.spare_fd.is_some()
+    }
+
+    fn full_reply(&self) -> Vec<u8> {
+        Reply::Err {
+            code: ErrorCode::Full,
+            message: format!(
+                "the broker serves its maximum of {} clients",
+                self.max_clients
+            ),
+        }
+        .encode()
+    }
+
     fn add_conn(&mut self, mut stream: UnixStream) {
-        let pid = peer_pid(&stream).unwrap_or(0);
-        if self.conns.len() >= self.max_clients {
+        use nix::sys::socket::{getsockopt, sockopt::PeerCredentials};
+        let Ok(peer) = getsockopt(&stream, PeerCredentials) else {
+            return; // gone already
+        };
+        let pid = peer.pid() as u32;
+        // Checked before anything else, whatever the socket file's mode:
+        // another user's request is never read.
+        if let Err(why) = self.admission.check(&peer) {
+            log::warn(format_args!("refused pid {pid}: {why}"));
             let reply = Reply::Err {
-                code: ErrorCode::Full,
-                message: format!("the broker already serves {} clients", self.max_clients),
+                code: ErrorCode::Denied,
+                message: why,
             };
             let _ = stream.write(&reply.encode());
+            return;
+        }
+        if self.conns.len() >= self.max_clients {
+            let _ = stream.write(&self.full_reply());
             return;
         }
         let token = Token(self.next_token);
@@ -518,7 +561,6 @@ impl SocketServer {
             closing: false,
             interest: Interest::READABLE,
             unsent: false,
-            last_reply: 0,
         };
         self.conns.insert(token, conn);
     }
@@ -530,6 +572,18 @@ impl SocketServer {
             let Some(conn) = self.conns.get_mut(&token) else {
                 return;
             };
+            if is_over_bound(conn) && !conn.closing {
+                // Too much unsent: send what the client takes; read on only
+                // below the bound (the next WRITABLE event brings us back).
+                if flush(conn).is_err() {
+                    return self.close(token);
+                }
+                if is_over_bound(conn) {
+                    break false;
+                }
+                self.process_lines(token);
+                continue;
+            }
             match read_chunk(conn) {
                 // A connection that is closing only drains its replies.
                 Chunk::Data if conn.closing => conn.inbuf.clear(),
@@ -629,7 +683,9 @@ impl SocketServer {
             let Some(conn) = self.conns.get_mut(&token) else {
                 return;
             };
-            if conn.closing {
+            // Past the bound the rest waits, read but unanswered, until
+            // the client reads (serve_conn resumes).
+            if conn.closing || is_over_bound(conn) {
                 return;
             }
             let Some(end) = conn.inbuf.iter().position(|&b| b == b'\n') else {
@@ -741,9 +797,7 @@ impl SocketServer {
                 }
             }
         };
-        let reply = reply.encode();
-        conn.last_reply = reply.len();
-        conn.outbuf.extend_from_slice(&reply);
+        conn.outbuf.extend_from_slice(&reply.encode());
     }
 
     fn reply_error(&mut self, token: Token, code: ErrorCode, message: String) {
@@ -956,12 +1010,14 @@ fn flush(conn: &mut Conn) -> io::Result<()> {
             Err(e) => return Err(e),
         }
     }
-    // Unsent output beyond the last reply is replies the client left
-    // unread while it sent more requests.
-    if conn.outbuf.len() > MAX_UNSENT + conn.last_reply {
-        return Err(io::Error::other("client does not read its replies"));
-    }
     Ok(())
+}
+
+/// Whether a connection's unsent replies have reached the bound, past which
+/// its requests are not read (a client that writes without reading cannot
+/// grow the broker's memory, nor keep its loop from the others).
+fn is_over_bound(conn: &Conn) -> bool {
+    conn.outbuf.len() >= MAX_UNSENT
 }
 
 /// The io_uring that sends replies as the loop sleeps, if this kernel
@@ -986,13 +1042,6 @@ fn io_uring_sender(poll: &Poll) -> Option<SendAndWait> {
 fn preemptions() -> i64 {
     use nix::sys::resource::{getrusage, UsageWho};
     getrusage(UsageWho::RUSAGE_THREAD).map_or(0, |usage| usage.involuntary_context_switches())
-}
-
-fn peer_pid(stream: &UnixStream) -> Option<u32> {
-    use nix::sys::socket::{getsockopt, sockopt::PeerCredentials};
-    getsockopt(stream, PeerCredentials)
-        .ok()
-        .map(|c| c.pid() as u32)
 }
 
 /// The process's command line from /proc, for status; empty if gone.

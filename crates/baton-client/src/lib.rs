@@ -41,6 +41,37 @@ pub enum Error {
         /// The path tried.
         path: PathBuf,
     },
+    /// The process answering at the socket runs as another user: it is
+    /// not our broker, and could lie about tokens or read our commands.
+    #[error("{path} is answered by a process of uid {owner}, not by your own broker (uid {me}) or root's: refusing to talk to it (someone else's broker or an impostor; remove the socket or choose another --socket)")]
+    NotOurBroker {
+        /// The socket path tried.
+        path: PathBuf,
+        /// The uid the kernel says the peer runs as.
+        owner: u32,
+        /// Our own uid.
+        me: u32,
+    },
+    /// The socket's directory is one baton picks itself, but it is not a
+    /// private directory of ours (squatted by another user, or a link).
+    #[error("{0}")]
+    UnsafeDirectory(String),
+    /// The broker serves as many clients as it can (`ERR full`).
+    #[error("the broker at {path} serves its maximum of {} clients (try again when some finish, or raise it: baton serve --max-clients N, and the broker's open-file limit)", max.map_or("its".to_string(), |n| n.to_string()))]
+    Full {
+        /// The socket path.
+        path: PathBuf,
+        /// The maximum, as the broker said it.
+        max: Option<u64>,
+    },
+    /// The broker does not serve our uid (`ERR denied`).
+    #[error("the broker at {path} refuses you: {message}")]
+    Denied {
+        /// The socket path.
+        path: PathBuf,
+        /// The broker's explanation.
+        message: String,
+    },
     /// The broker refused a request.
     #[error("broker refused: {message} ({code})")]
     Refused {
@@ -84,7 +115,9 @@ impl Client {
     /// `baton status` (a command line, say); at most 200 bytes, no newlines.
     pub fn connect(path: impl AsRef<Path>, label: &str) -> Result<Self> {
         let path = path.as_ref();
+        refuse_squatted_dir(path)?;
         let stream = UnixStream::connect(path).map_err(|e| connect_error(path, e))?;
+        refuse_other_users_broker(path, &stream)?;
         let writer = stream
             .try_clone()
             .map_err(|e| io_error("cloning the socket", e))?;
@@ -101,10 +134,19 @@ impl Client {
             .take(protocol::MAX_LABEL)
             .collect();
         let label = truncate_bytes(&label, protocol::MAX_LABEL);
-        match client.call(&Request::Hello {
+        let hello = Request::Hello {
             version: protocol::VERSION,
             label: label.to_string(),
-        })? {
+        };
+        // A broker that refuses us (full, or not our uid) answers at once
+        // and closes; our HELLO may then fail to send, but its answer is
+        // there to read.
+        let sent = client.send(&hello);
+        let reply = client.read_reply().map_err(|e| match sent {
+            Err(sent) if matches!(e, Error::Disconnected) => sent,
+            _ => e,
+        });
+        match reply.map_err(|e| at_connect(path, e))? {
             Reply::Hello {
                 client: id, limit, ..
             } => {
@@ -425,6 +467,100 @@ fn connect_error(path: &Path, e: io::Error) -> Error {
             source: e,
         },
     }
+}
+
+/// A refusal at connect, in words that name the broker.
+fn at_connect(path: &Path, e: Error) -> Error {
+    match e {
+        Error::Refused {
+            code: ErrorCode::Full,
+            message,
+        } => Error::Full {
+            path: path.to_path_buf(),
+            max: first_number(&message),
+        },
+        Error::Refused {
+            code: ErrorCode::Denied,
+            message,
+        } => Error::Denied {
+            path: path.to_path_buf(),
+            message,
+        },
+        e => e,
+    }
+}
+
+/// The first decimal number in `text` (the maximum in `ERR full`).
+fn first_number(text: &str) -> Option<u64> {
+    text.split(|c: char| !c.is_ascii_digit())
+        .find(|w| !w.is_empty())
+        .and_then(|w| w.parse().ok())
+}
+
+/// Refuses a socket in one of baton's own directories (`/tmp/baton-$UID`,
+/// `$XDG_RUNTIME_DIR/baton`) unless that directory is a private one of
+/// ours: another user may have made it first (docs/security.md).
+fn refuse_squatted_dir(socket: &Path) -> Result<()> {
+    let dir = baton_core::paths::private_dir(socket);
+    if !baton_core::paths::is_default_private_dir(&dir) {
+        return Ok(());
+    }
+    let Ok(meta) = std::fs::symlink_metadata(&dir) else {
+        return Ok(()); // no directory, no broker: connect says so
+    };
+    match baton_core::paths::private_dir_problem(&dir, (&meta).into(), my_uid(), true) {
+        Some(problem) => Err(Error::UnsafeDirectory(problem)),
+        None => Ok(()),
+    }
+}
+
+/// Refuses to talk to a process of another user (SO_PEERCRED: the uid the
+/// peer had when it listened), however the socket got where it is.
+fn refuse_other_users_broker(path: &Path, stream: &UnixStream) -> Result<()> {
+    let owner = peer_uid(stream).map_err(|e| Error::Io {
+        context: format!("asking who serves {}", path.display()),
+        source: e,
+    })?;
+    let me = my_uid();
+    if baton_core::paths::trusts_broker_of(owner, me) {
+        Ok(())
+    } else {
+        Err(Error::NotOurBroker {
+            path: path.to_path_buf(),
+            owner,
+            me,
+        })
+    }
+}
+
+fn peer_uid(stream: &UnixStream) -> io::Result<u32> {
+    use std::os::fd::AsRawFd;
+    let mut cred = libc::ucred {
+        pid: 0,
+        uid: 0,
+        gid: 0,
+    };
+    let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
+    // SAFETY: cred and len are valid for writes of the sizes given.
+    let rc = unsafe {
+        libc::getsockopt(
+            stream.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_PEERCRED,
+            (&mut cred as *mut libc::ucred).cast(),
+            &mut len,
+        )
+    };
+    if rc == 0 {
+        Ok(cred.uid)
+    } else {
+        Err(io::Error::last_os_error())
+    }
+}
+
+fn my_uid() -> u32 {
+    // SAFETY: getuid cannot fail and touches no memory.
+    unsafe { libc::getuid() }
 }
 
 fn is_not_a_socket(path: &Path) -> bool {

@@ -57,6 +57,82 @@ pub fn is_chosen_by_baton(explicit: Option<&Path>) -> bool {
     explicit.is_none() && std::env::var_os("BATON_SOCKET").is_none_or(|v| v.is_empty())
 }
 
+/// The directories baton picks itself for the socket's: `$XDG_RUNTIME_DIR/baton`
+/// where that is set, else `/tmp/baton-$UID`. Whoever finds one of these
+/// holds it to [`private_dir_problem`]'s strict rule (docs/security.md).
+pub fn is_default_private_dir(dir: &Path) -> bool {
+    // SAFETY: getuid cannot fail and touches no memory.
+    let uid = unsafe { libc::getuid() };
+    let tmp = PathBuf::from(format!("/tmp/baton-{uid}"));
+    let xdg = std::env::var_os("XDG_RUNTIME_DIR")
+        .filter(|p| !p.is_empty())
+        .map(|d| Path::new(&d).join("baton"));
+    dir == tmp || xdg.is_some_and(|x| dir == x)
+}
+
+/// What `lstat` says of a directory meant to hold a broker's files.
+#[derive(Debug, Clone, Copy)]
+pub struct DirFacts {
+    /// It is a symbolic link (whatever it points at).
+    pub is_symlink: bool,
+    /// It is a directory.
+    pub is_dir: bool,
+    /// Its owner's uid.
+    pub owner: u32,
+    /// Its mode bits (permissions, sticky bit).
+    pub mode: u32,
+}
+
+impl From<&std::fs::Metadata> for DirFacts {
+    /// From `symlink_metadata` (lstat), never `metadata`, which follows a link.
+    fn from(meta: &std::fs::Metadata) -> Self {
+        use std::os::unix::fs::MetadataExt;
+        DirFacts {
+            is_symlink: meta.file_type().is_symlink(),
+            is_dir: meta.is_dir(),
+            owner: meta.uid(),
+            mode: meta.mode(),
+        }
+    }
+}
+
+/// Why `dir` may not hold the broker of user `me`, if it may not: a
+/// symbolic link (someone could point it elsewhere later), not a directory,
+/// owned by someone else, or, when `private` (baton's own directories),
+/// open to the group or the world. None: it will do.
+pub fn private_dir_problem(dir: &Path, facts: DirFacts, me: u32, private: bool) -> Option<String> {
+    let dir = dir.display();
+    if facts.is_symlink {
+        return Some(format!(
+            "{dir} is a symbolic link, which anyone who owns it could point elsewhere: refusing it (remove it, or choose another --socket)"
+        ));
+    }
+    if !facts.is_dir {
+        return Some(format!(
+            "{dir} is not a directory: refusing it (remove it, or choose another --socket)"
+        ));
+    }
+    if facts.owner != me {
+        return Some(format!(
+            "{dir} belongs to uid {}, not to you (uid {me}): refusing to use a broker there (someone else made it; remove it as root, or choose another --socket)",
+            facts.owner
+        ));
+    }
+    if private && facts.mode & 0o077 != 0 {
+        return Some(format!(
+            "{dir} is open to other users (mode {:04o}): refusing to use a broker there (if it is yours: chmod 700 {dir})",
+            facts.mode & 0o7777
+        ));
+    }
+    None
+}
+
+/// Whether a broker run by uid `owner` may be trusted by user `me`: only
+/// our own, or root's (who could read our memory anyway).
+pub fn trusts_broker_of(owner: u32, me: u32) -> bool {
+    owner == me || owner == 0
+}
+
 /// The directory holding the socket, and the broker's other files (the lock,
 /// jobserver FIFOs, the FUSE mount).
 pub fn private_dir(socket: &Path) -> PathBuf {
@@ -104,6 +180,42 @@ mod tests {
             fuse_mount_point(Path::new("/run/u/baton/socket")),
             Path::new("/run/u/baton/fuse")
         );
+    }
+
+    fn facts(owner: u32, mode: u32) -> DirFacts {
+        DirFacts {
+            is_symlink: false,
+            is_dir: true,
+            owner,
+            mode,
+        }
+    }
+
+    #[test]
+    fn only_a_private_directory_of_ours_will_do() {
+        let dir = Path::new("/tmp/baton-7");
+        assert_eq!(private_dir_problem(dir, facts(7, 0o700), 7, true), None);
+        assert!(private_dir_problem(dir, facts(8, 0o700), 7, true)
+            .unwrap()
+            .contains("belongs to uid 8"));
+        assert!(private_dir_problem(dir, facts(7, 0o777), 7, true)
+            .unwrap()
+            .contains("mode 0777"));
+        assert_eq!(private_dir_problem(dir, facts(7, 0o755), 7, false), None);
+        let link = DirFacts {
+            is_symlink: true,
+            ..facts(7, 0o777)
+        };
+        assert!(private_dir_problem(dir, link, 7, false)
+            .unwrap()
+            .contains("symbolic link"));
+    }
+
+    #[test]
+    fn a_broker_of_ours_or_root_s_is_trusted() {
+        assert!(trusts_broker_of(7, 7));
+        assert!(trusts_broker_of(0, 7));
+        assert!(!trusts_broker_of(8, 7));
     }
 
     #[test]

@@ -198,6 +198,9 @@ pub enum ErrorCode {
     Range,
     /// The broker cannot take more clients now. Fatal.
     Full,
+    /// The broker does not serve the connecting user (docs/security.md).
+    /// Fatal.
+    Denied,
 }
 
 impl ErrorCode {
@@ -212,6 +215,7 @@ impl ErrorCode {
             ErrorCode::OverRelease => "over-release",
             ErrorCode::Range => "range",
             ErrorCode::Full => "full",
+            ErrorCode::Denied => "denied",
         }
     }
 
@@ -226,6 +230,7 @@ impl ErrorCode {
             "over-release" => ErrorCode::OverRelease,
             "range" => ErrorCode::Range,
             "full" => ErrorCode::Full,
+            "denied" => ErrorCode::Denied,
             _ => return None,
         })
     }

@@ -74,6 +74,7 @@ fn start_then_connect(socket: &Path, label: &str, start: &Autostart) -> Result<C
         .mode(0o700)
         .create(&dir)
         .with_context(|| format!("cannot create the directory {}", dir.display()))?;
+    refuse_unless_ours(&dir)?;
     let _only_us = lock_autostart(socket)?;
     // Whoever held the lock before us has started one.
     let mut attempts = 1;
@@ -97,6 +98,20 @@ fn start_then_connect(socket: &Path, label: &str, start: &Autostart) -> Result<C
     Ok(Client::connect(socket, label)?)
 }
 
+/// The directory we are about to write into, judged by lstat as the broker
+/// and the client judge it: another user may have made it first.
+fn refuse_unless_ours(dir: &Path) -> Result<()> {
+    let meta =
+        std::fs::symlink_metadata(dir).with_context(|| format!("cannot read {}", dir.display()))?;
+    let facts = (&meta).into();
+    let me = nix::unistd::getuid().as_raw();
+    let strict = baton_core::paths::is_default_private_dir(dir);
+    match baton_core::paths::private_dir_problem(dir, facts, me, strict) {
+        Some(problem) => bail!("{problem}"),
+        None => Ok(()),
+    }
+}
+
 fn lock_autostart(socket: &Path) -> Result<Flock<File>> {
     let path = baton_core::paths::autostart_lock_path(socket);
     let file = OpenOptions::new()
@@ -104,6 +119,7 @@ fn lock_autostart(socket: &Path) -> Result<Flock<File>> {
         .truncate(false)
         .write(true)
         .mode(0o600)
+        .custom_flags(libc::O_NOFOLLOW)
         .open(&path)
         .with_context(|| format!("cannot open the lock file {}", path.display()))?;
     Flock::lock(file, FlockArg::LockExclusive)
@@ -131,6 +147,7 @@ fn spawn_detached(start: &Autostart, log: &Path) -> Result<Child> {
         .create(true)
         .append(true)
         .mode(0o600)
+        .custom_flags(libc::O_NOFOLLOW)
         .open(log)
         .with_context(|| format!("cannot open the broker's log {}", log.display()))?;
     let mut command = Command::new(&start.program);

@@ -49,7 +49,7 @@ impl Fifo {
         let handle = OpenOptions::new()
             .read(true)
             .write(true)
-            .custom_flags(libc::O_NONBLOCK | libc::O_CLOEXEC)
+            .custom_flags(libc::O_NONBLOCK | libc::O_CLOEXEC | libc::O_NOFOLLOW)
             .open(&path)
             .with_context(|| format!("cannot open the jobserver FIFO {}", path.display()))?;
         let inotify = Inotify::init(InitFlags::IN_NONBLOCK | InitFlags::IN_CLOEXEC)

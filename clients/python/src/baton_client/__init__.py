@@ -14,7 +14,7 @@ The protocol is docs/protocol.md of the baton project.
 
 from ._async import AsyncClient, AsyncToken
 from ._client import Client, Token
-from ._wire import BatonError, DisconnectedError, NoBrokerError, RefusedError, socket_path
+from ._wire import BatonError, DisconnectedError, NoBrokerError, NotOurBrokerError, RefusedError, socket_path
 
 __all__ = [
     "AsyncClient",
@@ -23,6 +23,7 @@ __all__ = [
     "Client",
     "DisconnectedError",
     "NoBrokerError",
+    "NotOurBrokerError",
     "RefusedError",
     "Token",
     "socket_path",

@@ -17,8 +17,11 @@ from ._wire import (
     RefusedError,
     Reply,
     deadline_after,
+    check_directory,
+    check_peer,
     hello_line,
     parse_reply,
+    refused_at_connect,
     request_line,
     socket_path,
 )
@@ -146,6 +149,7 @@ class AsyncClient:
             await self._flush()
             return
         path = socket_path(self._socket)
+        check_directory(path)
         try:
             self._reader, self._writer = await asyncio.open_unix_connection(path)
         except (FileNotFoundError, ConnectionRefusedError) as e:
@@ -154,7 +158,11 @@ class AsyncClient:
                 raise NoBrokerError(f"baton: no broker at {path} (start one with: baton serve --jobs N)") from e
             return
         try:
+            check_peer(self._writer.get_extra_info("socket"), path)
             self.limit = (await self._call(hello_line(self._label), "OK")).numbers[2]
+        except RefusedError as e:
+            await self.close()
+            raise refused_at_connect(path, e) from None
         except BaseException:
             await self.close()
             raise

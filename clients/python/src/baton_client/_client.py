@@ -18,6 +18,7 @@ from ._wire import (
     Reply,
     deadline_after,
     hello_line,
+    refused_at_connect,
     request_line,
     socket_path,
 )
@@ -82,6 +83,9 @@ class Client:
             return
         try:
             hello = self._call(hello_line(label), "OK")
+        except RefusedError as e:
+            self._conn.close()
+            raise refused_at_connect(self._conn.path, e) from None
         except BaseException:
             self._conn.close()
             raise

@@ -4,8 +4,11 @@ request lines, reply lines, and a blocking connection with deadlines."""
 from __future__ import annotations
 
 import os
+import re
 import select
 import socket
+import stat
+import struct
 import time
 from typing import NamedTuple, Optional
 
@@ -33,6 +36,65 @@ class RefusedError(BatonError):
         super().__init__(f"baton: broker refused: {message} ({code})")
         self.code = code
         self.message = message
+
+
+class NotOurBrokerError(BatonError):
+    """A process of another user answers at the socket, or the socket sits
+    in one of baton's own directories that another user made: it is not
+    our broker, and it is refused before a word is sent."""
+
+
+def check_directory(path: str) -> None:
+    """Refuses a socket in baton's own directories ($XDG_RUNTIME_DIR/baton,
+    /tmp/baton-$UID) unless that directory is a private one of ours:
+    another user may have made it first (docs/security.md)."""
+    directory = os.path.dirname(path) or "."
+    defaults = {f"/tmp/baton-{os.getuid()}"}
+    if os.environ.get("XDG_RUNTIME_DIR"):
+        defaults.add(os.path.join(os.environ["XDG_RUNTIME_DIR"], "baton"))
+    if directory not in defaults:
+        return
+    try:
+        st = os.lstat(directory)
+    except FileNotFoundError:
+        return
+    me = os.getuid()
+    if stat.S_ISLNK(st.st_mode):
+        raise NotOurBrokerError(f"baton: {directory} is a symbolic link, which anyone who owns it could point elsewhere: refusing it")
+    if st.st_uid != me:
+        raise NotOurBrokerError(f"baton: {directory} belongs to uid {st.st_uid}, not to you (uid {me}): refusing to use a broker there")
+    if st.st_mode & 0o077:
+        raise NotOurBrokerError(f"baton: {directory} is open to other users (mode {st.st_mode & 0o7777:04o}): refusing to use a broker there (if it is yours: chmod 700 {directory})")
+
+
+def check_peer(sock: socket.socket, path: str) -> None:
+    """Refuses a peer that is neither our own uid nor root (SO_PEERCRED: the
+    kernel's word, whatever the socket file says)."""
+    creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    _pid, uid, _gid = struct.unpack("3i", creds)
+    me = os.getuid()
+    if uid not in (me, 0):
+        raise NotOurBrokerError(
+            f"baton: {path} is answered by a process of uid {uid}, not by your own broker (uid {me}) or root's: "
+            "refusing to talk to it (someone else's broker or an impostor; remove the socket or choose another path)"
+        )
+
+
+def refused_at_connect(path: str, e: RefusedError) -> RefusedError:
+    """A refusal of HELLO in words that name the broker."""
+    if e.code == "full":
+        most = re.search(r"\d+", e.message)
+        text = (
+            f"baton: the broker at {path} serves its maximum of {most.group(0) if most else 'its'} clients "
+            "(try again when some finish, or raise it: baton serve --max-clients N, and the broker's open-file limit)"
+        )
+    elif e.code == "denied":
+        text = f"baton: the broker at {path} refuses you: {e.message}"
+    else:
+        return e
+    worded = RefusedError(e.code, e.message)
+    worded.args = (text,)
+    return worded
 
 
 def socket_path(explicit: Optional[str] = None) -> str:
@@ -103,16 +165,18 @@ class Connection:
 
     def __init__(self, path: str) -> None:
         self.path = path
+        check_directory(path)
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             self.sock.connect(path)
+            check_peer(self.sock, path)
         except (FileNotFoundError, ConnectionRefusedError) as e:
             self.sock.close()
             raise NoBrokerError(f"baton: no broker at {path} (start one with: baton serve --jobs N)") from e
         except PermissionError as e:
             self.sock.close()
             raise BatonError(f"baton: permission denied connecting to {path} (the broker belongs to another user?)") from e
-        except OSError:
+        except (OSError, NotOurBrokerError):
             self.sock.close()
             raise
         self.buf = bytearray()

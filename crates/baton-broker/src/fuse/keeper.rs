@@ -71,6 +71,15 @@ impl Keeper {
 /// if there is one. None: no keeper, or its broker still lives.
 pub fn take(socket: &Path) -> Option<OwnedFd> {
     let stream = UnixStream::connect(path(socket)).ok()?;
+    // Only a keeper of ours: another user listening there (a --socket in
+    // a shared directory) must not hand us a descriptor to serve.
+    if !crate::handover::is_ours(&stream) {
+        crate::log::warn(format_args!(
+            "{} is answered by another user: not taking a FUSE descriptor from it",
+            path(socket).display()
+        ));
+        return None;
+    }
     stream
         .set_read_timeout(Some(Duration::from_secs(10)))
         .ok()?;

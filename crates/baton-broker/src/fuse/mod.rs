@@ -37,10 +37,8 @@ use fuser::{BackgroundSession, Config, MountOption, Session, SessionACL};
 use mio::{Poll, Waker};
 use nix::errno::Errno;
 use nix::sys::statfs::{statfs, FUSE_SUPER_MAGIC};
-use std::io::ErrorKind;
 use std::os::fd::{AsFd, AsRawFd, OwnedFd, RawFd};
 use std::os::unix::ffi::OsStrExt;
-use std::os::unix::fs::DirBuilderExt;
 use std::path::{Path, PathBuf};
 use std::sync::mpsc::Sender;
 use std::sync::{Arc, Mutex};
@@ -115,18 +113,15 @@ fn try_mount(
     if !Path::new("/dev/fuse").exists() {
         bail!("/dev/fuse does not exist");
     }
+    // A dead mount (a broker killed with its keeper) answers lstat with
+    // ENOTCONN: a mount point, not a link; it is cleared first.
+    if std::fs::symlink_metadata(path).is_err_and(|e| e.raw_os_error() == Some(libc::ENOTCONN)) {
+        clear_stale_mount(path)?;
+    }
+    // Checked by lstat before anything else: a link planted here would
+    // have us unmount, then mount over, whatever it points at.
+    crate::paths::own_subdir(path)?;
     clear_stale_mount(path)?;
-    std::fs::DirBuilder::new()
-        .mode(0o700)
-        .create(path)
-        .or_else(|e| {
-            if e.kind() == ErrorKind::AlreadyExists {
-                Ok(())
-            } else {
-                Err(e)
-            }
-        })
-        .with_context(|| format!("cannot create {}", path.display()))?;
     let (poll, waker, shared) = new_shared(broker.clone(), options)?;
     let session = Session::new(TokenFs(shared.clone()), path, &config())
         .with_context(|| format!("cannot mount at {}", path.display()))?;
@@ -341,7 +336,7 @@ fn detach(path: &Path) {
         return;
     };
     // SAFETY: umount2 reads a NUL-terminated path.
-    if unsafe { libc::umount2(cpath.as_ptr(), libc::MNT_DETACH) } == 0 {
+    if unsafe { libc::umount2(cpath.as_ptr(), libc::MNT_DETACH | libc::UMOUNT_NOFOLLOW) } == 0 {
         return;
     }
     let _ = std::process::Command::new("fusermount3")
