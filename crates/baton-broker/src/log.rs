@@ -2,7 +2,9 @@
 //! 3339, UTC, to the millisecond) and how serious (INFO, WARN, ERROR,
 //! DEBUG), then `baton: ` and the event:
 //!
-//!     2026-11-25T17:20:41.123Z INFO baton: serving 8 tokens at ...
+//! ```text
+//! 2026-11-25T17:20:41.123Z INFO baton: serving 8 tokens at ...
+//! ```
 //!
 //! `-v` adds per-connection detail; `-q` keeps only warnings and errors.
 
