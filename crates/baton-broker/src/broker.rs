@@ -764,6 +764,7 @@ impl Broker {
             .values()
             .filter_map(|&root| Some((self.pool.build_of(root)?, self.pool.meta(root)?)))
             .collect();
+        let running = self.running_jobs();
         self.pool
             .builds()
             // A client that only asks (`baton status`, `baton top`, a
@@ -795,9 +796,31 @@ impl Broker {
                     wait_ms_total: waits.map_or(0.0, |w| ms(w.sum())),
                     wait_ms_p50: waits.and_then(|w| w.percentile(0.5)).map(ms),
                     wait_ms_p99: waits.and_then(|w| w.percentile(0.99)).map(ms),
+                    running: roots
+                        .get(&b.id)
+                        .and_then(|m| running.as_ref()?.get(&m.pid).copied()),
                 }
             })
             .collect()
+    }
+
+    /// The jobs each `baton run`'s build runs now, by its pid, counted
+    /// from /proc (one pass); None with no build whose processes we can
+    /// find. A build running no job is there with 0.
+    fn running_jobs(&self) -> Option<HashMap<u32, u32>> {
+        let owners: HashMap<u32, u32> = self
+            .roots
+            .iter()
+            .filter_map(|(&pid, id)| Some((pid, *self.sessions.get(id)?)))
+            .collect();
+        if owners.is_empty() {
+            return None;
+        }
+        let mut jobs = crate::jobs::running_jobs(&owners);
+        for pid in owners.keys() {
+            jobs.entry(*pid).or_insert(0);
+        }
+        Some(jobs)
     }
 
     /// The mean tokens held in each second of the last ten minutes.

@@ -201,30 +201,69 @@ pub fn session_of(pid: u32) -> Option<u32> {
 /// session (daemons the build started, which call setsid) are not the
 /// build's any more: they would hold its tokens for ever.
 pub fn orphan_jobs(owner: u32, session: u32) -> u32 {
-    let marker = format!("{RUN_PID_VAR}={owner}");
+    running_jobs(&HashMap::from([(owner, session)]))
+        .get(&owner)
+        .copied()
+        .unwrap_or(0)
+}
+
+/// The jobs each build runs, by its `baton run`'s pid (`owners`: pid →
+/// session), in one pass over /proc: the environment is read only of
+/// processes in one of those sessions. A build tool with no child (make
+/// parsing, or waiting for a token) runs no job.
+pub fn running_jobs(owners: &HashMap<u32, u32>) -> HashMap<u32, u32> {
+    let sessions: std::collections::HashSet<u32> = owners.values().copied().collect();
     let Ok(dir) = std::fs::read_dir("/proc") else {
-        return 0;
+        return HashMap::new();
     };
-    let members: HashMap<u32, u32> = dir
+    // pid -> (ppid, owner, is a build tool)
+    let members: HashMap<u32, (u32, u32, bool)> = dir
         .filter_map(|e| e.ok()?.file_name().to_str()?.parse::<u32>().ok())
         .filter_map(|pid| {
             let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
             let fields = stat_fields(&stat)?;
             let live = fields.first().is_some_and(|s| *s != "Z" && *s != "X");
-            let ours = fields.get(3)?.parse::<u32>().ok()? == session;
-            (live && ours && has_in_environment(pid, &marker))
-                .then(|| Some((pid, fields.get(1)?.parse().ok()?)))?
+            let session = fields.get(3)?.parse::<u32>().ok()?;
+            if !live || !sessions.contains(&session) {
+                return None;
+            }
+            let owner = run_pid_of(pid)?;
+            (owners.get(&owner) == Some(&session)).then_some(())?;
+            let tool = is_a_build_tool(stat_comm(&stat)?);
+            Some((pid, (fields.get(1)?.parse().ok()?, owner, tool)))
         })
         .collect();
-    let parents: std::collections::HashSet<u32> = members.values().copied().collect();
-    members.keys().filter(|pid| !parents.contains(pid)).count() as u32
+    let parents: std::collections::HashSet<u32> = members.values().map(|m| m.0).collect();
+    let mut jobs = HashMap::new();
+    for (pid, &(_, owner, tool)) in &members {
+        if !parents.contains(pid) && !tool {
+            *jobs.entry(owner).or_insert(0) += 1;
+        }
+    }
+    jobs
 }
 
-/// Whether `NAME=VALUE` is one of the process's environment strings (as
-/// it was started; readable for our own processes, or as root).
-fn has_in_environment(pid: u32, entry: &str) -> bool {
-    std::fs::read(format!("/proc/{pid}/environ"))
-        .is_ok_and(|env| env.split(|&b| b == 0).any(|e| e == entry.as_bytes()))
+/// Build tools that wait for tokens and start jobs, but are none.
+fn is_a_build_tool(comm: &str) -> bool {
+    matches!(
+        comm,
+        "make" | "gmake" | "bmake" | "ninja" | "cargo" | "baton" | "samu"
+    )
+}
+
+fn stat_comm(stat: &str) -> Option<&str> {
+    stat.get(stat.find('(')? + 1..stat.rfind(')')?)
+}
+
+/// The `baton run` a process belongs to: [`RUN_PID_VAR`] in the
+/// environment it was started with (readable for our own processes, or as
+/// root).
+fn run_pid_of(pid: u32) -> Option<u32> {
+    let env = std::fs::read(format!("/proc/{pid}/environ")).ok()?;
+    let prefix = format!("{RUN_PID_VAR}=");
+    env.split(|&b| b == 0)
+        .find_map(|e| e.strip_prefix(prefix.as_bytes()))
+        .and_then(|v| std::str::from_utf8(v).ok()?.parse().ok())
 }
 
 /// The fields after the command's closing paren: state, ppid, pgrp,

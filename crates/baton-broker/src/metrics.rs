@@ -307,6 +307,7 @@ mod tests {
             wait_ms_total: 0.0,
             wait_ms_p50: Some(0.0),
             wait_ms_p99: Some(0.0),
+            running: None,
         };
         let mut registry = Registry::default();
         render_builds(&[build], &mut registry);

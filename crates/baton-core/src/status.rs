@@ -188,6 +188,12 @@ pub struct Build {
     /// 99% of them waited at most this long, likewise.
     #[serde(default)]
     pub wait_ms_p99: Option<f64>,
+    /// Jobs its processes run now, counted from /proc beside the tokens
+    /// it holds (issue #32): processes of the build with no child among
+    /// them, build tools (make, ninja, cargo...) not counted. Absent where
+    /// the broker cannot see the build's processes (not a `baton run`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub running: Option<u32>,
 }
 
 /// Counters since the broker started.

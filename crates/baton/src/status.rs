@@ -289,14 +289,16 @@ fn render_builds(s: &Status, out: &mut String) {
     out.push_str(&format!(
         "
 BUILDS
-{:>8} {:>6} {:>6} {:>7} {:>8} {:>12} NAME
+{:>8} {:>6} {:>6} {:>5} {:>7} {:>8} {:>12} NAME
 ",
-        "PID", "WEIGHT", "HELD", "WAITING", "GRANTS", "TOKEN-TIME"
+        "PID", "WEIGHT", "HELD", "JOBS", "WAITING", "GRANTS", "TOKEN-TIME"
     ));
     for b in active {
+        // Jobs counted from the build's processes, beside the tokens.
+        let running = b.running.map_or("-".to_string(), |n| n.to_string());
         out.push_str(&format!(
-            "{:>8} {:>6} {:>6} {:>7} {:>8} {:>11.1}s {}\n",
-            b.pid, b.weight, b.held, b.waiting, b.grants, b.token_seconds, b.name
+            "{:>8} {:>6} {:>6} {:>5} {:>7} {:>8} {:>11.1}s {}\n",
+            b.pid, b.weight, b.held, running, b.waiting, b.grants, b.token_seconds, b.name
         ));
     }
 }

@@ -459,7 +459,7 @@ struct Column {
     cell: fn(&Build, f64) -> String,
 }
 
-const COLUMNS: [Column; 8] = [
+const COLUMNS: [Column; 9] = [
     Column {
         header: "NAME",
         width: 8,
@@ -477,6 +477,14 @@ const COLUMNS: [Column; 8] = [
         width: 6,
         drop_rank: 0,
         cell: |b, _| b.held.to_string(),
+    },
+    // Jobs counted from the build's processes: more than HELD is a tool
+    // running past its tokens (a sub-make with its own -jN).
+    Column {
+        header: "JOBS",
+        width: 5,
+        drop_rank: 1,
+        cell: |b, _| b.running.map_or("-".into(), |n| n.to_string()),
     },
     Column {
         header: "WAITING",
@@ -589,6 +597,7 @@ mod tests {
             wait_ms_total: 0.0,
             wait_ms_p50: None,
             wait_ms_p99: None,
+            running: None,
         }
     }
 

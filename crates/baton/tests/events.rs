@@ -321,3 +321,59 @@ fn a_killed_baton_runs_jobs_keep_their_tokens_in_the_fifo_style() {
 fn a_killed_baton_runs_jobs_keep_their_tokens_with_bmake() {
     a_killed_baton_runs_jobs_keep_their_tokens(&bmake(), "auto");
 }
+
+/// The jobs `status` counts for the build (`builds[].running`).
+fn jobs_seen(broker: &Broker) -> Option<u32> {
+    broker.status().builds.iter().find_map(|b| b.running)
+}
+
+/// `status` counts what a build runs from its processes, beside the tokens
+/// it holds: a sub-make with `-j4` on its own command line runs 4 jobs
+/// under a limit of 2, past the jobserver, and the broker sees all 4 (and
+/// the text status shows them in its JOBS column); a build within its
+/// tokens shows as many jobs as it runs.
+#[test]
+fn status_counts_the_jobs_a_build_runs_past_its_tokens() {
+    let broker = Broker::start(2);
+    let dir = TempDir::new("jobs-seen");
+    let log = dir.path().join("jobs.log");
+    let jobs: Vec<String> = (0..4).map(|i| format!("s{i}")).collect();
+    std::fs::write(
+        dir.path().join("sub.mk"),
+        format!(
+            "all: {all}\n{all}:\n\t@{job}\n.PHONY: all {all}\n",
+            all = jobs.join(" "),
+            job = logged_job(&log, "4")
+        ),
+    )
+    .unwrap();
+    std::fs::write(
+        dir.path().join("Makefile"),
+        "all:\n\t@$(MAKE) -s -j4 -f sub.mk\n",
+    )
+    .unwrap();
+    let child = spawn_build(&broker, dir.path(), "fifo", &make44());
+    wait_for(Duration::from_secs(30), "4 jobs to run", || {
+        max_overlap(&log).0 == 4
+    });
+    wait_for(
+        Duration::from_secs(10),
+        "the broker to count 4 jobs",
+        || jobs_seen(&broker) == Some(4),
+    );
+    let status = broker.status();
+    assert!(status.held <= 2, "{status:#?}");
+    let text = status_text(&broker);
+    let row = text
+        .lines()
+        .skip_while(|l| *l != "BUILDS")
+        .find(|l| l.contains("baton run --"))
+        .unwrap_or_else(|| panic!("no build row:\n{text}"));
+    assert!(
+        row.split_whitespace().nth(3) == Some("4"),
+        "JOBS column: {text}"
+    );
+    let out = child.wait_with_output().unwrap();
+    assert!(out.status.success());
+    broker.assert_all_free();
+}

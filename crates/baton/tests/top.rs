@@ -217,8 +217,8 @@ fn top_shows_both_builds_raises_the_limit_survives_a_resize_and_quits_with_0() {
 
 /// Every word of the builds table's header line is a whole header.
 fn assert_headers_whole(screen: &str) {
-    const WORDS: [&str; 9] = [
-        "NAME", "WEIGHT", "HELD", "WAITING", "GRANTS", "WAIT", "p50", "p99", "RUNNING",
+    const WORDS: [&str; 10] = [
+        "NAME", "WEIGHT", "HELD", "JOBS", "WAITING", "GRANTS", "WAIT", "p50", "p99", "RUNNING",
     ];
     let header = screen
         .lines()
