@@ -45,7 +45,7 @@ mod spin;
 mod triggers;
 mod uring;
 
-pub use fuse::{Mode as FuseMode, Options as FuseOptions};
+pub use fuse::{Mode as FuseMode, Options as FuseOptions, ORPHAN_GRACE as FUSE_ORPHAN_GRACE};
 pub use log::LogLevel;
 
 /// Says why `baton serve` stops, as a line of the broker's log (with its

@@ -80,6 +80,12 @@ enum Cmd {
         /// "Held polls").
         #[arg(long, value_name = "MS", default_value_t = 1000, value_parser = clap::value_parser!(u64).range(0..=600_000), conflicts_with = "no_fuse")]
         fuse_hold_ms: u64,
+        /// If this broker is killed, its FUSE mount waits this long for a new
+        /// broker at the socket to take it over; then it goes, and builds
+        /// blocked reading their token files fail (ENOTCONN) instead of
+        /// hanging for good (docs/fuse.md, "When the broker dies").
+        #[arg(long, value_name = "SECS", default_value_t = baton_broker::FUSE_ORPHAN_GRACE.as_secs(), value_parser = clap::value_parser!(u64).range(1..=86_400), conflicts_with = "no_fuse")]
+        fuse_orphan_grace: u64,
         /// While messages arrive close together and a CPU is left free by the
         /// jobs holding tokens, look for the next one for up to US
         /// microseconds before sleeping: saves the broker a context switch
@@ -448,6 +454,7 @@ fn dispatch(command: Cmd) -> anyhow::Result<u8> {
             no_fuse,
             fuse_notify_all,
             fuse_hold_ms,
+            fuse_orphan_grace,
             spin_us,
             no_io_uring,
             gates,
@@ -475,6 +482,7 @@ fn dispatch(command: Cmd) -> anyhow::Result<u8> {
             let fuse = (!no_fuse).then_some(FuseOptions {
                 mode,
                 hold: Duration::from_millis(fuse_hold_ms),
+                orphan_grace: Duration::from_secs(fuse_orphan_grace),
             });
             // The file is read only when it is needed: a broker started as
             // another user need not be able to read the caller's home.

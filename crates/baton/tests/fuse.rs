@@ -874,3 +874,36 @@ fn a_second_user_is_refused_at_the_token_file() {
     assert!(s.holders.is_empty() && s.waiters.is_empty(), "{s:#?}");
     broker.assert_all_free();
 }
+
+/// A FUSE build whose broker is killed and never replaced ends once the
+/// keeper's grace (`--fuse-orphan-grace`, 1 s here) runs out: its token
+/// reads fail, and make stops, instead of waiting in the kernel for good
+/// (it hung in D state before, #32).
+#[test]
+fn a_fuse_build_whose_broker_never_comes_back_ends_after_the_grace() {
+    let Some(mut broker) = fuse_broker(2, &["--fuse-orphan-grace", "1"]) else {
+        return;
+    };
+    let dir = TempDir::new("fuse-orphan");
+    let log = dir.path().join("jobs.log");
+    common::flat_makefile(dir.path(), &log, 40, "0.2");
+    let mut child = make_via_fuse(&broker, dir.path(), "Makefile")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    wait_for(Duration::from_secs(30), "the build to run", || {
+        max_overlap(&log).1 >= 2
+    });
+    broker.stop_with(libc::SIGKILL);
+    let ended = common::wait_timeout(&mut child, Duration::from_secs(120));
+    if ended.is_none() {
+        unsafe { libc::kill(-(child.id() as i32), libc::SIGKILL) };
+        child.wait().unwrap();
+    }
+    assert!(ended.is_some(), "the build hung after its broker died");
+    assert!(
+        max_overlap(&log).1 < 40,
+        "the build finished before it needed the dead broker: it proves nothing"
+    );
+}

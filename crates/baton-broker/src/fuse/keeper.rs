@@ -12,7 +12,11 @@
 //! system calls (the broker has threads; after fork only
 //! async-signal-safe calls are allowed). It ends when the broker dismisses
 //! it (a normal stop or a handover), when it has passed the descriptor on,
-//! or when the connection ends (the mount went away).
+//! when the connection ends (the mount went away), or when no broker has
+//! taken the descriptor within the grace after its broker died: then the
+//! last descriptor closes, the kernel ends the connection, and every
+//! request blocked in the mount fails with ENOTCONN, so builds end instead
+//! of hanging for good (#32).
 
 use anyhow::{Context, Result};
 use nix::sys::socket::{recvmsg, ControlMessageOwned, MsgFlags};
@@ -40,7 +44,7 @@ pub fn path(socket: &Path) -> PathBuf {
 
 impl Keeper {
     /// Forks a keeper holding `device`.
-    pub fn spawn(socket: &Path, device: RawFd) -> Result<Keeper> {
+    pub fn spawn(socket: &Path, device: RawFd, grace: Duration) -> Result<Keeper> {
         let path = path(socket);
         let _ = std::fs::remove_file(&path);
         let listener = UnixListener::bind(&path)
@@ -51,7 +55,7 @@ impl Keeper {
         // SAFETY: the child runs only `keep`, which makes raw system calls.
         match unsafe { libc::fork() } {
             -1 => Err(std::io::Error::last_os_error()).context("cannot fork the FUSE keeper"),
-            0 => unsafe { keep(device, life_read.as_raw_fd(), listener.as_raw_fd()) },
+            0 => unsafe { keep(device, life_read.as_raw_fd(), listener.as_raw_fd(), grace) },
             pid => Ok(Keeper { life, pid }),
         }
     }
@@ -109,7 +113,8 @@ const LISTENER: RawFd = 5;
 ///
 /// # Safety
 /// Only in a child just forked: it takes over the process's descriptors.
-unsafe fn keep(device: RawFd, life: RawFd, listener: RawFd) -> ! {
+unsafe fn keep(device: RawFd, life: RawFd, listener: RawFd, grace: Duration) -> ! {
+    let grace_ms = grace.as_millis().min(i32::MAX as u128) as i32;
     // Ours go to 3, 4, 5 (by way of high numbers, as they may overlap);
     // everything else closes: a client connection or the listening socket
     // held here would hide the broker's death from its clients.
@@ -152,8 +157,12 @@ unsafe fn keep(device: RawFd, life: RawFd, listener: RawFd) -> ! {
                 revents: 0,
             },
         ];
-        if libc::poll(fds.as_mut_ptr(), 3, -1) < 0 {
-            continue;
+        // Once orphaned, the wait is the grace: nobody took the device.
+        let timeout = if orphaned { grace_ms } else { -1 };
+        match libc::poll(fds.as_mut_ptr(), 3, timeout) {
+            0 => libc::_exit(0),
+            n if n < 0 => continue,
+            _ => {}
         }
         if fds[0].revents != 0 {
             libc::_exit(0);

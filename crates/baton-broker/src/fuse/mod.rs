@@ -52,13 +52,21 @@ pub struct Options {
     /// How long a poll of a file marked `hold` is held at most; zero:
     /// never held (see `waiters`).
     pub hold: Duration,
+    /// How long the keeper of a killed broker's mount waits for a new
+    /// broker before it lets the mount go, so that builds blocked in it
+    /// fail (ENOTCONN) instead of hanging for good (see `keeper`).
+    pub orphan_grace: Duration,
 }
+
+/// [`Options::orphan_grace`] unless told.
+pub const ORPHAN_GRACE: Duration = Duration::from_secs(10);
 
 impl Default for Options {
     fn default() -> Self {
         Options {
             mode: Mode::OneAtATime,
             hold: waiters::HOLD,
+            orphan_grace: ORPHAN_GRACE,
         }
     }
 }
@@ -133,6 +141,7 @@ fn try_mount(
         poll,
         waker,
         shared,
+        options.orphan_grace,
     )
 }
 
@@ -162,6 +171,7 @@ fn adopt_orphan(
         poll,
         waker,
         shared,
+        options.orphan_grace,
     )
 }
 
@@ -193,6 +203,7 @@ pub fn adopt(
         poll,
         waker,
         shared,
+        options.orphan_grace,
     )
 }
 
@@ -232,12 +243,13 @@ fn start(
     poll: Poll,
     waker: Arc<Waker>,
     shared: Arc<Shared>,
+    orphan_grace: Duration,
 ) -> Result<FuseMount> {
     let device = session
         .as_fd()
         .try_clone_to_owned()
         .context("cannot duplicate the FUSE descriptor")?;
-    let keeper = keeper::Keeper::spawn(&socket, device.as_raw_fd())
+    let keeper = keeper::Keeper::spawn(&socket, device.as_raw_fd(), orphan_grace)
         .inspect_err(|e| log::warn(format_args!("no keeper for the FUSE mount ({e:#}): if this broker is killed, FUSE-style builds fail")))
         .ok();
     let session = session.spawn().context("cannot start the FUSE thread")?;
