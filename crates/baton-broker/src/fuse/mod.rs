@@ -138,9 +138,7 @@ fn try_mount(
         socket.to_path_buf(),
         path,
         broker,
-        poll,
-        waker,
-        shared,
+        (poll, waker, shared),
         options.orphan_grace,
     )
 }
@@ -168,9 +166,7 @@ fn adopt_orphan(
         socket.to_path_buf(),
         path,
         broker,
-        poll,
-        waker,
-        shared,
+        (poll, waker, shared),
         options.orphan_grace,
     )
 }
@@ -200,9 +196,7 @@ pub fn adopt(
         socket.to_path_buf(),
         &path,
         broker,
-        poll,
-        waker,
-        shared,
+        (poll, waker, shared),
         options.orphan_grace,
     )
 }
@@ -240,9 +234,7 @@ fn start(
     socket: PathBuf,
     path: &Path,
     broker: Arc<Mutex<Broker>>,
-    poll: Poll,
-    waker: Arc<Waker>,
-    shared: Arc<Shared>,
+    (poll, waker, shared): (Poll, Arc<Waker>, Arc<Shared>),
     orphan_grace: Duration,
 ) -> Result<FuseMount> {
     let device = session
