@@ -2,8 +2,10 @@
 //! make 4.4.1 on a FIFO and on the FUSE file, ninja 1.13 on a FIFO, cargo
 //! as `auto` chooses) and native clients (`baton run` holding tokens for a
 //! sleep: the Rust client) come and go under kill -9 of random clients and
-//! their children, limit changes and broker restarts (kill -9, then a new
-//! broker on the same socket), while an observer samples `baton status
+//! their children, limit changes, builds stopped and continued (SIGSTOP
+//! and SIGCONT of the whole group, as ^Z and `fg`) and broker restarts
+//! (kill -9, then a new broker on the same socket), while an observer
+//! samples `baton status
 //! --json`. Never more held than the limit (but while a lowered limit
 //! drains, and then nothing is granted), every token back at the end, the
 //! broker alive.
@@ -74,6 +76,8 @@ struct Counts {
     clients_killed: u32,
     children_killed: u32,
     limit_changes: u32,
+    /// Builds stopped (SIGSTOP of the whole group, as ^Z does) and let go on.
+    stops: u32,
     broker_restarts: u32,
     /// Upgrades in place: no build may notice them.
     broker_replacements: u32,
@@ -378,7 +382,7 @@ fn chaos_loses_no_token_and_never_breaks_the_limit() {
                 seen.violations.len()
             );
         }
-        match dice.below(20) {
+        match dice.below(21) {
             0..=9 if running.len() < 6 => {
                 let kind = KINDS[dice.below(KINDS.len())];
                 let one_cargo =
@@ -428,6 +432,14 @@ fn chaos_loses_no_token_and_never_breaks_the_limit() {
             19 if dice.below(4) == 0 => {
                 replace(&mut broker, limit);
                 counts.broker_replacements += 1;
+            }
+            // A ^Z and `fg`: the build keeps its tokens meanwhile (#32).
+            20 if !running.is_empty() => {
+                let group = running[dice.below(running.len())].child.id() as i32;
+                unsafe { libc::kill(-group, libc::SIGSTOP) };
+                std::thread::sleep(Duration::from_millis(20 * (1 + dice.below(10)) as u64));
+                unsafe { libc::kill(-group, libc::SIGCONT) };
+                counts.stops += 1;
             }
             _ => {}
         }
