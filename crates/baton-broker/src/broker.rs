@@ -475,16 +475,28 @@ impl Broker {
         log::info(format_args!(
             "baton run pid {owner} died while its build runs {jobs} job(s): its tokens come back as they end"
         ));
-        self.hold_for_orphans(id, jobs);
+        self.hold_for_orphans(id, jobs, true);
         if let Some(hook) = &self.orphans_hook {
             (hook.0)();
         }
         true
     }
 
-    /// Keeps `jobs` of an orphaned build's tokens (never more than it
-    /// holds: nothing is created) and gives the rest back.
-    fn hold_for_orphans(&mut self, id: ClientId, jobs: u32) {
+    /// Keeps `jobs` of an orphaned build's tokens and gives the rest back.
+    ///
+    /// At the moment a build is orphaned (`at_death`) it holds as many as
+    /// its jobs, even more than its owner held: in the FUSE form the tokens
+    /// make read through the file come back as make dies (they were its
+    /// process's), while the jobs it started run on. They are counted as
+    /// HOLD counts (the pool drains; nothing is created). Later looks only
+    /// give back: a job started since took a token the pool already counts.
+    fn hold_for_orphans(&mut self, id: ClientId, jobs: u32, at_death: bool) {
+        let held = self.pool.held_by(id);
+        if at_death && jobs > held {
+            // Refused only past MAX_LIMIT held in all: then the pool
+            // already grants nothing, and what it holds is what it has.
+            let _ = self.pool.hold(id, (jobs - held).min(self.pool.limit()));
+        }
         let spare = self.pool.held_by(id).saturating_sub(jobs);
         if spare > 0 {
             let grants = self.pool.release(id, spare).unwrap_or_default();
@@ -510,7 +522,7 @@ impl Broker {
                         o.owner
                     ));
                 }
-                jobs => self.hold_for_orphans(id, jobs),
+                jobs => self.hold_for_orphans(id, jobs, false),
             }
         }
         !self.orphaned.is_empty()

@@ -318,6 +318,11 @@ fn a_killed_baton_runs_jobs_keep_their_tokens_in_the_fifo_style() {
 }
 
 #[test]
+fn a_killed_baton_runs_jobs_keep_their_tokens_in_the_fuse_style() {
+    a_killed_baton_runs_jobs_keep_their_tokens(&make44(), "fuse");
+}
+
+#[test]
 fn a_killed_baton_runs_jobs_keep_their_tokens_with_bmake() {
     a_killed_baton_runs_jobs_keep_their_tokens(&bmake(), "auto");
 }
