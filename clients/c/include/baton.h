@@ -26,9 +26,13 @@
  *   EPROTO      the broker said something this library does not expect, or
  *               refused a request as malformed (a bug here or a broker of
  *               another protocol version); the connection is dead.
- * baton_refusal() gives the broker's own words for the last refusal.
+ * baton_errmsg() says in words what the last failed call found (the socket,
+ * the uid that answered there, the broker's maximum of clients, ...);
+ * baton_refusal() gives the broker's own words for the last refusal on a
+ * connection.
  *
- * Threads: the library has no global state. A connection must be used by
+ * Threads: the library has no global state (baton_errmsg()'s message is
+ * kept per thread, as errno is). A connection must be used by
  * one thread at a time; give each thread its own connection (a waiting
  * baton_acquire() holds it, and the protocol allows nothing else on it
  * meanwhile). Writes use MSG_NOSIGNAL: a dead broker never raises SIGPIPE.
@@ -61,13 +65,27 @@ struct timespec baton_deadline(unsigned long ms);
  *                         baton serve --jobs N)
  *   EACCES        the socket belongs to another user, or the broker does
  *                 not serve our uid (ERR denied)
- *   EPERM         a process of another user (neither ours nor root) answers
- *                 there: not our broker, refused before a word is sent
+ *   EPERM         not our broker, refused before a word is sent: a process
+ *                 of another user (neither ours nor root) answers there; or
+ *                 the socket is in one of baton's own directories
+ *                 ($XDG_RUNTIME_DIR/baton, /tmp/baton-$UID) and that
+ *                 directory (by lstat) is a symbolic link, not a directory,
+ *                 another user's, or open to group or world (mode & 077)
  *   ENAMETOOLONG  the path does not fit a Unix socket address
  *   EUSERS        the broker already serves its maximum of connections
+ *                 (ERR full)
  *   ETIMEDOUT     no answer before the deadline
  *   ENOMEM        out of memory
- *   and any other errno of socket(2) or connect(2). */
+ *   and any other errno of socket(2) or connect(2).
+ * baton_errmsg() then names the socket, e.g.
+ *   "PATH is answered by a process of uid 65534, not by your own broker
+ *    (uid 1000) or root's: refusing to talk to it (...)"
+ *   "/tmp/baton-1000 is open to other users (mode 0770): refusing to use a
+ *    broker there (if it is yours: chmod 700 /tmp/baton-1000)"
+ *   "the broker at PATH serves its maximum of 6 clients (try again when
+ *    some finish, or raise it: ...)"
+ *   "the broker at PATH refuses you: <the broker's words>"
+ *   "no broker at PATH (start one with: baton serve --jobs N)" */
 baton_t *baton_connect(const char *path, const char *label, const struct timespec *deadline);
 
 /* Waits until `n` more tokens are this connection's, all at once (first
@@ -108,6 +126,17 @@ unsigned baton_limit(const baton_t *c);
 
 /* The broker's message for the last request it refused ("" if none). */
 const char *baton_refusal(const baton_t *c);
+
+/* What the last call of this thread that failed found, in words, for
+ * people (programs look at errno): no trailing newline, no "baton: "
+ * prefix, "" if none failed yet. Calls that succeed leave it alone, as
+ * they leave errno; the next failure in the same thread overwrites it, so
+ * read or copy it before calling the library again:
+ *   if (!c) errx(1, "baton: %s", baton_errmsg());
+ * A refusal by the broker reads "broker refused: <its words> (<code>)",
+ * except at connect, where ERR full and ERR denied name the socket (see
+ * baton_connect()). Never NULL; the library owns the buffer. */
+const char *baton_errmsg(void);
 
 /* Closes the connection (the broker takes back every token it held) and
  * frees it. NULL is allowed. */

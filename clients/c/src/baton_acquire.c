@@ -17,6 +17,7 @@ static int withdraw(baton_t *c) {
     if (granted && baton__read_reply(c, line, sizeof line, &r, NULL) < 0) return -1;
     if (strcmp(r.kind, "CANCELLED") != 0) {
         errno = EPROTO;
+        baton__say("unexpected reply from the broker: %s where CANCELLED was due", r.kind);
         return -1;
     }
     return granted;
@@ -31,13 +32,18 @@ int baton_acquire(baton_t *c, unsigned n, const struct timespec *deadline) {
         if (errno != ETIMEDOUT) return -1;
         int granted = withdraw(c);
         if (granted <= 0) {
-            if (granted == 0) errno = ETIMEDOUT;
+            if (granted == 0) {
+                errno = ETIMEDOUT;
+                baton__say("the deadline passed before the broker granted %u token(s): the request was withdrawn, "
+                           "nothing is held for it", n);
+            }
             return -1;
         }
         return 0;
     }
     if (strcmp(r.kind, "GRANTED") != 0) {
         errno = EPROTO;
+        baton__say("unexpected reply from the broker: %s where GRANTED was due", r.kind);
         return -1;
     }
     return 0;

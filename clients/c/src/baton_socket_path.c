@@ -3,7 +3,7 @@
 #include <stdlib.h>
 #include <unistd.h>
 
-#include "baton.h"
+#include "internal.h"
 
 int baton_socket_path(char *buf, size_t size) {
     const char *explicit = getenv("BATON_SOCKET");
@@ -17,6 +17,8 @@ int baton_socket_path(char *buf, size_t size) {
         n = snprintf(buf, size, "/tmp/baton-%u/socket", (unsigned)getuid());
     if (n < 0 || (size_t)n >= size) {
         errno = ENAMETOOLONG;
+        baton__say("the socket path (%s) does not fit in %zu bytes", explicit && *explicit ? "$BATON_SOCKET"
+                   : runtime && *runtime ? "$XDG_RUNTIME_DIR/baton/socket" : "/tmp/baton-$UID/socket", size);
         return -1;
     }
     return n;

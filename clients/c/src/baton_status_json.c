@@ -9,7 +9,10 @@ char *baton_status_json(baton_t *c, const struct timespec *deadline) {
     if (baton__call(c, "STATUS\n", "STATUS", NULL, line, sizeof line, &r, deadline) < 0) return NULL;
     size_t len = (size_t)r.num[0];
     char *json = malloc(len + 1);
-    if (!json) return NULL; /* the body stays unread: the connection is unusable (see baton.h) */
+    if (!json) { /* the body stays unread: the connection is unusable (see baton.h) */
+        baton__say("out of memory for a status document of %zu bytes", len);
+        return NULL;
+    }
     if (baton__read_exact(c, json, len + 1, deadline) < 0) {
         int e = errno;
         free(json);
@@ -19,6 +22,7 @@ char *baton_status_json(baton_t *c, const struct timespec *deadline) {
     if (json[len] != '\n') {
         free(json);
         errno = EPROTO;
+        baton__say("unexpected reply from the broker: a status document not followed by a newline");
         return NULL;
     }
     json[len] = '\0';

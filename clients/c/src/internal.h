@@ -11,6 +11,10 @@
  * included) stays well below this. */
 #define BATON_LINE_MAX 1024
 
+/* baton_errmsg()'s buffer: a socket path, a reply line and words around
+ * them. */
+#define BATON_MSG_MAX 2048
+
 struct baton {
     int fd;
     unsigned limit;
@@ -29,6 +33,11 @@ struct baton_reply {
     const char *code;
     const char *message;
 };
+
+/* Sets this thread's baton_errmsg() (printf-style); errno is kept. Every
+ * failure of a public function says something here, at the place that
+ * knows what went wrong. */
+void baton__say(const char *format, ...) __attribute__((format(printf, 1, 2)));
 
 /* Decodes `line` (no newline; modified in place). 0, or -1 with EPROTO. */
 int baton__parse_reply(char *line, struct baton_reply *r);

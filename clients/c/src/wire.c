@@ -43,6 +43,8 @@ static int parse_number(const char *word, unsigned long long *out) {
 }
 
 int baton__parse_reply(char *line, struct baton_reply *r) {
+    char said[BATON_LINE_MAX];
+    snprintf(said, sizeof said, "%s", line); /* for the message: line is cut up below */
     memset(r, 0, sizeof *r);
     char *rest = strchr(line, ' ');
     if (rest) *rest++ = '\0';
@@ -64,6 +66,7 @@ int baton__parse_reply(char *line, struct baton_reply *r) {
     }
     if (want < 0 || r->count != want || rest) {
         errno = EPROTO;
+        baton__say("unexpected reply from the broker: %s", said);
         return -1;
     }
     return 0;
@@ -85,9 +88,13 @@ int baton__wait(int fd, short events, const struct timespec *deadline) {
         if (n > 0) return 0;
         if (n == 0 && remaining_ms(deadline) == 0) {
             errno = ETIMEDOUT;
+            baton__say("no answer from the broker before the deadline");
             return -1;
         }
-        if (n < 0 && errno != EINTR) return -1;
+        if (n < 0 && errno != EINTR) {
+            baton__say("waiting for the broker: %s", strerror(errno));
+            return -1;
+        }
     }
 }
 
@@ -98,6 +105,10 @@ int baton__send(baton_t *c, const char *data, size_t len, const struct timespec 
         if (n < 0) {
             if (errno == EINTR || errno == EAGAIN) continue;
             if (errno == EPIPE) errno = ECONNRESET;
+            if (errno == ECONNRESET)
+                baton__say("the broker closed the connection");
+            else
+                baton__say("writing to the broker: %s", strerror(errno));
             return -1;
         }
         data += n;
@@ -110,6 +121,7 @@ int baton__send(baton_t *c, const char *data, size_t len, const struct timespec 
 static int fill(baton_t *c, const struct timespec *deadline) {
     if (c->len == sizeof c->buf) {
         errno = EPROTO;
+        baton__say("unexpected reply from the broker: %zu bytes without a newline", c->len);
         return -1;
     }
     for (;;) {
@@ -120,7 +132,13 @@ static int fill(baton_t *c, const struct timespec *deadline) {
             return 0;
         }
         if (n == 0) errno = ECONNRESET;
-        if (n == 0 || (errno != EINTR && errno != EAGAIN)) return -1;
+        if (n == 0 || (errno != EINTR && errno != EAGAIN)) {
+            if (errno == ECONNRESET)
+                baton__say("the broker closed the connection");
+            else
+                baton__say("reading from the broker: %s", strerror(errno));
+            return -1;
+        }
     }
 }
 
@@ -136,6 +154,7 @@ int baton__read_line(baton_t *c, char *line, size_t size, const struct timespec 
     size_t len = (size_t)(end - c->buf);
     if (len >= size) {
         errno = EPROTO;
+        baton__say("unexpected reply from the broker: a line of %zu bytes", len);
         return -1;
     }
     memcpy(line, c->buf, len);
@@ -162,6 +181,7 @@ int baton__read_reply(baton_t *c, char *line, size_t size, struct baton_reply *r
     if (strcmp(r->kind, "ERR") == 0) {
         snprintf(c->refusal, sizeof c->refusal, "%s (%s)", r->message, r->code);
         errno = baton__errno_of(r->code);
+        baton__say("broker refused: %s", c->refusal);
         return -1;
     }
     if (strcmp(r->kind, "GRANTED") == 0 || strcmp(r->kind, "RELEASED") == 0) c->held = (unsigned)r->num[1];
@@ -176,6 +196,7 @@ int baton__call(baton_t *c, const char *request, const char *want, const char *a
     if (baton__read_reply(c, line, size, r, deadline) < 0) return -1;
     if (strcmp(r->kind, want) != 0 && !(also && strcmp(r->kind, also) == 0)) {
         errno = EPROTO;
+        baton__say("unexpected reply from the broker: %s where %s was due", r->kind, want);
         return -1;
     }
     return 0;

@@ -52,14 +52,27 @@ void broker_start(struct broker *b, unsigned jobs) {
 }
 
 void broker_start_with(struct broker *b, unsigned jobs, unsigned max_clients) {
+    broker_start_as(b, jobs, max_clients, "run", (unsigned)getuid());
+}
+
+void broker_start_as(struct broker *b, unsigned jobs, unsigned max_clients, const char *subdir, unsigned uid) {
+    int other = uid != (unsigned)getuid();
     if (access(baton_bin(), X_OK) != 0) {
         fprintf(stderr, "%s not found (BATON_BIN unset or wrong): run scripts/test, which builds it\n", baton_bin());
         exit(1);
     }
     snprintf(b->dir, sizeof b->dir, "/tmp/baton-c-XXXXXX");
     CHECK(mkdtemp(b->dir));
-    snprintf(b->socket, sizeof b->socket, "%s/run/socket", b->dir);
-    char log[96], jobs_text[16], max_text[16];
+    snprintf(b->socket, sizeof b->socket, "%s/%s/socket", b->dir, subdir);
+    char log[96], jobs_text[16], max_text[16], uid_text[32], gid_text[32];
+    if (other) { /* theirs to make their socket in, and reachable by them */
+        char run[96];
+        snprintf(run, sizeof run, "%s/%s", b->dir, subdir);
+        CHECK(chmod(b->dir, 0755) == 0);
+        CHECK(mkdir(run, 0700) == 0 && chown(run, uid, uid) == 0);
+    }
+    snprintf(uid_text, sizeof uid_text, "--reuid=%u", uid);
+    snprintf(gid_text, sizeof gid_text, "--regid=%u", uid);
     snprintf(log, sizeof log, "%s/broker.log", b->dir);
     snprintf(jobs_text, sizeof jobs_text, "%u", jobs);
     snprintf(max_text, sizeof max_text, "%u", max_clients ? max_clients : 60000);
@@ -74,7 +87,12 @@ void broker_start_with(struct broker *b, unsigned jobs, unsigned max_clients) {
         int fd = open(log, O_WRONLY | O_CREAT | O_TRUNC, 0600);
         dup2(fd, 1);
         dup2(fd, 2);
-        execl(baton_bin(), "baton", "serve", "--jobs", jobs_text, "--socket", b->socket, "--max-clients", max_text, (char *)NULL);
+        if (other)
+            execlp("setpriv", "setpriv", uid_text, gid_text, "--clear-groups", baton_bin(), "serve", "--jobs", jobs_text,
+                   "--socket", b->socket, "--max-clients", max_text, "--no-fuse", (char *)NULL);
+        else
+            execl(baton_bin(), "baton", "serve", "--jobs", jobs_text, "--socket", b->socket, "--max-clients", max_text,
+                  (char *)NULL);
         _exit(127);
     }
     /* A bare connect, no HELLO: the probe takes no client id. */

@@ -17,6 +17,11 @@ struct broker {
 void broker_start(struct broker *b, unsigned jobs);
 /* The same with `--max-clients max_clients` (0: the broker's default). */
 void broker_start_with(struct broker *b, unsigned jobs, unsigned max_clients);
+/* The same with the socket at DIR/subdir/socket (broker_start: "run"), and
+ * run as `uid` (and gid `uid`, no supplementary groups) through setpriv(1)
+ * if that is not ours, in a directory made and given to `uid` here (needs
+ * root; --no-fuse). */
+void broker_start_as(struct broker *b, unsigned jobs, unsigned max_clients, const char *subdir, unsigned uid);
 
 /* SIGTERM by pid, reap, remove the directory. */
 void broker_stop(struct broker *b);

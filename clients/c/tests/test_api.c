@@ -3,6 +3,7 @@
 #include <baton.h>
 
 #include <errno.h>
+#include <grp.h>
 #include <pthread.h>
 #include <signal.h>
 #include <stdatomic.h>
@@ -10,6 +11,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <sys/un.h>
 #include <sys/wait.h>
 #include <time.h>
@@ -18,6 +20,48 @@
 #include "broker.h"
 
 #define HANG_GUARD_MS 10000
+
+/* The uid the tests that need a second user run it as (root only). */
+#define OTHER_UID 65534u
+
+/* Why the test that just ran could not run here (NULL: it ran). */
+static const char *skipped;
+
+/* Whether this process may run things as OTHER_UID: root, with setpriv. */
+static int can_act_as_another_user(void) {
+    if (getuid() != 0) {
+        skipped = "needs root to act as another user";
+        return 0;
+    }
+    if (system("setpriv --version >/dev/null 2>&1") != 0) {
+        skipped = "needs setpriv (util-linux) to act as another user";
+        return 0;
+    }
+    return 1;
+}
+
+/* baton_errmsg() must be exactly `expected` (printf-style). */
+#define CHECK_MESSAGE(...)                                                                             \
+    do {                                                                                               \
+        char expected_[1024];                                                                          \
+        snprintf(expected_, sizeof expected_, __VA_ARGS__);                                            \
+        if (strcmp(baton_errmsg(), expected_) != 0) {                                                  \
+            fprintf(stderr, "%s:%d: baton_errmsg() is\n  %s\nnot\n  %s\n", __FILE__, __LINE__,          \
+                    baton_errmsg(), expected_);                                                        \
+            exit(1);                                                                                   \
+        }                                                                                              \
+    } while (0)
+
+/* A connection, tried again while the broker still counts one just closed
+ * (EUSERS) against its maximum. */
+static baton_t *connect_when_room(const char *path, const char *label) {
+    for (int tries = 0;; tries++) {
+        baton_t *c = baton_connect(path, label, NULL);
+        if (c) return c;
+        CHECK(errno == EUSERS && tries < 5000);
+        nanosleep(&(struct timespec){0, 2000000}, NULL);
+    }
+}
 
 /* A top-level number of the status document ("free", "held", "limit":
  * keys no nested object has). */
@@ -122,6 +166,13 @@ static void refusals_set_errno_and_keep_the_connection(void) {
     CHECK(baton_release(c, 2, NULL) == 0);
     baton_close(c);
     CHECK(baton_connect("/nonexistent/baton/socket", "x", NULL) == NULL && errno == ENOENT);
+    CHECK_MESSAGE("no broker at /nonexistent/baton/socket (start one with: baton serve --jobs N)");
+    c = baton_connect(b.socket, "refused again", NULL);
+    CHECK(c);
+    CHECK(baton_release(c, 5, NULL) == -1 && errno == EINVAL);
+    CHECK_MESSAGE("broker refused: %s", baton_refusal(c));
+    CHECK(strstr(baton_errmsg(), "(over-release)"));
+    baton_close(c);
     check_all_free(&b);
     broker_stop(&b);
 }
@@ -252,11 +303,150 @@ static void a_full_broker_is_eusers(void) {
     errno = 0;
     baton_t *c = baton_connect(path, "one too many", NULL);
     CHECK(c == NULL && errno == EUSERS);
+    CHECK_MESSAGE("the broker at %s serves its maximum of 60000 clients (try again when some finish, or raise it: "
+                  "baton serve --max-clients N, and the broker's open-file limit)", path);
     int status;
     CHECK(waitpid(stand_in, &status, 0) == stand_in && WIFEXITED(status) && WEXITSTATUS(status) == 0);
     close(server);
     unlink(path);
     rmdir(dir);
+}
+
+/* A real broker serving its maximum (--max-clients 2) turns the next one
+ * away with ERR full: errno EUSERS, and the maximum in words. */
+static void a_full_broker_is_named_with_its_maximum(void) {
+    struct broker b;
+    broker_start_with(&b, 1, 2);
+    baton_t *first = connect_when_room(b.socket, "first"), *second = connect_when_room(b.socket, "second");
+    errno = 0;
+    CHECK(baton_connect(b.socket, "third", NULL) == NULL && errno == EUSERS);
+    CHECK_MESSAGE("the broker at %s serves its maximum of 2 clients (try again when some finish, or raise it: "
+                  "baton serve --max-clients N, and the broker's open-file limit)", b.socket);
+    baton_close(second);
+    baton_t *again = connect_when_room(b.socket, "room again");
+    baton_close(again);
+    baton_close(first);
+    baton_close(connect_when_room(b.socket, "all closed"));
+    check_all_free(&b);
+    broker_stop(&b);
+}
+
+/* A socket in baton's own directory ($XDG_RUNTIME_DIR/baton here) is used
+ * only while that directory is a private one of ours, judged by lstat: a
+ * real broker serves there, and is refused as soon as its directory is
+ * opened to the group, given to another user, or reached through a link. */
+static void a_default_directory_not_ours_alone_is_refused_in_words(void) {
+    struct broker b;
+    broker_start_as(&b, 1, 0, "baton", (unsigned)getuid());
+    char dir[96], other[] = "/tmp/baton-c-xdg-XXXXXX", link[96];
+    snprintf(dir, sizeof dir, "%s/baton", b.dir);
+    CHECK(mkdtemp(other));
+    snprintf(link, sizeof link, "%s/baton", other);
+    unsetenv("BATON_SOCKET");
+    setenv("XDG_RUNTIME_DIR", b.dir, 1);
+    baton_t *c = baton_connect(NULL, "private", NULL); /* as the broker made it: 0700, ours */
+    CHECK(c && baton_limit(c) == 1);
+    baton_close(c);
+
+    CHECK(chmod(dir, 0770) == 0);
+    errno = 0;
+    CHECK(baton_connect(NULL, "group-writable", NULL) == NULL && errno == EPERM);
+    CHECK_MESSAGE("%s is open to other users (mode 0770): refusing to use a broker there (if it is yours: chmod 700 %s)",
+                  dir, dir);
+    errno = 0; /* the same socket named in full is judged the same */
+    CHECK(baton_connect(b.socket, "group-writable", NULL) == NULL && errno == EPERM);
+    CHECK(chmod(dir, 0705) == 0);
+    CHECK(baton_connect(NULL, "world-readable", NULL) == NULL && errno == EPERM);
+    CHECK(strstr(baton_errmsg(), "(mode 0705)"));
+    CHECK(chmod(dir, 0700) == 0);
+
+    if (getuid() == 0) {
+        CHECK(chown(dir, OTHER_UID, OTHER_UID) == 0);
+        errno = 0;
+        CHECK(baton_connect(NULL, "theirs", NULL) == NULL && errno == EPERM);
+        CHECK_MESSAGE("%s belongs to uid %u, not to you (uid 0): refusing to use a broker there", dir, OTHER_UID);
+        CHECK(chown(dir, 0, 0) == 0);
+    }
+
+    /* $XDG_RUNTIME_DIR/baton a link to the broker's real, private directory. */
+    setenv("XDG_RUNTIME_DIR", other, 1);
+    CHECK(symlink(dir, link) == 0);
+    errno = 0;
+    CHECK(baton_connect(NULL, "through a link", NULL) == NULL && errno == EPERM);
+    CHECK_MESSAGE("%s is a symbolic link, which anyone who owns it could point elsewhere: refusing it", link);
+    CHECK(unlink(link) == 0);
+    FILE *f = fopen(link, "w");
+    CHECK(f && fclose(f) == 0);
+    errno = 0;
+    CHECK(baton_connect(NULL, "a file", NULL) == NULL && errno == EPERM);
+    CHECK_MESSAGE("%s is not a directory: refusing it", link);
+    CHECK(unlink(link) == 0 && rmdir(other) == 0);
+
+    /* Gone is not refused: connect says nobody is there. */
+    CHECK(baton_connect(NULL, "nobody", NULL) == NULL && errno == ENOENT);
+    CHECK_MESSAGE("no broker at %s/baton/socket (start one with: baton serve --jobs N)", other);
+    unsetenv("XDG_RUNTIME_DIR");
+    c = baton_connect(b.socket, "private again", NULL); /* named, not one of baton's own directories */
+    CHECK(c);
+    baton_close(c);
+    check_all_free(&b);
+    broker_stop(&b);
+}
+
+/* A real `baton serve` of another uid (setpriv): refused right after
+ * connect, before a word is sent, naming the socket and both uids. */
+static void a_broker_of_another_user_is_refused_in_words(void) {
+    if (!can_act_as_another_user()) return;
+    struct broker b;
+    broker_start_as(&b, 1000000, 0, "theirs", OTHER_UID);
+    errno = 0;
+    CHECK(baton_connect(b.socket, "victim", NULL) == NULL && errno == EPERM);
+    CHECK_MESSAGE("%s is answered by a process of uid %u, not by your own broker (uid 0) or root's: refusing to talk "
+                  "to it (someone else's broker or an impostor; remove the socket or choose another path)",
+                  b.socket, OTHER_UID);
+    broker_stop(&b);
+}
+
+/* Our broker's socket opened to all (0777): a client of another uid is
+ * turned away by the broker (ERR denied), which the client words. */
+static void a_broker_that_does_not_serve_us_is_named_with_its_words(void) {
+    if (!can_act_as_another_user()) return;
+    struct broker b;
+    broker_start(&b, 1);
+    char run[96];
+    snprintf(run, sizeof run, "%s/run", b.dir);
+    CHECK(chmod(b.dir, 0755) == 0 && chmod(run, 0755) == 0 && chmod(b.socket, 0777) == 0);
+    int said[2];
+    CHECK(pipe(said) == 0);
+    pid_t client = fork();
+    CHECK(client >= 0);
+    if (client == 0) {
+        if (setgroups(0, NULL) < 0 || setresgid(OTHER_UID, OTHER_UID, OTHER_UID) < 0 ||
+            setresuid(OTHER_UID, OTHER_UID, OTHER_UID) < 0)
+            _exit(2);
+        baton_t *c = baton_connect(b.socket, "intruder", NULL);
+        const char *text = baton_errmsg();
+        (void)!write(said[1], text, strlen(text));
+        _exit(c == NULL && errno == EACCES ? 0 : 1);
+    }
+    close(said[1]);
+    char text[1024] = "";
+    size_t len = 0;
+    for (ssize_t n; (n = read(said[0], text + len, sizeof text - 1 - len)) > 0;) len += (size_t)n;
+    text[len] = '\0';
+    close(said[0]);
+    int status;
+    CHECK(waitpid(client, &status, 0) == client);
+    char expected[256];
+    snprintf(expected, sizeof expected, "the broker at %s refuses you: uid %u may not use this broker", b.socket,
+             OTHER_UID);
+    if (!(WIFEXITED(status) && WEXITSTATUS(status) == 0 && strncmp(text, expected, strlen(expected)) == 0)) {
+        fprintf(stderr, "the client of uid %u (exit %d) said:\n  %s\nnot what starts\n  %s\n", OTHER_UID,
+                WIFEXITED(status) ? WEXITSTATUS(status) : -1, text, expected);
+        exit(1);
+    }
+    check_all_free(&b);
+    broker_stop(&b);
 }
 
 int main(void) {
@@ -274,12 +464,22 @@ int main(void) {
         {"threads_with_a_connection_each_stay_under_the_limit", threads_with_a_connection_each_stay_under_the_limit},
         {"a_stopped_broker_is_econnreset", a_stopped_broker_is_econnreset},
         {"a_full_broker_is_eusers", a_full_broker_is_eusers},
+        {"a_full_broker_is_named_with_its_maximum", a_full_broker_is_named_with_its_maximum},
+        {"a_default_directory_not_ours_alone_is_refused_in_words", a_default_directory_not_ours_alone_is_refused_in_words},
+        {"a_broker_of_another_user_is_refused_in_words", a_broker_of_another_user_is_refused_in_words},
+        {"a_broker_that_does_not_serve_us_is_named_with_its_words", a_broker_that_does_not_serve_us_is_named_with_its_words},
     };
-    size_t n = sizeof tests / sizeof *tests;
+    size_t n = sizeof tests / sizeof *tests, passed = 0;
     for (size_t i = 0; i < n; i++) {
+        skipped = NULL;
         tests[i].run();
-        printf("test %s ... ok\n", tests[i].name);
+        if (skipped) {
+            printf("test %s ... skipped (%s)\n", tests[i].name, skipped);
+        } else {
+            printf("test %s ... ok\n", tests[i].name);
+            passed++;
+        }
     }
-    printf("clients: %zu passed, 0 failed, 0 skipped (C API)\n", n);
+    printf("clients: %zu passed, 0 failed, %zu skipped (C API)\n", passed, n - passed);
     return 0;
 }
