@@ -133,6 +133,19 @@ pub fn receive(socket: &Path) -> Result<Handed> {
             socket.display()
         )
     })?;
+    // Whoever answers there gets to hand us every client's connection and
+    // the books we will serve by: only a broker of our own uid (or root's)
+    // may, as only ours may take them from us ([`is_ours`]).
+    let peer = getsockopt(&stream, PeerCredentials).context("cannot ask who answers there")?;
+    let ours = nix::unistd::getuid().as_raw();
+    ensure!(
+        peer.uid() == ours || peer.uid() == 0,
+        "{} is answered by a process of uid {} (pid {}), not by a broker of yours (uid {ours}) \
+         or root's: refusing to take over from it",
+        path.display(),
+        peer.uid(),
+        peer.pid()
+    );
     stream.set_read_timeout(Some(Duration::from_secs(30)))?;
     let mut header = [0u8; 16];
     stream

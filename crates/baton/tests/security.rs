@@ -6,7 +6,7 @@
 mod common;
 
 use common::{baton, baton_bin, can_act_as_another_user, wait_for, Broker, TempDir};
-use std::io::{Read, Write};
+use std::io::{BufRead, BufReader, Read, Write};
 use std::os::unix::fs::{MetadataExt, PermissionsExt};
 use std::os::unix::net::UnixStream;
 use std::os::unix::process::CommandExt;
@@ -344,6 +344,55 @@ fn the_handover_socket_refuses_another_user() {
         .contains("refused a handover asked by another user"));
     assert_eq!(broker.status().held, 1, "the broker serves on");
     held.release(1).unwrap();
+}
+
+/// A successor (`serve --replace`) takes the running broker's state and
+/// every client's connection from whoever answers at the handover socket:
+/// it must be a broker of ours. Another user's process, listening there
+/// first in a shared directory, is refused before a byte is read.
+#[test]
+fn a_successor_refuses_to_take_over_from_another_user() {
+    if !can_act_as_another_user() {
+        return;
+    }
+    let dir = TempDir::new("handover-squat");
+    chmod(dir.path(), 0o1777);
+    let socket = dir.path().join("socket");
+    let handover = socket.with_file_name("socket.handover");
+    // A fake predecessor: a state of its own making, sent to whoever asks.
+    let fake = "import socket,sys,time\n\
+        s=socket.socket(socket.AF_UNIX)\n\
+        s.bind(sys.argv[1])\n\
+        s.listen(1)\n\
+        print('listening', flush=True)\n\
+        s.settimeout(30)\n\
+        c,_=s.accept()\n\
+        c.sendall((2).to_bytes(8,'little')+(0).to_bytes(8,'little')+b'{}')\n\
+        time.sleep(2)\n";
+    let mut other = as_other_user(&python())
+        .args(["-c", fake])
+        .arg(&handover)
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut line = String::new();
+    BufReader::new(other.stdout.take().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    assert_eq!(line.trim(), "listening");
+    let out = baton()
+        .args(["serve", "--jobs", "2", "--no-fuse", "--replace", "--socket"])
+        .arg(&socket)
+        .output()
+        .unwrap();
+    let _ = other.kill();
+    other.wait().unwrap();
+    let said = text(&out);
+    assert!(!out.status.success(), "{said}");
+    assert!(
+        said.contains("process of uid 65534") && said.contains("refusing to take over"),
+        "{said}"
+    );
 }
 
 fn python() -> String {
