@@ -67,6 +67,8 @@ struct BuildStats {
     /// How long each of its ACQUIREs waited, in microseconds (0: granted
     /// at once); 2.4 KB from its first ACQUIRE on, whatever the count.
     waits: Histogram,
+    /// Stray bytes its `baton run` took out of its jobserver (`STRAY`).
+    stray: u32,
 }
 
 /// The utilization history: the mean tokens held in each second of the
@@ -288,6 +290,7 @@ impl Broker {
         self.stats.entry(build).or_insert_with(|| BuildStats {
             began: SystemTime::now(),
             waits: Histogram::default(),
+            stray: 0,
         });
         id
     }
@@ -729,6 +732,16 @@ impl Broker {
         self.note_granted(granted);
     }
 
+    /// Counts the stray bytes the client's `baton run` took out of its
+    /// build's jobserver; returns the build's count so far.
+    pub fn note_stray(&mut self, id: ClientId, bytes: u32) -> u32 {
+        let build = self.pool.build_of(id).expect("the client is connected");
+        self.stats.get_mut(&build).map_or(bytes, |stats| {
+            stats.stray = stats.stray.saturating_add(bytes);
+            stats.stray
+        })
+    }
+
     /// Counts how long one of the client's ACQUIREs waited.
     fn note_wait(&mut self, id: ClientId, waited: Duration) {
         let build = self.pool.build_of(id).expect("the client is connected");
@@ -811,6 +824,7 @@ impl Broker {
                     running: roots
                         .get(&b.id)
                         .and_then(|m| running.as_ref()?.get(&m.pid).copied()),
+                    stray: stats.map_or(0, |s| s.stray),
                 }
             })
             .collect()

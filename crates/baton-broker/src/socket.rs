@@ -949,6 +949,15 @@ fn apply(broker: &mut Broker, id: ClientId, request: Request) -> Result<Option<R
             let (tokens, free) = broker.wanted(id);
             Reply::Wanted { tokens, free }
         }
+        Request::Stray(n) => {
+            let total = broker.note_stray(id, n);
+            log::warn(format_args!(
+                "client {}: took {n} stray byte(s) out of its build's jobserver ({total} in all): \
+                 written by a client that gave back more than it took, or by another process",
+                id.0
+            ));
+            Reply::Stray { total }
+        }
         Request::Hold(n) => {
             broker.hold(id, n)?;
             log::info(format_args!(

@@ -278,6 +278,16 @@ impl Client {
         }
     }
 
+    /// Tells the broker that `bytes` stray bytes were taken out of this
+    /// build's jobserver (bytes the pool never lent); returns the build's
+    /// count so far.
+    pub fn stray(&mut self, bytes: u32) -> Result<u32> {
+        match self.call(&Request::Stray(bytes))? {
+            Reply::Stray { total } => Ok(total),
+            other => Err(unexpected(other)),
+        }
+    }
+
     /// Asks the broker to stop, as SIGTERM would: its pid, the builds that
     /// carry on without it, and the tokens they hold. Waits until the
     /// broker has closed this connection; it then exits (it still holds

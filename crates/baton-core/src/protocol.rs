@@ -78,6 +78,10 @@ pub enum Request {
     Hold(u32),
     /// `STOP`: the broker stops as on SIGTERM (`baton stop`).
     Stop,
+    /// `STRAY <n>`: the bridge took n bytes out of its build's jobserver
+    /// that the pool never lent (written by a client that gave back more
+    /// than it took, or by a stranger); counted in the build's status.
+    Stray(u32),
 }
 
 /// The names GATE accepts.
@@ -152,6 +156,12 @@ pub enum Reply {
         tokens: u32,
         /// Tokens nobody holds.
         free: u32,
+    },
+    /// `STRAY <total>`: answer to STRAY: the stray bytes taken out of the
+    /// build's jobserver so far.
+    Stray {
+        /// All the build's stray bytes so far.
+        total: u32,
     },
     /// `STOPPING <pid> <builds> <held>`: answer to STOP; the broker
     /// closes the connection as it exits.
@@ -276,6 +286,7 @@ pub fn parse_request(line: &[u8]) -> Result<Request, ParseError> {
         "TRY" => count("TRY").map(Request::Try),
         "RELEASE" => count("RELEASE").map(Request::Release),
         "HOLD" => count("HOLD").map(Request::Hold),
+        "STRAY" => count("STRAY").map(Request::Stray),
         "LIMIT" => count("LIMIT").map(Request::Limit),
         "GATE" => parse_gate(rest).map(|(name, value)| Request::Gate { name, value }),
         "BUILD" => {
@@ -390,6 +401,7 @@ impl fmt::Display for Request {
             Request::Wanted => f.write_str("WANTED"),
             Request::Hold(n) => write!(f, "HOLD {n}"),
             Request::Stop => f.write_str("STOP"),
+            Request::Stray(n) => write!(f, "STRAY {n}"),
         }
     }
 }
@@ -413,6 +425,7 @@ impl Reply {
             Reply::Build { build, weight } => format!("BUILD {build} {weight}\n"),
             Reply::Wanted { tokens, free } => format!("WANTED {tokens} {free}\n"),
             Reply::Stopping { pid, builds, held } => format!("STOPPING {pid} {builds} {held}\n"),
+            Reply::Stray { total } => format!("STRAY {total}\n"),
             Reply::Err { code, message } => format!("ERR {code} {}\n", message.replace('\n', " ")),
         };
         line.into_bytes()
@@ -464,6 +477,7 @@ pub fn parse_reply_line(line: &str) -> Result<ReplyHead, ParseError> {
             builds: num()?,
             held: num()?,
         },
+        "STRAY" => Reply::Stray { total: num()? },
         "STATUS" => return Ok(ReplyHead::StatusFollows(num()? as usize)),
         "GATE" => {
             let (name, value) = parse_gate(line.strip_prefix("GATE ").unwrap_or(""))
@@ -538,6 +552,7 @@ mod tests {
             Request::Wanted,
             Request::Hold(3),
             Request::Stop,
+            Request::Stray(77),
         ];
         for r in requests {
             assert_eq!(parse_request(r.to_string().as_bytes()), Ok(r));
@@ -605,6 +620,7 @@ mod tests {
                 weight: 2,
             },
             Reply::Wanted { tokens: 2, free: 0 },
+            Reply::Stray { total: 78 },
             Reply::Stopping {
                 pid: 42,
                 builds: 2,

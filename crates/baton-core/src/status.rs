@@ -194,6 +194,10 @@ pub struct Build {
     /// the broker cannot see the build's processes (not a `baton run`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub running: Option<u32>,
+    /// Bytes its jobserver held that the pool never lent, taken out by
+    /// `baton run` so far (`STRAY`, issue #32).
+    #[serde(default)]
+    pub stray: u32,
 }
 
 /// Counters since the broker started.

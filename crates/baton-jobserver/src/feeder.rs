@@ -159,7 +159,11 @@ pub struct Feeder {
     /// The command is a known jobserver client: fill its FIFO before it
     /// opens it, so its first reads find tokens.
     eager: bool,
-    warned_extra: bool,
+    /// Stray bytes taken out and not yet told to the broker (it may not
+    /// be asked while an ACQUIRE of ours waits).
+    stray_untold: u32,
+    /// Stray bytes taken out in all.
+    stray_total: u32,
     /// A bmake build aborted and the tokens put in before were taken out.
     stopper_placed: bool,
     /// The broker refused our last ACQUIRE: the build holds what the
@@ -223,7 +227,8 @@ impl Feeder {
             last_look: None,
             contended: false,
             eager,
-            warned_extra: false,
+            stray_untold: 0,
+            stray_total: 0,
             stopper_placed: false,
             past_limit: false,
         }
@@ -275,6 +280,7 @@ impl Feeder {
         if plan.discard > 0 {
             self.discard(plan.discard);
         }
+        self.tell_stray(client)?;
         if plan.give_back > 0 {
             // The build may have taken some since we looked: give back
             // what is still there.
@@ -348,14 +354,35 @@ impl Feeder {
             .map_err(|e| ClientError::Protocol(e.to_string()))
     }
 
+    /// Takes out bytes the pool never lent: each is counted, the first
+    /// said at once, and all of them told to the broker (`status` shows
+    /// them per build).
     fn discard(&mut self, n: u32) {
         let taken = self.fifo.take(n);
-        if taken > 0 && !self.warned_extra {
-            self.warned_extra = true;
+        if taken > 0 && self.stray_total == 0 {
             log::warn(format_args!(
-                "the build wrote {taken} token(s) into its jobserver that it never took; they were thrown away"
+                "the build's jobserver held {taken} byte(s) more than the pool lent it \
+                 (written by a client that gave back more than it took, or by another process); \
+                 they were taken out"
             ));
         }
+        self.stray_untold += taken;
+        self.stray_total += taken;
+    }
+
+    /// Stray bytes taken out of the build's jobserver in all.
+    pub fn stray_total(&self) -> u32 {
+        self.stray_total
+    }
+
+    /// Tells the broker of stray bytes taken out since it was last told,
+    /// once no request of ours waits there.
+    fn tell_stray(&mut self, client: &mut Client) -> Result<(), ClientError> {
+        if self.stray_untold > 0 && !self.pending {
+            client.stray(self.stray_untold)?;
+            self.stray_untold = 0;
+        }
+        Ok(())
     }
 
     /// Takes the broker's answer to our pending request, or its refusal: a

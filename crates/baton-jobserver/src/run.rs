@@ -724,6 +724,11 @@ fn supervise(
             let status = child
                 .wait()
                 .context("cannot collect the command's status")?;
+            if let Some(stray) = feeder.as_ref().map(Feeder::stray_total).filter(|&n| n > 0) {
+                log::warn(format_args!(
+                    "{stray} stray byte(s) were taken out of the build's jobserver in all"
+                ));
+            }
             broker.give_back_all(feeder);
             return Ok(status);
         }

@@ -296,8 +296,13 @@ BUILDS
     for b in active {
         // Jobs counted from the build's processes, beside the tokens.
         let running = b.running.map_or("-".to_string(), |n| n.to_string());
+        // Rare, and a sign of a client gone wrong: said after the name.
+        let stray = match b.stray {
+            0 => String::new(),
+            n => format!("  [{n} stray byte(s) taken out of its jobserver]"),
+        };
         out.push_str(&format!(
-            "{:>8} {:>6} {:>6} {:>5} {:>7} {:>8} {:>11.1}s {}\n",
+            "{:>8} {:>6} {:>6} {:>5} {:>7} {:>8} {:>11.1}s {}{stray}\n",
             b.pid, b.weight, b.held, running, b.waiting, b.grants, b.token_seconds, b.name
         ));
     }
