@@ -558,6 +558,17 @@ impl Broker {
     }
 
     /// The build is over: every token it has goes back, and its FIFO goes.
+    /// CMD was killed (`kill -9` of make, the OOM killer): the jobs it
+    /// started may run on, re-parented, holding tokens no reader will
+    /// write back. Giving everything back would let other builds start
+    /// jobs beside them, past the limit. So the connection closes holding
+    /// what it holds, as if we had been killed ourselves: the broker keeps
+    /// as many tokens as the build's processes (found by [`RUN_PID_VAR`])
+    /// still run jobs, and takes back the rest at once (#32).
+    fn leave_to_the_broker(&mut self, feeder: Option<Feeder>) {
+        drop(feeder); // removes the FIFO
+    }
+
     fn give_back_all(&mut self, mut feeder: Option<Feeder>) {
         if self.alive {
             // RELEASE may not follow a pending ACQUIRE: withdraw it first.
@@ -729,7 +740,11 @@ fn supervise(
                     "{stray} stray byte(s) were taken out of the build's jobserver in all"
                 ));
             }
-            broker.give_back_all(feeder);
+            if status.signal().is_some() {
+                broker.leave_to_the_broker(feeder);
+            } else {
+                broker.give_back_all(feeder);
+            }
             return Ok(status);
         }
     }

@@ -283,6 +283,27 @@ fn spawn_logged_build(broker: &Broker, dir: &Path, log: &Path, make: &Path, styl
 /// until they end. A second build started right after waits for them:
 /// never more than the limit of jobs at once, counted from the jobs.
 fn a_killed_baton_runs_jobs_keep_their_tokens(make: &Path, style: &str) {
+    killed_builds_jobs_keep_their_tokens(make, style, Victim::BatonRun);
+}
+
+/// Which process of a build is killed while its jobs run.
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Victim {
+    BatonRun,
+    /// The command `baton run` runs (make): as the OOM killer would.
+    Command,
+}
+
+/// The children of `pid`, from /proc.
+fn children(pid: u32) -> Vec<u32> {
+    std::fs::read_to_string(format!("/proc/{pid}/task/{pid}/children"))
+        .unwrap_or_default()
+        .split_whitespace()
+        .filter_map(|p| p.parse().ok())
+        .collect()
+}
+
+fn killed_builds_jobs_keep_their_tokens(make: &Path, style: &str, victim: Victim) {
     let broker = Broker::start(2);
     let (a, b) = (TempDir::new("orphans-a"), TempDir::new("orphans-b"));
     let log = a.path().join("jobs.log");
@@ -290,7 +311,15 @@ fn a_killed_baton_runs_jobs_keep_their_tokens(make: &Path, style: &str) {
     wait_for(Duration::from_secs(30), "both jobs to run", || {
         max_overlap(&log).0 == 2
     });
-    first.kill().unwrap(); // SIGKILL
+    match victim {
+        Victim::BatonRun => first.kill().unwrap(), // SIGKILL
+        Victim::Command => {
+            let make = children(first.id());
+            assert_eq!(make.len(), 1, "baton run runs one command: {make:?}");
+            // SAFETY: kill takes any pid; this one is our grandchild.
+            unsafe { libc::kill(make[0] as i32, libc::SIGKILL) };
+        }
+    }
     first.wait().unwrap();
     let second = spawn_logged_build(&broker, b.path(), &log, make, style);
     let out = second.wait_with_output().unwrap();
@@ -299,7 +328,7 @@ fn a_killed_baton_runs_jobs_keep_their_tokens(make: &Path, style: &str) {
     assert_eq!(started, 4, "every job ran");
     assert_eq!(
         most, 2,
-        "{most} jobs ran at once under a limit of 2 after baton run was killed ({style})"
+        "{most} jobs ran at once under a limit of 2 after {victim:?} was killed ({style})"
     );
     wait_for(Duration::from_secs(10), "every token back", || {
         broker.status().free == 2
@@ -320,6 +349,18 @@ fn a_killed_baton_runs_jobs_keep_their_tokens_in_the_fifo_style() {
 #[test]
 fn a_killed_baton_runs_jobs_keep_their_tokens_in_the_fuse_style() {
     a_killed_baton_runs_jobs_keep_their_tokens(&make44(), "fuse");
+}
+
+/// `kill -9` of make itself, not of `baton run`: `baton run` ends with
+/// make, and its jobs run on just the same.
+#[test]
+fn a_killed_commands_jobs_keep_their_tokens_in_the_fifo_style() {
+    killed_builds_jobs_keep_their_tokens(&make44(), "fifo", Victim::Command);
+}
+
+#[test]
+fn a_killed_commands_jobs_keep_their_tokens_in_the_pipe_style() {
+    killed_builds_jobs_keep_their_tokens(&make43(), "pipe", Victim::Command);
 }
 
 #[test]
@@ -381,4 +422,80 @@ fn status_counts_the_jobs_a_build_runs_past_its_tokens() {
     let out = child.wait_with_output().unwrap();
     assert!(out.status.success());
     broker.assert_all_free();
+}
+
+/// Where the jobserver of the make that `baton run` runs can be written
+/// to by a stranger: the FIFO's path (fifo style) or the build's W
+/// descriptor through /proc (pipe style), from make's MAKEFLAGS.
+fn jobserver_of(make_pid: u32) -> std::path::PathBuf {
+    let env = std::fs::read(format!("/proc/{make_pid}/environ")).unwrap();
+    let flags = env
+        .split(|&b| b == 0)
+        .find_map(|v| v.strip_prefix(b"MAKEFLAGS="))
+        .map(|v| String::from_utf8_lossy(v).into_owned())
+        .expect("make has MAKEFLAGS");
+    let auth = flags
+        .split_whitespace()
+        .filter_map(|w| w.strip_prefix("--jobserver-auth="))
+        .last()
+        .unwrap_or_else(|| panic!("no jobserver in {flags:?}"));
+    match auth.strip_prefix("fifo:") {
+        Some(path) => path.into(),
+        None => {
+            let w = auth.split(',').nth(1).expect("R,W");
+            format!("/proc/{make_pid}/fd/{w}").into()
+        }
+    }
+}
+
+/// Stray bytes written into a build's jobserver (77 at once, as a client
+/// gone wrong might) are taken out, counted and reported: `baton status`
+/// shows them beside the build while it runs, `baton run` says so at its
+/// end, and no token is made: the pool has its limit back, all free.
+fn stray_bytes_are_taken_out_and_reported(make: &Path, style: &str) {
+    let broker = Broker::start(2);
+    let dir = TempDir::new("stray");
+    let log = dir.path().join("jobs.log");
+    logged_makefile(dir.path(), &log, 6, "1");
+    let run = spawn_build(&broker, dir.path(), style, make);
+    wait_for(Duration::from_secs(30), "both jobs to run", || {
+        running(&log) == 2
+    });
+    let make_pid = children(run.id())[0];
+    let mut jobserver = std::fs::OpenOptions::new()
+        .write(true)
+        .open(jobserver_of(make_pid))
+        .unwrap();
+    jobserver.write_all(&[b'+'; 77]).unwrap();
+    drop(jobserver);
+    wait_for(Duration::from_secs(30), "the stray bytes in status", || {
+        broker.status().builds.iter().any(|b| b.stray > 0)
+    });
+    assert!(
+        status_text(&broker).contains("stray byte(s) taken out of its jobserver"),
+        "{}",
+        status_text(&broker)
+    );
+    let out = run.wait_with_output().unwrap();
+    assert!(out.status.success());
+    let said = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        said.contains("stray byte(s) were taken out of the build's jobserver in all"),
+        "{said}"
+    );
+    assert!(broker.log().contains("stray byte(s)"), "{}", broker.log());
+    wait_for(Duration::from_secs(10), "every token back", || {
+        broker.status().free == 2
+    });
+    broker.assert_all_free();
+}
+
+#[test]
+fn stray_bytes_are_taken_out_and_reported_in_the_fifo_style() {
+    stray_bytes_are_taken_out_and_reported(&make44(), "fifo");
+}
+
+#[test]
+fn stray_bytes_are_taken_out_and_reported_in_the_pipe_style() {
+    stray_bytes_are_taken_out_and_reported(&make43(), "pipe");
 }
