@@ -127,6 +127,13 @@ pub fn plan(seen: Seen) -> Plan {
 /// while another build waits: this, plus a round trip to the broker.
 pub const LOOK_EVERY: Duration = Duration::from_millis(50);
 
+/// How often a `fifo:` build that uses every token it has asks whether it
+/// should give some back (a lowered limit, a waiting build, a gate): its
+/// tokens come back into the FIFO and are read again at once, so it never
+/// has a spare one to prompt a look. What a look finds is then taken back
+/// as the build writes it (see `claw`).
+pub const LOOK_IN_USE_EVERY: Duration = Duration::from_millis(200);
+
 /// How often a build whose request a lowered limit refused tries again
 /// (`TRY`), in case the limit went up: with no spare token it may have
 /// nothing else that wakes the feeder.
@@ -199,6 +206,39 @@ impl Feeder {
             && !self.contended
             && !self.stopper_placed
             && !self.fifo.has_return_pipe()
+            && self.fifo.clawing() == 0
+    }
+
+    /// Whether to ask the broker, though nothing is spare, whether the
+    /// build should give tokens back: a `fifo:` build using every token
+    /// it has (see [`LOOK_IN_USE_EVERY`]).
+    fn in_use_look_due(&self, seen: Seen) -> bool {
+        !self.fifo.has_return_pipe()
+            && !self.pending
+            && !self.stopper_placed
+            && seen.lent > 0
+            && spare(seen) == 0
+            && self
+                .last_look
+                .is_none_or(|t| t.elapsed() >= LOOK_IN_USE_EVERY)
+    }
+
+    /// After a look: the tokens the build is using that should come back
+    /// (others wait for more than is spare) are taken as it writes them
+    /// back; none once nobody waits.
+    fn claw_back(&mut self, others: u32) -> Result<(), ClientError> {
+        if self.fifo.has_return_pipe() || self.stopper_placed {
+            return Ok(());
+        }
+        let spare = spare(self.seen());
+        let in_use = self.lent.saturating_sub(spare);
+        let wanted = others.saturating_sub(spare).min(in_use);
+        if wanted == 0 && self.fifo.clawing() == 0 {
+            return Ok(());
+        }
+        self.fifo
+            .claw(wanted)
+            .map_err(|e| ClientError::Protocol(e.to_string()))
     }
 
     /// The build touched its FIFO: note what it did (see [`Fifo::drain_events`]).
@@ -260,7 +300,7 @@ impl Feeder {
             self.cancel(client)?;
         }
         let mut seen = self.seen();
-        if should_look(seen, self.look_due(), self.contended) {
+        if should_look(seen, self.look_due(), self.contended) || self.in_use_look_due(seen) {
             if recycle_first(seen, self.contended) {
                 self.carry_out(plan(seen), client)?;
             }
@@ -268,6 +308,7 @@ impl Feeder {
             self.past_limit &= free == 0;
             self.last_look = Some(Instant::now());
             self.contended = others > 0;
+            self.claw_back(others)?;
             seen = Seen {
                 wanted: Some(Wanted { others, free }),
                 ..self.seen()
@@ -461,9 +502,22 @@ impl Feeder {
         if self.past_limit && !self.pending {
             return Some(until_look.max(PAST_LIMIT_RETRY));
         }
+        let seen = self.seen();
+        if self.in_use_look_due(seen) {
+            return Some(Duration::ZERO);
+        }
         // After a bmake abort, the abort token waits unread on purpose.
-        if self.pending || self.stopper_placed || spare(self.seen()) == 0 {
-            return None;
+        if self.pending || self.stopper_placed || spare(seen) == 0 {
+            // A build using all it has is asked about in a while.
+            let in_use_look = !self.fifo.has_return_pipe()
+                && !self.pending
+                && !self.stopper_placed
+                && seen.lent > 0;
+            return in_use_look.then(|| {
+                self.last_look.map_or(Duration::ZERO, |t| {
+                    LOOK_IN_USE_EVERY.saturating_sub(t.elapsed())
+                })
+            });
         }
         Some(until_look)
     }

@@ -2,6 +2,7 @@
 //! come back through.
 
 use crate::bmake;
+use crate::claw::Claw;
 use anyhow::{Context, Result};
 use nix::sys::inotify::{AddWatchFlags, InitFlags, Inotify};
 use nix::sys::stat::Mode;
@@ -32,6 +33,9 @@ pub struct Fifo {
     /// token out of the tokens (see `bmake`): tokens read but not yet
     /// taken, and the abort token if one came.
     bmake_returns: Option<bmake::Returns>,
+    /// The blocking taker of the fifo style, started the first time the
+    /// feeder wants tokens back that the build is using (see `claw`).
+    claw: Option<Claw>,
 }
 
 impl Fifo {
@@ -68,6 +72,7 @@ impl Fifo {
             returns: None,
             in_use: false,
             bmake_returns: None,
+            claw: None,
         })
     }
 
@@ -136,12 +141,33 @@ impl Fifo {
         bytes_in(&self.handle)
     }
 
-    /// Bytes in the return pipe: tokens the build gave back.
+    /// Bytes in the return pipe: tokens the build gave back (and those
+    /// the claw took back from it).
     pub fn returned(&self) -> u32 {
         match &self.bmake_returns {
             Some(sorted) => sorted.tokens,
-            None => self.returns.as_ref().map_or(0, bytes_in),
+            None => {
+                self.returns.as_ref().map_or(0, bytes_in)
+                    + self.claw.as_ref().map_or(0, |c| bytes_in(c.taken()))
+            }
         }
+    }
+
+    /// Takes back `n` more tokens the build is using, as it writes them
+    /// back, before it can read them again (see `claw`); 0 stops taking.
+    pub fn claw(&mut self, n: u32) -> Result<()> {
+        if self.claw.is_none() && n > 0 {
+            self.claw = Some(Claw::start(self.handle.as_fd())?);
+        }
+        if let Some(claw) = &self.claw {
+            claw.want(n);
+        }
+        Ok(())
+    }
+
+    /// Tokens the claw still waits to take.
+    pub fn clawing(&self) -> u32 {
+        self.claw.as_ref().map_or(0, Claw::wanted)
     }
 
     /// Takes up to `n` bytes out, from the return pipe first; returns how
@@ -160,7 +186,14 @@ impl Fifo {
                 sorted.tokens -= taken;
                 taken
             }
-            None => self.returns.as_ref().map_or(0, |r| read_up_to(r, n)),
+            None => {
+                let from_pipe = self.returns.as_ref().map_or(0, |r| read_up_to(r, n));
+                from_pipe
+                    + self
+                        .claw
+                        .as_ref()
+                        .map_or(0, |c| read_up_to(c.taken(), n - from_pipe))
+            }
         }
     }
 
@@ -194,15 +227,17 @@ impl Fifo {
     }
 
     fn read_bmake_returns(&mut self) {
-        let (Some(sorted), Some(returns)) = (self.bmake_returns.as_mut(), self.returns.as_ref())
-        else {
+        let Some(sorted) = self.bmake_returns.as_mut() else {
             return;
         };
+        let claw = self.claw.as_ref().map(Claw::taken);
         let mut buf = [0u8; 512];
-        while let Ok(got @ 1..) = (&*returns).read(&mut buf) {
-            let new = bmake::Returns::sort(&buf[..got]);
-            sorted.tokens += new.tokens;
-            sorted.abort = sorted.abort.or(new.abort);
+        for returns in self.returns.iter().chain(claw) {
+            while let Ok(got @ 1..) = (&*returns).read(&mut buf) {
+                let new = bmake::Returns::sort(&buf[..got]);
+                sorted.tokens += new.tokens;
+                sorted.abort = sorted.abort.or(new.abort);
+            }
         }
     }
 
@@ -234,6 +269,7 @@ impl Fifo {
     pub fn event_fds(&self) -> Vec<BorrowedFd<'_>> {
         let mut fds: Vec<_> = self.inotify.iter().map(|i| i.as_fd()).collect();
         fds.extend(self.returns.as_ref().map(|r| r.as_fd()));
+        fds.extend(self.claw.as_ref().map(Claw::event_fd));
         fds
     }
 

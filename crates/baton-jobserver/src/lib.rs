@@ -13,8 +13,9 @@
 //!
 //! Both styles read from the same FIFO. `fifo:PATH` clients (make ≥ 4.4,
 //! ninja 1.13, cargo) open it by path for reading and writing, so a busy
-//! build that writes a token back can read it again before we see it: it
-//! keeps its tokens until we win that race or it runs out of work. The pipe
+//! build that writes a token back can read it again before we see it: to
+//! take tokens back from it, a blocking reader of ours gets there first
+//! (see `claw`). The pipe
 //! style (`R,W`, what GNU make 4.3 knows) closes that gap: R reads the FIFO,
 //! but W is a separate pipe only we read, so every token given back reaches
 //! the pool's queue. The FUSE style closes it for `fifo:` clients.
@@ -27,6 +28,7 @@ mod autostart;
 mod bmake;
 mod build_file;
 mod choice;
+mod claw;
 mod close_later;
 mod feeder;
 mod fifo;

@@ -55,6 +55,11 @@ fn running(log: &Path) -> usize {
 /// mark `L` had ended: from then on, every running job started after the
 /// limit changed. Also returns how many jobs started in that stretch.
 fn overlap_after_the_change(log: &Path) -> (usize, usize) {
+    overlap_after(log, "L")
+}
+
+/// As [`overlap_after_the_change`], after the mark `mark`.
+fn overlap_after(log: &Path, mark: &str) -> (usize, usize) {
     let text = std::fs::read_to_string(log).unwrap();
     let mut running = BTreeSet::new();
     let mut old: Option<BTreeSet<String>> = None;
@@ -73,7 +78,7 @@ fn overlap_after_the_change(log: &Path) -> (usize, usize) {
                     o.remove(id);
                 }
             }
-            _ if line == "L" => old = Some(running.clone()),
+            _ if line == mark => old = Some(running.clone()),
             _ => {}
         }
         if old.as_ref().is_some_and(|o| o.is_empty()) {
@@ -154,6 +159,61 @@ fn a_lowered_limit_holds_for_make_4_3_through_the_pipe() {
 #[test]
 fn a_lowered_limit_holds_for_make_4_4_through_the_pipe() {
     a_lowered_limit_holds("pipe", &make44());
+}
+
+/// A `fifo:` build that uses every token it has writes each one back into
+/// the FIFO it reads and reads it again at once: `baton run` takes them
+/// back with a blocking read, which wins that race often but not always
+/// (the scheduler decides). So the build gives back what it holds past a
+/// lowered limit within a few of its jobs, while it is still busy, and
+/// from then on runs one job at a time, counted from the jobs.
+fn a_lowered_limit_drains_a_busy_fifo_build(make: &Path, style: &str) {
+    let broker = Broker::start(4);
+    let dir = TempDir::new("lowered-fifo");
+    let log = dir.path().join("jobs.log");
+    logged_makefile(dir.path(), &log, 40, "0.2");
+    let mut child = spawn_build(&broker, dir.path(), style, make);
+    wait_for(Duration::from_secs(30), "4 jobs at once", || {
+        running(&log) >= 4
+    });
+    set_limit(&broker, 1);
+    mark(&log, "L");
+    wait_for(
+        Duration::from_secs(60),
+        "the build to give back what it held past the limit",
+        || broker.status().held <= 1,
+    );
+    mark(&log, "D");
+    assert!(
+        child.try_wait().unwrap().is_none(),
+        "the build ended before it gave its tokens back: nothing was shown"
+    );
+    let out = child.wait_with_output().unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(started(&log), 40, "every job ran");
+    let (max, starts) = overlap_after(&log, "D");
+    assert!(starts > 0, "no job started after the drain");
+    assert_eq!(
+        max,
+        1,
+        "after the drain, jobs ran {max} at once under a limit of 1:\n{}",
+        std::fs::read_to_string(&log).unwrap()
+    );
+    broker.assert_all_free();
+}
+
+#[test]
+fn a_lowered_limit_drains_a_busy_make_4_4_fifo_build() {
+    a_lowered_limit_drains_a_busy_fifo_build(&make44(), "fifo");
+}
+
+#[test]
+fn a_lowered_limit_drains_a_busy_bmake_build() {
+    a_lowered_limit_drains_a_busy_fifo_build(&bmake(), "auto");
 }
 
 /// A build that holds more than a new broker's limit (it re-attaches
