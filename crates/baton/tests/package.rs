@@ -163,16 +163,53 @@ fn the_package_installs_with_dpkg_and_its_baton_runs_make() {
     assert!(stopped.status.success(), "{}", text(&stopped.stderr));
     assert!(broker.is_some(), "the installed baton started a broker");
 
-    // Nothing installed names this checkout or its build directory.
+    // Nothing installed names this checkout or its build directory
+    // (target/ is inside it): every file dpkg wrote under the root, the
+    // package's (/etc/profile.d/baton.sh among them) and its database's
+    // (maintainer scripts, conffiles), and what a gzipped one (the man
+    // pages) holds uncompressed.
     let checkout = std::fs::canonicalize(workspace()).unwrap();
     let checkout = checkout.to_str().unwrap().as_bytes();
-    for file in files_under(&usr) {
-        let bytes = std::fs::read(&file).unwrap();
+    let names_checkout = |bytes: &[u8]| bytes.windows(checkout.len()).any(|w| w == checkout);
+    let files = files_under(root.path());
+    let mut unzipped = Vec::new();
+    for file in &files {
+        let bytes = std::fs::read(file).unwrap();
         assert!(
-            !bytes.windows(checkout.len()).any(|w| w == checkout),
+            !names_checkout(&bytes),
             "{} names the checkout {}",
             file.display(),
             String::from_utf8_lossy(checkout)
+        );
+        if bytes.starts_with(&[0x1f, 0x8b]) {
+            let out = Command::new("gzip")
+                .arg("-dc")
+                .arg(file)
+                .output()
+                .expect("gzip");
+            assert!(out.status.success(), "gzip -dc {}", file.display());
+            assert!(
+                !names_checkout(&out.stdout),
+                "{} names the checkout {} (uncompressed)",
+                file.display(),
+                String::from_utf8_lossy(checkout)
+            );
+            unzipped.push(file.strip_prefix(root.path()).unwrap().to_path_buf());
+        }
+    }
+    // The search saw what a narrower one missed.
+    for file in ["etc/profile.d/baton.sh", "usr/bin/baton"] {
+        assert!(
+            files.contains(&root.path().join(file)),
+            "{file} was not searched"
+        );
+    }
+    for page in ["baton.1.gz", "baton-stop.1.gz"] {
+        let page = Path::new("usr/share/man/man1").join(page);
+        assert!(
+            unzipped.contains(&page),
+            "{} was not read uncompressed: {unzipped:?}",
+            page.display()
         );
     }
 }
