@@ -69,14 +69,20 @@ impl Home {
 
     fn baton(&self, args: &[&str]) -> Command {
         let mut cmd = baton();
-        cmd.args(args)
-            .env("XDG_RUNTIME_DIR", self.dir.path().join("runtime"))
+        cmd.args(args);
+        self.env(&mut cmd);
+        cmd
+    }
+
+    /// This home's environment for `cmd`: its directories, no socket, no
+    /// jobserver, brokers started on demand.
+    fn env<'a>(&self, cmd: &'a mut Command) -> &'a mut Command {
+        cmd.env("XDG_RUNTIME_DIR", self.dir.path().join("runtime"))
             .env("XDG_CONFIG_HOME", self.dir.path().join("config"))
             .env_remove("BATON_SOCKET")
             .env_remove("BATON_NO_AUTOSTART")
             .env_remove("MAKEFLAGS")
-            .env_remove("MFLAGS");
-        cmd
+            .env_remove("MFLAGS")
     }
 
     fn output(&self, args: &[&str]) -> Output {
@@ -243,11 +249,93 @@ fn a_config_typo_is_a_warning_for_baton_run_and_an_error_for_baton_config() {
     assert!(home.output(&["stop"]).status.success());
 }
 
+/// Issue #36, item 2, as the user met it: a typo in the file, a broker
+/// already serving at the standard socket and `BATON_NO_AUTOSTART=1`;
+/// then the same through the shell line (`eval "$(baton shell-init
+/// bash)"`), where `make --version` goes through `baton run`, with and
+/// without `BATON_NO_AUTOSTART`. Each warns, none fails.
+#[test]
+fn a_config_typo_breaks_no_build_with_no_autostart_nor_a_shell_with_the_shell_line() {
+    let home = Home::new("config-typo-no-autostart");
+    let file = home.write_config("jbos=3\n");
+    // `--jobs` given: serve does not read the file.
+    let serve_log = std::fs::File::create(home.dir.path().join("serve.log")).unwrap();
+    let mut serve = home
+        .baton(&["serve", "--jobs", "2"])
+        .stderr(serve_log)
+        .spawn()
+        .unwrap();
+    let socket = home.standard_socket();
+    wait_for(Duration::from_secs(10), "the broker to listen", || {
+        std::os::unix::net::UnixStream::connect(&socket).is_ok()
+    });
+    let started = home.started(&socket);
+    let warning = format!(
+        "baton: warning: bad config file {}, line 1, key jbos: unknown field `jbos`",
+        file.display()
+    );
+
+    let out = home
+        .baton(&["run", "--", "true"])
+        .env("BATON_NO_AUTOSTART", "1")
+        .output()
+        .unwrap();
+    let said = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(0), "BATON_NO_AUTOSTART=1: {said}");
+    assert!(
+        said.lines().count() == 1 && said.starts_with(&warning),
+        "BATON_NO_AUTOSTART=1: {said}"
+    );
+
+    let make_dir = make43().parent().unwrap().to_path_buf();
+    let path = format!(
+        "{}:{}",
+        make_dir.display(),
+        std::env::var("PATH").unwrap_or_default()
+    );
+    let line = format!(
+        "eval \"$('{}' shell-init bash)\"\ntype -t make\nmake --version\n",
+        baton_bin()
+    );
+    for no_autostart in [Some("1"), None] {
+        let mut bash = Command::new("bash");
+        home.env(&mut bash).args(["-c", &line]).env("PATH", &path);
+        if let Some(value) = no_autostart {
+            bash.env("BATON_NO_AUTOSTART", value);
+        }
+        let out = bash.output().unwrap();
+        let (said, printed) = (text(&out.stderr), text(&out.stdout));
+        assert_eq!(
+            out.status.code(),
+            Some(0),
+            "make --version with the shell line, BATON_NO_AUTOSTART={no_autostart:?}: {said}"
+        );
+        assert!(
+            printed.starts_with("function\nGNU Make "),
+            "make is the shell function, and ran: {printed}"
+        );
+        assert!(
+            said.lines().count() == 1 && said.starts_with(&warning),
+            "BATON_NO_AUTOSTART={no_autostart:?}: {said}"
+        );
+    }
+    // Nothing started a second broker: the one serving still does.
+    let status = baton_client::Client::connect(&socket, "test")
+        .unwrap()
+        .status()
+        .unwrap();
+    assert_eq!(status.broker_pid, serve.id());
+    drop(started);
+    wait_timeout(&mut serve, Duration::from_secs(10)).expect("the broker stops");
+}
+
 #[test]
 fn gates_in_the_config_file_reach_the_broker_baton_run_starts() {
     let home = Home::new("config-gates");
+    // More memory than any machine here has: the memory gate is closed
+    // from the start, so `on-memory-pressure = "pause"` has work to do.
     home.write_config(
-        "jobs = 3\nmax-load = 7\nmin-mem-available = \"1G\"\non-memory-pressure = \"pause\"\n",
+        "jobs = 3\nmax-load = 7\nmin-mem-available = \"64T\"\non-memory-pressure = \"pause\"\n",
     );
     let out = home.output(&["run", "--", "true"]);
     let _broker = home.started(&home.standard_socket());
@@ -256,11 +344,57 @@ fn gates_in_the_config_file_reach_the_broker_baton_run_starts() {
     let limit = home.output(&["limit"]);
     assert_eq!(
         text(&limit.stdout),
-        "limit 3\ngate mem-available min 1.0G\ngate load          max 7\n"
+        "limit 3\ngate mem-available min 65536.0G\ngate load          max 7\n"
     );
-    let log = std::fs::read_to_string(home.dir.path().join("runtime/baton/broker.log")).unwrap();
+
+    // `on-memory-pressure` shows in neither `baton limit` nor status: what
+    // it does is the proof. One `baton run` (the closed gate lets its one
+    // token out), and under it two makes of one job each, out of baton's
+    // jobserver so that both run. Below the threshold the pause stops the
+    // newer job, and lets it go on once the other make is done.
+    //
+    // Not one make of two jobs: make 4.3 starts its jobs with posix_spawn
+    // (vfork), and a job stopped between fork and exec holds its make
+    // there, so the make's other job is never reaped and the pause waits
+    // for ever.
+    let jobs = home.dir.path().join("jobs.log");
+    for (name, secs) in [("first", "3"), ("second", "1")] {
+        let dir = home.dir.path().join(name);
+        std::fs::create_dir_all(&dir).unwrap();
+        flat_makefile(&dir, &jobs, 1, secs);
+    }
+    let script = format!(
+        "unset MAKEFLAGS MFLAGS MAKELEVEL; make='{}'\n\
+         \"$make\" -s -C first & first=$!\n\
+         \"$make\" -s -C second; second=$?\n\
+         wait $first && exit $second\n",
+        make43().display()
+    );
+    let build = home
+        .baton(&["run", "--", "sh", "-c", &script])
+        .current_dir(home.dir.path())
+        .output()
+        .unwrap();
+    let log_path = home.dir.path().join("runtime/baton/broker.log");
+    assert!(
+        build.status.success(),
+        "the build failed: {}\n{}",
+        text(&build.stderr),
+        std::fs::read_to_string(&log_path).unwrap_or_default()
+    );
+    let log = std::fs::read_to_string(&log_path).unwrap();
+    assert_eq!(max_overlap(&jobs).1, 2, "both jobs ran: {log}");
     assert!(home.output(&["stop"]).status.success());
     assert!(log.contains("serving 3 tokens"), "{log}");
+    let (paused, resumed) = (
+        log.matches("paused job pid").count(),
+        log.matches("resumed job pid").count(),
+    );
+    assert!(
+        paused >= 1,
+        "on-memory-pressure = \"pause\" in the file did not reach the broker: no job paused:\n{log}"
+    );
+    assert_eq!(paused, resumed, "every paused job resumed: {log}");
 }
 
 /// The subcommands `baton --help` lists (but help).
