@@ -4,11 +4,17 @@
 //! sleep: the Rust client) come and go under kill -9 of random clients and
 //! their children, limit changes, builds stopped and continued (SIGSTOP
 //! and SIGCONT of the whole group, as ^Z and `fg`) and broker restarts
-//! (kill -9, then a new broker on the same socket), while an observer
-//! samples `baton status
-//! --json`. Never more held than the limit (but while a lowered limit
-//! drains, and then nothing is granted), every token back at the end, the
-//! broker alive.
+//! (kill -9, then a new broker on the same socket, at once or after a
+//! gap of up to 3 s with no broker at all), while an observer samples
+//! `baton status --json`. Never more held than the limit (but while a
+//! lowered limit drains, and then nothing is granted), every token back at
+//! the end, the broker alive.
+//!
+//! The limit is also checked where it matters, from the jobs themselves:
+//! every job (make's, ninja's, a cargo build script's, a native client's
+//! command) logs its start and end in one shared log, beside the soak's
+//! own marks of each limit change and each kill, and no job may start
+//! while the limit's worth of jobs already runs (see [`check_jobs`]).
 //!
 //! `BATON_SOAK_SECS` sets how long the chaos lasts (default 15 s, the test
 //! suite's run); scripts/soak runs it for longer and prints the counts,
@@ -128,24 +134,197 @@ fn report_every() -> u64 {
 struct Projects {
     root: PathBuf,
     next: AtomicU32,
+    jobs: JobLog,
 }
 
 impl Projects {
+    fn new(root: PathBuf) -> Self {
+        std::fs::create_dir_all(&root).unwrap();
+        let jobs = JobLog::new(&root);
+        Projects {
+            root,
+            next: AtomicU32::new(0),
+            jobs,
+        }
+    }
+
     fn dir(&self, kind: Kind) -> PathBuf {
         let dir = self.root.join(format!(
             "{kind:?}-{}",
             self.next.fetch_add(1, Ordering::Relaxed)
         ));
         std::fs::create_dir_all(&dir).unwrap();
-        let log = dir.join("jobs.log");
+        let job = |secs: &str| self.jobs.command(secs);
         match kind {
-            Kind::NinjaFifo => common::flat_ninja(&dir, &log, 8, "0.05"),
-            Kind::Cargo => common::cargo_workspace(&dir, &log, 2),
+            Kind::NinjaFifo => {
+                let mut text = format!("rule job\n  command = {}; touch $out\n", job("0.05"));
+                for i in 0..8 {
+                    text.push_str(&format!("build out{i}: job\n"));
+                }
+                std::fs::write(dir.join("build.ninja"), text).unwrap();
+            }
+            Kind::Cargo => {
+                common::cargo_workspace(&dir, &dir.join("build-scripts.log"), 2);
+                // Each build script runs a logged job: what cargo starts
+                // on a token (rustc itself is not logged: cargo's jobs are
+                // counted short, never long).
+                for c in ["c0", "c1"] {
+                    let script = format!(
+                        "fn main() {{ std::process::Command::new(\"sh\").args([\"-c\", {:?}]).status().unwrap(); }}\n",
+                        job("0.3")
+                    );
+                    std::fs::write(dir.join(c).join("build.rs"), script).unwrap();
+                }
+            }
             Kind::Native => {}
-            _ => common::flat_makefile(&dir, &log, 8, "0.05"),
+            _ => {
+                let all: Vec<String> = (0..8).map(|i| format!("j{i}")).collect();
+                let text = format!(
+                    "all: {all}\n{all}:\n\t@{job}\n.PHONY: all {all}\n",
+                    all = all.join(" "),
+                    job = job("0.05")
+                );
+                std::fs::write(dir.join("Makefile"), text).unwrap();
+            }
         }
         dir
     }
+}
+
+/// The soak's one log of what runs: jobs append `S <pid> <ns>` as they
+/// start and `E <pid> <ns>` as they end (a script, so that make, ninja,
+/// cargo and the shell need no quoting of `$$`), and the soak appends
+/// `L <limit> <ns>` and `K <pid> <ns>`. Appends of a line are atomic, so
+/// the file's order is the order things happened in: a job's `E` is
+/// written before it exits, so before its token can start another.
+struct JobLog {
+    path: PathBuf,
+    script: PathBuf,
+}
+
+impl JobLog {
+    fn new(root: &Path) -> Self {
+        let script = root.join("job.sh");
+        std::fs::write(
+            &script,
+            "echo \"S $$ $(date +%s%N)\" >> \"$1\"\nsleep \"$2\"\necho \"E $$ $(date +%s%N)\" >> \"$1\"\n",
+        )
+        .unwrap();
+        JobLog {
+            path: root.join("jobs.log"),
+            script,
+        }
+    }
+
+    /// The shell command of a job of `secs` seconds.
+    fn command(&self, secs: &str) -> String {
+        format!(
+            "sh {} {} {secs}",
+            self.script.display(),
+            self.path.display()
+        )
+    }
+
+    /// Appends one of the soak's own marks.
+    fn mark(&self, what: char, value: u64) {
+        use std::io::Write;
+        let ns = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_nanos();
+        let mut f = std::fs::OpenOptions::new()
+            .append(true)
+            .create(true)
+            .open(&self.path)
+            .unwrap();
+        f.write_all(format!("{what} {value} {ns}\n").as_bytes())
+            .unwrap();
+    }
+
+    fn text(&self) -> String {
+        std::fs::read_to_string(&self.path).unwrap_or_default()
+    }
+}
+
+/// How long after a limit change a job may still start on a token granted
+/// before it: the time from a build's read of the token to its job's
+/// first line (a fork, an exec of sh, a `date`). Generous, because the
+/// soak runs beside the whole suite on two cores.
+const IN_FLIGHT_NS: u128 = 500_000_000;
+
+/// What the jobs' log shows.
+#[derive(Debug, Default, PartialEq)]
+struct JobsSeen {
+    started: usize,
+    /// The most jobs running at once.
+    most: usize,
+    /// Starts while the limit's worth of jobs already ran.
+    violations: Vec<String>,
+}
+
+/// Replays the log ([`JobLog`]). A job may start only while fewer jobs
+/// than the limit run, the limit being the highest in force at any moment
+/// of the [`IN_FLIGHT_NS`] before it (its token may have been granted
+/// then). A lowered limit drains: while a job started before the lowering
+/// (or within `IN_FLIGHT_NS` after it) still runs, the jobs beside it are
+/// not counted against the new limit, as the pool grants nothing then.
+fn check_jobs(text: &str) -> JobsSeen {
+    let mut seen = JobsSeen::default();
+    let mut running = std::collections::HashMap::<u64, u128>::new();
+    // (from, limit), in order; and when the limit last went down.
+    let mut limits: Vec<(u128, u64)> = Vec::new();
+    let mut lowered: Option<u128> = None;
+    // A kill of a job's `date` leaves its line without a time: the line
+    // before it tells the time closely enough.
+    let mut ns = 0;
+    for line in text.lines() {
+        let mut words = line.split_whitespace();
+        let (Some(what), Some(Ok(value))) = (words.next(), words.next().map(str::parse::<u64>))
+        else {
+            continue;
+        };
+        if let Some(Ok(t)) = words.next().map(str::parse::<u128>) {
+            ns = t;
+        }
+        match what {
+            "L" => {
+                if limits.last().is_some_and(|&(_, old)| value < old) {
+                    lowered = Some(ns);
+                }
+                limits.push((ns, value));
+            }
+            "E" | "K" => {
+                running.remove(&value);
+            }
+            "S" => {
+                running.insert(value, ns);
+                seen.started += 1;
+                seen.most = seen.most.max(running.len());
+                let since = ns.saturating_sub(IN_FLIGHT_NS);
+                let in_force_before = limits.iter().rev().find(|&&(from, _)| from <= since);
+                let allowed = limits
+                    .iter()
+                    .filter(|&&(from, _)| from > since && from <= ns)
+                    .chain(in_force_before)
+                    .map(|&(_, limit)| limit)
+                    .max()
+                    .unwrap_or(u64::MAX);
+                let draining = lowered.is_some_and(|low| {
+                    running
+                        .iter()
+                        .any(|(&pid, &start)| pid != value && start < low + IN_FLIGHT_NS)
+                });
+                if running.len() as u64 > allowed && !draining {
+                    seen.violations.push(format!(
+                        "job {value} started with {} running under a limit of {allowed} (at {ns})",
+                        running.len()
+                    ));
+                }
+            }
+            _ => {}
+        }
+    }
+    seen
 }
 
 fn start(broker_socket: &Path, projects: &Projects, kind: Kind) -> Child {
@@ -174,7 +353,7 @@ fn start(broker_socket: &Path, projects: &Projects, kind: Kind) -> Child {
             .env("CARGO_TARGET_DIR", dir.join("target"))
             .env_remove("CARGO_MAKEFLAGS")
             .env_remove("CARGO_BUILD_JOBS"),
-        Kind::Native => run.args(["--", "sleep", "0.3"]),
+        Kind::Native => run.args(["--", "sh", "-c", &projects.jobs.command("0.3")]),
     };
     run.env_remove("MAKEFLAGS")
         .stdin(Stdio::null())
@@ -262,9 +441,12 @@ fn observe(socket: PathBuf, stop: Arc<AtomicBool>, seen: Arc<Mutex<Observed>>) {
 
 /// Kills the broker with SIGKILL and starts a new one on its socket: its
 /// log goes on in the same file.
-fn restart_after_kill9(broker: &mut Broker, limit: u32) {
+fn restart_after_kill9(broker: &mut Broker, limit: u32, gap: Duration) {
     kill9(broker.pid());
     broker.child.wait().expect("reap the killed broker");
+    // A while with no broker at all: builds carry on with what they hold,
+    // and a `baton run` waiting for its first token waits for the next.
+    std::thread::sleep(gap);
     let log = std::fs::OpenOptions::new()
         .append(true)
         .open(broker.dir.path().join("broker.log"))
@@ -345,10 +527,8 @@ fn chaos_loses_no_token_and_never_breaks_the_limit() {
     let mut dice = Dice(seed);
     let mut limit = 4;
     let mut broker = Broker::start(limit);
-    let projects = Projects {
-        root: broker.dir.path().join("projects"),
-        next: AtomicU32::new(0),
-    };
+    let projects = Projects::new(broker.dir.path().join("projects"));
+    projects.jobs.mark('L', limit.into());
     let fuse = broker.log().contains("FUSE token files at");
     if !fuse {
         common::skip(
@@ -400,6 +580,7 @@ fn chaos_loses_no_token_and_never_breaks_the_limit() {
             10..=12 if !running.is_empty() => {
                 let victim = dice.below(running.len());
                 let r = &mut running[victim];
+                projects.jobs.mark('K', r.child.id().into());
                 kill9(r.child.id());
                 r.killed = true;
                 counts.clients_killed += 1;
@@ -412,20 +593,40 @@ fn chaos_loses_no_token_and_never_breaks_the_limit() {
                     .filter(|&p| p != r.child.id())
                     .collect();
                 if !children.is_empty() {
-                    kill9(children[dice.below(children.len())]);
+                    let child = children[dice.below(children.len())];
+                    // Before the kill: from then on the job, if it is one,
+                    // runs no more as far as the check is concerned.
+                    projects.jobs.mark('K', child.into());
+                    kill9(child);
                     r.killed = true;
                     counts.children_killed += 1;
                 }
             }
             16 | 17 => {
                 let new = 1 + dice.below(6) as u32;
+                // A higher limit counts from just before the request, a
+                // lower one from its answer: the check is never stricter
+                // than the broker could have been.
+                if new > limit {
+                    projects.jobs.mark('L', new.into());
+                }
                 if set_limit(&broker, new) {
+                    if new < limit {
+                        projects.jobs.mark('L', new.into());
+                    }
                     limit = new;
                     counts.limit_changes += 1;
+                } else if new > limit {
+                    projects.jobs.mark('L', limit.into());
                 }
             }
             18 if dice.below(4) == 0 => {
-                restart_after_kill9(&mut broker, limit);
+                let gap = Duration::from_millis(if dice.below(2) == 0 {
+                    0
+                } else {
+                    500 * (1 + dice.below(6)) as u64
+                });
+                restart_after_kill9(&mut broker, limit, gap);
                 running.iter_mut().for_each(|r| r.restarts_seen += 1);
                 counts.broker_restarts += 1;
             }
@@ -472,6 +673,26 @@ fn chaos_loses_no_token_and_never_breaks_the_limit() {
         "the observer saw the limit broken: {:?}",
         observed.violations
     );
+    let jobs = check_jobs(&projects.jobs.text());
+    eprintln!(
+        "soak: jobs: {} started, at most {} at once, {} started past the limit",
+        jobs.started,
+        jobs.most,
+        jobs.violations.len()
+    );
+    if !jobs.violations.is_empty() {
+        // Kept for the post-mortem: the temporary directory goes with the
+        // broker.
+        let kept = std::env::temp_dir().join(format!("baton-soak-jobs-{seed}.log"));
+        std::fs::copy(&projects.jobs.path, &kept).unwrap();
+        panic!(
+            "jobs ran past the limit (seed {seed}; the log is kept at {}): {:?}\n{}",
+            kept.display(),
+            jobs.violations,
+            broker.log()
+        );
+    }
+    assert!(jobs.started > 0, "no job ran: {counts:?}");
     assert!(
         failures.is_empty(),
         "builds failed: {failures:?}\n{}",
@@ -515,4 +736,71 @@ fn the_observer_flags_more_held_than_the_limit() {
         None,
         "another broker: nothing to compare"
     );
+}
+
+/// The jobs' rule on its own: what it must flag and what it lets pass.
+#[test]
+fn the_job_check_flags_a_start_past_the_limit_and_lets_a_drain_pass() {
+    let s = 1_000_000_000u128; // one second, in the log's nanoseconds
+    let log = |lines: &[(&str, u64, u128)]| {
+        lines
+            .iter()
+            .map(|(w, v, t)| format!("{w} {v} {t}\n"))
+            .collect::<String>()
+    };
+    let two_within_two = log(&[
+        ("L", 2, 0),
+        ("S", 1, s),
+        ("S", 2, s),
+        ("E", 1, 2 * s),
+        ("S", 3, 2 * s),
+    ]);
+    assert_eq!(check_jobs(&two_within_two).violations.len(), 0);
+    assert_eq!(check_jobs(&two_within_two).most, 2);
+    let three = log(&[("L", 2, 0), ("S", 1, s), ("S", 2, s), ("S", 3, s)]);
+    assert_eq!(
+        check_jobs(&three).violations.len(),
+        1,
+        "a third job under 2"
+    );
+    let killed = log(&[
+        ("L", 2, 0),
+        ("S", 1, s),
+        ("S", 2, s),
+        ("K", 1, 2 * s),
+        ("S", 3, 2 * s),
+    ]);
+    assert_eq!(
+        check_jobs(&killed).violations.len(),
+        0,
+        "a killed job ran no more"
+    );
+    // 4 -> 1 while 3 run: the one that goes on beside an old job is the
+    // drain; once the old ones are gone, a second job is past the limit.
+    let drain = log(&[
+        ("L", 4, 0),
+        ("S", 1, s),
+        ("S", 2, s),
+        ("S", 3, s),
+        ("L", 1, 2 * s),
+        ("E", 1, 3 * s),
+        ("S", 4, 3 * s),
+        ("E", 2, 4 * s),
+        ("E", 3, 4 * s),
+        ("S", 5, 5 * s),
+    ]);
+    let seen = check_jobs(&drain);
+    assert_eq!(seen.violations.len(), 1, "{seen:?}");
+    assert!(seen.violations[0].starts_with("job 5 "), "{seen:?}");
+    // A job started just after a lowering, on a token granted before it.
+    let in_flight = log(&[
+        ("L", 2, 0),
+        ("S", 1, s),
+        ("L", 1, 2 * s),
+        ("S", 2, 2 * s + 1000),
+    ]);
+    assert_eq!(check_jobs(&in_flight).violations.len(), 0);
+    // A raise counts at once.
+    let raised = log(&[("L", 1, 0), ("S", 1, s), ("L", 2, 2 * s), ("S", 2, 2 * s)]);
+    assert_eq!(check_jobs(&raised).violations.len(), 0);
 }
