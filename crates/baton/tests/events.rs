@@ -497,7 +497,7 @@ fn jobserver_of(make_pid: u32) -> std::path::PathBuf {
     let auth = flags
         .split_whitespace()
         .filter_map(|w| w.strip_prefix("--jobserver-auth="))
-        .last()
+        .next_back()
         .unwrap_or_else(|| panic!("no jobserver in {flags:?}"));
     match auth.strip_prefix("fifo:") {
         Some(path) => path.into(),
