@@ -308,6 +308,7 @@ mod tests {
             wait_ms_p50: Some(0.0),
             wait_ms_p99: Some(0.0),
             running: None,
+            stray: 0,
         };
         let mut registry = Registry::default();
         render_builds(&[build], &mut registry);

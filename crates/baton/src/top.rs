@@ -598,6 +598,7 @@ mod tests {
             wait_ms_p50: None,
             wait_ms_p99: None,
             running: None,
+            stray: 0,
         }
     }
 
