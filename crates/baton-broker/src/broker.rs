@@ -428,10 +428,10 @@ impl Broker {
     pub fn disconnect(&mut self, id: ClientId) -> u32 {
         self.tick();
         self.roots.retain(|_, &mut root| root != id);
-        if let Some(session) = self.sessions.remove(&id) {
-            if self.outlived_by_its_processes(id, session) {
-                return 0;
-            }
+        match self.sessions.remove(&id) {
+            Some(session) if self.outlived_by_its_processes(id, session) => return 0,
+            Some(_) => {}
+            None => self.hand_to_the_owner(id),
         }
         let build = self.pool.build_of(id);
         let (reclaimed, grants) = self.pool.disconnect(id);
@@ -483,6 +483,49 @@ impl Broker {
             (hook.0)();
         }
         true
+    }
+
+    /// A process of a build that dies holding tokens (make reading the
+    /// FUSE file, killed) while jobs it started run on: as many of its
+    /// tokens as the build runs jobs beyond what its other clients hold
+    /// pass to the build's owner (its `baton run`'s connection, or what is
+    /// left of it if orphaned), counted as HOLD counts before the dying
+    /// client's are taken back, so that nothing is granted in between
+    /// (found by the soak: make's tokens went to another build 3 ms before
+    /// its `baton run`'s death was seen). They come back with the build's.
+    fn hand_to_the_owner(&mut self, id: ClientId) {
+        let held = self.pool.held_by(id);
+        let Some(build) = self.pool.build_of(id).filter(|_| held > 0) else {
+            return;
+        };
+        let Some((owner, pid, session)) = self.owner_of(build).filter(|o| o.0 != id) else {
+            return;
+        };
+        let build_held = self
+            .pool
+            .builds()
+            .find(|b| b.id == build)
+            .map_or(0, |b| b.held);
+        let covered = build_held.saturating_sub(held);
+        let jobs = crate::jobs::orphan_jobs(pid, session);
+        let keep = held.min(jobs.saturating_sub(covered));
+        if keep > 0 && self.pool.hold(owner, keep).is_ok() {
+            log::info(format_args!(
+                "pid {} of baton run pid {pid}'s build exited holding {held} token(s) while the build \
+                 runs {jobs} job(s): {keep} stay with the build",
+                self.pool.meta(id).map_or(0, |m| m.pid)
+            ));
+        }
+    }
+
+    /// The client that owns a build (its `baton run`, alive or orphaned),
+    /// with the pid and session its processes are found by.
+    fn owner_of(&self, build: BuildId) -> Option<(ClientId, u32, u32)> {
+        let live = self.sessions.iter().map(|(&id, &session)| (id, session));
+        let orphaned = self.orphaned.iter().map(|(&id, o)| (id, o.session));
+        live.chain(orphaned)
+            .find(|&(id, _)| self.pool.build_of(id) == Some(build))
+            .and_then(|(id, session)| Some((id, self.pool.meta(id)?.pid, session)))
     }
 
     /// Keeps `jobs` of an orphaned build's tokens and gives the rest back.

@@ -200,11 +200,26 @@ pub fn session_of(pid: u32) -> Option<u32> {
 /// job; a shell running gcc is one job, gcc). Processes that left the
 /// session (daemons the build started, which call setsid) are not the
 /// build's any more: they would hold its tokens for ever.
+///
+/// A build tool with no child counts here, unlike in [`running_jobs`]: it
+/// may be make's child between fork and exec, about to run a job on a
+/// token make took (found by the soak: a kill at that moment let the token
+/// go and the job start past the limit). Holding one token too many until
+/// such a process ends costs nothing; one too few breaks the limit.
 pub fn orphan_jobs(owner: u32, session: u32) -> u32 {
-    running_jobs(&HashMap::from([(owner, session)]))
+    leaves(&HashMap::from([(owner, session)]), Count::ToolsToo)
         .get(&owner)
         .copied()
         .unwrap_or(0)
+}
+
+/// Which leaves of a build's process tree are counted as jobs.
+#[derive(Clone, Copy, PartialEq)]
+enum Count {
+    /// Not make, ninja and the like: what `status` shows as running.
+    JobsOnly,
+    /// Every leaf: what an orphaned build keeps tokens for.
+    ToolsToo,
 }
 
 /// The jobs each build runs, by its `baton run`'s pid (`owners`: pid →
@@ -212,6 +227,12 @@ pub fn orphan_jobs(owner: u32, session: u32) -> u32 {
 /// processes in one of those sessions. A build tool with no child (make
 /// parsing, or waiting for a token) runs no job.
 pub fn running_jobs(owners: &HashMap<u32, u32>) -> HashMap<u32, u32> {
+    leaves(owners, Count::JobsOnly)
+}
+
+/// The leaves of each build's process tree, by its `baton run`'s pid, in
+/// one pass over /proc.
+fn leaves(owners: &HashMap<u32, u32>, count: Count) -> HashMap<u32, u32> {
     let sessions: std::collections::HashSet<u32> = owners.values().copied().collect();
     let Ok(dir) = std::fs::read_dir("/proc") else {
         return HashMap::new();
@@ -236,7 +257,7 @@ pub fn running_jobs(owners: &HashMap<u32, u32>) -> HashMap<u32, u32> {
     let parents: std::collections::HashSet<u32> = members.values().map(|m| m.0).collect();
     let mut jobs = HashMap::new();
     for (pid, &(_, owner, tool)) in &members {
-        if !parents.contains(pid) && !tool {
+        if !parents.contains(pid) && (!tool || count == Count::ToolsToo) {
             *jobs.entry(owner).or_insert(0) += 1;
         }
     }
