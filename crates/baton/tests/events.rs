@@ -354,15 +354,6 @@ enum Victim {
     Command,
 }
 
-/// The children of `pid`, from /proc.
-fn children(pid: u32) -> Vec<u32> {
-    std::fs::read_to_string(format!("/proc/{pid}/task/{pid}/children"))
-        .unwrap_or_default()
-        .split_whitespace()
-        .filter_map(|p| p.parse().ok())
-        .collect()
-}
-
 fn killed_builds_jobs_keep_their_tokens(make: &Path, style: &str, victim: Victim) {
     let broker = Broker::start(2);
     let (a, b) = (TempDir::new("orphans-a"), TempDir::new("orphans-b"));
@@ -482,30 +473,6 @@ fn status_counts_the_jobs_a_build_runs_past_its_tokens() {
     let out = child.wait_with_output().unwrap();
     assert!(out.status.success());
     broker.assert_all_free();
-}
-
-/// Where the jobserver of the make that `baton run` runs can be written
-/// to by a stranger: the FIFO's path (fifo style) or the build's W
-/// descriptor through /proc (pipe style), from make's MAKEFLAGS.
-fn jobserver_of(make_pid: u32) -> std::path::PathBuf {
-    let env = std::fs::read(format!("/proc/{make_pid}/environ")).unwrap();
-    let flags = env
-        .split(|&b| b == 0)
-        .find_map(|v| v.strip_prefix(b"MAKEFLAGS="))
-        .map(|v| String::from_utf8_lossy(v).into_owned())
-        .expect("make has MAKEFLAGS");
-    let auth = flags
-        .split_whitespace()
-        .filter_map(|w| w.strip_prefix("--jobserver-auth="))
-        .next_back()
-        .unwrap_or_else(|| panic!("no jobserver in {flags:?}"));
-    match auth.strip_prefix("fifo:") {
-        Some(path) => path.into(),
-        None => {
-            let w = auth.split(',').nth(1).expect("R,W");
-            format!("/proc/{make_pid}/fd/{w}").into()
-        }
-    }
 }
 
 /// Stray bytes written into a build's jobserver (77 at once, as a client

@@ -449,3 +449,36 @@ pub fn cpu_ticks(pid: u32) -> u64 {
     let fields: Vec<&str> = after_name.split(' ').collect();
     fields[11].parse::<u64>().unwrap() + fields[12].parse::<u64>().unwrap()
 }
+
+/// The children of `pid`, from /proc.
+pub fn children(pid: u32) -> Vec<u32> {
+    std::fs::read_to_string(format!("/proc/{pid}/task/{pid}/children"))
+        .unwrap_or_default()
+        .split_whitespace()
+        .filter_map(|p| p.parse().ok())
+        .collect()
+}
+
+/// Where the jobserver of the make that `baton run` runs can be written
+/// to by a stranger: the FIFO's path (fifo style) or the build's W
+/// descriptor through /proc (pipe style), from make's MAKEFLAGS.
+pub fn jobserver_of(make_pid: u32) -> std::path::PathBuf {
+    try_jobserver_of(make_pid).unwrap_or_else(|| panic!("no jobserver in MAKEFLAGS of {make_pid}"))
+}
+
+/// As [`jobserver_of`]; None if the process is gone or has no jobserver.
+pub fn try_jobserver_of(make_pid: u32) -> Option<std::path::PathBuf> {
+    let env = std::fs::read(format!("/proc/{make_pid}/environ")).ok()?;
+    let flags = env
+        .split(|&b| b == 0)
+        .find_map(|v| v.strip_prefix(b"MAKEFLAGS="))
+        .map(|v| String::from_utf8_lossy(v).into_owned())?;
+    let auth = flags
+        .split_whitespace()
+        .filter_map(|w| w.strip_prefix("--jobserver-auth="))
+        .next_back()?;
+    Some(match auth.strip_prefix("fifo:") {
+        Some(path) => path.into(),
+        None => format!("/proc/{make_pid}/fd/{}", auth.split(',').nth(1)?).into(),
+    })
+}
