@@ -15,6 +15,16 @@ use std::time::Duration;
 /// A makefile of `jobs` independent jobs that log `S id` and `E id`.
 fn logged_makefile(dir: &Path, log: &Path, jobs: usize, secs: &str) {
     let names: Vec<String> = (0..jobs).map(|i| format!("j{i}")).collect();
+    // The same jobs for ninja, beside: whichever tool runs finds its file.
+    let mut ninja =
+        "rule job\n  command = sh -c 'echo S $name >> $log; sleep $secs; echo E $name >> $log'\n"
+            .replace("$log", &log.display().to_string())
+            .replace("$secs", secs)
+            .replace("$name", "$out");
+    for name in &names {
+        ninja += &format!("build {name}: job\n");
+    }
+    std::fs::write(dir.join("build.ninja"), ninja).unwrap();
     let mut text = format!(".PHONY: all {0}\nall: {0}\n", names.join(" "));
     for name in &names {
         text += &format!(
@@ -212,6 +222,11 @@ fn a_lowered_limit_drains_a_busy_make_4_4_fifo_build() {
 }
 
 #[test]
+fn a_lowered_limit_drains_a_busy_ninja_build() {
+    a_lowered_limit_drains_a_busy_fifo_build(&ninja(), "fifo");
+}
+
+#[test]
 fn a_lowered_limit_drains_a_busy_bmake_build() {
     a_lowered_limit_drains_a_busy_fifo_build(&bmake(), "auto");
 }
@@ -335,6 +350,7 @@ fn a_stopped_build_is_shown_as_stopped() {
 /// A build of two 3-second jobs under `baton run`, logging to `log`.
 fn spawn_logged_build(broker: &Broker, dir: &Path, log: &Path, make: &Path, style: &str) -> Child {
     flat_makefile(dir, log, 2, "3");
+    flat_ninja(dir, log, 2, "3");
     spawn_build(broker, dir, style, make)
 }
 
@@ -412,6 +428,11 @@ fn a_killed_commands_jobs_keep_their_tokens_in_the_fifo_style() {
 #[test]
 fn a_killed_commands_jobs_keep_their_tokens_in_the_pipe_style() {
     killed_builds_jobs_keep_their_tokens(&make43(), "pipe", Victim::Command);
+}
+
+#[test]
+fn a_killed_baton_runs_jobs_keep_their_tokens_with_ninja() {
+    a_killed_baton_runs_jobs_keep_their_tokens(&ninja(), "fifo");
 }
 
 #[test]
