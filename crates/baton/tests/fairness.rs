@@ -396,9 +396,13 @@ fn bench_builds_measures_every_case_with_the_real_tools() {
             .map(|r| r["share"].as_f64().unwrap())
             .collect();
         assert_eq!(shares.len(), 3, "{case}");
+        // The shares are each build's part of the three's job-seconds, so
+        // they add up to 1 by construction once anything ran; what shows
+        // the case was measured is that each of the three builds ran jobs
+        // while all three ran.
         assert!(
-            (shares.iter().sum::<f64>() - 1.0).abs() < 0.01,
-            "{case}: {shares:?}"
+            shares.iter().all(|&s| s > 0.0),
+            "{case}: a build ran no job while all three ran: {shares:?}"
         );
     }
     let weights: Vec<f64> = rows

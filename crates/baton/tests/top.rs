@@ -705,7 +705,9 @@ fn rss_kib(pid: u32) -> (u64, u64) {
 #[test]
 fn the_broker_stays_under_20_mb_with_a_thousand_clients() {
     raise_open_file_limit();
+    let spawned = Instant::now();
     let broker = Broker::start(4);
+    let ready = Instant::now();
     let mut clients: Vec<baton_client::Client> = (0..1000)
         .map(|i| broker.client(&format!("client {i}")))
         .collect();
@@ -715,6 +717,9 @@ fn the_broker_stays_under_20_mb_with_a_thousand_clients() {
     wait_for(Duration::from_secs(120), "996 waiters", || {
         broker.status().waiters.len() == 996
     });
+    // From here on every token is held (a release below is granted again
+    // at once): the seconds that begin after this read 4.
+    let all_held = broker.status().utilization.held.len();
     let hold_for = std::env::var("BATON_TEST_RSS_SECS")
         .ok()
         .and_then(|s| s.parse().ok())
@@ -728,7 +733,15 @@ fn the_broker_stays_under_20_mb_with_a_thousand_clients() {
         rounds += 1;
         std::thread::sleep(Duration::from_secs(1));
     }
+    // A whole second with every token held, the ring's last.
+    wait_for(
+        Duration::from_secs(30),
+        "a whole second of history with every token held",
+        || broker.status().utilization.held.len() >= (all_held + 2).min(600),
+    );
+    let before_status = ready.elapsed();
     let s = broker.status();
+    let broker_age = spawned.elapsed();
     // An earlier status client's close may still be on its way: count ours.
     assert_eq!(
         s.builds
@@ -738,9 +751,18 @@ fn the_broker_stays_under_20_mb_with_a_thousand_clients() {
         1000,
         "each client a build of its own"
     );
+    // One mean per second the broker has run, up to ten minutes' worth.
+    let ring = s.utilization.held.len() as u64;
     assert!(
-        s.utilization.held.len() as u64 >= hold_for.as_secs().min(600),
-        "the ring has the run's seconds"
+        (before_status.as_secs().min(600)..=broker_age.as_secs().min(600)).contains(&ring),
+        "the ring has the broker's {} seconds, not {ring}",
+        before_status.as_secs()
+    );
+    assert_eq!(
+        s.utilization.held.last(),
+        Some(&4.0),
+        "the last whole second had every token held: {:?}",
+        s.utilization.held
     );
     let (rss, peak) = rss_kib(broker.pid());
     eprintln!(
