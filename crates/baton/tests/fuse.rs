@@ -13,7 +13,7 @@ use std::os::fd::AsRawFd;
 use std::os::unix::fs::OpenOptionsExt;
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command};
+use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
 /// A broker with its FUSE mount, or None (after recording a skip) where
@@ -690,21 +690,28 @@ fn a_process_exiting_with_a_thread_blocked_in_a_read_exits_at_once() {
     };
     let path = token_file(&broker, "helper");
     read_token(&mut File::open(&path).unwrap()).unwrap();
-    let script = "import os, sys, threading, time\n\
+    // It exits when told to (a line on stdin), once the test has seen the
+    // helper thread's read wait at the broker; the end of its stdin (the
+    // child dropped by a failing test) ends it too.
+    let script = "import os, sys, threading\n\
         p = sys.argv[1]\n\
         os.read(os.open(p, os.O_RDWR), 1)\n\
         threading.Thread(target=lambda: os.read(os.open(p, os.O_RDWR), 1), daemon=True).start()\n\
-        time.sleep(0.3)\n\
+        sys.stdin.readline()\n\
         os._exit(0)\n";
     let mut child = Command::new("python3")
         .arg("-c")
         .arg(script)
         .arg(&path)
+        .stdin(Stdio::piped())
         .spawn()
         .unwrap();
-    wait_for(Duration::from_secs(5), "the helper thread to wait", || {
+    wait_for(Duration::from_secs(20), "the helper thread to wait", || {
         broker.status().waiters.len() == 1
     });
+    let mut stdin = child.stdin.take().unwrap();
+    stdin.write_all(b"exit\n").unwrap();
+    drop(stdin);
     let status = common::wait_timeout(&mut child, Duration::from_secs(30)).unwrap_or_else(|| {
         let _ = child.kill();
         panic!("the process hung on exit")

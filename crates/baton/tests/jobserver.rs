@@ -318,14 +318,24 @@ fn kill_9_of_baton_run_returns_every_token_of_its_build() {
 fn the_pipe_styles_read_end_opens_after_baton_run_is_killed() {
     let broker = Broker::start(2);
     let dir = TempDir::new("orphan");
-    let (pid_file, opened) = (dir.path().join("orphan.pid"), dir.path().join("opened"));
+    let (pid_file, opened, gone) = (
+        dir.path().join("orphan.pid"),
+        dir.path().join("opened"),
+        dir.path().join("baton-run-is-gone"),
+    );
     // A grandchild (no parent-death signal reaches it) outlives baton run,
-    // which its parent kills, and then reopens R as the jobserver crate does.
+    // which its parent kills, and then, once the test has seen baton run
+    // end, reopens R as the jobserver crate does. Orphaned by a failed
+    // test, it still ends when the test's directory goes.
     let script = format!(
         "R=${{MAKEFLAGS##*--jobserver-auth=}}; R=${{R%%,*}}; \
-         (echo $BASHPID > {pid}; sleep 0.5; exec 9</proc/self/fd/$R; echo yes > {opened}) & \
-         sleep 0.1; kill -9 $PPID",
+         (echo $BASHPID > {pid}; \
+          while [ ! -e {gone} ] && [ -d {dir} ]; do sleep 0.01; done; \
+          exec 9</proc/self/fd/$R; echo yes > {opened}) & \
+         kill -9 $PPID",
         pid = pid_file.display(),
+        gone = gone.display(),
+        dir = dir.path().display(),
         opened = opened.display()
     );
     let status = broker
@@ -334,6 +344,8 @@ fn the_pipe_styles_read_end_opens_after_baton_run_is_killed() {
         .status()
         .unwrap();
     assert!(!status.success(), "baton run was to be killed");
+    // Reaped: its handle on the pipe is gone.
+    std::fs::write(&gone, "").unwrap();
     wait_for(Duration::from_secs(10), "the orphan to start", || {
         std::fs::read_to_string(&pid_file).is_ok_and(|p| p.ends_with('\n'))
     });
@@ -506,13 +518,30 @@ fn a_build_that_ends_while_its_next_token_is_queued_gives_back_cleanly() {
     let broker = Broker::start(2);
     let mut other = broker.client("other");
     other.acquire(1).unwrap(); // the build's own slot takes the last token
-                               // Opening the FIFO makes baton queue for a token that cannot come.
-    let script = "exec 3<\"${MAKEFLAGS##*fifo:}\"; sleep 0.3";
-    let out = broker
-        .run(&["--jobserver-style", "fifo", "--", "sh", "-c", script])
+    let dir = TempDir::new("queued");
+    let queued = dir.path().join("queued");
+    // Opening the FIFO makes baton queue for a token that cannot come; the
+    // command ends once the broker shows it queued (or the test's
+    // directory is gone).
+    let script = format!(
+        "exec 3<\"${{MAKEFLAGS##*fifo:}}\"; while [ ! -e {q} ] && [ -d {d} ]; do sleep 0.01; done",
+        q = queued.display(),
+        d = dir.path().display()
+    );
+    let run = broker
+        .run(&["--jobserver-style", "fifo", "--", "sh", "-c", &script])
         .env_remove("MAKEFLAGS")
-        .output()
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
         .unwrap();
+    wait_for(
+        Duration::from_secs(20),
+        "the build to queue for a token",
+        || broker.status().waiters.len() == 1,
+    );
+    std::fs::write(&queued, "").unwrap();
+    let out = run.wait_with_output().unwrap();
     assert_built(&out);
     let s = broker.status();
     assert_eq!((s.free, s.held, s.totals.reclaimed), (1, 1, 0), "{s:#?}");

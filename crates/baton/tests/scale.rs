@@ -211,10 +211,23 @@ fn a_status_longer_than_the_unsent_bound_reaches_its_reader() {
     wait_for_waiters(&broker, WAITERS);
     // Asked for, and read only once the broker has written what the
     // socket takes and kept the rest (a reader as slow as a loaded
-    // machine makes one).
+    // machine makes one): part of the reply waits in our socket, and the
+    // broker watches its end for room to write more.
+    let epolls = epoll_fds(broker.pid());
+    // The status read above may still be leaving: nothing stuck before we
+    // ask, or the wait below would prove nothing.
+    common::wait_for(
+        Duration::from_secs(60),
+        "the broker to have no output waiting",
+        || !waits_to_write(broker.pid(), &epolls),
+    );
     let mut reader = hello_as(&broker.socket, "a slow reader");
     reader.write_all(b"STATUS\n").unwrap();
-    std::thread::sleep(Duration::from_millis(300));
+    common::wait_for(
+        Duration::from_secs(60),
+        "the broker to fill the reader's socket and keep the rest",
+        || unread(&reader) > 0 && waits_to_write(broker.pid(), &epolls),
+    );
     let mut reader = BufReader::new(reader);
     let mut head = String::new();
     reader.read_line(&mut head).unwrap();
@@ -236,6 +249,49 @@ fn a_status_longer_than_the_unsent_bound_reaches_its_reader() {
     drop(waiters);
     holder.release(1).unwrap();
     broker.assert_all_free();
+}
+
+/// Bytes waiting to be read in `stream`'s socket.
+fn unread(stream: &UnixStream) -> usize {
+    let mut n: libc::c_int = 0;
+    // SAFETY: FIONREAD writes one int to the pointer given.
+    let r = unsafe { libc::ioctl(stream.as_raw_fd(), libc::FIONREAD, &mut n) };
+    assert_eq!(r, 0, "FIONREAD: {}", std::io::Error::last_os_error());
+    n as usize
+}
+
+/// The descriptors of process `pid` that are epoll instances.
+fn epoll_fds(pid: u32) -> Vec<String> {
+    let fds = std::fs::read_dir(format!("/proc/{pid}/fd")).unwrap();
+    let epolls: Vec<String> = fds
+        .flatten()
+        .filter(|fd| {
+            std::fs::read_link(fd.path()).is_ok_and(|to| to.as_os_str() == "anon_inode:[eventpoll]")
+        })
+        .map(|fd| fd.file_name().to_string_lossy().into_owned())
+        .collect();
+    assert!(!epolls.is_empty(), "the broker {pid} has no epoll");
+    epolls
+}
+
+/// Whether one of process `pid`'s epolls watches a descriptor for room to
+/// write (EPOLLOUT in its fdinfo): the broker asks for that only while a
+/// connection's output is stuck.
+fn waits_to_write(pid: u32, epolls: &[String]) -> bool {
+    epolls.iter().any(|fd| {
+        std::fs::read_to_string(format!("/proc/{pid}/fdinfo/{fd}"))
+            .unwrap_or_default()
+            .lines()
+            .filter(|line| line.starts_with("tfd:"))
+            .filter_map(|line| {
+                let mask = line
+                    .split_whitespace()
+                    .skip_while(|w| *w != "events:")
+                    .nth(1)?;
+                u32::from_str_radix(mask, 16).ok()
+            })
+            .any(|mask| mask & libc::EPOLLOUT as u32 != 0)
+    })
 }
 
 fn wait_for_waiters(broker: &Broker, n: usize) -> baton_core::status::Status {
