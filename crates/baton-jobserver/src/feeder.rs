@@ -476,11 +476,15 @@ impl Feeder {
     }
 
     /// We re-attached to a new broker: a request pending at the old one
-    /// died with it, and what we learnt of other builds is stale.
+    /// died with it, and what we learnt of other builds is stale. Until
+    /// the first look, others are taken to wait: the new broker may have
+    /// a smaller limit, and tokens the build wrote back while no broker
+    /// answered must not go back into its FIFO before we ask (found by
+    /// the soak: 3 jobs at once under a limit of 2 as a broker came back).
     pub fn reattached(&mut self) {
         self.pending = false;
         self.last_look = None;
-        self.contended = false;
+        self.contended = true;
     }
 
     /// How long until the feeder should look again: only while the build

@@ -265,6 +265,46 @@ fn a_build_re_attaching_past_a_smaller_limit_is_counted_once() {
     new.assert_all_free();
 }
 
+/// Tokens a pipe-style build writes back while no broker answers wait in
+/// its return pipe. When a broker with a smaller limit comes, the build
+/// asks it before they go back into its FIFO: from then on it runs at the
+/// new limit, counted from its jobs (they used to go back first: 4 jobs at
+/// once under a limit of 2).
+#[test]
+fn tokens_written_back_while_no_broker_answered_obey_the_next_ones_limit() {
+    let mut old = Broker::start(4);
+    let dir = TempDir::new("gap");
+    let log = dir.path().join("jobs.log");
+    logged_makefile(dir.path(), &log, 12, "1");
+    let child = spawn_build(&old, dir.path(), "pipe", &make43());
+    wait_for(Duration::from_secs(30), "4 jobs at once", || {
+        running(&log) >= 4
+    });
+    old.stop_with(libc::SIGKILL);
+    wait_for(
+        Duration::from_secs(30),
+        "the jobs running at the kill to end, with no broker",
+        || started(&log) - running(&log) >= 4,
+    );
+    let new = Broker::start_at(&old, 2, &[]);
+    mark(&log, "N");
+    let out = child.wait_with_output().unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(started(&log), 12, "every job ran");
+    let (max, starts) = overlap_after(&log, "N");
+    assert!(starts > 0, "no job started under the new broker");
+    assert!(
+        max <= 2,
+        "{max} jobs at once under the new broker's limit of 2:\n{}",
+        std::fs::read_to_string(&log).unwrap()
+    );
+    new.assert_all_free();
+}
+
 /// `baton run` queued for its first token when the broker is killed waits
 /// for the next broker and runs its command (it used to exit 1 with
 /// "waiting for tokens: the broker closed the connection").
