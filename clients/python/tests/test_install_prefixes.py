@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 import os
+import importlib.metadata
 import pathlib
 import shutil
 import subprocess
@@ -124,17 +125,29 @@ def check_import(prefix: pathlib.Path, cwd: pathlib.Path) -> None:
     assert loaded.is_relative_to(site), f"baton_client came from {loaded}, not from {site}"
 
 
+def installed_files() -> list | None:
+    """The files of the client installed where this pytest runs, if any."""
+    try:
+        return importlib.metadata.distribution("baton-client").files
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
 def test_two_prefixes_in_turn_and_a_wheel_name_no_build_dir_and_no_earlier_prefix(tmp_path):
     houses = ["--find-links", str(wheelhouse())]
     had_build = (PACKAGE / "build").exists()
     first, second, third = tmp_path / "first-prefix", tmp_path / "second-prefix", tmp_path / "wheel-prefix"
     wheels = tmp_path / "wheels"
 
-    pip("install", *houses, "--prefix", str(first), str(PACKAGE))
+    # --ignore-installed: without it pip "upgrades" the copy installed in
+    # this venv, uninstalling it, and every later test that imports the
+    # client fails (it did, in a full run of the suite).
+    installed_here = installed_files()
+    pip("install", *houses, "--ignore-installed", "--prefix", str(first), str(PACKAGE))
     check_tree(first, PACKAGE, [])
     check_import(first, tmp_path)
 
-    pip("install", *houses, "--prefix", str(second), str(PACKAGE))
+    pip("install", *houses, "--ignore-installed", "--prefix", str(second), str(PACKAGE))
     pip("wheel", *houses, "--no-deps", "-w", str(wheels), str(PACKAGE))
     [wheel] = wheels.glob("baton_client-*.whl")
     with zipfile.ZipFile(wheel) as archive:
@@ -143,7 +156,9 @@ def test_two_prefixes_in_turn_and_a_wheel_name_no_build_dir_and_no_earlier_prefi
             for needle in spellings(PACKAGE) | spellings(first) | spellings(second):
                 if needle in data:
                     pytest.fail(f"{wheel.name}: {name} names {needle.decode()}")
-    pip("install", "--no-deps", "--prefix", str(third), str(wheel))
+    pip("install", "--no-deps", "--ignore-installed", "--prefix", str(third), str(wheel))
+    assert installed_files() == installed_here, "the venv's own install changed"
+    assert all(f.locate().exists() for f in installed_here or []), "the venv's own install was removed"
 
     # Each later install stands on its own once the first is gone.
     shutil.rmtree(first)
