@@ -437,10 +437,7 @@ fn killed_builds_jobs_keep_their_tokens(make: &Path, style: &str, victim: Victim
         most, 2,
         "{most} jobs ran at once under a limit of 2 after {victim:?} was killed ({style})"
     );
-    wait_for(Duration::from_secs(10), "every token back", || {
-        broker.status().free == 2
-    });
-    broker.assert_all_free();
+    broker.wait_all_free();
 }
 
 #[test]
@@ -572,10 +569,7 @@ fn stray_bytes_are_taken_out_and_reported(make: &Path, style: &str) {
         "{said}"
     );
     assert!(broker.log().contains("stray byte(s)"), "{}", broker.log());
-    wait_for(Duration::from_secs(10), "every token back", || {
-        broker.status().free == 2
-    });
-    broker.assert_all_free();
+    broker.wait_all_free();
 }
 
 #[test]

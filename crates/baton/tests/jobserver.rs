@@ -363,10 +363,7 @@ fn the_pipe_styles_read_end_opens_after_baton_run_is_killed() {
         reopened,
         "the orphan's open of the FIFO read end never returned"
     );
-    wait_for(Duration::from_secs(20), "every token back", || {
-        broker.status().free == 2
-    });
-    broker.assert_all_free();
+    broker.wait_all_free();
 }
 
 #[test]

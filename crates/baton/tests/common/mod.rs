@@ -218,6 +218,16 @@ impl Broker {
     }
 
     /// Checks that every token is back: free == limit, nobody holds any.
+    /// Waits until every token is back (a build's last tokens come back a
+    /// moment after it exits), then asserts it.
+    pub fn wait_all_free(&self) {
+        wait_for(Duration::from_secs(20), "every token back", || {
+            let s = self.status();
+            (s.free, s.held) == (s.limit, 0)
+        });
+        self.assert_all_free();
+    }
+
     pub fn assert_all_free(&self) {
         let s = self.status();
         assert_eq!(
