@@ -647,6 +647,24 @@ mod tests {
     }
 
     #[test]
+    fn any_one_gate_is_a_gate() {
+        let only = |config: GateConfig| config.any();
+        assert!(!only(GateConfig::default()));
+        assert!(only(GateConfig {
+            min_mem_available: Some(MIB),
+            ..GateConfig::default()
+        }));
+        assert!(only(GateConfig {
+            max_mem_pressure: Some(10.0),
+            ..GateConfig::default()
+        }));
+        assert!(only(GateConfig {
+            max_load: Some(2.0),
+            ..GateConfig::default()
+        }));
+    }
+
+    #[test]
     fn with_nothing_held_the_next_request_passes_whole() {
         let mut g = memory_gate(300 * MIB);
         g.observe(mem(1000 * MIB), 0, at(0));
@@ -819,6 +837,41 @@ mod tests {
                 "{name} {value} accepted"
             );
         }
+    }
+
+    #[test]
+    fn every_gate_setting_reads_back_as_it_was_set() {
+        let settings = [
+            ("mem-available", 2e9),
+            ("mem-pressure", 40.0),
+            ("load", 3.5),
+            ("min-jobs", 2.0),
+        ];
+        let mut c = GateConfig::default();
+        for (name, value) in settings {
+            c = c.with(name, Some(value)).unwrap();
+        }
+        for (name, value) in settings {
+            assert_eq!(c.value_of(name), Some(value), "{name}");
+        }
+        assert_eq!(c.value_of("nope"), None);
+        let off = c.with("mem-pressure", None).unwrap();
+        assert_eq!(off.value_of("mem-pressure"), None);
+        assert_eq!(
+            c.with("min-jobs", None).unwrap().value_of("min-jobs"),
+            Some(1.0)
+        );
+    }
+
+    #[test]
+    fn gates_are_named_as_status_shows_them() {
+        let names = [
+            GateKind::MemAvailable,
+            GateKind::MemPressure,
+            GateKind::Load,
+        ]
+        .map(GateKind::name);
+        assert_eq!(names, ["mem-available", "mem-pressure", "load"]);
     }
 
     #[test]
