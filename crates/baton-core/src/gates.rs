@@ -808,6 +808,10 @@ mod tests {
         assert_eq!(parse_size("4096"), Ok(4096));
         assert_eq!(parse_size("2T"), Ok(2 << 40));
         assert!(parse_size("0.5").is_err(), "less than a byte");
+        for negative in ["-1", "-2G", "0"] {
+            let said = parse_size(negative).unwrap_err();
+            assert!(said.contains("above zero"), "{negative}: {said}");
+        }
         assert!(parse_size("16777216T").is_err(), "past 64 bits");
         for bad in ["-1", "abc", "0", "", "1.5X", "G", "nan"] {
             assert!(parse_size(bad).is_err(), "{bad} accepted");
