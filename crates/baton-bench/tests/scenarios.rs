@@ -7,6 +7,7 @@
 //! target/debug/baton if built; without it they are skipped, said aloud.
 
 use anyhow::{ensure, Context, Result};
+use baton_bench::cgroup::Unusable;
 use baton_testkit::{skip_as, Missing};
 use clap::Parser;
 use serde_json::Value;
@@ -603,13 +604,13 @@ fn make_tree_runs_each_way_at_each_n(h: &Harness) -> Result<()> {
 }
 
 fn memory_counts_each_builds_oom_kills(h: &Harness) -> Result<()> {
-    // SAFETY: geteuid has no preconditions.
-    let root = unsafe { libc::geteuid() } == 0;
-    if !root || !std::path::Path::new("/sys/fs/cgroup/memory/memory.limit_in_bytes").exists() {
-        record_skip(
-            Missing::Root,
-            "baton bench memory needs root and a cgroup v1 memory controller",
-        );
+    // The skip under its cause: not root, or no memory cgroup (v1 or v2).
+    if let Err(why) = baton_bench::cgroup::Hierarchy::find() {
+        let missing = match why {
+            Unusable::NotRoot => Missing::Root,
+            Unusable::NoMemoryCgroup(_) => Missing::Cgroup,
+        };
+        record_skip(missing, &format!("baton bench memory: {why}"));
         return Ok(());
     }
     let doc = h.bench(&[
