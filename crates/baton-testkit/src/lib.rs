@@ -304,10 +304,158 @@ fn detach(mount: &Path) {
     unsafe { libc::umount2(path.as_ptr(), libc::MNT_DETACH) };
 }
 
-pub fn wait_timeout(child: &mut Child, limit: Duration) -> Option<std::process::ExitStatus> {
+/// A process a test started, with all it starts, in a process group of its
+/// own ([`SpawnGuarded::spawn_guarded`]). Dropped, by a panic's unwinding
+/// too, it kills the group and reaps the process, so that nothing a test
+/// starts outlives it. Its [`Guarded::wait`] and [`Guarded::try_wait`]
+/// leave the process a zombie until the drop (waitid's `WNOWAIT`): its pid,
+/// and so the group's id, stay taken, so the drop still ends what the
+/// process left running in its group and never signals a stranger that got
+/// the pid since. Everything else is the [`Child`]'s (deref).
+pub struct Guarded {
+    child: Child,
+}
+
+/// `spawn` for a [`Guarded`] process.
+pub trait SpawnGuarded {
+    /// Spawns the command in a process group of its own, guarded.
+    fn spawn_guarded(&mut self) -> std::io::Result<Guarded>;
+}
+
+impl SpawnGuarded for Command {
+    fn spawn_guarded(&mut self) -> std::io::Result<Guarded> {
+        use std::os::unix::process::CommandExt;
+        self.process_group(0).spawn().map(|child| Guarded { child })
+    }
+}
+
+impl Guarded {
+    /// waitid(2) on the process with `WEXITED | WNOWAIT | flags`: its exit
+    /// status without reaping it; None with `WNOHANG` while it runs.
+    fn peek(&self, flags: libc::c_int) -> std::io::Result<Option<std::process::ExitStatus>> {
+        use std::os::unix::process::ExitStatusExt;
+        // SAFETY: a zeroed siginfo_t is valid; waitid fills it in.
+        let mut info: libc::siginfo_t = unsafe { std::mem::zeroed() };
+        loop {
+            // SAFETY: waitid writes only `info`.
+            let done = unsafe {
+                libc::waitid(
+                    libc::P_PID,
+                    self.child.id(),
+                    &mut info,
+                    libc::WEXITED | libc::WNOWAIT | flags,
+                )
+            };
+            if done == 0 {
+                break;
+            }
+            let error = std::io::Error::last_os_error();
+            if error.kind() != std::io::ErrorKind::Interrupted {
+                return Err(error);
+            }
+        }
+        // SAFETY: waitid filled in a SIGCHLD siginfo (si_pid 0: WNOHANG, still running).
+        let (pid, status) = unsafe { (info.si_pid(), info.si_status()) };
+        if pid == 0 {
+            return Ok(None);
+        }
+        // Back to a wait(2) status, which ExitStatus holds.
+        let raw = match info.si_code {
+            libc::CLD_EXITED => (status & 0xff) << 8,
+            libc::CLD_DUMPED => status | 0x80,
+            _ => status,
+        };
+        Ok(Some(std::process::ExitStatus::from_raw(raw)))
+    }
+
+    /// Waits for the process to exit; it stays unreaped until the drop.
+    pub fn wait(&mut self) -> std::io::Result<std::process::ExitStatus> {
+        self.peek(0)
+            .map(|status| status.expect("waitid without WNOHANG waits"))
+    }
+
+    /// Its exit status if it has exited; it stays unreaped until the drop.
+    pub fn try_wait(&mut self) -> std::io::Result<Option<std::process::ExitStatus>> {
+        self.peek(libc::WNOHANG)
+    }
+
+    /// As [`Child::wait_with_output`]: reads its piped output to the end,
+    /// then waits.
+    pub fn wait_with_output(mut self) -> std::io::Result<std::process::Output> {
+        fn read_all(
+            pipe: Option<impl std::io::Read + Send + 'static>,
+        ) -> std::thread::JoinHandle<Vec<u8>> {
+            std::thread::spawn(move || {
+                let mut bytes = Vec::new();
+                if let Some(mut pipe) = pipe {
+                    pipe.read_to_end(&mut bytes).expect("read a child's output");
+                }
+                bytes
+            })
+        }
+        let stdout = read_all(self.child.stdout.take());
+        let stderr = read_all(self.child.stderr.take());
+        let status = self.wait()?;
+        Ok(std::process::Output {
+            status,
+            stdout: stdout.join().unwrap(),
+            stderr: stderr.join().unwrap(),
+        })
+    }
+}
+
+impl std::ops::Deref for Guarded {
+    type Target = Child;
+    fn deref(&self) -> &Child {
+        &self.child
+    }
+}
+
+impl std::ops::DerefMut for Guarded {
+    fn deref_mut(&mut self) -> &mut Child {
+        &mut self.child
+    }
+}
+
+impl Drop for Guarded {
+    fn drop(&mut self) {
+        // Reaped already (Child::wait through the deref)? Then its pid may
+        // be someone else's now: leave it.
+        if self.peek(libc::WNOHANG).is_err() {
+            return;
+        }
+        let pid = self.child.id() as i32;
+        // SAFETY: kill(2) on our own unreaped child and its group.
+        unsafe {
+            libc::kill(-pid, libc::SIGKILL);
+            libc::kill(pid, libc::SIGKILL);
+        }
+        let _ = self.child.wait();
+    }
+}
+
+/// What [`wait_timeout`] waits on: a [`Child`] or a [`Guarded`] process.
+pub trait TryWait {
+    /// Its exit status if it has exited.
+    fn try_wait_status(&mut self) -> std::io::Result<Option<std::process::ExitStatus>>;
+}
+
+impl TryWait for Child {
+    fn try_wait_status(&mut self) -> std::io::Result<Option<std::process::ExitStatus>> {
+        self.try_wait()
+    }
+}
+
+impl TryWait for Guarded {
+    fn try_wait_status(&mut self) -> std::io::Result<Option<std::process::ExitStatus>> {
+        self.try_wait()
+    }
+}
+
+pub fn wait_timeout(child: &mut impl TryWait, limit: Duration) -> Option<std::process::ExitStatus> {
     let start = Instant::now();
     while start.elapsed() < limit {
-        if let Some(status) = child.try_wait().unwrap() {
+        if let Some(status) = child.try_wait_status().unwrap() {
             return Some(status);
         }
         std::thread::sleep(Duration::from_millis(5));
@@ -533,4 +681,75 @@ pub fn try_jobserver_of(make_pid: u32) -> Option<std::path::PathBuf> {
         Some(path) => path.into(),
         None => format!("/proc/{make_pid}/fd/{}", auth.split(',').nth(1)?).into(),
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::io::BufRead;
+    use std::os::unix::process::ExitStatusExt;
+    use std::process::Stdio;
+
+    /// A guarded `sh -c SCRIPT` whose first output line is a pid.
+    fn shell_printing_a_pid(script: &str) -> (Guarded, u32) {
+        let mut shell = Command::new("sh")
+            .args(["-c", script])
+            .stdout(Stdio::piped())
+            .spawn_guarded()
+            .unwrap();
+        let mut line = String::new();
+        std::io::BufReader::new(shell.stdout.as_mut().unwrap())
+            .read_line(&mut line)
+            .unwrap();
+        (shell, line.trim().parse().unwrap())
+    }
+
+    #[test]
+    fn dropping_a_guarded_process_kills_its_group() {
+        let (shell, sleeper) = shell_printing_a_pid("sleep 600 & echo $!; wait");
+        assert!(pid_alive(sleeper));
+        let shell_pid = shell.id();
+        drop(shell);
+        assert!(!pid_alive(shell_pid), "the shell is reaped");
+        wait_for(Duration::from_secs(10), "the orphaned sleep to die", || {
+            !pid_alive(sleeper)
+        });
+    }
+
+    #[test]
+    fn a_waited_for_process_stays_a_zombie_so_the_drop_still_ends_its_group() {
+        let (mut shell, sleeper) = shell_printing_a_pid("sleep 600 & echo $!; exit 3");
+        assert_eq!(shell.wait().unwrap().code(), Some(3));
+        assert_eq!(shell.try_wait().unwrap().and_then(|s| s.code()), Some(3));
+        // The shell has exited; what it left in its group runs on.
+        assert!(pid_alive(sleeper));
+        drop(shell);
+        wait_for(Duration::from_secs(10), "the orphaned sleep to die", || {
+            !pid_alive(sleeper)
+        });
+    }
+
+    #[test]
+    fn wait_and_wait_with_output_report_what_the_process_did() {
+        let mut killed = Command::new("sh")
+            .args(["-c", "kill -9 $$"])
+            .spawn_guarded()
+            .unwrap();
+        assert_eq!(killed.wait().unwrap().signal(), Some(libc::SIGKILL));
+        let mut running = Command::new("sleep").arg("600").spawn_guarded().unwrap();
+        assert!(running.try_wait().unwrap().is_none());
+        assert!(wait_timeout(&mut running, Duration::from_millis(20)).is_none());
+        let out = Command::new("sh")
+            .args(["-c", "echo out; echo err >&2; exit 2"])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn_guarded()
+            .unwrap()
+            .wait_with_output()
+            .unwrap();
+        assert_eq!(
+            (out.status.code(), &out.stdout[..], &out.stderr[..]),
+            (Some(2), &b"out\n"[..], &b"err\n"[..])
+        );
+    }
 }
