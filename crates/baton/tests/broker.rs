@@ -82,7 +82,7 @@ fn kill_9_of_holders_gives_their_tokens_to_the_waiter() {
         .map(|_| {
             broker
                 .run(&["--jobserver-style", "none", "--", "sleep", "600"])
-                .spawn()
+                .spawn_guarded()
                 .unwrap()
         })
         .collect();
@@ -331,7 +331,7 @@ fn run_sets_baton_socket_for_the_command() {
 #[test]
 fn kill_9_of_baton_run_kills_its_command_and_frees_its_token() {
     let broker = Broker::start(1);
-    let mut run = broker.run(&["--", "sleep", "600"]).spawn().unwrap();
+    let mut run = broker.run(&["--", "sleep", "600"]).spawn_guarded().unwrap();
     let sleeper = running_command(run.id(), "sleep");
     run.kill().unwrap();
     run.wait().unwrap();
@@ -349,7 +349,7 @@ fn kill_9_of_baton_run_kills_its_command_and_frees_its_token() {
 #[test]
 fn sigterm_to_baton_run_reaches_the_command() {
     let broker = Broker::start(1);
-    let mut run = broker.run(&["--", "sleep", "600"]).spawn().unwrap();
+    let mut run = broker.run(&["--", "sleep", "600"]).spawn_guarded().unwrap();
     running_command(run.id(), "sleep");
     unsafe { libc::kill(run.id() as i32, libc::SIGTERM) };
     assert_eq!(
@@ -630,7 +630,7 @@ fn a_second_broker_is_refused_and_a_stale_socket_replaced() {
     let mut again = baton()
         .args(["serve", "--jobs", "1", "--socket"])
         .arg(&broker.socket)
-        .spawn()
+        .spawn_guarded()
         .unwrap();
     wait_for(Duration::from_secs(5), "the new broker", || {
         baton_client::Client::connect(&broker.socket, "p").is_ok()
@@ -744,7 +744,7 @@ fn raising_the_limit_by_k_wakes_exactly_k_waiters() {
         .map(|_| {
             broker
                 .run(&["--jobserver-style", "none", "--", "sleep", "600"])
-                .spawn()
+                .spawn_guarded()
                 .unwrap()
         })
         .collect();

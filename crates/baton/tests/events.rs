@@ -357,7 +357,7 @@ fn a_stopped_build_is_shown_as_stopped() {
     let broker = Broker::start(2);
     let mut run = broker
         .run(&["--jobserver-style", "none", "--", "sleep", "60"])
-        .spawn()
+        .spawn_guarded()
         .unwrap();
     wait_for(Duration::from_secs(10), "the build to hold", || {
         broker.status().held == 1

@@ -105,7 +105,7 @@ fn stop_stops_the_broker_says_what_carried_on_and_leaves_only_its_log() {
     let mut build = broker
         .run(&["--", "sleep", "60"])
         .stderr(Stdio::null())
-        .spawn()
+        .spawn_guarded()
         .unwrap();
     wait_for(Duration::from_secs(10), "the build to hold a token", || {
         broker.status().builds.iter().any(|b| b.held > 0)

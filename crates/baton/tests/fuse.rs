@@ -6,7 +6,7 @@
 
 mod common;
 
-use common::{logged_job, make44, max_overlap, pid_alive, wait_for, Broker, TempDir};
+use common::{logged_job, make44, max_overlap, pid_alive, wait_for, Broker, SpawnGuarded, TempDir};
 use std::fs::{File, OpenOptions};
 use std::io::{ErrorKind, Read, Write};
 use std::os::fd::AsRawFd;
@@ -536,7 +536,7 @@ fn killing_a_sub_make_or_the_whole_tree_returns_its_tokens() {
     let log = dir.path().join("jobs.log");
     make_tree(dir.path(), &log, 4, 8, "30");
     let mut make = make_via_fuse(&broker, dir.path(), "top.mk")
-        .spawn()
+        .spawn_guarded()
         .unwrap();
     wait_for(Duration::from_secs(20), "leaf makes holding tokens", || {
         broker.status().free == 0
@@ -581,7 +581,7 @@ fn the_token_file_of_a_killed_baton_run_is_swept_by_the_next() {
         .run(&["--jobserver-style", "fuse", "--", "sleep", "600"])
         .env_remove("MAKEFLAGS")
         .process_group(0)
-        .spawn()
+        .spawn_guarded()
         .unwrap();
     wait_for(Duration::from_secs(20), "its token file", || {
         build_files(&broker).len() == 1
@@ -670,7 +670,7 @@ fn a_killed_broker_leaves_a_stale_mount_that_the_next_one_clears() {
         .args(["serve", "--jobs", "1", "--socket"])
         .arg(&socket)
         .stderr(File::create(&log).unwrap())
-        .spawn()
+        .spawn_guarded()
         .unwrap();
     wait_for(Duration::from_secs(10), "the second broker's mount", || {
         is_fuse(&mount) && std::fs::read_dir(&mount).is_ok()
@@ -819,7 +819,7 @@ fn a_broker_that_cannot_mount_says_why_once_and_serves_on() {
         ])
         .arg(&socket)
         .stderr(File::create(&log).unwrap())
-        .spawn()
+        .spawn_guarded()
         .unwrap();
     wait_for(Duration::from_secs(10), "the broker to listen", || {
         std::os::unix::net::UnixStream::connect(&socket).is_ok()
@@ -897,7 +897,7 @@ fn a_fuse_build_whose_broker_never_comes_back_ends_after_the_grace() {
     let mut child = make_via_fuse(&broker, dir.path(), "Makefile")
         .stdout(std::process::Stdio::null())
         .stderr(std::process::Stdio::null())
-        .spawn()
+        .spawn_guarded()
         .unwrap();
     wait_for(Duration::from_secs(30), "the build to run", || {
         max_overlap(&log).1 >= 2

@@ -236,7 +236,7 @@ fn a_psi_trigger_wakes_the_pressure_gate() {
     let mut pressure = Command::new(&enter[0])
         .args(&enter[1..])
         .args(["sh", "-c", &thrash])
-        .spawn()
+        .spawn_guarded()
         .unwrap();
     wait_for(
         Duration::from_secs(60),
@@ -342,7 +342,7 @@ fn a_gate_set_on_a_broker_started_without_gates_is_measured() {
     let stress_ng = which("stress-ng").expect("stress-ng (scripts/test installs it)");
     let mut stress = Command::new(stress_ng)
         .args(["--cpu", "4", "--timeout", "120", "--quiet"])
-        .spawn()
+        .spawn_guarded()
         .unwrap();
     let out = baton()
         .args(["limit", "--socket"])
@@ -472,7 +472,7 @@ fn the_load_gate_holds_a_build_to_one_job_while_the_cpus_are_busy() {
     let stress_ng = which("stress-ng").expect("stress-ng (scripts/test installs it)");
     let mut stress = Command::new(stress_ng)
         .args(["--cpu", "4", "--timeout", "120", "--quiet"])
-        .spawn()
+        .spawn_guarded()
         .unwrap();
     let broker = Broker::start_with(4, &["--max-load", "3"]);
     wait_for(

@@ -211,7 +211,7 @@ fn recursive_tree(dir: &Path, log: &Path, subs: usize, jobs: usize, secs: &str) 
 }
 
 /// The FIFO bridge's tree (the FUSE style has its own tests in fuse.rs).
-fn spawn_tree(broker: &Broker, dir: &Path, make: &Path) -> std::process::Child {
+fn spawn_tree(broker: &Broker, dir: &Path, make: &Path) -> Guarded {
     let style = if make == make43() { "pipe" } else { "fifo" };
     broker
         .run(&["--jobserver-style", style, "--", make.to_str().unwrap()])
@@ -219,8 +219,8 @@ fn spawn_tree(broker: &Broker, dir: &Path, make: &Path) -> std::process::Child {
         .env_remove("MAKEFLAGS")
         .stdout(Stdio::null())
         .stderr(Stdio::null())
-        .process_group(0) // so the test can kill the whole tree
-        .spawn()
+        // In a group of its own: the test can kill the whole tree.
+        .spawn_guarded()
         .unwrap()
 }
 
@@ -401,13 +401,13 @@ fn an_idle_build_gives_its_spare_token_to_a_waiting_build() {
         .env_remove("MAKEFLAGS")
         .stdout(Stdio::null())
         .process_group(0)
-        .spawn()
+        .spawn_guarded()
         .unwrap();
     wait_for(Duration::from_secs(10), "A to hold both tokens", || {
         broker.status().held == 2
     });
     // B gets A's spare token while A's one job still runs.
-    let mut build_b = broker.run(&["--", "true"]).spawn().unwrap();
+    let mut build_b = broker.run(&["--", "true"]).spawn_guarded().unwrap();
     let b = wait_timeout(&mut build_b, Duration::from_secs(60)).expect("B got a token while A ran");
     assert!(b.success());
     assert!(
@@ -609,7 +609,7 @@ fn the_fifo_of_a_killed_baton_run_is_swept_by_the_next() {
         .run(&["--jobserver-style", "fifo", "--", "sleep", "600"])
         .env_remove("MAKEFLAGS")
         .process_group(0)
-        .spawn()
+        .spawn_guarded()
         .unwrap();
     wait_for(Duration::from_secs(20), "its FIFO", || {
         fifos(&broker).len() == 1

@@ -5,7 +5,7 @@
 
 mod common;
 
-use common::{baton, baton_bin, can_act_as_another_user, wait_for, Broker, TempDir};
+use common::{baton, baton_bin, can_act_as_another_user, wait_for, Broker, SpawnGuarded, TempDir};
 use std::io::{BufRead, BufReader, Read, Write};
 use std::os::unix::fs::{MetadataExt, PermissionsExt};
 use std::os::unix::net::UnixStream;
@@ -174,7 +174,7 @@ fn a_symlinked_default_directory_is_refused_and_its_target_left_alone() {
     let mut serve = baton_at_default(xdg.path())
         .args(["serve", "--jobs", "1", "--no-fuse"])
         .stderr(Stdio::piped())
-        .spawn()
+        .spawn_guarded()
         .unwrap();
     let exited = common::wait_timeout(&mut serve, Duration::from_secs(10));
     if exited.is_none() {
@@ -271,7 +271,7 @@ fn a_planted_mount_point_link_is_refused_and_its_target_not_covered() {
         .args(["serve", "--jobs", "1", "--socket"])
         .arg(&socket)
         .stderr(std::fs::File::create(&log).unwrap())
-        .spawn()
+        .spawn_guarded()
         .unwrap();
     wait_for(Duration::from_secs(10), "the broker to listen", || {
         UnixStream::connect(&socket).is_ok()
@@ -477,7 +477,7 @@ fn a_broker_out_of_descriptors_answers_full_in_words() {
             }
         });
     }
-    let mut serve = serve.spawn().unwrap();
+    let mut serve = serve.spawn_guarded().unwrap();
     wait_for(Duration::from_secs(10), "the broker to listen", || {
         baton_client::Client::connect(&socket, "probe").is_ok()
     });

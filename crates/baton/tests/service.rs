@@ -314,7 +314,7 @@ fn the_command_line_beats_the_config_file() {
     let mut serve = home
         .baton(&["serve", "--no-fuse", "--jobs", "3"])
         .stderr(log)
-        .spawn()
+        .spawn_guarded()
         .unwrap();
     wait_for(Duration::from_secs(10), "the broker to listen", || {
         std::os::unix::net::UnixStream::connect(home.socket()).is_ok()
@@ -343,7 +343,7 @@ fn serve_takes_the_socket_systemd_passes() {
         .env("XDG_CONFIG_HOME", home.dir.path().join("config"))
         .env_remove("BATON_SOCKET")
         .stderr(log)
-        .spawn()
+        .spawn_guarded()
         .unwrap();
     // systemd-socket-activate binds first and starts baton on the first
     // connection, so a client finds the socket before the broker runs.
@@ -460,7 +460,7 @@ fn the_service_units_open_file_limit_is_what_the_broker_wants() {
             }
         });
     }
-    let mut broker = serve.spawn().expect("start the broker");
+    let mut broker = serve.spawn_guarded().expect("start the broker");
     let log = || std::fs::read_to_string(&log_path).unwrap_or_default();
     wait_for(Duration::from_secs(30), "the broker to serve", || {
         log().contains("serving 1 token")

@@ -253,7 +253,7 @@ fn top_tells_no_broker_yet_from_broker_gone_and_explains_an_empty_panel() {
         .args(["serve", "--jobs", "2", "--no-fuse", "--socket"])
         .arg(&socket)
         .stderr(log)
-        .spawn()
+        .spawn_guarded()
         .expect("start a broker");
     let screen = tmux.wait_screen("the broker, with no builds", |s| {
         s.contains("limit 2 ") && s.contains("no build holds or waits for tokens")
@@ -285,7 +285,7 @@ fn top_says_the_broker_is_gone_and_reconnects_to_its_successor() {
         .args(["serve", "--jobs", "7", "--socket"])
         .arg(&broker.socket)
         .stderr(log)
-        .spawn()
+        .spawn_guarded()
         .expect("start the second broker");
     let screen = tmux.wait_screen("the second broker's limit", |s| {
         s.contains("limit 7 ") && !s.contains("broker gone")
@@ -665,7 +665,7 @@ fn a_replacing_broker_takes_over_the_metrics_port() {
         .arg(&broker.socket)
         .args(["--replace", "--metrics-listen", &addr])
         .stderr(std::fs::File::create(&log).unwrap())
-        .spawn()
+        .spawn_guarded()
         .expect("start the successor");
     broker.wait_exit(GUARD);
     let successor_log = || std::fs::read_to_string(&log).unwrap_or_default();
