@@ -641,6 +641,67 @@ pub fn cargo_build(broker: &Broker, dir: &Path, run_args: &[&str]) -> std::proce
         .unwrap()
 }
 
+/// `baton limit N` against `broker`: its output and exit code.
+pub fn set_limit(broker: &Broker, limit: u32) -> std::process::Output {
+    baton()
+        .args(["limit", &limit.to_string(), "--socket"])
+        .arg(&broker.socket)
+        .output()
+        .unwrap()
+}
+
+/// Every token is free, and came back released (by baton run, say), not
+/// reclaimed from a connection that broke.
+pub fn assert_clean_end(broker: &Broker) {
+    broker.assert_all_free();
+    let s = broker.status();
+    assert_eq!(s.totals.reclaimed, 0, "{s:#?}");
+}
+
+/// Resident memory of a process, in KiB: (now, peak).
+pub fn rss_kib(pid: u32) -> (u64, u64) {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    let field = |name: &str| {
+        let line = status
+            .lines()
+            .find(|l| l.starts_with(name))
+            .unwrap_or_else(|| panic!("no {name} in /proc/{pid}/status"));
+        line.split_whitespace()
+            .nth(1)
+            .unwrap()
+            .parse::<u64>()
+            .unwrap()
+    };
+    (field("VmRSS:"), field("VmHWM:"))
+}
+
+/// The live processes (no zombies) of process group `pgid`, from /proc.
+pub fn group_members(pgid: u32) -> Vec<u32> {
+    let Ok(entries) = std::fs::read_dir("/proc") else {
+        return Vec::new();
+    };
+    entries
+        .flatten()
+        .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
+        .filter(|pid| {
+            let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+            let fields: Vec<&str> = stat
+                .rsplit(')')
+                .next()
+                .unwrap_or("")
+                .split_whitespace()
+                .collect();
+            fields.get(2) == Some(&pgid.to_string().as_str()) && fields.first() != Some(&"Z")
+        })
+        .collect()
+}
+
+/// SIGKILL to every process of group `pgid`.
+pub fn kill_group(pgid: u32) {
+    // SAFETY: kill(2) has no memory effects.
+    unsafe { libc::kill(-(pgid as i32), libc::SIGKILL) };
+}
+
 /// CPU time (user + system) a process has used, in clock ticks.
 pub fn cpu_ticks(pid: u32) -> u64 {
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap();

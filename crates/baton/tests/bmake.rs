@@ -318,15 +318,6 @@ fn kill_9_of_the_top_bmake_gives_every_token_back() {
     unsafe { libc::kill(-(run.id() as i32), libc::SIGKILL) };
 }
 
-fn children(pid: u32) -> Vec<u32> {
-    let path = format!("/proc/{pid}/task/{pid}/children");
-    std::fs::read_to_string(path)
-        .unwrap_or_default()
-        .split_whitespace()
-        .filter_map(|p| p.parse().ok())
-        .collect()
-}
-
 /// bmake does not wait on its pipe, so baton keeps every token the build
 /// may use waiting in it; tokens left unread must still reach a build that
 /// waits at the pool, while the bmake build runs on.

@@ -778,22 +778,13 @@ fn running_command(pid: u32, program: &str) -> u32 {
         Duration::from_secs(20),
         &format!("{program} to run under pid {pid}"),
         || {
-            found = child_pids(pid)
+            found = children(pid)
                 .into_iter()
                 .find(|&c| comm(c).trim() == program);
             found.is_some()
         },
     );
     found.unwrap()
-}
-
-/// Children of a process, from /proc.
-fn child_pids(pid: u32) -> Vec<u32> {
-    std::fs::read_to_string(format!("/proc/{pid}/task/{pid}/children"))
-        .unwrap_or_default()
-        .split_whitespace()
-        .filter_map(|p| p.parse().ok())
-        .collect()
 }
 
 /// `members` clients, each taking and giving back a token `rounds` times;
@@ -1036,15 +1027,6 @@ fn a_client_that_shuts_down_its_writing_side_gives_its_tokens_back_and_gets_its_
     assert_eq!(lines.len(), 4, "nothing after the STATUS body: {out}");
     holder.release(1).unwrap();
     broker.assert_all_free();
-}
-
-/// `baton limit N` against `broker`: its output and exit code.
-fn set_limit(broker: &Broker, limit: u32) -> std::process::Output {
-    baton()
-        .args(["limit", &limit.to_string(), "--socket"])
-        .arg(&broker.socket)
-        .output()
-        .unwrap()
 }
 
 /// A client waiting in ACQUIRE on its own thread; joining gives it back.

@@ -111,7 +111,7 @@ fn spawn_build(broker: &Broker, dir: &Path, style: &str, make: &Path) -> Child {
 }
 
 /// `baton limit` would do the same, through the same request.
-fn set_limit(broker: &Broker, limit: u32) {
+fn set_limit_by_request(broker: &Broker, limit: u32) {
     broker
         .client("limit")
         .set_limit(limit)
@@ -130,7 +130,7 @@ fn a_lowered_limit_holds(style: &str, make: &Path) {
     wait_for(Duration::from_secs(30), "4 jobs at once", || {
         running(&log) >= 4
     });
-    set_limit(&broker, 1);
+    set_limit_by_request(&broker, 1);
     mark(&log, "L");
     let out = child.wait_with_output().unwrap();
     let err = String::from_utf8_lossy(&out.stderr);
@@ -186,7 +186,7 @@ fn a_lowered_limit_drains_a_busy_fifo_build(make: &Path, style: &str) {
     wait_for(Duration::from_secs(30), "4 jobs at once", || {
         running(&log) >= 4
     });
-    set_limit(&broker, 1);
+    set_limit_by_request(&broker, 1);
     mark(&log, "L");
     wait_for(
         Duration::from_secs(60),

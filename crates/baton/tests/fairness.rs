@@ -28,13 +28,6 @@ fn finish(mut build: Child) {
     assert!(status.success(), "the build failed: {status}");
 }
 
-/// Every token is free, and came back released, not reclaimed.
-fn assert_clean_end(broker: &Broker) {
-    broker.assert_all_free();
-    let s = broker.status();
-    assert_eq!(s.totals.reclaimed, 0, "{s:#?}");
-}
-
 /// One build alone on a pool of 4, with as many jobs as tokens, all ready
 /// at once: all 4 run together, never more. (ninja fed one token at a time
 /// ran 3 here: it starts its jobs in one burst of reads.)

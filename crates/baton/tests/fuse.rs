@@ -6,14 +6,16 @@
 
 mod common;
 
-use common::{logged_job, make44, max_overlap, pid_alive, wait_for, Broker, SpawnGuarded, TempDir};
+use common::{
+    kill_group, logged_job, make44, max_overlap, pid_alive, wait_for, Broker, SpawnGuarded, TempDir,
+};
 use std::fs::{File, OpenOptions};
 use std::io::{ErrorKind, Read, Write};
 use std::os::fd::AsRawFd;
 use std::os::unix::fs::OpenOptionsExt;
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::time::Duration;
 
 /// A broker with its FUSE mount, or None (after recording a skip) where
@@ -105,10 +107,6 @@ fn open_nonblocking(path: &Path) -> File {
         .custom_flags(libc::O_NONBLOCK)
         .open(path)
         .unwrap()
-}
-
-fn kill_group(child: &Child) {
-    unsafe { libc::kill(-(child.id() as i32), libc::SIGKILL) };
 }
 
 #[test]
@@ -555,7 +553,7 @@ fn killing_a_sub_make_or_the_whole_tree_returns_its_tokens() {
         "the sub-make's tokens were reclaimed"
     );
 
-    kill_group(&make);
+    kill_group(make.id());
     let _ = make.wait();
     // baton run is in the group too: the build's own slot comes back with it.
     wait_for(Duration::from_secs(20), "every token of the tree", || {
@@ -587,7 +585,7 @@ fn the_token_file_of_a_killed_baton_run_is_swept_by_the_next() {
         build_files(&broker).len() == 1
     });
     let left = build_files(&broker).remove(0);
-    kill_group(&killed); // baton run and its sleep: nobody removes the file
+    kill_group(killed.id()); // baton run and its sleep: nobody removes the file
     killed.wait().unwrap();
     wait_for(Duration::from_secs(20), "its token back", || {
         broker.status().free == 2

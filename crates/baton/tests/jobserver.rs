@@ -43,14 +43,6 @@ fn assert_built(out: &Output) {
     );
 }
 
-/// Every token is free, and came back released by baton run, not reclaimed
-/// from a connection that broke.
-fn assert_clean_end(broker: &Broker) {
-    broker.assert_all_free();
-    let s = broker.status();
-    assert_eq!(s.totals.reclaimed, 0, "{s:#?}");
-}
-
 fn check_make(make: PathBuf, style: &str) {
     let broker = Broker::start(4);
     let dir = TempDir::new("make");
@@ -222,28 +214,6 @@ fn spawn_tree(broker: &Broker, dir: &Path, make: &Path) -> Guarded {
         // In a group of its own: the test can kill the whole tree.
         .spawn_guarded()
         .unwrap()
-}
-
-fn kill_group(pgid: u32) {
-    unsafe { libc::kill(-(pgid as i32), libc::SIGKILL) };
-}
-
-fn group_members(pgid: u32) -> Vec<u32> {
-    std::fs::read_dir("/proc")
-        .unwrap()
-        .flatten()
-        .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
-        .filter(|pid| {
-            let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
-            let fields: Vec<&str> = stat
-                .rsplit(')')
-                .next()
-                .unwrap_or("")
-                .split_whitespace()
-                .collect();
-            fields.get(2) == Some(&pgid.to_string().as_str()) && fields.first() != Some(&"Z")
-        })
-        .collect()
 }
 
 /// The build holds `tokens` and has started as many jobs: its tokens are

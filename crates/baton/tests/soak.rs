@@ -25,7 +25,7 @@
 
 mod common;
 
-use common::{baton, Broker};
+use common::{baton, group_members, set_limit, Broker};
 use std::io::Write;
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
@@ -384,25 +384,6 @@ fn start(broker_socket: &Path, projects: &Projects, kind: Kind) -> Child {
         .expect("start baton run")
 }
 
-/// The processes of a client's group: the client and its children.
-fn group_members(pgid: u32) -> Vec<u32> {
-    let Ok(entries) = std::fs::read_dir("/proc") else {
-        return Vec::new();
-    };
-    entries
-        .filter_map(|e| e.ok()?.file_name().to_str()?.parse::<u32>().ok())
-        .filter(|&pid| {
-            let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
-            let after_name = stat.rsplit(')').next().unwrap_or("");
-            after_name
-                .split_whitespace()
-                .nth(2)
-                .and_then(|g| g.parse::<u32>().ok())
-                == Some(pgid)
-        })
-        .collect()
-}
-
 fn kill9(pid: u32) {
     // SAFETY: kill takes any pid; ours are children or their descendants.
     unsafe { libc::kill(pid as i32, libc::SIGKILL) };
@@ -506,16 +487,6 @@ fn replace(broker: &mut Broker, limit: u32) {
         broker.log()
     );
     broker.child = successor;
-}
-
-fn set_limit(broker: &Broker, limit: u32) -> bool {
-    let out = baton()
-        .args(["limit", &limit.to_string(), "--socket"])
-        .arg(&broker.socket)
-        .stderr(Stdio::null())
-        .output()
-        .unwrap();
-    out.status.success()
 }
 
 /// Reaps the clients that ended, counting how.
@@ -631,7 +602,7 @@ fn chaos_loses_no_token_and_never_breaks_the_limit() {
                 if new > limit {
                     projects.jobs.mark('L', new.into());
                 }
-                if set_limit(&broker, new) {
+                if set_limit(&broker, new).status.success() {
                     if new < limit {
                         projects.jobs.mark('L', new.into());
                     }

@@ -682,20 +682,6 @@ fn a_replacing_broker_takes_over_the_metrics_port() {
     wait_timeout(&mut successor, GUARD).expect("the successor stops");
 }
 
-/// Resident memory of a process, in KiB: (now, peak).
-fn rss_kib(pid: u32) -> (u64, u64) {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
-    let field = |name: &str| {
-        status
-            .lines()
-            .find(|l| l.starts_with(name))
-            .and_then(|l| l.split_whitespace().nth(1))
-            .and_then(|v| v.parse().ok())
-            .unwrap()
-    };
-    (field("VmRSS:"), field("VmHWM:"))
-}
-
 /// A thousand clients, each a build of its own with a wait histogram: 4
 /// hold a token, the rest wait. The broker's peak resident memory stays
 /// under 20 MB while they do and while STATUS lists them all.
