@@ -379,6 +379,13 @@ impl Guarded {
         self.peek(libc::WNOHANG)
     }
 
+    /// Waits for the process and reaps it, for a test that needs its pid
+    /// gone (a sweeper that asks whether the pid lives). The drop then
+    /// leaves its group alone: kill what may remain of it first.
+    pub fn reap(&mut self) -> std::io::Result<std::process::ExitStatus> {
+        self.child.wait()
+    }
+
     /// As [`Child::wait_with_output`]: reads its piped output to the end,
     /// then waits.
     pub fn wait_with_output(mut self) -> std::io::Result<std::process::Output> {

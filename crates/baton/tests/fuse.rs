@@ -586,7 +586,7 @@ fn the_token_file_of_a_killed_baton_run_is_swept_by_the_next() {
     });
     let left = build_files(&broker).remove(0);
     kill_group(killed.id()); // baton run and its sleep: nobody removes the file
-    killed.wait().unwrap();
+    killed.reap().unwrap(); // its pid gone, as the sweeper checks
     wait_for(Duration::from_secs(20), "its token back", || {
         broker.status().free == 2
     });
