@@ -648,6 +648,47 @@ pub fn cargo_build(broker: &Broker, dir: &Path, run_args: &[&str]) -> std::proce
         .unwrap()
 }
 
+/// `baton run ARGS -- TOOL` in `dir`, without the caller's MAKEFLAGS and
+/// with its output discarded, started and guarded.
+pub fn spawn_build(broker: &Broker, dir: &Path, run_args: &[&str], tool: &Path) -> Guarded {
+    let mut args: Vec<&str> = run_args.to_vec();
+    args.extend(["--", tool.to_str().unwrap()]);
+    broker
+        .run(&args)
+        .current_dir(dir)
+        .env_remove("MAKEFLAGS")
+        .stdout(std::process::Stdio::null())
+        .spawn_guarded()
+        .expect("start the build")
+}
+
+/// The file a killed build leaves for the next `baton run` to sweep:
+/// `baton run --jobserver-style STYLE -- sleep 600` started until `files`
+/// lists one file (`what`), then its whole group killed (nobody removes
+/// the file), baton run reaped (its pid gone, as the sweeper checks) and
+/// its tokens back.
+pub fn file_of_a_killed_build(
+    broker: &Broker,
+    style: &str,
+    what: &str,
+    files: impl Fn() -> Vec<PathBuf>,
+) -> PathBuf {
+    let mut killed = broker
+        .run(&["--jobserver-style", style, "--", "sleep", "600"])
+        .env_remove("MAKEFLAGS")
+        .spawn_guarded()
+        .unwrap();
+    wait_for(Duration::from_secs(20), what, || files().len() == 1);
+    let left = files().remove(0);
+    kill_group(killed.id());
+    killed.reap().unwrap();
+    let limit = broker.status().limit;
+    wait_for(Duration::from_secs(20), "its token back", || {
+        broker.status().free == limit
+    });
+    left
+}
+
 /// `baton limit N` against `broker`: its output and exit code.
 pub fn set_limit(broker: &Broker, limit: u32) -> std::process::Output {
     baton()

@@ -6,7 +6,7 @@ mod common;
 
 use common::*;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Output, Stdio};
+use std::process::{Command, Output, Stdio};
 use std::time::Duration;
 
 /// A recursive bmake tree: the top runs `subs` sub-makes (s0, s1, ...),
@@ -179,15 +179,7 @@ fn bmake_beside_gnu_make_and_ninja_shares_one_limit() {
     flat_makefile(dirs[1].path(), &log, 20, "0.2");
     flat_makefile(dirs[2].path(), &log, 20, "0.2");
     flat_ninja(dirs[3].path(), &log, 20, "0.2");
-    let spawn = |dir: &Path, tool: PathBuf| -> Child {
-        broker
-            .run(&["--", tool.to_str().unwrap()])
-            .current_dir(dir)
-            .env_remove("MAKEFLAGS")
-            .stdout(Stdio::null())
-            .spawn()
-            .unwrap()
-    };
+    let spawn = |dir: &Path, tool: PathBuf| spawn_build(&broker, dir, &[], &tool);
     let builds = [
         spawn(dirs[0].path(), bmake()),
         spawn(dirs[1].path(), make43()),

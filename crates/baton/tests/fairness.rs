@@ -6,24 +6,11 @@
 mod common;
 
 use common::*;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::{Child, Stdio};
 use std::time::Duration;
 
-/// `baton run ARGS -- TOOL` in `dir`, started.
-fn spawn_build(broker: &Broker, dir: &Path, run_args: &[&str], tool: &Path) -> Child {
-    let mut args: Vec<&str> = run_args.to_vec();
-    args.extend(["--", tool.to_str().unwrap()]);
-    broker
-        .run(&args)
-        .current_dir(dir)
-        .env_remove("MAKEFLAGS")
-        .stdout(Stdio::null())
-        .spawn()
-        .expect("start the build")
-}
-
-fn finish(mut build: Child) {
+fn finish(mut build: Guarded) {
     let status = wait_timeout(&mut build, Duration::from_secs(120)).expect("the build ends");
     assert!(status.success(), "the build failed: {status}");
 }

@@ -7,7 +7,8 @@
 mod common;
 
 use common::{
-    kill_group, logged_job, make44, max_overlap, pid_alive, wait_for, Broker, SpawnGuarded, TempDir,
+    file_of_a_killed_build, kill_group, logged_job, make44, max_overlap, pid_alive, wait_for,
+    Broker, SpawnGuarded, TempDir,
 };
 use std::fs::{File, OpenOptions};
 use std::io::{ErrorKind, Read, Write};
@@ -575,21 +576,7 @@ fn the_token_file_of_a_killed_baton_run_is_swept_by_the_next() {
     let Some(broker) = fuse_broker(2, &[]) else {
         return;
     };
-    let mut killed = broker
-        .run(&["--jobserver-style", "fuse", "--", "sleep", "600"])
-        .env_remove("MAKEFLAGS")
-        .process_group(0)
-        .spawn_guarded()
-        .unwrap();
-    wait_for(Duration::from_secs(20), "its token file", || {
-        build_files(&broker).len() == 1
-    });
-    let left = build_files(&broker).remove(0);
-    kill_group(killed.id()); // baton run and its sleep: nobody removes the file
-    killed.reap().unwrap(); // its pid gone, as the sweeper checks
-    wait_for(Duration::from_secs(20), "its token back", || {
-        broker.status().free == 2
-    });
+    let left = file_of_a_killed_build(&broker, "fuse", "its token file", || build_files(&broker));
     assert!(
         left.exists(),
         "kill -9 left nothing to sweep: the test proves nothing"

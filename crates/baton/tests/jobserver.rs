@@ -142,15 +142,7 @@ fn three_builds_at_once_share_one_limit() {
         30,
         &format!("0.1; echo S >> {}", logs[2].display()),
     );
-    let spawn = |dir: &Path, tool: PathBuf| {
-        broker
-            .run(&["--", tool.to_str().unwrap()])
-            .current_dir(dir)
-            .env_remove("MAKEFLAGS")
-            .stdout(Stdio::null())
-            .spawn()
-            .unwrap()
-    };
+    let spawn = |dir: &Path, tool: PathBuf| spawn_build(&broker, dir, &[], &tool);
     let builds = [
         spawn(dirs[0].path(), make43()),
         spawn(dirs[1].path(), make44()),
@@ -575,21 +567,7 @@ fn a_finished_build_leaves_no_fifo() {
 #[test]
 fn the_fifo_of_a_killed_baton_run_is_swept_by_the_next() {
     let broker = Broker::start(2);
-    let mut killed = broker
-        .run(&["--jobserver-style", "fifo", "--", "sleep", "600"])
-        .env_remove("MAKEFLAGS")
-        .process_group(0)
-        .spawn_guarded()
-        .unwrap();
-    wait_for(Duration::from_secs(20), "its FIFO", || {
-        fifos(&broker).len() == 1
-    });
-    let left = fifos(&broker).remove(0);
-    kill_group(killed.id()); // baton run and its sleep: nobody removes the FIFO
-    killed.reap().unwrap(); // its pid gone, as the sweeper checks
-    wait_for(Duration::from_secs(20), "its token back", || {
-        broker.status().free == 2
-    });
+    let left = file_of_a_killed_build(&broker, "fifo", "its FIFO", || fifos(&broker));
     assert!(
         left.exists(),
         "kill -9 left nothing to sweep: the test proves nothing"
