@@ -194,18 +194,30 @@ fn recursive_tree(dir: &Path, log: &Path, subs: usize, jobs: usize, secs: &str) 
     .unwrap();
 }
 
-/// The FIFO bridge's tree (the FUSE style has its own tests in fuse.rs).
-fn spawn_tree(broker: &Broker, dir: &Path, make: &Path) -> Guarded {
+/// The FIFO bridge's tree (the FUSE style has its own tests in fuse.rs):
+/// a broker of 6 and a recursive tree of 4 sub-makes of 20 jobs under
+/// `baton run -- MAKE`, running and holding every token; the build is in
+/// a group of its own, so that the test can kill the whole tree.
+fn running_tree(make: &Path) -> (Broker, TempDir, Guarded) {
+    let broker = Broker::start(6);
+    let dir = TempDir::new("tree");
+    let log = dir.path().join("jobs.log");
+    recursive_tree(dir.path(), &log, 4, 20, "0.2");
     let style = if make == make43() { "pipe" } else { "fifo" };
-    broker
+    let run = broker
         .run(&["--jobserver-style", style, "--", make.to_str().unwrap()])
-        .current_dir(dir)
+        .current_dir(dir.path())
         .env_remove("MAKEFLAGS")
         .stdout(Stdio::null())
         .stderr(Stdio::null())
-        // In a group of its own: the test can kill the whole tree.
         .spawn_guarded()
-        .unwrap()
+        .unwrap();
+    wait_for(
+        Duration::from_secs(20),
+        "the tree to run and hold every token",
+        || tree_running(&broker, &log, 6),
+    );
+    (broker, dir, run)
 }
 
 /// The build holds `tokens` and has started as many jobs: its tokens are
@@ -217,16 +229,7 @@ fn tree_running(broker: &Broker, log: &std::path::Path, tokens: u32) -> bool {
 #[test]
 fn kill_9_of_a_recursive_make_tree_returns_every_token() {
     for make in [make43(), make44()] {
-        let broker = Broker::start(6);
-        let dir = TempDir::new("tree");
-        let log = dir.path().join("jobs.log");
-        recursive_tree(dir.path(), &log, 4, 20, "0.2");
-        let mut run = spawn_tree(&broker, dir.path(), &make);
-        wait_for(
-            Duration::from_secs(20),
-            "the tree to run and hold every token",
-            || tree_running(&broker, &log, 6),
-        );
+        let (broker, _dir, mut run) = running_tree(&make);
         // The tree: everything in the group but baton run itself.
         let tree: Vec<u32> = group_members(run.id())
             .into_iter()
@@ -248,16 +251,7 @@ fn kill_9_of_a_recursive_make_tree_returns_every_token() {
 
 #[test]
 fn kill_9_of_baton_run_returns_every_token_of_its_build() {
-    let broker = Broker::start(6);
-    let dir = TempDir::new("tree");
-    let log = dir.path().join("jobs.log");
-    recursive_tree(dir.path(), &log, 4, 20, "0.2");
-    let mut run = spawn_tree(&broker, dir.path(), &make44());
-    wait_for(
-        Duration::from_secs(20),
-        "the tree to run and hold every token",
-        || tree_running(&broker, &log, 6),
-    );
+    let (broker, _dir, mut run) = running_tree(&make44());
     run.kill().unwrap();
     run.wait().unwrap();
     wait_for(Duration::from_secs(20), "every token to be free", || {
