@@ -38,7 +38,7 @@ fn run_bmake(broker: &Broker, dir: &Path, run_args: &[&str], bmake_args: &[&str]
         .env_remove("MAKELEVEL")
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
-        .spawn()
+        .spawn_guarded()
         .unwrap();
     // Read as it comes, so a chatty build (-dj) never blocks on a full pipe.
     let out = read_all(child.stdout.take().unwrap());
@@ -226,7 +226,7 @@ fn a_failing_bmake_job_stops_its_build(style: &str) {
         .current_dir(other.path())
         .env_remove("MAKEFLAGS")
         .stdout(Stdio::null())
-        .spawn()
+        .spawn_guarded()
         .unwrap();
     // -dj: each bmake says when it reads an abort token (and none dies
     // quietly).
@@ -292,7 +292,7 @@ fn kill_9_of_the_top_bmake_gives_every_token_back() {
         .stdout(Stdio::null())
         .stderr(Stdio::null())
         .process_group(0) // so the test can end the orphaned sub-makes
-        .spawn()
+        .spawn_guarded()
         .unwrap();
     // The tokens are in the build's FIFO before bmake starts: wait for both.
     wait_for(
@@ -340,7 +340,7 @@ fn tokens_an_idle_bmake_build_leaves_unread_go_to_a_waiting_build() {
         .env_remove("MAKEFLAGS")
         .stdout(Stdio::null())
         .process_group(0)
-        .spawn()
+        .spawn_guarded()
         .unwrap();
     wait_for(
         Duration::from_secs(20),

@@ -22,7 +22,7 @@ fn two_hundred_runs_never_exceed_four_jobs() {
             broker
                 .run(&["--jobserver-style", "none", "--", "sh", "-c", &job])
                 .stdout(Stdio::null())
-                .spawn()
+                .spawn_guarded()
                 .expect("spawn baton run")
         })
         .collect();
@@ -133,7 +133,7 @@ fn status_json_has_the_documented_keys() {
     holder.acquire(2).unwrap();
     let mut waiter = broker
         .run(&["--jobserver-style", "none", "--tokens", "2", "--", "true"])
-        .spawn()
+        .spawn_guarded()
         .unwrap();
     wait_for(Duration::from_secs(10), "a waiter", || {
         broker.status().waiters.len() == 1
@@ -272,7 +272,7 @@ fn human_status_lists_holders_and_waiters() {
     holder.acquire(1).unwrap();
     let mut waiter = broker
         .run(&["--jobserver-style", "none", "--", "true"])
-        .spawn()
+        .spawn_guarded()
         .unwrap();
     wait_for(Duration::from_secs(5), "a waiter", || {
         broker.status().waiters.len() == 1
@@ -1101,7 +1101,7 @@ fn a_client_killed_while_queued_never_gets_the_token() {
     holder.acquire(1).unwrap();
     let mut doomed = broker
         .run(&["--jobserver-style", "none", "--", "true"])
-        .spawn()
+        .spawn_guarded()
         .unwrap();
     wait_for(Duration::from_secs(20), "the doomed run to queue", || {
         broker.status().waiters.len() == 1

@@ -319,7 +319,7 @@ fn a_build_waiting_for_its_first_token_outlives_its_broker() {
     let mut waiting = old
         .run(&["--", "touch", ran.to_str().unwrap()])
         .stderr(Stdio::piped())
-        .spawn()
+        .spawn_guarded()
         .unwrap();
     wait_for(Duration::from_secs(10), "the run to queue", || {
         old.status().waiters.len() == 1

@@ -7,7 +7,7 @@ mod common;
 
 use common::*;
 use std::path::PathBuf;
-use std::process::{Child, Stdio};
+use std::process::Stdio;
 use std::time::Duration;
 
 fn finish(mut build: Guarded) {
@@ -153,7 +153,7 @@ fn a_client_under_baton_run_joins_its_build() {
             "-c",
             &inner,
         ])
-        .spawn()
+        .spawn_guarded()
         .unwrap();
     wait_for(
         Duration::from_secs(10),
@@ -220,7 +220,7 @@ fn a_weight_out_of_range_is_refused_by_the_cli() {
 /// A client in a process of its own that says each line it is given to
 /// the broker and prints the reply: a build apart from the test's process.
 struct WireClient {
-    child: Child,
+    child: Guarded,
     reader: std::io::BufReader<std::process::ChildStdout>,
 }
 
@@ -234,7 +234,7 @@ for line in sys.stdin:\n    f.write(line); f.flush(); print(f.readline().rstrip(
             .args(["-c", Self::RELAY, broker.socket.to_str().unwrap()])
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
-            .spawn()
+            .spawn_guarded()
             .expect("python3");
         let reader = std::io::BufReader::new(child.stdout.take().unwrap());
         WireClient { child, reader }

@@ -223,7 +223,7 @@ fn sample_ltrans(builds: Vec<Command>, dirs: &[&Path]) -> (Vec<Output>, usize) {
             .map(|mut b| {
                 b.stdout(Stdio::piped())
                     .stderr(Stdio::piped())
-                    .spawn()
+                    .spawn_guarded()
                     .unwrap()
             })
             .collect();

@@ -282,7 +282,7 @@ fn a_held_poll_ends_at_once_on_a_signal_and_keeps_its_place() {
         .arg(script)
         .arg(&path)
         .stdout(std::process::Stdio::piped())
-        .spawn()
+        .spawn_guarded()
         .unwrap();
     wait_for(Duration::from_secs(10), "the poll to wait", || {
         broker.status().waiters.len() == 1
@@ -689,7 +689,7 @@ fn a_process_exiting_with_a_thread_blocked_in_a_read_exits_at_once() {
         .arg(script)
         .arg(&path)
         .stdin(Stdio::piped())
-        .spawn()
+        .spawn_guarded()
         .unwrap();
     wait_for(Duration::from_secs(20), "the helper thread to wait", || {
         broker.status().waiters.len() == 1

@@ -410,7 +410,7 @@ fn a_build_survives_its_broker_going_away() {
         .env_remove("MAKEFLAGS")
         .stderr(Stdio::piped())
         .stdout(Stdio::null())
-        .spawn()
+        .spawn_guarded()
         .unwrap();
     wait_for(Duration::from_secs(10), "the build to start", || {
         log.exists()
@@ -486,7 +486,7 @@ fn a_build_that_ends_while_its_next_token_is_queued_gives_back_cleanly() {
         .env_remove("MAKEFLAGS")
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
-        .spawn()
+        .spawn_guarded()
         .unwrap();
     wait_for(
         Duration::from_secs(20),
@@ -650,7 +650,7 @@ fn the_cap_holds_against_a_broker_that_queues() {
         .env_remove("MAKEFLAGS")
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
-        .spawn()
+        .spawn_guarded()
         .unwrap();
     let finished = wait_timeout(&mut run, Duration::from_secs(120));
     if finished.is_none() {
@@ -730,7 +730,7 @@ fn baton_run_inside_a_recipe_of_a_build_under_baton_runs_in_its_job_slot() {
             .run(&["--", make.to_str().unwrap(), "-s"])
             .current_dir(dir.path())
             .env_remove("MAKEFLAGS")
-            .spawn()
+            .spawn_guarded()
             .unwrap();
         let status = wait_timeout(&mut build, Duration::from_secs(60)).unwrap_or_else(|| {
             let _ = build.kill();

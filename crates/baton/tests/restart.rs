@@ -8,7 +8,7 @@ use baton_core::status::Status;
 use common::*;
 use std::os::unix::process::ExitStatusExt;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Stdio};
+use std::process::Stdio;
 use std::time::Duration;
 
 /// One build of each style, each in its own directory with its own log of
@@ -17,7 +17,7 @@ use std::time::Duration;
 /// exactly its first job's token and waits for a second.
 struct Builds {
     dirs: Vec<TempDir>,
-    children: Vec<Child>,
+    children: Vec<Guarded>,
     gate: PathBuf,
 }
 
@@ -72,7 +72,7 @@ impl Builds {
                 .env_remove("MAKEFLAGS")
                 .stdout(Stdio::null())
                 .stderr(Stdio::piped())
-                .spawn()
+                .spawn_guarded()
                 .expect("start a build");
             dirs.push(dir);
             children.push(child);
@@ -167,13 +167,13 @@ fn replace_with(broker: &Broker, jobs: u32) -> Successor {
             .arg(&broker.socket)
             .arg("--replace")
             .stderr(log)
-            .spawn()
+            .spawn_guarded()
             .expect("start the successor"),
     )
 }
 
 /// The successor broker; a test that fails half-way stops it too.
-struct Successor(Child);
+struct Successor(Guarded);
 
 impl Successor {
     fn id(&self) -> u32 {
@@ -345,7 +345,7 @@ fn a_broker_where_one_died_grants_nothing_new_before_its_builds_re_attach() {
         .run(&["--tokens", "2", "--", "sh", "-c", &holder])
         .stdout(Stdio::null())
         .stderr(Stdio::null())
-        .spawn()
+        .spawn_guarded()
         .unwrap();
     wait_for_status(&broker, "the build to hold both tokens", |s| s.held == 2);
     broker.stop_with(libc::SIGKILL);
@@ -358,7 +358,7 @@ fn a_broker_where_one_died_grants_nothing_new_before_its_builds_re_attach() {
         .run(&["--", "sh", "-c", &newcomer])
         .stdout(Stdio::null())
         .stderr(Stdio::null())
-        .spawn()
+        .spawn_guarded()
         .unwrap();
     let s = wait_for_status(
         &restarted,

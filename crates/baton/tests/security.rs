@@ -5,13 +5,15 @@
 
 mod common;
 
-use common::{baton, baton_bin, can_act_as_another_user, wait_for, Broker, SpawnGuarded, TempDir};
+use common::{
+    baton, baton_bin, can_act_as_another_user, wait_for, Broker, Guarded, SpawnGuarded, TempDir,
+};
 use std::io::{BufRead, BufReader, Read, Write};
 use std::os::unix::fs::{MetadataExt, PermissionsExt};
 use std::os::unix::net::UnixStream;
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Output, Stdio};
+use std::process::{Command, Output, Stdio};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
@@ -44,7 +46,7 @@ fn text(out: &Output) -> String {
 
 /// A broker run by the other user, stopped by pid on drop.
 struct OthersBroker {
-    child: Child,
+    child: Guarded,
     socket: PathBuf,
 }
 
@@ -62,7 +64,7 @@ impl OthersBroker {
             .arg(socket)
             .env_remove("XDG_RUNTIME_DIR")
             .stderr(std::fs::File::create(log).unwrap())
-            .spawn()
+            .spawn_guarded()
             .unwrap();
         wait_for(Duration::from_secs(10), "the other user's broker", || {
             UnixStream::connect(socket).is_ok()
@@ -373,7 +375,7 @@ fn a_successor_refuses_to_take_over_from_another_user() {
         .args(["-c", fake])
         .arg(&handover)
         .stdout(Stdio::piped())
-        .spawn()
+        .spawn_guarded()
         .unwrap();
     let mut line = String::new();
     BufReader::new(other.stdout.take().unwrap())

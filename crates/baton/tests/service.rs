@@ -6,7 +6,7 @@ mod common;
 
 use common::*;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Output, Stdio};
+use std::process::{Command, Output, Stdio};
 use std::time::Duration;
 
 /// A temporary home for one test: its own config directory and socket, so
@@ -120,12 +120,12 @@ fn concurrent_first_runs_start_exactly_one_broker() {
     home.write_config("jobs = 2\n");
     let log = home.dir.path().join("jobs.log");
     let job = logged_job(&log, "0.2");
-    let runs: Vec<Child> = (0..8)
+    let runs: Vec<Guarded> = (0..8)
         .map(|_| {
             home.baton(&["run", "--", "sh", "-c", &job])
                 .stdout(Stdio::null())
                 .stderr(Stdio::piped())
-                .spawn()
+                .spawn_guarded()
                 .unwrap()
         })
         .collect();
@@ -544,7 +544,7 @@ fn plain_make_in_shells_with_shell_init_shares_one_limit() {
                 .current_dir(&dir)
                 .stdout(Stdio::null())
                 .stderr(Stdio::piped())
-                .spawn()
+                .spawn_guarded()
                 .unwrap(),
         );
         tool_dirs.push(tools);

@@ -8,7 +8,7 @@ mod common;
 use baton_core::protocol::Request;
 use common::*;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 /// Long enough for anything on a loaded machine; only a hang guard.
@@ -125,7 +125,7 @@ fn top_in_tmux(dir: &Path, socket: &Path, rc: &Path) -> Tmux {
 
 /// A named build that holds exactly `tokens` until it is dropped (SIGTERM
 /// by pid: baton run passes it on and gives every token back).
-struct HoldingBuild(Child);
+struct HoldingBuild(Guarded);
 
 impl HoldingBuild {
     fn start(broker: &Broker, name: &str, tokens: u32) -> Self {
@@ -133,7 +133,7 @@ impl HoldingBuild {
         let child = broker
             .run(&["--name", name, "-t", &t, "--max", &t, "--", "sleep", "600"])
             .stdout(Stdio::null())
-            .spawn()
+            .spawn_guarded()
             .expect("start baton run");
         HoldingBuild(child)
     }
@@ -475,7 +475,7 @@ fn python_samples(args: &[&str], text: &[u8]) -> Samples {
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
-        .spawn()
+        .spawn_guarded()
         .unwrap();
     std::io::Write::write_all(&mut child.stdin.take().unwrap(), text).unwrap();
     let out = child.wait_with_output().unwrap();
