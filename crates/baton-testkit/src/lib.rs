@@ -689,6 +689,29 @@ pub fn file_of_a_killed_build(
     left
 }
 
+/// A bare connection to the broker at `socket` that has said `HELLO 1
+/// LABEL` and read its `OK 1 ...` (within 30 s), for what the client
+/// library would never send; it reads without a time limit after that.
+pub fn hello_as(socket: &Path, label: &str) -> std::os::unix::net::UnixStream {
+    use std::io::{BufRead, Write};
+    let mut stream = std::os::unix::net::UnixStream::connect(socket)
+        .unwrap_or_else(|e| panic!("{label} cannot connect: {e}"));
+    stream
+        .write_all(format!("HELLO 1 {label}\n").as_bytes())
+        .unwrap();
+    stream
+        .set_read_timeout(Some(Duration::from_secs(30)))
+        .unwrap();
+    // Nothing follows OK unasked, so the buffer holds no more than it.
+    let mut line = String::new();
+    std::io::BufReader::new(&stream)
+        .read_line(&mut line)
+        .unwrap();
+    assert!(line.starts_with("OK 1 "), "{label} got {line:?}");
+    stream.set_read_timeout(None).unwrap();
+    stream
+}
+
 /// `baton limit N` against `broker`: its output and exit code.
 pub fn set_limit(broker: &Broker, limit: u32) -> std::process::Output {
     baton()

@@ -446,7 +446,7 @@ fn cancel_withdraws_a_pending_acquire() {
     let broker = Broker::start(1);
     let mut holder = broker.client("holder");
     holder.acquire(1).unwrap();
-    let mut session = RawSession::open(&broker, "HELLO 1 w");
+    let mut session = RawSession::open(&broker, "w");
     session.send("ACQUIRE 1\nCANCEL\nSTATUS\n");
     assert_eq!(session.line(), "CANCELLED 1");
     let status = session.status();
@@ -477,7 +477,7 @@ fn a_cancel_that_loses_the_race_to_a_grant_is_answered_after_it() {
     let broker = Broker::start(1);
     let mut holder = broker.client("holder");
     holder.acquire(1).unwrap();
-    let mut waiter = RawSession::open(&broker, "HELLO 1 w");
+    let mut waiter = RawSession::open(&broker, "w");
     waiter.send("ACQUIRE 1\n");
     wait_for(Duration::from_secs(30), "the ACQUIRE to queue", || {
         broker.status().waiters.len() == 1
@@ -507,17 +507,13 @@ fn a_cancel_that_loses_the_race_to_a_grant_is_answered_after_it() {
 struct RawSession(std::io::BufReader<UnixStream>);
 
 impl RawSession {
-    /// Connects, sends `hello` and checks the broker's `OK`.
-    fn open(broker: &Broker, hello: &str) -> Self {
-        let stream = UnixStream::connect(&broker.socket).unwrap();
+    /// Connects as `label` ([`hello_as`]).
+    fn open(broker: &Broker, label: &str) -> Self {
+        let stream = hello_as(&broker.socket, label);
         stream
             .set_read_timeout(Some(Duration::from_secs(30)))
             .unwrap();
-        let mut session = RawSession(std::io::BufReader::new(stream));
-        session.send(&format!("{hello}\n"));
-        let ok = session.line();
-        assert!(ok.starts_with("OK 1 "), "{ok}");
-        session
+        RawSession(std::io::BufReader::new(stream))
     }
 
     fn send(&mut self, text: &str) {
@@ -1148,7 +1144,7 @@ fn protocol_edges_get_the_documented_answers() {
         "{reply:?}"
     );
     // \r\n ends a line as \n does, and is not part of the label.
-    let mut crlf = RawSession::open(&broker, "HELLO 1 crlf\r");
+    let mut crlf = RawSession::open(&broker, "crlf\r");
     crlf.send("ACQUIRE 1\r\nSTATUS\r\n");
     assert_eq!(crlf.line(), "GRANTED 1 1");
     let status = crlf.status();
@@ -1159,7 +1155,7 @@ fn protocol_edges_get_the_documented_answers() {
     assert!(reply.starts_with("ERR malformed"), "{reply:?}");
     // TRY never jumps the queue: with a token free, it is BUSY behind a waiter.
     let waiter = queued_acquire(&broker, "waits for two", 2);
-    let mut tryer = RawSession::open(&broker, "HELLO 1 tryer");
+    let mut tryer = RawSession::open(&broker, "tryer");
     tryer.send("TRY 1\n");
     assert_eq!(tryer.line(), "BUSY 1");
     crlf.send("RELEASE 1\n");
@@ -1177,7 +1173,7 @@ fn protocol_edges_get_the_documented_answers() {
 fn a_client_that_never_reads_is_paused_past_1_mib_and_served_in_full_when_it_reads() {
     const ASKED: usize = 10_000;
     let broker = Broker::start(1);
-    let mut hog = RawSession::open(&broker, "HELLO 1 reads late");
+    let mut hog = RawSession::open(&broker, "reads late");
     hog.send("ACQUIRE 1\n");
     assert_eq!(hog.line(), "GRANTED 1 1");
     // Some 3 MB of replies, asked for in 70 kB, which the socket's buffers

@@ -469,25 +469,21 @@ fn a_half_read_line_and_a_waiting_acquire_cross_a_replace() {
     let mut broker = Broker::start(1);
     let mut holder = broker.client("holds the only token");
     holder.acquire(1).unwrap();
-    let connect = |hello: &str| {
-        let stream = std::os::unix::net::UnixStream::connect(&broker.socket).unwrap();
+    let connect = |label: &str| {
+        let stream = hello_as(&broker.socket, label);
         stream
             .set_read_timeout(Some(Duration::from_secs(30)))
             .unwrap();
-        let mut reader = BufReader::new(stream.try_clone().unwrap());
-        (&stream).write_all(hello.as_bytes()).unwrap();
-        let mut line = String::new();
-        reader.read_line(&mut line).unwrap();
-        assert!(line.starts_with("OK 1 "), "{line}");
+        let reader = BufReader::new(stream.try_clone().unwrap());
         (stream, reader)
     };
-    let (first, mut first_replies) = connect("HELLO 1 first\n");
+    let (first, mut first_replies) = connect("first");
     (&first).write_all(b"ACQUIRE 1\n").unwrap();
     wait_for_status(&broker, "the first to wait", |s| s.waiters.len() == 1);
-    let (second, mut second_replies) = connect("HELLO 1 second\n");
+    let (second, mut second_replies) = connect("second");
     (&second).write_all(b"ACQUIRE 1\n").unwrap();
     wait_for_status(&broker, "the second to wait", |s| s.waiters.len() == 2);
-    let (mut partial, mut partial_replies) = connect("HELLO 1 partial\n");
+    let (mut partial, mut partial_replies) = connect("partial");
     partial.write_all(b"TR").unwrap();
     let before = broker.status();
 
