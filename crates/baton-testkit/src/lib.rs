@@ -235,6 +235,18 @@ impl Broker {
         cmd
     }
 
+    /// `baton serve --jobs JOBS --socket S --replace EXTRA`: a successor
+    /// that takes this broker's place (and its builds) when started.
+    pub fn successor(&self, jobs: u32, extra: &[&str]) -> Command {
+        let mut serve = baton();
+        serve
+            .args(["serve", "--jobs", &jobs.to_string(), "--socket"])
+            .arg(&self.socket)
+            .arg("--replace")
+            .args(extra);
+        serve
+    }
+
     /// What the broker has logged so far.
     pub fn log(&self) -> String {
         std::fs::read_to_string(self.dir.path().join("broker.log")).unwrap_or_default()

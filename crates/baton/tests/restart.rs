@@ -162,10 +162,8 @@ fn replace(broker: &Broker) -> Successor {
 fn replace_with(broker: &Broker, jobs: u32) -> Successor {
     let log = std::fs::File::create(broker.dir.path().join("successor.log")).unwrap();
     Successor(
-        baton()
-            .args(["serve", "--jobs", &jobs.to_string(), "--socket"])
-            .arg(&broker.socket)
-            .arg("--replace")
+        broker
+            .successor(jobs, &[])
             .stderr(log)
             .spawn_guarded()
             .expect("start the successor"),

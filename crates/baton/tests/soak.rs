@@ -472,10 +472,8 @@ fn replace(broker: &mut Broker, limit: u32) {
         .append(true)
         .open(broker.dir.path().join("broker.log"))
         .unwrap();
-    let successor = baton()
-        .args(["serve", "--jobs", &limit.to_string(), "--socket"])
-        .arg(&broker.socket)
-        .arg("--replace")
+    let successor = broker
+        .successor(limit, &[])
         .stderr(log)
         .spawn()
         .expect("start the successor");

@@ -660,10 +660,8 @@ fn a_replacing_broker_takes_over_the_metrics_port() {
     );
 
     let log = broker.dir.path().join("successor.log");
-    let mut successor = baton()
-        .args(["serve", "--jobs", "3", "--socket"])
-        .arg(&broker.socket)
-        .args(["--replace", "--metrics-listen", &addr])
+    let mut successor = broker
+        .successor(3, &["--metrics-listen", &addr])
         .stderr(std::fs::File::create(&log).unwrap())
         .spawn_guarded()
         .expect("start the successor");
