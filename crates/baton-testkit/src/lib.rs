@@ -724,6 +724,26 @@ pub fn hello_as(socket: &Path, label: &str) -> std::os::unix::net::UnixStream {
     stream
 }
 
+/// Bytes a command wrote, as text.
+pub fn text(bytes: &[u8]) -> String {
+    String::from_utf8_lossy(bytes).into_owned()
+}
+
+/// A command's standard output, as text.
+pub fn stdout(out: &std::process::Output) -> String {
+    text(&out.stdout)
+}
+
+/// A command's standard error, as text.
+pub fn stderr(out: &std::process::Output) -> String {
+    text(&out.stderr)
+}
+
+/// All a command said: its standard output, then its standard error.
+pub fn output_text(out: &std::process::Output) -> String {
+    format!("{}{}", stdout(out), stderr(out))
+}
+
 /// `baton limit N` against `broker`: its output and exit code.
 pub fn set_limit(broker: &Broker, limit: u32) -> std::process::Output {
     baton()

@@ -55,7 +55,7 @@ fn run_bmake(broker: &Broker, dir: &Path, run_args: &[&str], bmake_args: &[&str]
     assert!(
         finished.is_some(),
         "bmake hung (killed after 120 s): {}",
-        text(&output)
+        output_text(&output)
     );
     output
 }
@@ -66,14 +66,6 @@ fn read_all(mut from: impl std::io::Read + Send + 'static) -> std::thread::JoinH
         let _ = from.read_to_end(&mut bytes);
         bytes
     })
-}
-
-fn text(out: &Output) -> String {
-    format!(
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    )
 }
 
 /// The styles baton offers bmake: `fifo` (auto: both ends on the build's
@@ -110,7 +102,7 @@ fn a_recursive_bmake_tree_holds_the_limit_and_reaches_it() {
         assert!(
             out.status.success(),
             "bmake failed under baton run ({style}):\n{}",
-            text(&out)
+            output_text(&out)
         );
         let (max, started) = max_overlap(&log);
         assert_eq!(started, 32);
@@ -138,7 +130,7 @@ fn bmake_is_found_by_what_it_is_and_gets_its_own_form() {
         .env_remove("MAKEFLAGS")
         .output()
         .unwrap();
-    assert!(out.status.success(), "{}", text(&out));
+    assert!(out.status.success(), "{}", output_text(&out));
     let flags = String::from_utf8_lossy(&out.stdout);
     assert!(
         flags.contains(" -J ") && flags.contains("-j 2"),
@@ -231,7 +223,7 @@ fn a_failing_bmake_job_stops_its_build(style: &str) {
     // -dj: each bmake says when it reads an abort token (and none dies
     // quietly).
     let out = run_bmake(&broker, dir.path(), &["--jobserver-style", style], &["-dj"]);
-    let said = format!("({style}) {}", text(&out));
+    let said = format!("({style}) {}", output_text(&out));
     assert_eq!(out.status.code(), Some(2), "{said}");
     assert!(
         said.contains("*** [j0] Error code 3"),
@@ -266,7 +258,7 @@ fn with_dash_k_bmake_goes_on_past_a_failing_job() {
     let log = dir.path().join("jobs.log");
     bmake_tree(dir.path(), &log, 4, 6, "s1j1");
     let out = run_bmake(&broker, dir.path(), &[], &["-k", ".MAKE.DIE_QUIETLY=no"]);
-    let said = text(&out);
+    let said = output_text(&out);
     assert!(!out.status.success(), "{said}");
     assert!(said.contains("*** [j1] Error code 3"), "{said}");
     assert!(
@@ -356,7 +348,7 @@ fn tokens_an_idle_bmake_build_leaves_unread_go_to_a_waiting_build() {
         .env_remove("MAKEFLAGS")
         .output()
         .unwrap();
-    assert!(out.status.success(), "{}", text(&out));
+    assert!(out.status.success(), "{}", output_text(&out));
     let (max, started_jobs) = max_overlap(&log);
     assert_eq!(started_jobs, 12);
     assert!(

@@ -110,10 +110,6 @@ fn assert_all_free(status: &serde_json::Value) {
     assert_eq!(status["held"], 0, "tokens missing at the end: {status:#}");
 }
 
-fn stderr(out: &Output) -> String {
-    String::from_utf8_lossy(&out.stderr).into_owned()
-}
-
 #[test]
 fn concurrent_first_runs_start_exactly_one_broker() {
     let home = Home::new("autostart");
