@@ -307,6 +307,28 @@ impl Drop for Broker {
     }
 }
 
+/// A broker the test did not start itself (`baton run` did, on demand):
+/// stopped by pid with SIGTERM when the test ends, and waited for until
+/// it is gone.
+pub struct Started {
+    pub pid: u32,
+}
+
+impl Drop for Started {
+    fn drop(&mut self) {
+        // Gone already (stopped as idle): its pid may be someone else's.
+        if pid_alive(self.pid) {
+            // SAFETY: kill(2) has no memory effects.
+            unsafe { libc::kill(self.pid as i32, libc::SIGTERM) };
+            wait_for(
+                Duration::from_secs(10),
+                "the auto-started broker to stop",
+                || !pid_alive(self.pid),
+            );
+        }
+    }
+}
+
 fn detach(mount: &Path) {
     let Ok(path) = std::ffi::CString::new(mount.as_os_str().as_encoded_bytes()) else {
         return;

@@ -29,22 +29,6 @@ struct Home {
     dir: TempDir,
 }
 
-/// Stops by pid, when the test ends, a broker `baton run` started.
-struct Started(u32);
-
-impl Drop for Started {
-    fn drop(&mut self) {
-        if pid_alive(self.0) {
-            unsafe { libc::kill(self.0 as i32, libc::SIGTERM) };
-            wait_for(
-                Duration::from_secs(10),
-                "the started broker to stop",
-                || !pid_alive(self.0),
-            );
-        }
-    }
-}
-
 impl Home {
     fn new(name: &str) -> Self {
         let dir = TempDir::new(name);
@@ -91,7 +75,9 @@ impl Home {
             .expect("a broker serves")
             .status()
             .unwrap();
-        Started(status.broker_pid)
+        Started {
+            pid: status.broker_pid,
+        }
     }
 }
 

@@ -72,26 +72,6 @@ fn logged_pid(line: &str) -> Option<u32> {
     after.trim_end_matches(')').parse().ok()
 }
 
-/// A broker this test did not start itself (`baton run` did): stopped by
-/// pid when the test ends, and waited for until it is gone.
-struct Started {
-    pid: u32,
-}
-
-impl Drop for Started {
-    fn drop(&mut self) {
-        // Gone already (stopped as idle): its pid may be someone else's.
-        if pid_alive(self.pid) {
-            unsafe { libc::kill(self.pid as i32, libc::SIGTERM) };
-            wait_for(
-                Duration::from_secs(10),
-                "the auto-started broker to stop",
-                || !pid_alive(self.pid),
-            );
-        }
-    }
-}
-
 fn status_json(home: &Home) -> serde_json::Value {
     let out = home.baton(&["status", "--json"]).output().unwrap();
     assert!(
