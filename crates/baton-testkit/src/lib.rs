@@ -591,6 +591,14 @@ fn python_scripts_dir() -> PathBuf {
     PathBuf::from(String::from_utf8(out.stdout).unwrap().trim())
 }
 
+/// The Python interpreter of target/test-venv (scripts/test's), where
+/// scripts/test puts prometheus_client.
+pub fn python() -> PathBuf {
+    tool("BATON_TEST_PYTHON", || {
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("../../target/test-venv/bin/python")
+    })
+}
+
 /// GNU make 4.3 (Debian's `make`).
 pub fn make43() -> PathBuf {
     tool("BATON_TEST_MAKE43", || PathBuf::from("/usr/bin/make"))

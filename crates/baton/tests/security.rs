@@ -6,7 +6,7 @@
 mod common;
 
 use common::{
-    baton, baton_bin, can_act_as_another_user, output_text, wait_for, Broker, Guarded,
+    baton, baton_bin, can_act_as_another_user, output_text, python, wait_for, Broker, Guarded,
     SpawnGuarded, TempDir,
 };
 use std::io::{BufRead, BufReader, Read, Write};
@@ -328,7 +328,7 @@ fn the_handover_socket_refuses_another_user() {
         s.connect(sys.argv[1])\n\
         s.settimeout(30)\n\
         print(len(s.recv(16)))\n";
-    let out = as_other_user(&python())
+    let out = as_other_user(python().to_str().unwrap())
         .args(["-c", read])
         .arg(&handover)
         .output()
@@ -364,7 +364,7 @@ fn a_successor_refuses_to_take_over_from_another_user() {
         c,_=s.accept()\n\
         c.sendall((2).to_bytes(8,'little')+(0).to_bytes(8,'little')+b'{}')\n\
         time.sleep(2)\n";
-    let mut other = as_other_user(&python())
+    let mut other = as_other_user(python().to_str().unwrap())
         .args(["-c", fake])
         .arg(&handover)
         .stdout(Stdio::piped())
@@ -388,10 +388,6 @@ fn a_successor_refuses_to_take_over_from_another_user() {
         said.contains("process of uid 65534") && said.contains("refusing to take over"),
         "{said}"
     );
-}
-
-fn python() -> String {
-    std::env::var("BATON_TEST_PYTHON").unwrap_or_else(|_| "python3".into())
 }
 
 /// Resident memory's high-water mark of a process, in kB.

@@ -423,14 +423,6 @@ fn status_json_builds_hold_what_the_builds_really_hold() {
     wait_until_all_free(&broker);
 }
 
-/// The Python interpreter of target/test-venv, where scripts/test puts
-/// prometheus_client.
-fn venv_python() -> PathBuf {
-    tool("BATON_TEST_PYTHON", || {
-        Path::new(env!("CARGO_MANIFEST_DIR")).join("../../target/test-venv/bin/python")
-    })
-}
-
 type Samples = Vec<(String, serde_json::Map<String, serde_json::Value>, f64)>;
 
 /// `baton status --prometheus`, read by prometheus_client's own text
@@ -470,7 +462,7 @@ print(json.dumps(out))
 }
 
 fn python_samples(args: &[&str], text: &[u8]) -> Samples {
-    let mut child = Command::new(venv_python())
+    let mut child = Command::new(python())
         .args(args)
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
