@@ -403,7 +403,10 @@ impl Guarded {
     }
 
     /// Waits for the process to exit; it stays unreaped until the drop.
+    /// As [`Child::wait`], its stdin (if piped) is closed first, so that
+    /// a process reading it to the end can end.
     pub fn wait(&mut self) -> std::io::Result<std::process::ExitStatus> {
+        drop(self.child.stdin.take());
         self.peek(0)
             .map(|status| status.expect("waitid without WNOHANG waits"))
     }
@@ -420,8 +423,8 @@ impl Guarded {
         self.child.wait()
     }
 
-    /// As [`Child::wait_with_output`]: reads its piped output to the end,
-    /// then waits.
+    /// As [`Child::wait_with_output`]: closes its stdin, reads its piped
+    /// output to the end, then waits.
     pub fn wait_with_output(mut self) -> std::io::Result<std::process::Output> {
         fn read_all(
             pipe: Option<impl std::io::Read + Send + 'static>,
@@ -434,6 +437,7 @@ impl Guarded {
                 bytes
             })
         }
+        drop(self.child.stdin.take());
         let stdout = read_all(self.child.stdout.take());
         let stderr = read_all(self.child.stderr.take());
         let status = self.wait()?;
@@ -921,6 +925,23 @@ mod tests {
         wait_for(Duration::from_secs(10), "the orphaned sleep to die", || {
             !pid_alive(sleeper)
         });
+    }
+
+    #[test]
+    fn waiting_closes_stdin_as_std_does() {
+        let mut cat = Command::new("cat")
+            .stdin(Stdio::piped())
+            .spawn_guarded()
+            .unwrap();
+        assert!(cat.wait().unwrap().success());
+        let out = Command::new("cat")
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn_guarded()
+            .unwrap()
+            .wait_with_output()
+            .unwrap();
+        assert!(out.status.success() && out.stdout.is_empty());
     }
 
     #[test]
