@@ -161,10 +161,7 @@ impl Broker {
     pub fn start_under(wrapper: &[&str], jobs: u32, extra: &[&str]) -> Self {
         let dir = TempDir::new("broker");
         let socket = dir.path().join("run").join("socket");
-        // A file, not a pipe: nobody reads a pipe while the test runs, and
-        // a full one would block the broker.
-        let log = std::fs::File::create(dir.path().join("broker.log")).unwrap();
-        let mut serve = match wrapper.split_first() {
+        let serve = match wrapper.split_first() {
             Some((program, args)) => {
                 let mut c = Command::new(program);
                 c.args(args).arg(baton_bin());
@@ -172,6 +169,22 @@ impl Broker {
             }
             None => baton(),
         };
+        Self::serve(serve, dir, socket, jobs, extra)
+    }
+
+    /// A new broker at the socket of `old` (which has stopped), logging
+    /// beside it, with `extra` serve flags.
+    pub fn start_at(old: &Broker, jobs: u32, extra: &[&str]) -> Self {
+        let dir = TempDir::new("broker-again");
+        Self::serve(baton(), dir, old.socket.clone(), jobs, extra)
+    }
+
+    /// `COMMAND serve --jobs JOBS --socket SOCKET EXTRA`, logging to
+    /// `dir`/broker.log, once it listens.
+    fn serve(mut serve: Command, dir: TempDir, socket: PathBuf, jobs: u32, extra: &[&str]) -> Self {
+        // A file, not a pipe: nobody reads a pipe while the test runs, and
+        // a full one would block the broker.
+        let log = std::fs::File::create(dir.path().join("broker.log")).unwrap();
         let child = serve
             .args(["serve", "--jobs", &jobs.to_string(), "--socket"])
             .arg(&socket)
@@ -182,28 +195,6 @@ impl Broker {
         let broker = Broker {
             child,
             socket,
-            dir,
-            stopped: false,
-        };
-        broker.wait_until_ready();
-        broker
-    }
-
-    /// A new broker at the socket of `old` (which has stopped), logging
-    /// beside it, with `extra` serve flags.
-    pub fn start_at(old: &Broker, jobs: u32, extra: &[&str]) -> Self {
-        let dir = TempDir::new("broker-again");
-        let log = std::fs::File::create(dir.path().join("broker.log")).unwrap();
-        let child = baton()
-            .args(["serve", "--jobs", &jobs.to_string(), "--socket"])
-            .arg(&old.socket)
-            .args(extra)
-            .stderr(log)
-            .spawn()
-            .expect("start baton serve");
-        let broker = Broker {
-            child,
-            socket: old.socket.clone(),
             dir,
             stopped: false,
         };
