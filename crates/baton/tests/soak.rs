@@ -76,6 +76,26 @@ struct Running {
     killed: bool,
 }
 
+/// A client still running when the test ends (a failing one: otherwise
+/// the chaos waits for every client) is killed with its process group and
+/// reaped, so that nothing it started outlives the test. One that ended
+/// was reaped by `reap` and is left alone: its pid may be someone else's.
+/// (Not a `Guarded`: that would kill what a client left in its group as
+/// soon as `reap` drops it, and the jobs of a killed client run on.)
+impl Drop for Running {
+    fn drop(&mut self) {
+        if let Ok(None) = self.child.try_wait() {
+            let pid = self.child.id() as i32;
+            // SAFETY: kill(2) on our own unreaped child and its group.
+            unsafe {
+                libc::kill(-pid, libc::SIGKILL);
+                libc::kill(pid, libc::SIGKILL);
+            }
+            let _ = self.child.wait();
+        }
+    }
+}
+
 #[derive(Debug, Default)]
 struct Counts {
     started: u32,
