@@ -355,6 +355,13 @@ impl SpawnGuarded for Command {
 }
 
 impl Guarded {
+    /// Guards a child that made itself the leader of a group of its own
+    /// (setsid or setpgid in a `pre_exec`, which `spawn_guarded` cannot
+    /// combine with: a group leader cannot call setsid).
+    pub fn of_group_leader(child: Child) -> Guarded {
+        Guarded { child }
+    }
+
     /// waitid(2) on the process with `WEXITED | WNOWAIT | flags`: its exit
     /// status without reaping it; None with `WNOHANG` while it runs.
     fn peek(&self, flags: libc::c_int) -> std::io::Result<Option<std::process::ExitStatus>> {

@@ -1241,7 +1241,8 @@ fn a_terminal_sigint_reaches_the_command_and_sighup_is_forwarded() {
             Ok(())
         });
     }
-    let mut run = cmd.spawn().unwrap();
+    // Its own session's leader, so its own group's.
+    let mut run = Guarded::of_group_leader(cmd.spawn().unwrap());
     unsafe { libc::close(slave) };
     wait_for(
         Duration::from_secs(30),
