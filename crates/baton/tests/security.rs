@@ -5,13 +5,16 @@
 
 mod common;
 
-use common::{baton, baton_bin, can_act_as_another_user, wait_for, Broker, TempDir};
+use common::{
+    baton, baton_bin, can_act_as_another_user, output_text, python, wait_for, Broker, Guarded,
+    SpawnGuarded, TempDir,
+};
 use std::io::{BufRead, BufReader, Read, Write};
 use std::os::unix::fs::{MetadataExt, PermissionsExt};
 use std::os::unix::net::UnixStream;
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Output, Stdio};
+use std::process::{Command, Stdio};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
@@ -34,17 +37,9 @@ fn chmod(path: &Path, mode: u32) {
     std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode)).unwrap();
 }
 
-fn text(out: &Output) -> String {
-    format!(
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    )
-}
-
 /// A broker run by the other user, stopped by pid on drop.
 struct OthersBroker {
-    child: Child,
+    child: Guarded,
     socket: PathBuf,
 }
 
@@ -62,7 +57,7 @@ impl OthersBroker {
             .arg(socket)
             .env_remove("XDG_RUNTIME_DIR")
             .stderr(std::fs::File::create(log).unwrap())
-            .spawn()
+            .spawn_guarded()
             .unwrap();
         wait_for(Duration::from_secs(10), "the other user's broker", || {
             UnixStream::connect(socket).is_ok()
@@ -107,7 +102,7 @@ fn a_broker_of_another_user_is_refused_by_status_and_run() {
         .arg(&socket)
         .output()
         .unwrap();
-    let said = text(&status);
+    let said = output_text(&status);
     assert!(!status.status.success(), "{said}");
     assert!(said.contains(&format!("process of uid {OTHER}")), "{said}");
     assert!(said.contains(&socket.display().to_string()), "{said}");
@@ -120,7 +115,7 @@ fn a_broker_of_another_user_is_refused_by_status_and_run() {
         .args(["--", "sh", "-c", "echo ran with MAKEFLAGS=$MAKEFLAGS"])
         .output()
         .unwrap();
-    let said = text(&run);
+    let said = output_text(&run);
     assert!(!run.status.success(), "{said}");
     assert!(!said.contains("ran with"), "{said}");
     assert!(said.contains(&format!("process of uid {OTHER}")), "{said}");
@@ -149,7 +144,7 @@ fn a_squatted_default_directory_is_refused_by_serve_status_and_run() {
             .env("BATON_NO_AUTOSTART", "1")
             .output()
             .unwrap();
-        let said = text(&out);
+        let said = output_text(&out);
         assert!(!out.status.success(), "{args:?}: {said}");
         assert!(
             said.contains(&format!("belongs to uid {OTHER}")),
@@ -174,7 +169,7 @@ fn a_symlinked_default_directory_is_refused_and_its_target_left_alone() {
     let mut serve = baton_at_default(xdg.path())
         .args(["serve", "--jobs", "1", "--no-fuse"])
         .stderr(Stdio::piped())
-        .spawn()
+        .spawn_guarded()
         .unwrap();
     let exited = common::wait_timeout(&mut serve, Duration::from_secs(10));
     if exited.is_none() {
@@ -201,7 +196,7 @@ fn a_symlinked_default_directory_is_refused_and_its_target_left_alone() {
     );
 
     let out = baton_at_default(xdg.path()).arg("status").output().unwrap();
-    let said = text(&out);
+    let said = output_text(&out);
     assert!(!out.status.success(), "{said}");
     assert!(said.contains("symbolic link"), "{said}");
 }
@@ -245,7 +240,7 @@ fn a_planted_lock_link_is_refused_and_nothing_is_created_through_it() {
         .arg(&socket)
         .output()
         .unwrap();
-    let said = text(&out);
+    let said = output_text(&out);
     assert!(!out.status.success(), "{said}");
     assert!(said.contains("symbolic link"), "{said}");
     assert!(
@@ -271,7 +266,7 @@ fn a_planted_mount_point_link_is_refused_and_its_target_not_covered() {
         .args(["serve", "--jobs", "1", "--socket"])
         .arg(&socket)
         .stderr(std::fs::File::create(&log).unwrap())
-        .spawn()
+        .spawn_guarded()
         .unwrap();
     wait_for(Duration::from_secs(10), "the broker to listen", || {
         UnixStream::connect(&socket).is_ok()
@@ -299,7 +294,7 @@ fn the_broker_refuses_another_user_even_at_a_socket_open_to_all() {
         .arg(&broker.socket)
         .output()
         .unwrap();
-    let said = text(&out);
+    let said = output_text(&out);
     assert!(!out.status.success(), "{said}");
     assert!(said.contains("refuses you"), "{said}");
     assert!(
@@ -333,12 +328,12 @@ fn the_handover_socket_refuses_another_user() {
         s.connect(sys.argv[1])\n\
         s.settimeout(30)\n\
         print(len(s.recv(16)))\n";
-    let out = as_other_user(&python())
+    let out = as_other_user(python().to_str().unwrap())
         .args(["-c", read])
         .arg(&handover)
         .output()
         .unwrap();
-    assert_eq!(text(&out).trim(), "0", "{}", text(&out));
+    assert_eq!(output_text(&out).trim(), "0", "{}", output_text(&out));
     assert!(broker
         .log()
         .contains("refused a handover asked by another user"));
@@ -369,11 +364,11 @@ fn a_successor_refuses_to_take_over_from_another_user() {
         c,_=s.accept()\n\
         c.sendall((2).to_bytes(8,'little')+(0).to_bytes(8,'little')+b'{}')\n\
         time.sleep(2)\n";
-    let mut other = as_other_user(&python())
+    let mut other = as_other_user(python().to_str().unwrap())
         .args(["-c", fake])
         .arg(&handover)
         .stdout(Stdio::piped())
-        .spawn()
+        .spawn_guarded()
         .unwrap();
     let mut line = String::new();
     BufReader::new(other.stdout.take().unwrap())
@@ -387,16 +382,12 @@ fn a_successor_refuses_to_take_over_from_another_user() {
         .unwrap();
     let _ = other.kill();
     other.wait().unwrap();
-    let said = text(&out);
+    let said = output_text(&out);
     assert!(!out.status.success(), "{said}");
     assert!(
         said.contains("process of uid 65534") && said.contains("refusing to take over"),
         "{said}"
     );
-}
-
-fn python() -> String {
-    std::env::var("BATON_TEST_PYTHON").unwrap_or_else(|_| "python3".into())
 }
 
 /// Resident memory's high-water mark of a process, in kB.
@@ -477,7 +468,7 @@ fn a_broker_out_of_descriptors_answers_full_in_words() {
             }
         });
     }
-    let mut serve = serve.spawn().unwrap();
+    let mut serve = serve.spawn_guarded().unwrap();
     wait_for(Duration::from_secs(10), "the broker to listen", || {
         baton_client::Client::connect(&socket, "probe").is_ok()
     });
@@ -490,7 +481,7 @@ fn a_broker_out_of_descriptors_answers_full_in_words() {
         .arg(&socket)
         .output()
         .unwrap();
-    let said = text(&out);
+    let said = output_text(&out);
     drop(clients);
     unsafe { libc::kill(serve.id() as i32, libc::SIGTERM) };
     serve.wait().unwrap();
@@ -549,10 +540,14 @@ fn the_c_and_python_clients_refuse_a_broker_of_another_user() {
         .arg(&binary)
         .output()
         .expect("cc (the C client's tests need a C compiler)");
-    assert!(built.status.success(), "{}", text(&built));
+    assert!(built.status.success(), "{}", output_text(&built));
     let c = Command::new(&binary).arg(&socket).output().unwrap();
-    assert_eq!(c.status.code(), Some(3), "C client: {}", text(&c));
-    assert!(text(&c).contains("Operation not permitted"), "{}", text(&c));
+    assert_eq!(c.status.code(), Some(3), "C client: {}", output_text(&c));
+    assert!(
+        output_text(&c).contains("Operation not permitted"),
+        "{}",
+        output_text(&c)
+    );
 
     let connect = "import sys, baton_client\n\
         try:\n    baton_client.Client(sys.argv[1])\n\
@@ -564,7 +559,7 @@ fn the_c_and_python_clients_refuse_a_broker_of_another_user() {
         .env("PYTHONPATH", clients.join("python/src"))
         .output()
         .unwrap();
-    let said = text(&py);
+    let said = output_text(&py);
     assert_eq!(py.status.code(), Some(3), "Python client: {said}");
     assert!(said.contains(&format!("process of uid {OTHER}")), "{said}");
 }
@@ -590,7 +585,7 @@ fn a_socket_in_a_world_writable_directory_without_the_sticky_bit_is_refused() {
         .arg(open.join("socket"))
         .output()
         .unwrap();
-    let said = text(&out);
+    let said = output_text(&out);
     assert!(!out.status.success(), "{said}");
     assert!(
         said.contains("writable by every user and not sticky"),

@@ -26,7 +26,7 @@
 
 mod common;
 
-use common::{baton, Broker};
+use common::{baton, group_members, set_limit, Broker};
 use std::io::Write;
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
@@ -92,6 +92,26 @@ const FUSE_GRACE_SECS: u64 = 2;
 /// line per attempt printed 15,000 lines in seconds).
 const LINES_PER_EVENT: usize = 3;
 const LINES_BESIDES: usize = 4;
+
+/// A client still running when the test ends (a failing one: otherwise
+/// the chaos waits for every client) is killed with its process group and
+/// reaped, so that nothing it started outlives the test. One that ended
+/// was reaped by `reap` and is left alone: its pid may be someone else's.
+/// (Not a `Guarded`: that would kill what a client left in its group as
+/// soon as `reap` drops it, and the jobs of a killed client run on.)
+impl Drop for Running {
+    fn drop(&mut self) {
+        if let Ok(None) = self.child.try_wait() {
+            let pid = self.child.id() as i32;
+            // SAFETY: kill(2) on our own unreaped child and its group.
+            unsafe {
+                libc::kill(-pid, libc::SIGKILL);
+                libc::kill(pid, libc::SIGKILL);
+            }
+            let _ = self.child.wait();
+        }
+    }
+}
 
 #[derive(Debug, Default)]
 struct Counts {
@@ -406,25 +426,6 @@ fn start(broker_socket: &Path, projects: &Projects, kind: Kind, log: &Path) -> C
         .expect("start baton run")
 }
 
-/// The processes of a client's group: the client and its children.
-fn group_members(pgid: u32) -> Vec<u32> {
-    let Ok(entries) = std::fs::read_dir("/proc") else {
-        return Vec::new();
-    };
-    entries
-        .filter_map(|e| e.ok()?.file_name().to_str()?.parse::<u32>().ok())
-        .filter(|&pid| {
-            let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
-            let after_name = stat.rsplit(')').next().unwrap_or("");
-            after_name
-                .split_whitespace()
-                .nth(2)
-                .and_then(|g| g.parse::<u32>().ok())
-                == Some(pgid)
-        })
-        .collect()
-}
-
 fn kill9(pid: u32) {
     // SAFETY: kill takes any pid; ours are children or their descendants.
     unsafe { libc::kill(pid as i32, libc::SIGKILL) };
@@ -514,11 +515,9 @@ fn replace(broker: &mut Broker, limit: u32) {
         .append(true)
         .open(broker.dir.path().join("broker.log"))
         .unwrap();
-    let successor = baton()
-        .args(["serve", "--jobs", &limit.to_string(), "--socket"])
-        .arg(&broker.socket)
-        .arg("--replace")
-        .args(["--fuse-orphan-grace", &FUSE_GRACE_SECS.to_string()])
+    let grace = FUSE_GRACE_SECS.to_string();
+    let successor = broker
+        .successor(limit, &["--fuse-orphan-grace", &grace])
         .stderr(log)
         .spawn()
         .expect("start the successor");
@@ -530,16 +529,6 @@ fn replace(broker: &mut Broker, limit: u32) {
         broker.log()
     );
     broker.child = successor;
-}
-
-fn set_limit(broker: &Broker, limit: u32) -> bool {
-    let out = baton()
-        .args(["limit", &limit.to_string(), "--socket"])
-        .arg(&broker.socket)
-        .stderr(Stdio::null())
-        .output()
-        .unwrap();
-    out.status.success()
 }
 
 /// Reaps the clients that ended, counting how.
@@ -670,7 +659,7 @@ fn chaos_loses_no_token_and_never_breaks_the_limit() {
                 if new > limit {
                     projects.jobs.mark('L', new.into());
                 }
-                if set_limit(&broker, new) {
+                if set_limit(&broker, new).status.success() {
                     if new < limit {
                         projects.jobs.mark('L', new.into());
                     }
