@@ -501,11 +501,6 @@ impl<M> Pool<M> {
         self.serve_queue()
     }
 
-    /// The cap [`Pool::set_admission_cap`] set, if any.
-    pub fn admission_cap(&self) -> Option<u32> {
-        self.cap
-    }
-
     /// How many tokens the request served next asks for, if any waits.
     pub fn next_request(&self) -> Option<u32> {
         self.next_waiter().map(|pos| self.queue[pos].tokens)
@@ -816,6 +811,7 @@ mod tests {
         );
         assert_eq!(p.hold(a, 1), Ok(()), "exactly the bound");
         assert_eq!(p.held_by(a), MAX_LIMIT);
+        assert_eq!(p.totals().held_again, u64::from(MAX_LIMIT));
     }
 
     #[test]
