@@ -826,6 +826,63 @@ mod tests {
     }
 
     #[test]
+    fn the_limit_may_be_the_maximum_and_no_more() {
+        assert!(Pool::<()>::new(MAX_LIMIT).is_ok());
+        assert_eq!(
+            Pool::<()>::new(MAX_LIMIT + 1).err(),
+            Some(PoolError::LimitTooLarge(MAX_LIMIT + 1))
+        );
+    }
+
+    #[test]
+    fn views_show_what_each_client_and_build_waits_for_and_was_granted() {
+        let mut p = pool(3);
+        let [a, b] = [p.connect(()), p.connect(())];
+        p.acquire(a, 0, 3).unwrap();
+        assert_eq!(p.next_request(), None, "nothing waits");
+        p.acquire(b, 1, 2).unwrap();
+        p.acquire(b, 2, 1).unwrap();
+        assert_eq!(p.next_request(), Some(2));
+        let waiting: Vec<_> = p.clients().map(|c| (c.id, c.held, c.waiting)).collect();
+        assert_eq!(waiting, [(a, 3, 0), (b, 0, 3)]);
+        let granted: Vec<_> = p.builds().map(|b| (b.held, b.granted)).collect();
+        assert_eq!(granted, [(3, 3), (0, 0)]);
+        p.release(a, 3).unwrap();
+        let granted: Vec<_> = p.builds().map(|b| b.granted).collect();
+        assert_eq!(granted, [3, 3]);
+    }
+
+    /// A pool whose books `corrupt` spoils: [`Pool::restore`] must refuse
+    /// it, and [`Pool::assert_invariants`] must panic.
+    fn refused(corrupt: impl FnOnce(&mut Pool<()>)) -> &'static str {
+        let mut p = pool(1);
+        let [a, b, c] = [p.connect(()), p.connect(()), p.connect(())];
+        p.acquire(a, 0, 1).unwrap();
+        p.acquire(b, 0, 1).unwrap();
+        p.acquire(c, 0, 1).unwrap();
+        p.assert_invariants();
+        corrupt(&mut p);
+        let checked =
+            std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| p.assert_invariants()));
+        assert!(checked.is_err(), "assert_invariants passed a broken pool");
+        p.restore().expect_err("a broken pool was restored").0
+    }
+
+    #[test]
+    fn a_pool_with_broken_books_is_refused() {
+        let said = refused(|p| p.queue[0].tokens = 0);
+        assert!(said.contains("asks for nothing"), "{said}");
+        let said = refused(|p| p.queue[1].seq = p.next_seq);
+        assert!(said.contains("after the last arrival"), "{said}");
+        let said = refused(|p| p.queue[1].seq = p.queue[0].seq);
+        assert!(said.contains("order of arrival"), "{said}");
+        let said = refused(|p| p.next_id -= 1);
+        assert!(said.contains("client id"), "{said}");
+        let said = refused(|p| p.free += 1);
+        assert!(said.contains("free + held"), "{said}");
+    }
+
+    #[test]
     fn a_release_wakes_exactly_the_oldest_waiter() {
         let mut p = pool(1);
         let [a, b, c] = [p.connect(()), p.connect(()), p.connect(())];

@@ -639,6 +639,28 @@ mod tests {
     }
 
     #[test]
+    fn every_error_code_reads_back_and_only_two_leave_the_connection_open() {
+        use ErrorCode::*;
+        let codes = [
+            Malformed,
+            TooLong,
+            Version,
+            Hello,
+            Busy,
+            OverRelease,
+            Range,
+            Full,
+            Denied,
+        ];
+        for code in codes {
+            assert_eq!(ErrorCode::parse(code.as_str()), Some(code), "{code}");
+        }
+        assert_eq!(ErrorCode::parse("nope"), None);
+        let open: Vec<_> = codes.into_iter().filter(|c| !c.is_fatal()).collect();
+        assert_eq!(open, [OverRelease, Range]);
+    }
+
+    #[test]
     fn status_reply_carries_its_length() {
         let wire = Reply::Status {
             json: "{\"limit\":4}".into(),
