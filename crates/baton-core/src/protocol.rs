@@ -595,6 +595,25 @@ mod tests {
     }
 
     #[test]
+    fn a_refusal_says_what_was_wrong() {
+        let said = |line: &[u8]| parse_request(line).unwrap_err().to_string();
+        for verb in ["CANCEL", "STATUS", "WANTED", "STOP"] {
+            let line = format!("{verb} 1");
+            assert!(
+                said(line.as_bytes()).contains(&format!("{verb} takes no arguments")),
+                "{line}: {}",
+                said(line.as_bytes())
+            );
+        }
+        assert!(said(b"").contains("empty request"), "{}", said(b""));
+        assert!(
+            said(b"FLY 1").contains("unknown request"),
+            "{}",
+            said(b"FLY 1")
+        );
+    }
+
+    #[test]
     fn replies_round_trip() {
         let replies = [
             Reply::Hello {
