@@ -531,6 +531,30 @@ fn replace(broker: &mut Broker, limit: u32) {
     broker.child = successor;
 }
 
+/// What the clients still running do, for the post-mortem of a hang:
+/// each process of their groups, its state (`S` asleep, `D` in the
+/// kernel, `T` stopped) and its command line.
+fn hung(running: &[Running]) -> String {
+    let mut out = String::new();
+    for r in running {
+        out += &format!("{:?} (pid {}):\n", r.kind, r.child.id());
+        for pid in group_members(r.child.id()) {
+            let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+            let state = stat
+                .rsplit(')')
+                .next()
+                .unwrap_or("")
+                .split_whitespace()
+                .next();
+            let cmd = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+            let cmd = String::from_utf8_lossy(&cmd).replace('\0', " ");
+            out += &format!("  {pid} {} {cmd}\n", state.unwrap_or("?"));
+        }
+        out += &std::fs::read_to_string(&r.log).unwrap_or_default();
+    }
+    out
+}
+
 /// Reaps the clients that ended, counting how.
 fn reap(running: &mut Vec<Running>, counts: &mut Counts, failures: &mut Vec<String>) {
     running.retain_mut(|r| {
@@ -727,10 +751,18 @@ fn chaos_loses_no_token_and_never_breaks_the_limit() {
 
     // Every client ends (a killed broker's builds go on without it), and
     // the broker gets every token back.
-    common::wait_for(Duration::from_secs(120), "every client to end", || {
+    let ending = Instant::now();
+    while !running.is_empty() {
         reap(&mut running, &mut counts, &mut failures);
-        running.is_empty()
-    });
+        if ending.elapsed() > Duration::from_secs(120) {
+            panic!(
+                "builds hung: still running 120 s after the chaos (seed {seed}):\n{}\n{}",
+                hung(&running),
+                broker.log()
+            );
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
     common::wait_for(Duration::from_secs(30), "every token to come back", || {
         let s = broker.status();
         (s.free, s.held) == (s.limit, 0)
