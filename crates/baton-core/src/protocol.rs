@@ -614,6 +614,36 @@ mod tests {
     }
 
     #[test]
+    fn boundaries_of_labels_and_counts() {
+        let hello = |label: &str| parse_request(format!("HELLO 1 {label}").as_bytes());
+        assert!(hello(&"x".repeat(MAX_LABEL)).is_ok());
+        assert!(hello(&"x".repeat(MAX_LABEL + 1)).is_err());
+        assert_eq!(
+            parse_request(b"ACQUIRE 4294967295"),
+            Ok(Request::Acquire(u32::MAX))
+        );
+        assert!(parse_request(b"ACQUIRE 00000000001").is_err(), "11 digits");
+        let long = "Y".repeat(100);
+        let said = parse_request(long.as_bytes()).unwrap_err().to_string();
+        assert!(said.contains(&"Y".repeat(32)), "{said}");
+        assert!(!said.contains(&"Y".repeat(33)), "cut to 32: {said}");
+    }
+
+    #[test]
+    fn empty_labels_leave_no_trailing_space() {
+        let hello = Request::Hello {
+            version: 1,
+            label: String::new(),
+        };
+        assert_eq!(hello.to_string(), "HELLO 1");
+        let build = Request::Build {
+            weight: 2,
+            name: String::new(),
+        };
+        assert_eq!(build.to_string(), "BUILD 2");
+    }
+
+    #[test]
     fn replies_round_trip() {
         let replies = [
             Reply::Hello {
