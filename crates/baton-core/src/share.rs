@@ -192,3 +192,76 @@ impl Shares {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Shares with builds of these (held, vtime), one member each.
+    fn shares(builds: &[(u32, u128)]) -> (Shares, Vec<BuildId>) {
+        let mut s = Shares::default();
+        let ids = builds
+            .iter()
+            .map(|&(held, vtime)| {
+                let id = s.create();
+                let b = s.get_mut(id);
+                (b.held, b.vtime, b.members) = (held, vtime, 1);
+                id
+            })
+            .collect();
+        (s, ids)
+    }
+
+    #[test]
+    fn time_is_charged_as_tokens_held_times_time_over_weight() {
+        let (mut s, ids) = shares(&[(3, 0), (3, 0)]);
+        s.get_mut(ids[1]).weight = 2;
+        s.advance(10);
+        assert_eq!(s.get(ids[0]).token_time, 30);
+        assert_eq!(s.get(ids[0]).vtime, 30 * SCALE);
+        assert_eq!(s.get(ids[1]).token_time, 30);
+        assert_eq!(
+            s.get(ids[1]).vtime,
+            15 * SCALE,
+            "twice the weight, half the time"
+        );
+        s.advance(4);
+        assert_eq!(
+            s.get(ids[0]).token_time,
+            30,
+            "a clock going back charges nothing"
+        );
+    }
+
+    #[test]
+    fn a_waking_build_starts_at_the_least_active_build_not_an_idle_one() {
+        let (mut s, ids) = shares(&[(1, 100), (0, 10), (0, 0)]);
+        s.wake(ids[2]);
+        assert_eq!(s.get(ids[2]).vtime, 100, "the idle build's 10 is no floor");
+        assert_eq!(s.get(ids[1]).vtime, 10, "only the waking build moves");
+    }
+
+    #[test]
+    fn books_out_of_range_are_refused() {
+        let (s, ids) = shares(&[(1, 0)]);
+        assert_eq!(s.check(), Ok(()));
+        for spoil in [
+            |b: &mut Build| b.weight = 0,
+            |b: &mut Build| b.weight = MAX_WEIGHT + 1,
+            |b: &mut Build| b.members = 0,
+        ] {
+            let mut spoilt = s.clone();
+            spoil(spoilt.get_mut(ids[0]));
+            assert!(spoilt.check().is_err(), "{:?}", spoilt.get(ids[0]));
+        }
+        let mut ahead = s.clone();
+        ahead.next_id = 0;
+        assert!(ahead.check().is_err(), "an id not yet given");
+        let mut disordered = s.clone();
+        disordered.get_mut(ids[0]).oldest = Some(7);
+        assert!(
+            disordered.check().is_err(),
+            "a waiter the order does not know"
+        );
+    }
+}
