@@ -808,6 +808,7 @@ mod tests {
         assert_eq!(parse_size("4096"), Ok(4096));
         assert_eq!(parse_size("2T"), Ok(2 << 40));
         assert!(parse_size("0.5").is_err(), "less than a byte");
+        assert_eq!(parse_size("1"), Ok(1), "one byte is a size");
         for negative in ["-1", "-2G", "0"] {
             let said = parse_size(negative).unwrap_err();
             assert!(said.contains("above zero"), "{negative}: {said}");
@@ -908,6 +909,33 @@ mod tests {
             g.per_job(),
             Some(375 * MIB),
             "a job of 200 moves an estimate of 400 an eighth of the way"
+        );
+    }
+
+    #[test]
+    fn room_is_counted_in_whole_jobs_of_the_learned_size() {
+        let mut g = memory_gate(100 * MIB);
+        g.observe(mem(1000 * MIB), 4, at(0));
+        g.granted(4, at(0));
+        g.observe(mem(200 * MIB), 4, at(600));
+        assert_eq!(g.per_job(), Some(200 * MIB));
+        g.observe(mem(500 * MIB), 4, at(700));
+        // 500 - 100 leaves room for two jobs of 200; slow start allows 4.
+        assert_eq!(g.allowance(4, None, at(700)), Some(6));
+    }
+
+    #[test]
+    fn the_floor_is_what_every_holder_takes_together_per_token() {
+        let mut g = memory_gate(100 * MIB);
+        g.observe(mem(1000 * MIB), 0, at(0));
+        g.granted(2, at(0));
+        g.observe(mem(900 * MIB), 2, at(600));
+        assert_eq!(g.per_job(), Some(50 * MIB));
+        g.observe(mem(400 * MIB), 2, at(700));
+        assert_eq!(
+            g.per_job(),
+            Some(300 * MIB),
+            "600 MiB fallen over two tokens"
         );
     }
 

@@ -6,6 +6,7 @@
 
 use baton_core::paths::{
     default_socket, default_socket_path, is_chosen_by_baton, is_default_private_dir, socket_path,
+    standard_socket_path,
 };
 use std::path::{Path, PathBuf};
 
@@ -22,6 +23,11 @@ fn the_default_socket_follows_the_environment_in_its_order() {
         (PathBuf::from("/x/named/socket"), "$BATON_SOCKET")
     );
     assert_eq!(socket_path(None), Path::new("/x/named/socket"));
+    assert_eq!(
+        standard_socket_path(),
+        Path::new("/run/user/77/baton/socket"),
+        "where brokers meet unless told, $BATON_SOCKET aside"
+    );
     assert!(!is_chosen_by_baton(None), "the user named it");
 
     std::env::set_var("BATON_SOCKET", "");
