@@ -29,7 +29,9 @@ mod bmake;
 mod build_file;
 mod choice;
 mod claw;
-mod close_later;
+// Public for its test, which needs a process of its own (tests/close_later.rs).
+#[doc(hidden)]
+pub mod close_later;
 mod feeder;
 mod fifo;
 mod log;
