@@ -203,3 +203,116 @@ fn last_line(log: &Path) -> String {
         .unwrap_or("it said nothing")
         .to_string()
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::tests::Scratch;
+
+    fn program(script: &str) -> Autostart {
+        Autostart {
+            program: "sh".into(),
+            args: vec!["-c".into(), script.into()],
+            announce: None,
+        }
+    }
+
+    #[test]
+    fn the_log_of_a_broker_started_for_a_socket_is_beside_it() {
+        assert_eq!(
+            log_path(Path::new("/run/user/1000/baton/socket")),
+            PathBuf::from("/run/user/1000/baton/broker.log")
+        );
+    }
+
+    #[test]
+    fn a_socket_is_served_only_while_something_listens_there() {
+        let scratch = Scratch::new("serving");
+        let socket = scratch.0.join("socket");
+        assert!(!serving(&socket), "nothing there");
+        let listener = std::os::unix::net::UnixListener::bind(&socket).unwrap();
+        assert!(serving(&socket));
+        drop(listener);
+        assert!(!serving(&socket), "a socket file nobody listens on");
+    }
+
+    #[test]
+    fn a_directory_that_is_a_link_or_no_directory_is_refused() {
+        let scratch = Scratch::new("ours");
+        let dir = scratch.0.join("dir");
+        std::fs::create_dir(&dir).unwrap();
+        assert!(refuse_unless_ours(&dir).is_ok());
+        let link = scratch.0.join("link");
+        std::os::unix::fs::symlink(&dir, &link).unwrap();
+        assert!(refuse_unless_ours(&link).is_err_and(|e| e.to_string().contains("symbolic link")));
+        let file = scratch.file("file", "");
+        assert!(refuse_unless_ours(&file).is_err_and(|e| e.to_string().contains("not a directory")));
+        assert!(refuse_unless_ours(&scratch.0.join("missing")).is_err());
+    }
+
+    #[test]
+    fn only_a_log_past_a_mebibyte_is_moved_aside() {
+        let scratch = Scratch::new("log-kept");
+        let log = scratch.0.join("broker.log");
+        let old = scratch.0.join("broker.log.old");
+        let start = program("echo started >&2");
+        let run = |log: &Path| spawn_detached(&start, log).unwrap().wait().unwrap();
+        std::fs::write(&log, "one broker's life\n").unwrap();
+        run(&log);
+        assert!(!old.exists(), "a short log is kept");
+        assert_eq!(
+            std::fs::read_to_string(&log).unwrap(),
+            "one broker's life\nstarted\n",
+            "and the next broker writes after it"
+        );
+        std::fs::write(&log, vec![b'x'; LOG_KEPT_BYTES as usize]).unwrap();
+        run(&log);
+        assert!(!old.exists(), "at the size, not past it: kept");
+        std::fs::write(&log, vec![b'x'; LOG_KEPT_BYTES as usize + 1]).unwrap();
+        run(&log);
+        assert_eq!(
+            std::fs::metadata(&old).unwrap().len(),
+            LOG_KEPT_BYTES + 1,
+            "moved aside whole"
+        );
+        assert_eq!(std::fs::read_to_string(&log).unwrap(), "started\n");
+    }
+
+    #[test]
+    fn a_broker_that_stops_before_it_serves_is_reported_with_its_last_words() {
+        let scratch = Scratch::new("stopped");
+        let (socket, log) = (scratch.0.join("socket"), scratch.0.join("broker.log"));
+        // It runs a moment, as a broker that fails to mount does, then
+        // says why and stops.
+        let start = program(
+            "echo starting >&2; sleep 0.1; echo 'error: cannot bind' >&2; echo >&2; exit 1",
+        );
+        let mut broker = spawn_detached(&start, &log).unwrap();
+        let e = wait_until_serving(&socket, &mut broker, &log).unwrap_err();
+        let said = e.to_string();
+        assert!(
+            said.contains("stopped") && said.contains(": error: cannot bind (its log: "),
+            "{said}"
+        );
+    }
+
+    #[test]
+    fn a_broker_is_waited_for_until_it_serves() {
+        let scratch = Scratch::new("serves");
+        let (socket, log) = (scratch.0.join("socket"), scratch.0.join("broker.log"));
+        let _listener = std::os::unix::net::UnixListener::bind(&socket).unwrap();
+        let mut broker = spawn_detached(&program("exit 0"), &log).unwrap();
+        assert!(wait_until_serving(&socket, &mut broker, &log).is_ok());
+        broker.wait().unwrap();
+    }
+
+    #[test]
+    fn the_last_line_a_broker_wrote_says_why_it_stopped() {
+        let scratch = Scratch::new("last-line");
+        let log = scratch.file("log", "starting\nerror: no such mount point\n\n  \n");
+        assert_eq!(last_line(&log), "error: no such mount point");
+        let empty = scratch.file("empty", "\n");
+        assert_eq!(last_line(&empty), "it said nothing");
+        assert_eq!(last_line(&scratch.0.join("missing")), "it said nothing");
+    }
+}

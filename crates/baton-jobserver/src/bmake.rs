@@ -163,4 +163,58 @@ mod tests {
             assert_eq!(version(&probes, Path::new(program)), None, "{program}");
         }
     }
+
+    #[test]
+    fn bmake_is_recognised_by_its_answer_to_dash_v() {
+        let scratch = crate::tests::Scratch::new("bmake-version");
+        // What Debian's bmake prints for `-V .MAKE -V MAKE_VERSION`.
+        let bmake = "echo bmake; echo 20200710";
+        let probes = Probes::open(None);
+        for name in ["bmake", "make", "bmake-20200710"] {
+            let program = scratch.tool(name, bmake);
+            assert_eq!(
+                version(&probes, &program).as_deref(),
+                Some("20200710"),
+                "{name}"
+            );
+        }
+        let no_version = scratch.tool("pmake", "echo pmake");
+        assert_eq!(version(&probes, &no_version).as_deref(), Some(""));
+    }
+
+    #[test]
+    fn a_make_that_fails_or_prints_no_dot_make_is_not_bmake() {
+        let scratch = crate::tests::Scratch::new("not-bmake");
+        let probes = Probes::open(None);
+        let fails = scratch.tool("make", "echo 'make: invalid option'; exit 2");
+        assert_eq!(version(&probes, &fails), None, "it exited 2");
+        let silent = scratch.tool("quiet/make", "exit 0");
+        assert_eq!(version(&probes, &silent), None, "it printed nothing");
+        let blank = scratch.tool("blank/make", "echo; echo 20200710");
+        assert_eq!(version(&probes, &blank), None, "its .MAKE is empty");
+    }
+
+    #[test]
+    fn the_read_end_is_made_non_blocking_and_stays_so() {
+        let (read, _write) = nix::unistd::pipe().unwrap();
+        let non_blocking = |fd: &std::os::fd::OwnedFd| {
+            OFlag::from_bits_truncate(fcntl(fd.as_fd(), FcntlArg::F_GETFL).unwrap())
+                .contains(OFlag::O_NONBLOCK)
+        };
+        assert!(!non_blocking(&read));
+        make_non_blocking(&read).unwrap();
+        assert!(non_blocking(&read));
+        // Asked again (as for every build sharing the pipe): still so.
+        make_non_blocking(&read).unwrap();
+        assert!(non_blocking(&read));
+        // So an empty pipe answers EAGAIN, bmake's "no token now".
+        let mut byte = [0u8];
+        let read = std::fs::File::from(read);
+        assert_eq!(
+            std::io::Read::read(&mut &read, &mut byte)
+                .unwrap_err()
+                .kind(),
+            std::io::ErrorKind::WouldBlock
+        );
+    }
 }

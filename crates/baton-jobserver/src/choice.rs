@@ -910,4 +910,313 @@ mod tests {
         assert!(is_make_name("make") && is_make_name("gmake") && is_make_name("gnumake"));
         assert!(!is_make_name("cmake") && !is_make_name("ninja") && !is_make_name("bmake"));
     }
+
+    /// GNU make 4.4 prints "GNU Make 4.4": exactly the first version that
+    /// reads `fifo:`, wherever `auto` and the refusals look at a make.
+    #[test]
+    fn make_4_4_0_counts_as_a_fifo_reader_everywhere() {
+        let make440 = found("/usr/bin/make", Version(4, 4, 0));
+        let top = choose(&tree(Top::Make(make440.clone().unwrap())));
+        assert_eq!(top.style, Style::Fuse, "{top:?}");
+        let beside = Tree {
+            make: make440.clone(),
+            ..tree(Top::Other)
+        };
+        assert_eq!(choose(&beside).style, Style::Fifo);
+        let cargo = Tree {
+            make: make440.clone(),
+            build_runs_make: true,
+            ..tree(Top::Cargo)
+        };
+        assert_eq!(unreadable(&cargo, Style::Fifo), None);
+        let pip = Tree {
+            make: make440,
+            ..tree(Top::Python("/venv/bin/pip".into()))
+        };
+        assert!(choose(&pip).left_behind.is_empty());
+    }
+
+    #[test]
+    fn ninja_is_refused_fifo_for_an_old_make_only_if_build_ninja_runs_make() {
+        let runs_make43 = Tree {
+            make: found("/usr/bin/make", Version(4, 3, 0)),
+            build_runs_make: true,
+            ..tree(ninja(Version(1, 13, 2)))
+        };
+        assert!(unreadable(&runs_make43, Style::Fifo)
+            .is_some_and(|w| w.contains("make 4.3") && w.contains("build.ninja runs")));
+        let no_make = Tree {
+            build_runs_make: false,
+            ..runs_make43
+        };
+        assert_eq!(unreadable(&no_make, Style::Fifo), None);
+    }
+
+    #[test]
+    fn only_a_fuse_choice_is_explained_by_its_one_wake_up_per_token() {
+        let wakes = |tree: Tree| {
+            choose(&tree)
+                .why
+                .iter()
+                .any(|w| w.contains("wakes one waiter per token"))
+        };
+        assert!(wakes(tree(Top::Cargo)));
+        assert!(wakes(tree(Top::Make(
+            found("/m", Version(4, 4, 1)).unwrap()
+        ))));
+        assert!(!wakes(tree(Top::Other)));
+        assert!(!wakes(tree(ninja(Version(1, 11, 1)))));
+    }
+
+    /// Fake tools for `inspect`: a GNU make 4.4, a ninja 1.13.0 and a gcc
+    /// 12.2 that answer as the real ones do.
+    const MAKE44: &str = "echo 'GNU Make 4.4'; echo 'Built for x86_64-pc-linux-gnu'";
+    const NINJA113: &str = "echo 1.13.0";
+    const GCC12: &str = "case \"$1\" in
+--version) echo 'gcc (Debian 12.2.0-14) 12.2.0'
+  echo 'Copyright (C) 2022 Free Software Foundation, Inc.';;
+-dumpfullversion) echo 12.2.0;;
+esac";
+
+    fn args(words: &[&dyn AsRef<std::ffi::OsStr>]) -> Vec<OsString> {
+        words.iter().map(|w| w.as_ref().to_owned()).collect()
+    }
+
+    #[test]
+    fn ninja_s_build_file_is_read_for_lto_and_make() {
+        let scratch = crate::tests::Scratch::new("inspect-ninja");
+        let ninja = scratch.tool("ninja", NINJA113);
+        let build = scratch.0.join("build");
+        scratch.file(
+            "build/build.ninja",
+            "rule cc\n  command = gcc -flto=auto -c $in\n\
+             rule ext\n  command = cd ext && make install\n",
+        );
+        let probes = Probes::open(None);
+        let (top, forced, lto, runs_make) =
+            inspect_command(&probes, &args(&[&ninja, &"-C", &build, &"-j8"]));
+        assert_eq!(
+            top,
+            Top::Ninja {
+                path: ninja.clone(),
+                version: Some(Version(1, 13, 0))
+            }
+        );
+        assert_eq!(forced.as_deref(), Some("-j8"));
+        assert!(lto, "build.ninja compiles with -flto");
+        assert!(runs_make, "build.ninja runs make");
+        // Without -C it reads the build.ninja here, which has neither.
+        let (_, forced, lto, runs_make) = inspect_command(&probes, &args(&[&ninja]));
+        assert_eq!((forced, lto, runs_make), (None, false, false));
+    }
+
+    #[test]
+    fn make_s_makefile_is_read_for_lto() {
+        let scratch = crate::tests::Scratch::new("inspect-make");
+        let make = scratch.tool("make", MAKE44);
+        let dir = scratch.0.join("src");
+        scratch.file("src/Makefile", "CFLAGS += -O2 -flto=auto\nall:\n");
+        let probes = Probes::open(None);
+        let (top, forced, lto, _) =
+            inspect_command(&probes, &args(&[&make, &"-C", &dir, &"-j", &"4"]));
+        assert_eq!(
+            top,
+            Top::Make(Found {
+                path: make.clone(),
+                version: Version(4, 4, 0)
+            })
+        );
+        assert_eq!(forced.as_deref(), Some("-j 4"));
+        assert!(lto, "the Makefile links with -flto");
+        scratch.file("plain/Makefile", "all:\n");
+        let (_, _, lto, _) =
+            inspect_command(&probes, &args(&[&make, &"-C", &scratch.0.join("plain")]));
+        assert!(!lto);
+    }
+
+    #[test]
+    fn cargo_s_lock_file_is_read_for_crates_that_run_make() {
+        let scratch = crate::tests::Scratch::new("inspect-cargo");
+        scratch.file(
+            "Cargo.lock",
+            "[[package]]\nname = \"openssl-src\"\nversion = \"300.3.1\"\n",
+        );
+        let probes = Probes::open(None);
+        let (top, _, _, runs_make) =
+            inspect_command(&probes, &args(&[&"cargo", &"-C", &scratch.0, &"build"]));
+        assert_eq!(top, Top::Cargo);
+        assert!(runs_make, "openssl-src runs make");
+    }
+
+    #[test]
+    fn the_top_tool_is_told_by_name_then_by_shebang() {
+        let scratch = crate::tests::Scratch::new("top-for");
+        let probes = Probes::open(None);
+        let ninja = scratch.tool("ninja", NINJA113);
+        assert!(
+            matches!(top_for(&probes, &ninja), Top::Ninja { version: Some(v), .. } if v == Version(1, 13, 0))
+        );
+        assert_eq!(top_for(&probes, Path::new("cargo")), Top::Cargo);
+        // Named python: no need to look inside (here, nothing to look in).
+        let python = scratch.0.join("python3.12");
+        assert_eq!(top_for(&probes, &python), Top::Python(python.clone()));
+        let pip = scratch.file("pip", "#!/venv/bin/python3.12\nimport pip\n");
+        assert_eq!(top_for(&probes, &pip), Top::Python(pip.clone()));
+        let env = scratch.file("meson", "#!/usr/bin/env python3\n");
+        assert_eq!(top_for(&probes, &env), Top::Python(env.clone()));
+        let script = scratch.file("build.sh", "#!/bin/sh\n# runs python3 setup.py\n");
+        assert_eq!(top_for(&probes, &script), Top::Other);
+        let make = scratch.tool("make", MAKE44);
+        assert!(matches!(top_for(&probes, &make), Top::Make(m) if m.version == Version(4, 4, 0)));
+    }
+
+    #[test]
+    fn gcc_is_told_from_clang_by_its_copyright_line() {
+        let scratch = crate::tests::Scratch::new("gcc");
+        let probes = Probes::open(None);
+        let cc = scratch.tool("cc", GCC12);
+        assert_eq!(
+            gcc(&probes, &cc),
+            Some(Found {
+                path: cc.clone(),
+                version: Version(12, 2, 0)
+            })
+        );
+        let clang = scratch.tool(
+            "clang",
+            "echo 'Debian clang version 14.0.6'; echo 'Target: x86_64-pc-linux-gnu'",
+        );
+        assert_eq!(gcc(&probes, &clang), None);
+        assert_eq!(gcc(&probes, &scratch.0.join("missing")), None);
+    }
+
+    #[test]
+    fn tools_found_on_path_are_named_by_where_they_are() {
+        let sh = resolve(Path::new("sh"));
+        assert!(sh.is_absolute() && sh.ends_with("sh"), "{}", sh.display());
+        let missing = Path::new("no-such-tool-baton");
+        assert_eq!(resolve(missing), missing);
+    }
+
+    #[test]
+    fn cmake_build_leads_to_the_tool_its_cache_names() {
+        let words = |s: &str| s.split(' ').map(String::from).collect::<Vec<_>>();
+        assert_eq!(
+            cmake_build_dir(&words("/usr/bin/cmake --build out -j 4")),
+            Some(PathBuf::from("out"))
+        );
+        assert_eq!(
+            cmake_build_dir(&words("cmake -S . --build b2")),
+            Some(PathBuf::from("b2"))
+        );
+        assert_eq!(cmake_build_dir(&words("cmake -S . -B out")), None);
+        assert_eq!(cmake_build_dir(&words("cmake --build")), None);
+        assert_eq!(cmake_build_dir(&words("ninja --build out")), None);
+
+        let scratch = crate::tests::Scratch::new("cmake");
+        let ninja = scratch.tool("ninja", NINJA113);
+        let out = scratch.0.join("out");
+        scratch.file(
+            "out/CMakeCache.txt",
+            &format!(
+                "CMAKE_BUILD_TYPE:STRING=Release\nCMAKE_MAKE_PROGRAM:FILEPATH={}\n",
+                ninja.display()
+            ),
+        );
+        scratch.file("out/build.ninja", "rule ld\n  command = gcc -flto $in\n");
+        assert_eq!(cmake_make_program(&out), Some(ninja.clone()));
+        assert_eq!(cmake_make_program(&scratch.0), None, "no cache");
+        let probes = Probes::open(None);
+        let (top, forced, lto, _) =
+            inspect_command(&probes, &args(&[&"cmake", &"--build", &out, &"--", &"-j8"]));
+        assert_eq!(
+            top,
+            Top::Ninja {
+                path: ninja,
+                version: Some(Version(1, 13, 0))
+            }
+        );
+        assert_eq!(forced, None);
+        assert!(lto, "the build.ninja in the build directory is read");
+    }
+
+    #[test]
+    fn the_makefile_read_is_the_one_make_would_read() {
+        let scratch = crate::tests::Scratch::new("makefile");
+        let dir = scratch.0.display().to_string();
+        scratch.file("Makefile", "capital\n");
+        let words = |s: &[&str]| s.iter().map(|w| w.to_string()).collect::<Vec<_>>();
+        assert_eq!(makefile(&words(&["-C", &dir])), "capital\n");
+        scratch.file("makefile", "lower\n");
+        assert_eq!(makefile(&words(&["-C", &dir])), "lower\n");
+        scratch.file("GNUmakefile", "gnu\n");
+        assert_eq!(makefile(&words(&["-C", &dir])), "gnu\n");
+        scratch.file("other.mk", "named\n");
+        assert_eq!(makefile(&words(&["-C", &dir, "-f", "other.mk"])), "named\n");
+        assert_eq!(
+            makefile(&words(&["-C", &dir, "--file", "other.mk", "all"])),
+            "named\n"
+        );
+        assert_eq!(makefile(&words(&["-C", &dir, "-f", "missing.mk"])), "");
+        assert_eq!(
+            makefile(&words(&[
+                "-C",
+                &scratch.0.join("none").display().to_string()
+            ])),
+            ""
+        );
+    }
+
+    #[test]
+    fn cargo_runs_make_when_its_lock_or_a_build_script_says_so() {
+        let scratch = crate::tests::Scratch::new("cargo-make");
+        let locked = scratch.0.join("locked");
+        scratch.file(
+            "locked/Cargo.lock",
+            "[[package]]\nname = \"jemalloc-sys\"\nversion = \"0.5.4\"\n",
+        );
+        assert!(cargo_runs_make(&locked));
+        let script = scratch.0.join("script");
+        scratch.file("script/Cargo.lock", "[[package]]\nname = \"cc\"\n");
+        scratch.file(
+            "script/crates/ext/build.rs",
+            "fn main() { Command::new(\"make\").status(); }",
+        );
+        assert!(cargo_runs_make(&script));
+        let pure = scratch.0.join("pure");
+        scratch.file("pure/Cargo.lock", "[[package]]\nname = \"cmake-parser\"\n");
+        scratch.file("pure/build.rs", "fn main() { Command::new(\"cmake\"); }");
+        scratch.file("pure/target/debug/build.rs", "Command::new(\"make\")");
+        assert!(!cargo_runs_make(&pure));
+        assert!(!cargo_runs_make(&scratch.0.join("missing")));
+    }
+
+    #[test]
+    fn recipes_run_the_make_on_path_when_make_is_not_set() {
+        // This machine's make (scripts/test needs a GNU make on PATH).
+        let probes = Probes::open(None);
+        let make = gnu_make(&probes, &make_program());
+        assert!(make.is_some(), "no GNU make as $MAKE or on PATH");
+        if std::env::var_os("MAKE").is_none() {
+            assert_eq!(make_program(), PathBuf::from("make"));
+        }
+    }
+
+    #[test]
+    fn build_scripts_are_looked_for_three_directories_down_and_no_further() {
+        let scratch = crate::tests::Scratch::new("build-depth");
+        let runs_make = "fn main() { Command::new(\"make\").status(); }";
+        scratch.file("deep/a/b/c/d/build.rs", runs_make);
+        assert!(!cargo_runs_make(&scratch.0.join("deep")), "four down");
+        scratch.file("deep/a/b/c/build.rs", runs_make);
+        assert!(cargo_runs_make(&scratch.0.join("deep")), "three down");
+    }
+
+    #[test]
+    fn dash_c_is_followed_attached_or_apart() {
+        let words = |s: &str| s.split(' ').map(String::from).collect::<Vec<_>>();
+        assert_eq!(dir_arg(&words("-C sub all")), PathBuf::from("sub"));
+        assert_eq!(dir_arg(&words("-k -Csub all")), PathBuf::from("sub"));
+        assert_eq!(dir_arg(&words("-k all")), PathBuf::from("."));
+    }
 }

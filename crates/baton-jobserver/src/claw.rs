@@ -162,4 +162,21 @@ mod tests {
         std::fs::create_dir_all(&dir).unwrap();
         dir
     }
+
+    /// What it still wants is what it was last asked for, less what it
+    /// took: here nothing, as the FIFO stays empty.
+    #[test]
+    fn wants_what_it_was_last_asked_for_until_it_takes_it() {
+        let dir = tempdir();
+        let f = fifo(&dir);
+        let claw = Claw::start(f.as_fd()).unwrap();
+        assert_eq!(claw.wanted(), 0);
+        claw.want(3);
+        assert_eq!(claw.wanted(), 3);
+        claw.want(1);
+        assert_eq!(claw.wanted(), 1, "asked again: the new count, not the sum");
+        claw.want(0);
+        assert_eq!(claw.wanted(), 0);
+        std::fs::remove_dir_all(dir).unwrap();
+    }
 }

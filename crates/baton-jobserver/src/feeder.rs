@@ -762,6 +762,7 @@ mod tests {
                         }
                         _ if line == "CANCEL" => "CANCELLED 0".to_string(),
                         _ if line == "WANTED" => format!("WANTED {others} 0"),
+                        Some(("STRAY", n)) => format!("STRAY {n}"),
                         _ => panic!("unexpected request {line:?}"),
                     };
                     if i > 0 {
@@ -902,5 +903,456 @@ mod tests {
             "the build never gave a token back to the feeder: {requests}"
         );
         assert!(most <= 1, "the feeder held {most} tokens under --max 1");
+    }
+
+    /// A feeder of at most `max_lent` tokens on a FIFO of its own, with no
+    /// broker: for the rules that need none.
+    fn feeder(scratch: &crate::tests::Scratch, max_lent: u32) -> Feeder {
+        Feeder::new(Fifo::create(&scratch.0).unwrap(), max_lent, true)
+    }
+
+    #[test]
+    fn a_refusal_past_a_lowered_limit_ends_the_request_not_the_connection() {
+        let scratch = crate::tests::Scratch::new("feeder-refused");
+        let mut feeder = feeder(&scratch, 2);
+        let refused = |code| ClientError::Refused {
+            code,
+            message: "over the limit".into(),
+        };
+        assert!(refused_past_the_limit(&refused(ErrorCode::Range)));
+        assert!(!refused_past_the_limit(&refused(ErrorCode::Busy)));
+        assert!(!refused_past_the_limit(&ClientError::Disconnected));
+        feeder.pending = true;
+        assert!(feeder.is_waiting());
+        assert!(feeder.on_answer(Err(refused(ErrorCode::Range))).is_ok());
+        assert!(!feeder.is_waiting(), "the request is over");
+        // With nothing else to wake it, it tries again in a while.
+        assert_eq!(feeder.idle_timeout(), Some(PAST_LIMIT_RETRY));
+        // Any other refusal, or one with no request of ours waiting, ends
+        // the connection.
+        feeder.pending = true;
+        assert!(feeder.on_answer(Err(refused(ErrorCode::Busy))).is_err());
+        let mut idle = self::feeder(&scratch, 2);
+        assert!(idle.on_answer(Err(refused(ErrorCode::Range))).is_err());
+    }
+
+    #[test]
+    fn a_grant_ends_the_request_and_its_tokens_go_into_the_fifo() {
+        let scratch = crate::tests::Scratch::new("feeder-granted");
+        let mut feeder = feeder(&scratch, 3);
+        feeder.pending = true;
+        feeder
+            .on_answer(Ok(Reply::Granted { tokens: 2, held: 3 }))
+            .unwrap();
+        assert!(!feeder.is_waiting());
+        assert_eq!((feeder.lent, feeder.fifo.queued()), (2, 2));
+        assert!(feeder.on_reply(Reply::Cancelled { tokens: 0 }).is_err());
+    }
+
+    /// A `fifo:` build using every token it has (none spare in its FIFO)
+    /// is asked about every [`LOOK_IN_USE_EVERY`]; one that has spare
+    /// tokens, a return pipe, a request waiting or an abort under way is
+    /// not.
+    #[test]
+    fn a_fifo_build_using_every_token_is_looked_at_in_a_while() {
+        let scratch = crate::tests::Scratch::new("feeder-in-use");
+        let mut feeder = feeder(&scratch, 3);
+        assert!(
+            !feeder.in_use_look_due(feeder.seen()),
+            "nothing lent, nothing to take back"
+        );
+        feeder.lent = 2; // both read by the build, one short of its cap
+        assert!(feeder.in_use_look_due(feeder.seen()), "never looked");
+        feeder.last_look = Some(Instant::now());
+        assert!(!feeder.in_use_look_due(feeder.seen()), "just looked");
+        feeder.last_look = Some(Instant::now() - LOOK_IN_USE_EVERY);
+        assert!(feeder.in_use_look_due(feeder.seen()), "looked long ago");
+        assert_eq!(feeder.idle_timeout(), Some(Duration::ZERO), "due now");
+        feeder.pending = true;
+        assert!(!feeder.in_use_look_due(feeder.seen()), "a request waits");
+        feeder.pending = false;
+        feeder.stopper_placed = true;
+        assert!(!feeder.in_use_look_due(feeder.seen()), "bmake aborted");
+        feeder.stopper_placed = false;
+        feeder.fifo.put(1).unwrap();
+        assert!(
+            !feeder.in_use_look_due(feeder.seen()),
+            "a spare token: the usual look decides"
+        );
+        feeder.fifo.take(1);
+        let _ends = feeder.fifo.open_pipe_ends().unwrap();
+        assert!(
+            !feeder.in_use_look_due(feeder.seen()),
+            "the pipe style's tokens come back through its own pipe"
+        );
+    }
+
+    /// The claw takes back, as the build writes them, the tokens others
+    /// wait for beyond the spare ones, and stops once nobody waits.
+    #[test]
+    fn tokens_in_use_are_clawed_back_while_others_wait_for_them() {
+        let scratch = crate::tests::Scratch::new("feeder-claw");
+        let mut feeder = feeder(&scratch, 3);
+        feeder.lent = 3;
+        feeder.fifo.put(1).unwrap(); // one spare, two in use
+        feeder.claw_back(1).unwrap();
+        assert_eq!(feeder.fifo.clawing(), 0, "the spare one covers it");
+        // (Not with the claw running: it would take the spare token.)
+        feeder.fifo.take(1); // all three in use
+        feeder.claw_back(2).unwrap();
+        assert_eq!(feeder.fifo.clawing(), 2);
+        assert!(!feeder.quiet(), "the claw's bytes must be heard");
+        feeder.claw_back(5).unwrap();
+        assert_eq!(feeder.fifo.clawing(), 3, "no more than are in use");
+        feeder.claw_back(0).unwrap();
+        assert_eq!(feeder.fifo.clawing(), 0, "nobody waits: stop taking");
+        feeder.claw_back(0).unwrap();
+        assert_eq!(feeder.fifo.clawing(), 0);
+    }
+
+    #[test]
+    fn no_claw_for_the_pipe_style_or_after_a_bmake_abort() {
+        let scratch = crate::tests::Scratch::new("feeder-no-claw");
+        let mut aborted = feeder(&scratch, 3);
+        aborted.lent = 3;
+        aborted.stopper_placed = true;
+        aborted.claw_back(3).unwrap();
+        assert_eq!(aborted.fifo.clawing(), 0, "bmake aborted");
+        drop(aborted);
+        let mut pipe = feeder(&scratch, 3);
+        let _ends = pipe.fifo.open_pipe_ends().unwrap();
+        pipe.lent = 3;
+        pipe.claw_back(3).unwrap();
+        assert_eq!(pipe.fifo.clawing(), 0, "tokens come back through W");
+    }
+
+    #[test]
+    fn a_look_at_the_cap_asks_for_nothing() {
+        // A `fifo:` build using all of its 3 tokens is looked at (see
+        // `in_use_look_due`): nobody waits, nothing is spare.
+        assert_eq!(plan(looked(seen(0, 3, false), 0, 0)), Plan::default());
+        assert_eq!(plan(looked(seen(0, 3, false), 0, 4)), Plan::default());
+        assert_eq!(
+            plan(looked(seen(0, 2, false), 0, 0)),
+            Plan {
+                ask: true,
+                ..Plan::default()
+            },
+            "one short of the cap, nothing free: queue for it"
+        );
+    }
+
+    /// The build's side of its FIFO, opened as a `fifo:` client does.
+    fn build_end(feeder: &Feeder) -> std::fs::File {
+        use std::os::unix::fs::OpenOptionsExt;
+        std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .custom_flags(libc::O_NONBLOCK)
+            .open(feeder.fifo.path())
+            .unwrap()
+    }
+
+    #[test]
+    fn a_build_with_spare_tokens_is_looked_at_only_when_the_last_look_is_old() {
+        let (broker, mut client) = PlayedBroker::start("look-due", 0);
+        let mut feeder = Feeder::new(Fifo::create(&broker.dir).unwrap(), 2, true);
+        feeder.tend(&mut client).unwrap();
+        feeder.tend(&mut client).unwrap(); // two spare tokens: look
+                                           // As if it had looked a moment ago (a moment still to come, so
+                                           // that the test does not race the clock).
+        feeder.last_look = Some(Instant::now() + Duration::from_secs(3600));
+        feeder.tend(&mut client).unwrap();
+        feeder.last_look = Some(Instant::now() - LOOK_EVERY);
+        feeder.tend(&mut client).unwrap();
+        drop(client);
+        let (requests, _) = broker.finish();
+        assert_eq!(requests, "TRY 2\nWANTED\nWANTED\n");
+    }
+
+    /// While ACQUIRE waits, a token the build writes back is one it no
+    /// longer needs: the request is withdrawn. Not before.
+    #[test]
+    fn a_waiting_request_is_withdrawn_once_the_build_writes_a_token_back() {
+        use std::io::Write;
+        let (broker, mut client) = PlayedBroker::start("cancel", 0);
+        let mut feeder = Feeder::new(Fifo::create(&broker.dir).unwrap(), 2, true);
+        let mut build = build_end(&feeder);
+        // One token in use, and ACQUIRE 1 waiting (the broker played here
+        // does not mind that it never saw it).
+        feeder.lent = 1;
+        feeder.pending = true;
+        feeder.on_fifo_event();
+        feeder.step(&mut client).unwrap();
+        assert!(feeder.is_waiting(), "nothing written back: still waiting");
+        build.write_all(b"+").unwrap();
+        feeder.on_fifo_event();
+        feeder.step(&mut client).unwrap();
+        assert!(!feeder.is_waiting());
+        drop(client);
+        let (requests, _) = broker.finish();
+        assert_eq!(requests, "CANCEL\nWANTED\n");
+    }
+
+    /// After it gave its spare token to a waiting build, a build queues
+    /// again for one; not one that a lowered limit refused, while looks
+    /// find nothing free (it tries again on a timer instead).
+    #[test]
+    fn a_build_refused_past_its_limit_queues_again_only_once_tokens_are_free() {
+        use std::io::{Read, Write};
+        for refused in [false, true] {
+            let (broker, mut client) = PlayedBroker::start("past-limit", 1);
+            let mut feeder = Feeder::new(Fifo::create(&broker.dir).unwrap(), 2, true);
+            feeder.tend(&mut client).unwrap();
+            let mut build = build_end(&feeder);
+            build.read_exact(&mut [0u8; 2]).unwrap();
+            feeder.past_limit = refused;
+            build.write_all(b"+").unwrap();
+            feeder.on_fifo_event();
+            feeder.step(&mut client).unwrap();
+            assert_eq!(feeder.is_waiting(), !refused, "refused: {refused}");
+            if feeder.is_waiting() {
+                // The grant, read before the connection closes.
+                let reply = client.read_reply().unwrap();
+                feeder.on_reply(reply).unwrap();
+            }
+            drop(client);
+            let (requests, _) = broker.finish();
+            let expected = if refused {
+                "TRY 2\nWANTED\nRELEASE 1\n"
+            } else {
+                "TRY 2\nWANTED\nRELEASE 1\nACQUIRE 1\n"
+            };
+            assert_eq!(requests, expected, "refused: {refused}");
+        }
+    }
+
+    /// While another build waits, every token the build writes back is a
+    /// candidate for it: each step looks, not only every [`LOOK_EVERY`].
+    #[test]
+    fn while_another_build_waits_every_step_looks() {
+        let (broker, mut client) = PlayedBroker::start("contended", 1);
+        let mut feeder = Feeder::new(Fifo::create(&broker.dir).unwrap(), 3, true);
+        feeder.tend(&mut client).unwrap();
+        feeder.tend(&mut client).unwrap(); // looks: one build waits
+                                           // Not due (as if it had just looked, without racing the clock).
+        feeder.last_look = Some(Instant::now() + Duration::from_secs(3600));
+        feeder.tend(&mut client).unwrap();
+        drop(client);
+        let (requests, _) = broker.finish();
+        assert_eq!(requests, "TRY 3\nWANTED\nRELEASE 1\nWANTED\nRELEASE 1\n");
+    }
+
+    #[test]
+    fn bytes_the_pool_never_lent_are_taken_out_and_told_to_the_broker() {
+        use std::io::{Read, Write};
+        let (broker, mut client) = PlayedBroker::start("stray", 0);
+        let mut feeder = Feeder::new(Fifo::create(&broker.dir).unwrap(), 1, true);
+        feeder.tend(&mut client).unwrap();
+        let mut build = build_end(&feeder);
+        build.read_exact(&mut [0u8]).unwrap();
+        // It gives back three bytes for the one token it took.
+        build.write_all(b"+++").unwrap();
+        feeder.on_fifo_event();
+        feeder.step(&mut client).unwrap();
+        assert_eq!(feeder.stray_total(), 2);
+        assert_eq!(feeder.fifo.queued(), 1, "its one token is left to it");
+        drop(client);
+        let (requests, _) = broker.finish();
+        assert_eq!(requests, "TRY 1\nWANTED\nSTRAY 2\n");
+    }
+
+    /// Between a look and the giving back, the build may read the spare
+    /// tokens: what is no longer there is not given back (RELEASE 0 is
+    /// refused by the broker).
+    #[test]
+    fn a_token_the_build_took_since_the_look_is_not_given_back() {
+        use std::io::Read;
+        let (broker, mut client) = PlayedBroker::start("taken", 1);
+        let mut feeder = Feeder::new(Fifo::create(&broker.dir).unwrap(), 2, true);
+        feeder.tend(&mut client).unwrap();
+        build_end(&feeder).read_exact(&mut [0u8; 2]).unwrap();
+        let looked = Plan {
+            give_back: 1,
+            ..Plan::default()
+        };
+        feeder.carry_out(looked, &mut client).unwrap();
+        assert_eq!(feeder.lent, 2, "both still the build's");
+        drop(client);
+        let (requests, _) = broker.finish();
+        assert_eq!(requests, "TRY 2\n");
+    }
+
+    #[test]
+    fn the_pipe_style_s_returned_tokens_go_back_into_its_fifo() {
+        use std::io::{Read, Write};
+        let (broker, mut client) = PlayedBroker::start("recycle", 0);
+        let mut feeder = Feeder::new(Fifo::create(&broker.dir).unwrap(), 1, true);
+        let (read, write) = feeder.fifo.open_pipe_ends().unwrap();
+        let (mut read, mut write) = (std::fs::File::from(read), std::fs::File::from(write));
+        feeder.tend(&mut client).unwrap();
+        let mut token = [0u8];
+        read.read_exact(&mut token).unwrap();
+        write.write_all(&token).unwrap();
+        feeder.step(&mut client).unwrap();
+        assert_eq!((feeder.fifo.queued(), feeder.fifo.returned()), (1, 0));
+        read.read_exact(&mut token).unwrap();
+        drop(client);
+        let (requests, _) = broker.finish();
+        assert_eq!(requests, "TRY 1\nWANTED\n", "the same token, not a new one");
+    }
+
+    /// A plan made before the build wrote a token back asks for one it no
+    /// longer needs: no ACQUIRE while a token waits in the FIFO or the
+    /// return pipe.
+    #[test]
+    fn no_request_while_a_token_written_back_waits() {
+        use std::io::Write;
+        let (broker, mut client) = PlayedBroker::start("no-ask", 0);
+        let mut feeder = Feeder::new(Fifo::create(&broker.dir).unwrap(), 3, true);
+        let (_read, write) = feeder.fifo.open_pipe_ends().unwrap();
+        feeder.lent = 1; // in use (this played broker does not count it)
+        let ask = Plan {
+            ask: true,
+            ..Plan::default()
+        };
+        std::fs::File::from(write).write_all(b"+").unwrap();
+        feeder.carry_out(ask, &mut client).unwrap();
+        assert!(!feeder.is_waiting(), "one in the return pipe");
+        feeder.fifo.recycle(1).unwrap();
+        feeder.carry_out(ask, &mut client).unwrap();
+        assert!(!feeder.is_waiting(), "one in the FIFO");
+        drop(client);
+        let (requests, _) = broker.finish();
+        assert_eq!(requests, "");
+    }
+
+    /// bmake aborted (`E` written back): the tokens it has not read go
+    /// back to the pool, and the abort token waits in the FIFO for its
+    /// next reader, which stops.
+    #[test]
+    fn a_bmake_abort_gives_back_the_unread_tokens_and_leaves_the_abort_token() {
+        use std::io::{Read, Write};
+        let (broker, mut client) = PlayedBroker::start("abort", 0);
+        let mut feeder = Feeder::new(Fifo::create(&broker.dir).unwrap(), 2, true);
+        let (read, write) = feeder.fifo.open_pipe_ends().unwrap();
+        let (mut read, mut write) = (std::fs::File::from(read), std::fs::File::from(write));
+        feeder.fifo.sort_bmake_returns();
+        feeder.tend(&mut client).unwrap();
+        read.read_exact(&mut [0u8]).unwrap(); // one in use, one unread
+        write.write_all(b"E").unwrap();
+        feeder.on_fifo_event();
+        feeder.step(&mut client).unwrap();
+        assert_eq!(feeder.lent, 1, "the one in use stays the build's");
+        let mut next = [0u8];
+        read.read_exact(&mut next).unwrap();
+        assert_eq!(next, *b"E", "the next reader finds the abort token");
+        // Nothing more to give back (RELEASE 0 would be refused); one
+        // abort token for the reader after.
+        feeder.on_fifo_event();
+        feeder.step(&mut client).unwrap();
+        read.read_exact(&mut next).unwrap();
+        assert_eq!(next, *b"E");
+        drop(client);
+        let (requests, _) = broker.finish();
+        assert_eq!(requests, "TRY 2\nRELEASE 1\n");
+    }
+
+    /// Before the build's tokens go back, a request waiting at the broker
+    /// is withdrawn; a grant that won the race is the build's.
+    #[test]
+    fn withdrawing_a_waiting_request_keeps_a_grant_that_won_the_race() {
+        let (broker, mut client) = PlayedBroker::start("withdraw", 0);
+        let mut feeder = Feeder::new(Fifo::create(&broker.dir).unwrap(), 2, true);
+        feeder.withdraw(&mut client).unwrap();
+        client.send(&Request::Acquire(1)).unwrap(); // granted at once
+        feeder.pending = true;
+        feeder.withdraw(&mut client).unwrap();
+        assert!(!feeder.is_waiting());
+        assert_eq!((feeder.lent, feeder.fifo.queued()), (1, 1));
+        drop(client);
+        let (requests, _) = broker.finish();
+        assert_eq!(requests, "ACQUIRE 1\nCANCEL\n");
+    }
+
+    /// Re-attached to a new broker (played here), which may have a smaller
+    /// limit: a token the build wrote back meanwhile does not go back into
+    /// its FIFO before a look, and the old broker's request is forgotten.
+    #[test]
+    fn after_re_attaching_the_feeder_looks_before_recycling_a_returned_token() {
+        use std::io::{Read, Write};
+        let (broker, mut client) = PlayedBroker::start("reattach", 1);
+        let mut feeder = Feeder::new(Fifo::create(&broker.dir).unwrap(), 2, true);
+        let (read, write) = feeder.fifo.open_pipe_ends().unwrap();
+        let (mut read, mut write) = (std::fs::File::from(read), std::fs::File::from(write));
+        feeder.tend(&mut client).unwrap();
+        read.read_exact(&mut [0u8; 2]).unwrap();
+        write.write_all(b"+").unwrap();
+        // The old broker's last look found nobody (a moment still to come,
+        // so as not to race the clock), and a request of ours waited there.
+        feeder.last_look = Some(Instant::now() + Duration::from_secs(3600));
+        feeder.pending = true;
+        feeder.reattached();
+        assert!(!feeder.is_waiting(), "the request died with the old broker");
+        feeder.step(&mut client).unwrap();
+        assert_eq!(
+            (feeder.fifo.queued(), feeder.fifo.returned()),
+            (0, 0),
+            "given back, never put back"
+        );
+        // It queues again behind the waiting build: the grant, read
+        // before the connection closes.
+        assert!(feeder.is_waiting());
+        let reply = client.read_reply().unwrap();
+        feeder.on_reply(reply).unwrap();
+        drop(client);
+        let (requests, _) = broker.finish();
+        assert_eq!(requests, "TRY 2\nWANTED\nRELEASE 1\nACQUIRE 1\n");
+    }
+
+    /// How long the run loop waits for nothing but the clock before it
+    /// tends the feeder again. Each case a moment after a look (a moment
+    /// still to come, so as not to race the clock).
+    #[test]
+    fn the_feeder_wakes_on_a_timer_only_when_a_look_may_find_something() {
+        let scratch = crate::tests::Scratch::new("feeder-idle-timeout");
+        let just_looked = || Some(Instant::now() + Duration::from_secs(3600));
+        let mut fifo_build = feeder(&scratch, 3);
+        fifo_build.last_look = just_looked();
+        assert_eq!(fifo_build.idle_timeout(), None, "nothing lent yet");
+        fifo_build.lent = 2; // both in use, one short of its cap
+        assert_eq!(
+            fifo_build.idle_timeout(),
+            Some(LOOK_IN_USE_EVERY),
+            "a fifo: build using all it has is asked about in a while"
+        );
+        fifo_build.fifo.put(1).unwrap();
+        assert_eq!(
+            fifo_build.idle_timeout(),
+            Some(LOOK_EVERY),
+            "a spare token: the next look is due sooner"
+        );
+        // bmake aborted: its abort token waits unread on purpose.
+        fifo_build.fifo.take(1);
+        fifo_build.fifo.put_byte(b'E').unwrap();
+        fifo_build.stopper_placed = true;
+        assert_eq!(fifo_build.idle_timeout(), None, "after a bmake abort");
+        drop(fifo_build);
+
+        let mut pipe_build = feeder(&scratch, 3);
+        let _ends = pipe_build.fifo.open_pipe_ends().unwrap();
+        pipe_build.last_look = just_looked();
+        pipe_build.lent = 2;
+        assert_eq!(
+            pipe_build.idle_timeout(),
+            None,
+            "the pipe style's tokens come back through its return pipe, which wakes it"
+        );
+        pipe_build.pending = true;
+        assert_eq!(
+            pipe_build.idle_timeout(),
+            None,
+            "the broker's answer wakes it"
+        );
     }
 }

@@ -334,3 +334,174 @@ fn read_up_to(mut pipe: &File, n: u32) -> u32 {
         Err(_) => 0,
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::tests::Scratch;
+    use std::os::unix::fs::FileTypeExt;
+
+    /// The FIFO's path, opened as a `fifo:` client opens it.
+    fn open_as_client(fifo: &Fifo) -> File {
+        OpenOptions::new()
+            .read(true)
+            .write(true)
+            .custom_flags(libc::O_NONBLOCK)
+            .open(fifo.path())
+            .unwrap()
+    }
+
+    #[test]
+    fn each_run_gets_a_fifo_of_its_own_removed_when_it_ends() {
+        let scratch = Scratch::new("fifo-create");
+        // Left by a `baton run` that was killed: its pid is no process now.
+        let mut child = std::process::Command::new("true").spawn().unwrap();
+        let dead = child.id();
+        child.wait().unwrap();
+        let left = scratch.file(&format!("jobserver-{dead}.fifo"), "");
+        // Another run's, still going (pid 1 always runs).
+        let live = scratch.file("jobserver-1.fifo", "");
+        let fifo = Fifo::create(&scratch.0).unwrap();
+        let path = fifo.path().to_path_buf();
+        assert_eq!(
+            path,
+            scratch
+                .0
+                .join(format!("jobserver-{}.fifo", std::process::id()))
+        );
+        assert!(std::fs::metadata(&path).unwrap().file_type().is_fifo());
+        assert!(!left.exists(), "a dead run's FIFO is swept");
+        assert!(live.exists(), "a live run's FIFO is kept");
+        drop(fifo);
+        assert!(!path.exists(), "removed when dropped");
+    }
+
+    #[test]
+    fn tokens_put_in_are_queued_until_taken_out() {
+        let scratch = Scratch::new("fifo-put");
+        let mut fifo = Fifo::create(&scratch.0).unwrap();
+        assert_eq!((fifo.queued(), fifo.returned()), (0, 0));
+        fifo.put(3).unwrap();
+        assert_eq!(fifo.queued(), 3);
+        assert_eq!(fifo.take(2), 2);
+        assert_eq!(fifo.queued(), 1);
+        assert_eq!(fifo.take(5), 1, "only what is there");
+        assert_eq!(fifo.take(1), 0);
+        // What the build reads is what we put in: GNU make's `+`.
+        fifo.put(1).unwrap();
+        let mut byte = [0u8];
+        open_as_client(&fifo).read_exact(&mut byte).unwrap();
+        assert_eq!(byte, [bmake::TOKEN]);
+        assert_eq!(fifo.queued(), 0);
+    }
+
+    #[test]
+    fn the_pipe_style_s_tokens_come_back_through_a_pipe_of_their_own() {
+        let scratch = Scratch::new("fifo-pipe");
+        let mut fifo = Fifo::create(&scratch.0).unwrap();
+        assert!(!fifo.has_return_pipe() && !fifo.in_use());
+        assert_eq!(fifo.event_fds().len(), 1, "inotify only");
+        let (read, write) = fifo.open_pipe_ends().unwrap();
+        assert!(!fifo.path().exists(), "nobody opens it by path: unlinked");
+        assert!(fifo.has_return_pipe() && fifo.in_use());
+        assert_eq!(fifo.event_fds().len(), 2, "inotify and the return pipe");
+        let (mut read, mut write) = (File::from(read), File::from(write));
+        // R reads what we put in the FIFO; W writes into the return pipe.
+        fifo.put(1).unwrap();
+        let mut byte = [0u8];
+        read.read_exact(&mut byte).unwrap();
+        write.write_all(b"+++").unwrap();
+        assert_eq!((fifo.queued(), fifo.returned()), (0, 3));
+        fifo.put(1).unwrap();
+        assert_eq!(fifo.take(2), 2, "from the return pipe first");
+        assert_eq!((fifo.queued(), fifo.returned()), (1, 1));
+        assert_eq!(fifo.recycle(5).unwrap(), 1, "what was returned, no more");
+        assert_eq!((fifo.queued(), fifo.returned()), (2, 0));
+        assert_eq!(fifo.take(3), 2);
+    }
+
+    #[test]
+    fn a_client_opening_the_fifo_puts_it_in_use() {
+        let scratch = Scratch::new("fifo-open");
+        let mut fifo = Fifo::create(&scratch.0).unwrap();
+        fifo.drain_events();
+        assert!(!fifo.in_use());
+        fifo.put(1).unwrap();
+        fifo.take(1);
+        fifo.drain_events();
+        assert!(!fifo.in_use(), "our own reads and writes are no use");
+        let _client = open_as_client(&fifo);
+        fifo.drain_events();
+        assert!(fifo.in_use());
+    }
+
+    #[test]
+    fn bmake_s_abort_token_is_sorted_from_its_tokens() {
+        let scratch = Scratch::new("fifo-bmake");
+        let mut fifo = Fifo::create(&scratch.0).unwrap();
+        let (_read, write) = fifo.open_pipe_ends().unwrap();
+        fifo.sort_bmake_returns();
+        assert_eq!(fifo.bmake_abort(), None);
+        File::from(write).write_all(b"+E+I").unwrap();
+        fifo.drain_events();
+        assert_eq!(fifo.returned(), 2, "two tokens came back");
+        assert_eq!(fifo.bmake_abort(), Some(b'E'), "the first abort token");
+        assert_eq!(fifo.take(1), 1);
+        assert_eq!(fifo.returned(), 1);
+        assert_eq!(fifo.recycle(3).unwrap(), 1);
+        assert_eq!((fifo.queued(), fifo.returned()), (1, 0));
+    }
+
+    #[test]
+    fn an_abort_token_in_bmake_s_fifo_is_left_for_its_other_sub_makes() {
+        let scratch = Scratch::new("fifo-bmake-both");
+        let mut fifo = Fifo::create(&scratch.0).unwrap();
+        let (_read, _write) = fifo.open_both_ends().unwrap();
+        assert!(!fifo.path().exists() && fifo.in_use() && !fifo.has_return_pipe());
+        fifo.sort_bmake_returns();
+        fifo.put(2).unwrap();
+        fifo.put_byte(b'E').unwrap();
+        assert_eq!(fifo.take(3), 2, "the abort token is no token");
+        assert_eq!(fifo.bmake_abort(), Some(b'E'));
+        assert_eq!(fifo.queued(), 1, "the abort token was put back");
+    }
+
+    #[test]
+    fn the_claw_wants_what_it_was_last_asked_for() {
+        let scratch = Scratch::new("fifo-claw");
+        let mut fifo = Fifo::create(&scratch.0).unwrap();
+        fifo.claw(0).unwrap();
+        assert_eq!(
+            (fifo.clawing(), fifo.event_fds().len()),
+            (0, 1),
+            "not started"
+        );
+        fifo.claw(2).unwrap();
+        assert_eq!((fifo.clawing(), fifo.event_fds().len()), (2, 2));
+        fifo.claw(0).unwrap();
+        assert_eq!(fifo.clawing(), 0);
+    }
+
+    /// The feeder sleeps on the inotify descriptor: each read and write of
+    /// the build's wakes it.
+    #[test]
+    fn the_build_s_reads_and_writes_wake_the_feeder() {
+        use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
+        let scratch = Scratch::new("fifo-wake");
+        let mut fifo = Fifo::create(&scratch.0).unwrap();
+        let mut client = open_as_client(&fifo);
+        fifo.drain_events();
+        let woken = |fifo: &Fifo| {
+            let fds = fifo.event_fds();
+            let mut polled = [PollFd::new(fds[0], PollFlags::POLLIN)];
+            poll(&mut polled, PollTimeout::ZERO).unwrap() == 1
+        };
+        assert!(!woken(&fifo), "nothing done since");
+        client.write_all(b"+").unwrap();
+        assert!(woken(&fifo), "a token written back");
+        fifo.drain_events();
+        assert!(!woken(&fifo));
+        client.read_exact(&mut [0u8]).unwrap();
+        assert!(woken(&fifo), "a token read");
+    }
+}

@@ -281,4 +281,112 @@ mod tests {
             assert!(!reads_its_jobserver(&[no.into()]), "{no}");
         }
     }
+
+    /// A directory of one test's own under the temporary directory, removed
+    /// (with all it holds) when dropped, even by a failing test.
+    pub(crate) struct Scratch(pub(crate) std::path::PathBuf);
+
+    impl Scratch {
+        pub(crate) fn new(test: &str) -> Scratch {
+            let dir =
+                std::env::temp_dir().join(format!("baton-jobserver-{test}-{}", std::process::id()));
+            let _ = std::fs::remove_dir_all(&dir);
+            std::fs::create_dir_all(&dir).unwrap();
+            Scratch(dir)
+        }
+
+        /// Writes `text` to `name` (directories created as needed).
+        pub(crate) fn file(&self, name: &str, text: &str) -> std::path::PathBuf {
+            let path = self.0.join(name);
+            std::fs::create_dir_all(path.parent().unwrap()).unwrap();
+            std::fs::write(&path, text).unwrap();
+            path
+        }
+
+        /// An executable `name` that runs `body` in sh. `install` copies it
+        /// into place in a process of its own, so that no descriptor of
+        /// ours open for writing (inherited by a child another test forks
+        /// at that moment) can make its exec fail with ETXTBSY.
+        pub(crate) fn tool(&self, name: &str, body: &str) -> std::path::PathBuf {
+            let source = self.file(&format!("{name}.source"), &format!("#!/bin/sh\n{body}\n"));
+            let tool = self.0.join(name);
+            let installed = std::process::Command::new("install")
+                .arg("-m")
+                .arg("755")
+                .arg(&source)
+                .arg(&tool)
+                .status()
+                .unwrap();
+            assert!(installed.success(), "install {}", tool.display());
+            tool
+        }
+    }
+
+    impl Drop for Scratch {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_dir_all(&self.0);
+        }
+    }
+
+    #[test]
+    fn make_4_4_the_first_to_read_fifo_is_not_refused_one() {
+        let scratch = Scratch::new("make44");
+        let make = scratch.tool("make", "echo 'GNU Make 4.4'");
+        let probes = probe::Probes::open(None);
+        for style in [Style::Fifo, Style::Fuse] {
+            assert_eq!(
+                unusable_style(&probes, &[make.clone().into()], style),
+                None,
+                "{style:?}"
+            );
+        }
+        let make43 = scratch.tool("old/make", "echo 'GNU Make 4.3'");
+        assert!(unusable_style(&probes, &[make43.into()], Style::Fifo)
+            .is_some_and(|e| e.starts_with("GNU make 4.3 cannot open a fifo")));
+    }
+
+    #[test]
+    fn jobs_flags_in_every_spelling_are_replaced() {
+        for word in [
+            "--jobs",
+            "--jobs=8",
+            "-j",
+            "-j8",
+            "--jobserver-auth=3,4",
+            "--jobserver-fds=3,4",
+        ] {
+            assert!(is_jobs_flag(word), "{word}");
+        }
+        for word in ["-k", "-jx", "--no-print-directory", "-s"] {
+            assert!(!is_jobs_flag(word), "{word}");
+        }
+        assert_eq!(
+            makeflags(Some("k --jobs=8 --no-print-directory"), 2, "3,4"),
+            "k -j2 --jobserver-auth=3,4 --no-print-directory"
+        );
+        assert_eq!(
+            makeflags(Some(" --jobs --jobserver-auth=fifo:/x"), 4, "fifo:/y"),
+            " -j4 --jobserver-auth=fifo:/y"
+        );
+    }
+
+    #[test]
+    fn files_of_dead_runs_are_swept_and_those_of_live_ones_kept() {
+        let scratch = Scratch::new("sweep");
+        // A run that has ended: its pid is no process now (pids are
+        // handed out in turn, not reused at once).
+        let mut child = std::process::Command::new("true").spawn().unwrap();
+        let dead = child.id();
+        child.wait().unwrap();
+        let pid_in = |name: &str| name.strip_prefix("run-")?.parse().ok();
+        let dead_file = scratch.file(&format!("run-{dead}"), "");
+        let live_file = scratch.file(&format!("run-{}", std::process::id()), "");
+        let other = scratch.file("notes", "");
+        sweep_left_by_dead_runs(&scratch.0, pid_in);
+        assert!(!dead_file.exists(), "the dead run's file is removed");
+        assert!(live_file.exists(), "a running baton's file is kept");
+        assert!(other.exists(), "a file named for no run is kept");
+        // A missing directory is nothing to sweep, not an error.
+        sweep_left_by_dead_runs(&scratch.0.join("missing"), pid_in);
+    }
 }

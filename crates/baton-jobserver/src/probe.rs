@@ -369,4 +369,23 @@ mod tests {
         assert!(read_if_ours(&file).is_none());
         std::fs::remove_dir_all(&dir).unwrap();
     }
+
+    #[test]
+    fn answers_saved_are_recalled_by_the_next_run_without_running_anything() {
+        let (dir, tool) = script("save", "echo ran >> \"$0.log\"\necho 'GNU Make 4.4'");
+        let file = dir.join("probes");
+        let first = Probes::open(Some(file.clone()));
+        first.save();
+        assert!(!file.exists(), "nothing asked, nothing written");
+        assert!(first.ask(&tool, &["--version"]).is_some());
+        first.save();
+        let next = Probes::open(Some(file.clone()));
+        assert_eq!(
+            next.recalled(|| next.ask(&tool, &["--version"]).map(|a| a.stdout)),
+            Some(Some("GNU Make 4.4\n".to_string()))
+        );
+        let ran = std::fs::read_to_string(dir.join("tool.log")).unwrap();
+        assert_eq!(ran.lines().count(), 1, "asked once in two runs");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
 }

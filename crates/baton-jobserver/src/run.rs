@@ -865,3 +865,119 @@ fn run_in_the_outer_build(command: &[OsString]) -> i32 {
 fn absolute(path: &Path) -> PathBuf {
     std::path::absolute(path).unwrap_or_else(|_| path.to_path_buf())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn poll_waits_a_millisecond_past_the_deadline_and_a_minute_at_most() {
+        let ms = |d: Duration| poll_timeout(d).as_millis();
+        // Rounded up: a wake-up before the deadline would find nothing due.
+        assert_eq!(ms(Duration::ZERO), Some(1));
+        assert_eq!(ms(Duration::from_micros(49_900)), Some(50));
+        assert_eq!(ms(Duration::from_millis(200)), Some(201));
+        assert_eq!(ms(Duration::from_secs(3600)), Some(60_001));
+    }
+
+    #[test]
+    fn the_exit_code_is_cmd_s_or_128_and_the_signal_that_killed_it() {
+        assert_eq!(exit_code(ExitStatus::from_raw(0)), 0);
+        assert_eq!(exit_code(ExitStatus::from_raw(2 << 8)), 2);
+        assert_eq!(exit_code(ExitStatus::from_raw(libc::SIGKILL)), 137);
+        assert_eq!(exit_code(ExitStatus::from_raw(libc::SIGTERM)), 143);
+    }
+
+    #[test]
+    fn a_command_that_cannot_start_exits_as_a_shell_s_would() {
+        let not_found = std::io::Error::from(ErrorKind::NotFound);
+        assert_eq!(report_spawn_error(&"nosuch".into(), not_found), 127);
+        let denied = std::io::Error::from(ErrorKind::PermissionDenied);
+        assert_eq!(report_spawn_error(&"./notes.txt".into(), denied), 126);
+    }
+
+    #[test]
+    fn a_build_is_labelled_by_its_command_line() {
+        assert_eq!(
+            label(&["make".into(), "-C".into(), "src".into()]),
+            "baton run -- make -C src"
+        );
+    }
+
+    #[test]
+    fn only_signals_sent_to_baton_run_are_forwarded() {
+        let set = forwarded_signals();
+        for s in [
+            Signal::SIGTERM,
+            Signal::SIGINT,
+            Signal::SIGHUP,
+            Signal::SIGQUIT,
+        ] {
+            assert!(set.contains(s), "{s}");
+        }
+        for s in [Signal::SIGCHLD, Signal::SIGUSR1, Signal::SIGPIPE] {
+            assert!(!set.contains(s), "{s}");
+        }
+    }
+
+    #[test]
+    fn re_attaching_backs_off_twice_as_long_each_refusal_up_to_five_seconds() {
+        let mut r = Reattach::new();
+        assert!(r.due(), "the first try is at once");
+        let before = std::time::Instant::now();
+        r.failed(false);
+        assert_eq!(r.backoff, REATTACH_EVERY, "no broker yet: no backoff");
+        assert!(r.next_try >= before + REATTACH_EVERY, "the next try waits");
+        r.failed(true);
+        assert_eq!(r.backoff, REATTACH_EVERY * 2);
+        r.failed(true);
+        assert_eq!(r.backoff, REATTACH_EVERY * 4);
+        for _ in 0..10 {
+            r.failed(true);
+        }
+        let before = std::time::Instant::now();
+        r.failed(true);
+        assert_eq!(r.backoff, REATTACH_AT_MOST_EVERY);
+        assert!(r.next_try >= before + REATTACH_AT_MOST_EVERY);
+    }
+
+    #[test]
+    fn each_refusal_is_said_once_however_often_it_comes() {
+        let mut r = Reattach::new();
+        assert!(r.first_time("refused: weight"));
+        assert!(!r.first_time("refused: weight"));
+        assert!(r.first_time("refused: name"));
+        assert!(r.first_time("refused: weight"), "said again after another");
+    }
+
+    #[test]
+    fn the_socket_path_cmd_inherits_is_absolute() {
+        let cwd = std::env::current_dir().unwrap();
+        assert_eq!(
+            absolute(Path::new("run/baton.sock")),
+            cwd.join("run/baton.sock")
+        );
+        assert_eq!(
+            absolute(Path::new("/run/b.sock")),
+            PathBuf::from("/run/b.sock")
+        );
+    }
+
+    #[test]
+    fn a_re_attach_is_tried_only_once_due() {
+        let mut r = Reattach::new();
+        r.next_try = std::time::Instant::now() + Duration::from_secs(3600);
+        assert!(!r.due());
+        r.next_try = std::time::Instant::now();
+        assert!(r.due());
+    }
+
+    #[test]
+    fn a_pid_descriptor_is_had_for_a_running_process_only() {
+        assert!(pidfd_open(std::process::id()).is_ok());
+        let mut child = Command::new("true").spawn().unwrap();
+        let gone = child.id();
+        child.wait().unwrap();
+        assert!(pidfd_open(gone).is_err_and(|e| e.to_string().contains("pidfd_open failed")));
+    }
+}

@@ -188,4 +188,71 @@ mod tests {
         assert_eq!(lines.len(), NAMED + 1);
         assert_eq!(lines[NAMED], "and 2 more sub-makes forced their own -j");
     }
+
+    #[test]
+    fn five_forced_sub_makes_are_all_named_and_no_more_counted() {
+        let forced = Forced {
+            command: "make -j4".into(),
+            cwd: PathBuf::from("/b"),
+            jobs: "-j4".into(),
+            most: 2,
+        };
+        let lines = report(vec![forced; NAMED]);
+        assert_eq!(lines.len(), NAMED);
+        assert!(lines.iter().all(|l| l.starts_with("a sub-make forced -j4")));
+    }
+
+    /// A real tree: a shell (the build's command) runs a "make" (sh under
+    /// that name) given `-j4`, which runs two jobs at once.
+    #[test]
+    fn a_make_forcing_its_own_jobs_is_found_in_the_build_s_tree() {
+        use std::os::unix::process::CommandExt;
+        let scratch = crate::tests::Scratch::new("submakes");
+        let make = scratch.0.join("make");
+        std::os::unix::fs::symlink("/bin/sh", &make).unwrap();
+        let script = format!("{} -c 'sleep 60 & sleep 60 & wait' -j4; :", make.display());
+        let mut build = std::process::Command::new("sh")
+            .args(["-c", &script])
+            .current_dir(&scratch.0)
+            .process_group(0)
+            .spawn()
+            .unwrap();
+        let root = build.id();
+        // Until the make runs both jobs (a minute at most, should the
+        // machine be that busy).
+        let deadline = std::time::Instant::now() + Duration::from_secs(60);
+        let ready = loop {
+            let makes: Vec<u32> = children(root)
+                .into_iter()
+                .filter(|&pid| words(pid).first().is_some_and(|w| w.ends_with("/make")))
+                .collect();
+            if makes.iter().any(|&pid| {
+                children(pid)
+                    .into_iter()
+                    .filter(|&job| words(job).first().is_some_and(|w| w == "sleep"))
+                    .count()
+                    == 2
+            }) {
+                break true;
+            }
+            if std::time::Instant::now() > deadline {
+                break false;
+            }
+            std::thread::yield_now();
+        };
+        let lines = ready.then(|| watch(root).finish());
+        // SAFETY: kill(2) of the process group we started.
+        unsafe { libc::kill(-(root as libc::pid_t), libc::SIGKILL) };
+        build.wait().unwrap();
+        assert!(ready, "the tree never ran");
+        let lines = lines.unwrap();
+        assert_eq!(lines.len(), 1, "{lines:?}");
+        let expected = format!(
+            "a sub-make forced -j4 and ignored the jobserver: `{} -c sleep 60 & sleep 60 & wait -j4` \
+             in {} ran up to 2 job(s) at once, 1 of them on no token of the pool",
+            make.display(),
+            scratch.0.display()
+        );
+        assert!(lines[0].starts_with(&expected), "{}", lines[0]);
+    }
 }
