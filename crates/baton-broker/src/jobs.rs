@@ -334,7 +334,13 @@ mod tests {
             .env(RUN_PID_VAR, owner.to_string())
             .spawn()
             .unwrap();
-        assert_eq!(orphan_jobs(owner, sid), 1);
+        // spawn can return while exec is still under way (std's error pipe
+        // closes with the old program's descriptors, before the new one's
+        // environment is laid out, as we read the kernel): for that moment
+        // /proc/PID/environ reads empty and the job is nobody's (2 of 40
+        // runs). In a build, its make covers that moment: a leaf counted
+        // meanwhile (Count::ToolsToo).
+        until(|| orphan_jobs(owner, sid) == 1);
         assert_eq!(orphan_jobs(owner, sid + 1), 0, "another session's is not");
         job.kill().unwrap();
         job.wait().unwrap();
@@ -404,5 +410,104 @@ mod tests {
         }];
         let roots: Vec<u32> = s.running(&[10], &stopped).iter().map(|j| j.root).collect();
         assert_eq!(roots, [14]);
+    }
+
+    /// Processes started for a test, killed and reaped when it ends.
+    struct Procs(Vec<std::process::Child>);
+
+    impl Procs {
+        fn spawn(&mut self, cmd: &mut std::process::Command) -> u32 {
+            let child = cmd.spawn().unwrap();
+            let pid = child.id();
+            self.0.push(child);
+            pid
+        }
+    }
+
+    impl Drop for Procs {
+        fn drop(&mut self) {
+            for child in &mut self.0 {
+                let _ = child.kill();
+                let _ = child.wait();
+            }
+        }
+    }
+
+    fn own_session() -> u32 {
+        session_of(std::process::id()).unwrap()
+    }
+
+    /// Polls /proc until `done` holds: a process just spawned takes a
+    /// moment to show its environment and children.
+    fn until(mut done: impl FnMut() -> bool) {
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+        while !done() {
+            assert!(std::time::Instant::now() < deadline, "never happened");
+            std::thread::yield_now();
+        }
+    }
+
+    #[test]
+    fn the_command_is_between_the_first_and_the_last_paren() {
+        assert_eq!(stat_comm("42 (make) S 1 42"), Some("make"));
+        assert_eq!(stat_comm("42 (a (b)) S 1 42"), Some("a (b)"));
+        assert_eq!(stat_comm("42 make"), None);
+    }
+
+    #[test]
+    fn resident_bytes_are_whole_pages_of_a_live_process() {
+        let bytes = resident_bytes(std::process::id()).unwrap();
+        assert!(bytes > 0 && bytes % page_size() == 0, "{bytes}");
+        assert_eq!(resident_bytes(4_000_000_000), None);
+    }
+
+    /// A shell running a command is no job itself: its command is, once
+    /// (running_jobs and orphan_jobs alike).
+    #[test]
+    fn a_build_running_a_shell_with_a_command_runs_one_job() {
+        let owner = 4_000_000_000u32 - 7 - std::process::id();
+        let session = own_session();
+        let mut procs = Procs(Vec::new());
+        let shell = procs.spawn(
+            std::process::Command::new("sh")
+                .args(["-c", "sleep 60; true"])
+                .env(RUN_PID_VAR, owner.to_string()),
+        );
+        until(|| {
+            std::fs::read_to_string(format!("/proc/{shell}/task/{shell}/children"))
+                .is_ok_and(|c| !c.trim().is_empty())
+        });
+        until(|| orphan_jobs(owner, session) == 1);
+        assert_eq!(
+            running_jobs(&HashMap::from([(owner, session)])),
+            HashMap::from([(owner, 1)])
+        );
+    }
+
+    #[test]
+    fn a_process_whose_child_is_stopped_is_stopped() {
+        let mut procs = Procs(Vec::new());
+        let shell = procs.spawn(std::process::Command::new("sh").args(["-c", "sleep 60; true"]));
+        let mut child = 0;
+        until(|| {
+            child = std::fs::read_to_string(format!("/proc/{shell}/task/{shell}/children"))
+                .ok()
+                .and_then(|c| c.split_whitespace().next()?.parse().ok())
+                .unwrap_or(0);
+            child != 0
+        });
+        assert!(!is_stopped(shell));
+        // SAFETY: kill(2) on our own grandchild.
+        unsafe { libc::kill(child as i32, libc::SIGSTOP) };
+        until(|| {
+            std::fs::read_to_string(format!("/proc/{child}/stat"))
+                .ok()
+                .and_then(|s| stat_state(&s))
+                == Some('T')
+        });
+        assert!(is_stopped(child));
+        assert!(is_stopped(shell), "its child is");
+        // SAFETY: as above; the shell is killed and reaped by Procs.
+        unsafe { libc::kill(child as i32, libc::SIGKILL) };
     }
 }
