@@ -57,3 +57,14 @@ fn set_cloexec(fd: RawFd) -> Result<()> {
         .context("cannot set close-on-exec on the passed socket")?;
     Ok(())
 }
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn without_listen_pid_no_socket_was_passed() {
+        if std::env::var_os("LISTEN_PID").is_none() {
+            assert!(!passed_to_us());
+        }
+    }
+}

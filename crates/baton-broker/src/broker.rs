@@ -1148,4 +1148,419 @@ mod tests {
         broker.release(b, 2).unwrap();
         assert_eq!((broker.pool().held(), broker.pool().free()), (0, 4));
     }
+
+    fn joined(broker: &mut Broker, pid: u32, transport: Transport) -> ClientId {
+        broker.connect(ClientMeta::new(pid, format!("client {pid}"), transport))
+    }
+
+    /// Seconds since the epoch, computed apart from `epoch_seconds`.
+    fn epoch_now() -> f64 {
+        SystemTime::now()
+            .duration_since(SystemTime::UNIX_EPOCH)
+            .unwrap()
+            .as_secs_f64()
+    }
+
+    /// Processes started for a test, killed and reaped when it ends.
+    struct Procs(Vec<std::process::Child>);
+
+    impl Procs {
+        /// A process as a build's `baton run` (no marker), or one of its
+        /// jobs (`owner` in its environment).
+        fn spawn(&mut self, owner: Option<u32>) -> u32 {
+            let mut cmd = std::process::Command::new("sleep");
+            cmd.arg("60");
+            if let Some(owner) = owner {
+                cmd.env(crate::jobs::RUN_PID_VAR, owner.to_string());
+            }
+            let child = cmd.spawn().unwrap();
+            let pid = child.id();
+            self.0.push(child);
+            pid
+        }
+
+        /// Waits until `jobs` processes of `owner`'s build are seen in
+        /// /proc: a process just spawned may not show its environment yet.
+        fn await_jobs(&self, owner: u32, jobs: u32) {
+            let session = crate::jobs::session_of(std::process::id()).unwrap();
+            let deadline = Instant::now() + Duration::from_secs(30);
+            while crate::jobs::orphan_jobs(owner, session) != jobs {
+                assert!(Instant::now() < deadline, "the jobs never showed");
+                std::thread::yield_now();
+            }
+        }
+
+        fn kill(&mut self, pid: u32) {
+            let i = self.0.iter().position(|c| c.id() == pid).unwrap();
+            let mut child = self.0.remove(i);
+            child.kill().unwrap();
+            child.wait().unwrap();
+        }
+    }
+
+    impl Drop for Procs {
+        fn drop(&mut self) {
+            for child in &mut self.0 {
+                let _ = child.kill();
+                let _ = child.wait();
+            }
+        }
+    }
+
+    #[test]
+    fn status_names_each_holders_transport() {
+        let mut broker = Broker::new(4).unwrap();
+        let (s, f) = (
+            joined(&mut broker, 1, Transport::Socket),
+            joined(&mut broker, 2, Transport::Fuse),
+        );
+        broker.try_acquire(s, 1).unwrap();
+        broker.try_acquire(f, 1).unwrap();
+        let mut seen: Vec<(u32, String)> = broker
+            .status()
+            .holders
+            .into_iter()
+            .map(|h| (h.pid, h.transport))
+            .collect();
+        seen.sort();
+        assert_eq!(seen, [(1, "socket".into()), (2, "fuse".into())]);
+    }
+
+    #[test]
+    fn status_lists_as_holders_only_clients_that_hold_tokens() {
+        let mut broker = Broker::new(4).unwrap();
+        let (a, _idle) = (client(&mut broker, 1), client(&mut broker, 2));
+        broker.acquire(a, 1, 3).unwrap();
+        let holders = broker.status().holders;
+        assert_eq!(
+            holders
+                .iter()
+                .map(|h| (h.pid, h.tokens))
+                .collect::<Vec<_>>(),
+            [(1, 3)]
+        );
+    }
+
+    #[test]
+    fn a_holder_holds_since_the_wall_clock_time_of_its_grant() {
+        let mut broker = Broker::new(4).unwrap();
+        let a = client(&mut broker, 1);
+        let before = epoch_now();
+        broker.acquire(a, 1, 1).unwrap();
+        let after = epoch_now();
+        let since = broker.status().holders[0].since;
+        assert!(
+            since >= before - 0.01 && since <= after + 0.01,
+            "{before} <= {since} <= {after}"
+        );
+    }
+
+    #[test]
+    fn holding_since_is_set_by_a_grant_or_hold_and_cleared_when_all_is_released() {
+        let mut broker = Broker::new(4).unwrap();
+        let (a, b) = (client(&mut broker, 1), client(&mut broker, 2));
+        let since = |broker: &Broker, id| broker.pool().meta(id).unwrap().holding_since;
+        broker.acquire(a, 1, 2).unwrap();
+        let first = since(&broker, a).expect("a holds since its grant");
+        broker.try_acquire(a, 1).unwrap();
+        assert_eq!(since(&broker, a), Some(first), "a held already");
+        broker.release(a, 1).unwrap();
+        assert_eq!(since(&broker, a), Some(first), "a still holds 2");
+        broker.release(a, 2).unwrap();
+        assert_eq!(since(&broker, a), None);
+        assert!(broker.try_acquire(a, 1).unwrap());
+        assert!(since(&broker, a).is_some());
+        broker.hold(b, 1).unwrap();
+        assert!(since(&broker, b).is_some(), "a HOLD holds too");
+    }
+
+    #[test]
+    fn wanted_counts_requests_waiting_free_tokens_a_gate_and_a_lowered_limit() {
+        let mut broker = Broker::new(4).unwrap();
+        let (a, b) = (client(&mut broker, 1), client(&mut broker, 2));
+        assert_eq!(broker.wanted(a), (0, 4));
+        broker.acquire(a, 1, 3).unwrap();
+        assert_eq!(broker.wanted(a), (0, 1));
+        assert_eq!(broker.acquire(b, 1, 2).unwrap(), Acquired::Queued);
+        assert_eq!(broker.wanted(a), (2, 1), "b waits for 2");
+        broker.cancel(b, 1);
+        assert_eq!(broker.wanted(a), (0, 1));
+        broker.set_gate("load", Some(100.0)).unwrap();
+        assert_eq!(broker.wanted(a), (1, 1), "a gate wants every token back");
+        broker.set_gate("load", None).unwrap();
+        broker.set_limit(1).unwrap();
+        assert_eq!(broker.wanted(a), (2, 0), "3 held past a limit of 1");
+    }
+
+    #[test]
+    fn cancel_returns_the_tokens_the_request_waited_for_and_drops_the_waiter() {
+        let mut broker = Broker::new(2).unwrap();
+        let (a, b) = (client(&mut broker, 1), client(&mut broker, 2));
+        broker.acquire(a, 1, 2).unwrap();
+        assert_eq!(broker.acquire(b, 7, 2).unwrap(), Acquired::Queued);
+        assert_eq!(broker.status().waiters.len(), 1);
+        assert_eq!(broker.cancel(b, 7), 2);
+        assert!(broker.status().waiters.is_empty());
+        assert_eq!(broker.cancel(b, 7), 0, "nothing waits under that tag now");
+        broker.release(a, 2).unwrap();
+        assert!(broker.take_grants(Transport::Socket).is_empty());
+    }
+
+    #[test]
+    fn set_limit_returns_the_old_limit_and_grants_what_a_higher_one_frees() {
+        let mut broker = Broker::new(2).unwrap();
+        let (a, b) = (client(&mut broker, 1), client(&mut broker, 2));
+        broker.acquire(a, 1, 2).unwrap();
+        assert_eq!(broker.acquire(b, 1, 2).unwrap(), Acquired::Queued);
+        assert_eq!(broker.set_limit(5), Ok(2));
+        let grants = broker.take_grants(Transport::Socket);
+        assert_eq!(
+            grants
+                .iter()
+                .map(|g| (g.client, g.tokens))
+                .collect::<Vec<_>>(),
+            [(b, 2)]
+        );
+        assert_eq!(broker.set_limit(3), Ok(5));
+        assert_eq!(broker.status().limit, 3);
+    }
+
+    #[test]
+    fn set_gate_returns_the_threshold_set_and_refuses_bad_names_and_values() {
+        let mut broker = Broker::new(2).unwrap();
+        assert_eq!(broker.set_gate("load", Some(3.5)), Ok(Some(3.5)));
+        assert_eq!(broker.gate_config().max_load, Some(3.5));
+        assert_eq!(broker.set_gate("load", None), Ok(None));
+        assert_eq!(broker.gate_config().max_load, None);
+        assert!(broker.set_gate("load", Some(-1.0)).is_err());
+        assert!(broker.set_gate("no-such-gate", Some(1.0)).is_err());
+    }
+
+    #[test]
+    fn jobs_stopped_counts_pauses_less_resumes() {
+        let mut broker = Broker::new(2).unwrap();
+        assert_eq!(broker.jobs_stopped(), 0);
+        broker.did_pause(3, 1);
+        assert_eq!(broker.jobs_stopped(), 3);
+        broker.did_resume(2);
+        assert_eq!(broker.jobs_stopped(), 2);
+    }
+
+    #[test]
+    fn client_pids_are_every_connected_clients_pid() {
+        let mut broker = Broker::new(2).unwrap();
+        let a = client(&mut broker, 11);
+        client(&mut broker, 12);
+        let mut pids = broker.client_pids();
+        pids.sort_unstable();
+        assert_eq!(pids, [11, 12]);
+        broker.disconnect(a);
+        assert_eq!(broker.client_pids(), [12]);
+    }
+
+    #[test]
+    fn status_lists_builds_that_hold_wait_or_were_granted_but_not_idle_askers() {
+        let mut broker = Broker::new(1).unwrap();
+        let (done, holder, waiter, _asker) = (
+            client(&mut broker, 1),
+            client(&mut broker, 2),
+            client(&mut broker, 3),
+            client(&mut broker, 4),
+        );
+        broker.acquire(done, 1, 1).unwrap();
+        broker.release(done, 1).unwrap();
+        broker.acquire(holder, 1, 1).unwrap();
+        assert_eq!(broker.acquire(waiter, 1, 1).unwrap(), Acquired::Queued);
+        let mut listed: Vec<u32> = broker.status().builds.iter().map(|b| b.pid).collect();
+        listed.sort_unstable();
+        assert_eq!(listed, [1, 2, 3], "4 only asked");
+    }
+
+    #[test]
+    fn a_builds_wait_figures_stay_while_another_of_its_clients_remains() {
+        let mut broker = Broker::new(4).unwrap();
+        // A pid no process has: its only ancestor is itself.
+        let pid = 4_000_000_000 - std::process::id();
+        let root = client(&mut broker, pid);
+        broker.start_build(root, 1, "the build".into()).unwrap();
+        let member = client(&mut broker, pid);
+        assert_eq!(broker.pool().build_of(member), broker.pool().build_of(root));
+        broker.acquire(member, 1, 1).unwrap();
+        broker.acquire(member, 2, 1).unwrap();
+        assert_eq!(broker.disconnect(member), 2);
+        let builds = broker.status().builds;
+        assert_eq!(builds.len(), 1);
+        assert_eq!((builds[0].name.as_str(), builds[0].waits), ("the build", 2));
+        assert!(builds[0].since > 0.0);
+    }
+
+    #[test]
+    fn status_now_charges_each_build_for_the_time_it_held_tokens() {
+        let mut broker = Broker::new(4).unwrap();
+        let a = client(&mut broker, 1);
+        let began = Instant::now();
+        broker.acquire(a, 1, 2).unwrap();
+        let status = broker.status_now();
+        let held_for = began.elapsed().as_secs_f64();
+        let charged = status.builds[0].token_seconds;
+        assert!(
+            charged > 0.0 && charged <= 2.0 * held_for,
+            "{charged} token-seconds for 2 tokens over {held_for} s"
+        );
+    }
+
+    #[test]
+    fn utilization_is_reported_per_second_over_ten_minutes() {
+        let broker = Broker::new(4).unwrap();
+        let u = broker.status().utilization;
+        assert_eq!(u.interval_s, 1.0);
+    }
+
+    #[test]
+    fn the_reclaim_gate_closed_when_the_grace_began_not_before() {
+        let mut state = Broker::new(2).unwrap().snapshot();
+        // A predecessor whose clock ran 100 s: the pool's clock goes on
+        // from there.
+        state.clock = Duration::from_secs(100);
+        state.started = SystemTime::now() - Duration::from_secs(100);
+        let mut broker = Broker::restore(state).unwrap();
+        let before = epoch_now();
+        broker.start_reclaim(Duration::from_secs(30));
+        let after = epoch_now();
+        let gate = broker
+            .status()
+            .gates
+            .into_iter()
+            .find(|g| g.name == "reclaim")
+            .unwrap();
+        let closed = gate.closed_since.unwrap();
+        assert!(
+            closed >= before - 1.0 && closed <= after + 1.0,
+            "{before} <= {closed} <= {after}"
+        );
+        assert_eq!(gate.threshold, 30.0);
+    }
+
+    #[test]
+    fn watch_orphans_says_none_is_left_when_no_build_was_orphaned() {
+        let mut broker = Broker::new(2).unwrap();
+        client(&mut broker, 1);
+        assert!(!broker.has_orphans());
+        assert!(!broker.watch_orphans());
+    }
+
+    /// A `baton run` killed while its build runs 5 jobs on the 2 tokens
+    /// it held: its client stays, holding one token per job, and gives
+    /// them back as the jobs end.
+    #[test]
+    fn an_orphaned_build_holds_a_token_per_job_until_its_last_job_ends() {
+        let mut procs = Procs(Vec::new());
+        let owner = procs.spawn(None);
+        let jobs: Vec<u32> = (0..5).map(|_| procs.spawn(Some(owner))).collect();
+        procs.await_jobs(owner, 5);
+        let mut broker = Broker::new(8).unwrap();
+        let run = client(&mut broker, owner);
+        broker.start_build(run, 1, "orphan".into()).unwrap();
+        broker.acquire(run, 1, 2).unwrap();
+        assert_eq!(broker.disconnect(run), 0, "it keeps its tokens");
+        assert!(broker.has_orphans());
+        assert_eq!(broker.pool().held(), 5, "one per job, more than it held");
+        let holders = broker.status().holders;
+        assert_eq!(holders.len(), 1);
+        assert!(holders[0].command.starts_with("[orphaned] "));
+        for &job in &jobs[..3] {
+            procs.kill(job);
+        }
+        assert!(broker.watch_orphans());
+        assert_eq!(broker.pool().held(), 2);
+        for &job in &jobs[3..] {
+            procs.kill(job);
+        }
+        assert!(!broker.watch_orphans());
+        assert!(!broker.has_orphans());
+        assert_eq!(
+            (broker.pool().held(), broker.pool().clients().count()),
+            (0, 0)
+        );
+    }
+
+    #[test]
+    fn a_build_that_holds_nothing_is_not_kept_for_its_running_jobs() {
+        let mut procs = Procs(Vec::new());
+        let owner = procs.spawn(None);
+        procs.spawn(Some(owner));
+        procs.await_jobs(owner, 1);
+        let mut broker = Broker::new(8).unwrap();
+        let run = client(&mut broker, owner);
+        broker.start_build(run, 1, "idle".into()).unwrap();
+        assert_eq!(broker.disconnect(run), 0);
+        assert!(!broker.has_orphans());
+        assert_eq!(broker.pool().clients().count(), 0);
+    }
+
+    #[test]
+    fn a_build_whose_run_ends_with_no_job_running_gives_its_tokens_back() {
+        let mut procs = Procs(Vec::new());
+        let owner = procs.spawn(None);
+        let mut broker = Broker::new(8).unwrap();
+        let run = client(&mut broker, owner);
+        broker.start_build(run, 1, "done".into()).unwrap();
+        broker.acquire(run, 1, 3).unwrap();
+        assert_eq!(broker.disconnect(run), 3);
+        assert!(!broker.has_orphans());
+        assert_eq!(broker.pool().held(), 0);
+    }
+
+    /// make (another client of the build) dies holding 2 tokens while the
+    /// build runs 2 jobs: they pass to the build's `baton run`, and the
+    /// status counts those jobs as running.
+    #[test]
+    fn tokens_of_a_dying_member_pass_to_the_builds_owner_while_its_jobs_run() {
+        let mut procs = Procs(Vec::new());
+        let owner = procs.spawn(None);
+        procs.spawn(Some(owner));
+        procs.spawn(Some(owner));
+        procs.await_jobs(owner, 2);
+        let mut broker = Broker::new(8).unwrap();
+        let run = client(&mut broker, owner);
+        broker.start_build(run, 1, "handed".into()).unwrap();
+        let make = client(&mut broker, owner);
+        assert_eq!(broker.pool().build_of(make), broker.pool().build_of(run));
+        broker.acquire(make, 1, 2).unwrap();
+        assert_eq!(broker.status().builds[0].running, Some(2));
+        broker.disconnect(make);
+        assert_eq!(broker.pool().held_by(run), 2);
+        assert_eq!(broker.pool().held(), 2);
+    }
+
+    /// A request that waited 1.5 s is counted in the build's wait figures
+    /// as 1500 ms.
+    #[test]
+    fn a_builds_waits_are_reported_in_milliseconds() {
+        let mut broker = Broker::new(1).unwrap();
+        let (a, b) = (client(&mut broker, 1), client(&mut broker, 2));
+        broker.acquire(a, 1, 1).unwrap();
+        let began = Instant::now();
+        assert_eq!(broker.acquire(b, 1, 1).unwrap(), Acquired::Queued);
+        // As if b had asked 1.5 s ago.
+        let asked = SystemTime::now() - Duration::from_millis(1500);
+        broker
+            .pool
+            .meta_mut(b)
+            .unwrap()
+            .waiting_since
+            .insert(1, asked);
+        broker.release(a, 1).unwrap();
+        let took_ms = began.elapsed().as_secs_f64() * 1000.0;
+        let status = broker.status();
+        let build = status.builds.iter().find(|x| x.pid == 2).unwrap();
+        assert_eq!(build.waits, 1);
+        let total = build.wait_ms_total;
+        assert!(
+            total >= 1500.0 && total <= 1500.0 + took_ms + 1.0,
+            "{total} ms"
+        );
+        let p99 = build.wait_ms_p99.unwrap();
+        assert!((1500.0..2000.0).contains(&p99), "{p99} ms");
+    }
 }

@@ -507,4 +507,175 @@ mod tests {
             .mem_available
             .is_some_and(|m| m > 0));
     }
+
+    /// A directory of this test's own, removed with everything in it when
+    /// the test ends.
+    struct TempDir(PathBuf);
+
+    impl TempDir {
+        fn new() -> Self {
+            use std::sync::atomic::AtomicU32;
+            static NEXT: AtomicU32 = AtomicU32::new(0);
+            let dir = std::env::temp_dir().join(format!(
+                "baton-gates-test-{}-{}",
+                std::process::id(),
+                NEXT.fetch_add(1, Ordering::Relaxed)
+            ));
+            std::fs::create_dir(&dir).unwrap();
+            TempDir(dir)
+        }
+
+        fn write(&self, name: &str, text: &str) -> PathBuf {
+            let path = self.0.join(name);
+            std::fs::create_dir_all(path.parent().unwrap()).unwrap();
+            std::fs::write(&path, text).unwrap();
+            path
+        }
+    }
+
+    impl Drop for TempDir {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_dir_all(&self.0);
+        }
+    }
+
+    #[test]
+    fn a_v2_cgroup_has_its_limit_less_what_it_uses_but_inactive_file_cache() {
+        let tmp = TempDir::new();
+        tmp.write("memory.max", "1073741824\n");
+        tmp.write("memory.current", "536870912\n");
+        tmp.write("memory.stat", "anon 5\ninactive_file 4096\nactive_file 7\n");
+        let cgroup = MemoryCgroup::V2(tmp.0.clone());
+        assert_eq!(cgroup.available(), Some((1 << 30) - (1 << 29) + 4096));
+        tmp.write("memory.max", "max\n");
+        assert_eq!(cgroup.available(), None, "no limit");
+    }
+
+    #[test]
+    fn a_v1_cgroup_without_a_limit_offers_no_figure() {
+        let tmp = TempDir::new();
+        tmp.write("memory.limit_in_bytes", "9223372036854771712\n");
+        tmp.write("memory.usage_in_bytes", "1000\n");
+        tmp.write("memory.stat", "total_inactive_file 100\n");
+        let cgroup = MemoryCgroup::V1(tmp.0.clone());
+        assert_eq!(cgroup.available(), None);
+        tmp.write("memory.limit_in_bytes", "5000\n");
+        assert_eq!(cgroup.available(), Some(5000 - 900));
+        let probe = Probe {
+            cgroups: vec![MemoryCgroup::V1(tmp.0.clone())],
+            ..Probe::default()
+        };
+        assert_eq!(probe.sources().v1_limits, [(tmp.0.clone(), 5000)]);
+        tmp.write("memory.limit_in_bytes", "9223372036854771712\n");
+        assert!(
+            probe.sources().v1_limits.is_empty(),
+            "no limit, no threshold"
+        );
+    }
+
+    #[test]
+    fn cgroup_ancestors_are_the_dirs_up_to_the_mount_that_have_the_marker() {
+        let tmp = TempDir::new();
+        tmp.write("a/b/memory.max", "max");
+        tmp.write("memory.max", "max");
+        std::fs::create_dir_all(tmp.0.join("a/b/c")).unwrap();
+        let found: Vec<PathBuf> = ancestors(&tmp.0, "a/b/c", "memory.max").collect();
+        assert_eq!(found, [tmp.0.join("a/b"), tmp.0.clone()]);
+    }
+
+    #[test]
+    fn memory_pressure_is_the_share_of_the_last_second_stalled_if_above_avg10() {
+        let tmp = TempDir::new();
+        let file = tmp.write(
+            "memory.pressure",
+            "some avg10=0.00 avg60=0.00 avg300=0.00 total=3000000\n",
+        );
+        let now = Instant::now();
+        let ago = |s| now.checked_sub(Duration::from_secs(s)).unwrap();
+        let mut probe = Probe {
+            pressure: Some(file),
+            ..Probe::default()
+        };
+        // 1 s stalled over the last 2 s: the reading 3 s ago is too old.
+        probe
+            .stall_totals
+            .extend([(ago(3), 0), (ago(2), 2_000_000)]);
+        let pct = probe.mem_pressure().unwrap();
+        assert!(pct > 40.0 && pct <= 50.0, "{pct}");
+        assert_eq!(probe.stall_totals.len(), 2);
+
+        tmp.write(
+            "memory.pressure",
+            "some avg10=12.50 avg60=0.00 avg300=0.00 total=3000000\n",
+        );
+        assert!(probe.mem_pressure().unwrap() >= 12.5);
+    }
+
+    #[test]
+    fn the_run_queue_is_averaged_over_the_last_samples() {
+        let mut probe = Probe::default();
+        probe.run_queue.extend([4.0; RUN_QUEUE_SAMPLES]);
+        let avg = probe.runnable().unwrap();
+        assert_eq!(probe.run_queue.len(), RUN_QUEUE_SAMPLES);
+        let now = probe.run_queue.back().copied().unwrap();
+        assert_eq!(
+            avg,
+            (4.0 * (RUN_QUEUE_SAMPLES - 1) as f64 + now) / RUN_QUEUE_SAMPLES as f64
+        );
+    }
+
+    #[test]
+    fn available_memory_is_read_in_bytes() {
+        let meminfo = std::fs::read_to_string("/proc/meminfo").unwrap();
+        let total_kib: u64 = meminfo
+            .lines()
+            .find_map(|l| l.strip_prefix("MemTotal:"))
+            .unwrap()
+            .trim()
+            .trim_end_matches("kB")
+            .trim()
+            .parse()
+            .unwrap();
+        let available = read_meminfo_available().unwrap();
+        assert_eq!(available % 1024, 0);
+        assert!(available <= total_kib * 1024);
+        assert!(available > total_kib, "bytes, not KiB");
+    }
+
+    #[test]
+    fn the_gates_thread_is_never_made_nicer_than_it_was() {
+        std::thread::spawn(|| {
+            // SAFETY: getpriority on this thread has no preconditions.
+            let prio =
+                || unsafe { libc::getpriority(libc::PRIO_PROCESS, libc::gettid() as libc::id_t) };
+            let before = prio();
+            run_before_the_jobs();
+            assert!(prio() <= before, "{} > {before}", prio());
+        })
+        .join()
+        .unwrap();
+    }
+
+    #[test]
+    fn a_jobs_resident_memory_is_kept_for_the_growth_span() {
+        let job = |resident| Job {
+            root: 7,
+            start: 1,
+            resident,
+        };
+        let mut pausing = Pausing::default();
+        pausing.remember(&[job(100)]);
+        pausing.remember(&[job(200)]);
+        let seen = |p: &Pausing| p.resident[&7].iter().map(|&(_, r)| r).collect::<Vec<_>>();
+        assert_eq!(seen(&pausing), [100, 200]);
+        let old = Instant::now().checked_sub(GROWTH_SPAN * 3).unwrap();
+        let older = Instant::now().checked_sub(GROWTH_SPAN * 2).unwrap();
+        pausing
+            .resident
+            .insert(7, VecDeque::from([(old, 1), (older, 2)]));
+        pausing.remember(&[job(3)]);
+        assert_eq!(seen(&pausing), [2, 3]);
+        pausing.remember(&[]);
+        assert!(pausing.resident.is_empty(), "a job gone is forgotten");
+    }
 }

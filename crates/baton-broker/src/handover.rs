@@ -199,3 +199,21 @@ fn receive_fds(stream: &UnixStream, count: usize) -> Result<Vec<OwnedFd>> {
     }
     Ok(fds)
 }
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_handover_socket_sits_beside_the_broker_socket() {
+        assert_eq!(
+            path(Path::new("/run/user/1000/baton/sock")),
+            Path::new("/run/user/1000/baton/sock.handover")
+        );
+    }
+
+    #[test]
+    fn a_connection_from_our_own_uid_is_ours() {
+        let (a, _b) = UnixStream::pair().unwrap();
+        assert!(is_ours(&a));
+    }
+}

@@ -320,4 +320,104 @@ mod tests {
         );
         assert!(!text.contains("4242"), "{text}");
     }
+
+    fn lines(text: &str) -> Vec<&str> {
+        text.lines().filter(|l| !l.starts_with('#')).collect()
+    }
+
+    #[test]
+    fn the_pool_gauges_and_counters_follow_the_status() {
+        let mut broker = Broker::new(4).unwrap();
+        let meta = |pid| {
+            crate::broker::ClientMeta::new(pid, "make".into(), crate::broker::Transport::Socket)
+        };
+        let (a, b) = (broker.connect(meta(1)), broker.connect(meta(2)));
+        broker.acquire(a, 1, 3).unwrap();
+        broker.release(a, 1).unwrap();
+        broker.acquire(b, 1, 4).unwrap();
+        let text = render(&broker.status());
+        let lines = lines(&text);
+        for want in [
+            "baton_limit 4.0",
+            "baton_free 2.0",
+            "baton_held 2.0",
+            "baton_waiting_requests 1.0",
+            "baton_clients 2.0",
+            "baton_granted_total 3",
+            "baton_released_total 1",
+            "baton_reclaimed_total 0",
+            "baton_waits_total 1",
+        ] {
+            assert!(lines.contains(&want), "{want} not in\n{text}");
+        }
+    }
+
+    #[test]
+    fn a_builds_wait_is_counted_in_seconds() {
+        let build = Build {
+            id: 3,
+            name: "b".to_string(),
+            pid: 1,
+            weight: 2,
+            held: 1,
+            waiting: 4,
+            grants: 5,
+            token_seconds: 1.25,
+            since: 0.0,
+            waits: 6,
+            wait_ms_total: 1500.0,
+            wait_ms_p50: Some(250.0),
+            wait_ms_p99: Some(1000.0),
+            running: None,
+            stray: 0,
+        };
+        let mut registry = Registry::default();
+        render_builds(&[build], &mut registry);
+        let mut text = String::new();
+        prometheus_text::encode(&mut text, &registry).unwrap();
+        let lines = lines(&text);
+        for want in [
+            r#"baton_build_weight{build="b",id="3"} 2.0"#,
+            r#"baton_build_waiting{build="b",id="3"} 4.0"#,
+            r#"baton_build_grants_total{build="b",id="3"} 5.0"#,
+            r#"baton_build_token_seconds_total{build="b",id="3"} 1.25"#,
+            r#"baton_build_waits_total{build="b",id="3"} 6.0"#,
+            r#"baton_build_wait_seconds_total{build="b",id="3"} 1.5"#,
+            r#"baton_build_wait_quantile_seconds{build="b",id="3",quantile="0.5"} 0.25"#,
+            r#"baton_build_wait_quantile_seconds{build="b",id="3",quantile="0.99"} 1.0"#,
+        ] {
+            assert!(lines.contains(&want), "{want} not in\n{text}");
+        }
+    }
+
+    /// One request to the metrics endpoint over loopback TCP: the whole
+    /// answer, as the scraper reads it.
+    fn ask(broker: &Mutex<Broker>, request: &str) -> String {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let mut client = TcpStream::connect(listener.local_addr().unwrap()).unwrap();
+        client.write_all(request.as_bytes()).unwrap();
+        let (server, _) = listener.accept().unwrap();
+        answer(server, broker).unwrap();
+        let mut reply = String::new();
+        client.read_to_string(&mut reply).unwrap();
+        reply
+    }
+
+    #[test]
+    fn the_endpoint_answers_get_and_head_at_metrics_404_elsewhere_and_405_to_others() {
+        let broker = Mutex::new(Broker::new(3).unwrap());
+        let got = ask(&broker, "GET /metrics?x=1 HTTP/1.1\r\nHost: a\r\n\r\n");
+        assert!(got.starts_with("HTTP/1.1 200 OK\r\n"), "{got}");
+        assert!(got.contains("\nbaton_limit 3.0\n"), "{got}");
+        let head = ask(&broker, "HEAD /metrics HTTP/1.1\r\n\r\n");
+        assert!(head.starts_with("HTTP/1.1 200 OK\r\n"), "{head}");
+        assert!(head.ends_with("\r\n\r\n"), "no body: {head}");
+        let other = ask(&broker, "GET /other HTTP/1.1\n\n");
+        assert!(other.starts_with("HTTP/1.1 404 Not Found\r\n"), "{other}");
+        let post = ask(&broker, "POST /metrics HTTP/1.1\r\n\r\n");
+        assert!(
+            post.starts_with("HTTP/1.1 405 Method Not Allowed\r\n"),
+            "{post}"
+        );
+    }
 }

@@ -260,3 +260,100 @@ pub fn clear_stale_socket(socket: &Path) -> Result<bool> {
         }),
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::unix::net::UnixListener;
+    use std::sync::atomic::{AtomicU32, Ordering};
+
+    /// A directory of this test's own, removed with everything in it when
+    /// the test ends.
+    struct TempDir(PathBuf);
+
+    impl TempDir {
+        fn new() -> Self {
+            static NEXT: AtomicU32 = AtomicU32::new(0);
+            let dir = std::env::temp_dir().join(format!(
+                "baton-paths-test-{}-{}",
+                std::process::id(),
+                NEXT.fetch_add(1, Ordering::Relaxed)
+            ));
+            fs::DirBuilder::new().mode(0o700).create(&dir).unwrap();
+            TempDir(dir)
+        }
+    }
+
+    impl Drop for TempDir {
+        fn drop(&mut self) {
+            let _ = fs::remove_dir_all(&self.0);
+        }
+    }
+
+    #[test]
+    fn a_private_dir_that_exists_already_is_accepted_again() {
+        let tmp = TempDir::new();
+        let dir = tmp.0.join("a/sock");
+        prepare_private_dir(&dir, true).unwrap();
+        assert!(dir.is_dir());
+        prepare_private_dir(&dir, true).unwrap();
+        prepare_private_dir(&dir, false).unwrap();
+    }
+
+    #[test]
+    fn a_world_writable_dir_is_refused_unless_sticky() {
+        let dir = Path::new("/some/dir");
+        assert!(refuse_a_shared_dir_unless_sticky(dir, 0o40700).is_ok());
+        assert!(refuse_a_shared_dir_unless_sticky(dir, 0o40755).is_ok());
+        let err = refuse_a_shared_dir_unless_sticky(dir, 0o40777).unwrap_err();
+        assert!(err.to_string().contains("not sticky"), "{err}");
+        assert!(refuse_a_shared_dir_unless_sticky(dir, 0o41777).is_ok());
+    }
+
+    #[test]
+    fn no_socket_at_the_path_is_nothing_stale() {
+        let tmp = TempDir::new();
+        assert!(!clear_stale_socket(&tmp.0.join("sock")).unwrap());
+    }
+
+    #[test]
+    fn a_socket_nobody_listens_on_is_removed_as_stale() {
+        let tmp = TempDir::new();
+        let socket = tmp.0.join("sock");
+        drop(UnixListener::bind(&socket).unwrap());
+        assert!(socket.exists());
+        assert!(clear_stale_socket(&socket).unwrap());
+        assert!(!socket.exists());
+    }
+
+    #[test]
+    fn a_live_socket_or_a_file_is_not_cleared() {
+        let tmp = TempDir::new();
+        let socket = tmp.0.join("sock");
+        let _live = UnixListener::bind(&socket).unwrap();
+        let err = clear_stale_socket(&socket).unwrap_err();
+        assert!(err.to_string().contains("already running"), "{err}");
+        let file = tmp.0.join("file");
+        fs::write(&file, "").unwrap();
+        let err = clear_stale_socket(&file).unwrap_err();
+        assert!(err.to_string().contains("not a socket"), "{err}");
+        assert!(socket.exists() && file.exists());
+    }
+
+    #[test]
+    fn the_autostart_lock_is_removed_unless_a_baton_run_holds_it() {
+        let tmp = TempDir::new();
+        let socket = tmp.0.join("sock");
+        let lock = baton_core::paths::autostart_lock_path(&socket);
+        fs::write(&lock, "").unwrap();
+        let held = Flock::lock(File::open(&lock).unwrap(), FlockArg::LockExclusiveNonblock)
+            .map_err(|(_, e)| e)
+            .unwrap();
+        remove_autostart_lock(&socket);
+        assert!(lock.exists(), "a baton run holds it");
+        drop(held);
+        remove_autostart_lock(&socket);
+        assert!(!lock.exists());
+        remove_autostart_lock(&socket);
+    }
+}

@@ -468,3 +468,37 @@ impl Drop for RemoveOnDrop {
         let _ = std::fs::remove_file(&self.0);
     }
 }
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_fd_limit_caps_the_clients_only_below_what_is_asked() {
+        use nix::sys::resource::{getrlimit, Resource};
+        assert_eq!(raise_fd_limit(10), 10);
+        let (soft, hard) = getrlimit(Resource::RLIMIT_NOFILE).unwrap();
+        assert_eq!(soft, hard, "the soft limit is raised to the hard one");
+        let allowed = usize::try_from(hard - FDS_BESIDE_CLIENTS as u64).unwrap();
+        if allowed < usize::MAX {
+            assert_eq!(raise_fd_limit(usize::MAX), allowed);
+        }
+    }
+
+    #[test]
+    fn a_metrics_port_in_use_is_refused_unless_replacing() {
+        let first = bind_metrics("127.0.0.1:0".parse().unwrap(), false).unwrap();
+        let taken = first.local_addr().unwrap();
+        let err = bind_metrics(taken, false).unwrap_err();
+        assert_eq!(err.kind(), std::io::ErrorKind::AddrInUse);
+        let successor = bind_metrics(taken, true).unwrap();
+        assert_eq!(successor.local_addr().unwrap(), taken);
+    }
+
+    #[test]
+    fn remove_on_drop_removes_its_file() {
+        let path = std::env::temp_dir().join(format!("baton-serve-test-{}", std::process::id()));
+        std::fs::write(&path, "").unwrap();
+        drop(RemoveOnDrop(path.clone()));
+        assert!(!path.exists());
+    }
+}

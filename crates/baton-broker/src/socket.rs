@@ -1064,3 +1064,78 @@ pub fn command_line(pid: u32) -> String {
     let line = words.join(" ");
     line.chars().take(protocol::MAX_LABEL).collect()
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn broker_with(limit: u32, pids: &[u32]) -> (Broker, Vec<ClientId>) {
+        let mut broker = Broker::new(limit).unwrap();
+        let ids = pids
+            .iter()
+            .map(|&pid| broker.connect(ClientMeta::new(pid, "make".into(), Transport::Socket)))
+            .collect();
+        (broker, ids)
+    }
+
+    #[test]
+    fn releasing_more_than_held_is_over_release_and_other_errors_are_range() {
+        let (mut broker, ids) = broker_with(2, &[1]);
+        let e = broker.release(ids[0], 1).unwrap_err();
+        assert_eq!(error_code(&e), ErrorCode::OverRelease);
+        let e = broker.acquire(ids[0], 1, 3).unwrap_err();
+        assert_eq!(error_code(&e), ErrorCode::Range);
+        assert_eq!(error_code(&PoolError::ZeroTokens), ErrorCode::Range);
+    }
+
+    #[test]
+    fn stop_counts_the_builds_that_hold_or_wait_and_the_tokens_held() {
+        let (mut broker, ids) = broker_with(2, &[1, 2, 3, 4]);
+        let [done, holder, waiter, _idle] = ids[..] else {
+            unreachable!()
+        };
+        broker.acquire(done, 1, 1).unwrap();
+        broker.release(done, 1).unwrap();
+        broker.acquire(holder, 1, 2).unwrap();
+        assert_eq!(broker.acquire(waiter, 1, 1).unwrap(), Acquired::Queued);
+        assert_eq!(
+            stopping(&broker),
+            Reply::Stopping {
+                pid: std::process::id(),
+                builds: 2,
+                held: 2,
+            }
+        );
+    }
+
+    #[test]
+    fn a_connection_is_over_bound_at_a_mebibyte_unsent() {
+        let (stream, _peer) = UnixStream::pair().unwrap();
+        let mut conn = Conn {
+            stream,
+            pid: 1,
+            client: None,
+            inbuf: Vec::new(),
+            outbuf: Vec::new(),
+            waiting: false,
+            closing: false,
+            interest: Interest::READABLE,
+            unsent: false,
+        };
+        assert!(!is_over_bound(&conn));
+        conn.outbuf.resize(MAX_UNSENT - 1, b'x');
+        assert!(!is_over_bound(&conn));
+        conn.outbuf.push(b'x');
+        assert!(is_over_bound(&conn));
+    }
+
+    #[test]
+    fn the_command_line_is_read_from_proc_with_spaces_between_words() {
+        let line = command_line(std::process::id());
+        let argv: Vec<String> = std::env::args().collect();
+        let want: String = argv.join(" ").chars().take(protocol::MAX_LABEL).collect();
+        assert_eq!(line, want);
+        assert!(!line.is_empty());
+        assert_eq!(command_line(4_000_000_000), "", "no such process");
+    }
+}

@@ -216,4 +216,29 @@ mod tests {
             "backoff 16 halved three times is 2"
         );
     }
+
+    /// After a spin that paid off undisturbed, the next preempted one sits
+    /// out half as many waits as the one before it, not one.
+    #[test]
+    fn a_spin_that_paid_off_halves_the_sit_out() {
+        let mut p = SpinPolicy::new(WINDOW, CPUS);
+        p.waited(SHORT, false, false);
+        p.waited(SHORT, false, false);
+        for _ in 0..4 {
+            p.waited(SHORT, true, true);
+        }
+        // Sitting out 8 waits, backing off 16; a spin pays off: back to 8.
+        p.waited(SHORT, true, false);
+        for _ in 0..7 {
+            p.waited(SHORT, false, false);
+        }
+        assert_eq!(p.spin_for(|| 1), WINDOW);
+        p.waited(SHORT, true, true);
+        for _ in 0..7 {
+            p.waited(SHORT, false, false);
+            assert_eq!(p.spin_for(|| 1), Duration::ZERO, "sitting out 8");
+        }
+        p.waited(SHORT, false, false);
+        assert_eq!(p.spin_for(|| 1), WINDOW);
+    }
 }

@@ -210,4 +210,75 @@ mod tests {
         assert_eq!(levels(800, false), [800]);
         assert_eq!(levels(800, true), [800, 700, 600, 500, 400, 300, 200, 100]);
     }
+
+    /// A directory of this test's own, removed when the test ends.
+    struct TempDir(PathBuf);
+
+    impl TempDir {
+        fn new(what: &str) -> Self {
+            let dir = std::env::temp_dir()
+                .join(format!("baton-triggers-test-{what}-{}", std::process::id()));
+            std::fs::create_dir(&dir).unwrap();
+            TempDir(dir)
+        }
+    }
+
+    impl Drop for TempDir {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_dir_all(&self.0);
+        }
+    }
+
+    #[test]
+    fn a_wake_is_seen_by_wait_and_drained_by_it() {
+        let triggers = Triggers::new().unwrap();
+        triggers.waker().wake();
+        assert_eq!(triggers.stop.read().unwrap(), 1);
+        triggers.waker().wake();
+        triggers.wait(Duration::ZERO);
+        assert!(triggers.stop.read().is_err(), "drained by the wait");
+    }
+
+    #[test]
+    fn a_pressure_gate_arms_a_psi_trigger_in_a_one_second_window() {
+        let tmp = TempDir::new("psi");
+        let file = tmp.0.join("memory.pressure");
+        std::fs::write(&file, "").unwrap();
+        let sources = Sources {
+            pressure: Some(file.clone()),
+            v1_limits: Vec::new(),
+        };
+        let mut triggers = Triggers::new().unwrap();
+        triggers.arm(&GateConfig::default(), &sources);
+        assert!(triggers.psi.is_none(), "no pressure gate");
+        let config = GateConfig {
+            max_mem_pressure: Some(10.0),
+            ..GateConfig::default()
+        };
+        triggers.arm(&config, &sources);
+        assert!(triggers.psi.is_some());
+        assert_eq!(
+            std::fs::read_to_string(&file).unwrap(),
+            "some 100000 1000000\0",
+            "10% of 1 s"
+        );
+    }
+
+    #[test]
+    fn a_memory_threshold_is_registered_with_a_non_blocking_eventfd() {
+        use nix::fcntl::{fcntl, FcntlArg, FdFlag, OFlag};
+        let tmp = TempDir::new("v1");
+        std::fs::write(tmp.0.join("memory.usage_in_bytes"), "0\n").unwrap();
+        std::fs::write(tmp.0.join("cgroup.event_control"), "").unwrap();
+        let t = register_threshold(&tmp.0, 12345).unwrap();
+        let line = std::fs::read_to_string(tmp.0.join("cgroup.event_control")).unwrap();
+        assert_eq!(
+            line,
+            format!("{} {} 12345", t.event.as_raw_fd(), t._usage.as_raw_fd())
+        );
+        let fl = OFlag::from_bits_truncate(fcntl(&t.event, FcntlArg::F_GETFL).unwrap());
+        assert!(fl.contains(OFlag::O_NONBLOCK));
+        let fd = FdFlag::from_bits_truncate(fcntl(&t.event, FcntlArg::F_GETFD).unwrap());
+        assert!(fd.contains(FdFlag::FD_CLOEXEC));
+    }
 }
