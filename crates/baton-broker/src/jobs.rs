@@ -457,7 +457,7 @@ mod tests {
     #[test]
     fn resident_bytes_are_whole_pages_of_a_live_process() {
         let bytes = resident_bytes(std::process::id()).unwrap();
-        assert!(bytes > 0 && bytes % page_size() == 0, "{bytes}");
+        assert!(bytes > 0 && bytes.is_multiple_of(page_size()), "{bytes}");
         assert_eq!(resident_bytes(4_000_000_000), None);
     }
 
