@@ -71,9 +71,7 @@ impl Admission {
     /// are read from /proc only when a group is allowed and neither its
     /// uid nor its gid settles it.
     pub fn check(&self, peer: &UnixCredentials) -> Result<Access, String> {
-        self.decide(peer.uid(), peer.gid(), || {
-            supplementary_groups(peer.pid())
-        })
+        self.decide(peer.uid(), peer.gid(), || supplementary_groups(peer.pid()))
     }
 
     fn decide(

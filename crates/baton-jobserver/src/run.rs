@@ -17,7 +17,7 @@ use crate::{
 };
 use anyhow::{bail, Context, Result};
 use baton_client::{Client, Error as ClientError};
-use baton_core::paths::{private_dir, socket_path};
+use baton_core::paths::socket_path;
 use baton_core::protocol::RUN_PID_VAR;
 use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
 use nix::sys::signal::{SigSet, Signal};
@@ -422,7 +422,7 @@ fn set_up_jobserver(command: &mut Command, setup: &Setup, style: Style) -> Resul
             ),
         },
         Style::Pipe => {
-            let mut fifo = Fifo::create(&private_dir(socket))?;
+            let mut fifo = Fifo::create(&crate::fifo::dir_for(socket))?;
             let (read, write) = fifo.open_pipe_ends()?;
             for fd in [&read, &write] {
                 inheritable(fd)?;
@@ -438,7 +438,7 @@ fn set_up_jobserver(command: &mut Command, setup: &Setup, style: Style) -> Resul
             (Jobserver::Bridge { fifo, pipe_ends: Some((read, write)), form }, auth)
         }
         Style::Fifo if setup.bmake => {
-            let mut fifo = Fifo::create(&private_dir(socket))?;
+            let mut fifo = Fifo::create(&crate::fifo::dir_for(socket))?;
             let (read, write) = fifo.open_both_ends()?;
             for fd in [&read, &write] {
                 inheritable(fd)?;
@@ -449,7 +449,7 @@ fn set_up_jobserver(command: &mut Command, setup: &Setup, style: Style) -> Resul
             (Jobserver::Bridge { fifo, pipe_ends: Some((read, write)), form }, auth)
         }
         Style::Fifo => {
-            let fifo = Fifo::create(&private_dir(socket))?;
+            let fifo = Fifo::create(&crate::fifo::dir_for(socket))?;
             let auth = format!("fifo:{}", fifo.path().display());
             (Jobserver::Bridge { fifo, pipe_ends: None, form: "fifo (fifo:PATH)" }, auth)
         }

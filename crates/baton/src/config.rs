@@ -668,9 +668,15 @@ mod tests {
     #[test]
     fn a_bad_allowed_user_or_group_names_file_line_and_key() {
         let typo = error("jobs = 2\nallow_uid = [1234]\n");
-        assert!(typo.contains("line 2") && typo.contains("allow_uid"), "{typo}");
+        assert!(
+            typo.contains("line 2") && typo.contains("allow_uid"),
+            "{typo}"
+        );
         let group = error("allow-group = [\"no-such-group-here\"]\n");
-        assert!(group.contains("line 1") && group.contains("no such group"), "{group}");
+        assert!(
+            group.contains("line 1") && group.contains("no such group"),
+            "{group}"
+        );
         let uid = error("allow-uid = [\"ci\"]\n");
         assert!(uid.contains("line 1") && uid.contains("allow-uid"), "{uid}");
         let minus = error("allow-uid = [4294967295]\n");

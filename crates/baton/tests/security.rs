@@ -598,3 +598,187 @@ fn a_socket_in_a_world_writable_directory_without_the_sticky_bit_is_refused() {
     );
     assert!(!open.join("socket").exists());
 }
+
+/// A uid and a group no account has: the admitted user of the tests below.
+const MEMBER: u32 = 1234;
+const MEMBERS_GROUP: u32 = 4321;
+
+/// `baton ARGS...` at `broker`'s socket as uid MEMBER with primary gid
+/// `gid` and supplementary `groups`, in `cwd`, with a config home of its
+/// own (root's is closed to it) and no autostart.
+fn as_member(broker: &Broker, gid: u32, groups: &[u32], cwd: &Path, args: &[&str]) -> Output {
+    let mut c = Command::new("setpriv");
+    c.args([&format!("--reuid={MEMBER}"), &format!("--regid={gid}")]);
+    match groups {
+        [] => c.arg("--clear-groups"),
+        _ => c.arg(format!(
+            "--groups={}",
+            groups
+                .iter()
+                .map(u32::to_string)
+                .collect::<Vec<_>>()
+                .join(",")
+        )),
+    };
+    c.arg(baton_bin())
+        .args(args)
+        .arg("--socket")
+        .arg(&broker.socket)
+        .current_dir(cwd)
+        .env("XDG_CONFIG_HOME", cwd)
+        .env("BATON_NO_AUTOSTART", "1")
+        .output()
+        .unwrap()
+}
+
+/// A broker started as root (its own user) with `allow`, its socket's
+/// directories made searchable by others, as the operator would
+/// (docs/containers.md).
+fn broker_admitting(allow: &[&str]) -> Broker {
+    let mut args = vec!["--no-fuse"];
+    args.extend(allow);
+    let broker = Broker::start_with(4, &args);
+    chmod(broker.dir.path(), 0o755);
+    chmod(broker.socket.parent().unwrap(), 0o755);
+    broker
+}
+
+#[test]
+fn another_uid_is_refused_in_words_that_name_the_options_to_admit_it() {
+    if !can_act_as_another_user() {
+        return;
+    }
+    let broker = broker_admitting(&[]);
+    chmod(&broker.socket, 0o777);
+    let out = as_member(&broker, MEMBER, &[], broker.dir.path(), &["status"]);
+    let said = text(&out);
+    assert!(!out.status.success(), "{said}");
+    for words in [
+        format!("uid {MEMBER} may not use this broker"),
+        "it serves uid 0 (root) only".to_string(),
+        format!("--allow-uid {MEMBER}"),
+        "--allow-group GROUP".to_string(),
+    ] {
+        assert!(said.contains(&words), "{words:?} not in: {said}");
+    }
+}
+
+#[test]
+fn an_allowed_uid_runs_its_builds_and_reads_status_but_cannot_administer() {
+    if !can_act_as_another_user() {
+        return;
+    }
+    let broker = broker_admitting(&["--allow-uid", &MEMBER.to_string()]);
+    // The broker opened its socket file to the uids it admits; the
+    // connection's uid decides the rest.
+    let mode = std::fs::symlink_metadata(&broker.socket).unwrap().mode() & 0o777;
+    assert_eq!(mode, 0o666, "the socket's mode");
+    let status = as_member(
+        &broker,
+        MEMBER,
+        &[],
+        broker.dir.path(),
+        &["status", "--json"],
+    );
+    assert!(status.status.success(), "{}", text(&status));
+    assert!(text(&status).contains("\"limit\": 4"), "{}", text(&status));
+
+    // A real build of the member's own: make 4.3 under `baton run` (its
+    // FIFO goes to the member's $TMPDIR: the socket's directory is root's).
+    let work = TempDir::new("member-build");
+    chmod(work.path(), 0o777);
+    let log = work.path().join("jobs.log");
+    std::fs::write(&log, "").unwrap();
+    chmod(&log, 0o666);
+    common::flat_makefile(work.path(), &log, 10, "0.2");
+    let make = common::make43();
+    let make = make.to_str().unwrap();
+    let style_and_cmd = ["--jobserver-style", "pipe", "--", make];
+    // as_member puts `--socket` last: `run` takes it before `--`.
+    let out = {
+        let mut c = Command::new("setpriv");
+        c.args([
+            &format!("--reuid={MEMBER}"),
+            &format!("--regid={MEMBER}"),
+            "--clear-groups",
+            baton_bin(),
+            "run",
+            "--socket",
+        ])
+        .arg(&broker.socket)
+        .args(style_and_cmd)
+        .current_dir(work.path())
+        .env("XDG_CONFIG_HOME", work.path())
+        .env("BATON_NO_AUTOSTART", "1")
+        .output()
+        .unwrap()
+    };
+    assert!(out.status.success(), "{}", text(&out));
+    let (most, started) = common::max_overlap(&log);
+    assert_eq!(started, 10);
+    assert!(most <= 4, "{most} jobs at once under a limit of 4");
+    broker.wait_all_free();
+
+    // Administration is the owner's.
+    for (args, words) in [
+        (&["limit", "1"][..], "may not change the limit"),
+        (&["limit", "--max-load", "3"][..], "may not set a gate"),
+        (&["stop"][..], "may not stop the broker"),
+    ] {
+        let out = as_member(&broker, MEMBER, &[], work.path(), args);
+        let said = text(&out);
+        assert!(!out.status.success(), "{args:?}: {said}");
+        assert!(said.contains(&format!("uid {MEMBER} {words}")), "{said}");
+        assert!(said.contains("only uid 0 and root"), "{said}");
+    }
+    let s = broker.status();
+    assert_eq!(s.limit, 4, "a member changed the limit");
+    assert!(s.gates.is_empty(), "a member set a gate: {:?}", s.gates);
+    assert!(
+        common::pid_alive(broker.pid()),
+        "a member stopped the broker"
+    );
+    // Another uid is still refused.
+    let stranger = as_other_user(baton_bin())
+        .args(["status", "--socket"])
+        .arg(&broker.socket)
+        .output()
+        .unwrap();
+    assert!(text(&stranger).contains(&format!("uid {OTHER} may not use this broker")));
+    assert!(
+        text(&stranger).contains(&format!("uid {MEMBER}")),
+        "{}",
+        text(&stranger)
+    );
+}
+
+#[test]
+fn an_allowed_group_admits_its_members_by_primary_or_supplementary_gid() {
+    if !can_act_as_another_user() {
+        return;
+    }
+    let broker = broker_admitting(&["--allow-group", &MEMBERS_GROUP.to_string()]);
+    // The one group allowed gets the socket file, 0660.
+    let meta = std::fs::symlink_metadata(&broker.socket).unwrap();
+    assert_eq!((meta.gid(), meta.mode() & 0o777), (MEMBERS_GROUP, 0o660));
+    let dir = broker.dir.path();
+    let by_supplementary = as_member(&broker, MEMBER, &[MEMBERS_GROUP], dir, &["status"]);
+    assert!(
+        by_supplementary.status.success(),
+        "{}",
+        text(&by_supplementary)
+    );
+    let by_primary = as_member(&broker, MEMBERS_GROUP, &[], dir, &["status"]);
+    assert!(by_primary.status.success(), "{}", text(&by_primary));
+    // Outside the group: the socket's mode already keeps it out; opened
+    // to all, the broker still does, naming the options.
+    chmod(&broker.socket, 0o666);
+    let outside = as_member(&broker, MEMBER, &[], dir, &["status"]);
+    let said = text(&outside);
+    assert!(!outside.status.success(), "{said}");
+    assert!(
+        said.contains(&format!("members of gid {MEMBERS_GROUP}")),
+        "{said}"
+    );
+    assert!(said.contains("--allow-group"), "{said}");
+}
