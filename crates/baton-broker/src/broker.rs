@@ -124,6 +124,10 @@ pub struct Broker {
     /// The session of each client that started a build: where its
     /// processes are looked for if it dies before them.
     sessions: HashMap<ClientId, u32>,
+    /// The pid a build's processes carry ([`crate::jobs::RUN_PID_VAR`])
+    /// where it is not its `baton run`'s pid here: a `baton run` in a
+    /// container's PID namespace knows only its pid there.
+    carried: HashMap<ClientId, u32>,
     /// Builds whose `baton run` died while their processes run on (#32).
     orphaned: HashMap<ClientId, Orphaned>,
     /// Wakes the thread that looks at orphaned builds' processes.
@@ -141,6 +145,9 @@ pub struct Orphaned {
     /// environment ([`crate::jobs::RUN_PID_VAR`]).
     owner: u32,
     session: u32,
+    /// The pid its processes carry, where not `owner` (a container's).
+    #[serde(default)]
+    carried: Option<u32>,
 }
 
 /// Everything a broker knows, as its successor (`baton serve --replace`)
@@ -155,6 +162,8 @@ pub struct BrokerState {
     names: Vec<(BuildId, String)>,
     #[serde(default)]
     sessions: Vec<(ClientId, u32)>,
+    #[serde(default)]
+    carried: Vec<(ClientId, u32)>,
     /// Orphaned builds travel too: their clients have no connection, and
     /// only this tells the successor when their tokens come back.
     #[serde(default)]
@@ -182,6 +191,7 @@ impl Broker {
             utilization: Utilization::new(HISTORY_SLOT.as_nanos() as u64, HISTORY_SLOTS),
             started: (Instant::now(), SystemTime::now()),
             sessions: HashMap::new(),
+            carried: HashMap::new(),
             orphaned: HashMap::new(),
             orphans_hook: None,
         })
@@ -202,6 +212,7 @@ impl Broker {
             roots: self.roots.iter().map(|(&pid, &id)| (pid, id)).collect(),
             names: self.names.iter().map(|(&b, n)| (b, n.clone())).collect(),
             sessions: self.sessions.iter().map(|(&id, &s)| (id, s)).collect(),
+            carried: self.carried.iter().map(|(&id, &p)| (id, p)).collect(),
             orphaned: self.orphaned.iter().map(|(&id, &o)| (id, o)).collect(),
             clock: self.clock(),
             started: self.started.1,
@@ -244,6 +255,7 @@ impl Broker {
             utilization: Utilization::new(HISTORY_SLOT.as_nanos() as u64, HISTORY_SLOTS),
             started: (started, state.started),
             sessions: state.sessions.into_iter().collect(),
+            carried: state.carried.into_iter().collect(),
             orphaned: state.orphaned.into_iter().collect(),
             orphans_hook: None,
         };
@@ -318,6 +330,9 @@ impl Broker {
             self.roots.insert(pid, id);
             if let Some(session) = crate::jobs::session_of(pid) {
                 self.sessions.insert(id, session);
+            }
+            if let Some(inner) = crate::jobs::pid_in_its_namespace(pid).filter(|&p| p != pid) {
+                self.carried.insert(id, inner);
             }
         }
         let weight = self
@@ -433,6 +448,7 @@ impl Broker {
             Some(_) => {}
             None => self.hand_to_the_owner(id),
         }
+        self.carried.remove(&id);
         let build = self.pool.build_of(id);
         let (reclaimed, grants) = self.pool.disconnect(id);
         let pool = &self.pool;
@@ -456,7 +472,8 @@ impl Broker {
         if self.pool.held_by(id) == 0 {
             return false;
         }
-        let jobs = crate::jobs::orphan_jobs(owner, session);
+        let carried = self.carried.get(&id).copied();
+        let jobs = crate::jobs::orphan_jobs(carried.unwrap_or(owner), session);
         if jobs == 0 {
             return false;
         }
@@ -474,7 +491,14 @@ impl Broker {
             meta.command = format!("[orphaned] {}", meta.command);
             meta.waiting_since.clear();
         }
-        self.orphaned.insert(id, Orphaned { owner, session });
+        self.orphaned.insert(
+            id,
+            Orphaned {
+                owner,
+                session,
+                carried,
+            },
+        );
         log::info(format_args!(
             "baton run pid {owner} died while its build runs {jobs} job(s): its tokens come back as they end"
         ));
@@ -501,13 +525,14 @@ impl Broker {
         let Some((owner, pid, session)) = self.owner_of(build).filter(|o| o.0 != id) else {
             return;
         };
+        let carried = self.carried.get(&owner).copied().unwrap_or(pid);
         let build_held = self
             .pool
             .builds()
             .find(|b| b.id == build)
             .map_or(0, |b| b.held);
         let covered = build_held.saturating_sub(held);
-        let jobs = crate::jobs::orphan_jobs(pid, session);
+        let jobs = crate::jobs::orphan_jobs(carried, session);
         let keep = held.min(jobs.saturating_sub(covered));
         if keep > 0 && self.pool.hold(owner, keep).is_ok() {
             log::info(format_args!(
@@ -559,7 +584,7 @@ impl Broker {
         let orphaned: Vec<(ClientId, Orphaned)> =
             self.orphaned.iter().map(|(&id, &o)| (id, o)).collect();
         for (id, o) in orphaned {
-            match crate::jobs::orphan_jobs(o.owner, o.session) {
+            match crate::jobs::orphan_jobs(o.carried.unwrap_or(o.owner), o.session) {
                 0 => {
                     self.orphaned.remove(&id);
                     let held = self.disconnect(id);
@@ -877,16 +902,19 @@ impl Broker {
     /// from /proc (one pass); None with no build whose processes we can
     /// find. A build running no job is there with 0.
     fn running_jobs(&self) -> Option<HashMap<u32, u32>> {
-        let owners: HashMap<u32, u32> = self
+        let owners: HashMap<(u32, u32), u32> = self
             .roots
             .iter()
-            .filter_map(|(&pid, id)| Some((pid, *self.sessions.get(id)?)))
+            .filter_map(|(&pid, id)| {
+                let carried = self.carried.get(id).copied().unwrap_or(pid);
+                Some(((carried, *self.sessions.get(id)?), pid))
+            })
             .collect();
         if owners.is_empty() {
             return None;
         }
         let mut jobs = crate::jobs::running_jobs(&owners);
-        for pid in owners.keys() {
+        for pid in owners.values() {
             jobs.entry(*pid).or_insert(0);
         }
         Some(jobs)

@@ -206,11 +206,29 @@ pub fn session_of(pid: u32) -> Option<u32> {
 /// token make took (found by the soak: a kill at that moment let the token
 /// go and the job start past the limit). Holding one token too many until
 /// such a process ends costs nothing; one too few breaks the limit.
+///
+/// `owner` is the pid the processes carry ([`RUN_PID_VAR`]): in a
+/// container, the `baton run`'s pid in its PID namespace
+/// ([`pid_in_its_namespace`], recorded while it lived).
 pub fn orphan_jobs(owner: u32, session: u32) -> u32 {
-    leaves(&HashMap::from([(owner, session)]), Count::ToolsToo)
+    leaves(&HashMap::from([((owner, session), owner)]), Count::ToolsToo)
         .get(&owner)
         .copied()
         .unwrap_or(0)
+}
+
+/// A process's pid in its own PID namespace (the last of its `NSpid:`
+/// line), which is what `baton run` in a container puts in
+/// [`RUN_PID_VAR`]: the same as `pid` on the host. None if it is gone.
+pub fn pid_in_its_namespace(pid: u32) -> Option<u32> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    status
+        .lines()
+        .find_map(|line| line.strip_prefix("NSpid:"))?
+        .split_whitespace()
+        .last()?
+        .parse()
+        .ok()
 }
 
 /// Which leaves of a build's process tree are counted as jobs.
@@ -222,18 +240,21 @@ enum Count {
     ToolsToo,
 }
 
-/// The jobs each build runs, by its `baton run`'s pid (`owners`: pid →
-/// session), in one pass over /proc: the environment is read only of
-/// processes in one of those sessions. A build tool with no child (make
-/// parsing, or waiting for a token) runs no job.
-pub fn running_jobs(owners: &HashMap<u32, u32>) -> HashMap<u32, u32> {
+/// The jobs each build runs, in one pass over /proc: `owners` maps the
+/// pid its processes carry in [`RUN_PID_VAR`] (its `baton run`'s pid in
+/// its own PID namespace, which two containers may share) and its
+/// session (the broker's view: unique) to the key the counts are
+/// returned by. The environment is read only of processes in one of
+/// those sessions. A build tool with no child (make parsing, or waiting
+/// for a token) runs no job.
+pub fn running_jobs(owners: &HashMap<(u32, u32), u32>) -> HashMap<u32, u32> {
     leaves(owners, Count::JobsOnly)
 }
 
-/// The leaves of each build's process tree, by its `baton run`'s pid, in
+/// The leaves of each build's process tree, by its key in `owners`, in
 /// one pass over /proc.
-fn leaves(owners: &HashMap<u32, u32>, count: Count) -> HashMap<u32, u32> {
-    let sessions: std::collections::HashSet<u32> = owners.values().copied().collect();
+fn leaves(owners: &HashMap<(u32, u32), u32>, count: Count) -> HashMap<u32, u32> {
+    let sessions: std::collections::HashSet<u32> = owners.keys().map(|&(_, s)| s).collect();
     let Ok(dir) = std::fs::read_dir("/proc") else {
         return HashMap::new();
     };
@@ -248,8 +269,7 @@ fn leaves(owners: &HashMap<u32, u32>, count: Count) -> HashMap<u32, u32> {
             if !live || !sessions.contains(&session) {
                 return None;
             }
-            let owner = run_pid_of(pid)?;
-            (owners.get(&owner) == Some(&session)).then_some(())?;
+            let owner = *owners.get(&(run_pid_of(pid)?, session))?;
             let tool = is_a_build_tool(stat_comm(&stat)?);
             Some((pid, (fields.get(1)?.parse().ok()?, owner, tool)))
         })
@@ -321,6 +341,9 @@ mod tests {
         // SAFETY: getsid(0) has no preconditions.
         let sid = unsafe { libc::getsid(0) } as u32;
         assert_eq!(session_of(me), Some(sid));
+        // Outside any PID namespace of its own, a process's pid there is
+        // its pid here.
+        assert_eq!(pid_in_its_namespace(me), Some(me));
     }
 
     #[test]

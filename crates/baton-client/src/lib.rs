@@ -43,7 +43,7 @@ pub enum Error {
     },
     /// The process answering at the socket runs as another user: it is
     /// not our broker, and could lie about tokens or read our commands.
-    #[error("{path} is answered by a process of uid {owner}, not by your own broker (uid {me}) or root's: refusing to talk to it (someone else's broker or an impostor; remove the socket or choose another --socket)")]
+    #[error("{path} is answered by a process of uid {owner}, not by your own broker (uid {me}) or root's: refusing to talk to it (someone else's broker or an impostor; remove the socket or choose another --socket; if it is the broker you mean to use, seen from a user namespace or run by a CI runner's user, say so with BATON_BROKER_UID={owner})")]
     NotOurBroker {
         /// The socket path tried.
         path: PathBuf,
