@@ -858,6 +858,8 @@ impl Broker {
             .filter_map(|&root| Some((self.pool.build_of(root)?, self.pool.meta(root)?)))
             .collect();
         let running = self.running_jobs();
+        let own_uid = nix::unistd::getuid().as_raw();
+        let own_cgroup = crate::jobs::cgroup_of("self");
         self.pool
             .builds()
             // A client that only asks (`baton status`, `baton top`, a
@@ -893,6 +895,12 @@ impl Broker {
                         .get(&b.id)
                         .and_then(|m| running.as_ref()?.get(&m.pid).copied()),
                     stray: stats.map_or(0, |s| s.stray),
+                    uid: starter
+                        .and_then(|m| crate::jobs::uid_of(m.pid))
+                        .filter(|&u| u != own_uid),
+                    cgroup: starter
+                        .and_then(|m| crate::jobs::cgroup_of(&m.pid.to_string()))
+                        .filter(|c| Some(c) != own_cgroup.as_ref()),
                 }
             })
             .collect()

@@ -217,6 +217,29 @@ pub fn orphan_jobs(owner: u32, session: u32) -> u32 {
         .unwrap_or(0)
 }
 
+/// The real uid of process `pid` (its `Uid:` line), as we see it.
+pub fn uid_of(pid: u32) -> Option<u32> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    status
+        .lines()
+        .find_map(|line| line.strip_prefix("Uid:"))?
+        .split_whitespace()
+        .next()?
+        .parse()
+        .ok()
+}
+
+/// The cgroup v2 path of process `pid` (or `self`): its `0::` line in
+/// /proc/PID/cgroup, relative to our cgroup namespace; None on a machine
+/// with cgroup v1 alone, or if it is gone.
+pub fn cgroup_of(pid: &str) -> Option<String> {
+    let cgroups = std::fs::read_to_string(format!("/proc/{pid}/cgroup")).ok()?;
+    cgroups
+        .lines()
+        .find_map(|line| line.strip_prefix("0::"))
+        .map(str::to_string)
+}
+
 /// A process's pid in its own PID namespace (the last of its `NSpid:`
 /// line), which is what `baton run` in a container puts in
 /// [`RUN_PID_VAR`]: the same as `pid` on the host. None if it is gone.

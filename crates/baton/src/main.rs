@@ -190,8 +190,9 @@ the socket). BATON_NO_AUTOSTART=1 turns that off."
         /// under fuse, a Python driver under pipe).
         #[arg(long)]
         force: bool,
-        /// The build's name in `baton status` (default: the command line).
-        #[arg(long, value_name = "NAME")]
+        /// The build's name in `baton status` (default: the command line),
+        /// such as a CI job's or a container's.
+        #[arg(long, value_name = "NAME", env = "BATON_NAME")]
         name: Option<String>,
         /// The build's share of a busy pool, against other builds' weights
         /// [default: the config file's weight, else 1].

@@ -301,8 +301,21 @@ BUILDS
             0 => String::new(),
             n => format!("  [{n} stray byte(s) taken out of its jobserver]"),
         };
+        // Where it runs, when not as the broker does: another uid, a
+        // container's cgroup.
+        let mut place = Vec::new();
+        if let Some(uid) = b.uid {
+            place.push(format!("uid {uid}"));
+        }
+        if let Some(cgroup) = &b.cgroup {
+            place.push(format!("cgroup {cgroup}"));
+        }
+        let place = match place.is_empty() {
+            true => String::new(),
+            false => format!("  ({})", place.join(", ")),
+        };
         out.push_str(&format!(
-            "{:>8} {:>6} {:>6} {:>5} {:>7} {:>8} {:>11.1}s {}{stray}\n",
+            "{:>8} {:>6} {:>6} {:>5} {:>7} {:>8} {:>11.1}s {}{place}{stray}\n",
             b.pid, b.weight, b.held, running, b.waiting, b.grants, b.token_seconds, b.name
         ));
     }

@@ -599,6 +599,8 @@ mod tests {
             wait_ms_p99: None,
             running: None,
             stray: 0,
+            uid: None,
+            cgroup: None,
         }
     }
 
