@@ -1,0 +1,456 @@
+//! One host broker for builds in containers (issue #37, docs/containers.md),
+//! through the real binary. Containers are made with `unshare`: a PID
+//! namespace with its own /proc, a mount namespace in which the broker's
+//! socket directory is bind-mounted at /run/baton, a network namespace (a
+//! socket on the file system still connects), and for some a user
+//! namespace made by another host uid (`setpriv` then `unshare
+//! --map-root-user`: root inside, uid 100000 or 200000 outside, as a
+//! rootless container is). Jobs log their own start and end to one file
+//! bound in from the host; that log, not the broker, says how many ran at
+//! once.
+
+mod common;
+
+use common::{baton_bin, can_act_as_another_user, max_overlap, wait_for, Broker, TempDir};
+use std::collections::BTreeMap;
+use std::os::unix::fs::PermissionsExt;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+use std::time::Duration;
+
+/// Host uids the user-namespace containers run as (root inside).
+const RUNNER: u32 = 100_000;
+const GROUPED: u32 = 200_000;
+const STRANGER: u32 = 300_000;
+
+/// How a container is made.
+#[derive(Clone, Copy)]
+enum Userns {
+    /// No user namespace: root inside is root outside.
+    None,
+    /// Made by host uid (and gid) N, mapped to root inside.
+    MappedFrom(u32),
+}
+
+fn chmod(path: &Path, mode: u32) {
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode)).unwrap();
+}
+
+fn unshare_present() -> bool {
+    let ok = Command::new("unshare")
+        .args(["--pid", "--fork", "--mount-proc", "--net", "true"])
+        .status()
+        .is_ok_and(|s| s.success());
+    if !ok {
+        common::skip(
+            common::Missing::Root,
+            "needs unshare (util-linux) and namespaces",
+        );
+    }
+    ok
+}
+
+/// A container running `script` (sh), its broker socket directory bound
+/// at /run/baton and BATON_SOCKET pointing there; `cgroup` (a cgroup v2
+/// directory) is entered first on the host. Ended by pid on drop: killing
+/// unshare (--kill-child) kills the container's init, and with it every
+/// process of its PID namespace.
+struct Container {
+    child: Child,
+    cgroup: Option<PathBuf>,
+}
+
+impl Container {
+    fn command(
+        broker: &Broker,
+        userns: Userns,
+        cgroup: Option<&Path>,
+        env: &[(&str, &str)],
+        script: &str,
+    ) -> Command {
+        let run_dir = broker.socket.parent().unwrap();
+        let inside = format!(
+            "set -e; mount -t tmpfs tmpfs /run; mkdir /run/baton; mount --rbind {run} /run/baton; export XDG_CONFIG_HOME=/run; {script}",
+            run = run_dir.display()
+        );
+        let mut argv: Vec<String> = Vec::new();
+        if let Some(cg) = cgroup {
+            argv.extend([
+                "sh".into(),
+                "-c".into(),
+                format!("echo $$ > {}/cgroup.procs && exec \"$@\"", cg.display()),
+                "enter-cgroup".into(),
+            ]);
+        }
+        if let Userns::MappedFrom(uid) = userns {
+            argv.extend([
+                "setpriv".into(),
+                format!("--reuid={uid}"),
+                format!("--regid={uid}"),
+                "--clear-groups".into(),
+            ]);
+        }
+        argv.extend(
+            ["unshare", "--pid", "--fork", "--kill-child", "--mount-proc"].map(String::from),
+        );
+        argv.extend(["--mount", "--net"].map(String::from));
+        if let Userns::MappedFrom(_) = userns {
+            argv.push("--map-root-user".into());
+        }
+        argv.extend(["--".into(), "sh".into(), "-c".into(), inside]);
+        let mut c = Command::new(&argv[0]);
+        c.args(&argv[1..])
+            .env("BATON_SOCKET", "/run/baton/socket")
+            .env("BATON_NO_AUTOSTART", "1")
+            .env_remove("MAKEFLAGS")
+            .env_remove("CARGO_MAKEFLAGS")
+            .env_remove("MAKELEVEL");
+        if let Userns::MappedFrom(_) = userns {
+            // The host's root broker, seen from a user namespace that does
+            // not map host uid 0: the overflow uid.
+            c.env("BATON_BROKER_UID", "65534");
+        }
+        for (k, v) in env {
+            c.env(k, v);
+        }
+        c
+    }
+
+    fn start(mut command: Command, cgroup: Option<PathBuf>) -> Self {
+        let child = command
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("start a container");
+        Container { child, cgroup }
+    }
+
+    fn finish(mut self) -> Output {
+        let child = std::mem::replace(
+            &mut self.child,
+            Command::new("true").spawn().expect("a placeholder"),
+        );
+        let out = child.wait_with_output().unwrap();
+        let _ = self.child.wait();
+        out
+    }
+}
+
+impl Drop for Container {
+    fn drop(&mut self) {
+        if self.child.try_wait().ok().flatten().is_none() {
+            unsafe { libc::kill(self.child.id() as i32, libc::SIGKILL) };
+            let _ = self.child.wait();
+        }
+        if let Some(cg) = &self.cgroup {
+            // Empty once the container's processes are gone.
+            let _ = wait_for_rmdir(cg);
+        }
+    }
+}
+
+fn wait_for_rmdir(dir: &Path) -> bool {
+    for _ in 0..2000 {
+        if std::fs::remove_dir(dir).is_ok() || !dir.exists() {
+            return true;
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    false
+}
+
+fn text(out: &Output) -> String {
+    format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    )
+}
+
+/// A work directory every container's root may write in, with `jobs`
+/// logged jobs of `secs` in a Makefile, logging to `log`.
+fn make_dir(name: &str, log: &Path, jobs: usize, secs: &str) -> TempDir {
+    let dir = TempDir::new(name);
+    chmod(dir.path(), 0o777);
+    common::flat_makefile(dir.path(), log, jobs, secs);
+    dir
+}
+
+/// A shared job log, writable from every container.
+fn shared_log(dir: &Path) -> PathBuf {
+    chmod(dir, 0o777);
+    let log = dir.join("jobs.log");
+    std::fs::write(&log, "").unwrap();
+    chmod(&log, 0o666);
+    log
+}
+
+/// The host broker for the containers: root's, admitting RUNNER by uid
+/// and GROUPED by group, its socket directory open to search.
+fn host_broker(jobs: u32, extra: &[&str]) -> Broker {
+    let runner = RUNNER.to_string();
+    let grouped = GROUPED.to_string();
+    let mut args = vec!["--allow-uid", &runner, "--allow-group", &grouped];
+    args.extend(extra);
+    let broker = Broker::start_with(jobs, &args);
+    chmod(broker.dir.path(), 0o755);
+    chmod(broker.socket.parent().unwrap(), 0o755);
+    broker
+}
+
+fn baton_run_in(dir: &Path, name: &str, style: &str, cmd: &str) -> String {
+    format!(
+        "cd {dir}; exec {baton} run --name {name} --jobserver-style {style} -- {cmd}",
+        dir = dir.display(),
+        baton = baton_bin()
+    )
+}
+
+/// A cgroup v2 directory of the test's own, for a container's label in
+/// status; None where there is no writable cgroup v2 hierarchy.
+fn cgroup_dir(name: &str) -> Option<PathBuf> {
+    let root = ["/sys/fs/cgroup/unified", "/sys/fs/cgroup"]
+        .into_iter()
+        .map(PathBuf::from)
+        .find(|p| p.join("cgroup.procs").exists() && !p.join("tasks").exists())?;
+    let dir = root.join(format!("baton-test-{name}-{}", std::process::id()));
+    std::fs::create_dir(&dir).ok()?;
+    Some(dir)
+}
+
+#[test]
+fn containers_of_three_makes_and_a_cargo_build_share_one_limit() {
+    if !can_act_as_another_user() || !unshare_present() {
+        return;
+    }
+    let broker = host_broker(4, &[]);
+    let logs = TempDir::new("ctr-logs");
+    let log = shared_log(logs.path());
+    let a = make_dir("ctr-a", &log, 12, "0.3");
+    let b = make_dir("ctr-b", &log, 12, "0.3");
+    let c = make_dir("ctr-c", &log, 12, "0.3");
+    let d = TempDir::new("ctr-cargo");
+    common::cargo_workspace(d.path(), &log, 6);
+    let make43 = common::make43();
+    let make44 = common::make44();
+    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+    let cgroup = cgroup_dir("ctr-c");
+
+    let containers = [
+        // A rootless container of the runner's uid: make 4.3 on a pipe.
+        Container::start(
+            Container::command(
+                &broker,
+                Userns::MappedFrom(RUNNER),
+                None,
+                &[],
+                &baton_run_in(a.path(), "ctr-a", "auto", make43.to_str().unwrap()),
+            ),
+            None,
+        ),
+        // Another, admitted by its group: make 4.4.1 on a FIFO of its
+        // own (the broker's FUSE mount is not visible there).
+        Container::start(
+            Container::command(
+                &broker,
+                Userns::MappedFrom(GROUPED),
+                None,
+                &[],
+                &baton_run_in(b.path(), "ctr-b", "auto", make44.to_str().unwrap()),
+            ),
+            None,
+        ),
+        // Root's container in a cgroup of its own, named by BATON_NAME.
+        Container::start(
+            Container::command(
+                &broker,
+                Userns::None,
+                cgroup.as_deref(),
+                &[("BATON_NAME", "ctr-c")],
+                &format!(
+                    "cd {}; exec {} run --jobserver-style fifo -- {}",
+                    c.path().display(),
+                    baton_bin(),
+                    make44.display()
+                ),
+            ),
+            cgroup.clone(),
+        ),
+        // And cargo, offline, its target directory in the work directory.
+        Container::start(
+            Container::command(
+                &broker,
+                Userns::None,
+                None,
+                &[(
+                    "CARGO_TARGET_DIR",
+                    d.path().join("target").to_str().unwrap(),
+                )],
+                &format!(
+                    "cd {}; exec {} run --name ctr-cargo -- {cargo} build --offline --quiet -j 16",
+                    d.path().display(),
+                    baton_bin()
+                ),
+            ),
+            None,
+        ),
+    ];
+
+    // Every container's build shows in status, with its host uid where it
+    // is not the broker's, and the cgroup it runs in.
+    let mut seen: BTreeMap<String, (Option<u32>, Option<String>)> = BTreeMap::new();
+    wait_for(
+        Duration::from_secs(120),
+        "the four containers' builds in status",
+        || {
+            for build in broker.status().builds {
+                if build.name.starts_with("ctr-") {
+                    seen.insert(build.name.clone(), (build.uid, build.cgroup.clone()));
+                }
+            }
+            seen.len() == 4
+        },
+    );
+    let mut outputs = Vec::new();
+    for container in containers {
+        outputs.push(container.finish());
+    }
+    for out in &outputs {
+        assert!(
+            out.status.success(),
+            "a container's build failed: {}",
+            text(out)
+        );
+    }
+    let (most, started) = max_overlap(&log);
+    assert_eq!(started, 12 * 3 + 6, "every job ran once");
+    assert!(
+        most <= 4,
+        "{most} jobs at once across the containers, limit 4"
+    );
+    broker.wait_all_free();
+
+    // SO_PEERCRED gives the broker the host's uid of a user namespace's
+    // root; the broker's own uid is not shown.
+    assert_eq!(seen["ctr-a"].0, Some(RUNNER), "{seen:?}");
+    assert_eq!(seen["ctr-b"].0, Some(GROUPED), "{seen:?}");
+    assert_eq!(seen["ctr-c"].0, None, "{seen:?}");
+    if let Some(cg) = &cgroup {
+        let name = format!("/{}", cg.file_name().unwrap().to_str().unwrap());
+        assert_eq!(seen["ctr-c"].1.as_deref(), Some(name.as_str()), "{seen:?}");
+    }
+    println!("containers: at most {most} jobs at once of {started}; builds seen: {seen:?}");
+}
+
+/// A `kill -9` of a container's `baton run` (not the container's init: a
+/// shell is, and stays) while its jobs run: the broker keeps as many tokens as the
+/// jobs still run, found by the pid they carry in the container's PID
+/// namespace, and gets them back as they end.
+#[test]
+fn a_killed_build_in_a_container_returns_its_tokens_only_when_its_jobs_are_gone() {
+    if !can_act_as_another_user() || !unshare_present() {
+        return;
+    }
+    let broker = host_broker(4, &["--no-fuse"]);
+    let logs = TempDir::new("ctr-kill-logs");
+    let log = shared_log(logs.path());
+    let go = logs.path().join("go");
+    let work = TempDir::new("ctr-kill");
+    chmod(work.path(), 0o777);
+    // Jobs that run until told, each logging its start and end.
+    let targets: Vec<String> = (0..6).map(|i| format!("j{i}")).collect();
+    std::fs::write(
+        work.path().join("Makefile"),
+        format!(
+            "all: {all}\n{all}:\n\t@echo S >> {log}; while [ ! -e {go} ]; do sleep 0.02; done; echo E >> {log}\n.PHONY: all {all}\n",
+            all = targets.join(" "),
+            log = log.display(),
+            go = go.display()
+        ),
+    )
+    .unwrap();
+    // The container's init (the shell) stays until the jobs may end: were
+    // it to exit, the kernel would kill every process of its namespace.
+    let script = format!(
+        "cd {}; {} run --name ctr-killed -- {} & while [ ! -e {go} ]; do sleep 0.05; done; wait",
+        work.path().display(),
+        baton_bin(),
+        common::make43().display(),
+        go = go.display()
+    );
+    let container = Container::start(
+        Container::command(&broker, Userns::MappedFrom(RUNNER), None, &[], &script),
+        None,
+    );
+    wait_for(Duration::from_secs(60), "4 jobs running", || {
+        max_overlap(&log).1 == 4
+    });
+    let build = broker
+        .status()
+        .builds
+        .into_iter()
+        .find(|b| b.name == "ctr-killed")
+        .expect("the build in status");
+    assert_eq!(
+        build.running,
+        Some(4),
+        "status counts the container's jobs: {build:?}"
+    );
+    // Its pid as the broker sees it: the host's.
+    unsafe { libc::kill(build.pid as i32, libc::SIGKILL) };
+    wait_for(
+        Duration::from_secs(20),
+        "the orphaned build noticed",
+        || {
+            broker
+                .log()
+                .contains(&format!("baton run pid {} died", build.pid))
+        },
+    );
+    let running = |log: &Path| {
+        let t = std::fs::read_to_string(log).unwrap();
+        t.lines().filter(|l| *l == "S").count() - t.lines().filter(|l| *l == "E").count()
+    };
+    let s = broker.status();
+    assert_eq!(running(&log), 4, "the jobs outlive their baton run");
+    assert!(
+        s.held >= 4,
+        "tokens went back while the jobs run: {s:#?}\n{}",
+        broker.log()
+    );
+    std::fs::write(&go, "").unwrap();
+    broker.wait_all_free();
+    let (most, started) = max_overlap(&log);
+    assert!(
+        most <= 4 && started == 4,
+        "{most} at once, {started} started"
+    );
+    drop(container);
+}
+
+#[test]
+fn a_container_of_a_uid_not_allowed_is_refused_naming_allow_group() {
+    if !can_act_as_another_user() || !unshare_present() {
+        return;
+    }
+    let broker = host_broker(2, &["--no-fuse"]);
+    let out = Container::start(
+        Container::command(
+            &broker,
+            Userns::MappedFrom(STRANGER),
+            None,
+            &[],
+            &format!("{} status", baton_bin()),
+        ),
+        None,
+    )
+    .finish();
+    let said = text(&out);
+    assert!(!out.status.success(), "{said}");
+    assert!(
+        said.contains(&format!("uid {STRANGER} may not use this broker")),
+        "{said}"
+    );
+    assert!(said.contains("--allow-group"), "{said}");
+    assert!(said.contains(&format!("--allow-uid {STRANGER}")), "{said}");
+}
