@@ -416,7 +416,8 @@ fn set_up_jobserver(command: &mut Command, setup: &Setup, style: Style) -> Resul
             }
             None if auto => return set_up_jobserver(command, setup, Style::Fifo),
             None => bail!(
-                "the broker at {} has no FUSE mount (it was started with --no-fuse, or FUSE is not available there): \
+                "the broker at {} has no FUSE mount we may use (it was started with --no-fuse, FUSE is not available \
+                 there, or its mount is not visible or not open to this user, as in a container: docs/containers.md): \
                  use --jobserver-style fifo",
                 socket.display()
             ),

@@ -68,9 +68,25 @@ impl Container {
         env: &[(&str, &str)],
         script: &str,
     ) -> Command {
+        Self::command_binding(broker, userns, cgroup, env, "--rbind", script)
+    }
+
+    /// [`Container::command`], binding the socket's directory with
+    /// `bind`: `--rbind` brings the broker's FUSE mount along (a user
+    /// namespace must: it may not uncover what a mount below hides),
+    /// `--bind` leaves it out.
+    fn command_binding(
+        broker: &Broker,
+        userns: Userns,
+        cgroup: Option<&Path>,
+        env: &[(&str, &str)],
+        bind: &str,
+        script: &str,
+    ) -> Command {
         let run_dir = broker.socket.parent().unwrap();
         let inside = format!(
-            "set -e; mount -t tmpfs tmpfs /run; mkdir /run/baton; mount --rbind {run} /run/baton; export XDG_CONFIG_HOME=/run; {script}",
+            "set -e; mount -t tmpfs tmpfs /run; mkdir /run/baton; mount {bind} {run} /run/baton; \
+             export XDG_CONFIG_HOME=/run; {script}",
             run = run_dir.display()
         );
         let mut argv: Vec<String> = Vec::new();
@@ -453,4 +469,112 @@ fn a_container_of_a_uid_not_allowed_is_refused_naming_allow_group() {
     );
     assert!(said.contains("--allow-group"), "{said}");
     assert!(said.contains(&format!("--allow-uid {STRANGER}")), "{said}");
+}
+
+/// The FIFO and pipe styles need nothing from the host but the socket: in
+/// a rootless container (its FIFO goes to its own $TMPDIR, since the
+/// socket's directory is root's), make 4.4.1 on a FIFO and make 4.3 on a
+/// pipe, one after the other, within the limit.
+#[test]
+fn fifo_and_pipe_styles_work_in_a_user_namespace_with_only_the_socket() {
+    if !can_act_as_another_user() || !unshare_present() {
+        return;
+    }
+    let broker = host_broker(3, &[]);
+    let logs = TempDir::new("ctr-styles-logs");
+    let log = shared_log(logs.path());
+    let work = make_dir("ctr-styles", &log, 8, "0.1");
+    let script = format!(
+        "{fifo}; {pipe}",
+        fifo = baton_run_in(
+            work.path(),
+            "ctr-fifo",
+            "fifo",
+            common::make44().to_str().unwrap()
+        )
+        .replacen("exec ", "", 1),
+        pipe = baton_run_in(
+            work.path(),
+            "ctr-pipe",
+            "pipe",
+            common::make43().to_str().unwrap()
+        )
+        .replacen("exec ", "", 1),
+    );
+    let out = Container::start(
+        Container::command(&broker, Userns::MappedFrom(RUNNER), None, &[], &script),
+        None,
+    )
+    .finish();
+    assert!(out.status.success(), "{}", text(&out));
+    let (most, started) = max_overlap(&log);
+    assert_eq!(started, 16);
+    assert!(most <= 3, "{most} at once, limit 3");
+    broker.wait_all_free();
+}
+
+/// `auto` gives make 4.4.1 the FUSE file only where the broker's mount is
+/// there to use: not in a rootless container (the mount, rbind-mounted
+/// along, is closed to its uid), not in a container that bound the
+/// socket's directory alone; in root's container with the mount bound
+/// in, the file. The limit is 32, where the file pays.
+#[test]
+fn in_a_container_auto_gives_the_fuse_file_only_where_the_mount_is_usable() {
+    if !can_act_as_another_user() || !unshare_present() {
+        return;
+    }
+    let broker = host_broker(32, &[]);
+    if !broker.log().contains("FUSE token files at") {
+        common::skip(common::Missing::Fuse, "the broker has no FUSE mount here");
+        return;
+    }
+    let logs = TempDir::new("ctr-auto-logs");
+    let log = shared_log(logs.path());
+    let work = make_dir("ctr-auto", &log, 6, "0.05");
+    let make44 = common::make44();
+    // No make 4.3 nor gcc for the build to run, which read only R,W.
+    let run = format!(
+        "cd {}; MAKE={make44} CC=/bin/false exec {} run --explain -- {make44}",
+        work.path().display(),
+        baton_bin(),
+        make44 = make44.display()
+    );
+    for (userns, bind, expected) in [
+        (Userns::MappedFrom(RUNNER), "--rbind", "fifo"),
+        (Userns::None, "--bind", "fifo"),
+        (Userns::None, "--rbind", "fuse"),
+    ] {
+        let out = Container::start(
+            Container::command_binding(&broker, userns, None, &[], bind, &run),
+            None,
+        )
+        .finish();
+        let said = text(&out);
+        assert!(out.status.success(), "{said}");
+        let form = said
+            .lines()
+            .find_map(|l| l.strip_prefix("baton: jobserver: "))
+            .unwrap_or_else(|| panic!("no form named: {said}"));
+        assert!(form.starts_with(expected), "{bind}: {form}\n{said}");
+    }
+    // Asked for by name where it cannot serve, it is refused in words.
+    let out = Container::start(
+        Container::command(
+            &broker,
+            Userns::MappedFrom(RUNNER),
+            None,
+            &[],
+            &run.replace("run --explain", "run --jobserver-style fuse"),
+        ),
+        None,
+    )
+    .finish();
+    let said = text(&out);
+    assert!(!out.status.success(), "{said}");
+    assert!(said.contains("no FUSE mount we may use"), "{said}");
+    assert!(said.contains("--jobserver-style fifo"), "{said}");
+    let (most, started) = max_overlap(&log);
+    assert_eq!(started, 18);
+    assert!(most <= 32);
+    broker.wait_all_free();
 }
