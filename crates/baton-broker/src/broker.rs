@@ -124,14 +124,25 @@ pub struct Broker {
     /// The session of each client that started a build: where its
     /// processes are looked for if it dies before them.
     sessions: HashMap<ClientId, u32>,
-    /// The pid a build's processes carry ([`crate::jobs::RUN_PID_VAR`])
-    /// where it is not its `baton run`'s pid here: a `baton run` in a
-    /// container's PID namespace knows only its pid there.
-    carried: HashMap<ClientId, u32>,
+    /// Where a build's processes are when it is not here: the pid they
+    /// carry ([`crate::jobs::RUN_PID_VAR`]: a `baton run` in a container's
+    /// PID namespace knows only its pid there) and that namespace. Two
+    /// containers started from one session may both have a `baton run`
+    /// of pid 2: the namespace tells their processes apart.
+    carried: HashMap<ClientId, Place>,
     /// Builds whose `baton run` died while their processes run on (#32).
     orphaned: HashMap<ClientId, Orphaned>,
     /// Wakes the thread that looks at orphaned builds' processes.
     orphans_hook: Option<GrantHook>,
+}
+
+/// A pid as a build's processes carry it, and their PID namespace (the
+/// inode of /proc/PID/ns/pid).
+type Place = (u32, u64);
+
+/// `pid`'s place when it is in our own PID namespace.
+fn here(pid: u32) -> Place {
+    (pid, crate::jobs::pid_namespace_of("self").unwrap_or(0))
 }
 
 /// A build whose `baton run` died (`kill -9`) while processes it started
@@ -145,9 +156,9 @@ pub struct Orphaned {
     /// environment ([`crate::jobs::RUN_PID_VAR`]).
     owner: u32,
     session: u32,
-    /// The pid its processes carry, where not `owner` (a container's).
+    /// Where its processes are, when not in our PID namespace.
     #[serde(default)]
-    carried: Option<u32>,
+    carried: Option<Place>,
 }
 
 /// Everything a broker knows, as its successor (`baton serve --replace`)
@@ -163,7 +174,7 @@ pub struct BrokerState {
     #[serde(default)]
     sessions: Vec<(ClientId, u32)>,
     #[serde(default)]
-    carried: Vec<(ClientId, u32)>,
+    carried: Vec<(ClientId, Place)>,
     /// Orphaned builds travel too: their clients have no connection, and
     /// only this tells the successor when their tokens come back.
     #[serde(default)]
@@ -332,7 +343,8 @@ impl Broker {
                 self.sessions.insert(id, session);
             }
             if let Some(inner) = crate::jobs::pid_in_its_namespace(pid).filter(|&p| p != pid) {
-                self.carried.insert(id, inner);
+                let ns = crate::jobs::pid_namespace_of(&pid.to_string()).unwrap_or(0);
+                self.carried.insert(id, (inner, ns));
             }
         }
         let weight = self
@@ -473,7 +485,8 @@ impl Broker {
             return false;
         }
         let carried = self.carried.get(&id).copied();
-        let jobs = crate::jobs::orphan_jobs(carried.unwrap_or(owner), session);
+        let (pid, ns) = carried.unwrap_or_else(|| here(owner));
+        let jobs = crate::jobs::orphan_jobs(pid, session, ns);
         if jobs == 0 {
             return false;
         }
@@ -525,14 +538,18 @@ impl Broker {
         let Some((owner, pid, session)) = self.owner_of(build).filter(|o| o.0 != id) else {
             return;
         };
-        let carried = self.carried.get(&owner).copied().unwrap_or(pid);
+        let (carried, ns) = self
+            .carried
+            .get(&owner)
+            .copied()
+            .unwrap_or_else(|| here(pid));
         let build_held = self
             .pool
             .builds()
             .find(|b| b.id == build)
             .map_or(0, |b| b.held);
         let covered = build_held.saturating_sub(held);
-        let jobs = crate::jobs::orphan_jobs(carried, session);
+        let jobs = crate::jobs::orphan_jobs(carried, session, ns);
         let keep = held.min(jobs.saturating_sub(covered));
         if keep > 0 && self.pool.hold(owner, keep).is_ok() {
             log::info(format_args!(
@@ -584,7 +601,8 @@ impl Broker {
         let orphaned: Vec<(ClientId, Orphaned)> =
             self.orphaned.iter().map(|(&id, &o)| (id, o)).collect();
         for (id, o) in orphaned {
-            match crate::jobs::orphan_jobs(o.carried.unwrap_or(o.owner), o.session) {
+            let (pid, ns) = o.carried.unwrap_or_else(|| here(o.owner));
+            match crate::jobs::orphan_jobs(pid, o.session, ns) {
                 0 => {
                     self.orphaned.remove(&id);
                     let held = self.disconnect(id);
@@ -910,12 +928,12 @@ impl Broker {
     /// from /proc (one pass); None with no build whose processes we can
     /// find. A build running no job is there with 0.
     fn running_jobs(&self) -> Option<HashMap<u32, u32>> {
-        let owners: HashMap<(u32, u32), u32> = self
+        let owners: HashMap<(u32, u32, u64), u32> = self
             .roots
             .iter()
             .filter_map(|(&pid, id)| {
-                let carried = self.carried.get(id).copied().unwrap_or(pid);
-                Some(((carried, *self.sessions.get(id)?), pid))
+                let (carried, ns) = self.carried.get(id).copied().unwrap_or_else(|| here(pid));
+                Some(((carried, *self.sessions.get(id)?, ns), pid))
             })
             .collect();
         if owners.is_empty() {

@@ -209,12 +209,16 @@ pub fn session_of(pid: u32) -> Option<u32> {
 ///
 /// `owner` is the pid the processes carry ([`RUN_PID_VAR`]): in a
 /// container, the `baton run`'s pid in its PID namespace
-/// ([`pid_in_its_namespace`], recorded while it lived).
-pub fn orphan_jobs(owner: u32, session: u32) -> u32 {
-    leaves(&HashMap::from([((owner, session), owner)]), Count::ToolsToo)
-        .get(&owner)
-        .copied()
-        .unwrap_or(0)
+/// ([`pid_in_its_namespace`], recorded while it lived); `pid_ns` that
+/// namespace ([`pid_namespace_of`]), in which the processes are looked for.
+pub fn orphan_jobs(owner: u32, session: u32, pid_ns: u64) -> u32 {
+    leaves(
+        &HashMap::from([((owner, session, pid_ns), owner)]),
+        Count::ToolsToo,
+    )
+    .get(&owner)
+    .copied()
+    .unwrap_or(0)
 }
 
 /// The real uid of process `pid` (its `Uid:` line), as we see it.
@@ -238,6 +242,15 @@ pub fn cgroup_of(pid: &str) -> Option<String> {
         .lines()
         .find_map(|line| line.strip_prefix("0::"))
         .map(str::to_string)
+}
+
+/// The PID namespace of process `pid` (or `self`): the inode of
+/// /proc/PID/ns/pid. None if it is gone.
+pub fn pid_namespace_of(pid: &str) -> Option<u64> {
+    use std::os::unix::fs::MetadataExt;
+    std::fs::metadata(format!("/proc/{pid}/ns/pid"))
+        .ok()
+        .map(|m| m.ino())
 }
 
 /// A process's pid in its own PID namespace (the last of its `NSpid:`
@@ -265,19 +278,19 @@ enum Count {
 
 /// The jobs each build runs, in one pass over /proc: `owners` maps the
 /// pid its processes carry in [`RUN_PID_VAR`] (its `baton run`'s pid in
-/// its own PID namespace, which two containers may share) and its
-/// session (the broker's view: unique) to the key the counts are
+/// its own PID namespace, which two containers may share), its session
+/// (as we see it) and that PID namespace to the key the counts are
 /// returned by. The environment is read only of processes in one of
 /// those sessions. A build tool with no child (make parsing, or waiting
 /// for a token) runs no job.
-pub fn running_jobs(owners: &HashMap<(u32, u32), u32>) -> HashMap<u32, u32> {
+pub fn running_jobs(owners: &HashMap<(u32, u32, u64), u32>) -> HashMap<u32, u32> {
     leaves(owners, Count::JobsOnly)
 }
 
 /// The leaves of each build's process tree, by its key in `owners`, in
 /// one pass over /proc.
-fn leaves(owners: &HashMap<(u32, u32), u32>, count: Count) -> HashMap<u32, u32> {
-    let sessions: std::collections::HashSet<u32> = owners.keys().map(|&(_, s)| s).collect();
+fn leaves(owners: &HashMap<(u32, u32, u64), u32>, count: Count) -> HashMap<u32, u32> {
+    let sessions: std::collections::HashSet<u32> = owners.keys().map(|&(_, s, _)| s).collect();
     let Ok(dir) = std::fs::read_dir("/proc") else {
         return HashMap::new();
     };
@@ -292,7 +305,8 @@ fn leaves(owners: &HashMap<(u32, u32), u32>, count: Count) -> HashMap<u32, u32> 
             if !live || !sessions.contains(&session) {
                 return None;
             }
-            let owner = *owners.get(&(run_pid_of(pid)?, session))?;
+            let ns = pid_namespace_of(&pid.to_string())?;
+            let owner = *owners.get(&(run_pid_of(pid)?, session, ns))?;
             let tool = is_a_build_tool(stat_comm(&stat)?);
             Some((pid, (fields.get(1)?.parse().ok()?, owner, tool)))
         })
@@ -374,17 +388,27 @@ mod tests {
         let owner = 4_000_000_000u32 - std::process::id();
         // SAFETY: getsid(0) has no preconditions.
         let sid = unsafe { libc::getsid(0) } as u32;
-        assert_eq!(orphan_jobs(owner, sid), 0);
+        let ns = pid_namespace_of("self").unwrap();
+        assert_eq!(orphan_jobs(owner, sid, ns), 0);
         let mut job = std::process::Command::new("sleep")
             .arg("30")
             .env(RUN_PID_VAR, owner.to_string())
             .spawn()
             .unwrap();
-        assert_eq!(orphan_jobs(owner, sid), 1);
-        assert_eq!(orphan_jobs(owner, sid + 1), 0, "another session's is not");
+        assert_eq!(orphan_jobs(owner, sid, ns), 1);
+        assert_eq!(
+            orphan_jobs(owner, sid + 1, ns),
+            0,
+            "another session's is not"
+        );
+        assert_eq!(
+            orphan_jobs(owner, sid, ns + 1),
+            0,
+            "another PID namespace's is not"
+        );
         job.kill().unwrap();
         job.wait().unwrap();
-        assert_eq!(orphan_jobs(owner, sid), 0);
+        assert_eq!(orphan_jobs(owner, sid, ns), 0);
     }
 
     #[test]

@@ -358,10 +358,38 @@ fn containers_of_three_makes_and_a_cargo_build_share_one_limit() {
     println!("containers: at most {most} jobs at once of {started}; builds seen: {seen:?}");
 }
 
+/// Jobs that log their start and end to their own log and to the shared
+/// one, and run until `go` exists.
+fn blocking_makefile(dir: &Path, own: &Path, shared: &Path, go: &Path, jobs: usize) {
+    let targets: Vec<String> = (0..jobs).map(|i| format!("j{i}")).collect();
+    std::fs::write(
+        dir.join("Makefile"),
+        format!(
+            "all: {all}\n{all}:\n\t@echo S >> {own}; echo S >> {shared}; \
+             while [ ! -e {go} ]; do sleep 0.02; done; echo E >> {own}; echo E >> {shared}\n\
+             .PHONY: all {all}\n",
+            all = targets.join(" "),
+            own = own.display(),
+            shared = shared.display(),
+            go = go.display()
+        ),
+    )
+    .unwrap();
+}
+
+/// Jobs started and not yet ended, by their own log.
+fn running_in(log: &Path) -> usize {
+    let t = std::fs::read_to_string(log).unwrap_or_default();
+    let count = |what: &str| t.lines().filter(|l| *l == what).count();
+    count("S") - count("E")
+}
+
 /// A `kill -9` of a container's `baton run` (not the container's init: a
-/// shell is, and stays) while its jobs run: the broker keeps as many tokens as the
-/// jobs still run, found by the pid they carry in the container's PID
-/// namespace, and gets them back as they end.
+/// shell is, and stays) while its jobs run, beside another container's
+/// build started from the same session with the same pid inside (2): the
+/// broker keeps as many tokens as the killed build's own jobs still run,
+/// found by the pid they carry in their PID namespace and that namespace,
+/// gets them back as they end, and counts each build's jobs apart.
 #[test]
 fn a_killed_build_in_a_container_returns_its_tokens_only_when_its_jobs_are_gone() {
     if !can_act_as_another_user() || !unshare_present() {
@@ -369,79 +397,93 @@ fn a_killed_build_in_a_container_returns_its_tokens_only_when_its_jobs_are_gone(
     }
     let broker = host_broker(4, &["--no-fuse"]);
     let logs = TempDir::new("ctr-kill-logs");
-    let log = shared_log(logs.path());
+    let shared = shared_log(logs.path());
     let go = logs.path().join("go");
-    let work = TempDir::new("ctr-kill");
-    chmod(work.path(), 0o777);
-    // Jobs that run until told, each logging its start and end.
-    let targets: Vec<String> = (0..6).map(|i| format!("j{i}")).collect();
-    std::fs::write(
-        work.path().join("Makefile"),
-        format!(
-            "all: {all}\n{all}:\n\t@echo S >> {log}; while [ ! -e {go} ]; do sleep 0.02; done; echo E >> {log}\n.PHONY: all {all}\n",
-            all = targets.join(" "),
-            log = log.display(),
+    let mut containers = Vec::new();
+    let mut own_logs = Vec::new();
+    let mut works = Vec::new();
+    for name in ["ctr-killed", "ctr-beside"] {
+        let work = TempDir::new(name);
+        chmod(work.path(), 0o777);
+        let own = logs.path().join(format!("{name}.log"));
+        std::fs::write(&own, "").unwrap();
+        chmod(&own, 0o666);
+        blocking_makefile(work.path(), &own, &shared, &go, 6);
+        // The container's init (the shell) stays until the jobs may end:
+        // were it to exit, the kernel would kill every process of its
+        // namespace.
+        // Two tokens each (--max 2), so that both run jobs at once: the
+        // jobs never end by themselves to give tokens back.
+        let script = format!(
+            "cd {}; {} run --max 2 --name {name} -- {} & while [ ! -e {go} ]; do sleep 0.05; done; wait",
+            work.path().display(),
+            baton_bin(),
+            common::make43().display(),
             go = go.display()
-        ),
-    )
-    .unwrap();
-    // The container's init (the shell) stays until the jobs may end: were
-    // it to exit, the kernel would kill every process of its namespace.
-    let script = format!(
-        "cd {}; {} run --name ctr-killed -- {} & while [ ! -e {go} ]; do sleep 0.05; done; wait",
-        work.path().display(),
-        baton_bin(),
-        common::make43().display(),
-        go = go.display()
+        );
+        containers.push(Container::start(
+            Container::command(&broker, Userns::MappedFrom(RUNNER), None, &[], &script),
+            None,
+        ));
+        own_logs.push(own);
+        works.push(work);
+    }
+    wait_for(
+        Duration::from_secs(60),
+        "4 jobs running, of both builds",
+        || running_in(&shared) == 4 && own_logs.iter().all(|l| running_in(l) > 0),
     );
-    let container = Container::start(
-        Container::command(&broker, Userns::MappedFrom(RUNNER), None, &[], &script),
-        None,
-    );
-    wait_for(Duration::from_secs(60), "4 jobs running", || {
-        max_overlap(&log).1 == 4
-    });
-    let build = broker
-        .status()
-        .builds
-        .into_iter()
-        .find(|b| b.name == "ctr-killed")
-        .expect("the build in status");
+    let builds = broker.status().builds;
+    let build = |name: &str| {
+        builds
+            .iter()
+            .find(|b| b.name == name)
+            .cloned()
+            .expect("the build in status")
+    };
+    let (killed, beside) = (build("ctr-killed"), build("ctr-beside"));
+    // Each build's jobs, counted apart though their baton runs share a
+    // session and a pid (in two namespaces).
+    let killed_jobs = running_in(&own_logs[0]);
+    assert_eq!(killed.running, Some(killed_jobs as u32), "{killed:?}");
     assert_eq!(
-        build.running,
-        Some(4),
-        "status counts the container's jobs: {build:?}"
+        beside.running,
+        Some(running_in(&own_logs[1]) as u32),
+        "{beside:?}"
     );
     // Its pid as the broker sees it: the host's.
-    unsafe { libc::kill(build.pid as i32, libc::SIGKILL) };
+    unsafe { libc::kill(killed.pid as i32, libc::SIGKILL) };
+    let said = format!(
+        "baton run pid {} died while its build runs {killed_jobs} job(s)",
+        killed.pid
+    );
     wait_for(
         Duration::from_secs(20),
         "the orphaned build noticed",
-        || {
-            broker
-                .log()
-                .contains(&format!("baton run pid {} died", build.pid))
-        },
+        || broker.log().contains(&said),
     );
-    let running = |log: &Path| {
-        let t = std::fs::read_to_string(log).unwrap();
-        t.lines().filter(|l| *l == "S").count() - t.lines().filter(|l| *l == "E").count()
-    };
+    assert_eq!(
+        running_in(&own_logs[0]),
+        killed_jobs,
+        "the jobs outlive their baton run"
+    );
     let s = broker.status();
-    assert_eq!(running(&log), 4, "the jobs outlive their baton run");
-    assert!(
-        s.held >= 4,
-        "tokens went back while the jobs run: {s:#?}\n{}",
+    let orphan = s
+        .builds
+        .iter()
+        .find(|b| b.id == killed.id)
+        .expect("the orphan");
+    assert_eq!(
+        orphan.held,
+        killed_jobs as u32,
+        "the orphan keeps a token per job of its own: {s:#?}\n{}",
         broker.log()
     );
     std::fs::write(&go, "").unwrap();
     broker.wait_all_free();
-    let (most, started) = max_overlap(&log);
-    assert!(
-        most <= 4 && started == 4,
-        "{most} at once, {started} started"
-    );
-    drop(container);
+    let (most, _) = max_overlap(&shared);
+    assert!(most <= 4, "{most} at once");
+    drop(containers);
 }
 
 #[test]
