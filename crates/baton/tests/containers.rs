@@ -620,3 +620,79 @@ fn in_a_container_auto_gives_the_fuse_file_only_where_the_mount_is_usable() {
     assert!(most <= 32);
     broker.wait_all_free();
 }
+
+/// The static binary `scripts/package --static` makes: `BATON_TEST_STATIC`
+/// (scripts/test builds it once), else built here (minutes).
+fn static_baton() -> Option<PathBuf> {
+    if let Some(bin) = std::env::var_os("BATON_TEST_STATIC") {
+        return Some(PathBuf::from(bin));
+    }
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+    let out = Command::new(root.join("scripts/package"))
+        .arg("--static")
+        .output()
+        .expect("run scripts/package --static");
+    if !out.status.success() {
+        common::skip(
+            common::Missing::StaticBuild,
+            &format!("scripts/package --static failed: {}", text(&out)),
+        );
+        return None;
+    }
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    Some(PathBuf::from(stdout.lines().last().unwrap().trim()))
+}
+
+/// The static binary runs in a root file system that holds nothing else
+/// (no libc, no loader, no shell): in a container of its own (mount, PID
+/// and network namespaces, chroot into that root, the host broker's
+/// socket directory bound in), `baton run` takes the host's tokens for a
+/// command (itself, `status`, the only program there) and gives them back.
+#[test]
+fn the_static_binary_runs_in_an_empty_root_against_the_host_broker() {
+    if !can_act_as_another_user() || !unshare_present() {
+        return;
+    }
+    let Some(bin) = static_baton() else {
+        return;
+    };
+    let described = Command::new("file").arg(&bin).output().unwrap();
+    let described = String::from_utf8_lossy(&described.stdout).into_owned();
+    assert!(
+        described.contains("statically linked") || described.contains("static-pie linked"),
+        "{described}"
+    );
+    let broker = host_broker(3, &["--no-fuse"]);
+    let root = TempDir::new("empty-root");
+    std::fs::create_dir_all(root.path().join("run/baton")).unwrap();
+    std::fs::create_dir_all(root.path().join("tmp")).unwrap();
+    std::fs::copy(&bin, root.path().join("baton")).unwrap();
+    let entries: Vec<_> = std::fs::read_dir(root.path())
+        .unwrap()
+        .map(|e| e.unwrap().file_name())
+        .collect();
+    assert_eq!(entries.len(), 3, "the root holds baton, run/ and tmp/ only");
+    // The host's shell binds the socket's directory in the new mount
+    // namespace, then chroot leaves nothing but the root: from there on
+    // only /baton runs.
+    let script = format!(
+        "mount --bind {run} {root}/run/baton && exec chroot {root} /baton run --name empty-root \
+         --jobserver-style fifo -- /baton status --json",
+        run = broker.socket.parent().unwrap().display(),
+        root = root.path().display()
+    );
+    let out = Command::new("unshare")
+        .args(["--pid", "--fork", "--kill-child", "--mount", "--net", "--"])
+        .args(["sh", "-c", &script])
+        .env("BATON_SOCKET", "/run/baton/socket")
+        .env("BATON_NO_AUTOSTART", "1")
+        .env("XDG_CONFIG_HOME", "/tmp")
+        .env("TMPDIR", "/tmp")
+        .env_remove("MAKEFLAGS")
+        .output()
+        .unwrap();
+    let said = text(&out);
+    assert!(out.status.success(), "{said}");
+    assert!(said.contains("\"name\": \"empty-root\""), "{said}");
+    broker.wait_all_free();
+}

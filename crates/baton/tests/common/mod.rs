@@ -22,6 +22,9 @@ pub enum Missing {
     FileLimit,
     /// systemd's tools (`systemd-analyze`), or a manager they can start.
     Systemd,
+    /// A statically linked baton (`scripts/package --static`) could not be
+    /// built here: no musl target nor a static glibc.
+    StaticBuild,
 }
 
 /// Records that the running test could not do its work here, so that the
