@@ -512,7 +512,7 @@ fn a_broker_out_of_descriptors_answers_full_in_words() {
 /// The C client (clients/c, compiled here) and the Python client
 /// (clients/python) against a broker of the other user.
 #[test]
-fn the_c_and_python_clients_refuse_a_broker_of_another_user() {
+fn the_c_and_python_clients_refuse_a_broker_of_another_user_unless_told_its_uid() {
     if !can_act_as_another_user() {
         return;
     }
@@ -567,6 +567,28 @@ fn the_c_and_python_clients_refuse_a_broker_of_another_user() {
     let said = text(&py);
     assert_eq!(py.status.code(), Some(3), "Python client: {said}");
     assert!(said.contains(&format!("process of uid {OTHER}")), "{said}");
+    assert!(
+        said.contains(&format!("BATON_BROKER_UID={OTHER}")),
+        "{said}"
+    );
+
+    // Told to trust that uid (a host broker seen from a user namespace,
+    // docs/containers.md), both connect; its broker serves root.
+    let c = Command::new(&binary)
+        .arg(&socket)
+        .env("BATON_BROKER_UID", OTHER.to_string())
+        .output()
+        .unwrap();
+    assert_eq!(c.status.code(), Some(0), "C client: {}", text(&c));
+    assert!(text(&c).contains("connected, limit"), "{}", text(&c));
+    let py = Command::new(python())
+        .args(["-c", connect])
+        .arg(&socket)
+        .env("PYTHONPATH", clients.join("python/src"))
+        .env("BATON_BROKER_UID", OTHER.to_string())
+        .output()
+        .unwrap();
+    assert_eq!(py.status.code(), Some(0), "Python client: {}", text(&py));
 }
 
 /// A `--socket` in a directory every user may write to, without the
