@@ -520,6 +520,27 @@ pub fn describe(config: &Config, autostart: bool) -> String {
         ),
         ("autostart", autostart.to_string(), String::new()),
     ];
+    let mut rows = rows.to_vec();
+    let allowed = |what: Vec<String>| match what.is_empty() {
+        true => "none".to_string(),
+        false => what.join(", "),
+    };
+    rows.push((
+        "allow-uid",
+        allowed(config.allow_uids().iter().map(u32::to_string).collect()),
+        source_of(
+            config,
+            config.values.allow_uid.as_ref().map(|v| v.span().start),
+        ),
+    ));
+    rows.push((
+        "allow-group",
+        allowed(config.allow_groups()),
+        source_of(
+            config,
+            config.values.allow_group.as_ref().map(|v| v.span().start),
+        ),
+    ));
     let value_width = rows
         .iter()
         .filter(|(_, _, from)| !from.is_empty())
@@ -532,6 +553,15 @@ pub fn describe(config: &Config, autostart: bool) -> String {
             false => format!("{name:<13} {value:<value_width$}  ({from})\n"),
         })
         .collect()
+}
+
+/// Where a value of the file came from: its line, or the default.
+fn source_of(config: &Config, start: Option<usize>) -> String {
+    start
+        .map_or(Source::Default, |start| Source::File {
+            line: line_of(&config.text, start),
+        })
+        .to_string()
 }
 
 fn check_cluster(c: &ClusterValues) -> Result<(), String> {
@@ -663,6 +693,23 @@ mod tests {
         assert_eq!(config.allow_groups(), vec!["root", "4242"]);
         let none = parse("jobs = 2\n").unwrap();
         assert!(none.allow_uids().is_empty() && none.allow_groups().is_empty());
+    }
+
+    #[test]
+    fn config_shows_who_else_the_broker_admits_and_from_where() {
+        let shown = describe(
+            &parse("jobs = 2\nallow-group = [\"root\"]\n").unwrap(),
+            true,
+        );
+        assert!(shown.contains("allow-uid     none"), "{shown}");
+        let group = shown
+            .lines()
+            .find(|l| l.starts_with("allow-group"))
+            .unwrap();
+        assert!(
+            group.contains("root") && group.contains("config file, line 2"),
+            "{shown}"
+        );
     }
 
     #[test]

@@ -804,3 +804,32 @@ fn an_allowed_group_admits_its_members_by_primary_or_supplementary_gid() {
     );
     assert!(said.contains("--allow-group"), "{said}");
 }
+
+/// `allow-uid` in the config file admits as `--allow-uid` does, even with
+/// `--jobs` on the command line (the file is then read for who else is
+/// served); `--allow-uid` on the command line wins over it.
+#[test]
+fn the_config_file_admits_other_uids_too() {
+    if !can_act_as_another_user() {
+        return;
+    }
+    let home = TempDir::new("allow-config");
+    std::fs::create_dir_all(home.path().join("baton")).unwrap();
+    std::fs::write(
+        home.path().join("baton/config.toml"),
+        format!("allow-uid = [{MEMBER}]\n"),
+    )
+    .unwrap();
+    let config_home = format!("XDG_CONFIG_HOME={}", home.path().display());
+    for (cli, admitted) in [(None, true), (Some("4242"), false)] {
+        let mut extra = vec!["--no-fuse"];
+        if let Some(uid) = cli {
+            extra.extend(["--allow-uid", uid]);
+        }
+        let broker = Broker::start_under(&["env", &config_home], 2, &extra);
+        chmod(broker.dir.path(), 0o755);
+        chmod(broker.socket.parent().unwrap(), 0o755);
+        let out = as_member(&broker, MEMBER, &[], broker.dir.path(), &["status"]);
+        assert_eq!(out.status.success(), admitted, "{cli:?}: {}", text(&out));
+    }
+}
