@@ -810,6 +810,31 @@ impl SocketServer {
                 let message = self.admission.admin_refusal(conn.uid, verb);
                 return self.reply_error(token, ErrorCode::Denied, message);
             }
+            (Some(id), Request::Hold(n)) if !conn.access.may_administer() => {
+                // A member re-attaching after a restart holds what a broker
+                // before us granted it: never more than the whole pool, so
+                // that another user cannot hold the pool past its limit
+                // for as long as it likes.
+                let mut broker = self.broker.lock().expect("broker lock");
+                let (held, limit) = (broker.pool().held_by(id), broker.pool().limit());
+                if held.saturating_add(n) > limit {
+                    let message = format!(
+                        "uid {} may hold at most the limit ({limit}) of tokens a broker before us granted; \
+                         it holds {held} and says {n} more",
+                        conn.uid
+                    );
+                    drop(broker);
+                    return self.reply_error(token, ErrorCode::Range, message);
+                }
+                match apply(&mut broker, id, Request::Hold(n)) {
+                    Ok(Some(reply)) => reply,
+                    Ok(None) => unreachable!("HOLD never waits"),
+                    Err(e) => Reply::Err {
+                        code: error_code(&e),
+                        message: e.to_string(),
+                    },
+                }
+            }
             (Some(_), Request::Stop) => {
                 // The reply goes out at once and the connection closes; the
                 // loop ends after this round, as on SIGTERM.

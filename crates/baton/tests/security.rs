@@ -833,3 +833,43 @@ fn the_config_file_admits_other_uids_too() {
         assert_eq!(out.status.success(), admitted, "{cli:?}: {}", text(&out));
     }
 }
+
+/// A member may say it holds what a broker before this one granted it
+/// (`HOLD`, as `baton run` re-attaching does), but never more than the
+/// limit: another user cannot hold the pool past its limit at will.
+#[test]
+fn a_member_may_hold_again_no_more_than_the_limit() {
+    if !can_act_as_another_user() {
+        return;
+    }
+    let broker = broker_admitting(&["--allow-uid", &MEMBER.to_string()]);
+    let session = "import socket, sys\n\
+        s = socket.socket(socket.AF_UNIX)\n\
+        s.connect(sys.argv[1])\n\
+        f = s.makefile('rw')\n\
+        for line in ['HELLO 1 member', 'HOLD 5', 'HOLD 3', 'HOLD 2']:\n\
+        \x20   f.write(line + '\\n'); f.flush(); print(f.readline().strip())\n";
+    let out = Command::new("setpriv")
+        .args([
+            &format!("--reuid={MEMBER}"),
+            &format!("--regid={MEMBER}"),
+            "--clear-groups",
+            &python(),
+            "-c",
+            session,
+        ])
+        .arg(&broker.socket)
+        .output()
+        .unwrap();
+    let said = text(&out);
+    let replies: Vec<&str> = said.lines().collect();
+    assert_eq!(replies.len(), 4, "{said}");
+    assert!(
+        replies[1].starts_with("ERR range uid 1234 may hold at most the limit (4)"),
+        "{said}"
+    );
+    assert!(replies[2].starts_with("GRANTED 3 3"), "{said}");
+    assert!(replies[3].starts_with("ERR range"), "{said}");
+    // Its connection closed, everything is back.
+    broker.wait_all_free();
+}
