@@ -253,7 +253,7 @@ fn containers_of_three_makes_and_a_cargo_build_share_one_limit() {
     let cgroup = cgroup_dir("ctr-c");
 
     let containers = [
-        // A rootless container of the runner's uid: make 4.3 on a pipe.
+        // A rootless container of the runner's uid: make 4.3 (auto: a pipe).
         Container::start(
             Container::command(
                 &broker,
@@ -264,8 +264,8 @@ fn containers_of_three_makes_and_a_cargo_build_share_one_limit() {
             ),
             None,
         ),
-        // Another, admitted by its group: make 4.4.1 on a FIFO of its
-        // own (the broker's FUSE mount is not visible there).
+        // Another, admitted by its group: make 4.4.1, the form auto
+        // picks (never the FUSE file: its mount is closed to this uid).
         Container::start(
             Container::command(
                 &broker,
