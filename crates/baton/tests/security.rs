@@ -873,3 +873,45 @@ fn a_member_may_hold_again_no_more_than_the_limit() {
     // Its connection closed, everything is back.
     broker.wait_all_free();
 }
+
+/// Other users cannot reach a socket in baton's own private directory
+/// (0700): asked to admit them there, `serve` refuses in words that say
+/// where to put the socket instead, and starts nothing. A bad group is
+/// refused the same way.
+#[test]
+fn admitting_others_in_the_private_directory_or_an_unknown_group_is_refused() {
+    let xdg = TempDir::new("allow-private");
+    let out = baton_at_default(xdg.path())
+        .args(["serve", "--jobs", "2", "--no-fuse", "--allow-uid", "1234"])
+        .output()
+        .unwrap();
+    let said = text(&out);
+    assert!(!out.status.success(), "{said}");
+    assert!(said.contains("baton's private directory"), "{said}");
+    assert!(said.contains("--socket"), "{said}");
+    assert!(
+        !xdg.path().join("baton/socket").exists(),
+        "a socket appeared"
+    );
+
+    let dir = TempDir::new("allow-bad-group");
+    let out = baton()
+        .args([
+            "serve",
+            "--jobs",
+            "2",
+            "--no-fuse",
+            "--allow-group",
+            "no-such-group-here",
+            "--socket",
+        ])
+        .arg(dir.path().join("run/socket"))
+        .output()
+        .unwrap();
+    let said = text(&out);
+    assert!(!out.status.success(), "{said}");
+    assert!(
+        said.contains("--allow-group no-such-group-here: no such group"),
+        "{said}"
+    );
+}
