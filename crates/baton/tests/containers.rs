@@ -696,3 +696,62 @@ fn the_static_binary_runs_in_an_empty_root_against_the_host_broker() {
     assert!(said.contains("\"name\": \"empty-root\""), "{said}");
     broker.wait_all_free();
 }
+
+/// Root's containers may write in the socket's directory, where `baton
+/// run` makes its FIFO, and each container's `baton run` is pid 1 of its
+/// own namespace: their FIFOs are named by PID namespace as well as pid,
+/// so one container's build never replaces or sweeps another's.
+#[test]
+fn fifos_of_containers_sharing_the_socket_directory_never_collide() {
+    if !can_act_as_another_user() || !unshare_present() {
+        return;
+    }
+    let broker = host_broker(4, &["--no-fuse"]);
+    let work = TempDir::new("ctr-fifos");
+    let go = work.path().join("go");
+    let mut containers = Vec::new();
+    let mut outs = Vec::new();
+    for name in ["one", "two"] {
+        let out = work.path().join(format!("{name}.makeflags"));
+        let script = format!(
+            "exec {} run --jobserver-style fifo -- sh -c 'echo \"$MAKEFLAGS\" > {out}; \
+             while [ ! -e {go} ]; do sleep 0.02; done'",
+            baton_bin(),
+            out = out.display(),
+            go = go.display()
+        );
+        containers.push(Container::start(
+            Container::command(&broker, Userns::None, None, &[], &script),
+            None,
+        ));
+        outs.push(out);
+    }
+    let fifo_of = |out: &Path| {
+        let flags = std::fs::read_to_string(out).unwrap_or_default();
+        flags
+            .split_whitespace()
+            .find_map(|w| w.strip_prefix("--jobserver-auth=fifo:"))
+            .map(|p| {
+                p.replace(
+                    "/run/baton",
+                    broker.socket.parent().unwrap().to_str().unwrap(),
+                )
+            })
+    };
+    wait_for(Duration::from_secs(30), "both builds started", || {
+        outs.iter().all(|o| fifo_of(o).is_some())
+    });
+    let (one, two) = (fifo_of(&outs[0]).unwrap(), fifo_of(&outs[1]).unwrap());
+    assert_ne!(one, two, "two containers' builds were given one FIFO");
+    use std::os::unix::fs::FileTypeExt;
+    for fifo in [&one, &two] {
+        let kind = std::fs::symlink_metadata(fifo).map(|m| m.file_type().is_fifo());
+        assert!(matches!(kind, Ok(true)), "{fifo} is gone: {kind:?}");
+    }
+    std::fs::write(&go, "").unwrap();
+    for container in containers {
+        let out = container.finish();
+        assert!(out.status.success(), "{}", text(&out));
+    }
+    broker.wait_all_free();
+}
