@@ -3,6 +3,7 @@
 //! (Ctrl-C's SIGINT, `timeout`'s SIGTERM) leaves no temporary directory.
 //! The binary is `BATON_BIN`, else the workspace's target/debug/baton.
 
+use baton_testkit::{skip, Missing};
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -20,30 +21,14 @@ fn baton() -> Option<PathBuf> {
     if path.is_file() {
         return Some(path);
     }
-    record_skip(
-        "Baton",
+    skip(
+        Missing::Baton,
         &format!(
             "no baton binary at {} (set BATON_BIN or build it)",
             path.display()
         ),
     );
     None
-}
-
-/// Counts a skip in scripts/test's tally, as crates/baton/tests/common does.
-fn record_skip(kind: &str, reason: &str) {
-    let test = std::thread::current().name().unwrap_or("?").to_owned();
-    let line = format!("{kind}\t{test}\t{reason}\n");
-    eprint!("SKIPPED: {line}");
-    if let Some(path) = std::env::var_os("BATON_TEST_SKIPS") {
-        use std::io::Write;
-        let mut file = std::fs::OpenOptions::new()
-            .append(true)
-            .create(true)
-            .open(path)
-            .expect("open BATON_TEST_SKIPS");
-        file.write_all(line.as_bytes()).expect("record a skip");
-    }
 }
 
 fn wait_for(what: &str, mut cond: impl FnMut() -> bool) {
@@ -125,8 +110,8 @@ fn an_interrupted_bench_leaves_no_temporary_directory() {
 fn a_scenario_that_cannot_run_says_so_and_fails() {
     let Some(_) = baton() else { return };
     if !Path::new(baton_bench::etcd::ETCD).exists() {
-        return record_skip(
-            "Etcd",
+        return skip(
+            Missing::Etcd,
             "no etcd (Debian's etcd-server): the cluster scenario starts one first",
         );
     }

@@ -7,6 +7,8 @@
 //! target/debug/baton if built; without it they are skipped, said aloud.
 
 use anyhow::{ensure, Context, Result};
+use baton_bench::cgroup::Unusable;
+use baton_testkit::{skip_as, Missing};
 use clap::Parser;
 use serde_json::Value;
 use std::path::PathBuf;
@@ -100,12 +102,12 @@ impl Harness {
             });
         if baton.is_none() {
             record_skip(
-                "Baton",
+                Missing::Baton,
                 "no baton binary (set BATON_BIN or build target/debug/baton): baton rows skipped",
             );
         }
         if !std::path::Path::new("/dev/fuse").exists() {
-            record_skip("Fuse", "no /dev/fuse: baton FUSE rows skipped");
+            record_skip(Missing::Fuse, "no /dev/fuse: baton FUSE rows skipped");
         }
         let tmp = std::env::temp_dir().join(format!("baton-bench-test-{}", std::process::id()));
         std::fs::create_dir_all(&tmp).expect("creating a temporary directory");
@@ -140,20 +142,10 @@ impl Harness {
     }
 }
 
-/// Counts the skipped rows in scripts/test's tally: a line in the file
-/// `BATON_TEST_SKIPS` names, as crates/baton/tests/common writes.
-fn record_skip(kind: &str, reason: &str) {
-    let line = format!("{kind}\tscenarios\t{reason}\n");
-    print!("SKIPPED: {line}");
-    if let Some(path) = std::env::var_os("BATON_TEST_SKIPS") {
-        use std::io::Write;
-        let mut file = std::fs::OpenOptions::new()
-            .append(true)
-            .create(true)
-            .open(path)
-            .expect("open BATON_TEST_SKIPS");
-        file.write_all(line.as_bytes()).expect("record a skip");
-    }
+/// Counts the skipped rows in scripts/test's tally, under this harness's
+/// name: its scenarios do not run on threads named after them.
+fn record_skip(missing: Missing, reason: &str) {
+    skip_as("scenarios", missing, reason);
 }
 
 impl Drop for Harness {
@@ -551,7 +543,7 @@ fn make_tree_runs_each_way_at_each_n(h: &Harness) -> Result<()> {
     if std::env::var_os("BATON_BENCH_MAKE44").is_none() {
         let Some(make) = std::env::var_os("BATON_TEST_MAKE44") else {
             record_skip(
-                "Make44",
+                Missing::Make44,
                 "make_tree: neither BATON_BENCH_MAKE44 nor BATON_TEST_MAKE44 names make 4.4.1",
             );
             return Ok(());
@@ -612,13 +604,13 @@ fn make_tree_runs_each_way_at_each_n(h: &Harness) -> Result<()> {
 }
 
 fn memory_counts_each_builds_oom_kills(h: &Harness) -> Result<()> {
-    // SAFETY: geteuid has no preconditions.
-    let root = unsafe { libc::geteuid() } == 0;
-    if !root || !std::path::Path::new("/sys/fs/cgroup/memory/memory.limit_in_bytes").exists() {
-        record_skip(
-            "Root",
-            "baton bench memory needs root and a cgroup v1 memory controller",
-        );
+    // The skip under its cause: not root, or no memory cgroup (v1 or v2).
+    if let Err(why) = baton_bench::cgroup::Hierarchy::find() {
+        let missing = match why {
+            Unusable::NotRoot => Missing::Root,
+            Unusable::NoMemoryCgroup(_) => Missing::Cgroup,
+        };
+        record_skip(missing, &format!("baton bench memory: {why}"));
         return Ok(());
     }
     let doc = h.bench(&[

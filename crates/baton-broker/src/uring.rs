@@ -190,6 +190,7 @@ impl Drop for SendAndWait {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use baton_testkit::{skip, Missing};
     use std::io::{Read, Write};
     use std::os::fd::AsRawFd;
     use std::os::unix::net::UnixStream;
@@ -227,28 +228,15 @@ mod tests {
         match SendAndWait::new(epoll.0, 7) {
             Ok(ring) => Some(ring),
             Err(e) => {
-                record_skip(&format!(
-                    "io_uring unavailable here ({e}): the socket loop's fallback is what runs"
-                ));
+                // Counted as skipped in scripts/test's tally, not passed.
+                skip(
+                    Missing::IoUring,
+                    &format!(
+                        "io_uring unavailable here ({e}): the socket loop's fallback is what runs"
+                    ),
+                );
                 None
             }
-        }
-    }
-
-    /// Counts this test as skipped in scripts/test's tally: a line in the
-    /// file `BATON_TEST_SKIPS` names, as crates/baton/tests/common writes
-    /// (libtest has no skip, and hides a passing test's output).
-    fn record_skip(reason: &str) {
-        let test = std::thread::current().name().unwrap_or("?").to_owned();
-        let line = format!("IoUring\t{test}\t{reason}\n");
-        eprint!("SKIPPED: {line}");
-        if let Some(path) = std::env::var_os("BATON_TEST_SKIPS") {
-            let mut file = std::fs::OpenOptions::new()
-                .append(true)
-                .create(true)
-                .open(path)
-                .expect("open BATON_TEST_SKIPS");
-            file.write_all(line.as_bytes()).expect("record a skip");
         }
     }
 

@@ -178,6 +178,7 @@ mod tests {
     #[test]
     fn pool_names_stay_inside_their_prefix() {
         assert!(check_pool_name("licences-2.x_y").is_ok());
+        assert!(check_pool_name(&"x".repeat(100)).is_ok(), "100 is allowed");
         for bad in ["", "a/b", "a b", "é", &"x".repeat(101)] {
             assert!(check_pool_name(bad).is_err(), "{bad:?}");
         }
@@ -197,6 +198,11 @@ mod tests {
     fn a_spare_lingers_then_goes() {
         let s = situation(1, 0, 2);
         assert_eq!(step(s), Step::Linger(Duration::from_millis(200)));
+        let lingered = Situation {
+            spare_for: Duration::from_millis(50),
+            ..s
+        };
+        assert_eq!(step(lingered), Step::Linger(Duration::from_millis(150)));
         assert_eq!(
             step(Situation {
                 spare_for: Duration::from_millis(200),
@@ -218,6 +224,26 @@ mod tests {
         // Local jobs hold 3, the new lease holds nothing: take 3 before any grant.
         assert_eq!(step(situation(3, 1, 0)), Step::Take);
         assert_eq!(admission_cap(0, Contact::Reachable), 0);
+    }
+
+    #[test]
+    fn contacts_are_named_as_status_shows_them_and_read_back() {
+        let names: Vec<_> = [Contact::Reachable, Contact::Unsure, Contact::Lost]
+            .into_iter()
+            .map(|c| (c, c.name()))
+            .collect();
+        assert_eq!(
+            names,
+            [
+                (Contact::Reachable, "reachable"),
+                (Contact::Unsure, "unreachable"),
+                (Contact::Lost, "lost")
+            ]
+        );
+        for (contact, name) in names {
+            assert_eq!(Contact::from_name(name), contact);
+        }
+        assert_eq!(Contact::from_name("anything else"), Contact::Lost);
     }
 
     #[test]

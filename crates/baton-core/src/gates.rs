@@ -647,6 +647,24 @@ mod tests {
     }
 
     #[test]
+    fn any_one_gate_is_a_gate() {
+        let only = |config: GateConfig| config.any();
+        assert!(!only(GateConfig::default()));
+        assert!(only(GateConfig {
+            min_mem_available: Some(MIB),
+            ..GateConfig::default()
+        }));
+        assert!(only(GateConfig {
+            max_mem_pressure: Some(10.0),
+            ..GateConfig::default()
+        }));
+        assert!(only(GateConfig {
+            max_load: Some(2.0),
+            ..GateConfig::default()
+        }));
+    }
+
+    #[test]
     fn with_nothing_held_the_next_request_passes_whole() {
         let mut g = memory_gate(300 * MIB);
         g.observe(mem(1000 * MIB), 0, at(0));
@@ -788,6 +806,13 @@ mod tests {
         assert_eq!(parse_size("1.5G"), Ok(3 << 29));
         assert_eq!(parse_size("64KiB"), Ok(64 << 10));
         assert_eq!(parse_size("4096"), Ok(4096));
+        assert_eq!(parse_size("2T"), Ok(2 << 40));
+        assert!(parse_size("0.5").is_err(), "less than a byte");
+        for negative in ["-1", "-2G", "0"] {
+            let said = parse_size(negative).unwrap_err();
+            assert!(said.contains("above zero"), "{negative}: {said}");
+        }
+        assert!(parse_size("16777216T").is_err(), "past 64 bits");
         for bad in ["-1", "abc", "0", "", "1.5X", "G", "nan"] {
             assert!(parse_size(bad).is_err(), "{bad} accepted");
         }
@@ -819,6 +844,85 @@ mod tests {
                 "{name} {value} accepted"
             );
         }
+    }
+
+    #[test]
+    fn every_gate_setting_reads_back_as_it_was_set() {
+        let settings = [
+            ("mem-available", 2e9),
+            ("mem-pressure", 40.0),
+            ("load", 3.5),
+            ("min-jobs", 2.0),
+        ];
+        let mut c = GateConfig::default();
+        for (name, value) in settings {
+            c = c.with(name, Some(value)).unwrap();
+        }
+        for (name, value) in settings {
+            assert_eq!(c.value_of(name), Some(value), "{name}");
+        }
+        assert_eq!(c.value_of("nope"), None);
+        let off = c.with("mem-pressure", None).unwrap();
+        assert_eq!(off.value_of("mem-pressure"), None);
+        assert_eq!(
+            c.with("min-jobs", None).unwrap().value_of("min-jobs"),
+            Some(1.0)
+        );
+    }
+
+    #[test]
+    fn gates_are_named_as_status_shows_them() {
+        let names = [
+            GateKind::MemAvailable,
+            GateKind::MemPressure,
+            GateKind::Load,
+        ]
+        .map(GateKind::name);
+        assert_eq!(names, ["mem-available", "mem-pressure", "load"]);
+    }
+
+    #[test]
+    fn before_learning_a_build_holding_a_token_may_add_one_job() {
+        let mut g = memory_gate(300 * MIB);
+        g.observe(mem(1000 * MIB), 1, at(0));
+        assert_eq!(g.allowance(1, None, at(0)), Some(2), "room, nothing young");
+        g.observe(mem(200 * MIB), 1, at(0));
+        assert_eq!(g.allowance(1, None, at(0)), Some(1), "below the threshold");
+    }
+
+    #[test]
+    fn the_estimate_is_the_fall_per_token_taken_up_at_once_lowered_by_eighths() {
+        let mut g = memory_gate(100 * MIB);
+        g.observe(mem(1000 * MIB), 2, at(0));
+        g.granted(2, at(0));
+        g.observe(mem(600 * MIB), 2, at(600));
+        assert_eq!(g.per_job(), Some(200 * MIB), "400 MiB over two tokens");
+        // Room for (600 - 100) / 200 = 2 more, as slow start allows.
+        assert_eq!(g.allowance(2, None, at(600)), Some(4));
+        g.granted(1, at(600));
+        g.observe(mem(200 * MIB), 3, at(1200));
+        assert_eq!(g.per_job(), Some(400 * MIB), "a larger job counts at once");
+        g.granted(1, at(1200));
+        g.observe(mem(0), 4, at(1800));
+        assert_eq!(
+            g.per_job(),
+            Some(375 * MIB),
+            "a job of 200 moves an estimate of 400 an eighth of the way"
+        );
+    }
+
+    #[test]
+    fn with_every_holder_young_the_floor_learns_nothing() {
+        let mut g = memory_gate(100 * MIB);
+        g.observe(mem(1000 * MIB), 0, at(0));
+        g.granted(1, at(0));
+        g.observe(mem(900 * MIB), 1, at(600));
+        assert_eq!(g.per_job(), Some(100 * MIB));
+        g.granted(2, at(600));
+        // Only young grants beyond the first; a fall now is theirs, not
+        // yet a floor for the estimate.
+        g.observe(mem(100 * MIB), 2, at(700));
+        assert_eq!(g.per_job(), Some(100 * MIB));
     }
 
     #[test]
@@ -937,6 +1041,33 @@ mod tests {
             PauseAction::Nothing,
             "the last running job is never stopped"
         );
+    }
+
+    #[test]
+    fn memory_exactly_at_the_threshold_pauses_nothing() {
+        let mut g = pausing(400 * MIB);
+        let growing = [job(1, 300, Some(200)), job(2, 200, Some(100))];
+        g.observe(mem(400 * MIB), 2, at(0));
+        assert_eq!(g.pause_action(&growing), PauseAction::Nothing);
+        g.observe(mem(400 * MIB - 1), 2, at(10));
+        assert_eq!(g.pause_action(&growing), PauseAction::Pause(vec![1]));
+    }
+
+    #[test]
+    fn memory_is_watched_closely_only_while_pausing_may_be_needed() {
+        let mut g = pausing(400 * MIB);
+        g.observe(mem(500 * MIB), 2, at(0));
+        assert!(!g.urgent(), "above the threshold");
+        g.observe(mem(300 * MIB), 2, at(10));
+        assert!(g.urgent(), "below it, pausing on");
+        let mut no_pause = memory_gate(400 * MIB);
+        no_pause.observe(mem(300 * MIB), 2, at(10));
+        assert!(!no_pause.urgent(), "below it, but nothing would be paused");
+        g.did_pause(1, 1);
+        g.observe(mem(500 * MIB), 1, at(20));
+        assert!(g.urgent(), "a job is stopped, whatever the memory");
+        g.did_resume(2);
+        assert!(!g.urgent(), "none stopped, memory back");
     }
 
     /// `n` jobs that do not grow.

@@ -195,6 +195,14 @@ mod tests {
             fuse_mount_point(Path::new("/run/u/baton/socket")),
             Path::new("/run/u/baton/fuse")
         );
+        assert_eq!(
+            autostart_lock_path(Path::new("/run/u/baton/socket")),
+            Path::new("/run/u/baton/socket.autostart")
+        );
+        assert_eq!(
+            probes_path(Path::new("/run/u/baton/socket")),
+            Path::new("/run/u/baton/probes")
+        );
     }
 
     fn facts(owner: u32, mode: u32) -> DirFacts {

@@ -501,11 +501,6 @@ impl<M> Pool<M> {
         self.serve_queue()
     }
 
-    /// The cap [`Pool::set_admission_cap`] set, if any.
-    pub fn admission_cap(&self) -> Option<u32> {
-        self.cap
-    }
-
     /// How many tokens the request served next asks for, if any waits.
     pub fn next_request(&self) -> Option<u32> {
         self.next_waiter().map(|pos| self.queue[pos].tokens)
@@ -789,6 +784,45 @@ mod tests {
         assert_eq!(p.acquire(a, 0, 2), Ok(Acquired::Granted));
         assert_eq!((p.free(), p.held_by(a)), (0, 2));
         p.assert_invariants();
+    }
+
+    #[test]
+    fn every_request_that_waits_is_counted_once() {
+        let mut p = pool(1);
+        let [a, b, c] = [p.connect(()), p.connect(()), p.connect(())];
+        p.acquire(a, 0, 1).unwrap();
+        assert_eq!(p.totals().waits, 0, "granted at once");
+        p.acquire(b, 0, 1).unwrap();
+        p.acquire(c, 0, 1).unwrap();
+        assert_eq!(p.totals().waits, 2);
+    }
+
+    #[test]
+    fn held_tokens_are_counted_up_to_the_pool_s_bound_and_no_further() {
+        let mut p = pool(2);
+        let a = p.connect(());
+        assert_eq!(p.hold(a, MAX_LIMIT - 1), Ok(()), "past the limit: a fact");
+        assert_eq!(
+            p.hold(a, 2),
+            Err(PoolError::MoreThanLimit {
+                asked: MAX_LIMIT + 1,
+                limit: MAX_LIMIT
+            })
+        );
+        assert_eq!(p.hold(a, 1), Ok(()), "exactly the bound");
+        assert_eq!(p.held_by(a), MAX_LIMIT);
+        assert_eq!(p.totals().held_again, u64::from(MAX_LIMIT));
+    }
+
+    #[test]
+    fn what_a_transport_keeps_of_a_client_is_found_and_changed_by_its_id() {
+        let mut p = Pool::<u32>::new(1).unwrap();
+        let a = p.connect(7);
+        assert_eq!(p.meta(a), Some(&7));
+        *p.meta_mut(a).unwrap() = 8;
+        assert_eq!(p.meta(a), Some(&8));
+        p.disconnect(a);
+        assert_eq!(p.meta(a), None);
     }
 
     #[test]

@@ -5,6 +5,8 @@
 //! more than the local pool could use, and a local request never waits
 //! while the link holds what it needs.
 
+mod support;
+
 use baton_core::cluster::{admission_cap, step, Contact, Local, Situation, Step};
 use baton_core::{Acquired, ClientId, Pool};
 use proptest::prelude::*;
@@ -132,7 +134,7 @@ impl Sim {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig::with_cases(300))]
+    #![proptest_config(ProptestConfig::with_cases(support::cases(300)))]
 
     #[test]
     fn local_grants_never_outrun_cluster_tokens(limit in 1u32..6, events in prop::collection::vec(event(4, 5), 1..200)) {

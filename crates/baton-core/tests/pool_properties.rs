@@ -4,6 +4,8 @@
 //! nobody waits while their tokens are free, and that every refusal was
 //! justified.
 
+mod support;
+
 use baton_core::{Acquired, ClientId, Grant, Pool};
 use proptest::prelude::*;
 use std::collections::{HashMap, VecDeque};
@@ -148,7 +150,7 @@ fn check(pool: &Pool<()>, model: &Model) {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig { cases: 2000, ..ProptestConfig::default() })]
+    #![proptest_config(ProptestConfig { cases: support::cases(2000), ..ProptestConfig::default() })]
 
     #[test]
     fn tokens_are_never_created_or_lost(limit in 1..6u32, ops in prop::collection::vec(op(), 1..120)) {

@@ -4,6 +4,8 @@
 //! token-time must be within 10% of its weighted share; no request waits
 //! forever; no token is created or lost at any step.
 
+mod support;
+
 use baton_core::{Acquired, ClientId, Grant, Pool};
 use proptest::prelude::*;
 use std::cmp::Reverse;
@@ -61,7 +63,7 @@ impl Sim {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig { cases: 16, ..ProptestConfig::default() })]
+    #![proptest_config(ProptestConfig { cases: support::cases(16), ..ProptestConfig::default() })]
 
     #[test]
     fn every_busy_build_gets_its_weighted_share(

@@ -3,6 +3,8 @@
 //! further call exactly as the original does, and a snapshot whose books
 //! do not balance is refused.
 
+mod support;
+
 use baton_core::{Acquired, ClientId, Grant, Pool, PoolError};
 use proptest::prelude::*;
 
@@ -134,7 +136,7 @@ fn from_json(value: serde_json::Value) -> Result<Pool<String>, String> {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig { cases: 1000, ..ProptestConfig::default() })]
+    #![proptest_config(ProptestConfig { cases: support::cases(1000), ..ProptestConfig::default() })]
 
     #[test]
     fn a_restored_pool_answers_every_call_as_the_original(

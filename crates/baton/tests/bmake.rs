@@ -6,7 +6,7 @@ mod common;
 
 use common::*;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Output, Stdio};
+use std::process::{Command, Output, Stdio};
 use std::time::Duration;
 
 /// A recursive bmake tree: the top runs `subs` sub-makes (s0, s1, ...),
@@ -38,7 +38,7 @@ fn run_bmake(broker: &Broker, dir: &Path, run_args: &[&str], bmake_args: &[&str]
         .env_remove("MAKELEVEL")
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
-        .spawn()
+        .spawn_guarded()
         .unwrap();
     // Read as it comes, so a chatty build (-dj) never blocks on a full pipe.
     let out = read_all(child.stdout.take().unwrap());
@@ -55,7 +55,7 @@ fn run_bmake(broker: &Broker, dir: &Path, run_args: &[&str], bmake_args: &[&str]
     assert!(
         finished.is_some(),
         "bmake hung (killed after 120 s): {}",
-        text(&output)
+        output_text(&output)
     );
     output
 }
@@ -66,14 +66,6 @@ fn read_all(mut from: impl std::io::Read + Send + 'static) -> std::thread::JoinH
         let _ = from.read_to_end(&mut bytes);
         bytes
     })
-}
-
-fn text(out: &Output) -> String {
-    format!(
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    )
 }
 
 /// The styles baton offers bmake: `fifo` (auto: both ends on the build's
@@ -110,7 +102,7 @@ fn a_recursive_bmake_tree_holds_the_limit_and_reaches_it() {
         assert!(
             out.status.success(),
             "bmake failed under baton run ({style}):\n{}",
-            text(&out)
+            output_text(&out)
         );
         let (max, started) = max_overlap(&log);
         assert_eq!(started, 32);
@@ -138,7 +130,7 @@ fn bmake_is_found_by_what_it_is_and_gets_its_own_form() {
         .env_remove("MAKEFLAGS")
         .output()
         .unwrap();
-    assert!(out.status.success(), "{}", text(&out));
+    assert!(out.status.success(), "{}", output_text(&out));
     let flags = String::from_utf8_lossy(&out.stdout);
     assert!(
         flags.contains(" -J ") && flags.contains("-j 2"),
@@ -179,15 +171,7 @@ fn bmake_beside_gnu_make_and_ninja_shares_one_limit() {
     flat_makefile(dirs[1].path(), &log, 20, "0.2");
     flat_makefile(dirs[2].path(), &log, 20, "0.2");
     flat_ninja(dirs[3].path(), &log, 20, "0.2");
-    let spawn = |dir: &Path, tool: PathBuf| -> Child {
-        broker
-            .run(&["--", tool.to_str().unwrap()])
-            .current_dir(dir)
-            .env_remove("MAKEFLAGS")
-            .stdout(Stdio::null())
-            .spawn()
-            .unwrap()
-    };
+    let spawn = |dir: &Path, tool: PathBuf| spawn_build(&broker, dir, &[], &tool);
     let builds = [
         spawn(dirs[0].path(), bmake()),
         spawn(dirs[1].path(), make43()),
@@ -234,12 +218,12 @@ fn a_failing_bmake_job_stops_its_build(style: &str) {
         .current_dir(other.path())
         .env_remove("MAKEFLAGS")
         .stdout(Stdio::null())
-        .spawn()
+        .spawn_guarded()
         .unwrap();
     // -dj: each bmake says when it reads an abort token (and none dies
     // quietly).
     let out = run_bmake(&broker, dir.path(), &["--jobserver-style", style], &["-dj"]);
-    let said = format!("({style}) {}", text(&out));
+    let said = format!("({style}) {}", output_text(&out));
     assert_eq!(out.status.code(), Some(2), "{said}");
     assert!(
         said.contains("*** [j0] Error code 3"),
@@ -274,7 +258,7 @@ fn with_dash_k_bmake_goes_on_past_a_failing_job() {
     let log = dir.path().join("jobs.log");
     bmake_tree(dir.path(), &log, 4, 6, "s1j1");
     let out = run_bmake(&broker, dir.path(), &[], &["-k", ".MAKE.DIE_QUIETLY=no"]);
-    let said = text(&out);
+    let said = output_text(&out);
     assert!(!out.status.success(), "{said}");
     assert!(said.contains("*** [j1] Error code 3"), "{said}");
     assert!(
@@ -300,7 +284,7 @@ fn kill_9_of_the_top_bmake_gives_every_token_back() {
         .stdout(Stdio::null())
         .stderr(Stdio::null())
         .process_group(0) // so the test can end the orphaned sub-makes
-        .spawn()
+        .spawn_guarded()
         .unwrap();
     // The tokens are in the build's FIFO before bmake starts: wait for both.
     wait_for(
@@ -316,15 +300,6 @@ fn kill_9_of_the_top_bmake_gives_every_token_back() {
     assert_eq!(status.code(), Some(128 + 9));
     broker.assert_all_free();
     unsafe { libc::kill(-(run.id() as i32), libc::SIGKILL) };
-}
-
-fn children(pid: u32) -> Vec<u32> {
-    let path = format!("/proc/{pid}/task/{pid}/children");
-    std::fs::read_to_string(path)
-        .unwrap_or_default()
-        .split_whitespace()
-        .filter_map(|p| p.parse().ok())
-        .collect()
 }
 
 /// bmake does not wait on its pipe, so baton keeps every token the build
@@ -357,7 +332,7 @@ fn tokens_an_idle_bmake_build_leaves_unread_go_to_a_waiting_build() {
         .env_remove("MAKEFLAGS")
         .stdout(Stdio::null())
         .process_group(0)
-        .spawn()
+        .spawn_guarded()
         .unwrap();
     wait_for(
         Duration::from_secs(20),
@@ -373,7 +348,7 @@ fn tokens_an_idle_bmake_build_leaves_unread_go_to_a_waiting_build() {
         .env_remove("MAKEFLAGS")
         .output()
         .unwrap();
-    assert!(out.status.success(), "{}", text(&out));
+    assert!(out.status.success(), "{}", output_text(&out));
     let (max, started_jobs) = max_overlap(&log);
     assert_eq!(started_jobs, 12);
     assert!(

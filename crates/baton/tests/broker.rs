@@ -22,7 +22,7 @@ fn two_hundred_runs_never_exceed_four_jobs() {
             broker
                 .run(&["--jobserver-style", "none", "--", "sh", "-c", &job])
                 .stdout(Stdio::null())
-                .spawn()
+                .spawn_guarded()
                 .expect("spawn baton run")
         })
         .collect();
@@ -82,7 +82,7 @@ fn kill_9_of_holders_gives_their_tokens_to_the_waiter() {
         .map(|_| {
             broker
                 .run(&["--jobserver-style", "none", "--", "sleep", "600"])
-                .spawn()
+                .spawn_guarded()
                 .unwrap()
         })
         .collect();
@@ -133,7 +133,7 @@ fn status_json_has_the_documented_keys() {
     holder.acquire(2).unwrap();
     let mut waiter = broker
         .run(&["--jobserver-style", "none", "--tokens", "2", "--", "true"])
-        .spawn()
+        .spawn_guarded()
         .unwrap();
     wait_for(Duration::from_secs(10), "a waiter", || {
         broker.status().waiters.len() == 1
@@ -272,7 +272,7 @@ fn human_status_lists_holders_and_waiters() {
     holder.acquire(1).unwrap();
     let mut waiter = broker
         .run(&["--jobserver-style", "none", "--", "true"])
-        .spawn()
+        .spawn_guarded()
         .unwrap();
     wait_for(Duration::from_secs(5), "a waiter", || {
         broker.status().waiters.len() == 1
@@ -331,7 +331,7 @@ fn run_sets_baton_socket_for_the_command() {
 #[test]
 fn kill_9_of_baton_run_kills_its_command_and_frees_its_token() {
     let broker = Broker::start(1);
-    let mut run = broker.run(&["--", "sleep", "600"]).spawn().unwrap();
+    let mut run = broker.run(&["--", "sleep", "600"]).spawn_guarded().unwrap();
     let sleeper = running_command(run.id(), "sleep");
     run.kill().unwrap();
     run.wait().unwrap();
@@ -349,7 +349,7 @@ fn kill_9_of_baton_run_kills_its_command_and_frees_its_token() {
 #[test]
 fn sigterm_to_baton_run_reaches_the_command() {
     let broker = Broker::start(1);
-    let mut run = broker.run(&["--", "sleep", "600"]).spawn().unwrap();
+    let mut run = broker.run(&["--", "sleep", "600"]).spawn_guarded().unwrap();
     running_command(run.id(), "sleep");
     unsafe { libc::kill(run.id() as i32, libc::SIGTERM) };
     assert_eq!(
@@ -446,7 +446,7 @@ fn cancel_withdraws_a_pending_acquire() {
     let broker = Broker::start(1);
     let mut holder = broker.client("holder");
     holder.acquire(1).unwrap();
-    let mut session = RawSession::open(&broker, "HELLO 1 w");
+    let mut session = RawSession::open(&broker, "w");
     session.send("ACQUIRE 1\nCANCEL\nSTATUS\n");
     assert_eq!(session.line(), "CANCELLED 1");
     let status = session.status();
@@ -477,7 +477,7 @@ fn a_cancel_that_loses_the_race_to_a_grant_is_answered_after_it() {
     let broker = Broker::start(1);
     let mut holder = broker.client("holder");
     holder.acquire(1).unwrap();
-    let mut waiter = RawSession::open(&broker, "HELLO 1 w");
+    let mut waiter = RawSession::open(&broker, "w");
     waiter.send("ACQUIRE 1\n");
     wait_for(Duration::from_secs(30), "the ACQUIRE to queue", || {
         broker.status().waiters.len() == 1
@@ -507,17 +507,13 @@ fn a_cancel_that_loses_the_race_to_a_grant_is_answered_after_it() {
 struct RawSession(std::io::BufReader<UnixStream>);
 
 impl RawSession {
-    /// Connects, sends `hello` and checks the broker's `OK`.
-    fn open(broker: &Broker, hello: &str) -> Self {
-        let stream = UnixStream::connect(&broker.socket).unwrap();
+    /// Connects as `label` ([`hello_as`]).
+    fn open(broker: &Broker, label: &str) -> Self {
+        let stream = hello_as(&broker.socket, label);
         stream
             .set_read_timeout(Some(Duration::from_secs(30)))
             .unwrap();
-        let mut session = RawSession(std::io::BufReader::new(stream));
-        session.send(&format!("{hello}\n"));
-        let ok = session.line();
-        assert!(ok.starts_with("OK 1 "), "{ok}");
-        session
+        RawSession(std::io::BufReader::new(stream))
     }
 
     fn send(&mut self, text: &str) {
@@ -630,7 +626,7 @@ fn a_second_broker_is_refused_and_a_stale_socket_replaced() {
     let mut again = baton()
         .args(["serve", "--jobs", "1", "--socket"])
         .arg(&broker.socket)
-        .spawn()
+        .spawn_guarded()
         .unwrap();
     wait_for(Duration::from_secs(5), "the new broker", || {
         baton_client::Client::connect(&broker.socket, "p").is_ok()
@@ -744,7 +740,7 @@ fn raising_the_limit_by_k_wakes_exactly_k_waiters() {
         .map(|_| {
             broker
                 .run(&["--jobserver-style", "none", "--", "sleep", "600"])
-                .spawn()
+                .spawn_guarded()
                 .unwrap()
         })
         .collect();
@@ -778,22 +774,13 @@ fn running_command(pid: u32, program: &str) -> u32 {
         Duration::from_secs(20),
         &format!("{program} to run under pid {pid}"),
         || {
-            found = child_pids(pid)
+            found = children(pid)
                 .into_iter()
                 .find(|&c| comm(c).trim() == program);
             found.is_some()
         },
     );
     found.unwrap()
-}
-
-/// Children of a process, from /proc.
-fn child_pids(pid: u32) -> Vec<u32> {
-    std::fs::read_to_string(format!("/proc/{pid}/task/{pid}/children"))
-        .unwrap_or_default()
-        .split_whitespace()
-        .filter_map(|p| p.parse().ok())
-        .collect()
 }
 
 /// `members` clients, each taking and giving back a token `rounds` times;
@@ -1038,15 +1025,6 @@ fn a_client_that_shuts_down_its_writing_side_gives_its_tokens_back_and_gets_its_
     broker.assert_all_free();
 }
 
-/// `baton limit N` against `broker`: its output and exit code.
-fn set_limit(broker: &Broker, limit: u32) -> std::process::Output {
-    baton()
-        .args(["limit", &limit.to_string(), "--socket"])
-        .arg(&broker.socket)
-        .output()
-        .unwrap()
-}
-
 /// A client waiting in ACQUIRE on its own thread; joining gives it back.
 fn queued_acquire(
     broker: &Broker,
@@ -1119,7 +1097,7 @@ fn a_client_killed_while_queued_never_gets_the_token() {
     holder.acquire(1).unwrap();
     let mut doomed = broker
         .run(&["--jobserver-style", "none", "--", "true"])
-        .spawn()
+        .spawn_guarded()
         .unwrap();
     wait_for(Duration::from_secs(20), "the doomed run to queue", || {
         broker.status().waiters.len() == 1
@@ -1166,7 +1144,7 @@ fn protocol_edges_get_the_documented_answers() {
         "{reply:?}"
     );
     // \r\n ends a line as \n does, and is not part of the label.
-    let mut crlf = RawSession::open(&broker, "HELLO 1 crlf\r");
+    let mut crlf = RawSession::open(&broker, "crlf\r");
     crlf.send("ACQUIRE 1\r\nSTATUS\r\n");
     assert_eq!(crlf.line(), "GRANTED 1 1");
     let status = crlf.status();
@@ -1177,7 +1155,7 @@ fn protocol_edges_get_the_documented_answers() {
     assert!(reply.starts_with("ERR malformed"), "{reply:?}");
     // TRY never jumps the queue: with a token free, it is BUSY behind a waiter.
     let waiter = queued_acquire(&broker, "waits for two", 2);
-    let mut tryer = RawSession::open(&broker, "HELLO 1 tryer");
+    let mut tryer = RawSession::open(&broker, "tryer");
     tryer.send("TRY 1\n");
     assert_eq!(tryer.line(), "BUSY 1");
     crlf.send("RELEASE 1\n");
@@ -1195,7 +1173,7 @@ fn protocol_edges_get_the_documented_answers() {
 fn a_client_that_never_reads_is_paused_past_1_mib_and_served_in_full_when_it_reads() {
     const ASKED: usize = 10_000;
     let broker = Broker::start(1);
-    let mut hog = RawSession::open(&broker, "HELLO 1 reads late");
+    let mut hog = RawSession::open(&broker, "reads late");
     hog.send("ACQUIRE 1\n");
     assert_eq!(hog.line(), "GRANTED 1 1");
     // Some 3 MB of replies, asked for in 70 kB, which the socket's buffers
@@ -1263,7 +1241,8 @@ fn a_terminal_sigint_reaches_the_command_and_sighup_is_forwarded() {
             Ok(())
         });
     }
-    let mut run = cmd.spawn().unwrap();
+    // Its own session's leader, so its own group's.
+    let mut run = Guarded::of_group_leader(cmd.spawn().unwrap());
     unsafe { libc::close(slave) };
     wait_for(
         Duration::from_secs(30),

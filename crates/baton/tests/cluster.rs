@@ -10,8 +10,8 @@
 mod common;
 
 use baton_bench::etcd::Etcd;
-use common::{max_overlap, wait_for, Broker, TempDir};
-use std::process::{Child, Stdio};
+use common::{max_overlap, wait_for, Broker, Guarded, SpawnGuarded, TempDir};
+use std::process::Stdio;
 use std::time::{Duration, Instant};
 
 /// Hang guard: far beyond anything the tests wait for.
@@ -101,7 +101,7 @@ fn three_brokers_on_three_members_never_run_more_than_the_cluster_limit() {
         .collect();
     let work = TempDir::new("cluster-builds");
     let log = work.path().join("jobs.log");
-    let builds: Vec<Child> = brokers
+    let builds: Vec<Guarded> = brokers
         .iter()
         .enumerate()
         .map(|(i, broker)| {
@@ -112,7 +112,7 @@ fn three_brokers_on_three_members_never_run_more_than_the_cluster_limit() {
                 .run(&["--", "/usr/bin/make", "-s", "-C"])
                 .arg(&dir)
                 .stdout(Stdio::null())
-                .spawn()
+                .spawn_guarded()
                 .unwrap()
         })
         .collect();

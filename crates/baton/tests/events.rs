@@ -9,7 +9,7 @@ use common::*;
 use std::collections::BTreeSet;
 use std::io::Write;
 use std::path::Path;
-use std::process::{Child, Stdio};
+use std::process::Stdio;
 use std::time::Duration;
 
 /// A makefile of `jobs` independent jobs that log `S id` and `E id`.
@@ -99,19 +99,20 @@ fn overlap_after(log: &Path, mark: &str) -> (usize, usize) {
     (max, starts)
 }
 
-fn spawn_build(broker: &Broker, dir: &Path, style: &str, make: &Path) -> Child {
+/// `baton run --jobserver-style STYLE -- MAKE` in `dir`, its output piped.
+fn spawn_piped_build(broker: &Broker, dir: &Path, style: &str, make: &Path) -> Guarded {
     broker
         .run(&["--jobserver-style", style, "--", make.to_str().unwrap()])
         .current_dir(dir)
         .env_remove("MAKEFLAGS")
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
-        .spawn()
+        .spawn_guarded()
         .expect("start baton run")
 }
 
 /// `baton limit` would do the same, through the same request.
-fn set_limit(broker: &Broker, limit: u32) {
+fn set_limit_by_request(broker: &Broker, limit: u32) {
     broker
         .client("limit")
         .set_limit(limit)
@@ -126,11 +127,11 @@ fn a_lowered_limit_holds(style: &str, make: &Path) {
     let dir = TempDir::new("lowered");
     let log = dir.path().join("jobs.log");
     logged_makefile(dir.path(), &log, 12, "0.4");
-    let child = spawn_build(&broker, dir.path(), style, make);
+    let child = spawn_piped_build(&broker, dir.path(), style, make);
     wait_for(Duration::from_secs(30), "4 jobs at once", || {
         running(&log) >= 4
     });
-    set_limit(&broker, 1);
+    set_limit_by_request(&broker, 1);
     mark(&log, "L");
     let out = child.wait_with_output().unwrap();
     let err = String::from_utf8_lossy(&out.stderr);
@@ -182,11 +183,11 @@ fn a_lowered_limit_drains_a_busy_fifo_build(make: &Path, style: &str) {
     let dir = TempDir::new("lowered-fifo");
     let log = dir.path().join("jobs.log");
     logged_makefile(dir.path(), &log, 40, "0.2");
-    let mut child = spawn_build(&broker, dir.path(), style, make);
+    let mut child = spawn_piped_build(&broker, dir.path(), style, make);
     wait_for(Duration::from_secs(30), "4 jobs at once", || {
         running(&log) >= 4
     });
-    set_limit(&broker, 1);
+    set_limit_by_request(&broker, 1);
     mark(&log, "L");
     wait_for(
         Duration::from_secs(60),
@@ -240,7 +241,7 @@ fn a_build_re_attaching_past_a_smaller_limit_is_counted_once() {
     let dir = TempDir::new("smaller");
     let log = dir.path().join("jobs.log");
     logged_makefile(dir.path(), &log, 8, "1");
-    let child = spawn_build(&old, dir.path(), "pipe", &make43());
+    let child = spawn_piped_build(&old, dir.path(), "pipe", &make43());
     wait_for(Duration::from_secs(30), "4 jobs at once", || {
         running(&log) >= 4
     });
@@ -276,7 +277,7 @@ fn tokens_written_back_while_no_broker_answered_obey_the_next_ones_limit() {
     let dir = TempDir::new("gap");
     let log = dir.path().join("jobs.log");
     logged_makefile(dir.path(), &log, 12, "1");
-    let child = spawn_build(&old, dir.path(), "pipe", &make43());
+    let child = spawn_piped_build(&old, dir.path(), "pipe", &make43());
     wait_for(Duration::from_secs(30), "4 jobs at once", || {
         running(&log) >= 4
     });
@@ -318,7 +319,7 @@ fn a_build_waiting_for_its_first_token_outlives_its_broker() {
     let mut waiting = old
         .run(&["--", "touch", ran.to_str().unwrap()])
         .stderr(Stdio::piped())
-        .spawn()
+        .spawn_guarded()
         .unwrap();
     wait_for(Duration::from_secs(10), "the run to queue", || {
         old.status().waiters.len() == 1
@@ -357,7 +358,7 @@ fn a_stopped_build_is_shown_as_stopped() {
     let broker = Broker::start(2);
     let mut run = broker
         .run(&["--jobserver-style", "none", "--", "sleep", "60"])
-        .spawn()
+        .spawn_guarded()
         .unwrap();
     wait_for(Duration::from_secs(10), "the build to hold", || {
         broker.status().held == 1
@@ -388,10 +389,16 @@ fn a_stopped_build_is_shown_as_stopped() {
 }
 
 /// A build of two 3-second jobs under `baton run`, logging to `log`.
-fn spawn_logged_build(broker: &Broker, dir: &Path, log: &Path, make: &Path, style: &str) -> Child {
+fn spawn_logged_build(
+    broker: &Broker,
+    dir: &Path,
+    log: &Path,
+    make: &Path,
+    style: &str,
+) -> Guarded {
     flat_makefile(dir, log, 2, "3");
     flat_ninja(dir, log, 2, "3");
-    spawn_build(broker, dir, style, make)
+    spawn_piped_build(broker, dir, style, make)
 }
 
 /// `kill -9` of a build's `baton run` while its jobs run: the jobs run on
@@ -507,7 +514,7 @@ fn status_counts_the_jobs_a_build_runs_past_its_tokens() {
         "all:\n\t@$(MAKE) -s -j4 -f sub.mk\n",
     )
     .unwrap();
-    let child = spawn_build(&broker, dir.path(), "fifo", &make44());
+    let child = spawn_piped_build(&broker, dir.path(), "fifo", &make44());
     wait_for(Duration::from_secs(30), "4 jobs to run", || {
         max_overlap(&log).0 == 4
     });
@@ -542,7 +549,7 @@ fn stray_bytes_are_taken_out_and_reported(make: &Path, style: &str) {
     let dir = TempDir::new("stray");
     let log = dir.path().join("jobs.log");
     logged_makefile(dir.path(), &log, 6, "1");
-    let run = spawn_build(&broker, dir.path(), style, make);
+    let run = spawn_piped_build(&broker, dir.path(), style, make);
     wait_for(Duration::from_secs(30), "both jobs to run", || {
         running(&log) == 2
     });

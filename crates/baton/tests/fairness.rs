@@ -6,33 +6,13 @@
 mod common;
 
 use common::*;
-use std::path::{Path, PathBuf};
-use std::process::{Child, Stdio};
+use std::path::PathBuf;
+use std::process::Stdio;
 use std::time::Duration;
 
-/// `baton run ARGS -- TOOL` in `dir`, started.
-fn spawn_build(broker: &Broker, dir: &Path, run_args: &[&str], tool: &Path) -> Child {
-    let mut args: Vec<&str> = run_args.to_vec();
-    args.extend(["--", tool.to_str().unwrap()]);
-    broker
-        .run(&args)
-        .current_dir(dir)
-        .env_remove("MAKEFLAGS")
-        .stdout(Stdio::null())
-        .spawn()
-        .expect("start the build")
-}
-
-fn finish(mut build: Child) {
+fn finish(mut build: Guarded) {
     let status = wait_timeout(&mut build, Duration::from_secs(120)).expect("the build ends");
     assert!(status.success(), "the build failed: {status}");
-}
-
-/// Every token is free, and came back released, not reclaimed.
-fn assert_clean_end(broker: &Broker) {
-    broker.assert_all_free();
-    let s = broker.status();
-    assert_eq!(s.totals.reclaimed, 0, "{s:#?}");
 }
 
 /// One build alone on a pool of 4, with as many jobs as tokens, all ready
@@ -173,7 +153,7 @@ fn a_client_under_baton_run_joins_its_build() {
             "-c",
             &inner,
         ])
-        .spawn()
+        .spawn_guarded()
         .unwrap();
     wait_for(
         Duration::from_secs(10),
@@ -240,7 +220,7 @@ fn a_weight_out_of_range_is_refused_by_the_cli() {
 /// A client in a process of its own that says each line it is given to
 /// the broker and prints the reply: a build apart from the test's process.
 struct WireClient {
-    child: Child,
+    child: Guarded,
     reader: std::io::BufReader<std::process::ChildStdout>,
 }
 
@@ -254,7 +234,7 @@ for line in sys.stdin:\n    f.write(line); f.flush(); print(f.readline().rstrip(
             .args(["-c", Self::RELAY, broker.socket.to_str().unwrap()])
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
-            .spawn()
+            .spawn_guarded()
             .expect("python3");
         let reader = std::io::BufReader::new(child.stdout.take().unwrap());
         WireClient { child, reader }

@@ -10,10 +10,6 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
 use std::time::Duration;
 
-fn text(bytes: &[u8]) -> String {
-    String::from_utf8_lossy(bytes).into_owned()
-}
-
 /// The names in `dir`, sorted (none if it is gone).
 fn names_in(dir: &Path) -> Vec<String> {
     let mut names: Vec<String> = std::fs::read_dir(dir)
@@ -31,22 +27,6 @@ fn names_in(dir: &Path) -> Vec<String> {
 /// run` starts here is at the standard socket, `DIR/runtime/baton/socket`.
 struct Home {
     dir: TempDir,
-}
-
-/// Stops by pid, when the test ends, a broker `baton run` started.
-struct Started(u32);
-
-impl Drop for Started {
-    fn drop(&mut self) {
-        if pid_alive(self.0) {
-            unsafe { libc::kill(self.0 as i32, libc::SIGTERM) };
-            wait_for(
-                Duration::from_secs(10),
-                "the started broker to stop",
-                || !pid_alive(self.0),
-            );
-        }
-    }
 }
 
 impl Home {
@@ -95,7 +75,9 @@ impl Home {
             .expect("a broker serves")
             .status()
             .unwrap();
-        Started(status.broker_pid)
+        Started {
+            pid: status.broker_pid,
+        }
     }
 }
 
@@ -105,7 +87,7 @@ fn stop_stops_the_broker_says_what_carried_on_and_leaves_only_its_log() {
     let mut build = broker
         .run(&["--", "sleep", "60"])
         .stderr(Stdio::null())
-        .spawn()
+        .spawn_guarded()
         .unwrap();
     wait_for(Duration::from_secs(10), "the build to hold a token", || {
         broker.status().builds.iter().any(|b| b.held > 0)

@@ -11,14 +11,6 @@ use std::process::{Command, Output, Stdio};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
-fn stderr(out: &Output) -> String {
-    String::from_utf8_lossy(&out.stderr).into_owned()
-}
-
-fn stdout(out: &Output) -> String {
-    String::from_utf8_lossy(&out.stdout).into_owned()
-}
-
 fn assert_success(out: &Output) {
     assert!(
         out.status.success(),
@@ -223,7 +215,7 @@ fn sample_ltrans(builds: Vec<Command>, dirs: &[&Path]) -> (Vec<Output>, usize) {
             .map(|mut b| {
                 b.stdout(Stdio::piped())
                     .stderr(Stdio::piped())
-                    .spawn()
+                    .spawn_guarded()
                     .unwrap()
             })
             .collect();

@@ -6,14 +6,17 @@
 
 mod common;
 
-use common::{logged_job, make44, max_overlap, pid_alive, wait_for, Broker, TempDir};
+use common::{
+    file_of_a_killed_build, kill_group, logged_job, make44, max_overlap, pid_alive, wait_for,
+    Broker, SpawnGuarded, TempDir,
+};
 use std::fs::{File, OpenOptions};
 use std::io::{ErrorKind, Read, Write};
 use std::os::fd::AsRawFd;
 use std::os::unix::fs::OpenOptionsExt;
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::time::Duration;
 
 /// A broker with its FUSE mount, or None (after recording a skip) where
@@ -105,10 +108,6 @@ fn open_nonblocking(path: &Path) -> File {
         .custom_flags(libc::O_NONBLOCK)
         .open(path)
         .unwrap()
-}
-
-fn kill_group(child: &Child) {
-    unsafe { libc::kill(-(child.id() as i32), libc::SIGKILL) };
 }
 
 #[test]
@@ -283,7 +282,7 @@ fn a_held_poll_ends_at_once_on_a_signal_and_keeps_its_place() {
         .arg(script)
         .arg(&path)
         .stdout(std::process::Stdio::piped())
-        .spawn()
+        .spawn_guarded()
         .unwrap();
     wait_for(Duration::from_secs(10), "the poll to wait", || {
         broker.status().waiters.len() == 1
@@ -536,7 +535,7 @@ fn killing_a_sub_make_or_the_whole_tree_returns_its_tokens() {
     let log = dir.path().join("jobs.log");
     make_tree(dir.path(), &log, 4, 8, "30");
     let mut make = make_via_fuse(&broker, dir.path(), "top.mk")
-        .spawn()
+        .spawn_guarded()
         .unwrap();
     wait_for(Duration::from_secs(20), "leaf makes holding tokens", || {
         broker.status().free == 0
@@ -555,7 +554,7 @@ fn killing_a_sub_make_or_the_whole_tree_returns_its_tokens() {
         "the sub-make's tokens were reclaimed"
     );
 
-    kill_group(&make);
+    kill_group(make.id());
     let _ = make.wait();
     // baton run is in the group too: the build's own slot comes back with it.
     wait_for(Duration::from_secs(20), "every token of the tree", || {
@@ -577,21 +576,7 @@ fn the_token_file_of_a_killed_baton_run_is_swept_by_the_next() {
     let Some(broker) = fuse_broker(2, &[]) else {
         return;
     };
-    let mut killed = broker
-        .run(&["--jobserver-style", "fuse", "--", "sleep", "600"])
-        .env_remove("MAKEFLAGS")
-        .process_group(0)
-        .spawn()
-        .unwrap();
-    wait_for(Duration::from_secs(20), "its token file", || {
-        build_files(&broker).len() == 1
-    });
-    let left = build_files(&broker).remove(0);
-    kill_group(&killed); // baton run and its sleep: nobody removes the file
-    killed.wait().unwrap();
-    wait_for(Duration::from_secs(20), "its token back", || {
-        broker.status().free == 2
-    });
+    let left = file_of_a_killed_build(&broker, "fuse", "its token file", || build_files(&broker));
     assert!(
         left.exists(),
         "kill -9 left nothing to sweep: the test proves nothing"
@@ -670,7 +655,7 @@ fn a_killed_broker_leaves_a_stale_mount_that_the_next_one_clears() {
         .args(["serve", "--jobs", "1", "--socket"])
         .arg(&socket)
         .stderr(File::create(&log).unwrap())
-        .spawn()
+        .spawn_guarded()
         .unwrap();
     wait_for(Duration::from_secs(10), "the second broker's mount", || {
         is_fuse(&mount) && std::fs::read_dir(&mount).is_ok()
@@ -704,7 +689,7 @@ fn a_process_exiting_with_a_thread_blocked_in_a_read_exits_at_once() {
         .arg(script)
         .arg(&path)
         .stdin(Stdio::piped())
-        .spawn()
+        .spawn_guarded()
         .unwrap();
     wait_for(Duration::from_secs(20), "the helper thread to wait", || {
         broker.status().waiters.len() == 1
@@ -819,7 +804,7 @@ fn a_broker_that_cannot_mount_says_why_once_and_serves_on() {
         ])
         .arg(&socket)
         .stderr(File::create(&log).unwrap())
-        .spawn()
+        .spawn_guarded()
         .unwrap();
     wait_for(Duration::from_secs(10), "the broker to listen", || {
         std::os::unix::net::UnixStream::connect(&socket).is_ok()
@@ -897,7 +882,7 @@ fn a_fuse_build_whose_broker_never_comes_back_ends_after_the_grace() {
     let mut child = make_via_fuse(&broker, dir.path(), "Makefile")
         .stdout(std::process::Stdio::null())
         .stderr(std::process::Stdio::null())
-        .spawn()
+        .spawn_guarded()
         .unwrap();
     wait_for(Duration::from_secs(30), "the build to run", || {
         max_overlap(&log).1 >= 2

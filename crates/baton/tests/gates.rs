@@ -7,10 +7,10 @@
 
 mod common;
 
-use baton_bench::cgroup::MemCgroup;
+use baton_bench::cgroup::{MemCgroup, Unusable};
 use common::*;
 use std::path::{Path, PathBuf};
-use std::process::Command;
+use std::process::{Command, Output};
 use std::time::Duration;
 
 /// A Makefile of `jobs` jobs, each touching `mib` MiB for `secs` seconds
@@ -30,11 +30,54 @@ fn memory_makefile(dir: &Path, log: &Path, jobs: usize, mib: u64, secs: f64) {
 
 const MIB: u64 = 1 << 20;
 
+/// A memory cgroup of `limit` bytes for this test; None, with the skip
+/// recorded under its cause, where none can be made here.
+fn memory_cgroup(name: &str, limit: u64) -> Option<MemCgroup> {
+    match MemCgroup::new(name, limit) {
+        Ok(cgroup) => Some(cgroup),
+        Err(why) => {
+            let missing = match why.downcast_ref::<Unusable>() {
+                Some(Unusable::NotRoot) => Missing::Root,
+                Some(Unusable::NoMemoryCgroup(_)) => Missing::Cgroup,
+                None => panic!("making the memory cgroup: {why:#}"),
+            };
+            skip(missing, &format!("{why:#}"));
+            None
+        }
+    }
+}
+
+/// Runs `command` inside `cgroup`, in `dir`, without the caller's
+/// MAKEFLAGS; its output and the OOM kills the cgroup counted meanwhile.
+fn run_in(cgroup: &MemCgroup, dir: &Path, command: &[&str]) -> (Output, u64) {
+    let before = cgroup.oom_kills().unwrap();
+    let out = cgroup
+        .command()
+        .args(command)
+        .current_dir(dir)
+        .env_remove("MAKEFLAGS")
+        .output()
+        .unwrap();
+    (out, cgroup.oom_kills().unwrap() - before)
+}
+
+/// `baton run --socket S -- MAKE -s` for `broker`.
+fn gated_make<'a>(broker: &'a Broker, make: &'a Path) -> [&'a str; 7] {
+    [
+        baton_bin(),
+        "run",
+        "--socket",
+        broker.socket.to_str().unwrap(),
+        "--",
+        make.to_str().unwrap(),
+        "-s",
+    ]
+}
+
 #[test]
 fn a_build_the_oom_killer_ends_under_make_j8_finishes_under_the_memory_gate() {
-    let cgroup = match MemCgroup::new("test-oom", 1024 * MIB) {
-        Ok(c) => c,
-        Err(why) => return skip(Missing::Root, &format!("{why:#}")),
+    let Some(cgroup) = memory_cgroup("test-oom", 1024 * MIB) else {
+        return;
     };
     let enter = cgroup.enter();
     let enter: Vec<&str> = enter.iter().map(String::as_str).collect();
@@ -44,16 +87,11 @@ fn a_build_the_oom_killer_ends_under_make_j8_finishes_under_the_memory_gate() {
     let control = TempDir::new("oom-control");
     let control_log = control.path().join("jobs.log");
     memory_makefile(control.path(), &control_log, 12, 250, 1.0);
-    let before = cgroup.oom_kills().unwrap();
-    let out = Command::new(enter[0])
-        .args(&enter[1..])
-        .arg(&make)
-        .args(["-j8", "-k", "-s"])
-        .current_dir(control.path())
-        .env_remove("MAKEFLAGS")
-        .output()
-        .unwrap();
-    let control_kills = cgroup.oom_kills().unwrap() - before;
+    let (out, control_kills) = run_in(
+        &cgroup,
+        control.path(),
+        &[make.to_str().unwrap(), "-j8", "-k", "-s"],
+    );
     assert!(
         control_kills > 0 && !out.status.success(),
         "the scenario must bite: make -j8 in 1 GiB had {control_kills} OOM kills, exit {:?}",
@@ -80,31 +118,10 @@ fn a_build_the_oom_killer_ends_under_make_j8_finishes_under_the_memory_gate() {
     let dir = TempDir::new("oom-gated");
     let log = dir.path().join("jobs.log");
     memory_makefile(dir.path(), &log, 12, 250, 1.0);
-    let before = cgroup.oom_kills().unwrap();
-    let mut run: Vec<&str> = enter.clone();
-    let socket = broker.socket.to_str().unwrap().to_string();
-    run.extend([
-        baton_bin(),
-        "run",
-        "--socket",
-        &socket,
-        "--",
-        make.to_str().unwrap(),
-        "-s",
-    ]);
-    let out = Command::new(run[0])
-        .args(&run[1..])
-        .current_dir(dir.path())
-        .env_remove("MAKEFLAGS")
-        .output()
-        .unwrap();
+    let (out, kills) = run_in(&cgroup, dir.path(), &gated_make(&broker, &make));
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "the gated build failed: {err}");
-    assert_eq!(
-        cgroup.oom_kills().unwrap() - before,
-        0,
-        "no OOM kill under the gate"
-    );
+    assert_eq!(kills, 0, "no OOM kill under the gate");
     let (most, started) = max_overlap(&log);
     assert_eq!(started, 12);
     assert!(
@@ -133,9 +150,8 @@ fn growing_makefile(dir: &Path, log: &Path, jobs: usize) {
 
 #[test]
 fn jobs_that_grow_after_their_grant_are_paused_not_killed() {
-    let cgroup = match MemCgroup::new("test-pause", 1024 * MIB) {
-        Ok(c) => c,
-        Err(why) => return skip(Missing::Root, &format!("{why:#}")),
+    let Some(cgroup) = memory_cgroup("test-pause", 1024 * MIB) else {
+        return;
     };
     let enter = cgroup.enter();
     let enter: Vec<&str> = enter.iter().map(String::as_str).collect();
@@ -144,16 +160,11 @@ fn jobs_that_grow_after_their_grant_are_paused_not_killed() {
     // The control: plain make -j4 in the same cgroup gets jobs killed.
     let control = TempDir::new("pause-control");
     growing_makefile(control.path(), &control.path().join("jobs.log"), 8);
-    let before = cgroup.oom_kills().unwrap();
-    let out = Command::new(enter[0])
-        .args(&enter[1..])
-        .arg(&make)
-        .args(["-j4", "-k", "-s"])
-        .current_dir(control.path())
-        .env_remove("MAKEFLAGS")
-        .output()
-        .unwrap();
-    let control_kills = cgroup.oom_kills().unwrap() - before;
+    let (out, control_kills) = run_in(
+        &cgroup,
+        control.path(),
+        &[make.to_str().unwrap(), "-j4", "-k", "-s"],
+    );
     assert!(
         control_kills > 0 && !out.status.success(),
         "the scenario must bite: make -j4 in 1 GiB had {control_kills} OOM kills, exit {:?}",
@@ -177,35 +188,14 @@ fn jobs_that_grow_after_their_grant_are_paused_not_killed() {
     let dir = TempDir::new("pause");
     let log = dir.path().join("jobs.log");
     growing_makefile(dir.path(), &log, 8);
-    let before = cgroup.oom_kills().unwrap();
-    let mut run: Vec<&str> = enter.clone();
-    let socket = broker.socket.to_str().unwrap().to_string();
-    run.extend([
-        baton_bin(),
-        "run",
-        "--socket",
-        &socket,
-        "--",
-        make.to_str().unwrap(),
-        "-s",
-    ]);
-    let out = Command::new(run[0])
-        .args(&run[1..])
-        .current_dir(dir.path())
-        .env_remove("MAKEFLAGS")
-        .output()
-        .unwrap();
+    let (out, kills) = run_in(&cgroup, dir.path(), &gated_make(&broker, &make));
     let broker_log = broker.log();
     assert!(
         out.status.success(),
         "the build failed: {}\n{broker_log}",
         String::from_utf8_lossy(&out.stderr)
     );
-    assert_eq!(
-        cgroup.oom_kills().unwrap() - before,
-        0,
-        "no OOM kill with pausing: {broker_log}"
-    );
+    assert_eq!(kills, 0, "no OOM kill with pausing: {broker_log}");
     assert_eq!(max_overlap(&log).1, 8);
     let (paused, resumed) = (
         broker_log.matches("paused job pid").count(),
@@ -220,9 +210,8 @@ fn jobs_that_grow_after_their_grant_are_paused_not_killed() {
 fn a_psi_trigger_wakes_the_pressure_gate() {
     // Real memory pressure: a file twice a 32 MiB cgroup's limit, written
     // and read from inside it, so that every read reclaims and stalls.
-    let cgroup = match MemCgroup::new("test-psi", 32 * MIB) {
-        Ok(c) => c,
-        Err(why) => return skip(Missing::Root, &format!("{why:#}")),
+    let Some(cgroup) = memory_cgroup("test-psi", 32 * MIB) else {
+        return;
     };
     let broker = Broker::start_with(2, &["--max-mem-pressure", "1", "-v"]);
     wait_for(
@@ -247,7 +236,7 @@ fn a_psi_trigger_wakes_the_pressure_gate() {
     let mut pressure = Command::new(&enter[0])
         .args(&enter[1..])
         .args(["sh", "-c", &thrash])
-        .spawn()
+        .spawn_guarded()
         .unwrap();
     wait_for(
         Duration::from_secs(60),
@@ -353,7 +342,7 @@ fn a_gate_set_on_a_broker_started_without_gates_is_measured() {
     let stress_ng = which("stress-ng").expect("stress-ng (scripts/test installs it)");
     let mut stress = Command::new(stress_ng)
         .args(["--cpu", "4", "--timeout", "120", "--quiet"])
-        .spawn()
+        .spawn_guarded()
         .unwrap();
     let out = baton()
         .args(["limit", "--socket"])
@@ -483,7 +472,7 @@ fn the_load_gate_holds_a_build_to_one_job_while_the_cpus_are_busy() {
     let stress_ng = which("stress-ng").expect("stress-ng (scripts/test installs it)");
     let mut stress = Command::new(stress_ng)
         .args(["--cpu", "4", "--timeout", "120", "--quiet"])
-        .spawn()
+        .spawn_guarded()
         .unwrap();
     let broker = Broker::start_with(4, &["--max-load", "3"]);
     wait_for(

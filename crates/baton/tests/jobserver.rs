@@ -43,14 +43,6 @@ fn assert_built(out: &Output) {
     );
 }
 
-/// Every token is free, and came back released by baton run, not reclaimed
-/// from a connection that broke.
-fn assert_clean_end(broker: &Broker) {
-    broker.assert_all_free();
-    let s = broker.status();
-    assert_eq!(s.totals.reclaimed, 0, "{s:#?}");
-}
-
 fn check_make(make: PathBuf, style: &str) {
     let broker = Broker::start(4);
     let dir = TempDir::new("make");
@@ -150,15 +142,7 @@ fn three_builds_at_once_share_one_limit() {
         30,
         &format!("0.1; echo S >> {}", logs[2].display()),
     );
-    let spawn = |dir: &Path, tool: PathBuf| {
-        broker
-            .run(&["--", tool.to_str().unwrap()])
-            .current_dir(dir)
-            .env_remove("MAKEFLAGS")
-            .stdout(Stdio::null())
-            .spawn()
-            .unwrap()
-    };
+    let spawn = |dir: &Path, tool: PathBuf| spawn_build(&broker, dir, &[], &tool);
     let builds = [
         spawn(dirs[0].path(), make43()),
         spawn(dirs[1].path(), make44()),
@@ -210,40 +194,30 @@ fn recursive_tree(dir: &Path, log: &Path, subs: usize, jobs: usize, secs: &str) 
     .unwrap();
 }
 
-/// The FIFO bridge's tree (the FUSE style has its own tests in fuse.rs).
-fn spawn_tree(broker: &Broker, dir: &Path, make: &Path) -> std::process::Child {
+/// The FIFO bridge's tree (the FUSE style has its own tests in fuse.rs):
+/// a broker of 6 and a recursive tree of 4 sub-makes of 20 jobs under
+/// `baton run -- MAKE`, running and holding every token; the build is in
+/// a group of its own, so that the test can kill the whole tree.
+fn running_tree(make: &Path) -> (Broker, TempDir, Guarded) {
+    let broker = Broker::start(6);
+    let dir = TempDir::new("tree");
+    let log = dir.path().join("jobs.log");
+    recursive_tree(dir.path(), &log, 4, 20, "0.2");
     let style = if make == make43() { "pipe" } else { "fifo" };
-    broker
+    let run = broker
         .run(&["--jobserver-style", style, "--", make.to_str().unwrap()])
-        .current_dir(dir)
+        .current_dir(dir.path())
         .env_remove("MAKEFLAGS")
         .stdout(Stdio::null())
         .stderr(Stdio::null())
-        .process_group(0) // so the test can kill the whole tree
-        .spawn()
-        .unwrap()
-}
-
-fn kill_group(pgid: u32) {
-    unsafe { libc::kill(-(pgid as i32), libc::SIGKILL) };
-}
-
-fn group_members(pgid: u32) -> Vec<u32> {
-    std::fs::read_dir("/proc")
-        .unwrap()
-        .flatten()
-        .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
-        .filter(|pid| {
-            let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
-            let fields: Vec<&str> = stat
-                .rsplit(')')
-                .next()
-                .unwrap_or("")
-                .split_whitespace()
-                .collect();
-            fields.get(2) == Some(&pgid.to_string().as_str()) && fields.first() != Some(&"Z")
-        })
-        .collect()
+        .spawn_guarded()
+        .unwrap();
+    wait_for(
+        Duration::from_secs(20),
+        "the tree to run and hold every token",
+        || tree_running(&broker, &log, 6),
+    );
+    (broker, dir, run)
 }
 
 /// The build holds `tokens` and has started as many jobs: its tokens are
@@ -255,16 +229,7 @@ fn tree_running(broker: &Broker, log: &std::path::Path, tokens: u32) -> bool {
 #[test]
 fn kill_9_of_a_recursive_make_tree_returns_every_token() {
     for make in [make43(), make44()] {
-        let broker = Broker::start(6);
-        let dir = TempDir::new("tree");
-        let log = dir.path().join("jobs.log");
-        recursive_tree(dir.path(), &log, 4, 20, "0.2");
-        let mut run = spawn_tree(&broker, dir.path(), &make);
-        wait_for(
-            Duration::from_secs(20),
-            "the tree to run and hold every token",
-            || tree_running(&broker, &log, 6),
-        );
+        let (broker, _dir, mut run) = running_tree(&make);
         // The tree: everything in the group but baton run itself.
         let tree: Vec<u32> = group_members(run.id())
             .into_iter()
@@ -286,16 +251,7 @@ fn kill_9_of_a_recursive_make_tree_returns_every_token() {
 
 #[test]
 fn kill_9_of_baton_run_returns_every_token_of_its_build() {
-    let broker = Broker::start(6);
-    let dir = TempDir::new("tree");
-    let log = dir.path().join("jobs.log");
-    recursive_tree(dir.path(), &log, 4, 20, "0.2");
-    let mut run = spawn_tree(&broker, dir.path(), &make44());
-    wait_for(
-        Duration::from_secs(20),
-        "the tree to run and hold every token",
-        || tree_running(&broker, &log, 6),
-    );
+    let (broker, _dir, mut run) = running_tree(&make44());
     run.kill().unwrap();
     run.wait().unwrap();
     wait_for(Duration::from_secs(20), "every token to be free", || {
@@ -401,13 +357,13 @@ fn an_idle_build_gives_its_spare_token_to_a_waiting_build() {
         .env_remove("MAKEFLAGS")
         .stdout(Stdio::null())
         .process_group(0)
-        .spawn()
+        .spawn_guarded()
         .unwrap();
     wait_for(Duration::from_secs(10), "A to hold both tokens", || {
         broker.status().held == 2
     });
     // B gets A's spare token while A's one job still runs.
-    let mut build_b = broker.run(&["--", "true"]).spawn().unwrap();
+    let mut build_b = broker.run(&["--", "true"]).spawn_guarded().unwrap();
     let b = wait_timeout(&mut build_b, Duration::from_secs(60)).expect("B got a token while A ran");
     assert!(b.success());
     assert!(
@@ -454,7 +410,7 @@ fn a_build_survives_its_broker_going_away() {
         .env_remove("MAKEFLAGS")
         .stderr(Stdio::piped())
         .stdout(Stdio::null())
-        .spawn()
+        .spawn_guarded()
         .unwrap();
     wait_for(Duration::from_secs(10), "the build to start", || {
         log.exists()
@@ -530,7 +486,7 @@ fn a_build_that_ends_while_its_next_token_is_queued_gives_back_cleanly() {
         .env_remove("MAKEFLAGS")
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
-        .spawn()
+        .spawn_guarded()
         .unwrap();
     wait_for(
         Duration::from_secs(20),
@@ -605,21 +561,7 @@ fn a_finished_build_leaves_no_fifo() {
 #[test]
 fn the_fifo_of_a_killed_baton_run_is_swept_by_the_next() {
     let broker = Broker::start(2);
-    let mut killed = broker
-        .run(&["--jobserver-style", "fifo", "--", "sleep", "600"])
-        .env_remove("MAKEFLAGS")
-        .process_group(0)
-        .spawn()
-        .unwrap();
-    wait_for(Duration::from_secs(20), "its FIFO", || {
-        fifos(&broker).len() == 1
-    });
-    let left = fifos(&broker).remove(0);
-    kill_group(killed.id()); // baton run and its sleep: nobody removes the FIFO
-    killed.wait().unwrap();
-    wait_for(Duration::from_secs(20), "its token back", || {
-        broker.status().free == 2
-    });
+    let left = file_of_a_killed_build(&broker, "fifo", "its FIFO", || fifos(&broker));
     assert!(
         left.exists(),
         "kill -9 left nothing to sweep: the test proves nothing"
@@ -708,7 +650,7 @@ fn the_cap_holds_against_a_broker_that_queues() {
         .env_remove("MAKEFLAGS")
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
-        .spawn()
+        .spawn_guarded()
         .unwrap();
     let finished = wait_timeout(&mut run, Duration::from_secs(120));
     if finished.is_none() {
@@ -788,7 +730,7 @@ fn baton_run_inside_a_recipe_of_a_build_under_baton_runs_in_its_job_slot() {
             .run(&["--", make.to_str().unwrap(), "-s"])
             .current_dir(dir.path())
             .env_remove("MAKEFLAGS")
-            .spawn()
+            .spawn_guarded()
             .unwrap();
         let status = wait_timeout(&mut build, Duration::from_secs(60)).unwrap_or_else(|| {
             let _ = build.kill();

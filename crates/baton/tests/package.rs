@@ -13,10 +13,6 @@ fn workspace() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
 }
 
-fn text(bytes: &[u8]) -> String {
-    String::from_utf8_lossy(bytes).into_owned()
-}
-
 /// Builds the package (without the cluster feature: quicker, and the test
 /// is about the package, not etcd); returns the .deb.
 ///

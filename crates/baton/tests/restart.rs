@@ -8,7 +8,7 @@ use baton_core::status::Status;
 use common::*;
 use std::os::unix::process::ExitStatusExt;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Stdio};
+use std::process::Stdio;
 use std::time::Duration;
 
 /// One build of each style, each in its own directory with its own log of
@@ -17,7 +17,7 @@ use std::time::Duration;
 /// exactly its first job's token and waits for a second.
 struct Builds {
     dirs: Vec<TempDir>,
-    children: Vec<Child>,
+    children: Vec<Guarded>,
     gate: PathBuf,
 }
 
@@ -72,7 +72,7 @@ impl Builds {
                 .env_remove("MAKEFLAGS")
                 .stdout(Stdio::null())
                 .stderr(Stdio::piped())
-                .spawn()
+                .spawn_guarded()
                 .expect("start a build");
             dirs.push(dir);
             children.push(child);
@@ -162,18 +162,16 @@ fn replace(broker: &Broker) -> Successor {
 fn replace_with(broker: &Broker, jobs: u32) -> Successor {
     let log = std::fs::File::create(broker.dir.path().join("successor.log")).unwrap();
     Successor(
-        baton()
-            .args(["serve", "--jobs", &jobs.to_string(), "--socket"])
-            .arg(&broker.socket)
-            .arg("--replace")
+        broker
+            .successor(jobs, &[])
             .stderr(log)
-            .spawn()
+            .spawn_guarded()
             .expect("start the successor"),
     )
 }
 
 /// The successor broker; a test that fails half-way stops it too.
-struct Successor(Child);
+struct Successor(Guarded);
 
 impl Successor {
     fn id(&self) -> u32 {
@@ -345,7 +343,7 @@ fn a_broker_where_one_died_grants_nothing_new_before_its_builds_re_attach() {
         .run(&["--tokens", "2", "--", "sh", "-c", &holder])
         .stdout(Stdio::null())
         .stderr(Stdio::null())
-        .spawn()
+        .spawn_guarded()
         .unwrap();
     wait_for_status(&broker, "the build to hold both tokens", |s| s.held == 2);
     broker.stop_with(libc::SIGKILL);
@@ -358,7 +356,7 @@ fn a_broker_where_one_died_grants_nothing_new_before_its_builds_re_attach() {
         .run(&["--", "sh", "-c", &newcomer])
         .stdout(Stdio::null())
         .stderr(Stdio::null())
-        .spawn()
+        .spawn_guarded()
         .unwrap();
     let s = wait_for_status(
         &restarted,
@@ -469,25 +467,21 @@ fn a_half_read_line_and_a_waiting_acquire_cross_a_replace() {
     let mut broker = Broker::start(1);
     let mut holder = broker.client("holds the only token");
     holder.acquire(1).unwrap();
-    let connect = |hello: &str| {
-        let stream = std::os::unix::net::UnixStream::connect(&broker.socket).unwrap();
+    let connect = |label: &str| {
+        let stream = hello_as(&broker.socket, label);
         stream
             .set_read_timeout(Some(Duration::from_secs(30)))
             .unwrap();
-        let mut reader = BufReader::new(stream.try_clone().unwrap());
-        (&stream).write_all(hello.as_bytes()).unwrap();
-        let mut line = String::new();
-        reader.read_line(&mut line).unwrap();
-        assert!(line.starts_with("OK 1 "), "{line}");
+        let reader = BufReader::new(stream.try_clone().unwrap());
         (stream, reader)
     };
-    let (first, mut first_replies) = connect("HELLO 1 first\n");
+    let (first, mut first_replies) = connect("first");
     (&first).write_all(b"ACQUIRE 1\n").unwrap();
     wait_for_status(&broker, "the first to wait", |s| s.waiters.len() == 1);
-    let (second, mut second_replies) = connect("HELLO 1 second\n");
+    let (second, mut second_replies) = connect("second");
     (&second).write_all(b"ACQUIRE 1\n").unwrap();
     wait_for_status(&broker, "the second to wait", |s| s.waiters.len() == 2);
-    let (mut partial, mut partial_replies) = connect("HELLO 1 partial\n");
+    let (mut partial, mut partial_replies) = connect("partial");
     partial.write_all(b"TR").unwrap();
     let before = broker.status();
 

@@ -9,7 +9,7 @@
 
 mod common;
 
-use common::{Broker, Missing};
+use common::{hello_as, rss_kib, Broker, Missing};
 use std::io::{BufRead, BufReader, Read, Write};
 use std::os::fd::AsRawFd;
 use std::os::unix::net::UnixStream;
@@ -56,35 +56,6 @@ fn enough_files(needed: u64) -> bool {
 /// cost this test 10,000 read buffers.
 fn hello(socket: &std::path::Path, i: usize) -> UnixStream {
     hello_as(socket, &format!("scale-{i}"))
-}
-
-fn hello_as(socket: &std::path::Path, label: &str) -> UnixStream {
-    let mut stream =
-        UnixStream::connect(socket).unwrap_or_else(|e| panic!("{label} cannot connect: {e}"));
-    stream
-        .write_all(format!("HELLO 1 {label}\n").as_bytes())
-        .unwrap();
-    let mut line = String::new();
-    BufReader::new(&stream).read_line(&mut line).unwrap();
-    assert!(line.starts_with("OK 1 "), "{label} got {line:?}");
-    stream
-}
-
-/// The broker's resident memory now and at its peak, in KiB.
-fn rss_kib(pid: u32) -> (u64, u64) {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
-    let field = |name: &str| {
-        let line = status
-            .lines()
-            .find(|l| l.starts_with(name))
-            .unwrap_or_else(|| panic!("no {name} in /proc/{pid}/status"));
-        line.split_whitespace()
-            .nth(1)
-            .unwrap()
-            .parse::<u64>()
-            .unwrap()
-    };
-    (field("VmRSS:"), field("VmHWM:"))
 }
 
 /// Waits for readable clients with epoll: 10,000 descriptors are too many

@@ -5,13 +5,16 @@
 
 mod common;
 
-use common::{baton, baton_bin, can_act_as_another_user, wait_for, Broker, TempDir};
+use common::{
+    baton, baton_bin, can_act_as_another_user, output_text, python, wait_for, Broker, Guarded,
+    SpawnGuarded, TempDir,
+};
 use std::io::{BufRead, BufReader, Read, Write};
 use std::os::unix::fs::{MetadataExt, PermissionsExt};
 use std::os::unix::net::UnixStream;
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Output, Stdio};
+use std::process::{Command, Output, Stdio};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
@@ -34,17 +37,9 @@ fn chmod(path: &Path, mode: u32) {
     std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode)).unwrap();
 }
 
-fn text(out: &Output) -> String {
-    format!(
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    )
-}
-
 /// A broker run by the other user, stopped by pid on drop.
 struct OthersBroker {
-    child: Child,
+    child: Guarded,
     socket: PathBuf,
 }
 
@@ -62,7 +57,7 @@ impl OthersBroker {
             .arg(socket)
             .env_remove("XDG_RUNTIME_DIR")
             .stderr(std::fs::File::create(log).unwrap())
-            .spawn()
+            .spawn_guarded()
             .unwrap();
         wait_for(Duration::from_secs(10), "the other user's broker", || {
             UnixStream::connect(socket).is_ok()
@@ -107,7 +102,7 @@ fn a_broker_of_another_user_is_refused_by_status_and_run() {
         .arg(&socket)
         .output()
         .unwrap();
-    let said = text(&status);
+    let said = output_text(&status);
     assert!(!status.status.success(), "{said}");
     assert!(said.contains(&format!("process of uid {OTHER}")), "{said}");
     assert!(said.contains(&socket.display().to_string()), "{said}");
@@ -120,7 +115,7 @@ fn a_broker_of_another_user_is_refused_by_status_and_run() {
         .args(["--", "sh", "-c", "echo ran with MAKEFLAGS=$MAKEFLAGS"])
         .output()
         .unwrap();
-    let said = text(&run);
+    let said = output_text(&run);
     assert!(!run.status.success(), "{said}");
     assert!(!said.contains("ran with"), "{said}");
     assert!(said.contains(&format!("process of uid {OTHER}")), "{said}");
@@ -149,7 +144,7 @@ fn a_squatted_default_directory_is_refused_by_serve_status_and_run() {
             .env("BATON_NO_AUTOSTART", "1")
             .output()
             .unwrap();
-        let said = text(&out);
+        let said = output_text(&out);
         assert!(!out.status.success(), "{args:?}: {said}");
         assert!(
             said.contains(&format!("belongs to uid {OTHER}")),
@@ -174,7 +169,7 @@ fn a_symlinked_default_directory_is_refused_and_its_target_left_alone() {
     let mut serve = baton_at_default(xdg.path())
         .args(["serve", "--jobs", "1", "--no-fuse"])
         .stderr(Stdio::piped())
-        .spawn()
+        .spawn_guarded()
         .unwrap();
     let exited = common::wait_timeout(&mut serve, Duration::from_secs(10));
     if exited.is_none() {
@@ -201,7 +196,7 @@ fn a_symlinked_default_directory_is_refused_and_its_target_left_alone() {
     );
 
     let out = baton_at_default(xdg.path()).arg("status").output().unwrap();
-    let said = text(&out);
+    let said = output_text(&out);
     assert!(!out.status.success(), "{said}");
     assert!(said.contains("symbolic link"), "{said}");
 }
@@ -245,7 +240,7 @@ fn a_planted_lock_link_is_refused_and_nothing_is_created_through_it() {
         .arg(&socket)
         .output()
         .unwrap();
-    let said = text(&out);
+    let said = output_text(&out);
     assert!(!out.status.success(), "{said}");
     assert!(said.contains("symbolic link"), "{said}");
     assert!(
@@ -271,7 +266,7 @@ fn a_planted_mount_point_link_is_refused_and_its_target_not_covered() {
         .args(["serve", "--jobs", "1", "--socket"])
         .arg(&socket)
         .stderr(std::fs::File::create(&log).unwrap())
-        .spawn()
+        .spawn_guarded()
         .unwrap();
     wait_for(Duration::from_secs(10), "the broker to listen", || {
         UnixStream::connect(&socket).is_ok()
@@ -299,7 +294,7 @@ fn the_broker_refuses_another_user_even_at_a_socket_open_to_all() {
         .arg(&broker.socket)
         .output()
         .unwrap();
-    let said = text(&out);
+    let said = output_text(&out);
     assert!(!out.status.success(), "{said}");
     assert!(said.contains("refuses you"), "{said}");
     assert!(
@@ -333,12 +328,12 @@ fn the_handover_socket_refuses_another_user() {
         s.connect(sys.argv[1])\n\
         s.settimeout(30)\n\
         print(len(s.recv(16)))\n";
-    let out = as_other_user(&python())
+    let out = as_other_user(python().to_str().unwrap())
         .args(["-c", read])
         .arg(&handover)
         .output()
         .unwrap();
-    assert_eq!(text(&out).trim(), "0", "{}", text(&out));
+    assert_eq!(output_text(&out).trim(), "0", "{}", output_text(&out));
     assert!(broker
         .log()
         .contains("refused a handover asked by another user"));
@@ -369,11 +364,11 @@ fn a_successor_refuses_to_take_over_from_another_user() {
         c,_=s.accept()\n\
         c.sendall((2).to_bytes(8,'little')+(0).to_bytes(8,'little')+b'{}')\n\
         time.sleep(2)\n";
-    let mut other = as_other_user(&python())
+    let mut other = as_other_user(python().to_str().unwrap())
         .args(["-c", fake])
         .arg(&handover)
         .stdout(Stdio::piped())
-        .spawn()
+        .spawn_guarded()
         .unwrap();
     let mut line = String::new();
     BufReader::new(other.stdout.take().unwrap())
@@ -387,16 +382,12 @@ fn a_successor_refuses_to_take_over_from_another_user() {
         .unwrap();
     let _ = other.kill();
     other.wait().unwrap();
-    let said = text(&out);
+    let said = output_text(&out);
     assert!(!out.status.success(), "{said}");
     assert!(
         said.contains("process of uid 65534") && said.contains("refusing to take over"),
         "{said}"
     );
-}
-
-fn python() -> String {
-    std::env::var("BATON_TEST_PYTHON").unwrap_or_else(|_| "python3".into())
 }
 
 /// Resident memory's high-water mark of a process, in kB.
@@ -477,7 +468,7 @@ fn a_broker_out_of_descriptors_answers_full_in_words() {
             }
         });
     }
-    let mut serve = serve.spawn().unwrap();
+    let mut serve = serve.spawn_guarded().unwrap();
     wait_for(Duration::from_secs(10), "the broker to listen", || {
         baton_client::Client::connect(&socket, "probe").is_ok()
     });
@@ -490,7 +481,7 @@ fn a_broker_out_of_descriptors_answers_full_in_words() {
         .arg(&socket)
         .output()
         .unwrap();
-    let said = text(&out);
+    let said = output_text(&out);
     drop(clients);
     unsafe { libc::kill(serve.id() as i32, libc::SIGTERM) };
     serve.wait().unwrap();
@@ -549,10 +540,14 @@ fn the_c_and_python_clients_refuse_a_broker_of_another_user_unless_told_its_uid(
         .arg(&binary)
         .output()
         .expect("cc (the C client's tests need a C compiler)");
-    assert!(built.status.success(), "{}", text(&built));
+    assert!(built.status.success(), "{}", output_text(&built));
     let c = Command::new(&binary).arg(&socket).output().unwrap();
-    assert_eq!(c.status.code(), Some(3), "C client: {}", text(&c));
-    assert!(text(&c).contains("Operation not permitted"), "{}", text(&c));
+    assert_eq!(c.status.code(), Some(3), "C client: {}", output_text(&c));
+    assert!(
+        output_text(&c).contains("Operation not permitted"),
+        "{}",
+        output_text(&c)
+    );
 
     let connect = "import sys, baton_client\n\
         try:\n    baton_client.Client(sys.argv[1])\n\
@@ -564,7 +559,7 @@ fn the_c_and_python_clients_refuse_a_broker_of_another_user_unless_told_its_uid(
         .env("PYTHONPATH", clients.join("python/src"))
         .output()
         .unwrap();
-    let said = text(&py);
+    let said = output_text(&py);
     assert_eq!(py.status.code(), Some(3), "Python client: {said}");
     assert!(said.contains(&format!("process of uid {OTHER}")), "{said}");
     assert!(
@@ -579,8 +574,12 @@ fn the_c_and_python_clients_refuse_a_broker_of_another_user_unless_told_its_uid(
         .env("BATON_BROKER_UID", OTHER.to_string())
         .output()
         .unwrap();
-    assert_eq!(c.status.code(), Some(0), "C client: {}", text(&c));
-    assert!(text(&c).contains("connected, limit"), "{}", text(&c));
+    assert_eq!(c.status.code(), Some(0), "C client: {}", output_text(&c));
+    assert!(
+        output_text(&c).contains("connected, limit"),
+        "{}",
+        output_text(&c)
+    );
     let py = Command::new(python())
         .args(["-c", connect])
         .arg(&socket)
@@ -588,7 +587,12 @@ fn the_c_and_python_clients_refuse_a_broker_of_another_user_unless_told_its_uid(
         .env("BATON_BROKER_UID", OTHER.to_string())
         .output()
         .unwrap();
-    assert_eq!(py.status.code(), Some(0), "Python client: {}", text(&py));
+    assert_eq!(
+        py.status.code(),
+        Some(0),
+        "Python client: {}",
+        output_text(&py)
+    );
 }
 
 /// A `--socket` in a directory every user may write to, without the
@@ -612,7 +616,7 @@ fn a_socket_in_a_world_writable_directory_without_the_sticky_bit_is_refused() {
         .arg(open.join("socket"))
         .output()
         .unwrap();
-    let said = text(&out);
+    let said = output_text(&out);
     assert!(!out.status.success(), "{said}");
     assert!(
         said.contains("writable by every user and not sticky"),
@@ -673,7 +677,7 @@ fn another_uid_is_refused_in_words_that_name_the_options_to_admit_it() {
     let broker = broker_admitting(&[]);
     chmod(&broker.socket, 0o777);
     let out = as_member(&broker, MEMBER, &[], broker.dir.path(), &["status"]);
-    let said = text(&out);
+    let said = output_text(&out);
     assert!(!out.status.success(), "{said}");
     for words in [
         format!("uid {MEMBER} may not use this broker"),
@@ -702,8 +706,12 @@ fn an_allowed_uid_runs_its_builds_and_reads_status_but_cannot_administer() {
         broker.dir.path(),
         &["status", "--json"],
     );
-    assert!(status.status.success(), "{}", text(&status));
-    assert!(text(&status).contains("\"limit\": 4"), "{}", text(&status));
+    assert!(status.status.success(), "{}", output_text(&status));
+    assert!(
+        output_text(&status).contains("\"limit\": 4"),
+        "{}",
+        output_text(&status)
+    );
 
     // A real build of the member's own: make 4.3 under `baton run` (its
     // FIFO goes to the member's $TMPDIR: the socket's directory is root's).
@@ -735,7 +743,7 @@ fn an_allowed_uid_runs_its_builds_and_reads_status_but_cannot_administer() {
         .output()
         .unwrap()
     };
-    assert!(out.status.success(), "{}", text(&out));
+    assert!(out.status.success(), "{}", output_text(&out));
     let (most, started) = common::max_overlap(&log);
     assert_eq!(started, 10);
     assert!(most <= 4, "{most} jobs at once under a limit of 4");
@@ -748,7 +756,7 @@ fn an_allowed_uid_runs_its_builds_and_reads_status_but_cannot_administer() {
         (&["stop"][..], "may not stop the broker"),
     ] {
         let out = as_member(&broker, MEMBER, &[], work.path(), args);
-        let said = text(&out);
+        let said = output_text(&out);
         assert!(!out.status.success(), "{args:?}: {said}");
         assert!(said.contains(&format!("uid {MEMBER} {words}")), "{said}");
         assert!(said.contains("only uid 0 and root"), "{said}");
@@ -766,11 +774,11 @@ fn an_allowed_uid_runs_its_builds_and_reads_status_but_cannot_administer() {
         .arg(&broker.socket)
         .output()
         .unwrap();
-    assert!(text(&stranger).contains(&format!("uid {OTHER} may not use this broker")));
+    assert!(output_text(&stranger).contains(&format!("uid {OTHER} may not use this broker")));
     assert!(
-        text(&stranger).contains(&format!("uid {MEMBER}")),
+        output_text(&stranger).contains(&format!("uid {MEMBER}")),
         "{}",
-        text(&stranger)
+        output_text(&stranger)
     );
 }
 
@@ -788,15 +796,15 @@ fn an_allowed_group_admits_its_members_by_primary_or_supplementary_gid() {
     assert!(
         by_supplementary.status.success(),
         "{}",
-        text(&by_supplementary)
+        output_text(&by_supplementary)
     );
     let by_primary = as_member(&broker, MEMBERS_GROUP, &[], dir, &["status"]);
-    assert!(by_primary.status.success(), "{}", text(&by_primary));
+    assert!(by_primary.status.success(), "{}", output_text(&by_primary));
     // Outside the group: the socket's mode already keeps it out; opened
     // to all, the broker still does, naming the options.
     chmod(&broker.socket, 0o666);
     let outside = as_member(&broker, MEMBER, &[], dir, &["status"]);
-    let said = text(&outside);
+    let said = output_text(&outside);
     assert!(!outside.status.success(), "{said}");
     assert!(
         said.contains(&format!("members of gid {MEMBERS_GROUP}")),
@@ -830,7 +838,12 @@ fn the_config_file_admits_other_uids_too() {
         chmod(broker.dir.path(), 0o755);
         chmod(broker.socket.parent().unwrap(), 0o755);
         let out = as_member(&broker, MEMBER, &[], broker.dir.path(), &["status"]);
-        assert_eq!(out.status.success(), admitted, "{cli:?}: {}", text(&out));
+        assert_eq!(
+            out.status.success(),
+            admitted,
+            "{cli:?}: {}",
+            output_text(&out)
+        );
     }
 }
 
@@ -854,14 +867,13 @@ fn a_member_may_hold_again_no_more_than_the_limit() {
             &format!("--reuid={MEMBER}"),
             &format!("--regid={MEMBER}"),
             "--clear-groups",
-            &python(),
-            "-c",
-            session,
         ])
+        .arg(python())
+        .args(["-c", session])
         .arg(&broker.socket)
         .output()
         .unwrap();
-    let said = text(&out);
+    let said = output_text(&out);
     let replies: Vec<&str> = said.lines().collect();
     assert_eq!(replies.len(), 4, "{said}");
     assert!(
@@ -885,7 +897,7 @@ fn admitting_others_in_the_private_directory_or_an_unknown_group_is_refused() {
         .args(["serve", "--jobs", "2", "--no-fuse", "--allow-uid", "1234"])
         .output()
         .unwrap();
-    let said = text(&out);
+    let said = output_text(&out);
     assert!(!out.status.success(), "{said}");
     assert!(said.contains("baton's private directory"), "{said}");
     assert!(said.contains("--socket"), "{said}");
@@ -908,7 +920,7 @@ fn admitting_others_in_the_private_directory_or_an_unknown_group_is_refused() {
         .arg(dir.path().join("run/socket"))
         .output()
         .unwrap();
-    let said = text(&out);
+    let said = output_text(&out);
     assert!(!out.status.success(), "{said}");
     assert!(
         said.contains("--allow-group no-such-group-here: no such group"),

@@ -6,7 +6,7 @@ mod common;
 
 use common::*;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Output, Stdio};
+use std::process::{Command, Output, Stdio};
 use std::time::Duration;
 
 /// A temporary home for one test: its own config directory and socket, so
@@ -72,26 +72,6 @@ fn logged_pid(line: &str) -> Option<u32> {
     after.trim_end_matches(')').parse().ok()
 }
 
-/// A broker this test did not start itself (`baton run` did): stopped by
-/// pid when the test ends, and waited for until it is gone.
-struct Started {
-    pid: u32,
-}
-
-impl Drop for Started {
-    fn drop(&mut self) {
-        // Gone already (stopped as idle): its pid may be someone else's.
-        if pid_alive(self.pid) {
-            unsafe { libc::kill(self.pid as i32, libc::SIGTERM) };
-            wait_for(
-                Duration::from_secs(10),
-                "the auto-started broker to stop",
-                || !pid_alive(self.pid),
-            );
-        }
-    }
-}
-
 fn status_json(home: &Home) -> serde_json::Value {
     let out = home.baton(&["status", "--json"]).output().unwrap();
     assert!(
@@ -110,22 +90,18 @@ fn assert_all_free(status: &serde_json::Value) {
     assert_eq!(status["held"], 0, "tokens missing at the end: {status:#}");
 }
 
-fn stderr(out: &Output) -> String {
-    String::from_utf8_lossy(&out.stderr).into_owned()
-}
-
 #[test]
 fn concurrent_first_runs_start_exactly_one_broker() {
     let home = Home::new("autostart");
     home.write_config("jobs = 2\n");
     let log = home.dir.path().join("jobs.log");
     let job = logged_job(&log, "0.2");
-    let runs: Vec<Child> = (0..8)
+    let runs: Vec<Guarded> = (0..8)
         .map(|_| {
             home.baton(&["run", "--", "sh", "-c", &job])
                 .stdout(Stdio::null())
                 .stderr(Stdio::piped())
-                .spawn()
+                .spawn_guarded()
                 .unwrap()
         })
         .collect();
@@ -314,7 +290,7 @@ fn the_command_line_beats_the_config_file() {
     let mut serve = home
         .baton(&["serve", "--no-fuse", "--jobs", "3"])
         .stderr(log)
-        .spawn()
+        .spawn_guarded()
         .unwrap();
     wait_for(Duration::from_secs(10), "the broker to listen", || {
         std::os::unix::net::UnixStream::connect(home.socket()).is_ok()
@@ -343,7 +319,7 @@ fn serve_takes_the_socket_systemd_passes() {
         .env("XDG_CONFIG_HOME", home.dir.path().join("config"))
         .env_remove("BATON_SOCKET")
         .stderr(log)
-        .spawn()
+        .spawn_guarded()
         .unwrap();
     // systemd-socket-activate binds first and starts baton on the first
     // connection, so a client finds the socket before the broker runs.
@@ -460,7 +436,7 @@ fn the_service_units_open_file_limit_is_what_the_broker_wants() {
             }
         });
     }
-    let mut broker = serve.spawn().expect("start the broker");
+    let mut broker = serve.spawn_guarded().expect("start the broker");
     let log = || std::fs::read_to_string(&log_path).unwrap_or_default();
     wait_for(Duration::from_secs(30), "the broker to serve", || {
         log().contains("serving 1 token")
@@ -544,7 +520,7 @@ fn plain_make_in_shells_with_shell_init_shares_one_limit() {
                 .current_dir(&dir)
                 .stdout(Stdio::null())
                 .stderr(Stdio::piped())
-                .spawn()
+                .spawn_guarded()
                 .unwrap(),
         );
         tool_dirs.push(tools);

@@ -6,7 +6,8 @@
 //! or pipe, builds stopped and continued (SIGSTOP
 //! and SIGCONT of the whole group, as ^Z and `fg`) and broker restarts
 //! (kill -9, then a new broker on the same socket, at once or after a
-//! gap of up to 3 s with no broker at all), while an observer samples
+//! gap of up to 3 s with no broker at all: past the FUSE mount's grace of
+//! 2 s, its builds are let go and fail rather than hang), while an observer samples
 //! `baton status --json`. Never more held than the limit (but while a
 //! lowered limit drains, and then nothing is granted), every token back at
 //! the end, the broker alive.
@@ -25,7 +26,7 @@
 
 mod common;
 
-use common::{baton, Broker};
+use common::{baton, group_members, set_limit, Broker};
 use std::io::Write;
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
@@ -73,7 +74,43 @@ struct Running {
     /// Broker restarts it lived through; a build that lived through none
     /// and was not killed must succeed.
     restarts_seen: u32,
+    /// Upgrades in place it lived through (it may say so, once each).
+    replacements_seen: u32,
     killed: bool,
+    /// Its stderr: `baton run`'s own lines are counted at its end.
+    log: PathBuf,
+}
+
+/// The broker's FUSE mount waits this long for a successor
+/// (`--fuse-orphan-grace`); gaps longer than this are "no successor" for
+/// its builds.
+const FUSE_GRACE_SECS: u64 = 2;
+
+/// `baton run`'s own lines (`baton: ...`) a client may print for each
+/// broker event it lives through (lost, re-attached, a refusal) and once
+/// besides (its end line, a warning): more is a reconnect storm (#32: one
+/// line per attempt printed 15,000 lines in seconds).
+const LINES_PER_EVENT: usize = 3;
+const LINES_BESIDES: usize = 4;
+
+/// A client still running when the test ends (a failing one: otherwise
+/// the chaos waits for every client) is killed with its process group and
+/// reaped, so that nothing it started outlives the test. One that ended
+/// was reaped by `reap` and is left alone: its pid may be someone else's.
+/// (Not a `Guarded`: that would kill what a client left in its group as
+/// soon as `reap` drops it, and the jobs of a killed client run on.)
+impl Drop for Running {
+    fn drop(&mut self) {
+        if let Ok(None) = self.child.try_wait() {
+            let pid = self.child.id() as i32;
+            // SAFETY: kill(2) on our own unreaped child and its group.
+            unsafe {
+                libc::kill(-pid, libc::SIGKILL);
+                libc::kill(pid, libc::SIGKILL);
+            }
+            let _ = self.child.wait();
+        }
+    }
 }
 
 #[derive(Debug, Default)]
@@ -92,6 +129,11 @@ struct Counts {
     broker_replacements: u32,
     /// Bursts of stray bytes written into a running build's jobserver.
     stray_writes: u32,
+    /// Restarts after a gap longer than the FUSE grace: no successor in
+    /// time for the FUSE builds, which must end, not hang.
+    gaps_past_grace: u32,
+    /// `baton run`'s own stderr lines, all clients together.
+    client_lines: usize,
 }
 
 /// What the observer saw.
@@ -348,7 +390,7 @@ fn check_jobs(text: &str) -> JobsSeen {
     seen
 }
 
-fn start(broker_socket: &Path, projects: &Projects, kind: Kind) -> Child {
+fn start(broker_socket: &Path, projects: &Projects, kind: Kind, log: &Path) -> Child {
     let dir = projects.dir(kind);
     let mut run = baton();
     run.arg("run")
@@ -379,28 +421,9 @@ fn start(broker_socket: &Path, projects: &Projects, kind: Kind) -> Child {
     run.env_remove("MAKEFLAGS")
         .stdin(Stdio::null())
         .stdout(Stdio::null())
-        .stderr(Stdio::null())
+        .stderr(std::fs::File::create(log).expect("the client's log"))
         .spawn()
         .expect("start baton run")
-}
-
-/// The processes of a client's group: the client and its children.
-fn group_members(pgid: u32) -> Vec<u32> {
-    let Ok(entries) = std::fs::read_dir("/proc") else {
-        return Vec::new();
-    };
-    entries
-        .filter_map(|e| e.ok()?.file_name().to_str()?.parse::<u32>().ok())
-        .filter(|&pid| {
-            let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
-            let after_name = stat.rsplit(')').next().unwrap_or("");
-            after_name
-                .split_whitespace()
-                .nth(2)
-                .and_then(|g| g.parse::<u32>().ok())
-                == Some(pgid)
-        })
-        .collect()
 }
 
 fn kill9(pid: u32) {
@@ -475,6 +498,7 @@ fn restart_after_kill9(broker: &mut Broker, limit: u32, gap: Duration) {
     broker.child = baton()
         .args(["serve", "--jobs", &limit.to_string(), "--socket"])
         .arg(&broker.socket)
+        .args(["--fuse-orphan-grace", &FUSE_GRACE_SECS.to_string()])
         .stderr(log)
         .spawn()
         .expect("start baton serve again");
@@ -491,10 +515,9 @@ fn replace(broker: &mut Broker, limit: u32) {
         .append(true)
         .open(broker.dir.path().join("broker.log"))
         .unwrap();
-    let successor = baton()
-        .args(["serve", "--jobs", &limit.to_string(), "--socket"])
-        .arg(&broker.socket)
-        .arg("--replace")
+    let grace = FUSE_GRACE_SECS.to_string();
+    let successor = broker
+        .successor(limit, &["--fuse-orphan-grace", &grace])
         .stderr(log)
         .spawn()
         .expect("start the successor");
@@ -508,22 +531,23 @@ fn replace(broker: &mut Broker, limit: u32) {
     broker.child = successor;
 }
 
-fn set_limit(broker: &Broker, limit: u32) -> bool {
-    let out = baton()
-        .args(["limit", &limit.to_string(), "--socket"])
-        .arg(&broker.socket)
-        .stderr(Stdio::null())
-        .output()
-        .unwrap();
-    out.status.success()
-}
-
 /// Reaps the clients that ended, counting how.
 fn reap(running: &mut Vec<Running>, counts: &mut Counts, failures: &mut Vec<String>) {
     running.retain_mut(|r| {
         let Some(status) = r.child.try_wait().unwrap() else {
             return true;
         };
+        let text = std::fs::read_to_string(&r.log).unwrap_or_default();
+        let ours = text.lines().filter(|l| l.starts_with("baton: ")).count();
+        counts.client_lines += ours;
+        let events = (r.restarts_seen + r.replacements_seen) as usize;
+        if ours > LINES_BESIDES + LINES_PER_EVENT * events {
+            failures.push(format!(
+                "{:?} printed {ours} lines of its own through {events} broker events: a storm?\n{}",
+                r.kind,
+                text.lines().take(20).collect::<Vec<_>>().join("\n")
+            ));
+        }
         if status.success() {
             counts.succeeded += 1;
         } else if r.killed || r.restarts_seen > 0 {
@@ -547,7 +571,8 @@ fn chaos_loses_no_token_and_never_breaks_the_limit() {
     );
     let mut dice = Dice(seed);
     let mut limit = 4;
-    let mut broker = Broker::start(limit);
+    let grace = FUSE_GRACE_SECS.to_string();
+    let mut broker = Broker::start_with(limit, &["--fuse-orphan-grace", &grace]);
     let projects = Projects::new(broker.dir.path().join("projects"));
     projects.jobs.mark('L', limit.into());
     let fuse = broker.log().contains("FUSE token files at");
@@ -589,11 +614,14 @@ fn chaos_loses_no_token_and_never_breaks_the_limit() {
                 let one_cargo =
                     kind == Kind::Cargo && running.iter().any(|r| r.kind == Kind::Cargo);
                 if (kind != Kind::Make44Fuse || fuse) && !one_cargo {
+                    let log = projects.root.join(format!("client-{}.log", counts.started));
                     running.push(Running {
                         kind,
-                        child: start(&broker.socket, &projects, kind),
+                        child: start(&broker.socket, &projects, kind, &log),
                         restarts_seen: 0,
+                        replacements_seen: 0,
                         killed: false,
+                        log,
                     });
                     counts.started += 1;
                 }
@@ -631,7 +659,7 @@ fn chaos_loses_no_token_and_never_breaks_the_limit() {
                 if new > limit {
                     projects.jobs.mark('L', new.into());
                 }
-                if set_limit(&broker, new) {
+                if set_limit(&broker, new).status.success() {
                     if new < limit {
                         projects.jobs.mark('L', new.into());
                     }
@@ -653,11 +681,13 @@ fn chaos_loses_no_token_and_never_breaks_the_limit() {
                 projects.jobs.mark('N', broker.pid().into());
                 running.iter_mut().for_each(|r| r.restarts_seen += 1);
                 counts.broker_restarts += 1;
+                counts.gaps_past_grace += u32::from(gap > Duration::from_secs(FUSE_GRACE_SECS));
             }
             19 if dice.below(4) == 0 => {
                 projects.jobs.mark('R', broker.pid().into());
                 replace(&mut broker, limit);
                 projects.jobs.mark('N', broker.pid().into());
+                running.iter_mut().for_each(|r| r.replacements_seen += 1);
                 counts.broker_replacements += 1;
             }
             // Stray bytes written into a build's FIFO or pipe, as a client

@@ -8,7 +8,7 @@ mod common;
 use baton_core::protocol::Request;
 use common::*;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 /// Long enough for anything on a loaded machine; only a hang guard.
@@ -125,7 +125,7 @@ fn top_in_tmux(dir: &Path, socket: &Path, rc: &Path) -> Tmux {
 
 /// A named build that holds exactly `tokens` until it is dropped (SIGTERM
 /// by pid: baton run passes it on and gives every token back).
-struct HoldingBuild(Child);
+struct HoldingBuild(Guarded);
 
 impl HoldingBuild {
     fn start(broker: &Broker, name: &str, tokens: u32) -> Self {
@@ -133,7 +133,7 @@ impl HoldingBuild {
         let child = broker
             .run(&["--name", name, "-t", &t, "--max", &t, "--", "sleep", "600"])
             .stdout(Stdio::null())
-            .spawn()
+            .spawn_guarded()
             .expect("start baton run");
         HoldingBuild(child)
     }
@@ -253,7 +253,7 @@ fn top_tells_no_broker_yet_from_broker_gone_and_explains_an_empty_panel() {
         .args(["serve", "--jobs", "2", "--no-fuse", "--socket"])
         .arg(&socket)
         .stderr(log)
-        .spawn()
+        .spawn_guarded()
         .expect("start a broker");
     let screen = tmux.wait_screen("the broker, with no builds", |s| {
         s.contains("limit 2 ") && s.contains("no build holds or waits for tokens")
@@ -285,7 +285,7 @@ fn top_says_the_broker_is_gone_and_reconnects_to_its_successor() {
         .args(["serve", "--jobs", "7", "--socket"])
         .arg(&broker.socket)
         .stderr(log)
-        .spawn()
+        .spawn_guarded()
         .expect("start the second broker");
     let screen = tmux.wait_screen("the second broker's limit", |s| {
         s.contains("limit 7 ") && !s.contains("broker gone")
@@ -423,14 +423,6 @@ fn status_json_builds_hold_what_the_builds_really_hold() {
     wait_until_all_free(&broker);
 }
 
-/// The Python interpreter of target/test-venv, where scripts/test puts
-/// prometheus_client.
-fn venv_python() -> PathBuf {
-    tool("BATON_TEST_PYTHON", || {
-        Path::new(env!("CARGO_MANIFEST_DIR")).join("../../target/test-venv/bin/python")
-    })
-}
-
 type Samples = Vec<(String, serde_json::Map<String, serde_json::Value>, f64)>;
 
 /// `baton status --prometheus`, read by prometheus_client's own text
@@ -470,12 +462,12 @@ print(json.dumps(out))
 }
 
 fn python_samples(args: &[&str], text: &[u8]) -> Samples {
-    let mut child = Command::new(venv_python())
+    let mut child = Command::new(python())
         .args(args)
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
-        .spawn()
+        .spawn_guarded()
         .unwrap();
     std::io::Write::write_all(&mut child.stdin.take().unwrap(), text).unwrap();
     let out = child.wait_with_output().unwrap();
@@ -660,12 +652,10 @@ fn a_replacing_broker_takes_over_the_metrics_port() {
     );
 
     let log = broker.dir.path().join("successor.log");
-    let mut successor = baton()
-        .args(["serve", "--jobs", "3", "--socket"])
-        .arg(&broker.socket)
-        .args(["--replace", "--metrics-listen", &addr])
+    let mut successor = broker
+        .successor(3, &["--metrics-listen", &addr])
         .stderr(std::fs::File::create(&log).unwrap())
-        .spawn()
+        .spawn_guarded()
         .expect("start the successor");
     broker.wait_exit(GUARD);
     let successor_log = || std::fs::read_to_string(&log).unwrap_or_default();
@@ -680,20 +670,6 @@ fn a_replacing_broker_takes_over_the_metrics_port() {
     );
     unsafe { libc::kill(successor.id() as i32, libc::SIGTERM) };
     wait_timeout(&mut successor, GUARD).expect("the successor stops");
-}
-
-/// Resident memory of a process, in KiB: (now, peak).
-fn rss_kib(pid: u32) -> (u64, u64) {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
-    let field = |name: &str| {
-        status
-            .lines()
-            .find(|l| l.starts_with(name))
-            .and_then(|l| l.split_whitespace().nth(1))
-            .and_then(|v| v.parse().ok())
-            .unwrap()
-    };
-    (field("VmRSS:"), field("VmHWM:"))
 }
 
 /// A thousand clients, each a build of its own with a wait histogram: 4

@@ -4,10 +4,12 @@
 //! `baton run -- make` under `baton serve --jobs N --min-mem-available
 //! 200M --mem-settle 2000`, without and with `--on-memory-pressure pause`,
 //! broker and build inside the cgroup, in alternating rounds. Each build's
-//! OOM kills are the cgroup's own count (`memory.oom_control`).
+//! OOM kills are the cgroup's own count (v1's `memory.oom_control`, v2's
+//! `memory.events`).
 //!
-//! Needs root and a cgroup v1 memory controller at /sys/fs/cgroup/memory
-//! (the cgroup is created for the run and removed after it).
+//! Needs root and a memory cgroup: cgroup v1's memory controller, or a
+//! cgroup2 mount that offers `memory` (crate::cgroup; the cgroup is created
+//! for the run and removed after it).
 
 use super::{median, Bench, Defaults, Findings, Scale};
 use crate::cgroup::MemCgroup;

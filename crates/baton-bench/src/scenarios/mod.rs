@@ -47,7 +47,7 @@ pub enum Scenario {
     /// events per grant).
     Cluster,
     /// The memory gate against the OOM killer in a 1 GiB memory cgroup
-    /// (root, cgroup v1): plain make -jN, the largest -j that fits, and
+    /// (root, cgroup v1 or v2): plain make -jN, the largest -j that fits, and
     /// baton with --min-mem-available, in one run.
     Memory,
     /// Real make 4.4.1: a 16 × 16 × 20 recursive tree, make's own -jN
