@@ -101,7 +101,7 @@ static void say_not_connected(const char *path, int e) {
     else if (e == ENOENT || e == ECONNREFUSED)
         baton__say("no broker at %s (start one with: baton serve --jobs N)", path);
     else if (e == EACCES)
-        baton__say("permission denied connecting to %s (the broker belongs to another user?)", path);
+        baton__say("permission denied connecting to %s (the broker belongs to another user? its owner admits others with baton serve --allow-uid UID or --allow-group GROUP)", path);
     else
         baton__say("connecting to %s: %s", path, strerror(e));
 }

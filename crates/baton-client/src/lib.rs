@@ -36,7 +36,7 @@ pub enum Error {
         path: PathBuf,
     },
     /// The socket or its directory is not ours.
-    #[error("permission denied connecting to {path} (the broker belongs to another user?)")]
+    #[error("permission denied connecting to {path} (the broker belongs to another user? its owner admits others with baton serve --allow-uid UID or --allow-group GROUP)")]
     PermissionDenied {
         /// The path tried.
         path: PathBuf,

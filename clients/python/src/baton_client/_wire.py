@@ -186,7 +186,7 @@ class Connection:
             raise NoBrokerError(f"baton: no broker at {path} (start one with: baton serve --jobs N)") from e
         except PermissionError as e:
             self.sock.close()
-            raise BatonError(f"baton: permission denied connecting to {path} (the broker belongs to another user?)") from e
+            raise BatonError(f"baton: permission denied connecting to {path} (the broker belongs to another user? its owner admits others with baton serve --allow-uid UID or --allow-group GROUP)") from e
         except (OSError, NotOurBrokerError):
             self.sock.close()
             raise
