@@ -755,3 +755,476 @@ fn fifos_of_containers_sharing_the_socket_directory_never_collide() {
     }
     broker.wait_all_free();
 }
+
+// Real podman (rootful, Debian's 4.3 with runc): an image imported from a
+// tar of a minimal root file system made here, no registry. Every piece
+// of podman's state (storage, run root, its tmp and volume directories)
+// is in a directory of the test's, removed at the end with its containers
+// and image; a container still running when a test ends is killed.
+
+/// Flags this host needs: runc (crun refuses hybrid cgroups here),
+/// cgroupfs (no systemd manager in the test's session), vfs storage (no
+/// overlay needed), and ulimits of its own (podman's default, copied from
+/// the host's, fails with EPERM in setrlimit here).
+struct Podman {
+    state: TempDir,
+    image: &'static str,
+    next: std::cell::Cell<u32>,
+}
+
+impl Podman {
+    /// podman with its state in a new temporary directory, and an image
+    /// holding `files` (host paths, copied to the same place with the
+    /// shared libraries `ldd` names) and the static baton at /bin/baton;
+    /// None (a skip) where podman or runc is missing or cannot run it.
+    fn with_image(files: &[PathBuf]) -> Option<Self> {
+        for tool in ["podman", "runc"] {
+            if Command::new(tool).arg("--version").output().is_err() {
+                common::skip(common::Missing::Podman, &format!("needs {tool}"));
+                return None;
+            }
+        }
+        let bin = static_baton()?;
+        let podman = Podman {
+            state: TempDir::new("podman"),
+            image: "localhost/baton-test:1",
+            next: std::cell::Cell::new(0),
+        };
+        let root = TempDir::new("podman-rootfs");
+        for dir in ["bin", "run/baton", "work", "log", "tmp"] {
+            std::fs::create_dir_all(root.path().join(dir)).unwrap();
+        }
+        chmod(&root.path().join("tmp"), 0o1777);
+        std::fs::copy(&bin, root.path().join("bin/baton")).unwrap();
+        for file in files {
+            let ldd = Command::new("ldd").arg(file).output().unwrap();
+            let libs = String::from_utf8_lossy(&ldd.stdout)
+                .split_whitespace()
+                .filter(|w| w.starts_with('/'))
+                .map(PathBuf::from)
+                .collect::<Vec<_>>();
+            for f in std::iter::once(file).chain(&libs) {
+                let out = Command::new("cp")
+                    .args(["--parents", "-L"])
+                    .arg(f)
+                    .arg(root.path())
+                    .output()
+                    .unwrap();
+                assert!(out.status.success(), "{}", text(&out));
+            }
+        }
+        let mut tar = Command::new("tar")
+            .arg("-C")
+            .arg(root.path())
+            .args(["-c", "."])
+            .stdout(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let out = podman
+            .command()
+            .args(["import", "-", podman.image])
+            .stdin(tar.stdout.take().unwrap())
+            .output()
+            .unwrap();
+        assert!(tar.wait().unwrap().success());
+        assert!(out.status.success(), "podman import: {}", text(&out));
+        // One container that only says its version: where podman cannot
+        // run a container at all here, a skip, not a failure.
+        let out = podman
+            .run_args("probe", &[], &["/bin/baton", "--version"])
+            .output()
+            .unwrap();
+        if !out.status.success() {
+            common::skip(
+                common::Missing::Podman,
+                &format!("podman cannot run a container here: {}", text(&out)),
+            );
+            return None;
+        }
+        Some(podman)
+    }
+
+    fn command(&self) -> Command {
+        let state = self.state.path();
+        let mut c = Command::new("podman");
+        c.arg("--root")
+            .arg(state.join("storage"))
+            .arg("--runroot")
+            .arg(state.join("run"))
+            .arg("--tmpdir")
+            .arg(state.join("tmp"))
+            .arg("--volumepath")
+            .arg(state.join("volumes"))
+            .args(["--storage-driver", "vfs", "--cgroup-manager", "cgroupfs"])
+            .args(["--runtime", "runc", "--events-backend", "none"]);
+        c
+    }
+
+    /// `podman run --rm --name NAME` of the image, without a network, with
+    /// `opts` (volumes, env, user) before the image and `argv` after it.
+    fn run_args(&self, name: &str, opts: &[String], argv: &[&str]) -> Command {
+        let mut c = self.command();
+        c.args(["run", "--rm", "--name", name, "--network", "none"])
+            .args([
+                "--ulimit",
+                "nofile=1024:1024",
+                "--ulimit",
+                "nproc=1024:1024",
+            ])
+            .args(opts)
+            .arg(self.image)
+            .args(argv);
+        c
+    }
+
+    /// A container named after `label` running `argv` in the background,
+    /// the broker's socket directory at /run/baton, `log_dir` at /log and
+    /// `work` at /work, BATON_SOCKET and BATON_NAME (`label`) set.
+    fn start(
+        &self,
+        broker: &Broker,
+        label: &str,
+        log_dir: &Path,
+        work: &Path,
+        user: Option<&str>,
+        argv: &[&str],
+    ) -> PodmanContainer<'_> {
+        let n = self.next.get();
+        self.next.set(n + 1);
+        let name = format!("baton-test-{}-{n}-{label}", std::process::id());
+        let mut opts = vec![
+            "-v".to_string(),
+            format!("{}:/run/baton", broker.socket.parent().unwrap().display()),
+            "-v".into(),
+            format!("{}:/log", log_dir.display()),
+            "-v".into(),
+            format!("{}:/work", work.display()),
+            "-e".into(),
+            "BATON_SOCKET=/run/baton/socket".into(),
+            "-e".into(),
+            "BATON_NO_AUTOSTART=1".into(),
+            "-e".into(),
+            format!("BATON_NAME={label}"),
+        ];
+        if let Some(user) = user {
+            opts.extend(["--user".into(), user.into()]);
+        }
+        let child = self
+            .run_args(&name, &opts, argv)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("podman run");
+        PodmanContainer {
+            podman: self,
+            name,
+            child: Some(child),
+        }
+    }
+}
+
+impl Drop for Podman {
+    fn drop(&mut self) {
+        // Containers first (any left running are killed), then the image;
+        // then the state directory goes with the TempDir.
+        for args in [&["rm", "-af", "-t", "0"][..], &["rmi", "-af"]] {
+            let _ = self.command().args(args).output();
+        }
+    }
+}
+
+/// A podman container run in the foreground by a `podman run` child;
+/// killed and removed by name on drop if it still runs (killing `podman
+/// run` alone would leave the container to conmon).
+struct PodmanContainer<'a> {
+    podman: &'a Podman,
+    name: String,
+    child: Option<Child>,
+}
+
+impl PodmanContainer<'_> {
+    fn finish(mut self) -> Output {
+        self.child.take().unwrap().wait_with_output().unwrap()
+    }
+
+    /// The host pid of the container's init, by `podman inspect`.
+    fn init_pid(&self) -> u32 {
+        let out = self
+            .podman
+            .command()
+            .args(["inspect", "--format", "{{.State.Pid}}", &self.name])
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "podman inspect: {}", text(&out));
+        String::from_utf8_lossy(&out.stdout).trim().parse().unwrap()
+    }
+}
+
+impl Drop for PodmanContainer<'_> {
+    fn drop(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            if child.try_wait().ok().flatten().is_none() {
+                let _ = self.podman.command().args(["kill", &self.name]).output();
+                let _ = self
+                    .podman
+                    .command()
+                    .args(["rm", "-f", "-t", "0", &self.name])
+                    .output();
+                let _ = child.kill();
+            }
+            let _ = child.wait();
+        }
+    }
+}
+
+/// The tools the podman tests' builds run: GNU make 4.3 (copied in from
+/// the host), a shell and sleep.
+fn podman_tools() -> Vec<PathBuf> {
+    vec![
+        common::make43(),
+        PathBuf::from("/bin/sh"),
+        PathBuf::from("/bin/sleep"),
+    ]
+}
+
+/// The broker's socket directory as docs/containers.md has it: root's,
+/// 0755, so that a container's other uids may reach the socket.
+fn open_socket_dir(broker: &Broker) {
+    chmod(broker.dir.path(), 0o755);
+    chmod(broker.socket.parent().unwrap(), 0o755);
+}
+
+/// Three podman containers, each running `baton run -- make` (make 4.3,
+/// 12 logged jobs) against one host broker `--jobs 4`: the jobs' own log
+/// never shows more than 4 running at once across the three, status shows
+/// each build (by BATON_NAME, in its container's cgroup), and every token
+/// comes back.
+#[test]
+fn podman_containers_of_three_makes_share_one_limit() {
+    if !can_act_as_another_user() {
+        return;
+    }
+    let Some(podman) = Podman::with_image(&podman_tools()) else {
+        return;
+    };
+    let broker = Broker::start_with(4, &[]);
+    open_socket_dir(&broker);
+    let logs = TempDir::new("podman-logs");
+    shared_log(logs.path());
+    let work = TempDir::new("podman-work");
+    common::flat_makefile(work.path(), Path::new("/log/jobs.log"), 12, "0.3");
+    let names = ["podman-a", "podman-b", "podman-c"];
+    let containers: Vec<_> = names
+        .iter()
+        .map(|name| {
+            podman.start(
+                &broker,
+                name,
+                logs.path(),
+                work.path(),
+                None,
+                &["/bin/baton", "run", "--", "make", "-f", "/work/Makefile"],
+            )
+        })
+        .collect();
+    let mut seen: BTreeMap<String, Option<String>> = BTreeMap::new();
+    wait_for(
+        Duration::from_secs(120),
+        "the three containers' builds in status",
+        || {
+            for build in broker.status().builds {
+                if names.contains(&build.name.as_str()) {
+                    seen.insert(build.name.clone(), build.cgroup.clone());
+                }
+            }
+            seen.len() == 3
+        },
+    );
+    for container in containers {
+        let out = container.finish();
+        assert!(out.status.success(), "a container's build: {}", text(&out));
+    }
+    let (most, started) = max_overlap(&logs.path().join("jobs.log"));
+    assert_eq!(started, 3 * 12, "every job ran once");
+    assert!(
+        most <= 4,
+        "{most} jobs at once across the containers, limit 4"
+    );
+    broker.wait_all_free();
+    // Each in a cgroup of its own, podman's.
+    let cgroups: std::collections::BTreeSet<_> = seen.values().flatten().collect();
+    assert_eq!(cgroups.len(), 3, "{seen:?}");
+    assert!(cgroups.iter().all(|c| c.contains("libpod")), "{seen:?}");
+    println!("podman: at most {most} jobs at once of {started}; builds seen: {seen:?}");
+}
+
+/// A `kill -9` of one podman container's `baton run` (its init is a shell
+/// that stays until the jobs may end) while its jobs run, beside another
+/// container's build: the broker keeps a token per job the killed build
+/// still runs, and every token is back once they end.
+#[test]
+fn podman_a_killed_build_returns_its_tokens_only_when_its_jobs_are_gone() {
+    if !can_act_as_another_user() {
+        return;
+    }
+    let Some(podman) = Podman::with_image(&podman_tools()) else {
+        return;
+    };
+    let broker = Broker::start_with(4, &[]);
+    open_socket_dir(&broker);
+    let logs = TempDir::new("podman-kill-logs");
+    let shared = shared_log(logs.path());
+    let go = logs.path().join("go");
+    let mut containers = Vec::new();
+    let mut own_logs = Vec::new();
+    let mut works = Vec::new();
+    for name in ["podman-killed", "podman-beside"] {
+        let work = TempDir::new(name);
+        let own = logs.path().join(format!("{name}.log"));
+        std::fs::write(&own, "").unwrap();
+        blocking_makefile(
+            work.path(),
+            &Path::new("/log").join(format!("{name}.log")),
+            Path::new("/log/jobs.log"),
+            Path::new("/log/go"),
+            6,
+        );
+        // Two tokens each (--max 2), so both run jobs at once; the shell
+        // (the container's init) stays until the jobs may end.
+        let script = "/bin/baton run --max 2 -- make -f /work/Makefile & \
+                      while [ ! -e /log/go ]; do sleep 0.05; done; wait";
+        containers.push(podman.start(
+            &broker,
+            name,
+            logs.path(),
+            work.path(),
+            None,
+            &["/bin/sh", "-c", script],
+        ));
+        own_logs.push(own);
+        works.push(work);
+    }
+    wait_for(
+        Duration::from_secs(120),
+        "4 jobs running, of both builds",
+        || running_in(&shared) == 4 && own_logs.iter().all(|l| running_in(l) > 0),
+    );
+    let builds = broker.status().builds;
+    let killed = builds
+        .iter()
+        .find(|b| b.name == "podman-killed")
+        .cloned()
+        .expect("the build in status");
+    // The pid the broker gives is the host's, a child of the container's
+    // init as podman knows it.
+    let init = containers[0].init_pid();
+    assert!(
+        common::children(init).contains(&killed.pid),
+        "baton run (pid {}) is not a child of the container's init (pid {init})",
+        killed.pid
+    );
+    let killed_jobs = running_in(&own_logs[0]);
+    unsafe { libc::kill(killed.pid as i32, libc::SIGKILL) };
+    let said = format!(
+        "baton run pid {} died while its build runs {killed_jobs} job(s)",
+        killed.pid
+    );
+    wait_for(
+        Duration::from_secs(20),
+        "the orphaned build noticed",
+        || broker.log().contains(&said),
+    );
+    assert_eq!(running_in(&own_logs[0]), killed_jobs, "the jobs outlive it");
+    let s = broker.status();
+    let orphan = s
+        .builds
+        .iter()
+        .find(|b| b.id == killed.id)
+        .expect("the orphan");
+    assert_eq!(
+        orphan.held,
+        killed_jobs as u32,
+        "the orphan keeps a token per job of its own: {s:#?}\n{}",
+        broker.log()
+    );
+    std::fs::write(&go, "").unwrap();
+    for container in containers {
+        // The killed build's shell reports make's end; the other's too.
+        container.finish();
+    }
+    broker.wait_all_free();
+    let (most, _) = max_overlap(&shared);
+    assert!(most <= 4, "{most} at once");
+}
+
+/// A podman container run as a uid the host's root broker does not admit
+/// (`--user 1234:1234`, a broker without `--allow-*`, whose socket is
+/// then root's alone) is refused in words naming `--allow-group`; with
+/// `--allow-uid 1234` (the socket opened to it, the directory 0755 as
+/// docs/containers.md says) the same container builds.
+#[test]
+fn podman_a_uid_not_allowed_is_refused_naming_allow_group_and_admitted_by_allow_uid() {
+    if !can_act_as_another_user() {
+        return;
+    }
+    let Some(podman) = Podman::with_image(&podman_tools()) else {
+        return;
+    };
+    let logs = TempDir::new("podman-uid-logs");
+    let log = shared_log(logs.path());
+    let work = TempDir::new("podman-uid-work");
+    common::flat_makefile(work.path(), Path::new("/log/jobs.log"), 4, "0.1");
+    let build = ["/bin/baton", "run", "--", "make", "-f", "/work/Makefile"];
+
+    let closed = Broker::start_with(2, &[]);
+    open_socket_dir(&closed);
+    let out = podman
+        .start(
+            &closed,
+            "podman-stranger",
+            logs.path(),
+            work.path(),
+            Some("1234:1234"),
+            &build,
+        )
+        .finish();
+    let said = text(&out);
+    assert!(!out.status.success(), "{said}");
+    assert!(said.contains("--allow-group"), "{said}");
+    assert_eq!(max_overlap(&log).1, 0, "no job ran: {said}");
+    drop(closed);
+
+    // Admitted by uid, by a broker that also admits others: a uid it does
+    // not name is refused by the broker, in words naming both options.
+    let open = Broker::start_with(2, &["--allow-uid", "1234"]);
+    open_socket_dir(&open);
+    let out = podman
+        .start(
+            &open,
+            "podman-other",
+            logs.path(),
+            work.path(),
+            Some("4321:4321"),
+            &build,
+        )
+        .finish();
+    let said = text(&out);
+    assert!(!out.status.success(), "{said}");
+    assert!(said.contains("uid 4321 may not use this broker"), "{said}");
+    assert!(said.contains("--allow-group"), "{said}");
+    let out = podman
+        .start(
+            &open,
+            "podman-admitted",
+            logs.path(),
+            work.path(),
+            Some("1234:1234"),
+            &build,
+        )
+        .finish();
+    assert!(out.status.success(), "{}", text(&out));
+    let (most, started) = max_overlap(&log);
+    assert_eq!(started, 4);
+    assert!(most <= 2, "{most} at once, limit 2");
+    open.wait_all_free();
+}
