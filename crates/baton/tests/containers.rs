@@ -762,10 +762,11 @@ fn fifos_of_containers_sharing_the_socket_directory_never_collide() {
 // is in a directory of the test's, removed at the end with its containers
 // and image; a container still running when a test ends is killed.
 
-/// Flags this host needs: runc (crun refuses hybrid cgroups here),
-/// cgroupfs (no systemd manager in the test's session), vfs storage (no
-/// overlay needed), and ulimits of its own (podman's default, copied from
-/// the host's, fails with EPERM in setrlimit here).
+/// Flags this host needs: runc (crun refuses hybrid cgroups here) and
+/// ulimits of its own (with podman's default, runc's setrlimit of
+/// RLIMIT_NOFILE fails with EPERM here); cgroupfs, podman's choice here,
+/// named so that a systemd host runs the same; vfs storage (no overlay
+/// needed).
 struct Podman {
     state: TempDir,
     image: &'static str,
