@@ -7,7 +7,8 @@
 //! --map-root-user`: root inside, uid 100000 or 200000 outside, as a
 //! rootless container is). Jobs log their own start and end to one file
 //! bound in from the host; that log, not the broker, says how many ran at
-//! once.
+//! once. The `podman_*` tests do the same with real podman containers, of
+//! an image imported from a tar of a minimal root file system.
 
 mod common;
 
