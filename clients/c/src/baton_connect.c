@@ -10,6 +10,21 @@
 #include "internal.h"
 
 #define LABEL_MAX 200
+
+/* Whether $BATON_BROKER_UID names `uid`: a broker the user says to trust
+ * although it is neither their own nor root's (the host's broker seen from
+ * a user namespace that does not map its uid shows as 65534;
+ * docs/containers.md). */
+static int is_named_broker_uid(uid_t uid) {
+    const char *named = getenv("BATON_BROKER_UID");
+    if (!named || !*named) return 0;
+    char *end = NULL;
+    errno = 0;
+    unsigned long value = strtoul(named, &end, 10);
+    if (errno || *end || value > (unsigned long)(uid_t)-1) return 0;
+    return (uid_t)value == uid;
+}
+
 /* A socket path (at most 107 bytes) and more: room for what we compare. */
 #define PATH_TEXT_MAX 512
 
@@ -86,7 +101,7 @@ static void say_not_connected(const char *path, int e) {
     else if (e == ENOENT || e == ECONNREFUSED)
         baton__say("no broker at %s (start one with: baton serve --jobs N)", path);
     else if (e == EACCES)
-        baton__say("permission denied connecting to %s (the broker belongs to another user?)", path);
+        baton__say("permission denied connecting to %s (the broker belongs to another user? its owner admits others with baton serve --allow-uid UID or --allow-group GROUP)", path);
     else
         baton__say("connecting to %s: %s", path, strerror(e));
 }
@@ -126,11 +141,13 @@ static int open_socket(const char *path) {
         errno = e;
         return -1;
     }
-    if (peer.uid != getuid() && peer.uid != 0) {
+    if (peer.uid != getuid() && peer.uid != 0 && !is_named_broker_uid(peer.uid)) {
         close(fd);
         baton__say("%s is answered by a process of uid %u, not by your own broker (uid %u) or root's: refusing to "
-                   "talk to it (someone else's broker or an impostor; remove the socket or choose another path)",
-                   path, (unsigned)peer.uid, (unsigned)getuid());
+                   "talk to it (someone else's broker or an impostor; remove the socket or choose another path; "
+                   "if it is the broker you mean to use, seen from a user namespace or run by a CI runner's user, "
+                   "say so with BATON_BROKER_UID=%u)",
+                   path, (unsigned)peer.uid, (unsigned)getuid(), (unsigned)peer.uid);
         errno = EPERM;
         return -1;
     }

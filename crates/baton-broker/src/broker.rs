@@ -124,10 +124,25 @@ pub struct Broker {
     /// The session of each client that started a build: where its
     /// processes are looked for if it dies before them.
     sessions: HashMap<ClientId, u32>,
+    /// Where a build's processes are when it is not here: the pid they
+    /// carry ([`crate::jobs::RUN_PID_VAR`]: a `baton run` in a container's
+    /// PID namespace knows only its pid there) and that namespace. Two
+    /// containers started from one session may both have a `baton run`
+    /// of pid 2: the namespace tells their processes apart.
+    carried: HashMap<ClientId, Place>,
     /// Builds whose `baton run` died while their processes run on (#32).
     orphaned: HashMap<ClientId, Orphaned>,
     /// Wakes the thread that looks at orphaned builds' processes.
     orphans_hook: Option<GrantHook>,
+}
+
+/// A pid as a build's processes carry it, and their PID namespace (the
+/// inode of /proc/PID/ns/pid).
+type Place = (u32, u64);
+
+/// `pid`'s place when it is in our own PID namespace.
+fn here(pid: u32) -> Place {
+    (pid, crate::jobs::pid_namespace_of("self").unwrap_or(0))
 }
 
 /// A build whose `baton run` died (`kill -9`) while processes it started
@@ -141,6 +156,9 @@ pub struct Orphaned {
     /// environment ([`crate::jobs::RUN_PID_VAR`]).
     owner: u32,
     session: u32,
+    /// Where its processes are, when not in our PID namespace.
+    #[serde(default)]
+    carried: Option<Place>,
 }
 
 /// Everything a broker knows, as its successor (`baton serve --replace`)
@@ -155,6 +173,8 @@ pub struct BrokerState {
     names: Vec<(BuildId, String)>,
     #[serde(default)]
     sessions: Vec<(ClientId, u32)>,
+    #[serde(default)]
+    carried: Vec<(ClientId, Place)>,
     /// Orphaned builds travel too: their clients have no connection, and
     /// only this tells the successor when their tokens come back.
     #[serde(default)]
@@ -182,6 +202,7 @@ impl Broker {
             utilization: Utilization::new(HISTORY_SLOT.as_nanos() as u64, HISTORY_SLOTS),
             started: (Instant::now(), SystemTime::now()),
             sessions: HashMap::new(),
+            carried: HashMap::new(),
             orphaned: HashMap::new(),
             orphans_hook: None,
         })
@@ -202,6 +223,7 @@ impl Broker {
             roots: self.roots.iter().map(|(&pid, &id)| (pid, id)).collect(),
             names: self.names.iter().map(|(&b, n)| (b, n.clone())).collect(),
             sessions: self.sessions.iter().map(|(&id, &s)| (id, s)).collect(),
+            carried: self.carried.iter().map(|(&id, &p)| (id, p)).collect(),
             orphaned: self.orphaned.iter().map(|(&id, &o)| (id, o)).collect(),
             clock: self.clock(),
             started: self.started.1,
@@ -244,6 +266,7 @@ impl Broker {
             utilization: Utilization::new(HISTORY_SLOT.as_nanos() as u64, HISTORY_SLOTS),
             started: (started, state.started),
             sessions: state.sessions.into_iter().collect(),
+            carried: state.carried.into_iter().collect(),
             orphaned: state.orphaned.into_iter().collect(),
             orphans_hook: None,
         };
@@ -318,6 +341,10 @@ impl Broker {
             self.roots.insert(pid, id);
             if let Some(session) = crate::jobs::session_of(pid) {
                 self.sessions.insert(id, session);
+            }
+            if let Some(inner) = crate::jobs::pid_in_its_namespace(pid).filter(|&p| p != pid) {
+                let ns = crate::jobs::pid_namespace_of(&pid.to_string()).unwrap_or(0);
+                self.carried.insert(id, (inner, ns));
             }
         }
         let weight = self
@@ -433,6 +460,7 @@ impl Broker {
             Some(_) => {}
             None => self.hand_to_the_owner(id),
         }
+        self.carried.remove(&id);
         let build = self.pool.build_of(id);
         let (reclaimed, grants) = self.pool.disconnect(id);
         let pool = &self.pool;
@@ -456,7 +484,9 @@ impl Broker {
         if self.pool.held_by(id) == 0 {
             return false;
         }
-        let jobs = crate::jobs::orphan_jobs(owner, session);
+        let carried = self.carried.get(&id).copied();
+        let (pid, ns) = carried.unwrap_or_else(|| here(owner));
+        let jobs = crate::jobs::orphan_jobs(pid, session, ns);
         if jobs == 0 {
             return false;
         }
@@ -474,7 +504,14 @@ impl Broker {
             meta.command = format!("[orphaned] {}", meta.command);
             meta.waiting_since.clear();
         }
-        self.orphaned.insert(id, Orphaned { owner, session });
+        self.orphaned.insert(
+            id,
+            Orphaned {
+                owner,
+                session,
+                carried,
+            },
+        );
         log::info(format_args!(
             "baton run pid {owner} died while its build runs {jobs} job(s): its tokens come back as they end"
         ));
@@ -501,13 +538,18 @@ impl Broker {
         let Some((owner, pid, session)) = self.owner_of(build).filter(|o| o.0 != id) else {
             return;
         };
+        let (carried, ns) = self
+            .carried
+            .get(&owner)
+            .copied()
+            .unwrap_or_else(|| here(pid));
         let build_held = self
             .pool
             .builds()
             .find(|b| b.id == build)
             .map_or(0, |b| b.held);
         let covered = build_held.saturating_sub(held);
-        let jobs = crate::jobs::orphan_jobs(pid, session);
+        let jobs = crate::jobs::orphan_jobs(carried, session, ns);
         let keep = held.min(jobs.saturating_sub(covered));
         if keep > 0 && self.pool.hold(owner, keep).is_ok() {
             log::info(format_args!(
@@ -559,7 +601,8 @@ impl Broker {
         let orphaned: Vec<(ClientId, Orphaned)> =
             self.orphaned.iter().map(|(&id, &o)| (id, o)).collect();
         for (id, o) in orphaned {
-            match crate::jobs::orphan_jobs(o.owner, o.session) {
+            let (pid, ns) = o.carried.unwrap_or_else(|| here(o.owner));
+            match crate::jobs::orphan_jobs(pid, o.session, ns) {
                 0 => {
                     self.orphaned.remove(&id);
                     let held = self.disconnect(id);
@@ -833,6 +876,8 @@ impl Broker {
             .filter_map(|&root| Some((self.pool.build_of(root)?, self.pool.meta(root)?)))
             .collect();
         let running = self.running_jobs();
+        let own_uid = nix::unistd::getuid().as_raw();
+        let own_cgroup = crate::jobs::cgroup_of("self");
         self.pool
             .builds()
             // A client that only asks (`baton status`, `baton top`, a
@@ -868,6 +913,12 @@ impl Broker {
                         .get(&b.id)
                         .and_then(|m| running.as_ref()?.get(&m.pid).copied()),
                     stray: stats.map_or(0, |s| s.stray),
+                    uid: starter
+                        .and_then(|m| crate::jobs::uid_of(m.pid))
+                        .filter(|&u| u != own_uid),
+                    cgroup: starter
+                        .and_then(|m| crate::jobs::cgroup_of(&m.pid.to_string()))
+                        .filter(|c| Some(c) != own_cgroup.as_ref()),
                 }
             })
             .collect()
@@ -877,16 +928,19 @@ impl Broker {
     /// from /proc (one pass); None with no build whose processes we can
     /// find. A build running no job is there with 0.
     fn running_jobs(&self) -> Option<HashMap<u32, u32>> {
-        let owners: HashMap<u32, u32> = self
+        let owners: HashMap<(u32, u32, u64), u32> = self
             .roots
             .iter()
-            .filter_map(|(&pid, id)| Some((pid, *self.sessions.get(id)?)))
+            .filter_map(|(&pid, id)| {
+                let (carried, ns) = self.carried.get(id).copied().unwrap_or_else(|| here(pid));
+                Some(((carried, *self.sessions.get(id)?, ns), pid))
+            })
             .collect();
         if owners.is_empty() {
             return None;
         }
         let mut jobs = crate::jobs::running_jobs(&owners);
-        for pid in owners.keys() {
+        for pid in owners.values() {
             jobs.entry(*pid).or_insert(0);
         }
         Some(jobs)
@@ -1183,8 +1237,9 @@ mod tests {
         /// /proc: a process just spawned may not show its environment yet.
         fn await_jobs(&self, owner: u32, jobs: u32) {
             let session = crate::jobs::session_of(std::process::id()).unwrap();
+            let ns = crate::jobs::pid_namespace_of("self").unwrap();
             let deadline = Instant::now() + Duration::from_secs(30);
-            while crate::jobs::orphan_jobs(owner, session) != jobs {
+            while crate::jobs::orphan_jobs(owner, session, ns) != jobs {
                 assert!(Instant::now() < deadline, "the jobs never showed");
                 std::thread::yield_now();
             }

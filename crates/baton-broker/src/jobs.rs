@@ -206,11 +206,65 @@ pub fn session_of(pid: u32) -> Option<u32> {
 /// token make took (found by the soak: a kill at that moment let the token
 /// go and the job start past the limit). Holding one token too many until
 /// such a process ends costs nothing; one too few breaks the limit.
-pub fn orphan_jobs(owner: u32, session: u32) -> u32 {
-    leaves(&HashMap::from([(owner, session)]), Count::ToolsToo)
-        .get(&owner)
-        .copied()
-        .unwrap_or(0)
+///
+/// `owner` is the pid the processes carry ([`RUN_PID_VAR`]): in a
+/// container, the `baton run`'s pid in its PID namespace
+/// ([`pid_in_its_namespace`], recorded while it lived); `pid_ns` that
+/// namespace ([`pid_namespace_of`]), in which the processes are looked for.
+pub fn orphan_jobs(owner: u32, session: u32, pid_ns: u64) -> u32 {
+    leaves(
+        &HashMap::from([((owner, session, pid_ns), owner)]),
+        Count::ToolsToo,
+    )
+    .get(&owner)
+    .copied()
+    .unwrap_or(0)
+}
+
+/// The real uid of process `pid` (its `Uid:` line), as we see it.
+pub fn uid_of(pid: u32) -> Option<u32> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    status
+        .lines()
+        .find_map(|line| line.strip_prefix("Uid:"))?
+        .split_whitespace()
+        .next()?
+        .parse()
+        .ok()
+}
+
+/// The cgroup v2 path of process `pid` (or `self`): its `0::` line in
+/// /proc/PID/cgroup, relative to our cgroup namespace; None on a machine
+/// with cgroup v1 alone, or if it is gone.
+pub fn cgroup_of(pid: &str) -> Option<String> {
+    let cgroups = std::fs::read_to_string(format!("/proc/{pid}/cgroup")).ok()?;
+    cgroups
+        .lines()
+        .find_map(|line| line.strip_prefix("0::"))
+        .map(str::to_string)
+}
+
+/// The PID namespace of process `pid` (or `self`): the inode of
+/// /proc/PID/ns/pid. None if it is gone.
+pub fn pid_namespace_of(pid: &str) -> Option<u64> {
+    use std::os::unix::fs::MetadataExt;
+    std::fs::metadata(format!("/proc/{pid}/ns/pid"))
+        .ok()
+        .map(|m| m.ino())
+}
+
+/// A process's pid in its own PID namespace (the last of its `NSpid:`
+/// line), which is what `baton run` in a container puts in
+/// [`RUN_PID_VAR`]: the same as `pid` on the host. None if it is gone.
+pub fn pid_in_its_namespace(pid: u32) -> Option<u32> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    status
+        .lines()
+        .find_map(|line| line.strip_prefix("NSpid:"))?
+        .split_whitespace()
+        .last()?
+        .parse()
+        .ok()
 }
 
 /// Which leaves of a build's process tree are counted as jobs.
@@ -222,18 +276,21 @@ enum Count {
     ToolsToo,
 }
 
-/// The jobs each build runs, by its `baton run`'s pid (`owners`: pid →
-/// session), in one pass over /proc: the environment is read only of
-/// processes in one of those sessions. A build tool with no child (make
-/// parsing, or waiting for a token) runs no job.
-pub fn running_jobs(owners: &HashMap<u32, u32>) -> HashMap<u32, u32> {
+/// The jobs each build runs, in one pass over /proc: `owners` maps the
+/// pid its processes carry in [`RUN_PID_VAR`] (its `baton run`'s pid in
+/// its own PID namespace, which two containers may share), its session
+/// (as we see it) and that PID namespace to the key the counts are
+/// returned by. The environment is read only of processes in one of
+/// those sessions. A build tool with no child (make parsing, or waiting
+/// for a token) runs no job.
+pub fn running_jobs(owners: &HashMap<(u32, u32, u64), u32>) -> HashMap<u32, u32> {
     leaves(owners, Count::JobsOnly)
 }
 
-/// The leaves of each build's process tree, by its `baton run`'s pid, in
+/// The leaves of each build's process tree, by its key in `owners`, in
 /// one pass over /proc.
-fn leaves(owners: &HashMap<u32, u32>, count: Count) -> HashMap<u32, u32> {
-    let sessions: std::collections::HashSet<u32> = owners.values().copied().collect();
+fn leaves(owners: &HashMap<(u32, u32, u64), u32>, count: Count) -> HashMap<u32, u32> {
+    let sessions: std::collections::HashSet<u32> = owners.keys().map(|&(_, s, _)| s).collect();
     let Ok(dir) = std::fs::read_dir("/proc") else {
         return HashMap::new();
     };
@@ -248,8 +305,8 @@ fn leaves(owners: &HashMap<u32, u32>, count: Count) -> HashMap<u32, u32> {
             if !live || !sessions.contains(&session) {
                 return None;
             }
-            let owner = run_pid_of(pid)?;
-            (owners.get(&owner) == Some(&session)).then_some(())?;
+            let ns = pid_namespace_of(&pid.to_string())?;
+            let owner = *owners.get(&(run_pid_of(pid)?, session, ns))?;
             let tool = is_a_build_tool(stat_comm(&stat)?);
             Some((pid, (fields.get(1)?.parse().ok()?, owner, tool)))
         })
@@ -321,6 +378,9 @@ mod tests {
         // SAFETY: getsid(0) has no preconditions.
         let sid = unsafe { libc::getsid(0) } as u32;
         assert_eq!(session_of(me), Some(sid));
+        // Outside any PID namespace of its own, a process's pid there is
+        // its pid here.
+        assert_eq!(pid_in_its_namespace(me), Some(me));
     }
 
     #[test]
@@ -328,7 +388,8 @@ mod tests {
         let owner = 4_000_000_000u32 - std::process::id();
         // SAFETY: getsid(0) has no preconditions.
         let sid = unsafe { libc::getsid(0) } as u32;
-        assert_eq!(orphan_jobs(owner, sid), 0);
+        let ns = pid_namespace_of("self").unwrap();
+        assert_eq!(orphan_jobs(owner, sid, ns), 0);
         let mut job = std::process::Command::new("sleep")
             .arg("30")
             .env(RUN_PID_VAR, owner.to_string())
@@ -340,11 +401,20 @@ mod tests {
         // /proc/PID/environ reads empty and the job is nobody's (2 of 40
         // runs). In a build, its make covers that moment: a leaf counted
         // meanwhile (Count::ToolsToo).
-        until(|| orphan_jobs(owner, sid) == 1);
-        assert_eq!(orphan_jobs(owner, sid + 1), 0, "another session's is not");
+        until(|| orphan_jobs(owner, sid, ns) == 1);
+        assert_eq!(
+            orphan_jobs(owner, sid + 1, ns),
+            0,
+            "another session's is not"
+        );
+        assert_eq!(
+            orphan_jobs(owner, sid, ns + 1),
+            0,
+            "another PID namespace's is not"
+        );
         job.kill().unwrap();
         job.wait().unwrap();
-        assert_eq!(orphan_jobs(owner, sid), 0);
+        assert_eq!(orphan_jobs(owner, sid, ns), 0);
     }
 
     #[test]
@@ -477,9 +547,10 @@ mod tests {
             std::fs::read_to_string(format!("/proc/{shell}/task/{shell}/children"))
                 .is_ok_and(|c| !c.trim().is_empty())
         });
-        until(|| orphan_jobs(owner, session) == 1);
+        let ns = pid_namespace_of("self").unwrap();
+        until(|| orphan_jobs(owner, session, ns) == 1);
         assert_eq!(
-            running_jobs(&HashMap::from([(owner, session)])),
+            running_jobs(&HashMap::from([((owner, session, ns), owner)])),
             HashMap::from([(owner, 1)])
         );
     }

@@ -19,7 +19,8 @@
 //! - `triggers`: kernel notifications (PSI triggers, cgroup v1 memory
 //!   thresholds) that wake the gates' thread.
 //! - `paths`: the socket's directory, lock and stale-socket checks.
-//! - `admission`: who may connect (SO_PEERCRED).
+//! - `admission`: who may connect (SO_PEERCRED; `--allow-uid`,
+//!   `--allow-group`), and what others admitted may do.
 //! - `activation`: the listening socket systemd passes (socket activation).
 //! - `cluster`: joining a cluster pool in etcd (the `cluster` feature).
 //! - `handover`: passing the running state to a successor (`--replace`).
@@ -53,6 +54,7 @@ pub use log::LogLevel;
 pub fn log_fatal(message: &str) {
     log::error(format_args!("{message}"));
 }
+pub use admission::resolve_group;
 pub use serve::{serve, ServeOptions};
 pub use socket::MAX_CLIENTS;
 

@@ -309,6 +309,8 @@ mod tests {
             wait_ms_p99: Some(0.0),
             running: None,
             stray: 0,
+            uid: None,
+            cgroup: None,
         };
         let mut registry = Registry::default();
         render_builds(&[build], &mut registry);
@@ -370,6 +372,8 @@ mod tests {
             wait_ms_p99: Some(1000.0),
             running: None,
             stray: 0,
+            uid: None,
+            cgroup: None,
         };
         let mut registry = Registry::default();
         render_builds(&[build], &mut registry);

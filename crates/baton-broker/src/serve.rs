@@ -1,5 +1,6 @@
 //! `baton serve`: start the broker, serve until SIGTERM/SIGINT, clean up.
 
+use crate::admission::Admission;
 use crate::broker::{Broker, Transport};
 use crate::fuse::Options as FuseOptions;
 use crate::gates::{Probe, Sampler};
@@ -60,6 +61,12 @@ pub struct ServeOptions {
     /// this address; port 0 takes a free one, logged at start. None: no
     /// HTTP endpoint.
     pub metrics_listen: Option<SocketAddr>,
+    /// Other users this broker serves besides its own and root
+    /// (`--allow-uid`): their own builds and `status`, nothing more.
+    pub allow_uids: Vec<u32>,
+    /// Groups whose members it serves (`--allow-group`: a name or a gid),
+    /// by the peer's gid or supplementary groups.
+    pub allow_groups: Vec<String>,
 }
 
 /// Serves until SIGTERM or SIGINT (or, with `idle_timeout`, until nobody
@@ -86,6 +93,7 @@ pub fn serve(opts: ServeOptions) -> Result<()> {
     // baton's own directories must be closed to others (as clients check
     // them); one systemd or the user named is left as it is, if ours.
     paths::prepare_private_dir(&dir, is_default_private_dir(&dir))?;
+    let admission = admission(&opts, &dir)?;
     let max_clients = raise_fd_limit(opts.max_clients);
     let mut handed = if opts.replace {
         Some(handover::receive(&socket)?)
@@ -172,7 +180,10 @@ pub fn serve(opts: ServeOptions) -> Result<()> {
             state.owns_socket.then(|| RemoveOnDrop(socket.clone())),
         ),
         (None, Some((listener, _))) => (listener, None),
-        (None, None) => (listen(&socket)?, Some(RemoveOnDrop(socket.clone()))),
+        (None, None) => (
+            listen(&socket, &admission)?,
+            Some(RemoveOnDrop(socket.clone())),
+        ),
     };
 
     let (mut server, waker) = SocketServer::new(
@@ -182,6 +193,7 @@ pub fn serve(opts: ServeOptions) -> Result<()> {
         SpinPolicy::for_this_machine(opts.spin_us),
         opts.io_uring,
         max_clients,
+        admission,
     )
     .context("cannot start the event loop")?;
     // Grants other transports cause for socket clients wake the socket
@@ -347,12 +359,65 @@ fn bind_metrics(addr: SocketAddr, replace: bool) -> std::io::Result<TcpListener>
     Ok(TcpListener::from(fd))
 }
 
-fn listen(socket: &Path) -> Result<UnixListener> {
+/// Binds the socket, open only to us, or, when others are admitted, to
+/// them too: to the one allowed group (0660, that group's) or to all
+/// (0666) when uids or several groups are. The file's mode only lets them
+/// reach the broker: who is served is [`Admission`]'s to say, per
+/// connection, from SO_PEERCRED. Changed by path right after bind, in a
+/// directory `prepare_private_dir` found ours (or sticky): the name is
+/// ours, and `lchown` would not follow a link even so.
+fn listen(socket: &Path, admission: &Admission) -> Result<UnixListener> {
     let listener = UnixListener::bind(socket)
         .with_context(|| format!("cannot listen at {}", socket.display()))?;
-    std::fs::set_permissions(socket, std::fs::Permissions::from_mode(0o600))
-        .with_context(|| format!("cannot make {} private (chmod 0600)", socket.display()))?;
+    let mode = match admission.socket_group() {
+        Some(gid) => {
+            std::os::unix::fs::lchown(socket, None, Some(gid)).with_context(|| {
+                format!("cannot give {} to group {gid} (chown)", socket.display())
+            })?;
+            0o660
+        }
+        None if admission.admits_others() => 0o666,
+        None => 0o600,
+    };
+    std::fs::set_permissions(socket, std::fs::Permissions::from_mode(mode))
+        .with_context(|| format!("cannot set {}'s mode to {mode:04o}", socket.display()))?;
     Ok(listener)
+}
+
+/// Who may connect, from `--allow-uid` and `--allow-group`; refused
+/// where the users admitted could not reach the socket anyway.
+fn admission(opts: &ServeOptions, dir: &Path) -> Result<Admission> {
+    let gids = opts
+        .allow_groups
+        .iter()
+        .map(|g| crate::admission::resolve_group(g).map_err(anyhow::Error::msg))
+        .collect::<Result<Vec<u32>>>()?;
+    let admission = Admission::new(opts.allow_uids.clone(), gids);
+    if !admission.admits_others() {
+        return Ok(admission);
+    }
+    if is_default_private_dir(dir) {
+        anyhow::bail!(
+            "--allow-uid/--allow-group admit other users, but the socket would be in {}, baton's private \
+             directory (mode 0700), which they cannot reach: serve with --socket in a directory they may \
+             search, e.g. `install -d -m 0755 /run/baton` and `--socket /run/baton/socket` \
+             (docs/containers.md)",
+            dir.display()
+        );
+    }
+    if let Ok(meta) = std::fs::symlink_metadata(dir) {
+        use std::os::unix::fs::MetadataExt;
+        let by_group = meta.mode() & 0o010 != 0 && admission.socket_group() == Some(meta.gid());
+        if meta.mode() & 0o001 == 0 && !by_group {
+            log::warn(format_args!(
+                "{} (mode {:04o}) cannot be searched by the users --allow-uid/--allow-group admit: \
+                 they will not reach the socket (chmod o+x, or g+x with the allowed group)",
+                dir.display(),
+                meta.mode() & 0o7777
+            ));
+        }
+    }
+    Ok(admission)
 }
 
 /// Stops the broker, as SIGTERM would, once it has had no client for

@@ -5,7 +5,7 @@
 //! SIGINT). A waiting client blocks in read() on its own connection, so a
 //! grant wakes exactly that process: the broker never broadcasts.
 
-use crate::admission::Admission;
+use crate::admission::{Access, Admission};
 use crate::broker::{Broker, BrokerState, ClientMeta, Transport};
 use crate::log;
 use crate::spin::SpinPolicy;
@@ -56,6 +56,9 @@ const SEND_WITH_SLEEP_MAX: usize = 4096;
 struct Conn {
     stream: UnixStream,
     pid: u32,
+    /// Its uid (SO_PEERCRED), and what that lets it do.
+    uid: u32,
+    access: Access,
     client: Option<ClientId>,
     inbuf: Vec<u8>,
     outbuf: Vec<u8>,
@@ -136,6 +139,7 @@ impl SocketServer {
         spin: SpinPolicy,
         io_uring: bool,
         max_clients: usize,
+        admission: Admission,
     ) -> io::Result<(Self, Arc<Waker>)> {
         let poll = Poll::new()?;
         listener.set_nonblocking(true)?;
@@ -168,7 +172,7 @@ impl SocketServer {
             max_clients,
             handover: None,
             stop_asked: None,
-            admission: Admission::own_user(),
+            admission,
             spare_fd: std::fs::File::open("/dev/null").ok(),
         };
         Ok((server, waker))
@@ -423,6 +427,19 @@ impl SocketServer {
         for (state, fd) in conns {
             let stream = std::os::unix::net::UnixStream::from(fd);
             stream.set_nonblocking(true)?;
+            // What it may do is ours to say, from the kernel's word on it:
+            // one our options would refuse stays, since its build holds
+            // tokens, but only as a member.
+            let (uid, access) = match nix::sys::socket::getsockopt(
+                &stream,
+                nix::sys::socket::sockopt::PeerCredentials,
+            ) {
+                Ok(peer) => (
+                    peer.uid(),
+                    self.admission.check(&peer).unwrap_or(Access::Member),
+                ),
+                Err(_) => (u32::MAX, Access::Member),
+            };
             let mut stream = UnixStream::from_std(stream);
             let token = Token(self.next_token);
             self.next_token += 1;
@@ -446,6 +463,8 @@ impl SocketServer {
                 Conn {
                     stream,
                     pid,
+                    uid,
+                    access,
                     client,
                     inbuf,
                     outbuf,
@@ -527,15 +546,18 @@ impl SocketServer {
         let pid = peer.pid() as u32;
         // Checked before anything else, whatever the socket file's mode:
         // another user's request is never read.
-        if let Err(why) = self.admission.check(&peer) {
-            log::warn(format_args!("refused pid {pid}: {why}"));
-            let reply = Reply::Err {
-                code: ErrorCode::Denied,
-                message: why,
-            };
-            let _ = stream.write(&reply.encode());
-            return;
-        }
+        let access = match self.admission.check(&peer) {
+            Ok(access) => access,
+            Err(why) => {
+                log::warn(format_args!("refused pid {pid}: {why}"));
+                let reply = Reply::Err {
+                    code: ErrorCode::Denied,
+                    message: why,
+                };
+                let _ = stream.write(&reply.encode());
+                return;
+            }
+        };
         if self.conns.len() >= self.max_clients {
             let _ = stream.write(&self.full_reply());
             return;
@@ -554,6 +576,8 @@ impl SocketServer {
         let conn = Conn {
             stream,
             pid,
+            uid: peer.uid(),
+            access,
             client: None,
             inbuf: Vec::new(),
             outbuf: Vec::new(),
@@ -774,6 +798,42 @@ impl SocketServer {
                     ErrorCode::Busy,
                     "only CANCEL is allowed while ACQUIRE waits".into(),
                 )
+            }
+            (Some(_), request @ (Request::Stop | Request::Limit(_) | Request::Gate { .. }))
+                if !conn.access.may_administer() =>
+            {
+                let verb = match request {
+                    Request::Stop => "stop the broker",
+                    Request::Limit(_) => "change the limit",
+                    _ => "set a gate",
+                };
+                let message = self.admission.admin_refusal(conn.uid, verb);
+                return self.reply_error(token, ErrorCode::Denied, message);
+            }
+            (Some(id), Request::Hold(n)) if !conn.access.may_administer() => {
+                // A member re-attaching after a restart holds what a broker
+                // before us granted it: never more than the whole pool, so
+                // that another user cannot hold the pool past its limit
+                // for as long as it likes.
+                let mut broker = self.broker.lock().expect("broker lock");
+                let (held, limit) = (broker.pool().held_by(id), broker.pool().limit());
+                if held.saturating_add(n) > limit {
+                    let message = format!(
+                        "uid {} may hold at most the limit ({limit}) of tokens a broker before us granted; \
+                         it holds {held} and says {n} more",
+                        conn.uid
+                    );
+                    drop(broker);
+                    return self.reply_error(token, ErrorCode::Range, message);
+                }
+                match apply(&mut broker, id, Request::Hold(n)) {
+                    Ok(Some(reply)) => reply,
+                    Ok(None) => unreachable!("HOLD never waits"),
+                    Err(e) => Reply::Err {
+                        code: error_code(&e),
+                        message: e.to_string(),
+                    },
+                }
             }
             (Some(_), Request::Stop) => {
                 // The reply goes out at once and the connection closes; the
@@ -1114,6 +1174,8 @@ mod tests {
         let mut conn = Conn {
             stream,
             pid: 1,
+            uid: 0,
+            access: crate::admission::Access::Owner,
             client: None,
             inbuf: Vec::new(),
             outbuf: Vec::new(),

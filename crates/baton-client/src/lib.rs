@@ -36,14 +36,14 @@ pub enum Error {
         path: PathBuf,
     },
     /// The socket or its directory is not ours.
-    #[error("permission denied connecting to {path} (the broker belongs to another user?)")]
+    #[error("permission denied connecting to {path} (the broker belongs to another user? its owner admits others with baton serve --allow-uid UID or --allow-group GROUP)")]
     PermissionDenied {
         /// The path tried.
         path: PathBuf,
     },
     /// The process answering at the socket runs as another user: it is
     /// not our broker, and could lie about tokens or read our commands.
-    #[error("{path} is answered by a process of uid {owner}, not by your own broker (uid {me}) or root's: refusing to talk to it (someone else's broker or an impostor; remove the socket or choose another --socket)")]
+    #[error("{path} is answered by a process of uid {owner}, not by your own broker (uid {me}) or root's: refusing to talk to it (someone else's broker or an impostor; remove the socket or choose another --socket; if it is the broker you mean to use, seen from a user namespace or run by a CI runner's user, say so with BATON_BROKER_UID={owner})")]
     NotOurBroker {
         /// The socket path tried.
         path: PathBuf,

@@ -127,10 +127,25 @@ pub fn private_dir_problem(dir: &Path, facts: DirFacts, me: u32, private: bool) 
     None
 }
 
-/// Whether a broker run by uid `owner` may be trusted by user `me`: only
-/// our own, or root's (who could read our memory anyway).
+/// Whether a broker run by uid `owner` may be trusted by user `me`: our
+/// own, or root's (who could read our memory anyway), or the one
+/// `$BATON_BROKER_UID` names.
 pub fn trusts_broker_of(owner: u32, me: u32) -> bool {
-    owner == me || owner == 0
+    trusts_broker_named(owner, me, named_broker_uid())
+}
+
+/// `$BATON_BROKER_UID`: the uid, as this process sees it, of a broker it
+/// is told to use although it is neither its own nor root's: the host's
+/// broker seen from a user namespace whose map lacks the broker's uid (the
+/// kernel then says 65534, the overflow uid, for it and for every other
+/// unmapped uid: the socket the operator bound in is what is trusted), or
+/// a CI runner's broker shared with the jobs it starts (docs/containers.md).
+pub fn named_broker_uid() -> Option<u32> {
+    std::env::var("BATON_BROKER_UID").ok()?.trim().parse().ok()
+}
+
+fn trusts_broker_named(owner: u32, me: u32, named: Option<u32>) -> bool {
+    owner == me || owner == 0 || named == Some(owner)
 }
 
 /// The directory holding the socket, and the broker's other files (the lock,
@@ -224,6 +239,13 @@ mod tests {
         assert!(trusts_broker_of(7, 7));
         assert!(trusts_broker_of(0, 7));
         assert!(!trusts_broker_of(8, 7));
+    }
+
+    #[test]
+    fn a_broker_uid_named_is_trusted_too() {
+        assert!(trusts_broker_named(65534, 7, Some(65534)));
+        assert!(!trusts_broker_named(65533, 7, Some(65534)));
+        assert!(trusts_broker_named(0, 7, Some(65534)));
     }
 
     #[test]

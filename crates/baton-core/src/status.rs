@@ -198,6 +198,16 @@ pub struct Build {
     /// `baton run` so far (`STRAY`, issue #32).
     #[serde(default)]
     pub stray: u32,
+    /// The uid its starter runs as, as the broker sees it (a container's
+    /// mapped uid is its uid on the host); absent when it is the broker's
+    /// own, or the process is gone.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub uid: Option<u32>,
+    /// Its starter's cgroup (the cgroup v2 path in /proc/PID/cgroup, as
+    /// the broker sees it: a container's, say); absent when it is the
+    /// broker's own, or unknown.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cgroup: Option<String>,
 }
 
 /// Counters since the broker started.

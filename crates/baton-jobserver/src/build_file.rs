@@ -61,14 +61,21 @@ impl Drop for BuildFile {
 
 /// Makes a token file for one build in the FUSE mount of the broker at
 /// `socket`, named after our pid and `label` so that `ls` and `baton
-/// status` tell builds apart. None if that broker has no FUSE mount (the
-/// caller then uses the FIFO bridge).
+/// status` tell builds apart. None if that broker has no FUSE mount we
+/// may use (the caller then uses the FIFO bridge): none at all, or one
+/// closed to us. A FUSE mount without `allow_other` refuses every other
+/// uid (a rootless container's, say) yet answers its statfs with the FUSE
+/// magic all the same, so access(2) decides.
 ///
 /// # Errors
 /// The mount exists but the file cannot be created there.
 pub fn create(socket: &Path, label: &str) -> Result<Option<BuildFile>> {
     let dir = fuse_mount_point(socket);
     if !statfs(&dir).is_ok_and(|fs| fs.filesystem_type() == FUSE_SUPER_MAGIC) {
+        return Ok(None);
+    }
+    use nix::unistd::{access, AccessFlags};
+    if access(&dir, AccessFlags::W_OK | AccessFlags::X_OK).is_err() {
         return Ok(None);
     }
     crate::sweep_left_by_dead_runs(&dir, |name| name.split_once('-')?.0.parse().ok());

@@ -38,15 +38,42 @@ pub struct Fifo {
     claw: Option<Claw>,
 }
 
+/// The identity of our PID namespace (the inode of /proc/self/ns/pid);
+/// 0 where it cannot be read.
+fn pid_namespace() -> u64 {
+    use std::os::unix::fs::MetadataExt;
+    std::fs::metadata("/proc/self/ns/pid").map_or(0, |m| m.ino())
+}
+
+/// Where `baton run` makes its build's FIFO: beside the socket, where the
+/// broker's files are, if we may write there; else (a user the broker
+/// admits with --allow-uid or --allow-group, whose socket directory is
+/// the broker owner's) our temporary directory, as make 4.4 does.
+pub fn dir_for(socket: &Path) -> std::path::PathBuf {
+    use nix::unistd::{access, AccessFlags};
+    let dir = baton_core::paths::private_dir(socket);
+    match access(&dir, AccessFlags::W_OK | AccessFlags::X_OK) {
+        Ok(()) => dir,
+        Err(_) => std::env::temp_dir(),
+    }
+}
+
 impl Fifo {
+    /// Makes the build's FIFO in `dir`, named after our pid and our PID
+    /// namespace: builds in containers that share the socket's directory
+    /// may have the same pid, and a pid that is not running here may be
+    /// running in another namespace, so only FIFOs of our own namespace
+    /// are ever swept or replaced.
     pub fn create(dir: &Path) -> Result<Fifo> {
+        let ns = pid_namespace();
         crate::sweep_left_by_dead_runs(dir, |name| {
-            name.strip_prefix("jobserver-")?
+            let (their_ns, pid) = name
+                .strip_prefix("jobserver-")?
                 .strip_suffix(".fifo")?
-                .parse()
-                .ok()
+                .split_once('-')?;
+            (their_ns.parse::<u64>().ok()? == ns).then(|| pid.parse().ok())?
         });
-        let path = dir.join(format!("jobserver-{}.fifo", std::process::id()));
+        let path = dir.join(format!("jobserver-{ns}-{}.fifo", std::process::id()));
         let _ = std::fs::remove_file(&path);
         nix::unistd::mkfifo(&path, Mode::from_bits_truncate(0o600))
             .with_context(|| format!("cannot create the jobserver FIFO {}", path.display()))?;
@@ -358,17 +385,21 @@ mod tests {
         let mut child = std::process::Command::new("true").spawn().unwrap();
         let dead = child.id();
         child.wait().unwrap();
-        let left = scratch.file(&format!("jobserver-{dead}.fifo"), "");
+        let ns = pid_namespace();
+        let left = scratch.file(&format!("jobserver-{ns}-{dead}.fifo"), "");
         // Another run's, still going (pid 1 always runs).
-        let live = scratch.file("jobserver-1.fifo", "");
+        let live = scratch.file(&format!("jobserver-{ns}-1.fifo"), "");
+        // A pid not running here may run in another PID namespace.
+        let theirs = scratch.file(&format!("jobserver-{}-{dead}.fifo", ns + 1), "");
         let fifo = Fifo::create(&scratch.0).unwrap();
         let path = fifo.path().to_path_buf();
         assert_eq!(
             path,
             scratch
                 .0
-                .join(format!("jobserver-{}.fifo", std::process::id()))
+                .join(format!("jobserver-{ns}-{}.fifo", std::process::id()))
         );
+        assert!(theirs.exists(), "another namespace's FIFO is kept");
         assert!(std::fs::metadata(&path).unwrap().file_type().is_fifo());
         assert!(!left.exists(), "a dead run's FIFO is swept");
         assert!(live.exists(), "a live run's FIFO is kept");

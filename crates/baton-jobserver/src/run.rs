@@ -17,7 +17,7 @@ use crate::{
 };
 use anyhow::{bail, Context, Result};
 use baton_client::{Client, Error as ClientError};
-use baton_core::paths::{private_dir, socket_path};
+use baton_core::paths::socket_path;
 use baton_core::protocol::RUN_PID_VAR;
 use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
 use nix::sys::signal::{SigSet, Signal};
@@ -416,13 +416,14 @@ fn set_up_jobserver(command: &mut Command, setup: &Setup, style: Style) -> Resul
             }
             None if auto => return set_up_jobserver(command, setup, Style::Fifo),
             None => bail!(
-                "the broker at {} has no FUSE mount (it was started with --no-fuse, or FUSE is not available there): \
+                "the broker at {} has no FUSE mount we may use (it was started with --no-fuse, FUSE is not available \
+                 there, or its mount is not visible or not open to this user, as in a container: docs/containers.md): \
                  use --jobserver-style fifo",
                 socket.display()
             ),
         },
         Style::Pipe => {
-            let mut fifo = Fifo::create(&private_dir(socket))?;
+            let mut fifo = Fifo::create(&crate::fifo::dir_for(socket))?;
             let (read, write) = fifo.open_pipe_ends()?;
             for fd in [&read, &write] {
                 inheritable(fd)?;
@@ -438,7 +439,7 @@ fn set_up_jobserver(command: &mut Command, setup: &Setup, style: Style) -> Resul
             (Jobserver::Bridge { fifo, pipe_ends: Some((read, write)), form }, auth)
         }
         Style::Fifo if setup.bmake => {
-            let mut fifo = Fifo::create(&private_dir(socket))?;
+            let mut fifo = Fifo::create(&crate::fifo::dir_for(socket))?;
             let (read, write) = fifo.open_both_ends()?;
             for fd in [&read, &write] {
                 inheritable(fd)?;
@@ -449,7 +450,7 @@ fn set_up_jobserver(command: &mut Command, setup: &Setup, style: Style) -> Resul
             (Jobserver::Bridge { fifo, pipe_ends: Some((read, write)), form }, auth)
         }
         Style::Fifo => {
-            let fifo = Fifo::create(&private_dir(socket))?;
+            let fifo = Fifo::create(&crate::fifo::dir_for(socket))?;
             let auth = format!("fifo:{}", fifo.path().display());
             (Jobserver::Bridge { fifo, pipe_ends: None, form: "fifo (fifo:PATH)" }, auth)
         }

@@ -35,6 +35,14 @@ pub enum Missing {
     Make44,
     /// etcd (Debian's etcd-server).
     Etcd,
+    /// A statically linked baton (`scripts/package --static`) could not be
+    /// built here: no musl target nor a static glibc.
+    StaticBuild,
+    /// podman and runc (Debian's `podman`, `runc`), or a podman that
+    /// cannot run a container here. scripts/test installs both, but a
+    /// host's kernel or cgroup setup may still keep podman from running,
+    /// so a CI run does not fail for it.
+    Podman,
 }
 
 /// Records that the running test could not do its work here, so that the

@@ -40,6 +40,25 @@ struct FileValues {
     mem_settle: Option<Spanned<u64>>,
     on_memory_pressure: Option<Spanned<String>>,
     cluster: Option<Spanned<ClusterValues>>,
+    allow_uid: Option<Spanned<Vec<u32>>>,
+    allow_group: Option<Spanned<Vec<GroupValue>>>,
+}
+
+/// A group in `allow-group`: a name or a gid.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(untagged)]
+enum GroupValue {
+    Id(u32),
+    Name(String),
+}
+
+impl fmt::Display for GroupValue {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            GroupValue::Id(gid) => write!(f, "{gid}"),
+            GroupValue::Name(name) => write!(f, "{name}"),
+        }
+    }
 }
 
 /// The `[cluster]` table: a pool shared with other brokers through etcd
@@ -167,6 +186,7 @@ impl Config {
 
     fn check_ranges(&self) -> Result<(), BadConfig> {
         self.check_gates()?;
+        self.check_allowed()?;
         if let Some(jobs) = &self.values.jobs {
             if !(1..=baton_core::MAX_LIMIT).contains(jobs.get_ref()) {
                 let message = format!("jobs must be between 1 and {}", baton_core::MAX_LIMIT);
@@ -200,6 +220,53 @@ impl Config {
             }
         }
         Ok(())
+    }
+
+    /// `allow-uid` holds real uids, and `allow-group` groups that exist.
+    fn check_allowed(&self) -> Result<(), BadConfig> {
+        let bad = |span: Range<usize>, message: String| {
+            bad_config(&self.path, &self.text, Some(span), &message)
+        };
+        if let Some(uids) = &self.values.allow_uid {
+            if uids.get_ref().contains(&u32::MAX) {
+                return Err(bad(
+                    uids.span(),
+                    format!("allow-uid: {} is not a uid (-1)", u32::MAX),
+                ));
+            }
+        }
+        if let Some(groups) = &self.values.allow_group {
+            for group in groups.get_ref() {
+                if let GroupValue::Name(name) = group {
+                    baton_broker::resolve_group(name).map_err(|e| {
+                        bad(
+                            groups.span(),
+                            e.replacen("--allow-group", "allow-group:", 1),
+                        )
+                    })?;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// The other users `baton serve` admits (`allow-uid`).
+    pub fn allow_uids(&self) -> Vec<u32> {
+        self.values
+            .allow_uid
+            .as_ref()
+            .map(|v| v.get_ref().clone())
+            .unwrap_or_default()
+    }
+
+    /// The groups whose members `baton serve` admits (`allow-group`), as
+    /// `--allow-group` takes them.
+    pub fn allow_groups(&self) -> Vec<String> {
+        self.values
+            .allow_group
+            .as_ref()
+            .map(|v| v.get_ref().iter().map(ToString::to_string).collect())
+            .unwrap_or_default()
     }
 
     /// Each gate the file sets must be one `baton serve` would take.
@@ -453,6 +520,27 @@ pub fn describe(config: &Config, autostart: bool) -> String {
         ),
         ("autostart", autostart.to_string(), String::new()),
     ];
+    let mut rows = rows.to_vec();
+    let allowed = |what: Vec<String>| match what.is_empty() {
+        true => "none".to_string(),
+        false => what.join(", "),
+    };
+    rows.push((
+        "allow-uid",
+        allowed(config.allow_uids().iter().map(u32::to_string).collect()),
+        source_of(
+            config,
+            config.values.allow_uid.as_ref().map(|v| v.span().start),
+        ),
+    ));
+    rows.push((
+        "allow-group",
+        allowed(config.allow_groups()),
+        source_of(
+            config,
+            config.values.allow_group.as_ref().map(|v| v.span().start),
+        ),
+    ));
     let value_width = rows
         .iter()
         .filter(|(_, _, from)| !from.is_empty())
@@ -465,6 +553,15 @@ pub fn describe(config: &Config, autostart: bool) -> String {
             false => format!("{name:<13} {value:<value_width$}  ({from})\n"),
         })
         .collect()
+}
+
+/// Where a value of the file came from: its line, or the default.
+fn source_of(config: &Config, start: Option<usize>) -> String {
+    start
+        .map_or(Source::Default, |start| Source::File {
+            line: line_of(&config.text, start),
+        })
+        .to_string()
 }
 
 fn check_cluster(c: &ClusterValues) -> Result<(), String> {
@@ -587,6 +684,50 @@ mod tests {
 
     fn error(text: &str) -> String {
         format!("{:#}", parse(text).unwrap_err())
+    }
+
+    #[test]
+    fn allowed_uids_and_groups_by_name_or_gid() {
+        let config = parse("allow-uid = [1234, 100000]\nallow-group = [\"root\", 4242]\n").unwrap();
+        assert_eq!(config.allow_uids(), vec![1234, 100000]);
+        assert_eq!(config.allow_groups(), vec!["root", "4242"]);
+        let none = parse("jobs = 2\n").unwrap();
+        assert!(none.allow_uids().is_empty() && none.allow_groups().is_empty());
+    }
+
+    #[test]
+    fn config_shows_who_else_the_broker_admits_and_from_where() {
+        let shown = describe(
+            &parse("jobs = 2\nallow-group = [\"root\"]\n").unwrap(),
+            true,
+        );
+        assert!(shown.contains("allow-uid     none"), "{shown}");
+        let group = shown
+            .lines()
+            .find(|l| l.starts_with("allow-group"))
+            .unwrap();
+        assert!(
+            group.contains("root") && group.contains("config file, line 2"),
+            "{shown}"
+        );
+    }
+
+    #[test]
+    fn a_bad_allowed_user_or_group_names_file_line_and_key() {
+        let typo = error("jobs = 2\nallow_uid = [1234]\n");
+        assert!(
+            typo.contains("line 2") && typo.contains("allow_uid"),
+            "{typo}"
+        );
+        let group = error("allow-group = [\"no-such-group-here\"]\n");
+        assert!(
+            group.contains("line 1") && group.contains("no such group"),
+            "{group}"
+        );
+        let uid = error("allow-uid = [\"ci\"]\n");
+        assert!(uid.contains("line 1") && uid.contains("allow-uid"), "{uid}");
+        let minus = error("allow-uid = [4294967295]\n");
+        assert!(minus.contains("not a uid"), "{minus}");
     }
 
     #[test]

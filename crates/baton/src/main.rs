@@ -142,6 +142,19 @@ enum Cmd {
         /// (docs/metrics.md).
         #[arg(long, value_name = "ADDR")]
         metrics_listen: Option<std::net::SocketAddr>,
+        /// Also serve this uid (repeatable), e.g. a CI runner's or a
+        /// rootless container's mapped uid: its own builds and `status`,
+        /// never the limit, the gates or stopping the broker. The socket
+        /// must be where it can reach it (--socket; docs/containers.md)
+        /// [default: the config file's allow-uid].
+        #[arg(long, value_name = "UID", value_parser = clap::value_parser!(u32).range(0..i64::from(u32::MAX)))]
+        allow_uid: Vec<u32>,
+        /// Also serve the members of GROUP (a name or a gid; repeatable),
+        /// by their gid or supplementary groups, as --allow-uid does; with
+        /// this one group alone the socket file is given to it, mode 0660
+        /// [default: the config file's allow-group].
+        #[arg(long, value_name = "GROUP")]
+        allow_group: Vec<String>,
     },
     /// Run CMD holding tokens from the broker, with a GNU jobserver (MAKEFLAGS)
     /// fed from the pool; every token goes back when CMD ends.
@@ -177,8 +190,9 @@ the socket). BATON_NO_AUTOSTART=1 turns that off."
         /// under fuse, a Python driver under pipe).
         #[arg(long)]
         force: bool,
-        /// The build's name in `baton status` (default: the command line).
-        #[arg(long, value_name = "NAME")]
+        /// The build's name in `baton status` (default: the command line),
+        /// such as a CI job's or a container's.
+        #[arg(long, value_name = "NAME", env = "BATON_NAME")]
         name: Option<String>,
         /// The build's share of a busy pool, against other builds' weights
         /// [default: the config file's weight, else 1].
@@ -466,6 +480,8 @@ fn dispatch(command: Cmd) -> anyhow::Result<u8> {
             replace,
             reclaim_grace,
             metrics_listen,
+            allow_uid,
+            allow_group,
         } => {
             let log_level = if quiet {
                 LogLevel::Warn
@@ -486,10 +502,23 @@ fn dispatch(command: Cmd) -> anyhow::Result<u8> {
             });
             // The file is read only when it is needed: a broker started as
             // another user need not be able to read the caller's home.
+            // Given --jobs, it may still name who else is served: read
+            // leniently then (a bad line warns and admits nobody more).
             let file = if jobs.is_none() {
                 Some(Config::load()?)
             } else {
                 None
+            };
+            let lenient = (file.is_none() && (allow_uid.is_empty() || allow_group.is_empty()))
+                .then(Config::load_lenient);
+            let from_file = file.as_ref().or(lenient.as_ref());
+            let allow_uids = match allow_uid.is_empty() {
+                true => from_file.map(Config::allow_uids).unwrap_or_default(),
+                false => allow_uid,
+            };
+            let allow_groups = match allow_group.is_empty() {
+                true => from_file.map(Config::allow_groups).unwrap_or_default(),
+                false => allow_group,
             };
             let gates = serve_gates(&gates, mem_settle, on_memory_pressure, file.as_ref())?;
             let jobs = jobs.unwrap_or_else(|| {
@@ -520,6 +549,8 @@ fn dispatch(command: Cmd) -> anyhow::Result<u8> {
                 replace,
                 reclaim_grace,
                 metrics_listen,
+                allow_uids,
+                allow_groups,
             });
             if let Err(e) = served {
                 baton_broker::log_fatal(&error_chain(&e));

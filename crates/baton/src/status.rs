@@ -280,6 +280,23 @@ fn render_cluster(c: &baton_core::status::Cluster, out: &mut String) {
     }
 }
 
+/// Where a build runs, when not as the broker does: `  (uid 100000,
+/// cgroup /ci/job-7)` for another uid or a container's cgroup; empty
+/// otherwise (docs/containers.md).
+pub fn place(b: &baton_core::status::Build) -> String {
+    let mut place = Vec::new();
+    if let Some(uid) = b.uid {
+        place.push(format!("uid {uid}"));
+    }
+    if let Some(cgroup) = &b.cgroup {
+        place.push(format!("cgroup {cgroup}"));
+    }
+    match place.is_empty() {
+        true => String::new(),
+        false => format!("  ({})", place.join(", ")),
+    }
+}
+
 /// Builds that hold or wait for tokens, with their use of the pool so far.
 fn render_builds(s: &Status, out: &mut String) {
     let active: Vec<_> = s.builds.iter().filter(|b| b.held + b.waiting > 0).collect();
@@ -301,9 +318,28 @@ BUILDS
             0 => String::new(),
             n => format!("  [{n} stray byte(s) taken out of its jobserver]"),
         };
+        let place = place(b);
         out.push_str(&format!(
-            "{:>8} {:>6} {:>6} {:>5} {:>7} {:>8} {:>11.1}s {}{stray}\n",
+            "{:>8} {:>6} {:>6} {:>5} {:>7} {:>8} {:>11.1}s {}{place}{stray}\n",
             b.pid, b.weight, b.held, running, b.waiting, b.grants, b.token_seconds, b.name
         ));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_build_of_another_uid_or_cgroup_says_where_it_runs() {
+        let mut b: baton_core::status::Build = serde_json::from_str(
+            r#"{"name":"ci","pid":7,"weight":1,"held":1,"waiting":0,"grants":1,"token_seconds":0.5}"#,
+        )
+        .unwrap();
+        assert_eq!(place(&b), "");
+        b.uid = Some(100000);
+        assert_eq!(place(&b), "  (uid 100000)");
+        b.cgroup = Some("/ci/job-7".into());
+        assert_eq!(place(&b), "  (uid 100000, cgroup /ci/job-7)");
     }
 }

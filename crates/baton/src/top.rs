@@ -464,7 +464,7 @@ const COLUMNS: [Column; 9] = [
         header: "NAME",
         width: 8,
         drop_rank: 0,
-        cell: |b, _| b.name.clone(),
+        cell: |b, _| format!("{}{}", b.name, crate::status::place(b)),
     },
     Column {
         header: "WEIGHT",
@@ -599,6 +599,8 @@ mod tests {
             wait_ms_p99: None,
             running: None,
             stray: 0,
+            uid: None,
+            cgroup: None,
         }
     }
 

@@ -14,7 +14,7 @@ use std::os::unix::fs::{MetadataExt, PermissionsExt};
 use std::os::unix::net::UnixStream;
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
+use std::process::{Command, Output, Stdio};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
@@ -503,7 +503,7 @@ fn a_broker_out_of_descriptors_answers_full_in_words() {
 /// The C client (clients/c, compiled here) and the Python client
 /// (clients/python) against a broker of the other user.
 #[test]
-fn the_c_and_python_clients_refuse_a_broker_of_another_user() {
+fn the_c_and_python_clients_refuse_a_broker_of_another_user_unless_told_its_uid() {
     if !can_act_as_another_user() {
         return;
     }
@@ -562,6 +562,37 @@ fn the_c_and_python_clients_refuse_a_broker_of_another_user() {
     let said = output_text(&py);
     assert_eq!(py.status.code(), Some(3), "Python client: {said}");
     assert!(said.contains(&format!("process of uid {OTHER}")), "{said}");
+    assert!(
+        said.contains(&format!("BATON_BROKER_UID={OTHER}")),
+        "{said}"
+    );
+
+    // Told to trust that uid (a host broker seen from a user namespace,
+    // docs/containers.md), both connect; its broker serves root.
+    let c = Command::new(&binary)
+        .arg(&socket)
+        .env("BATON_BROKER_UID", OTHER.to_string())
+        .output()
+        .unwrap();
+    assert_eq!(c.status.code(), Some(0), "C client: {}", output_text(&c));
+    assert!(
+        output_text(&c).contains("connected, limit"),
+        "{}",
+        output_text(&c)
+    );
+    let py = Command::new(python())
+        .args(["-c", connect])
+        .arg(&socket)
+        .env("PYTHONPATH", clients.join("python/src"))
+        .env("BATON_BROKER_UID", OTHER.to_string())
+        .output()
+        .unwrap();
+    assert_eq!(
+        py.status.code(),
+        Some(0),
+        "Python client: {}",
+        output_text(&py)
+    );
 }
 
 /// A `--socket` in a directory every user may write to, without the
@@ -592,4 +623,307 @@ fn a_socket_in_a_world_writable_directory_without_the_sticky_bit_is_refused() {
         "{said}"
     );
     assert!(!open.join("socket").exists());
+}
+
+/// A uid and a group no account has: the admitted user of the tests below.
+const MEMBER: u32 = 1234;
+const MEMBERS_GROUP: u32 = 4321;
+
+/// `baton ARGS...` at `broker`'s socket as uid MEMBER with primary gid
+/// `gid` and supplementary `groups`, in `cwd`, with a config home of its
+/// own (root's is closed to it) and no autostart.
+fn as_member(broker: &Broker, gid: u32, groups: &[u32], cwd: &Path, args: &[&str]) -> Output {
+    let mut c = Command::new("setpriv");
+    c.args([&format!("--reuid={MEMBER}"), &format!("--regid={gid}")]);
+    match groups {
+        [] => c.arg("--clear-groups"),
+        _ => c.arg(format!(
+            "--groups={}",
+            groups
+                .iter()
+                .map(u32::to_string)
+                .collect::<Vec<_>>()
+                .join(",")
+        )),
+    };
+    c.arg(baton_bin())
+        .args(args)
+        .arg("--socket")
+        .arg(&broker.socket)
+        .current_dir(cwd)
+        .env("XDG_CONFIG_HOME", cwd)
+        .env("BATON_NO_AUTOSTART", "1")
+        .output()
+        .unwrap()
+}
+
+/// A broker started as root (its own user) with `allow`, its socket's
+/// directories made searchable by others, as the operator would
+/// (docs/containers.md).
+fn broker_admitting(allow: &[&str]) -> Broker {
+    let mut args = vec!["--no-fuse"];
+    args.extend(allow);
+    let broker = Broker::start_with(4, &args);
+    chmod(broker.dir.path(), 0o755);
+    chmod(broker.socket.parent().unwrap(), 0o755);
+    broker
+}
+
+#[test]
+fn another_uid_is_refused_in_words_that_name_the_options_to_admit_it() {
+    if !can_act_as_another_user() {
+        return;
+    }
+    let broker = broker_admitting(&[]);
+    chmod(&broker.socket, 0o777);
+    let out = as_member(&broker, MEMBER, &[], broker.dir.path(), &["status"]);
+    let said = output_text(&out);
+    assert!(!out.status.success(), "{said}");
+    for words in [
+        format!("uid {MEMBER} may not use this broker"),
+        "it serves uid 0 (root) only".to_string(),
+        format!("--allow-uid {MEMBER}"),
+        "--allow-group GROUP".to_string(),
+    ] {
+        assert!(said.contains(&words), "{words:?} not in: {said}");
+    }
+}
+
+#[test]
+fn an_allowed_uid_runs_its_builds_and_reads_status_but_cannot_administer() {
+    if !can_act_as_another_user() {
+        return;
+    }
+    let broker = broker_admitting(&["--allow-uid", &MEMBER.to_string()]);
+    // The broker opened its socket file to the uids it admits; the
+    // connection's uid decides the rest.
+    let mode = std::fs::symlink_metadata(&broker.socket).unwrap().mode() & 0o777;
+    assert_eq!(mode, 0o666, "the socket's mode");
+    let status = as_member(
+        &broker,
+        MEMBER,
+        &[],
+        broker.dir.path(),
+        &["status", "--json"],
+    );
+    assert!(status.status.success(), "{}", output_text(&status));
+    assert!(
+        output_text(&status).contains("\"limit\": 4"),
+        "{}",
+        output_text(&status)
+    );
+
+    // A real build of the member's own: make 4.3 under `baton run` (its
+    // FIFO goes to the member's $TMPDIR: the socket's directory is root's).
+    let work = TempDir::new("member-build");
+    chmod(work.path(), 0o777);
+    let log = work.path().join("jobs.log");
+    std::fs::write(&log, "").unwrap();
+    chmod(&log, 0o666);
+    common::flat_makefile(work.path(), &log, 10, "0.2");
+    let make = common::make43();
+    let make = make.to_str().unwrap();
+    let style_and_cmd = ["--jobserver-style", "pipe", "--", make];
+    // as_member puts `--socket` last: `run` takes it before `--`.
+    let out = {
+        let mut c = Command::new("setpriv");
+        c.args([
+            &format!("--reuid={MEMBER}"),
+            &format!("--regid={MEMBER}"),
+            "--clear-groups",
+            baton_bin(),
+            "run",
+            "--socket",
+        ])
+        .arg(&broker.socket)
+        .args(style_and_cmd)
+        .current_dir(work.path())
+        .env("XDG_CONFIG_HOME", work.path())
+        .env("BATON_NO_AUTOSTART", "1")
+        .output()
+        .unwrap()
+    };
+    assert!(out.status.success(), "{}", output_text(&out));
+    let (most, started) = common::max_overlap(&log);
+    assert_eq!(started, 10);
+    assert!(most <= 4, "{most} jobs at once under a limit of 4");
+    broker.wait_all_free();
+
+    // Administration is the owner's.
+    for (args, words) in [
+        (&["limit", "1"][..], "may not change the limit"),
+        (&["limit", "--max-load", "3"][..], "may not set a gate"),
+        (&["stop"][..], "may not stop the broker"),
+    ] {
+        let out = as_member(&broker, MEMBER, &[], work.path(), args);
+        let said = output_text(&out);
+        assert!(!out.status.success(), "{args:?}: {said}");
+        assert!(said.contains(&format!("uid {MEMBER} {words}")), "{said}");
+        assert!(said.contains("only uid 0 and root"), "{said}");
+    }
+    let s = broker.status();
+    assert_eq!(s.limit, 4, "a member changed the limit");
+    assert!(s.gates.is_empty(), "a member set a gate: {:?}", s.gates);
+    assert!(
+        common::pid_alive(broker.pid()),
+        "a member stopped the broker"
+    );
+    // Another uid is still refused.
+    let stranger = as_other_user(baton_bin())
+        .args(["status", "--socket"])
+        .arg(&broker.socket)
+        .output()
+        .unwrap();
+    assert!(output_text(&stranger).contains(&format!("uid {OTHER} may not use this broker")));
+    assert!(
+        output_text(&stranger).contains(&format!("uid {MEMBER}")),
+        "{}",
+        output_text(&stranger)
+    );
+}
+
+#[test]
+fn an_allowed_group_admits_its_members_by_primary_or_supplementary_gid() {
+    if !can_act_as_another_user() {
+        return;
+    }
+    let broker = broker_admitting(&["--allow-group", &MEMBERS_GROUP.to_string()]);
+    // The one group allowed gets the socket file, 0660.
+    let meta = std::fs::symlink_metadata(&broker.socket).unwrap();
+    assert_eq!((meta.gid(), meta.mode() & 0o777), (MEMBERS_GROUP, 0o660));
+    let dir = broker.dir.path();
+    let by_supplementary = as_member(&broker, MEMBER, &[MEMBERS_GROUP], dir, &["status"]);
+    assert!(
+        by_supplementary.status.success(),
+        "{}",
+        output_text(&by_supplementary)
+    );
+    let by_primary = as_member(&broker, MEMBERS_GROUP, &[], dir, &["status"]);
+    assert!(by_primary.status.success(), "{}", output_text(&by_primary));
+    // Outside the group: the socket's mode already keeps it out; opened
+    // to all, the broker still does, naming the options.
+    chmod(&broker.socket, 0o666);
+    let outside = as_member(&broker, MEMBER, &[], dir, &["status"]);
+    let said = output_text(&outside);
+    assert!(!outside.status.success(), "{said}");
+    assert!(
+        said.contains(&format!("members of gid {MEMBERS_GROUP}")),
+        "{said}"
+    );
+    assert!(said.contains("--allow-group"), "{said}");
+}
+
+/// `allow-uid` in the config file admits as `--allow-uid` does, even with
+/// `--jobs` on the command line (the file is then read for who else is
+/// served); `--allow-uid` on the command line wins over it.
+#[test]
+fn the_config_file_admits_other_uids_too() {
+    if !can_act_as_another_user() {
+        return;
+    }
+    let home = TempDir::new("allow-config");
+    std::fs::create_dir_all(home.path().join("baton")).unwrap();
+    std::fs::write(
+        home.path().join("baton/config.toml"),
+        format!("allow-uid = [{MEMBER}]\n"),
+    )
+    .unwrap();
+    let config_home = format!("XDG_CONFIG_HOME={}", home.path().display());
+    for (cli, admitted) in [(None, true), (Some("4242"), false)] {
+        let mut extra = vec!["--no-fuse"];
+        if let Some(uid) = cli {
+            extra.extend(["--allow-uid", uid]);
+        }
+        let broker = Broker::start_under(&["env", &config_home], 2, &extra);
+        chmod(broker.dir.path(), 0o755);
+        chmod(broker.socket.parent().unwrap(), 0o755);
+        let out = as_member(&broker, MEMBER, &[], broker.dir.path(), &["status"]);
+        assert_eq!(
+            out.status.success(),
+            admitted,
+            "{cli:?}: {}",
+            output_text(&out)
+        );
+    }
+}
+
+/// A member may say it holds what a broker before this one granted it
+/// (`HOLD`, as `baton run` re-attaching does), but never more than the
+/// limit: another user cannot hold the pool past its limit at will.
+#[test]
+fn a_member_may_hold_again_no_more_than_the_limit() {
+    if !can_act_as_another_user() {
+        return;
+    }
+    let broker = broker_admitting(&["--allow-uid", &MEMBER.to_string()]);
+    let session = "import socket, sys\n\
+        s = socket.socket(socket.AF_UNIX)\n\
+        s.connect(sys.argv[1])\n\
+        f = s.makefile('rw')\n\
+        for line in ['HELLO 1 member', 'HOLD 5', 'HOLD 3', 'HOLD 2']:\n\
+        \x20   f.write(line + '\\n'); f.flush(); print(f.readline().strip())\n";
+    let out = Command::new("setpriv")
+        .args([
+            &format!("--reuid={MEMBER}"),
+            &format!("--regid={MEMBER}"),
+            "--clear-groups",
+        ])
+        .arg(python())
+        .args(["-c", session])
+        .arg(&broker.socket)
+        .output()
+        .unwrap();
+    let said = output_text(&out);
+    let replies: Vec<&str> = said.lines().collect();
+    assert_eq!(replies.len(), 4, "{said}");
+    assert!(
+        replies[1].starts_with("ERR range uid 1234 may hold at most the limit (4)"),
+        "{said}"
+    );
+    assert!(replies[2].starts_with("GRANTED 3 3"), "{said}");
+    assert!(replies[3].starts_with("ERR range"), "{said}");
+    // Its connection closed, everything is back.
+    broker.wait_all_free();
+}
+
+/// Other users cannot reach a socket in baton's own private directory
+/// (0700): asked to admit them there, `serve` refuses in words that say
+/// where to put the socket instead, and starts nothing. A bad group is
+/// refused the same way.
+#[test]
+fn admitting_others_in_the_private_directory_or_an_unknown_group_is_refused() {
+    let xdg = TempDir::new("allow-private");
+    let out = baton_at_default(xdg.path())
+        .args(["serve", "--jobs", "2", "--no-fuse", "--allow-uid", "1234"])
+        .output()
+        .unwrap();
+    let said = output_text(&out);
+    assert!(!out.status.success(), "{said}");
+    assert!(said.contains("baton's private directory"), "{said}");
+    assert!(said.contains("--socket"), "{said}");
+    assert!(
+        !xdg.path().join("baton/socket").exists(),
+        "a socket appeared"
+    );
+
+    let dir = TempDir::new("allow-bad-group");
+    let out = baton()
+        .args([
+            "serve",
+            "--jobs",
+            "2",
+            "--no-fuse",
+            "--allow-group",
+            "no-such-group-here",
+            "--socket",
+        ])
+        .arg(dir.path().join("run/socket"))
+        .output()
+        .unwrap();
+    let said = output_text(&out);
+    assert!(!out.status.success(), "{said}");
+    assert!(
+        said.contains("--allow-group no-such-group-here: no such group"),
+        "{said}"
+    );
 }

@@ -73,11 +73,22 @@ def check_peer(sock: socket.socket, path: str) -> None:
     creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
     _pid, uid, _gid = struct.unpack("3i", creds)
     me = os.getuid()
-    if uid not in (me, 0):
+    if uid not in (me, 0) and uid != named_broker_uid():
         raise NotOurBrokerError(
             f"baton: {path} is answered by a process of uid {uid}, not by your own broker (uid {me}) or root's: "
-            "refusing to talk to it (someone else's broker or an impostor; remove the socket or choose another path)"
+            "refusing to talk to it (someone else's broker or an impostor; remove the socket or choose another path; "
+            "if it is the broker you mean to use, seen from a user namespace or run by a CI runner's user, "
+            f"say so with BATON_BROKER_UID={uid})"
         )
+
+
+def named_broker_uid():
+    """$BATON_BROKER_UID: a broker's uid to trust although it is neither
+    ours nor root's (the host's broker seen from a user namespace that does
+    not map its uid shows as 65534; docs/containers.md). None if unset or
+    not a number."""
+    named = os.environ.get("BATON_BROKER_UID", "").strip()
+    return int(named) if named.isdigit() else None
 
 
 def refused_at_connect(path: str, e: RefusedError) -> RefusedError:
@@ -175,7 +186,7 @@ class Connection:
             raise NoBrokerError(f"baton: no broker at {path} (start one with: baton serve --jobs N)") from e
         except PermissionError as e:
             self.sock.close()
-            raise BatonError(f"baton: permission denied connecting to {path} (the broker belongs to another user?)") from e
+            raise BatonError(f"baton: permission denied connecting to {path} (the broker belongs to another user? its owner admits others with baton serve --allow-uid UID or --allow-group GROUP)") from e
         except (OSError, NotOurBrokerError):
             self.sock.close()
             raise

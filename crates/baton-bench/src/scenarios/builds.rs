@@ -11,6 +11,12 @@
 //!    FIFO (a machine-wide jobserver as its peers offer it: N - 3 tokens in
 //!    the FIFO, as every top-level client runs one job on its own).
 //! 3. The three at once under baton, with weights 1:1:2 (ninja 2).
+//! 4. Three containers at once (unshare: PID, mount and network
+//!    namespaces), one per tool, with jobs that spin instead of sleeping:
+//!    each at its own `-j$(nproc)`, then each under `baton run` on one pool
+//!    of `$(nproc)`: the most jobs running at once across the three (from
+//!    their logs), wall time and context switches (docs/containers.md).
+//!    Needs root; left out, and said so, without.
 //!
 //! The tools come from `BATON_BENCH_MAKE43` (default /usr/bin/make),
 //! `BATON_BENCH_MAKE44` and `BATON_BENCH_NINJA` (default: `make` and
@@ -143,15 +149,34 @@ struct Graph {
 
 impl Graph {
     fn write(root: &Path, name: &str, kind: Kind, jobs: u64, job_us: u64) -> Result<Graph> {
+        let work = format!("sleep {}", job_us as f64 / 1e6);
+        Self::write_doing(root, name, kind, jobs, &work)
+    }
+
+    /// A graph whose jobs spin `iterations` times in bash: CPU, as a
+    /// compiler spends it, rather than a sleep.
+    fn write_spinning(
+        root: &Path,
+        name: &str,
+        kind: Kind,
+        jobs: u64,
+        iterations: u64,
+    ) -> Result<Graph> {
+        let work = format!("i=0; while ((i < {iterations})); do ((i++)); done");
+        Self::write_doing(root, name, kind, jobs, &work)
+    }
+
+    /// A graph of `jobs` jobs, each doing `work` (bash, with `$$` for `$`)
+    /// between the lines that log its start and end.
+    fn write_doing(root: &Path, name: &str, kind: Kind, jobs: u64, work: &str) -> Result<Graph> {
         let dir = root.join(name.replace(' ', "-"));
         let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(&dir)?;
         let log = dir.join("jobs.log");
         // $$ is a literal $ in both make and ninja.
         let job = format!(
-            "echo S $$EPOCHREALTIME >> {log}; sleep {secs}; echo E $$EPOCHREALTIME >> {log}",
+            "echo S $$EPOCHREALTIME >> {log}; {work}; echo E $$EPOCHREALTIME >> {log}",
             log = log.display(),
-            secs = job_us as f64 / 1e6
         );
         let targets: Vec<String> = (0..jobs).map(|i| format!("j{i}")).collect();
         if kind == Kind::Cargo {
@@ -447,6 +472,18 @@ pub fn run(bench: &Bench, scale: &Scale) -> Result<Findings> {
         "three at once, one shared FIFO",
         |_| Slots::Shared(&fifo),
     )?);
+    let contained = containers(bench, scale, &tools, &root)?;
+    let contained_note = match &contained {
+        Some(_) => format!(
+            "containers: one per tool, made with unshare (PID, mount, network namespaces), at once; jobs spin {SPIN} \
+             times in bash (CPU, not a sleep); each its own -j$(nproc), then each under baton run against one broker \
+             of $(nproc) tokens; peak: most jobs running at once across the three, from their logs; ratios: medians \
+             of each round's baton / own, of {} alternating round(s)",
+            scale.rounds.max(1)
+        ),
+        None => "containers: not measured (needs root and unshare)".to_string(),
+    };
+    rows.extend(contained.unwrap_or_default());
     let weight = |t: &Tool| if t.kind == Kind::Ninja { 2 } else { 1 };
     rows.extend(together(
         bench,
@@ -465,6 +502,7 @@ pub fn run(bench: &Bench, scale: &Scale) -> Result<Findings> {
         "share: the build's part of the job-seconds spent while all three builds ran jobs; fair_share by weight".into(),
         "shared FIFO: N - 3 tokens in one FIFO, as each top-level client runs one job of its own".into(),
         "context switches and CPU: every process of the builds (jobs included), not the broker".into(),
+        contained_note,
     ];
     Ok(Findings { rows, notes })
 }
@@ -539,6 +577,172 @@ fn alone<'a>(
         );
     }
     Ok(rows)
+}
+
+/// How many times each job of the containers case spins in bash: about
+/// a tenth of a second of CPU here.
+const SPIN: u64 = 50_000;
+
+/// Three containers at once, one per tool (unshare: PID, mount and
+/// network namespaces; the broker's socket is on the file system they
+/// share), each running jobs that spin: a CI host running three jobs, each
+/// in its own container. First each build at its own -j$(nproc), then each
+/// under `baton run` against one broker of $(nproc) tokens, in
+/// `scale.rounds` alternating rounds. Each row is the round of median wall
+/// time; baton's has the medians of each round's ratios to own.
+/// None where containers cannot be made (not root, no unshare).
+fn containers(
+    bench: &Bench,
+    scale: &Scale,
+    tools: &[Tool],
+    root: &Path,
+) -> Result<Option<Vec<Row>>> {
+    let made = Command::new("unshare")
+        .args([
+            "--pid",
+            "--fork",
+            "--mount-proc",
+            "--mount",
+            "--net",
+            "true",
+        ])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success());
+    if !made {
+        return Ok(None);
+    }
+    let n = std::thread::available_parallelism().map_or(1, |n| n.get() as u32);
+    let broker = Broker::start_with(n, &bench.env, Wait::Blocking, &[])?;
+    let ways = [
+        (format!("own -j{n}"), Slots::Own(n)),
+        (
+            "baton run".to_string(),
+            Slots::Baton {
+                broker: &broker,
+                weight: 1,
+            },
+        ),
+    ];
+    let mut rounds: [Vec<Contained>; 2] = [Vec::new(), Vec::new()];
+    for _ in 0..scale.rounds.max(1) {
+        for ((_, slots), measured) in ways.iter().zip(&mut rounds) {
+            let graphs: Vec<Graph> = tools
+                .iter()
+                .map(|t| {
+                    let name = format!("container {}", t.name);
+                    Graph::write_spinning(root, &name, t.kind, scale.ops, SPIN)
+                })
+                .collect::<Result<_>>()?;
+            let builds = tools
+                .iter()
+                .zip(&graphs)
+                .map(|(t, g)| Ok((in_a_container(&command(bench, t, g, slots)?), g)))
+                .collect::<Result<Vec<_>>>()?;
+            let (ran, usage) = run_together(builds)?;
+            let mut events: Vec<(f64, i32)> = ran.iter().flat_map(|r| r.events.clone()).collect();
+            events.sort_by(|a, b| a.0.total_cmp(&b.0));
+            let wall = ran.iter().map(|r| r.wall).fold(0.0, f64::max);
+            measured.push(Contained {
+                peak: peak(&events),
+                running: busy(&events, 0.0, f64::MAX) / wall,
+                wall,
+                usage,
+            });
+        }
+    }
+    let ratio = |of: fn(&Contained) -> f64| {
+        median(
+            rounds[1]
+                .iter()
+                .zip(&rounds[0])
+                .map(|(b, o)| of(b) / of(o))
+                .collect(),
+        )
+    };
+    let mut rows = Vec::new();
+    for ((label, _), measured) in ways.iter().zip(&rounds) {
+        let mut sorted = measured.clone();
+        sorted.sort_by(|a, b| a.wall.total_cmp(&b.wall));
+        let typical = sorted[sorted.len() / 2];
+        rows.push(
+            Row::new(
+                label,
+                tools.len(),
+                scale.ops * tools.len() as u64,
+                typical.usage,
+                None,
+                Duration::from_secs_f64(typical.wall),
+            )
+            .with("case", "containers")
+            .with("tool", format!("{} containers", tools.len()))
+            .with("peak", typical.peak)
+            .with("running", round(typical.running))
+            .with("rounds", measured.len()),
+        );
+    }
+    let last = rows.pop().expect("baton's row");
+    rows.push(
+        last.with("running_ratio", round(ratio(|c| c.running)))
+            .with("wall_ratio", round(ratio(|c| c.wall)))
+            .with("peak_ratio", round(ratio(|c| f64::from(c.peak))))
+            .with(
+                "csw_ratio",
+                round(ratio(|c| c.usage.context_switches() as f64)),
+            ),
+    );
+    Ok(Some(rows))
+}
+
+/// `cmd` run in a container of its own: new PID (with its /proc), mount
+/// and network namespaces; killed with the container's init if unshare
+/// dies.
+fn in_a_container(cmd: &Command) -> Command {
+    let mut c = Command::new("unshare");
+    c.args([
+        "--pid",
+        "--fork",
+        "--kill-child",
+        "--mount-proc",
+        "--mount",
+        "--net",
+        "--",
+    ])
+    .arg(cmd.get_program())
+    .args(cmd.get_args())
+    .stdout(Stdio::null())
+    .stderr(Stdio::null());
+    if let Some(dir) = cmd.get_current_dir() {
+        c.current_dir(dir);
+    }
+    for (key, value) in cmd.get_envs() {
+        match value {
+            Some(value) => c.env(key, value),
+            None => c.env_remove(key),
+        };
+    }
+    c
+}
+
+/// The most jobs running at once.
+fn peak(events: &[(f64, i32)]) -> u32 {
+    let (mut running, mut most) = (0i32, 0i32);
+    for &(_, delta) in events {
+        running += delta;
+        most = most.max(running);
+    }
+    most.max(0) as u32
+}
+
+/// Three containers' builds, measured.
+#[derive(Clone, Copy)]
+struct Contained {
+    peak: u32,
+    /// Mean jobs running at once.
+    running: f64,
+    wall: f64,
+    usage: Usage,
 }
 
 /// One build alone, measured.

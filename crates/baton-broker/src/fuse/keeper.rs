@@ -219,11 +219,11 @@ unsafe fn send_device(conn: RawFd) -> bool {
     msg.msg_iov = &mut iov;
     msg.msg_iovlen = 1;
     msg.msg_control = control.as_mut_ptr().cast();
-    msg.msg_controllen = libc::CMSG_SPACE(std::mem::size_of::<RawFd>() as u32) as usize;
+    msg.msg_controllen = libc::CMSG_SPACE(std::mem::size_of::<RawFd>() as u32) as _;
     let cmsg = libc::CMSG_FIRSTHDR(&msg);
     (*cmsg).cmsg_level = libc::SOL_SOCKET;
     (*cmsg).cmsg_type = libc::SCM_RIGHTS;
-    (*cmsg).cmsg_len = libc::CMSG_LEN(std::mem::size_of::<RawFd>() as u32) as usize;
+    (*cmsg).cmsg_len = libc::CMSG_LEN(std::mem::size_of::<RawFd>() as u32) as _;
     std::ptr::write_unaligned(libc::CMSG_DATA(cmsg).cast::<RawFd>(), DEVICE);
     libc::sendmsg(conn, &msg, libc::MSG_NOSIGNAL) == 1
 }
