@@ -402,8 +402,10 @@ static void a_broker_of_another_user_is_refused_in_words(void) {
     errno = 0;
     CHECK(baton_connect(b.socket, "victim", NULL) == NULL && errno == EPERM);
     CHECK_MESSAGE("%s is answered by a process of uid %u, not by your own broker (uid 0) or root's: refusing to talk "
-                  "to it (someone else's broker or an impostor; remove the socket or choose another path)",
-                  b.socket, OTHER_UID);
+                  "to it (someone else's broker or an impostor; remove the socket or choose another path; if it is "
+                  "the broker you mean to use, seen from a user namespace or run by a CI runner's user, say so with "
+                  "BATON_BROKER_UID=%u)",
+                  b.socket, OTHER_UID, OTHER_UID);
     broker_stop(&b);
 }
 
