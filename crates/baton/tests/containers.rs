@@ -378,6 +378,19 @@ fn blocking_makefile(dir: &Path, own: &Path, shared: &Path, go: &Path, jobs: usi
     .unwrap();
 }
 
+/// The killed build `id`, orphaned, holds a token per job of its own
+/// still running (`jobs`), no more, no fewer.
+fn assert_the_orphan_keeps(broker: &Broker, id: u64, jobs: usize) {
+    let s = broker.status();
+    let orphan = s.builds.iter().find(|b| b.id == id).expect("the orphan");
+    assert_eq!(
+        orphan.held,
+        jobs as u32,
+        "the orphan keeps a token per job of its own: {s:#?}\n{}",
+        broker.log()
+    );
+}
+
 /// Jobs started and not yet ended, by their own log.
 fn running_in(log: &Path) -> usize {
     let t = std::fs::read_to_string(log).unwrap_or_default();
@@ -468,18 +481,7 @@ fn a_killed_build_in_a_container_returns_its_tokens_only_when_its_jobs_are_gone(
         killed_jobs,
         "the jobs outlive their baton run"
     );
-    let s = broker.status();
-    let orphan = s
-        .builds
-        .iter()
-        .find(|b| b.id == killed.id)
-        .expect("the orphan");
-    assert_eq!(
-        orphan.held,
-        killed_jobs as u32,
-        "the orphan keeps a token per job of its own: {s:#?}\n{}",
-        broker.log()
-    );
+    assert_the_orphan_keeps(&broker, killed.id, killed_jobs);
     std::fs::write(&go, "").unwrap();
     broker.wait_all_free();
     let (most, _) = max_overlap(&shared);
@@ -1137,18 +1139,7 @@ fn podman_a_killed_build_returns_its_tokens_only_when_its_jobs_are_gone() {
         || broker.log().contains(&said),
     );
     assert_eq!(running_in(&own_logs[0]), killed_jobs, "the jobs outlive it");
-    let s = broker.status();
-    let orphan = s
-        .builds
-        .iter()
-        .find(|b| b.id == killed.id)
-        .expect("the orphan");
-    assert_eq!(
-        orphan.held,
-        killed_jobs as u32,
-        "the orphan keeps a token per job of its own: {s:#?}\n{}",
-        broker.log()
-    );
+    assert_the_orphan_keeps(&broker, killed.id, killed_jobs);
     std::fs::write(&go, "").unwrap();
     for container in containers {
         // The killed build's shell reports make's end; the other's too.
