@@ -559,6 +559,9 @@ impl SocketServer {
             }
         };
         if self.conns.len() >= self.max_clients {
+            self.reap_hung_up();
+        }
+        if self.conns.len() >= self.max_clients {
             let _ = stream.write(&self.full_reply());
             return;
         }
@@ -587,6 +590,38 @@ impl SocketServer {
             unsent: false,
         };
         self.conns.insert(token, conn);
+    }
+
+    /// At the maximum, closes the connections whose peers have hung up but
+    /// whose end of file the loop has not read yet, so that a client that
+    /// has gone (a probe that connected and closed, a killed build) does not
+    /// keep a newcomer out. Costs a poll of every connection, paid only at
+    /// the maximum.
+    fn reap_hung_up(&mut self) {
+        let tokens: Vec<Token> = self.conns.keys().copied().collect();
+        let mut fds: Vec<libc::pollfd> = tokens
+            .iter()
+            .map(|t| libc::pollfd {
+                fd: self.conns[t].stream.as_raw_fd(),
+                events: libc::POLLRDHUP,
+                revents: 0,
+            })
+            .collect();
+        // SAFETY: `fds` is a live array of `fds.len()` pollfds; a zero
+        // timeout only reports, it never blocks. (nix's PollFlags lacks
+        // POLLRDHUP, the one flag that tells a half-close.)
+        let ready = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, 0) };
+        if ready <= 0 {
+            return;
+        }
+        let gone = libc::POLLRDHUP | libc::POLLHUP | libc::POLLERR;
+        for (token, fd) in tokens.into_iter().zip(&fds) {
+            if fd.revents & gone != 0 {
+                // Reads what it sent before it went, answers it, then sees
+                // the end of file and closes: the same path as the loop's.
+                self.serve_conn(token);
+            }
+        }
     }
 
     fn serve_conn(&mut self, token: Token) {

@@ -390,6 +390,50 @@ fn more_than_the_limit_is_refused_not_queued_forever() {
     assert!(!c.try_acquire(1).is_ok_and(|x| x));
 }
 
+/// One line read from a raw connection, with a hang guard.
+fn raw_line(s: &UnixStream) -> String {
+    use std::io::BufRead;
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    let mut line = String::new();
+    let _ = std::io::BufReader::new(s).read_line(&mut line);
+    line
+}
+
+/// A client that connected and went before the broker accepted it (a
+/// readiness probe, a killed build) must not keep a live newcomer out at
+/// `--max-clients`. The broker is stopped while the three connect, so it
+/// accepts the gone one first, with its end of file not yet read.
+#[test]
+fn a_client_gone_before_it_was_accepted_does_not_keep_a_newcomer_out() {
+    let mut broker = Broker::start_with(1, &["--max-clients", "2"]);
+    let pid = nix::unistd::Pid::from_raw(broker.pid() as i32);
+    nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGSTOP).unwrap();
+    drop(UnixStream::connect(&broker.socket).unwrap());
+    let live: Vec<UnixStream> = (0..2)
+        .map(|_| UnixStream::connect(&broker.socket).unwrap())
+        .collect();
+    nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGCONT).unwrap();
+    for mut s in &live {
+        s.write_all(b"HELLO 1 live\n").unwrap();
+        let line = raw_line(s);
+        assert!(
+            line.starts_with("OK 1 "),
+            "a live client was answered {line:?}"
+        );
+    }
+    // The maximum still holds for live ones.
+    let mut third = UnixStream::connect(&broker.socket).unwrap();
+    let _ = third.write_all(b"HELLO 1 third\n");
+    assert_eq!(
+        raw_line(&third),
+        "ERR full the broker serves its maximum of 2 clients\n"
+    );
+    drop(live);
+    broker.wait_all_free();
+    let (status, _) = broker.stop_with(libc::SIGTERM);
+    assert!(status.success());
+}
+
 /// Raw bytes, for what the client library would never send.
 fn raw_exchange(broker: &Broker, bytes: &[u8]) -> String {
     let mut s = UnixStream::connect(&broker.socket).unwrap();
