@@ -41,6 +41,7 @@ mod log;
 pub mod metrics;
 mod paths;
 mod serve;
+mod session;
 mod socket;
 mod spin;
 mod triggers;

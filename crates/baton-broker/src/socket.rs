@@ -6,12 +6,13 @@
 //! grant wakes exactly that process: the broker never broadcasts.
 
 use crate::admission::{Access, Admission};
-use crate::broker::{Broker, BrokerState, ClientMeta, Transport};
+use crate::broker::{Broker, BrokerState, Transport};
 use crate::log;
+use crate::session::{Context, Session};
 use crate::spin::SpinPolicy;
 use crate::uring::{SendAndWait, Sent};
-use baton_core::protocol::{self, ErrorCode, Reply, Request, MAX_LINE};
-use baton_core::{Acquired, ClientId, Grant, PoolError};
+use baton_core::protocol::{self, ErrorCode, Reply};
+use baton_core::{ClientId, Grant};
 use mio::net::{UnixListener, UnixStream};
 use mio::unix::SourceFd;
 use mio::{Events, Interest, Poll, Token, Waker};
@@ -29,15 +30,6 @@ pub const WAKER: Token = Token(2);
 const HANDOVER: Token = Token(3);
 const FIRST_CONN: usize = 4;
 
-/// The tag of a socket client's one pending ACQUIRE. A connection is
-/// sequential, so it never has two.
-const ACQUIRE_TAG: u64 = 0;
-
-/// A client that does not read its replies cannot make the broker buffer
-/// without end: past this much unsent output its requests are no longer
-/// read (the kernel's socket buffer then stops its writes) until it reads.
-const MAX_UNSENT: usize = 1 << 20;
-
 /// At most this many connections at once unless told otherwise
 /// (`--max-clients`); more get `ERR full`. Bounded by the file descriptor
 /// limit, which `serve` raises to its hard maximum.
@@ -53,19 +45,11 @@ const SEND_BATCH: u32 = 63;
 /// Grants and other one-line replies are far shorter.
 const SEND_WITH_SLEEP_MAX: usize = 4096;
 
+/// A connection: its socket and how the loop watches it, around the
+/// protocol's state (crate::session).
 struct Conn {
     stream: UnixStream,
-    pid: u32,
-    /// Its uid (SO_PEERCRED), and what that lets it do.
-    uid: u32,
-    access: Access,
-    client: Option<ClientId>,
-    inbuf: Vec<u8>,
-    outbuf: Vec<u8>,
-    /// An ACQUIRE is pending: only CANCEL is allowed until it is answered.
-    waiting: bool,
-    /// A fatal error was sent: flush, then close.
-    closing: bool,
+    session: Session,
     /// What the connection is registered for; changed only when needed,
     /// since each change is a system call.
     interest: Interest,
@@ -73,19 +57,14 @@ struct Conn {
     unsent: bool,
 }
 
-/// A connection as a successor broker receives it (crate::handover): what
-/// it read but has not yet acted on (a partial line), what it has yet to
-/// send, and whether its ACQUIRE waits. `fd` is its descriptor's index
-/// among those passed.
+/// A connection as a successor broker receives it (crate::handover): its
+/// session as it stands (a partial line read, replies yet to send, an
+/// ACQUIRE waiting), and `fd`, its descriptor's index among those passed.
 #[derive(Debug, Serialize, Deserialize)]
 pub struct ConnState {
     pub fd: usize,
-    pid: u32,
-    client: Option<ClientId>,
-    inbuf: Vec<u8>,
-    outbuf: Vec<u8>,
-    waiting: bool,
-    closing: bool,
+    #[serde(flatten)]
+    session: Session,
 }
 
 /// Why the loop stopped.
@@ -269,7 +248,7 @@ impl SocketServer {
         let (long, held): (Vec<Token>, Vec<Token>) = self.unsent.drain(..).partition(|token| {
             conns
                 .get(token)
-                .is_some_and(|c| c.outbuf.len() > SEND_WITH_SLEEP_MAX)
+                .is_some_and(|c| c.session.outbuf.len() > SEND_WITH_SLEEP_MAX)
         });
         self.write_held(long);
         let early = held.len().saturating_sub(batch);
@@ -283,7 +262,7 @@ impl SocketServer {
         let sends: Vec<(RawFd, &[u8])> = last
             .iter()
             .map(|token| &self.conns[token])
-            .map(|conn| (conn.stream.as_raw_fd(), &conn.outbuf[..]))
+            .map(|conn| (conn.stream.as_raw_fd(), &conn.session.outbuf[..]))
             .collect();
         match self
             .sender
@@ -318,11 +297,11 @@ impl SocketServer {
         };
         conn.unsent = false;
         match sent {
-            Sent::Bytes(n) => drop(conn.outbuf.drain(..n)),
+            Sent::Bytes(n) => drop(conn.session.outbuf.drain(..n)),
             Sent::Failed(e) if e.kind() == ErrorKind::WouldBlock => {}
             Sent::Failed(e) => log::debug(format_args!(
                 "pid {}: a send through io_uring failed ({e}); writing instead",
-                conn.pid
+                conn.session.pid
             )),
             // Sending again could repeat a reply; closing cannot lose a
             // token (the pool takes back what the connection held).
@@ -391,14 +370,7 @@ impl SocketServer {
             else {
                 continue;
             };
-            conn.waiting = false;
-            conn.outbuf.extend_from_slice(
-                &Reply::Granted {
-                    tokens: grant.tokens,
-                    held,
-                }
-                .encode(),
-            );
+            conn.session.granted(grant.tokens, held);
         }
         let mut fds = vec![self.listener.as_raw_fd()];
         let conns = self
@@ -408,12 +380,7 @@ impl SocketServer {
                 fds.push(c.stream.as_raw_fd());
                 ConnState {
                     fd: fds.len() - 1,
-                    pid: c.pid,
-                    client: c.client,
-                    inbuf: c.inbuf.clone(),
-                    outbuf: c.outbuf.clone(),
-                    waiting: c.waiting,
-                    closing: c.closing,
+                    session: c.session.clone(),
                 }
             })
             .collect();
@@ -424,13 +391,13 @@ impl SocketServer {
     /// at once what they sent meanwhile and sends what they were owed.
     pub fn adopt(&mut self, conns: Vec<(ConnState, OwnedFd)>) -> io::Result<()> {
         let mut tokens = Vec::with_capacity(conns.len());
-        for (state, fd) in conns {
+        for (ConnState { mut session, .. }, fd) in conns {
             let stream = std::os::unix::net::UnixStream::from(fd);
             stream.set_nonblocking(true)?;
             // What it may do is ours to say, from the kernel's word on it:
             // one our options would refuse stays, since its build holds
             // tokens, but only as a member.
-            let (uid, access) = match nix::sys::socket::getsockopt(
+            (session.uid, session.access) = match nix::sys::socket::getsockopt(
                 &stream,
                 nix::sys::socket::sockopt::PeerCredentials,
             ) {
@@ -446,30 +413,14 @@ impl SocketServer {
             self.poll
                 .registry()
                 .register(&mut stream, token, Interest::READABLE)?;
-            if let Some(id) = state.client {
+            if let Some(id) = session.client() {
                 self.by_client.insert(id, token);
             }
-            let ConnState {
-                pid,
-                client,
-                inbuf,
-                outbuf,
-                waiting,
-                closing,
-                ..
-            } = state;
             self.conns.insert(
                 token,
                 Conn {
                     stream,
-                    pid,
-                    uid,
-                    access,
-                    client,
-                    inbuf,
-                    outbuf,
-                    waiting,
-                    closing,
+                    session,
                     interest: Interest::READABLE,
                     unsent: false,
                 },
@@ -479,11 +430,9 @@ impl SocketServer {
         for token in tokens {
             self.serve_conn(token);
             // Replies held behind a waiting ACQUIRE leave with its grant.
-            if self
-                .conns
-                .get(&token)
-                .is_some_and(|c| !c.outbuf.is_empty() && (!c.waiting || c.closing))
-            {
+            if self.conns.get(&token).is_some_and(|c| {
+                !c.session.outbuf.is_empty() && (!c.session.is_waiting() || c.session.is_closing())
+            }) {
                 self.send_now(token, false);
             }
         }
@@ -578,14 +527,7 @@ impl SocketServer {
         log::debug(format_args!("connection from pid {pid}"));
         let conn = Conn {
             stream,
-            pid,
-            uid: peer.uid(),
-            access,
-            client: None,
-            inbuf: Vec::new(),
-            outbuf: Vec::new(),
-            waiting: false,
-            closing: false,
+            session: Session::new(pid, peer.uid(), access),
             interest: Interest::READABLE,
             unsent: false,
         };
@@ -631,26 +573,28 @@ impl SocketServer {
             let Some(conn) = self.conns.get_mut(&token) else {
                 return;
             };
-            if is_over_bound(conn) && !conn.closing {
+            if conn.session.is_over_bound() && !conn.session.is_closing() {
                 // Too much unsent: send what the client takes; read on only
                 // below the bound (the next WRITABLE event brings us back).
                 if flush(conn).is_err() {
                     return self.close(token);
                 }
-                if is_over_bound(conn) {
+                if conn.session.is_over_bound() {
                     break false;
                 }
                 self.process_lines(token);
                 continue;
             }
             match read_chunk(conn) {
-                // A connection that is closing only drains its replies.
-                Chunk::Data if conn.closing => conn.inbuf.clear(),
                 Chunk::Data => self.process_lines(token),
                 Chunk::Drained => break false,
                 Chunk::Finished => break true,
             }
-            if self.conns.get(&token).is_none_or(|c| c.closing) {
+            if self
+                .conns
+                .get(&token)
+                .is_none_or(|c| c.session.is_closing())
+            {
                 break false;
             }
         };
@@ -660,7 +604,7 @@ impl SocketServer {
         // While ACQUIRE waits, replies to the requests sent before it wait
         // too and leave with its GRANTED, in order: a client that pipelines
         // RELEASE and ACQUIRE is then woken once per token, not twice.
-        if conn.waiting && !conn.closing && !finished {
+        if conn.session.is_waiting() && !conn.session.is_closing() && !finished {
             return;
         }
         self.flush_or_close(token, finished);
@@ -673,17 +617,17 @@ impl SocketServer {
         let Some(conn) = self.conns.get_mut(&token) else {
             return;
         };
-        if !conn.outbuf.is_empty() {
+        if !conn.session.outbuf.is_empty() {
             self.replied += 1;
         }
         // A live connection's output waits for the loop's next sleep, which
         // sends it (crate::uring), unless earlier output is stuck.
         if self.sender.is_some()
             && !finished
-            && !conn.closing
+            && !conn.session.is_closing()
             && conn.interest == Interest::READABLE
         {
-            if !conn.outbuf.is_empty() && !conn.unsent {
+            if !conn.session.outbuf.is_empty() && !conn.unsent {
                 conn.unsent = true;
                 self.unsent.push(token);
             }
@@ -702,24 +646,23 @@ impl SocketServer {
         if flush(conn).is_err() {
             return self.close(token);
         }
-        if finished || conn.closing {
-            if conn.outbuf.is_empty() {
+        if finished || conn.session.is_closing() {
+            if conn.session.outbuf.is_empty() {
                 return self.close(token);
             }
             // Replies are still to go, and a client that shut down only
             // its writing side (`nc -N`, a script) still reads them: the
             // connection stays until they are out, but its tokens come back
             // now, since it can no longer give them back itself.
-            conn.closing = true;
-            if let Some(id) = conn.client.take() {
-                let pid = conn.pid;
+            if let Some(id) = conn.session.hang_up() {
+                let pid = conn.session.pid;
                 self.leave_pool(id, pid);
             }
         }
         let Some(conn) = self.conns.get_mut(&token) else {
             return;
         };
-        let interest = if conn.outbuf.is_empty() {
+        let interest = if conn.session.outbuf.is_empty() {
             Interest::READABLE
         } else {
             Interest::READABLE | Interest::WRITABLE
@@ -737,181 +680,25 @@ impl SocketServer {
         }
     }
 
+    /// Acts on the whole lines a connection sent (crate::session), with the
+    /// pool locked once for them all.
     fn process_lines(&mut self, token: Token) {
-        loop {
-            let Some(conn) = self.conns.get_mut(&token) else {
-                return;
-            };
-            // Past the bound the rest waits, read but unanswered, until
-            // the client reads (serve_conn resumes).
-            if conn.closing || is_over_bound(conn) {
-                return;
-            }
-            let Some(end) = conn.inbuf.iter().position(|&b| b == b'\n') else {
-                if conn.inbuf.len() >= MAX_LINE {
-                    let message = format!("request longer than {MAX_LINE} bytes");
-                    conn.inbuf.clear();
-                    self.reply_error(token, ErrorCode::TooLong, message);
-                }
-                return;
-            };
-            if end + 1 > MAX_LINE {
-                self.reply_error(
-                    token,
-                    ErrorCode::TooLong,
-                    format!("request longer than {MAX_LINE} bytes"),
-                );
-                return;
-            }
-            let line: Vec<u8> = conn.inbuf.drain(..=end).collect();
-            let line = line.strip_suffix(b"\n").unwrap_or(&line);
-            let line = line.strip_suffix(b"\r").unwrap_or(line);
-            match protocol::parse_request(line) {
-                Ok(request) => self.handle(token, request),
-                Err(e) => self.reply_error(token, ErrorCode::Malformed, e.0),
-            }
-        }
-    }
-
-    fn handle(&mut self, token: Token, request: Request) {
-        let conn = self.conns.get_mut(&token).expect("caller checked");
-        let reply = match (conn.client, request) {
-            (None, Request::Hello { version, label }) => {
-                if version != protocol::VERSION {
-                    let msg = format!(
-                        "this broker speaks protocol version {}, not {version}",
-                        protocol::VERSION
-                    );
-                    return self.reply_error(token, ErrorCode::Version, msg);
-                }
-                let command = if label.is_empty() {
-                    command_line(conn.pid)
-                } else {
-                    label
-                };
-                let mut broker = self.broker.lock().expect("broker lock");
-                let id = broker.connect(ClientMeta::new(conn.pid, command, Transport::Socket));
-                conn.client = Some(id);
-                self.by_client.insert(id, token);
-                Reply::Hello {
-                    version: protocol::VERSION,
-                    client: id.0,
-                    limit: broker.pool().limit(),
-                }
-            }
-            (None, _) => {
-                return self.reply_error(
-                    token,
-                    ErrorCode::Hello,
-                    "the first request must be HELLO 1 [label]".into(),
-                )
-            }
-            (Some(_), Request::Hello { .. }) => {
-                return self.reply_error(token, ErrorCode::Hello, "HELLO was already said".into())
-            }
-            (Some(id), Request::Cancel) => {
-                let mut broker = self.broker.lock().expect("broker lock");
-                // The grant won the race (another client's RELEASE earlier
-                // in this round): GRANTED goes first, as the protocol says.
-                if let Some(grant) = broker.take_grant_of(Transport::Socket, id, ACQUIRE_TAG) {
-                    let held = broker.pool().held_by(id);
-                    conn.outbuf.extend_from_slice(
-                        &Reply::Granted {
-                            tokens: grant.tokens,
-                            held,
-                        }
-                        .encode(),
-                    );
-                }
-                let tokens = broker.cancel(id, ACQUIRE_TAG);
-                conn.waiting = false;
-                Reply::Cancelled { tokens }
-            }
-            (Some(_), _) if conn.waiting => {
-                return self.reply_error(
-                    token,
-                    ErrorCode::Busy,
-                    "only CANCEL is allowed while ACQUIRE waits".into(),
-                )
-            }
-            (Some(_), request @ (Request::Stop | Request::Limit(_) | Request::Gate { .. }))
-                if !conn.access.may_administer() =>
-            {
-                let verb = match request {
-                    Request::Stop => "stop the broker",
-                    Request::Limit(_) => "change the limit",
-                    _ => "set a gate",
-                };
-                let message = self.admission.admin_refusal(conn.uid, verb);
-                return self.reply_error(token, ErrorCode::Denied, message);
-            }
-            (Some(id), Request::Hold(n)) if !conn.access.may_administer() => {
-                // A member re-attaching after a restart holds what a broker
-                // before us granted it: never more than the whole pool, so
-                // that another user cannot hold the pool past its limit
-                // for as long as it likes.
-                let mut broker = self.broker.lock().expect("broker lock");
-                let (held, limit) = (broker.pool().held_by(id), broker.pool().limit());
-                if held.saturating_add(n) > limit {
-                    let message = format!(
-                        "uid {} may hold at most the limit ({limit}) of tokens a broker before us granted; \
-                         it holds {held} and says {n} more",
-                        conn.uid
-                    );
-                    drop(broker);
-                    return self.reply_error(token, ErrorCode::Range, message);
-                }
-                match apply(&mut broker, id, Request::Hold(n)) {
-                    Ok(Some(reply)) => reply,
-                    Ok(None) => unreachable!("HOLD never waits"),
-                    Err(e) => Reply::Err {
-                        code: error_code(&e),
-                        message: e.to_string(),
-                    },
-                }
-            }
-            (Some(_), Request::Stop) => {
-                // The reply goes out at once and the connection closes; the
-                // loop ends after this round, as on SIGTERM.
-                conn.closing = true;
-                self.stop_asked = Some(conn.pid);
-                stopping(&self.broker.lock().expect("broker lock"))
-            }
-            (Some(id), request) => {
-                let mut broker = self.broker.lock().expect("broker lock");
-                match apply(&mut broker, id, request) {
-                    Ok(Some(reply)) => reply,
-                    Ok(None) => {
-                        conn.waiting = true;
-                        return;
-                    }
-                    Err(e) => Reply::Err {
-                        code: error_code(&e),
-                        message: e.to_string(),
-                    },
-                }
-            }
-        };
-        conn.outbuf.extend_from_slice(&reply.encode());
-    }
-
-    fn reply_error(&mut self, token: Token, code: ErrorCode, message: String) {
         let Some(conn) = self.conns.get_mut(&token) else {
             return;
         };
-        log::info(format_args!(
-            "pid {}: {code}: {message}{}",
-            conn.pid,
-            if code.is_fatal() {
-                "; closing its connection"
-            } else {
-                ""
-            }
-        ));
-        conn.outbuf
-            .extend_from_slice(&Reply::Err { code, message }.encode());
-        if code.is_fatal() {
-            conn.closing = true;
+        if !conn.session.has_work() {
+            return;
+        }
+        let outcome = conn.session.process(&mut Context {
+            broker: &mut self.broker.lock().expect("broker lock"),
+            admission: &self.admission,
+            command_line: &command_line,
+        });
+        if let Some(id) = outcome.joined {
+            self.by_client.insert(id, token);
+        }
+        if outcome.stop_asked {
+            self.stop_asked = Some(conn.session.pid);
         }
     }
 
@@ -934,9 +721,7 @@ impl SocketServer {
                 .conns
                 .get_mut(&token)
                 .expect("by_client and conns agree");
-            conn.waiting = false;
-            conn.outbuf
-                .extend_from_slice(&Reply::Granted { tokens, held }.encode());
+            conn.session.granted(tokens, held);
             self.flush_or_close(token, false);
         }
     }
@@ -946,8 +731,8 @@ impl SocketServer {
             return;
         };
         let _ = self.poll.registry().deregister(&mut conn.stream);
-        if let Some(id) = conn.client {
-            self.leave_pool(id, conn.pid);
+        if let Some(id) = conn.session.client() {
+            self.leave_pool(id, conn.session.pid);
         }
     }
 
@@ -970,113 +755,6 @@ impl SocketServer {
     }
 }
 
-/// The answer to STOP: who carries on without the broker.
-fn stopping(broker: &Broker) -> Reply {
-    let status = broker.status();
-    let builds = status
-        .builds
-        .iter()
-        .filter(|b| b.held + b.waiting > 0)
-        .count();
-    Reply::Stopping {
-        pid: std::process::id(),
-        builds: u32::try_from(builds).unwrap_or(u32::MAX),
-        held: status.held,
-    }
-}
-
-/// Applies a request of a connected client. `Ok(None)`: ACQUIRE queued,
-/// the reply comes with the grant.
-fn apply(broker: &mut Broker, id: ClientId, request: Request) -> Result<Option<Reply>, PoolError> {
-    Ok(Some(match request {
-        Request::Acquire(n) => match broker.acquire(id, ACQUIRE_TAG, n)? {
-            Acquired::Granted => Reply::Granted {
-                tokens: n,
-                held: broker.pool().held_by(id),
-            },
-            Acquired::Queued => return Ok(None),
-        },
-        Request::Try(n) => match broker.try_acquire(id, n)? {
-            true => Reply::Granted {
-                tokens: n,
-                held: broker.pool().held_by(id),
-            },
-            false => Reply::Busy {
-                free: broker.pool().free(),
-            },
-        },
-        Request::Release(n) => {
-            broker.release(id, n)?;
-            Reply::Released {
-                tokens: n,
-                held: broker.pool().held_by(id),
-            }
-        }
-        Request::Status => Reply::Status {
-            json: serde_json::to_string(&broker.status()).expect("status serializes"),
-        },
-        Request::Limit(n) => {
-            let old = broker.set_limit(n)?;
-            log::info(format_args!("limit changed from {old} to {n}"));
-            Reply::Limit { old, new: n }
-        }
-        Request::Gate { name, value } => match broker.set_gate(&name, value) {
-            Ok(value) => {
-                log::info(format_args!(
-                    "gate {name} set to {}",
-                    value.map_or("off".to_string(), |v| v.to_string())
-                ));
-                Reply::Gate { name, value }
-            }
-            Err(message) => Reply::Err {
-                code: ErrorCode::Range,
-                message,
-            },
-        },
-        Request::Build { weight, name } => {
-            let (build, weight) = broker.start_build(id, weight, name)?;
-            Reply::Build {
-                build: build.0,
-                weight,
-            }
-        }
-        Request::Wanted => {
-            let (tokens, free) = broker.wanted(id);
-            Reply::Wanted { tokens, free }
-        }
-        Request::Stray(n) => {
-            let total = broker.note_stray(id, n);
-            log::warn(format_args!(
-                "client {}: took {n} stray byte(s) out of its build's jobserver ({total} in all): \
-                 written by a client that gave back more than it took, or by another process",
-                id.0
-            ));
-            Reply::Stray { total }
-        }
-        Request::Hold(n) => {
-            broker.hold(id, n)?;
-            log::info(format_args!(
-                "client {}: holds {n} token(s) a broker before us granted",
-                id.0
-            ));
-            Reply::Granted {
-                tokens: n,
-                held: broker.pool().held_by(id),
-            }
-        }
-        Request::Hello { .. } | Request::Cancel | Request::Stop => {
-            unreachable!("handled by the caller")
-        }
-    }))
-}
-
-fn error_code(e: &PoolError) -> ErrorCode {
-    match e {
-        PoolError::OverRelease { .. } => ErrorCode::OverRelease,
-        _ => ErrorCode::Range,
-    }
-}
-
 enum Chunk {
     Data,
     Drained,
@@ -1090,7 +768,7 @@ fn read_chunk(conn: &mut Conn) -> Chunk {
         return match conn.stream.read(&mut buf) {
             Ok(0) => Chunk::Finished,
             Ok(n) => {
-                conn.inbuf.extend_from_slice(&buf[..n]);
+                conn.session.receive(&buf[..n]);
                 Chunk::Data
             }
             Err(e) if e.kind() == ErrorKind::WouldBlock => Chunk::Drained,
@@ -1103,11 +781,11 @@ fn read_chunk(conn: &mut Conn) -> Chunk {
 /// Writes what can be written now. Err: the peer is gone or hopelessly
 /// behind.
 fn flush(conn: &mut Conn) -> io::Result<()> {
-    while !conn.outbuf.is_empty() {
-        match conn.stream.write(&conn.outbuf) {
+    while !conn.session.outbuf.is_empty() {
+        match conn.stream.write(&conn.session.outbuf) {
             Ok(0) => return Err(ErrorKind::WriteZero.into()),
             Ok(n) => {
-                conn.outbuf.drain(..n);
+                conn.session.outbuf.drain(..n);
             }
             Err(e) if e.kind() == ErrorKind::WouldBlock => break,
             Err(e) if e.kind() == ErrorKind::Interrupted => continue,
@@ -1115,13 +793,6 @@ fn flush(conn: &mut Conn) -> io::Result<()> {
         }
     }
     Ok(())
-}
-
-/// Whether a connection's unsent replies have reached the bound, past which
-/// its requests are not read (a client that writes without reading cannot
-/// grow the broker's memory, nor keep its loop from the others).
-fn is_over_bound(conn: &Conn) -> bool {
-    conn.outbuf.len() >= MAX_UNSENT
 }
 
 /// The io_uring that sends replies as the loop sleeps, if this kernel
@@ -1163,68 +834,6 @@ pub fn command_line(pid: u32) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn broker_with(limit: u32, pids: &[u32]) -> (Broker, Vec<ClientId>) {
-        let mut broker = Broker::new(limit).unwrap();
-        let ids = pids
-            .iter()
-            .map(|&pid| broker.connect(ClientMeta::new(pid, "make".into(), Transport::Socket)))
-            .collect();
-        (broker, ids)
-    }
-
-    #[test]
-    fn releasing_more_than_held_is_over_release_and_other_errors_are_range() {
-        let (mut broker, ids) = broker_with(2, &[1]);
-        let e = broker.release(ids[0], 1).unwrap_err();
-        assert_eq!(error_code(&e), ErrorCode::OverRelease);
-        let e = broker.acquire(ids[0], 1, 3).unwrap_err();
-        assert_eq!(error_code(&e), ErrorCode::Range);
-        assert_eq!(error_code(&PoolError::ZeroTokens), ErrorCode::Range);
-    }
-
-    #[test]
-    fn stop_counts_the_builds_that_hold_or_wait_and_the_tokens_held() {
-        let (mut broker, ids) = broker_with(2, &[1, 2, 3, 4]);
-        let [done, holder, waiter, _idle] = ids[..] else {
-            unreachable!()
-        };
-        broker.acquire(done, 1, 1).unwrap();
-        broker.release(done, 1).unwrap();
-        broker.acquire(holder, 1, 2).unwrap();
-        assert_eq!(broker.acquire(waiter, 1, 1).unwrap(), Acquired::Queued);
-        assert_eq!(
-            stopping(&broker),
-            Reply::Stopping {
-                pid: std::process::id(),
-                builds: 2,
-                held: 2,
-            }
-        );
-    }
-
-    #[test]
-    fn a_connection_is_over_bound_at_a_mebibyte_unsent() {
-        let (stream, _peer) = UnixStream::pair().unwrap();
-        let mut conn = Conn {
-            stream,
-            pid: 1,
-            uid: 0,
-            access: crate::admission::Access::Owner,
-            client: None,
-            inbuf: Vec::new(),
-            outbuf: Vec::new(),
-            waiting: false,
-            closing: false,
-            interest: Interest::READABLE,
-            unsent: false,
-        };
-        assert!(!is_over_bound(&conn));
-        conn.outbuf.resize(MAX_UNSENT - 1, b'x');
-        assert!(!is_over_bound(&conn));
-        conn.outbuf.push(b'x');
-        assert!(is_over_bound(&conn));
-    }
 
     #[test]
     fn the_command_line_is_read_from_proc_with_spaces_between_words() {
