@@ -59,14 +59,18 @@ pub use admission::resolve_group;
 pub use serve::{serve, ServeOptions};
 pub use socket::MAX_CLIENTS;
 
-/// The FUSE server's pure parts (who waits, reservations) with the pool
-/// they act on, for the fuzz targets (fuzz/) only.
+/// The FUSE server's pure parts (who waits, reservations) and the native
+/// protocol's sessions, with the pool they act on, for the fuzz targets
+/// (fuzz/) only.
 #[cfg(feature = "fuzzing")]
 #[doc(hidden)]
 pub mod fuzzing {
+    pub use crate::admission::{Access, Admission};
     pub use crate::broker::{Broker, ClientMeta, Transport};
     pub use crate::fuse::waiters::{
         Caller, Fh, Mode, Pid, PollAnswer, PollCall, PollWaker, ReadReply, Waiters, HOLD,
         RESERVATION,
     };
+    pub use crate::log::set_level as set_log_level;
+    pub use crate::session::{Context, Session};
 }
