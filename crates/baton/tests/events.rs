@@ -266,29 +266,15 @@ fn a_build_re_attaching_past_a_smaller_limit_is_counted_once() {
     new.assert_all_free();
 }
 
-/// Tokens a pipe-style build writes back while no broker answers wait in
-/// its return pipe. When a broker with a smaller limit comes, the build
-/// asks it before they go back into its FIFO: from then on it runs at the
-/// new limit, counted from its jobs (they used to go back first: 4 jobs at
-/// once under a limit of 2).
-#[test]
-fn tokens_written_back_while_no_broker_answered_obey_the_next_ones_limit() {
-    let mut old = Broker::start(4);
-    let dir = TempDir::new("gap");
-    let log = dir.path().join("jobs.log");
-    logged_makefile(dir.path(), &log, 12, "1");
-    let child = spawn_piped_build(&old, dir.path(), "pipe", &make43());
-    wait_for(Duration::from_secs(30), "4 jobs at once", || {
-        running(&log) >= 4
-    });
-    old.stop_with(libc::SIGKILL);
-    wait_for(
-        Duration::from_secs(30),
-        "the jobs running at the kill to end, with no broker",
-        || started(&log) - running(&log) >= 4,
-    );
-    let new = Broker::start_at(&old, 2, &[]);
-    mark(&log, "N");
+/// Tokens a build writes back while no broker answers wait in its return
+/// pipe. When a broker with a smaller limit comes, the build asks it
+/// before they go back into its FIFO: from then on it runs at the new
+/// limit, counted from its jobs (they used to go back first: 4 jobs at
+/// once under a limit of 2). The `fuse` file is the broker's own and
+/// obeys at once as well.
+fn a_smaller_next_broker_is_obeyed_at_once(style: &str, tool: &Path) {
+    let (log, old, new, child) =
+        a_build_outlives_its_broker_into_a_smaller_one(style, tool, 12, "1");
     let out = child.wait_with_output().unwrap();
     assert!(
         out.status.success(),
@@ -300,10 +286,100 @@ fn tokens_written_back_while_no_broker_answered_obey_the_next_ones_limit() {
     assert!(starts > 0, "no job started under the new broker");
     assert!(
         max <= 2,
-        "{max} jobs at once under the new broker's limit of 2:\n{}",
+        "{max} jobs at once under the new broker's limit of 2 ({style}):\n{}",
         std::fs::read_to_string(&log).unwrap()
     );
     new.assert_all_free();
+}
+
+/// A build of 4 jobs at once whose broker is killed, and whose jobs end
+/// and go on with no broker; then a broker of 2 at the same socket (mark
+/// `N` in the log).
+fn a_build_outlives_its_broker_into_a_smaller_one(
+    style: &str,
+    tool: &Path,
+    jobs: usize,
+    secs: &str,
+) -> (std::path::PathBuf, Broker, Broker, Guarded) {
+    let mut old = Broker::start(4);
+    // The build's files go with the first broker's directory.
+    let log = old.dir.path().join("jobs.log");
+    let dir = old.dir.path().join("build");
+    std::fs::create_dir(&dir).unwrap();
+    logged_makefile(&dir, &log, jobs, secs);
+    let child = spawn_piped_build(&old, &dir, style, tool);
+    wait_for(Duration::from_secs(30), "4 jobs at once", || {
+        running(&log) >= 4
+    });
+    old.stop_with(libc::SIGKILL);
+    wait_for(
+        Duration::from_secs(30),
+        "the jobs running at the kill to end, with no broker",
+        || started(&log) - running(&log) >= 4,
+    );
+    let new = Broker::start_at(&old, 2, &[]);
+    mark(&log, "N");
+    (log, old, new, child)
+}
+
+#[test]
+fn tokens_written_back_while_no_broker_answered_obey_the_next_ones_limit_in_the_pipe_style() {
+    a_smaller_next_broker_is_obeyed_at_once("pipe", &make43());
+}
+
+#[test]
+fn a_smaller_next_broker_is_obeyed_at_once_in_the_fuse_style() {
+    a_smaller_next_broker_is_obeyed_at_once("fuse", &make44());
+}
+
+/// In the `fifo` form make writes a finished job's token back into the
+/// FIFO it reads, and the next broker's smaller limit is a lowered limit
+/// like any other: the build gives back what it holds past it over a few
+/// of its jobs (docs/jobserver.md, "When the limit is lowered"), while
+/// still busy, and from then on runs at the new limit, counted from the
+/// jobs.
+fn a_smaller_next_broker_drains_a_busy_fifo_build(tool: &Path) {
+    let (log, old, new, mut child) =
+        a_build_outlives_its_broker_into_a_smaller_one("fifo", tool, 40, "0.2");
+    // It re-attaches holding what its jobs hold (HOLD, in one request).
+    wait_for(Duration::from_secs(30), "the build to re-attach", || {
+        new.status().held > 0
+    });
+    wait_for(
+        Duration::from_secs(60),
+        "the build to give back what it held past the new limit",
+        || new.status().held <= 2,
+    );
+    mark(&log, "D");
+    assert!(
+        child.try_wait().unwrap().is_none(),
+        "the build ended before it gave its tokens back: nothing was shown"
+    );
+    let out = child.wait_with_output().unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(started(&log), 40, "every job ran");
+    let (max, starts) = overlap_after(&log, "D");
+    assert!(starts > 0, "no job started after the drain");
+    assert!(
+        max <= 2,
+        "after the drain, {max} jobs at once under the new broker's limit of 2:\n{}",
+        std::fs::read_to_string(&log).unwrap()
+    );
+    new.assert_all_free();
+}
+
+#[test]
+fn a_smaller_next_broker_drains_a_busy_make_4_4_fifo_build() {
+    a_smaller_next_broker_drains_a_busy_fifo_build(&make44());
+}
+
+#[test]
+fn a_smaller_next_broker_drains_a_busy_ninja_build() {
+    a_smaller_next_broker_drains_a_busy_fifo_build(&ninja());
 }
 
 /// `baton run` queued for its first token when the broker is killed waits

@@ -257,7 +257,7 @@ impl JobLog {
         let script = root.join("job.sh");
         std::fs::write(
             &script,
-            "echo \"S $$ $(date +%s%N)\" >> \"$1\"\nsleep \"$2\"\necho \"E $$ $(date +%s%N)\" >> \"$1\"\n",
+            "echo \"S $$ $(date +%s%N) $BATON_SOAK_KIND\" >> \"$1\"\nsleep \"$2\"\necho \"E $$ $(date +%s%N)\" >> \"$1\"\n",
         )
         .unwrap();
         JobLog {
@@ -326,6 +326,10 @@ struct JobsSeen {
 /// then). A lowered limit drains: while a job started before the lowering
 /// (or within `IN_FLIGHT_NS` after it) still runs, the jobs beside it are
 /// not counted against the new limit, as the pool grants nothing then.
+/// A broker killed while a lowering drains (`B` within `IN_FLIGHT_NS` of
+/// it) stops the drain, which goes on from the next broker's start (`N`):
+/// a `fifo` build gives back over a few of its jobs (docs/jobserver.md,
+/// "When the limit is lowered"), and with no broker it cannot give back.
 fn check_jobs(text: &str) -> JobsSeen {
     let mut seen = JobsSeen::default();
     let mut running = std::collections::HashMap::<u64, u128>::new();
@@ -333,6 +337,9 @@ fn check_jobs(text: &str) -> JobsSeen {
     let mut limits: Vec<(u128, u64)> = Vec::new();
     let mut lowered: Option<u128> = None;
     let mut stray: Option<u128> = None;
+    let mut drain_cut = false;
+    // The kind of build of each running job (the start line's fourth word).
+    let mut kinds = std::collections::HashMap::<u64, String>::new();
     // A kill of a job's `date` leaves its line without a time: the line
     // before it tells the time closely enough.
     let mut ns = 0;
@@ -356,8 +363,14 @@ fn check_jobs(text: &str) -> JobsSeen {
                 running.remove(&value);
             }
             "X" => stray = Some(ns),
+            "B" => drain_cut = lowered.is_some_and(|low| ns < low + IN_FLIGHT_NS),
+            "N" if drain_cut => {
+                lowered = Some(ns);
+                drain_cut = false;
+            }
             "S" => {
                 running.insert(value, ns);
+                kinds.insert(value, words.next().unwrap_or("?").to_string());
                 seen.started += 1;
                 seen.most = seen.most.max(running.len());
                 let since = ns.saturating_sub(IN_FLIGHT_NS);
@@ -378,9 +391,15 @@ fn check_jobs(text: &str) -> JobsSeen {
                 if past && stray.is_some_and(|x| ns < x + STRAY_NS) {
                     seen.after_stray += 1;
                 } else if past {
+                    let mut beside: Vec<String> = running
+                        .keys()
+                        .map(|pid| format!("{pid} {}", kinds.get(pid).map_or("?", |k| k)))
+                        .collect();
+                    beside.sort();
                     seen.violations.push(format!(
-                        "job {value} started with {} running under a limit of {allowed} (at {ns})",
-                        running.len()
+                        "job {value} started with {} running under a limit of {allowed} (at {ns}): {}",
+                        running.len(),
+                        beside.join(", ")
                     ));
                 }
             }
@@ -418,7 +437,9 @@ fn start(broker_socket: &Path, projects: &Projects, kind: Kind, log: &Path) -> C
             .env_remove("CARGO_BUILD_JOBS"),
         Kind::Native => run.args(["--", "sh", "-c", &projects.jobs.command("0.3")]),
     };
+    // Each job's start line names its build's kind, for the post-mortem.
     run.env_remove("MAKEFLAGS")
+        .env("BATON_SOAK_KIND", format!("{kind:?}"))
         .stdin(Stdio::null())
         .stdout(Stdio::null())
         .stderr(std::fs::File::create(log).expect("the client's log"))
@@ -927,6 +948,41 @@ fn the_job_check_flags_a_start_past_the_limit_and_lets_a_drain_pass() {
         (seen.after_stray, seen.violations.len()),
         (1, 1),
         "{seen:?}"
+    );
+    // A broker killed while a lowering drains: the drain goes on from the
+    // next broker's start; a broker killed later is no excuse.
+    let cut = log(&[
+        ("L", 2, 0),
+        ("S", 1, s),
+        ("S", 2, s),
+        ("L", 1, 2 * s),
+        ("B", 7, 2 * s + 1000),
+        ("E", 1, 3 * s),
+        ("E", 2, 3 * s),
+        ("N", 8, 4 * s),
+        ("S", 3, 4 * s + 1000),
+        ("S", 4, 4 * s + 2000),
+        ("E", 3, 5 * s),
+        ("E", 4, 5 * s),
+        ("S", 5, 6 * s),
+        ("S", 6, 6 * s),
+    ]);
+    let seen = check_jobs(&cut);
+    assert_eq!(seen.violations.len(), 1, "{seen:?}");
+    assert!(seen.violations[0].starts_with("job 6 "), "{seen:?}");
+    let late = log(&[
+        ("L", 2, 0),
+        ("L", 1, s),
+        ("B", 7, 3 * s),
+        ("N", 8, 4 * s),
+        ("S", 3, 4 * s + 1000),
+        ("S", 4, 4 * s + 2000),
+    ]);
+    assert_eq!(
+        check_jobs(&late).violations.len(),
+        1,
+        "{:?}",
+        check_jobs(&late)
     );
     // A raise counts at once.
     let raised = log(&[("L", 1, 0), ("S", 1, s), ("L", 2, 2 * s), ("S", 2, 2 * s)]);
