@@ -273,7 +273,7 @@ fn a_build_re_attaching_past_a_smaller_limit_is_counted_once() {
 /// once under a limit of 2). The `fuse` file is the broker's own and
 /// obeys at once as well.
 fn a_smaller_next_broker_is_obeyed_at_once(style: &str, tool: &Path) {
-    let (log, old, new, child) =
+    let (log, _old, new, child) =
         a_build_outlives_its_broker_into_a_smaller_one(style, tool, 12, "1");
     let out = child.wait_with_output().unwrap();
     assert!(
@@ -339,7 +339,7 @@ fn a_smaller_next_broker_is_obeyed_at_once_in_the_fuse_style() {
 /// still busy, and from then on runs at the new limit, counted from the
 /// jobs.
 fn a_smaller_next_broker_drains_a_busy_fifo_build(tool: &Path) {
-    let (log, old, new, mut child) =
+    let (log, _old, new, mut child) =
         a_build_outlives_its_broker_into_a_smaller_one("fifo", tool, 40, "0.2");
     // It re-attaches holding what its jobs hold (HOLD, in one request).
     wait_for(Duration::from_secs(30), "the build to re-attach", || {
