@@ -138,15 +138,15 @@ fn join(ids: &[u32]) -> String {
 /// The supplementary groups of process `pid` (its `Groups:` line in
 /// /proc/PID/status, as seen from our user namespace); none if it is gone.
 fn supplementary_groups(pid: i32) -> Vec<u32> {
-    std::fs::read_to_string(format!("/proc/{pid}/status"))
+    u32::try_from(pid)
+        .ok()
+        .and_then(crate::sys::status)
         .map(|status| parse_groups(&status))
         .unwrap_or_default()
 }
 
 fn parse_groups(status: &str) -> Vec<u32> {
-    status
-        .lines()
-        .find_map(|line| line.strip_prefix("Groups:"))
+    crate::sys::status_field(status, "Groups:")
         .map(|groups| {
             groups
                 .split_whitespace()

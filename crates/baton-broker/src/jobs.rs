@@ -8,20 +8,13 @@
 //! process group: make runs its jobs in its own process group, and stopping
 //! that group would stop make too, with every other job's completion.
 
+use crate::sys::{self, Stat};
 use std::collections::{HashMap, HashSet};
 
 /// The tools whose children are jobs.
 const TOOLS: [&str; 7] = [
     "make", "gmake", "gnumake", "bmake", "ninja", "samu", "cargo",
 ];
-
-#[derive(Debug, Clone)]
-struct Proc {
-    ppid: u32,
-    comm: String,
-    /// Start time in clock ticks since boot.
-    start: u64,
-}
 
 /// A job that runs, found in /proc.
 #[derive(Debug)]
@@ -44,7 +37,7 @@ pub struct StoppedJob {
 
 /// The processes of the machine, read once per decision.
 pub struct Snapshot {
-    procs: HashMap<u32, Proc>,
+    procs: HashMap<u32, Stat>,
     children: HashMap<u32, Vec<u32>>,
 }
 
@@ -86,7 +79,11 @@ impl Snapshot {
             .map(|root| Job {
                 root,
                 start: self.procs[&root].start,
-                resident: self.tree(root).into_iter().filter_map(resident_bytes).sum(),
+                resident: self
+                    .tree(root)
+                    .into_iter()
+                    .filter_map(sys::resident_bytes)
+                    .sum(),
             })
             .collect();
         jobs.sort_by_key(|j| (j.start, j.root));
@@ -139,35 +136,13 @@ pub fn resume(job: &StoppedJob) {
 
 fn signal_all(pids: &[u32], signal: i32) {
     for &pid in pids {
-        // SAFETY: kill(2) on a pid; a process gone since is ESRCH, harmless.
-        unsafe { libc::kill(pid as i32, signal) };
+        sys::signal(pid, signal);
     }
 }
 
-/// Resident bytes of one process (`/proc/<pid>/statm`, second field, in
-/// pages); None if it is gone.
-fn resident_bytes(pid: u32) -> Option<u64> {
-    let statm = std::fs::read_to_string(format!("/proc/{pid}/statm")).ok()?;
-    let pages: u64 = statm.split(' ').nth(1)?.parse().ok()?;
-    Some(pages * page_size())
-}
-
-fn page_size() -> u64 {
-    // SAFETY: sysconf has no preconditions.
-    u64::try_from(unsafe { libc::sysconf(libc::_SC_PAGESIZE) }).unwrap_or(4096)
-}
-
-fn read_procs() -> HashMap<u32, Proc> {
-    let Ok(dir) = std::fs::read_dir("/proc") else {
-        return HashMap::new();
-    };
-    dir.filter_map(|e| e.ok()?.file_name().to_str()?.parse::<u32>().ok())
-        .filter_map(|pid| {
-            Some((
-                pid,
-                parse_stat(&std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?)?,
-            ))
-        })
+fn read_procs() -> HashMap<u32, Stat> {
+    sys::pids()
+        .filter_map(|pid| Some((pid, sys::stat(pid)?)))
         .collect()
 }
 
@@ -176,22 +151,15 @@ fn read_procs() -> HashMap<u32, Proc> {
 /// `kill -STOP` of make stops only the child. One or two reads of /proc
 /// per holder, only when a status is asked for.
 pub fn is_stopped(pid: u32) -> bool {
-    let stopped = |pid: &str| {
-        std::fs::read_to_string(format!("/proc/{pid}/stat"))
-            .ok()
-            .and_then(|stat| stat_state(&stat))
-            .is_some_and(|state| matches!(state, 'T' | 't'))
-    };
-    let children = std::fs::read_to_string(format!("/proc/{pid}/task/{pid}/children"));
-    stopped(&pid.to_string()) || children.is_ok_and(|c| c.split_whitespace().any(stopped))
+    let stopped = |pid: u32| sys::stat(pid).is_some_and(|s| s.is_stopped());
+    stopped(pid) || sys::children(pid).into_iter().any(stopped)
 }
 
 pub use baton_core::protocol::RUN_PID_VAR;
 
 /// The session a process belongs to (`getsid`), from /proc.
 pub fn session_of(pid: u32) -> Option<u32> {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    stat_fields(&stat)?.get(3)?.parse().ok()
+    Some(sys::stat(pid)?.session)
 }
 
 /// How many jobs the processes of a build whose `baton run` (pid `owner`,
@@ -223,44 +191,20 @@ pub fn orphan_jobs(owner: u32, session: u32, pid_ns: u64) -> u32 {
 
 /// The real uid of process `pid` (its `Uid:` line), as we see it.
 pub fn uid_of(pid: u32) -> Option<u32> {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
-    status
-        .lines()
-        .find_map(|line| line.strip_prefix("Uid:"))?
+    sys::status_field(&sys::status(pid)?, "Uid:")?
         .split_whitespace()
         .next()?
         .parse()
         .ok()
 }
 
-/// The cgroup v2 path of process `pid` (or `self`): its `0::` line in
-/// /proc/PID/cgroup, relative to our cgroup namespace; None on a machine
-/// with cgroup v1 alone, or if it is gone.
-pub fn cgroup_of(pid: &str) -> Option<String> {
-    let cgroups = std::fs::read_to_string(format!("/proc/{pid}/cgroup")).ok()?;
-    cgroups
-        .lines()
-        .find_map(|line| line.strip_prefix("0::"))
-        .map(str::to_string)
-}
-
-/// The PID namespace of process `pid` (or `self`): the inode of
-/// /proc/PID/ns/pid. None if it is gone.
-pub fn pid_namespace_of(pid: &str) -> Option<u64> {
-    use std::os::unix::fs::MetadataExt;
-    std::fs::metadata(format!("/proc/{pid}/ns/pid"))
-        .ok()
-        .map(|m| m.ino())
-}
+pub use sys::{cgroup_of, pid_namespace_of};
 
 /// A process's pid in its own PID namespace (the last of its `NSpid:`
 /// line), which is what `baton run` in a container puts in
 /// [`RUN_PID_VAR`]: the same as `pid` on the host. None if it is gone.
 pub fn pid_in_its_namespace(pid: u32) -> Option<u32> {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
-    status
-        .lines()
-        .find_map(|line| line.strip_prefix("NSpid:"))?
+    sys::status_field(&sys::status(pid)?, "NSpid:")?
         .split_whitespace()
         .last()?
         .parse()
@@ -291,24 +235,16 @@ pub fn running_jobs(owners: &HashMap<(u32, u32, u64), u32>) -> HashMap<u32, u32>
 /// one pass over /proc.
 fn leaves(owners: &HashMap<(u32, u32, u64), u32>, count: Count) -> HashMap<u32, u32> {
     let sessions: std::collections::HashSet<u32> = owners.keys().map(|&(_, s, _)| s).collect();
-    let Ok(dir) = std::fs::read_dir("/proc") else {
-        return HashMap::new();
-    };
     // pid -> (ppid, owner, is a build tool)
-    let members: HashMap<u32, (u32, u32, bool)> = dir
-        .filter_map(|e| e.ok()?.file_name().to_str()?.parse::<u32>().ok())
+    let members: HashMap<u32, (u32, u32, bool)> = sys::pids()
         .filter_map(|pid| {
-            let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-            let fields = stat_fields(&stat)?;
-            let live = fields.first().is_some_and(|s| *s != "Z" && *s != "X");
-            let session = fields.get(3)?.parse::<u32>().ok()?;
-            if !live || !sessions.contains(&session) {
+            let stat = sys::stat(pid)?;
+            if !stat.is_live() || !sessions.contains(&stat.session) {
                 return None;
             }
             let ns = pid_namespace_of(&pid.to_string())?;
-            let owner = *owners.get(&(run_pid_of(pid)?, session, ns))?;
-            let tool = is_a_build_tool(stat_comm(&stat)?);
-            Some((pid, (fields.get(1)?.parse().ok()?, owner, tool)))
+            let owner = *owners.get(&(run_pid_of(pid)?, stat.session, ns))?;
+            Some((pid, (stat.ppid, owner, is_a_build_tool(&stat.comm))))
         })
         .collect();
     let parents: std::collections::HashSet<u32> = members.values().map(|m| m.0).collect();
@@ -329,43 +265,11 @@ fn is_a_build_tool(comm: &str) -> bool {
     )
 }
 
-fn stat_comm(stat: &str) -> Option<&str> {
-    stat.get(stat.find('(')? + 1..stat.rfind(')')?)
-}
-
 /// The `baton run` a process belongs to: [`RUN_PID_VAR`] in the
 /// environment it was started with (readable for our own processes, or as
 /// root).
 fn run_pid_of(pid: u32) -> Option<u32> {
-    let env = std::fs::read(format!("/proc/{pid}/environ")).ok()?;
-    let prefix = format!("{RUN_PID_VAR}=");
-    env.split(|&b| b == 0)
-        .find_map(|e| e.strip_prefix(prefix.as_bytes()))
-        .and_then(|v| std::str::from_utf8(v).ok()?.parse().ok())
-}
-
-/// The fields after the command's closing paren: state, ppid, pgrp,
-/// session, ...
-fn stat_fields(stat: &str) -> Option<Vec<&str>> {
-    Some(stat.get(stat.rfind(')')? + 2..)?.split(' ').collect())
-}
-
-/// The state letter: the first field after the command's closing paren.
-fn stat_state(stat: &str) -> Option<char> {
-    stat.get(stat.rfind(')')? + 2..)?.chars().next()
-}
-
-/// ppid (4th field), comm (2nd, in parentheses) and starttime (22nd).
-fn parse_stat(stat: &str) -> Option<Proc> {
-    let open = stat.find('(')?;
-    let close = stat.rfind(')')?;
-    let comm = stat[open + 1..close].to_string();
-    let fields: Vec<&str> = stat.get(close + 2..)?.split(' ').collect();
-    Some(Proc {
-        ppid: fields.get(1)?.parse().ok()?,
-        comm,
-        start: fields.get(19)?.parse().ok()?,
-    })
+    sys::environ_var(pid, RUN_PID_VAR)?.parse().ok()
 }
 
 #[cfg(test)]
@@ -417,32 +321,18 @@ mod tests {
         assert_eq!(orphan_jobs(owner, sid, ns), 0);
     }
 
-    #[test]
-    fn the_state_follows_the_last_paren() {
-        assert_eq!(stat_state("42 (a) b) T 1 42"), Some('T'));
-        assert_eq!(stat_state("42 (make) S 1 42"), Some('S'));
-        assert_eq!(stat_state("42 (make"), None);
-    }
-
-    #[test]
-    fn stat_lines() {
-        let p = parse_stat("4242 (make (x)) S 4000 4242 4000 0 -1 4194560 1 0 0 0 0 0 0 0 20 0 1 0 987654 1000 100").unwrap();
-        assert_eq!(
-            (p.ppid, p.comm.as_str(), p.start),
-            (4000, "make (x)", 987654)
-        );
-    }
-
     fn snapshot(procs: &[(u32, u32, &str, u64)]) -> Snapshot {
-        let procs: HashMap<u32, Proc> = procs
+        let procs: HashMap<u32, Stat> = procs
             .iter()
             .map(|&(pid, ppid, comm, start)| {
                 (
                     pid,
-                    Proc {
+                    Stat {
                         ppid,
                         comm: comm.into(),
                         start,
+                        state: 'S',
+                        session: 1,
                     },
                 )
             })
@@ -517,20 +407,6 @@ mod tests {
         }
     }
 
-    #[test]
-    fn the_command_is_between_the_first_and_the_last_paren() {
-        assert_eq!(stat_comm("42 (make) S 1 42"), Some("make"));
-        assert_eq!(stat_comm("42 (a (b)) S 1 42"), Some("a (b)"));
-        assert_eq!(stat_comm("42 make"), None);
-    }
-
-    #[test]
-    fn resident_bytes_are_whole_pages_of_a_live_process() {
-        let bytes = resident_bytes(std::process::id()).unwrap();
-        assert!(bytes > 0 && bytes.is_multiple_of(page_size()), "{bytes}");
-        assert_eq!(resident_bytes(4_000_000_000), None);
-    }
-
     /// A shell running a command is no job itself: its command is, once
     /// (running_jobs and orphan_jobs alike).
     #[test]
@@ -543,10 +419,7 @@ mod tests {
                 .args(["-c", "sleep 60; true"])
                 .env(RUN_PID_VAR, owner.to_string()),
         );
-        until(|| {
-            std::fs::read_to_string(format!("/proc/{shell}/task/{shell}/children"))
-                .is_ok_and(|c| !c.trim().is_empty())
-        });
+        until(|| !sys::children(shell).is_empty());
         let ns = pid_namespace_of("self").unwrap();
         until(|| orphan_jobs(owner, session, ns) == 1);
         assert_eq!(
@@ -561,21 +434,13 @@ mod tests {
         let shell = procs.spawn(std::process::Command::new("sh").args(["-c", "sleep 60; true"]));
         let mut child = 0;
         until(|| {
-            child = std::fs::read_to_string(format!("/proc/{shell}/task/{shell}/children"))
-                .ok()
-                .and_then(|c| c.split_whitespace().next()?.parse().ok())
-                .unwrap_or(0);
+            child = sys::children(shell).first().copied().unwrap_or(0);
             child != 0
         });
         assert!(!is_stopped(shell));
         // SAFETY: kill(2) on our own grandchild.
         unsafe { libc::kill(child as i32, libc::SIGSTOP) };
-        until(|| {
-            std::fs::read_to_string(format!("/proc/{child}/stat"))
-                .ok()
-                .and_then(|s| stat_state(&s))
-                == Some('T')
-        });
+        until(|| sys::stat(child).is_some_and(|s| s.state == 'T'));
         assert!(is_stopped(child));
         assert!(is_stopped(shell), "its child is");
         // SAFETY: as above; the shell is killed and reaped by Procs.

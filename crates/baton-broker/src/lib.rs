@@ -44,6 +44,7 @@ mod serve;
 mod session;
 mod socket;
 mod spin;
+mod sys;
 mod triggers;
 mod uring;
 

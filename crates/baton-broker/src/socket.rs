@@ -11,7 +11,7 @@ use crate::log;
 use crate::session::{Context, Session};
 use crate::spin::SpinPolicy;
 use crate::uring::{SendAndWait, Sent};
-use baton_core::protocol::{self, ErrorCode, Reply};
+use baton_core::protocol::{ErrorCode, Reply};
 use baton_core::{ClientId, Grant};
 use mio::net::{UnixListener, UnixStream};
 use mio::unix::SourceFd;
@@ -692,7 +692,7 @@ impl SocketServer {
         let outcome = conn.session.process(&mut Context {
             broker: &mut self.broker.lock().expect("broker lock"),
             admission: &self.admission,
-            command_line: &command_line,
+            command_line: &crate::sys::command_line,
         });
         if let Some(id) = outcome.joined {
             self.by_client.insert(id, token);
@@ -817,31 +817,4 @@ fn io_uring_sender(poll: &Poll) -> Option<SendAndWait> {
 fn preemptions() -> i64 {
     use nix::sys::resource::{getrusage, UsageWho};
     getrusage(UsageWho::RUSAGE_THREAD).map_or(0, |usage| usage.involuntary_context_switches())
-}
-
-/// The process's command line from /proc, for status; empty if gone.
-pub fn command_line(pid: u32) -> String {
-    let raw = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
-    let words: Vec<String> = raw
-        .split(|&b| b == 0)
-        .filter(|w| !w.is_empty())
-        .map(|w| String::from_utf8_lossy(w).into_owned())
-        .collect();
-    let line = words.join(" ");
-    line.chars().take(protocol::MAX_LABEL).collect()
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn the_command_line_is_read_from_proc_with_spaces_between_words() {
-        let line = command_line(std::process::id());
-        let argv: Vec<String> = std::env::args().collect();
-        let want: String = argv.join(" ").chars().take(protocol::MAX_LABEL).collect();
-        assert_eq!(line, want);
-        assert!(!line.is_empty());
-        assert_eq!(command_line(4_000_000_000), "", "no such process");
-    }
 }

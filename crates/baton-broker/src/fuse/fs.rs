@@ -347,7 +347,7 @@ impl Inner {
         let describe = || {
             ClientMeta::new(
                 pid,
-                format!("{} [{file}]", crate::socket::command_line(pid)),
+                format!("{} [{file}]", crate::sys::command_line(pid)),
                 Transport::Fuse,
             )
         };

@@ -2,16 +2,17 @@
 //! thread's id, tokens belong to its process (docs/jobserver.md, "What
 //! clients do"), and a pidfd per process tells us when it is gone.
 
+use crate::sys::{self, status_field as field};
 use mio::unix::SourceFd;
 use mio::{Interest, Registry, Token};
 use std::collections::HashMap;
 use std::io;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::fd::{AsRawFd, OwnedFd};
 
 /// The process a thread belongs to, from `/proc/<tid>/status` (`Tgid:`).
 /// None if the thread is gone.
 pub fn process_of(tid: u32) -> Option<u32> {
-    field(&status(tid)?, "Tgid:")?.parse().ok()
+    field(&sys::status(tid)?, "Tgid:")?.parse().ok()
 }
 
 /// Whether a signal is pending that the thread neither blocks nor ignores:
@@ -19,7 +20,7 @@ pub fn process_of(tid: u32) -> Option<u32> {
 /// being killed or exits (its other threads get one), SIGUSR1 from the
 /// jobserver crate stopping its helper thread.
 pub fn signal_pending(tid: u32) -> bool {
-    let Some(status) = status(tid) else {
+    let Some(status) = sys::status(tid) else {
         return false;
     };
     let mask = |name: &str| {
@@ -37,37 +38,11 @@ pub fn ancestors(pid: u32) -> impl Iterator<Item = u32> {
     std::iter::successors(Some(pid), |&p| parent_of(p)).take_while(|&p| p > 1)
 }
 
-/// The parent of `pid`, from `/proc/<pid>/stat`: one read of one line,
-/// where `status` takes a stat and eight reads of 1.5 KB. A build's start
-/// walks its ancestors, so every `baton run` pays this several times.
+/// The parent of `pid`, from `/proc/<pid>/stat`: one short line, where
+/// `status` is 1.5 KB. A build's start walks its ancestors, so every
+/// `baton run` pays this several times.
 fn parent_of(pid: u32) -> Option<u32> {
-    use std::io::Read;
-    let mut buf = [0u8; 1024];
-    let n = std::fs::File::open(format!("/proc/{pid}/stat"))
-        .ok()?
-        .read(&mut buf)
-        .ok()?;
-    parent_in_stat(&buf[..n])
-}
-
-/// The fourth field of a `stat` line, `pid (comm) state ppid ...`. The
-/// command name may hold spaces and parentheses: the fields after it start
-/// after its last `)`.
-fn parent_in_stat(line: &[u8]) -> Option<u32> {
-    let after_comm = line.iter().rposition(|&b| b == b')')? + 1;
-    let rest = std::str::from_utf8(&line[after_comm..]).ok()?;
-    rest.split_ascii_whitespace().nth(1)?.parse().ok()
-}
-
-fn status(tid: u32) -> Option<String> {
-    std::fs::read_to_string(format!("/proc/{tid}/status")).ok()
-}
-
-fn field<'a>(status: &'a str, name: &str) -> Option<&'a str> {
-    status
-        .lines()
-        .find_map(|l| l.strip_prefix(name))
-        .map(str::trim)
+    Some(sys::stat(pid)?.ppid)
 }
 
 /// Thread → process, remembered so that a request costs a /proc read only
@@ -109,7 +84,7 @@ impl Exits {
     }
 
     pub fn watch(&mut self, pid: u32) -> io::Result<()> {
-        let fd = pidfd_open(pid)?;
+        let fd = sys::pidfd_open(pid)?;
         self.registry.register(
             &mut SourceFd(&fd.as_raw_fd()),
             Token(pid as usize),
@@ -124,16 +99,6 @@ impl Exits {
             let _ = self.registry.deregister(&mut SourceFd(&fd.as_raw_fd()));
         }
     }
-}
-
-fn pidfd_open(pid: u32) -> io::Result<OwnedFd> {
-    // SAFETY: pidfd_open takes a pid and flags and returns a new fd or -1.
-    let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid as libc::pid_t, 0) };
-    if fd < 0 {
-        return Err(io::Error::last_os_error());
-    }
-    // SAFETY: the fd was just returned to us and nothing else owns it.
-    Ok(unsafe { OwnedFd::from_raw_fd(fd as i32) })
 }
 
 #[cfg(test)]
@@ -151,14 +116,12 @@ mod tests {
     }
 
     #[test]
-    fn the_parent_is_read_past_a_command_name_with_spaces_and_parentheses() {
-        assert_eq!(parent_in_stat(b"4242 (make) S 17 4242 17 0 -1"), Some(17));
-        assert_eq!(parent_in_stat(b"4242 (a (b) c) R 99 1 1 0"), Some(99));
-        assert_eq!(parent_in_stat(b"4242 (truncated"), None);
+    fn the_parent_is_read_from_proc() {
         assert_eq!(
             parent_of(std::process::id()),
             Some(std::os::unix::process::parent_id())
         );
+        assert_eq!(parent_of(4_000_000_000), None);
     }
 
     #[test]
@@ -188,8 +151,7 @@ mod tests {
             .unwrap();
         let pid = child.id();
         unsafe { libc::kill(pid as i32, libc::SIGSTOP) };
-        let stopped =
-            || status(pid).is_some_and(|s| field(&s, "State:").is_some_and(|v| v.starts_with('T')));
+        let stopped = || sys::stat(pid).is_some_and(|s| s.is_stopped());
         let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
         while !stopped() {
             assert!(std::time::Instant::now() < deadline, "sleep never stopped");

@@ -1,0 +1,269 @@
+//! The broker's one door to the process table: every /proc read and every
+//! process system call (pidfd_open, kill) the broker makes, each written
+//! once, with the unsafe code they need. The modules above work on the
+//! values these return, and their rules are tested on values made up.
+
+use std::io;
+use std::os::fd::{FromRawFd, OwnedFd};
+
+/// What the broker reads of a process's `/proc/PID/stat` line.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Stat {
+    /// The command name (at most 15 bytes; may hold spaces and parentheses).
+    pub comm: String,
+    /// R, S, D, T (stopped), t (stopped by a tracer), Z, X, ...
+    pub state: char,
+    pub ppid: u32,
+    pub session: u32,
+    /// Start time in clock ticks since boot.
+    pub start: u64,
+}
+
+impl Stat {
+    /// Parses `pid (comm) state ppid pgrp session ... starttime ...`. The
+    /// command name may hold spaces and parentheses: it ends at the line's
+    /// last `)`. None for a line cut short.
+    pub fn parse(line: &str) -> Option<Stat> {
+        let open = line.find('(')?;
+        let close = line.rfind(')')?;
+        let comm = line.get(open + 1..close)?.to_string();
+        let fields: Vec<&str> = line.get(close + 2..)?.split(' ').collect();
+        Some(Stat {
+            comm,
+            state: fields.first()?.chars().next()?,
+            ppid: fields.get(1)?.parse().ok()?,
+            session: fields.get(3)?.parse().ok()?,
+            start: fields.get(19)?.parse().ok()?,
+        })
+    }
+
+    /// Not a zombie, nor dead.
+    pub fn is_live(&self) -> bool {
+        !matches!(self.state, 'Z' | 'X')
+    }
+
+    /// Stopped by a signal (`T`) or under a tracer (`t`).
+    pub fn is_stopped(&self) -> bool {
+        matches!(self.state, 'T' | 't')
+    }
+}
+
+/// Process `pid`'s stat (a thread id works too); None if it is gone.
+pub fn stat(pid: u32) -> Option<Stat> {
+    Stat::parse(&std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?)
+}
+
+/// Every process's pid, as /proc lists them now.
+pub fn pids() -> impl Iterator<Item = u32> {
+    std::fs::read_dir("/proc")
+        .into_iter()
+        .flatten()
+        .filter_map(|e| e.ok()?.file_name().to_str()?.parse().ok())
+}
+
+/// The children of process `pid` (of its main thread, which is where a
+/// single-threaded build tool forks); none if it is gone.
+pub fn children(pid: u32) -> Vec<u32> {
+    std::fs::read_to_string(format!("/proc/{pid}/task/{pid}/children"))
+        .map(|c| {
+            c.split_whitespace()
+                .filter_map(|p| p.parse().ok())
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+/// `/proc/PID/status` of a process or thread; None if it is gone.
+pub fn status(pid: u32) -> Option<String> {
+    std::fs::read_to_string(format!("/proc/{pid}/status")).ok()
+}
+
+/// The value of one line of a status text (`name` with its colon, as
+/// `"Uid:"`), trimmed.
+pub fn status_field<'a>(status: &'a str, name: &str) -> Option<&'a str> {
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix(name))
+        .map(str::trim)
+}
+
+/// The process's command line from /proc, words joined by spaces, cut to
+/// a label's length (for status); empty if it is gone.
+pub fn command_line(pid: u32) -> String {
+    let raw = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+    let words: Vec<String> = raw
+        .split(|&b| b == 0)
+        .filter(|w| !w.is_empty())
+        .map(|w| String::from_utf8_lossy(w).into_owned())
+        .collect();
+    let line = words.join(" ");
+    line.chars().take(baton_core::protocol::MAX_LABEL).collect()
+}
+
+/// The value of `name` in the environment process `pid` was started with
+/// (readable for our own processes, or as root).
+pub fn environ_var(pid: u32, name: &str) -> Option<String> {
+    let env = std::fs::read(format!("/proc/{pid}/environ")).ok()?;
+    let prefix = format!("{name}=");
+    env.split(|&b| b == 0)
+        .find_map(|e| e.strip_prefix(prefix.as_bytes()))
+        .and_then(|v| Some(std::str::from_utf8(v).ok()?.to_string()))
+}
+
+/// The PID namespace of process `pid` (or `self`): the inode of
+/// /proc/PID/ns/pid. None if it is gone.
+pub fn pid_namespace_of(pid: &str) -> Option<u64> {
+    use std::os::unix::fs::MetadataExt;
+    std::fs::metadata(format!("/proc/{pid}/ns/pid"))
+        .ok()
+        .map(|m| m.ino())
+}
+
+/// The cgroup v2 path of process `pid` (or `self`): its `0::` line in
+/// /proc/PID/cgroup, relative to our cgroup namespace; None on a machine
+/// with cgroup v1 alone, or if it is gone.
+pub fn cgroup_of(pid: &str) -> Option<String> {
+    let cgroups = std::fs::read_to_string(format!("/proc/{pid}/cgroup")).ok()?;
+    cgroups
+        .lines()
+        .find_map(|line| line.strip_prefix("0::"))
+        .map(str::to_string)
+}
+
+/// Resident bytes of one process (`/proc/<pid>/statm`, second field, in
+/// pages); None if it is gone.
+pub fn resident_bytes(pid: u32) -> Option<u64> {
+    let statm = std::fs::read_to_string(format!("/proc/{pid}/statm")).ok()?;
+    let pages: u64 = statm.split(' ').nth(1)?.parse().ok()?;
+    Some(pages * page_size())
+}
+
+pub fn page_size() -> u64 {
+    // SAFETY: sysconf has no preconditions.
+    u64::try_from(unsafe { libc::sysconf(libc::_SC_PAGESIZE) }).unwrap_or(4096)
+}
+
+/// Sends `signal` to process `pid`; one gone since is ESRCH, which is
+/// ignored: the callers act on processes that may end at any moment.
+pub fn signal(pid: u32, signal: i32) {
+    // SAFETY: kill(2) takes any pid and signal number.
+    unsafe { libc::kill(pid as i32, signal) };
+}
+
+/// A descriptor that becomes readable when process `pid` exits (Linux 5.3).
+pub fn pidfd_open(pid: u32) -> io::Result<OwnedFd> {
+    // SAFETY: pidfd_open takes a pid and flags and returns a new fd or -1.
+    let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid as libc::pid_t, 0) };
+    if fd < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: the fd was just returned to us and nothing else owns it.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd as i32) })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const LINE: &str =
+        "4242 (make (x)) S 4000 4242 4001 0 -1 4194560 1 0 0 0 0 0 0 0 20 0 1 0 987654 1000 100";
+
+    #[test]
+    fn a_stat_line_is_read_past_a_command_name_with_spaces_and_parentheses() {
+        assert_eq!(
+            Stat::parse(LINE),
+            Some(Stat {
+                comm: "make (x)".into(),
+                state: 'S',
+                ppid: 4000,
+                session: 4001,
+                start: 987654,
+            })
+        );
+        let odd = LINE.replace("(make (x))", "(a) b) c)");
+        assert_eq!(Stat::parse(&odd).unwrap().comm, "a) b) c");
+        assert_eq!(Stat::parse(&odd).unwrap().ppid, 4000);
+        assert_eq!(Stat::parse("4242 (truncated"), None);
+        assert_eq!(
+            Stat::parse("4242 (make) S 17 4242 17 0 -1"),
+            None,
+            "no start time"
+        );
+        assert_eq!(Stat::parse("42 make S 1 2 3"), None);
+    }
+
+    #[test]
+    fn states() {
+        let with = |state: char| Stat {
+            state,
+            ..Stat::parse(LINE).unwrap()
+        };
+        assert!(with('T').is_stopped() && with('t').is_stopped() && !with('S').is_stopped());
+        assert!(!with('Z').is_live() && !with('X').is_live() && with('D').is_live());
+    }
+
+    #[test]
+    fn our_own_entries() {
+        let me = std::process::id();
+        let stat = stat(me).unwrap();
+        assert_eq!(stat.ppid, std::os::unix::process::parent_id());
+        // SAFETY: getsid(0) has no preconditions.
+        assert_eq!(stat.session, unsafe { libc::getsid(0) } as u32);
+        assert!(stat.is_live() && !stat.is_stopped());
+        assert!(pids().any(|p| p == me));
+        let status = status(me).unwrap();
+        assert_eq!(
+            status_field(&status, "Tgid:"),
+            Some(me.to_string().as_str())
+        );
+        assert_eq!(super::stat(4_000_000_000), None);
+        assert_eq!(super::status(4_000_000_000), None);
+    }
+
+    #[test]
+    fn the_command_line_is_read_from_proc_with_spaces_between_words() {
+        let line = command_line(std::process::id());
+        let argv: Vec<String> = std::env::args().collect();
+        let want: String = argv
+            .join(" ")
+            .chars()
+            .take(baton_core::protocol::MAX_LABEL)
+            .collect();
+        assert_eq!(line, want);
+        assert!(!line.is_empty());
+        assert_eq!(command_line(4_000_000_000), "", "no such process");
+    }
+
+    #[test]
+    fn a_variable_of_a_childs_environment() {
+        let mut child = std::process::Command::new("sleep")
+            .arg("30")
+            .env("BATON_SYS_TEST", "a=b c")
+            .spawn()
+            .unwrap();
+        let pid = child.id();
+        // Until exec has laid it out, the child's environment reads empty.
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+        while environ_var(pid, "BATON_SYS_TEST").is_none() {
+            assert!(std::time::Instant::now() < deadline, "never shown");
+            std::thread::yield_now();
+        }
+        assert_eq!(environ_var(pid, "BATON_SYS_TEST").as_deref(), Some("a=b c"));
+        assert_eq!(environ_var(pid, "BATON_SYS_TES"), None, "whole names only");
+        child.kill().unwrap();
+        child.wait().unwrap();
+    }
+
+    #[test]
+    fn resident_bytes_are_whole_pages_of_a_live_process() {
+        let bytes = resident_bytes(std::process::id()).unwrap();
+        assert!(bytes > 0 && bytes.is_multiple_of(page_size()), "{bytes}");
+        assert_eq!(resident_bytes(4_000_000_000), None);
+    }
+
+    #[test]
+    fn a_pidfd_of_a_live_process_only() {
+        assert!(pidfd_open(std::process::id()).is_ok());
+        assert!(pidfd_open(4_000_000_000).is_err());
+    }
+}
