@@ -109,6 +109,64 @@ pub fn fuse_pays(tokens: u32) -> bool {
     tokens >= FUSE_FROM_TOKENS
 }
 
+/// The form a build gets, decided here alone (the rest only sets it up):
+/// what `--jobserver-style` asked for (`requested`), what [`choose`]
+/// found the tree's tools read (`chosen`), bmake's own form (`is_bmake`:
+/// the FIFO, from which bmake takes only what is already there), the
+/// build's cap (the FUSE file has none of its own, and below
+/// [`FUSE_FROM_TOKENS`] the FIFO's herd costs less), and whether the
+/// broker's FUSE file serves us (`fuse_serves`, asked only when the answer
+/// would be the file: it makes the build's file). `Ok(None)`: the file was
+/// asked for by name and does not serve, which the caller refuses in
+/// words; `auto` falls back to the FIFO.
+pub fn form<E>(
+    requested: Style,
+    chosen: Style,
+    is_bmake: bool,
+    cap: Cap,
+    fuse_serves: impl FnOnce() -> Result<bool, E>,
+) -> Result<Option<Style>, E> {
+    let style = match requested {
+        Style::Auto if is_bmake => Style::Fifo,
+        Style::Auto => match chosen {
+            Style::Fuse if cap.given || !fuse_pays(cap.tokens) => Style::Fifo,
+            style => style,
+        },
+        style => style,
+    };
+    if style != Style::Fuse || fuse_serves()? {
+        return Ok(Some(style));
+    }
+    Ok((requested == Style::Auto).then_some(Style::Fifo))
+}
+
+/// A build's cap: `--max` if given, else the pool's limit.
+#[derive(Debug, Clone, Copy)]
+pub struct Cap {
+    pub tokens: u32,
+    /// `--max` was given.
+    pub given: bool,
+}
+
+/// Why a `style` asked for by name cannot work for the command, if it
+/// cannot, known from the command alone before the build asks for tokens:
+/// GNU make older than 4.4 stops with "internal error: invalid
+/// --jobserver-auth string" on `fifo:`, which both the fifo and the fuse
+/// styles hand it. (The whole tree is looked at later: [`unreadable`].)
+pub fn unusable(probes: &Probes, command: &[OsString], style: Style) -> Option<String> {
+    let program = Path::new(&command[0]);
+    let name = program.file_name()?.to_string_lossy();
+    if !matches!(style, Style::Fifo | Style::Fuse) || !is_make_name(&name) {
+        return None;
+    }
+    let make = gnu_make(probes, program).filter(|m| m.version < Version(4, 4, 0))?;
+    Some(format!(
+        "GNU make {} cannot open a fifo: jobserver (only make 4.4 and later can): use --jobserver-style pipe or auto \
+         (--force runs it anyway)",
+        make.version
+    ))
+}
+
 /// The pure rule: see docs/jobserver.md, "How `auto` chooses".
 pub fn choose(tree: &Tree) -> Choice {
     let rw_only = rw_only_readers(tree);
@@ -656,6 +714,111 @@ pub(crate) fn forced_jobs(args: &[String]) -> Option<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// `form` with the FUSE file answering `serves`; what it decided, and
+    /// whether it asked the file.
+    fn decide(
+        requested: Style,
+        chosen: Style,
+        is_bmake: bool,
+        cap: (u32, bool),
+        serves: bool,
+    ) -> (Option<Style>, bool) {
+        let mut asked = false;
+        let cap = Cap {
+            tokens: cap.0,
+            given: cap.1,
+        };
+        let style = form(requested, chosen, is_bmake, cap, || {
+            asked = true;
+            Ok::<_, ()>(serves)
+        })
+        .unwrap();
+        (style, asked)
+    }
+
+    #[test]
+    fn auto_gives_what_the_tools_read_the_file_only_where_it_pays_and_serves() {
+        let big = (FUSE_FROM_TOKENS, false);
+        for chosen in [Style::Pipe, Style::Fifo] {
+            assert_eq!(
+                decide(Style::Auto, chosen, false, big, true),
+                (Some(chosen), false)
+            );
+        }
+        assert_eq!(
+            decide(Style::Auto, Style::Fuse, false, big, true),
+            (Some(Style::Fuse), true)
+        );
+        assert_eq!(
+            decide(Style::Auto, Style::Fuse, false, big, false),
+            (Some(Style::Fifo), true),
+            "no mount we may use: the FIFO"
+        );
+        assert_eq!(
+            decide(
+                Style::Auto,
+                Style::Fuse,
+                false,
+                (FUSE_FROM_TOKENS - 1, false),
+                true
+            ),
+            (Some(Style::Fifo), false),
+            "below FUSE_FROM_TOKENS the FIFO costs less"
+        );
+        assert_eq!(
+            decide(Style::Auto, Style::Fuse, false, (64, true), true),
+            (Some(Style::Fifo), false),
+            "--max needs the bridge: the file has no per-build cap"
+        );
+        for chosen in [Style::Pipe, Style::Fuse] {
+            assert_eq!(
+                decide(Style::Auto, chosen, true, big, true),
+                (Some(Style::Fifo), false),
+                "bmake gets its own form, from the FIFO"
+            );
+        }
+    }
+
+    #[test]
+    fn a_form_asked_by_name_is_given_or_refused_never_changed() {
+        for (requested, bmake) in [
+            (Style::Pipe, false),
+            (Style::Fifo, true),
+            (Style::None, false),
+        ] {
+            assert_eq!(
+                decide(requested, Style::Fuse, bmake, (2, true), true),
+                (Some(requested), false)
+            );
+        }
+        for bmake in [false, true] {
+            assert_eq!(
+                decide(Style::Fuse, Style::Pipe, bmake, (2, false), true),
+                (Some(Style::Fuse), true)
+            );
+            assert_eq!(
+                decide(Style::Fuse, Style::Pipe, bmake, (2, false), false),
+                (None, true),
+                "fuse asked for and not served: refused, not a FIFO"
+            );
+        }
+        let failed = form(
+            Style::Fuse,
+            Style::Fuse,
+            false,
+            Cap {
+                tokens: 64,
+                given: false,
+            },
+            || Err("EACCES"),
+        );
+        assert_eq!(
+            failed,
+            Err("EACCES"),
+            "making the file failed: said, not hidden"
+        );
+    }
 
     fn found(path: &str, v: Version) -> Option<Found> {
         Some(Found {

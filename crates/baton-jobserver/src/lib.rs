@@ -137,23 +137,6 @@ fn program_name(command: &[OsString]) -> String {
         .unwrap_or_default()
 }
 
-/// Why `style` cannot work for the command, if it cannot: GNU make older
-/// than 4.4 stops with "internal error: invalid --jobserver-auth string" on
-/// `fifo:`, which both the fifo and the fuse styles hand it.
-fn unusable_style(probes: &probe::Probes, command: &[OsString], style: Style) -> Option<String> {
-    if !matches!(style, Style::Fifo | Style::Fuse) || !choice::is_make_name(&program_name(command))
-    {
-        return None;
-    }
-    let make = choice::gnu_make(probes, Path::new(&command[0]))
-        .filter(|m| m.version < choice::Version(4, 4, 0))?;
-    Some(format!(
-        "GNU make {} cannot open a fifo: jobserver (only make 4.4 and later can): use --jobserver-style pipe or auto \
-         (--force runs it anyway)",
-        make.version
-    ))
-}
-
 fn is_jobs_flag(word: &str) -> bool {
     word.starts_with("--jobserver-auth=")
         || word.starts_with("--jobserver-fds=")
@@ -258,16 +241,20 @@ mod tests {
         );
         for style in [Style::Fifo, Style::Fuse] {
             assert!(
-                unusable_style(&probes, &make43(), style)
+                choice::unusable(&probes, &make43(), style)
                     .is_some_and(|e| e.contains("pipe or auto")),
                 "{style:?}"
             );
         }
         for style in [Style::Pipe, Style::Auto, Style::None] {
-            assert_eq!(unusable_style(&probes, &make43(), style), None, "{style:?}");
+            assert_eq!(
+                choice::unusable(&probes, &make43(), style),
+                None,
+                "{style:?}"
+            );
         }
         assert_eq!(
-            unusable_style(&probes, &["ninja".into()], Style::Fifo),
+            choice::unusable(&probes, &["ninja".into()], Style::Fifo),
             None
         );
     }
@@ -335,13 +322,13 @@ mod tests {
         let probes = probe::Probes::open(None);
         for style in [Style::Fifo, Style::Fuse] {
             assert_eq!(
-                unusable_style(&probes, &[make.clone().into()], style),
+                choice::unusable(&probes, &[make.clone().into()], style),
                 None,
                 "{style:?}"
             );
         }
         let make43 = scratch.tool("old/make", "echo 'GNU Make 4.3'");
-        assert!(unusable_style(&probes, &[make43.into()], Style::Fifo)
+        assert!(choice::unusable(&probes, &[make43.into()], Style::Fifo)
             .is_some_and(|e| e.starts_with("GNU make 4.3 cannot open a fifo")));
     }
 

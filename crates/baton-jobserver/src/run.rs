@@ -12,8 +12,8 @@ use crate::build_file::{self, BuildFile};
 use crate::choice::{self, Choice};
 use crate::probe::Probes;
 use crate::{
-    bmake, log, makeflags, polls_its_jobserver_alone, reads_its_jobserver, submakes,
-    unusable_style, Feeder, Fifo, Style,
+    bmake, log, makeflags, polls_its_jobserver_alone, reads_its_jobserver, submakes, Feeder, Fifo,
+    Style,
 };
 use anyhow::{bail, Context, Result};
 use baton_client::{Client, Error as ClientError};
@@ -69,7 +69,7 @@ pub fn run(opts: RunOptions) -> Result<i32> {
     }
     let socket = absolute(&socket_path(opts.socket.clone()));
     let probes = Probes::open(Some(baton_core::paths::probes_path(&socket)));
-    if let Some(why) = unusable_style(&probes, &opts.command, opts.style) {
+    if let Some(why) = choice::unusable(&probes, &opts.command, opts.style) {
         match opts.force {
             true => log::warn(format_args!("{why}; running anyway, as --force asked")),
             false => bail!(why),
@@ -108,26 +108,32 @@ pub fn run(opts: RunOptions) -> Result<i32> {
         .args(&opts.command[1..])
         .env("BATON_SOCKET", &socket)
         .env(RUN_PID_VAR, std::process::id().to_string());
-    let style = match opts.style {
-        Style::Auto if is_bmake => Style::Fifo,
-        // The FUSE file has no per-build cap: --max needs the bridge.
-        // Below FUSE_FROM_TOKENS the FIFO's herd costs less than the file.
-        Style::Auto => match choice.style {
-            Style::Fuse if opts.max.is_some() || !choice::fuse_pays(max) => Style::Fifo,
-            style => style,
-        },
-        style => style,
+    let cap = choice::Cap {
+        tokens: max,
+        given: opts.max.is_some(),
+    };
+    let mut fuse_file = None;
+    let style = choice::form(opts.style, choice.style, is_bmake, cap, || {
+        fuse_file = build_file::create(&socket, &label)?;
+        anyhow::Ok(fuse_file.is_some())
+    })?;
+    let Some(style) = style else {
+        give_back(&mut client);
+        bail!(
+            "the broker at {} has no FUSE mount we may use (it was started with --no-fuse, FUSE is not available \
+             there, or its mount is not visible or not open to this user, as in a container: docs/containers.md): \
+             use --jobserver-style fifo",
+            socket.display()
+        );
     };
     let polls_it_alone = !is_bmake && polls_its_jobserver_alone(&opts.command);
     let setup = Setup {
         socket: &socket,
-        auto: opts.style == Style::Auto,
-        label: &label,
         jobs: max,
         bmake: is_bmake,
         polls_it_alone,
     };
-    let jobserver = set_up_jobserver(&mut command, &setup, style)?;
+    let jobserver = set_up_jobserver(&mut command, &setup, style, fuse_file)?;
     if opts.explain {
         match &bmake_version {
             Some(version) => explain_bmake(&opts, version, &jobserver),
@@ -316,9 +322,6 @@ impl Jobserver {
 /// What the jobserver is set up with.
 struct Setup<'a> {
     socket: &'a Path,
-    /// `auto` chose the style: FUSE may fall back to the FIFO.
-    auto: bool,
-    label: &'a str,
     /// The build's cap, written as MAKEFLAGS's `-jN`.
     jobs: u32,
     /// CMD is bmake: it gets bmake's own form (`-J R,W -j N`).
@@ -383,19 +386,19 @@ fn explain_bmake(opts: &RunOptions, version: &str, jobserver: &Jobserver) {
     ));
 }
 
-/// Sets up the jobserver of `style` and points MAKEFLAGS and CARGO_MAKEFLAGS
-/// at it. FUSE falls back to the FIFO when `auto` chose it and the broker
-/// has no mount.
-fn set_up_jobserver(command: &mut Command, setup: &Setup, style: Style) -> Result<Jobserver> {
-    let Setup {
-        socket,
-        auto,
-        label,
-        ..
-    } = *setup;
+/// Sets up the jobserver of `style` (`choice::form` decided it, and made
+/// the build's FUSE file if it is the file) and points MAKEFLAGS and
+/// CARGO_MAKEFLAGS at it.
+fn set_up_jobserver(
+    command: &mut Command,
+    setup: &Setup,
+    style: Style,
+    fuse_file: Option<BuildFile>,
+) -> Result<Jobserver> {
+    let socket = setup.socket;
     let (jobserver, auth) = match style {
         Style::None | Style::Auto => return Ok(Jobserver::None),
-        Style::Fuse => match build_file::create(socket, label)? {
+        Style::Fuse => match fuse_file {
             // bmake takes descriptors: the read end non-blocking, as in its
             // own pipe. A freed token still wakes one of its sub-makes.
             Some(file) if setup.bmake => {
@@ -405,22 +408,30 @@ fn set_up_jobserver(command: &mut Command, setup: &Setup, style: Style) -> Resul
                 }
                 let auth = format!("{},{}", read.as_raw_fd(), write.as_raw_fd());
                 let form = "fuse (bmake's -J R,W, both opened on the broker's FUSE mount)";
-                (Jobserver::Fuse { file, ends: Some((read, write)), form }, auth)
+                (
+                    Jobserver::Fuse {
+                        file,
+                        ends: Some((read, write)),
+                        form,
+                    },
+                    auth,
+                )
             }
             Some(file) => {
                 if setup.polls_it_alone {
                     file.hold_polls();
                 }
                 let auth = format!("fifo:{}", file.path().display());
-                (Jobserver::Fuse { file, ends: None, form: "fuse (fifo:PATH on the broker's FUSE mount)" }, auth)
+                (
+                    Jobserver::Fuse {
+                        file,
+                        ends: None,
+                        form: "fuse (fifo:PATH on the broker's FUSE mount)",
+                    },
+                    auth,
+                )
             }
-            None if auto => return set_up_jobserver(command, setup, Style::Fifo),
-            None => bail!(
-                "the broker at {} has no FUSE mount we may use (it was started with --no-fuse, FUSE is not available \
-                 there, or its mount is not visible or not open to this user, as in a container: docs/containers.md): \
-                 use --jobserver-style fifo",
-                socket.display()
-            ),
+            None => unreachable!("choice::form gives the file only once it is made"),
         },
         Style::Pipe => {
             let mut fifo = Fifo::create(&crate::fifo::dir_for(socket))?;
@@ -429,14 +440,22 @@ fn set_up_jobserver(command: &mut Command, setup: &Setup, style: Style) -> Resul
                 inheritable(fd)?;
             }
             let form = if setup.bmake {
-                bmake::make_non_blocking(&read).context("cannot make the jobserver's read end non-blocking")?;
+                bmake::make_non_blocking(&read)
+                    .context("cannot make the jobserver's read end non-blocking")?;
                 fifo.sort_bmake_returns();
                 "pipe (bmake's -J R,W: R on the build's FIFO, W a pipe only baton reads)"
             } else {
                 "pipe (R,W)"
             };
             let auth = format!("{},{}", read.as_raw_fd(), write.as_raw_fd());
-            (Jobserver::Bridge { fifo, pipe_ends: Some((read, write)), form }, auth)
+            (
+                Jobserver::Bridge {
+                    fifo,
+                    pipe_ends: Some((read, write)),
+                    form,
+                },
+                auth,
+            )
         }
         Style::Fifo if setup.bmake => {
             let mut fifo = Fifo::create(&crate::fifo::dir_for(socket))?;
@@ -447,12 +466,26 @@ fn set_up_jobserver(command: &mut Command, setup: &Setup, style: Style) -> Resul
             fifo.sort_bmake_returns();
             let auth = format!("{},{}", read.as_raw_fd(), write.as_raw_fd());
             let form = "fifo (bmake's -J R,W, both opened on the build's FIFO)";
-            (Jobserver::Bridge { fifo, pipe_ends: Some((read, write)), form }, auth)
+            (
+                Jobserver::Bridge {
+                    fifo,
+                    pipe_ends: Some((read, write)),
+                    form,
+                },
+                auth,
+            )
         }
         Style::Fifo => {
             let fifo = Fifo::create(&crate::fifo::dir_for(socket))?;
             let auth = format!("fifo:{}", fifo.path().display());
-            (Jobserver::Bridge { fifo, pipe_ends: None, form: "fifo (fifo:PATH)" }, auth)
+            (
+                Jobserver::Bridge {
+                    fifo,
+                    pipe_ends: None,
+                    form: "fifo (fifo:PATH)",
+                },
+                auth,
+            )
         }
     };
     for var in ["MAKEFLAGS", "CARGO_MAKEFLAGS"] {
