@@ -612,9 +612,15 @@ mod tests {
             exchange(&mut o, &mut broker, &adm, "LIMIT 3\n").0,
             "LIMIT 2 3\n"
         );
+        // An owner re-attaching to a broker started smaller is counted
+        // whole, past the limit (the pool drains); a member could not.
         assert_eq!(
-            exchange(&mut o, &mut broker, &adm, "HOLD 3\n").0,
-            "GRANTED 3 3\n"
+            exchange(&mut o, &mut broker, &adm, "HOLD 4\n").0,
+            "GRANTED 4 4\n"
+        );
+        assert_eq!(
+            exchange(&mut o, &mut broker, &adm, "RELEASE 1\n").0,
+            "RELEASED 1 3\n"
         );
         let (out, outcome) = exchange(&mut o, &mut broker, &adm, "STOP\nSTATUS\n");
         assert_eq!(
