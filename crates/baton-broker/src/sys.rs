@@ -262,6 +262,59 @@ mod tests {
     }
 
     #[test]
+    fn namespaces_and_cgroups_as_the_kernel_names_them() {
+        // readlink gives "pid:[INODE]": the same number, by another call.
+        let link = std::fs::read_link("/proc/self/ns/pid").unwrap();
+        let inode = link
+            .to_string_lossy()
+            .trim_start_matches("pid:[")
+            .trim_end_matches(']')
+            .parse::<u64>()
+            .unwrap();
+        assert_eq!(pid_namespace_of("self"), Some(inode));
+        assert_eq!(
+            pid_namespace_of(&std::process::id().to_string()),
+            Some(inode)
+        );
+        assert_eq!(pid_namespace_of("4000000000"), None);
+        let text = std::fs::read_to_string("/proc/self/cgroup").unwrap();
+        let unified = text.lines().any(|l| l.starts_with("0::"));
+        match cgroup_of("self") {
+            Some(path) => assert!(unified && path.starts_with('/'), "{path:?} from {text:?}"),
+            None => assert!(!unified, "a 0:: line was not read: {text:?}"),
+        }
+        assert_eq!(cgroup_of("4000000000"), None);
+    }
+
+    #[test]
+    fn a_page_is_a_power_of_two_of_at_least_4_kib() {
+        let page = page_size();
+        assert!(page >= 4096 && page.is_power_of_two(), "{page}");
+    }
+
+    #[test]
+    fn a_signal_reaches_its_process() {
+        use std::os::unix::process::ExitStatusExt;
+        let mut child = std::process::Command::new("sleep")
+            .arg("30")
+            .spawn()
+            .unwrap();
+        signal(child.id(), libc::SIGKILL);
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+        let status = loop {
+            if let Some(status) = child.try_wait().unwrap() {
+                break status;
+            }
+            if std::time::Instant::now() > deadline {
+                let _ = child.kill();
+                panic!("the signal never came");
+            }
+            std::thread::sleep(std::time::Duration::from_millis(2));
+        };
+        assert_eq!(status.signal(), Some(libc::SIGKILL));
+    }
+
+    #[test]
     fn a_pidfd_of_a_live_process_only() {
         assert!(pidfd_open(std::process::id()).is_ok());
         assert!(pidfd_open(4_000_000_000).is_err());
