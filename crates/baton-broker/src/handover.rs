@@ -27,7 +27,7 @@ use std::io::{IoSlice, IoSliceMut, Read, Write};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::os::unix::fs::PermissionsExt;
 use std::os::unix::net::{UnixListener, UnixStream};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::time::Duration;
 
 /// Descriptors per message: below the kernel's SCM_MAX_FD (253).
@@ -50,16 +50,9 @@ pub struct State {
     pub fuse: Option<(FsState, usize)>,
 }
 
-/// Where the broker at `socket` waits for its successor.
-pub fn path(socket: &Path) -> PathBuf {
-    let mut name = socket.file_name().unwrap_or_default().to_os_string();
-    name.push(".handover");
-    socket.with_file_name(name)
-}
-
 /// Listens for a successor (the running broker, at start-up).
 pub fn listen(socket: &Path) -> Result<UnixListener> {
-    let path = path(socket);
+    let path = crate::paths::handover_socket(socket);
     let _ = std::fs::remove_file(&path);
     let listener = UnixListener::bind(&path)
         .with_context(|| format!("cannot listen at {}", path.display()))?;
@@ -67,12 +60,6 @@ pub fn listen(socket: &Path) -> Result<UnixListener> {
         .with_context(|| format!("cannot make {} private (chmod 0600)", path.display()))?;
     listener.set_nonblocking(true)?;
     Ok(listener)
-}
-
-/// Whether a connection to the handover socket comes from our own uid:
-/// anyone else could take every client's connection.
-pub fn is_ours(stream: &UnixStream) -> bool {
-    getsockopt(stream, PeerCredentials).is_ok_and(|c| c.uid() == nix::unistd::getuid().as_raw())
 }
 
 /// Sends the state and the descriptors, then waits for the successor to
@@ -126,7 +113,7 @@ impl Handed {
 /// Connects to the broker serving `socket` and takes its state and
 /// descriptors (the successor, `baton serve --replace`).
 pub fn receive(socket: &Path) -> Result<Handed> {
-    let path = path(socket);
+    let path = crate::paths::handover_socket(socket);
     let mut stream = UnixStream::connect(&path).with_context(|| {
         format!(
             "no broker to replace at {} (is one running there?)",
@@ -198,22 +185,4 @@ fn receive_fds(stream: &UnixStream, count: usize) -> Result<Vec<OwnedFd>> {
         );
     }
     Ok(fds)
-}
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn the_handover_socket_sits_beside_the_broker_socket() {
-        assert_eq!(
-            path(Path::new("/run/user/1000/baton/sock")),
-            Path::new("/run/user/1000/baton/sock.handover")
-        );
-    }
-
-    #[test]
-    fn a_connection_from_our_own_uid_is_ours() {
-        let (a, _b) = UnixStream::pair().unwrap();
-        assert!(is_ours(&a));
-    }
 }

@@ -194,6 +194,24 @@ fn lock_path(socket: &Path) -> PathBuf {
     baton_core::paths::beside(socket, ".lock")
 }
 
+/// Where the broker at `socket` waits for its successor (`serve --replace`).
+pub fn handover_socket(socket: &Path) -> PathBuf {
+    beside(socket, ".handover")
+}
+
+/// Where the FUSE keeper of the broker at `socket` hands the /dev/fuse
+/// descriptor on.
+pub fn keeper_socket(socket: &Path) -> PathBuf {
+    beside(socket, ".fuse-keeper")
+}
+
+/// `socket`'s name with `suffix`, in its directory.
+fn beside(socket: &Path, suffix: &str) -> PathBuf {
+    let mut name = socket.file_name().unwrap_or_default().to_os_string();
+    name.push(suffix);
+    socket.with_file_name(name)
+}
+
 /// After a clean stop: removes every file the broker at `socket` and the
 /// builds that used it leave in its directory, but its log. Called while
 /// the lock is held (the lock file goes last; see [`lock_file`]). Never
@@ -202,8 +220,8 @@ fn lock_path(socket: &Path) -> PathBuf {
 pub fn remove_leftovers(socket: &Path) {
     let _ = fs::remove_dir(baton_core::paths::fuse_mount_point(socket));
     for path in [
-        crate::handover::path(socket),
-        crate::fuse::keeper_path(socket),
+        handover_socket(socket),
+        keeper_socket(socket),
         baton_core::paths::probes_path(socket),
     ] {
         let _ = fs::remove_file(path);
@@ -264,6 +282,19 @@ pub fn clear_stale_socket(socket: &Path) -> Result<bool> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_handover_and_keeper_sockets_sit_beside_the_broker_socket() {
+        let socket = Path::new("/run/user/1000/baton/sock");
+        assert_eq!(
+            handover_socket(socket),
+            Path::new("/run/user/1000/baton/sock.handover")
+        );
+        assert_eq!(
+            keeper_socket(socket),
+            Path::new("/run/user/1000/baton/sock.fuse-keeper")
+        );
+    }
     use std::os::unix::net::UnixListener;
     use std::sync::atomic::{AtomicU32, Ordering};
 

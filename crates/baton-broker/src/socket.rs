@@ -347,7 +347,7 @@ impl SocketServer {
 
     fn accept_successor(&mut self) -> Option<std::os::unix::net::UnixStream> {
         let (stream, _) = self.handover.as_ref()?.accept().ok()?;
-        if !crate::handover::is_ours(&stream) {
+        if !crate::sys::peer_is_our_uid(&stream) {
             log::warn(format_args!("refused a handover asked by another user"));
             return None;
         }

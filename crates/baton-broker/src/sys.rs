@@ -150,6 +150,14 @@ pub fn signal(pid: u32, signal: i32) {
     unsafe { libc::kill(pid as i32, signal) };
 }
 
+/// Whether the peer of a Unix socket connection runs as our own uid
+/// (SO_PEERCRED): the handover and the FUSE keeper give what they hold to
+/// nobody else, as anyone else could take every client's connection.
+pub fn peer_is_our_uid(stream: &std::os::unix::net::UnixStream) -> bool {
+    use nix::sys::socket::{getsockopt, sockopt::PeerCredentials};
+    getsockopt(stream, PeerCredentials).is_ok_and(|c| c.uid() == nix::unistd::getuid().as_raw())
+}
+
 /// A descriptor that becomes readable when process `pid` exits (Linux 5.3).
 pub fn pidfd_open(pid: u32) -> io::Result<OwnedFd> {
     // SAFETY: pidfd_open takes a pid and flags and returns a new fd or -1.
@@ -312,6 +320,12 @@ mod tests {
             std::thread::sleep(std::time::Duration::from_millis(2));
         };
         assert_eq!(status.signal(), Some(libc::SIGKILL));
+    }
+
+    #[test]
+    fn a_connection_from_our_own_uid_is_ours() {
+        let (a, _b) = std::os::unix::net::UnixStream::pair().unwrap();
+        assert!(peer_is_our_uid(&a));
     }
 
     #[test]

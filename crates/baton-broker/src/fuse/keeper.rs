@@ -24,7 +24,7 @@ use std::io::IoSliceMut;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::os::unix::fs::PermissionsExt;
 use std::os::unix::net::{UnixListener, UnixStream};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::time::Duration;
 
 /// The keeper of this broker's mount; dismiss it when the mount ends.
@@ -35,17 +35,10 @@ pub struct Keeper {
     pid: libc::pid_t,
 }
 
-/// Where the keeper of the broker at `socket` hands the descriptor on.
-pub fn path(socket: &Path) -> PathBuf {
-    let mut name = socket.file_name().unwrap_or_default().to_os_string();
-    name.push(".fuse-keeper");
-    socket.with_file_name(name)
-}
-
 impl Keeper {
     /// Forks a keeper holding `device`.
     pub fn spawn(socket: &Path, device: RawFd, grace: Duration) -> Result<Keeper> {
-        let path = path(socket);
+        let path = crate::paths::keeper_socket(socket);
         let _ = std::fs::remove_file(&path);
         let listener = UnixListener::bind(&path)
             .with_context(|| format!("cannot listen at {}", path.display()))?;
@@ -74,13 +67,13 @@ impl Keeper {
 /// Takes the descriptor from the keeper a broker killed at `socket` left,
 /// if there is one. None: no keeper, or its broker still lives.
 pub fn take(socket: &Path) -> Option<OwnedFd> {
-    let stream = UnixStream::connect(path(socket)).ok()?;
+    let stream = UnixStream::connect(crate::paths::keeper_socket(socket)).ok()?;
     // Only a keeper of ours: another user listening there (a --socket in
     // a shared directory) must not hand us a descriptor to serve.
-    if !crate::handover::is_ours(&stream) {
+    if !crate::sys::peer_is_our_uid(&stream) {
         crate::log::warn(format_args!(
             "{} is answered by another user: not taking a FUSE descriptor from it",
-            path(socket).display()
+            crate::paths::keeper_socket(socket).display()
         ));
         return None;
     }

@@ -23,11 +23,6 @@ pub(crate) mod waiters;
 pub use fs::FsState;
 pub use waiters::Mode;
 
-/// Where the FUSE keeper of the broker at `socket` listens.
-pub fn keeper_path(socket: &std::path::Path) -> std::path::PathBuf {
-    keeper::path(socket)
-}
-
 use crate::broker::{Broker, Transport};
 use crate::log;
 use anyhow::{bail, Context, Result};
