@@ -70,12 +70,12 @@ pub fn poll_readable(fd: RawFd, timeout_ms: libc::c_int) -> io::Result<bool> {
 /// `len` values of `T` in memory shared with every child forked after its
 /// creation. `T` must be usable from several processes at once: atomics,
 /// or process-shared primitives initialised in place.
-pub struct Shared<T> {
+pub struct SharedMemory<T> {
     ptr: *mut T,
     len: usize,
 }
 
-impl<T: Default> Shared<T> {
+impl<T: Default> SharedMemory<T> {
     pub fn new(len: usize) -> io::Result<Self> {
         let bytes = (std::mem::size_of::<T>() * len.max(1)).max(1);
         // SAFETY: a fresh anonymous mapping; nothing else refers to it.
@@ -97,11 +97,11 @@ impl<T: Default> Shared<T> {
             // SAFETY: i < len, inside the mapping; mmap memory is page aligned.
             unsafe { ptr.add(i).write(T::default()) };
         }
-        Ok(Shared { ptr, len })
+        Ok(SharedMemory { ptr, len })
     }
 }
 
-impl<T> std::ops::Deref for Shared<T> {
+impl<T> std::ops::Deref for SharedMemory<T> {
     type Target = [T];
     fn deref(&self) -> &[T] {
         // SAFETY: `len` initialised values live at `ptr` until drop.
@@ -109,7 +109,7 @@ impl<T> std::ops::Deref for Shared<T> {
     }
 }
 
-impl<T> Drop for Shared<T> {
+impl<T> Drop for SharedMemory<T> {
     fn drop(&mut self) {
         let bytes = (std::mem::size_of::<T>() * self.len.max(1)).max(1);
         // SAFETY: unmapping exactly what new() mapped; no reference outlives self.
@@ -117,7 +117,7 @@ impl<T> Drop for Shared<T> {
     }
 }
 
-// SAFETY: Shared only hands out shared references to its values, and T's
+// SAFETY: SharedMemory only hands out shared references to its values, and T's
 // own Sync/Send say whether those may cross threads.
-unsafe impl<T: Sync> Sync for Shared<T> {}
-unsafe impl<T: Send> Send for Shared<T> {}
+unsafe impl<T: Sync> Sync for SharedMemory<T> {}
+unsafe impl<T: Send> Send for SharedMemory<T> {}

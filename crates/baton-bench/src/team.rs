@@ -14,7 +14,7 @@
 //! process, which [`run`] checks.
 
 use crate::measure::Usage;
-use crate::sys::{self, Shared};
+use crate::sys::{self, SharedMemory};
 use anyhow::{bail, Context, Result};
 use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
@@ -98,7 +98,7 @@ where
     F: Fn(usize, &mut Start) -> Result<Counts>,
 {
     ensure_single_threaded()?;
-    let slots = Shared::<Slot>::new(members)?;
+    let slots = SharedMemory::<Slot>::new(members)?;
     let (ready_r, ready_w) = sys::pipe()?;
     let (gate_r, gate_w) = sys::pipe()?;
     let mut children = Children::default();

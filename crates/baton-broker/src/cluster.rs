@@ -23,7 +23,7 @@ pub fn join(config: Config, broker: &Arc<Mutex<Broker>>) -> Result<Link> {
     let pool = config.pool.clone();
     let (jobs, endpoints) = (config.jobs, config.endpoints.join(","));
     broker.lock().expect("broker lock").join_cluster(&config);
-    let link = baton_cluster::Link::start(config, Arc::new(Shared(broker.clone())))?;
+    let link = baton_cluster::Link::start(config, Arc::new(BrokerPool(broker.clone())))?;
     broker.lock().expect("broker lock").on_demand(link.waker());
     crate::log::info(format_args!(
         "cluster pool {pool}: {jobs} tokens across every broker, in etcd at {endpoints}"
@@ -37,10 +37,10 @@ pub fn join(_config: Config, _broker: &Arc<Mutex<Broker>>) -> Result<Link> {
 }
 
 #[cfg(feature = "cluster")]
-struct Shared(Arc<Mutex<Broker>>);
+struct BrokerPool(Arc<Mutex<Broker>>);
 
 #[cfg(feature = "cluster")]
-impl baton_cluster::LocalPool for Shared {
+impl baton_cluster::LocalPool for BrokerPool {
     fn demand(&self) -> baton_core::cluster::Local {
         self.0.lock().expect("broker lock").cluster_demand()
     }

@@ -17,7 +17,7 @@ mod share;
 pub mod status;
 
 pub use pool::{
-    Acquired, BuildView, ClientId, ClientView, Grant, Pool, PoolError, RestoreError, Tag, Totals,
-    MAX_LIMIT,
+    Acquired, BuildView, ClientId, ClientView, Grant, Pool, PoolError, PoolTotals, RestoreError,
+    Tag, MAX_LIMIT,
 };
 pub use share::{BuildId, MAX_WEIGHT};

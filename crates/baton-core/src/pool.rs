@@ -117,7 +117,7 @@ struct Waiter {
 
 /// Running totals, for `baton status`.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
-pub struct Totals {
+pub struct PoolTotals {
     /// Tokens handed out, immediately or after a wait.
     pub granted: u64,
     /// Tokens given back by their holder.
@@ -179,7 +179,7 @@ pub struct Pool<M> {
     clients: BTreeMap<ClientId, Client<M>>,
     queue: VecDeque<Waiter>,
     next_id: u64,
-    totals: Totals,
+    totals: PoolTotals,
     /// At most this many tokens held in all while set (the gates' word on
     /// what the machine can take now); never below what is already held.
     cap: Option<u32>,
@@ -198,7 +198,7 @@ impl<M> Pool<M> {
             clients: BTreeMap::new(),
             queue: VecDeque::new(),
             next_id: 1,
-            totals: Totals::default(),
+            totals: PoolTotals::default(),
             cap: None,
             shares: Shares::default(),
             next_seq: 0,
@@ -221,7 +221,7 @@ impl<M> Pool<M> {
     }
 
     /// Running totals since the pool was made.
-    pub fn totals(&self) -> Totals {
+    pub fn totals(&self) -> PoolTotals {
         self.totals
     }
 

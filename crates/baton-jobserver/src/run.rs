@@ -157,7 +157,7 @@ pub fn run(opts: RunOptions) -> Result<i32> {
     };
     let build = (opts.weight, opts.name.clone().unwrap_or_default());
     let build_file_path = build_file.as_ref().map(|f| f.path().to_path_buf());
-    let mut broker = Broker {
+    let mut broker = BrokerLink {
         client,
         alive: true,
         socket,
@@ -560,7 +560,7 @@ impl Reattach {
 }
 
 /// Our connection to the broker, and whether it still answers.
-struct Broker {
+struct BrokerLink {
     client: Client,
     alive: bool,
     socket: PathBuf,
@@ -573,7 +573,7 @@ struct Broker {
     reattach: Reattach,
 }
 
-impl Broker {
+impl BrokerLink {
     /// Says once that the broker is gone; from then on the build runs on
     /// the tokens it has.
     fn lost(&mut self, e: &ClientError) {
@@ -617,7 +617,7 @@ impl Broker {
     }
 }
 
-impl Broker {
+impl BrokerLink {
     /// Once the broker is lost: if a new one answers at the socket, joins
     /// it as the same build and tells it what we hold (HOLD), so that it
     /// counts our tokens and feeds the build again.
@@ -700,7 +700,7 @@ fn spawn_tied_to_us(command: &mut Command, blocked: SigSet) -> std::io::Result<C
 fn supervise(
     mut child: Child,
     signals: &SignalFd,
-    mut broker: Broker,
+    mut broker: BrokerLink,
     mut feeder: Option<Feeder>,
 ) -> Result<ExitStatus> {
     let pidfd = pidfd_open(child.id())?;
@@ -784,7 +784,7 @@ fn supervise(
     }
 }
 
-fn on_broker_readable(broker: &mut Broker, feeder: Option<&mut Feeder>) {
+fn on_broker_readable(broker: &mut BrokerLink, feeder: Option<&mut Feeder>) {
     let result = match feeder {
         Some(f) if f.is_waiting() => f.on_answer(broker.client.read_reply()),
         // Nothing is pending, so anything readable is the end.

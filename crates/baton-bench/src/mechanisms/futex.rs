@@ -3,17 +3,17 @@
 //! sleeper (FUTEX_WAKE with a count of 1) per token.
 
 use super::{Pool, Tokens};
-use crate::sys::{self, Shared};
+use crate::sys::{self, SharedMemory};
 use anyhow::{Context, Result};
 use std::sync::atomic::{AtomicU32, Ordering::SeqCst};
 
 pub struct Futex {
-    word: Shared<AtomicU32>,
+    word: SharedMemory<AtomicU32>,
 }
 
 impl Futex {
     pub fn new(tokens: u32) -> Result<Self> {
-        let word = Shared::<AtomicU32>::new(1)?;
+        let word = SharedMemory::<AtomicU32>::new(1)?;
         word[0].store(tokens, SeqCst);
         Ok(Futex { word })
     }

@@ -2,7 +2,7 @@
 //! System V (the kernel's semaphore arrays, as in sembench).
 
 use super::{Pool, Tokens};
-use crate::sys::{self, Shared};
+use crate::sys::{self, SharedMemory};
 use anyhow::{Context, Result};
 use std::cell::UnsafeCell;
 
@@ -21,12 +21,12 @@ impl Default for SemCell {
 unsafe impl Sync for SemCell {}
 
 pub struct Posix {
-    sem: Shared<SemCell>,
+    sem: SharedMemory<SemCell>,
 }
 
 impl Posix {
     pub fn new(tokens: u32) -> Result<Self> {
-        let sem = Shared::<SemCell>::new(1)?;
+        let sem = SharedMemory::<SemCell>::new(1)?;
         // SAFETY: initialising the zeroed sem_t in place, shared (pshared=1).
         sys::check(unsafe { libc::sem_init(sem[0].0.get(), 1, tokens) }).context("sem_init")?;
         Ok(Posix { sem })

@@ -280,7 +280,7 @@ enum Slots<'a> {
     /// `baton run --weight W`.
     Baton { broker: &'a Broker, weight: u32 },
     /// One GNU jobserver FIFO shared by every build.
-    Shared(&'a SharedFifo),
+    SharedMemory(&'a SharedFifo),
 }
 
 fn command(bench: &Bench, tool: &Tool, graph: &Graph, slots: &Slots) -> Result<Command> {
@@ -311,7 +311,7 @@ fn command(bench: &Bench, tool: &Tool, graph: &Graph, slots: &Slots) -> Result<C
                 cmd.args(["build", "--offline", "--quiet"]);
             }
         }
-        Slots::Shared(fifo) => fifo.hand_to(&mut cmd, tool.fifo)?,
+        Slots::SharedMemory(fifo) => fifo.hand_to(&mut cmd, tool.fifo)?,
     }
     if tool.kind == Kind::Cargo {
         cmd.env("RUSTC_WRAPPER", graph.dir.join("wrap.sh"))
@@ -470,7 +470,7 @@ pub fn run(bench: &Bench, scale: &Scale) -> Result<Findings> {
         &tools,
         &root,
         "three at once, one shared FIFO",
-        |_| Slots::Shared(&fifo),
+        |_| Slots::SharedMemory(&fifo),
     )?);
     let contained = containers(bench, scale, &tools, &root)?;
     let contained_note = match &contained {

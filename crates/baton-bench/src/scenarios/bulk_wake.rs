@@ -11,7 +11,7 @@
 use super::{cases, Bench, Defaults, Findings, Scale};
 use crate::mechanisms::{Mechanism, Pool};
 use crate::report::Row;
-use crate::sys::Shared;
+use crate::sys::SharedMemory;
 use crate::team::{self, Counts, Start};
 use anyhow::{ensure, Result};
 use std::sync::atomic::{AtomicBool, Ordering::SeqCst};
@@ -65,7 +65,7 @@ fn measure(bench: &Bench, mechanism: Mechanism, waiters: usize, scale: &Scale) -
         work: mechanism.create(initial, &bench.env)?,
         done: Mechanism::Futex.create(0, &bench.env)?,
     };
-    let stop = Shared::<AtomicBool>::new(1)?;
+    let stop = SharedMemory::<AtomicBool>::new(1)?;
     // Child 0 is the waker; children 1..=waiters wait.
     let outcome = team::run(waiters + 1, pools.work.broker_pid(), |index, start| {
         if index == 0 {

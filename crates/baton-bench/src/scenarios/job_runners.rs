@@ -7,7 +7,7 @@
 use super::{cases, Bench, Findings, Scale};
 use crate::mechanisms::Mechanism;
 use crate::report::Row;
-use crate::sys::Shared;
+use crate::sys::SharedMemory;
 use crate::team::{self, Counts};
 use anyhow::Result;
 use std::sync::atomic::{AtomicU64, Ordering::SeqCst};
@@ -53,7 +53,7 @@ pub fn run(
 
 fn measure(bench: &Bench, mechanism: Mechanism, work: &Workload) -> Result<Row> {
     let pool = mechanism.create(work.tokens, &bench.env)?;
-    let budget = Shared::<AtomicU64>::new(1)?;
+    let budget = SharedMemory::<AtomicU64>::new(1)?;
     budget[0].store(work.acquisitions, SeqCst);
     let outcome = team::run(work.waiters, pool.broker_pid(), |_, start| {
         let mut tokens = pool.open()?;

@@ -9,7 +9,7 @@
 use super::{cases, Bench, Defaults, Findings, Scale};
 use crate::mechanisms::{Mechanism, Tokens};
 use crate::report::Row;
-use crate::sys::Shared;
+use crate::sys::SharedMemory;
 use crate::team::{self, Counts};
 use anyhow::Result;
 use std::sync::atomic::{AtomicU64, Ordering::SeqCst};
@@ -60,7 +60,7 @@ pub fn run(bench: &Bench, scale: &Scale) -> Result<Findings> {
 
 fn measure(bench: &Bench, mechanism: Mechanism, processes: usize, transfers: u64) -> Result<Row> {
     let pool = mechanism.create(1, &bench.env)?;
-    let ring = Shared::<Ring>::new(1)?;
+    let ring = SharedMemory::<Ring>::new(1)?;
     let outcome = team::run(processes, pool.broker_pid(), |_, start| {
         let mut tokens = pool.open()?;
         start.now()?;

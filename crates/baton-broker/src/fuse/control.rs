@@ -2,7 +2,7 @@
 //! reservations that run out, blocked readers that a signal would interrupt, and
 //! grants caused by socket clients, and acts on each.
 
-use super::fs::{Shared, KILL_SCAN};
+use super::fs::{FsShared, KILL_SCAN};
 use super::procs;
 use crate::log;
 use mio::{Events, Poll, Token, Waker};
@@ -23,7 +23,7 @@ pub struct Control {
 }
 
 impl Control {
-    pub fn spawn(shared: Arc<Shared>, poll: Poll, waker: Arc<Waker>) -> std::io::Result<Self> {
+    pub fn spawn(shared: Arc<FsShared>, poll: Poll, waker: Arc<Waker>) -> std::io::Result<Self> {
         let stop = Arc::new(AtomicBool::new(false));
         let stopping = stop.clone();
         let thread = std::thread::Builder::new()
@@ -47,7 +47,7 @@ impl Drop for Control {
     }
 }
 
-fn run(shared: &Shared, mut poll: Poll, stop: &AtomicBool) {
+fn run(shared: &FsShared, mut poll: Poll, stop: &AtomicBool) {
     let mut events = Events::with_capacity(256);
     while !stop.load(Ordering::Relaxed) {
         let timeout = shared.with(|inner, _| {

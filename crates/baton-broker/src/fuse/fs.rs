@@ -115,7 +115,7 @@ impl PollWaker for FusePoll {
 const ORPHAN_BASE: u64 = 1 << 40;
 
 /// The name whose lookup, while a handover is asked for, makes the FUSE
-/// thread hand over its state (see [`Shared::ask_handover`]).
+/// thread hand over its state (see [`FsShared::ask_handover`]).
 pub const HANDOVER_NAME: &str = ".baton-handover";
 
 /// The token files as a successor broker receives them.
@@ -140,7 +140,7 @@ struct HandoverAsked {
 }
 
 /// State shared by the fuser thread and the control thread.
-pub struct Shared {
+pub struct FsShared {
     broker: Arc<Mutex<Broker>>,
     inner: Mutex<Inner>,
     control: Arc<Waker>,
@@ -167,7 +167,7 @@ pub struct Inner {
     pub frozen: bool,
 }
 
-impl Shared {
+impl FsShared {
     pub fn new(
         broker: Arc<Mutex<Broker>>,
         waiters: Waiters<FuseRead, FusePoll, FuseAnswer>,
@@ -188,7 +188,7 @@ impl Shared {
             next_fh: 1,
             frozen: false,
         };
-        Shared {
+        FsShared {
             broker,
             inner: Mutex::new(inner),
             control,
@@ -244,7 +244,7 @@ impl Shared {
     }
 
     /// Freezes the state and sends it, if a handover was asked for; then
-    /// waits as [`Shared::ask_handover`] says. Runs on the FUSE thread.
+    /// waits as [`FsShared::ask_handover`] says. Runs on the FUSE thread.
     fn hand_over_if_asked(&self) -> Option<Receiver<bool>> {
         let asked = self.handover.lock().expect("handover lock").take()?;
         let state = {
@@ -444,7 +444,7 @@ impl Aborted {
 }
 
 /// The filesystem fuser serves.
-pub struct TokenFs(pub Arc<Shared>);
+pub struct TokenFs(pub Arc<FsShared>);
 
 impl TokenFs {
     fn with<T>(&self, f: impl FnOnce(&mut Inner, &mut Broker) -> T) -> T {

@@ -27,7 +27,7 @@ use crate::broker::{Broker, Transport};
 use crate::log;
 use anyhow::{bail, Context, Result};
 use control::{Control, WAKER};
-use fs::{Shared, TokenFs};
+use fs::{FsShared, TokenFs};
 use fuser::{BackgroundSession, Config, MountOption, Session, SessionACL};
 use mio::{Poll, Waker};
 use nix::errno::Errno;
@@ -71,7 +71,7 @@ pub struct FuseMount {
     control: Option<Control>,
     session: Option<BackgroundSession>,
     path: PathBuf,
-    shared: Arc<Shared>,
+    shared: Arc<FsShared>,
     /// The session's /dev/fuse descriptor, for a successor.
     device: OwnedFd,
     /// Tells the FUSE thread, frozen for a handover, to go on.
@@ -199,11 +199,11 @@ pub fn adopt(
 fn new_shared(
     broker: Arc<Mutex<Broker>>,
     options: Options,
-) -> Result<(Poll, Arc<Waker>, Arc<Shared>)> {
+) -> Result<(Poll, Arc<Waker>, Arc<FsShared>)> {
     let poll = Poll::new().context("cannot create an event loop")?;
     let waker = Arc::new(Waker::new(poll.registry(), WAKER)?);
     let exits = procs::Exits::new(poll.registry().try_clone()?);
-    let shared = Arc::new(Shared::new(
+    let shared = Arc::new(FsShared::new(
         broker,
         waiters::Waiters::new(options.mode, options.hold),
         exits,
@@ -229,7 +229,7 @@ fn start(
     socket: PathBuf,
     path: &Path,
     broker: Arc<Mutex<Broker>>,
-    (poll, waker, shared): (Poll, Arc<Waker>, Arc<Shared>),
+    (poll, waker, shared): (Poll, Arc<Waker>, Arc<FsShared>),
     orphan_grace: Duration,
 ) -> Result<FuseMount> {
     let device = session
@@ -268,7 +268,7 @@ fn start(
 impl FuseMount {
     /// Freezes the token files for a successor and returns their state;
     /// from now on every FUSE request waits in the kernel for whoever
-    /// reads the session next (see `Shared::ask_handover`).
+    /// reads the session next (see `FsShared::ask_handover`).
     pub fn freeze(&mut self) -> Result<FsState> {
         let (state, go_on) = self.shared.ask_handover();
         self.go_on = Some(go_on);
