@@ -351,7 +351,7 @@ impl<M> Pool<M> {
             tokens,
             seq,
         });
-        self.shares.get_mut(build).waiting += tokens;
+        self.shares.update(build, |b| b.waiting += tokens);
         if self.shares.oldest(build).is_none() {
             self.shares.set_oldest(build, Some(seq));
         }
@@ -404,7 +404,7 @@ impl<M> Pool<M> {
         }
         client.held -= tokens;
         self.held -= tokens;
-        self.shares.get_mut(client.build).held -= tokens;
+        self.shares.update(client.build, |b| b.held -= tokens);
         self.totals.released += u64::from(tokens);
         self.put_back(tokens);
         Ok(self.serve_queue())
@@ -467,7 +467,8 @@ impl<M> Pool<M> {
         while let Some(pos) = self.queue.iter().position(|w| w.client == id) {
             self.remove_waiter(pos);
         }
-        self.shares.get_mut(client.build).held -= client.held;
+        let held = client.held;
+        self.shares.update(client.build, |b| b.held -= held);
         self.held -= client.held;
         self.shares.leave(client.build);
         self.totals.reclaimed += u64::from(client.held);
@@ -546,7 +547,9 @@ impl<M> Pool<M> {
     ///
     /// # Errors
     /// The invariant it breaks, in words.
-    pub fn restore(self) -> Result<Self, RestoreError> {
+    pub fn restore(mut self) -> Result<Self, RestoreError> {
+        // The snapshot carries the books, not the indexes made of them.
+        self.shares.reindex();
         self.check().map_err(RestoreError)?;
         Ok(self)
     }
@@ -676,9 +679,10 @@ impl<M> Pool<M> {
             .expect("caller checked the client");
         client.held += tokens;
         self.held += tokens;
-        let build = self.shares.get_mut(client.build);
-        build.held += tokens;
-        build.granted += u64::from(tokens);
+        self.shares.update(client.build, |b| {
+            b.held += tokens;
+            b.granted += u64::from(tokens);
+        });
         self.totals.granted += u64::from(tokens);
     }
 
@@ -703,7 +707,7 @@ impl<M> Pool<M> {
     /// Takes a request out of the queue, keeping its build's books.
     fn remove_waiter(&mut self, pos: usize) -> Waiter {
         let w = self.queue.remove(pos).expect("position is in range");
-        self.shares.get_mut(w.build).waiting -= w.tokens;
+        self.shares.update(w.build, |b| b.waiting -= w.tokens);
         if self.shares.oldest(w.build) == Some(w.seq) {
             let next = match self.shares.get(w.build).waiting {
                 0 => None,

@@ -67,6 +67,14 @@ pub(crate) struct Shares {
     /// every change, so the next build is found without a scan (a broker
     /// may have thousands of single-client builds waiting).
     ready: BTreeSet<(u128, u64, BuildId)>,
+    /// The builds holding tokens: the only ones time charges. At most as
+    /// many as the limit, however many builds there are.
+    #[serde(skip)]
+    holding: BTreeSet<BuildId>,
+    /// The active builds (holding or waiting), least virtual time first:
+    /// where a waking build starts.
+    #[serde(skip)]
+    active: BTreeSet<(u128, BuildId)>,
     now: u64,
     next_id: u64,
 }
@@ -96,41 +104,58 @@ impl Shares {
             .expect("every client's build exists")
     }
 
+    /// Changes what a build holds or waits for, or its virtual time or
+    /// oldest request, keeping the indexes in step: every change to those
+    /// goes through here ([`Shares::check`] says they agree).
+    pub fn update<R>(&mut self, id: BuildId, change: impl FnOnce(&mut Build) -> R) -> R {
+        let b = self
+            .builds
+            .get_mut(&id)
+            .expect("every client's build exists");
+        unindex(&mut self.ready, &mut self.holding, &mut self.active, id, b);
+        let out = change(b);
+        index(&mut self.ready, &mut self.holding, &mut self.active, id, b);
+        out
+    }
+
+    /// Rebuilds the indexes a snapshot does not carry, from the books.
+    pub fn reindex(&mut self) {
+        self.holding.clear();
+        self.active.clear();
+        for (&id, b) in &self.builds {
+            if b.held > 0 {
+                self.holding.insert(id);
+            }
+            if b.is_active() {
+                self.active.insert((b.vtime, id));
+            }
+        }
+    }
+
     /// Charges every build for the tokens it held since the last call.
     /// A clock that goes backwards charges nothing.
+    /// Only the builds holding tokens are walked: no more than the
+    /// limit, however many builds wait or sit idle.
     pub fn advance(&mut self, now: u64) {
         let dt = u128::from(now.saturating_sub(self.now));
         self.now = self.now.max(now);
         if dt == 0 {
             return;
         }
-        for (&id, b) in self.builds.iter_mut().filter(|(_, b)| b.held > 0) {
-            if let Some(seq) = b.oldest {
-                self.ready.remove(&(b.vtime, seq, id));
-            }
-            let used = u128::from(b.held) * dt;
-            b.token_time += used;
-            b.vtime += used * SCALE / u128::from(b.weight);
-            if let Some(seq) = b.oldest {
-                self.ready.insert((b.vtime, seq, id));
-            }
+        let holding: Vec<BuildId> = self.holding.iter().copied().collect();
+        for id in holding {
+            self.update(id, |b| {
+                let used = u128::from(b.held) * dt;
+                b.token_time += used;
+                b.vtime += used * SCALE / u128::from(b.weight);
+            });
         }
     }
 
     /// The build's oldest waiting request is now `oldest` (None: it has
     /// none left).
     pub fn set_oldest(&mut self, id: BuildId, oldest: Option<u64>) {
-        let b = self
-            .builds
-            .get_mut(&id)
-            .expect("every client's build exists");
-        if let Some(seq) = b.oldest {
-            self.ready.remove(&(b.vtime, seq, id));
-        }
-        b.oldest = oldest;
-        if let Some(seq) = oldest {
-            self.ready.insert((b.vtime, seq, id));
-        }
+        self.update(id, |b| b.oldest = oldest);
     }
 
     /// The build's oldest waiting request, if any.
@@ -144,15 +169,9 @@ impl Shares {
         if self.get(id).is_active() {
             return;
         }
-        let floor = self
-            .builds
-            .iter()
-            .filter(|(&other, b)| other != id && b.is_active())
-            .map(|(_, b)| b.vtime)
-            .min();
-        if let Some(floor) = floor {
-            let b = self.get_mut(id);
-            b.vtime = b.vtime.max(floor);
+        // An idle build is not in `active`: the first there is another's.
+        if let Some(&(floor, _)) = self.active.first() {
+            self.update(id, |b| b.vtime = b.vtime.max(floor));
         }
     }
 
@@ -174,6 +193,11 @@ impl Shares {
         if expected != self.ready {
             return Err("the order of service disagrees with the builds' books");
         }
+        let mut books = self.clone();
+        books.reindex();
+        if (books.holding, books.active) != (self.holding.clone(), self.active.clone()) {
+            return Err("the builds holding or active disagree with the builds' books");
+        }
         if self.builds.iter().any(|(id, b)| {
             id.0 > self.next_id || !(1..=MAX_WEIGHT).contains(&b.weight) || b.members == 0
         }) {
@@ -187,9 +211,46 @@ impl Shares {
         let b = self.get_mut(id);
         b.members -= 1;
         if b.members == 0 {
-            debug_assert!(b.oldest.is_none(), "a build without members has no waiters");
+            debug_assert!(
+                b.oldest.is_none() && !b.is_active(),
+                "a build without members holds and waits for nothing"
+            );
             self.builds.remove(&id);
         }
+    }
+}
+
+/// Takes a build out of the indexes, before a change to its books.
+fn unindex(
+    ready: &mut BTreeSet<(u128, u64, BuildId)>,
+    holding: &mut BTreeSet<BuildId>,
+    active: &mut BTreeSet<(u128, BuildId)>,
+    id: BuildId,
+    b: &Build,
+) {
+    if let Some(seq) = b.oldest {
+        ready.remove(&(b.vtime, seq, id));
+    }
+    holding.remove(&id);
+    active.remove(&(b.vtime, id));
+}
+
+/// Puts a build back into the indexes its books say, after a change.
+fn index(
+    ready: &mut BTreeSet<(u128, u64, BuildId)>,
+    holding: &mut BTreeSet<BuildId>,
+    active: &mut BTreeSet<(u128, BuildId)>,
+    id: BuildId,
+    b: &Build,
+) {
+    if let Some(seq) = b.oldest {
+        ready.insert((b.vtime, seq, id));
+    }
+    if b.held > 0 {
+        holding.insert(id);
+    }
+    if b.is_active() {
+        active.insert((b.vtime, id));
     }
 }
 
@@ -204,8 +265,7 @@ mod tests {
             .iter()
             .map(|&(held, vtime)| {
                 let id = s.create();
-                let b = s.get_mut(id);
-                (b.held, b.vtime, b.members) = (held, vtime, 1);
+                s.update(id, |b| (b.held, b.vtime, b.members) = (held, vtime, 1));
                 id
             })
             .collect();
@@ -257,6 +317,19 @@ mod tests {
         let mut ahead = s.clone();
         ahead.next_id = 0;
         assert!(ahead.check().is_err(), "an id not yet given");
+        for spoil in [
+            |b: &mut Build| b.held = 0,
+            |b: &mut Build| b.vtime = 9,
+            |b: &mut Build| (b.held, b.waiting) = (0, 1),
+        ] {
+            let mut unindexed = s.clone();
+            spoil(unindexed.get_mut(ids[0]));
+            assert!(
+                unindexed.check().is_err(),
+                "changed past `update`, the indexes disagree: {:?}",
+                unindexed.get(ids[0])
+            );
+        }
         let mut disordered = s.clone();
         disordered.get_mut(ids[0]).oldest = Some(7);
         assert!(
