@@ -9,7 +9,7 @@
 #![no_main]
 
 use arbitrary::Arbitrary;
-use baton_jobserver::fuzzing::{plan, recycle_first, should_look, spare, Plan, Seen, Wanted};
+use baton_jobserver::fuzzing::{plan, should_look, spare, Plan, Seen, Wanted};
 use libfuzzer_sys::fuzz_target;
 
 #[derive(Debug, Arbitrary)]
@@ -83,11 +83,6 @@ impl World {
         }
         let mut seen = self.seen(None);
         if should_look(seen, due, self.contended) {
-            if recycle_first(seen, self.contended) {
-                let p = plan(seen);
-                check_plan(seen, p);
-                self.carry_out(p);
-            }
             self.contended = others > 0;
             seen = self.seen(Some(Wanted {
                 others,

@@ -48,7 +48,7 @@ pub use run::{run, RunOptions};
 #[cfg(feature = "fuzzing")]
 #[doc(hidden)]
 pub mod fuzzing {
-    pub use crate::feeder::{plan, recycle_first, should_look, spare, Plan, Seen, Wanted};
+    pub use crate::feeder::{plan, should_look, spare, Plan, Seen, Wanted};
 }
 
 use std::ffi::OsString;
