@@ -85,19 +85,143 @@ impl std::fmt::Debug for GrantHook {
     }
 }
 
-/// The pool with its clients' metadata and undelivered grants.
-#[derive(Debug)]
-pub struct Broker {
+/// The broker's books: the pool with its clients' metadata, the grants
+/// not yet delivered, and who belongs to which build and where its
+/// processes are. Plain values: `serve --replace` hands exactly these to
+/// the successor (serialized whole, maps as lists of pairs), so a field
+/// added here travels without a copy by hand.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Books {
     pool: Pool<ClientMeta>,
-    undelivered: HashMap<Transport, Vec<Grant>>,
-    hooks: HashMap<Transport, GrantHook>,
-    /// The memory and load gates (none configured: no cap).
+    /// The memory and load gates: their settings travel; what they
+    /// measured and learned starts afresh with the successor.
+    #[serde(with = "gate_settings")]
     gates: Gates,
+    /// When the pool's clock (and the gates') started. It travels as how
+    /// long it had run (`clock`): the successor's goes on from there.
+    #[serde(rename = "clock", with = "elapsed")]
+    began: Instant,
+    /// The wall-clock time `began` was.
+    started: SystemTime,
+    /// The successor's transports deliver them.
+    #[serde(with = "grants_by_transport")]
+    undelivered: HashMap<Transport, Vec<Grant>>,
     /// The clients that started builds (BUILD), by pid: a client whose
     /// process descends from one joins its build.
+    #[serde(with = "pairs")]
     roots: HashMap<u32, ClientId>,
     /// Names given with BUILD.
+    #[serde(with = "pairs")]
     names: HashMap<BuildId, String>,
+    /// The session of each client that started a build: where its
+    /// processes are looked for if it dies before them.
+    #[serde(default, with = "pairs")]
+    sessions: HashMap<ClientId, u32>,
+    /// Where a build's processes are when it is not here: the pid they
+    /// carry ([`crate::jobs::RUN_PID_VAR`]: a `baton run` in a container's
+    /// PID namespace knows only its pid there) and that namespace. Two
+    /// containers started from one session may both have a `baton run`
+    /// of pid 2: the namespace tells their processes apart.
+    #[serde(default, with = "pairs")]
+    carried: HashMap<ClientId, Place>,
+    /// Builds whose `baton run` died while their processes run on (#32):
+    /// they travel too, as their clients have no connection, and only
+    /// this tells the successor when their tokens come back.
+    #[serde(default, with = "pairs")]
+    orphaned: HashMap<ClientId, Orphaned>,
+}
+
+/// A map as the list of its (key, value) pairs: JSON keys are strings
+/// only, and these are numbers and ids.
+mod pairs {
+    use serde::{Deserialize, Deserializer, Serialize, Serializer};
+    use std::collections::HashMap;
+    use std::hash::Hash;
+
+    pub fn serialize<K: Serialize, V: Serialize, S: Serializer>(
+        map: &HashMap<K, V>,
+        s: S,
+    ) -> Result<S::Ok, S::Error> {
+        s.collect_seq(map)
+    }
+
+    pub fn deserialize<'de, K, V, D>(d: D) -> Result<HashMap<K, V>, D::Error>
+    where
+        K: Deserialize<'de> + Eq + Hash,
+        V: Deserialize<'de>,
+        D: Deserializer<'de>,
+    {
+        Ok(Vec::<(K, V)>::deserialize(d)?.into_iter().collect())
+    }
+}
+
+/// The gates as their settings alone.
+mod gate_settings {
+    use baton_core::gates::{GateConfig, Gates};
+    use serde::{Deserialize, Deserializer, Serialize, Serializer};
+
+    pub fn serialize<S: Serializer>(gates: &Gates, s: S) -> Result<S::Ok, S::Error> {
+        gates.config().serialize(s)
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Gates, D::Error> {
+        Ok(Gates::new(GateConfig::deserialize(d)?))
+    }
+}
+
+/// An instant as the time since it (a `Duration`): an `Instant` means
+/// nothing to another process.
+mod elapsed {
+    use serde::{de::Error, Deserialize, Deserializer, Serialize, Serializer};
+    use std::time::{Duration, Instant};
+
+    pub fn serialize<S: Serializer>(began: &Instant, s: S) -> Result<S::Ok, S::Error> {
+        began.elapsed().serialize(s)
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Instant, D::Error> {
+        let ran = Duration::deserialize(d)?;
+        Instant::now().checked_sub(ran).ok_or_else(|| {
+            D::Error::custom("the predecessor's clock ran longer than this machine has been up")
+        })
+    }
+}
+
+/// Grants by transport as one list of (transport, grant).
+mod grants_by_transport {
+    use super::Transport;
+    use baton_core::Grant;
+    use serde::{Deserialize, Deserializer, Serializer};
+    use std::collections::HashMap;
+
+    pub fn serialize<S: Serializer>(
+        map: &HashMap<Transport, Vec<Grant>>,
+        s: S,
+    ) -> Result<S::Ok, S::Error> {
+        s.collect_seq(
+            map.iter()
+                .flat_map(|(&t, grants)| grants.iter().map(move |&g| (t, g))),
+        )
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(
+        d: D,
+    ) -> Result<HashMap<Transport, Vec<Grant>>, D::Error> {
+        let mut map: HashMap<Transport, Vec<Grant>> = HashMap::new();
+        for (t, g) in Vec::<(Transport, Grant)>::deserialize(d)? {
+            map.entry(t).or_default().push(g);
+        }
+        Ok(map)
+    }
+}
+
+/// The books, and what the broker keeps beside them while it runs: the
+/// transports' wake-ups, the gates' readings, the cluster link, the wait
+/// figures and the utilization history.
+#[derive(Debug)]
+pub struct Broker {
+    books: Books,
+    hooks: HashMap<Transport, GrantHook>,
     /// The cluster pool this broker is in (docs/cluster.md), with the
     /// cluster tokens its link holds: local grants stop there. None: no
     /// cluster pool.
@@ -114,24 +238,10 @@ pub struct Broker {
     stats: HashMap<BuildId, BuildStats>,
     /// Tokens held over the last minutes, on the pool's clock.
     utilization: Utilization,
-    /// The pool's clock and the gates' start here (see [`Pool::advance`]),
-    /// with the wall-clock time that instant was.
-    started: (Instant, SystemTime),
     /// Since when (on the pool's clock), and for how long, builds of a
     /// broker that died here are given the time to re-attach before
     /// anything new is granted.
     reclaim: Option<(Duration, Duration)>,
-    /// The session of each client that started a build: where its
-    /// processes are looked for if it dies before them.
-    sessions: HashMap<ClientId, u32>,
-    /// Where a build's processes are when it is not here: the pid they
-    /// carry ([`crate::jobs::RUN_PID_VAR`]: a `baton run` in a container's
-    /// PID namespace knows only its pid there) and that namespace. Two
-    /// containers started from one session may both have a `baton run`
-    /// of pid 2: the namespace tells their processes apart.
-    carried: HashMap<ClientId, Place>,
-    /// Builds whose `baton run` died while their processes run on (#32).
-    orphaned: HashMap<ClientId, Orphaned>,
     /// Wakes the thread that looks at orphaned builds' processes.
     orphans_hook: Option<GrantHook>,
 }
@@ -162,125 +272,80 @@ pub struct Orphaned {
 }
 
 /// Everything a broker knows, as its successor (`baton serve --replace`)
-/// receives it. Grants not yet delivered travel too: the successor's
-/// transports deliver them.
-#[derive(Debug, Serialize, Deserialize)]
-pub struct BrokerState {
-    pool: Pool<ClientMeta>,
-    undelivered: Vec<(Transport, Grant)>,
-    gates: GateConfig,
-    roots: Vec<(u32, ClientId)>,
-    names: Vec<(BuildId, String)>,
-    #[serde(default)]
-    sessions: Vec<(ClientId, u32)>,
-    #[serde(default)]
-    carried: Vec<(ClientId, Place)>,
-    /// Orphaned builds travel too: their clients have no connection, and
-    /// only this tells the successor when their tokens come back.
-    #[serde(default)]
-    orphaned: Vec<(ClientId, Orphaned)>,
-    /// How long the pool's clock had run: the successor's goes on from there.
-    clock: Duration,
-    started: SystemTime,
-}
+/// receives it: its books.
+pub type BrokerState = Books;
 
 impl Broker {
     pub fn new(limit: u32) -> Result<Self, PoolError> {
-        Ok(Broker {
+        let books = Books {
             pool: Pool::new(limit)?,
-            undelivered: HashMap::new(),
-            hooks: HashMap::new(),
-            gates_hook: None,
             gates: Gates::new(GateConfig::default()),
+            began: Instant::now(),
+            started: SystemTime::now(),
+            undelivered: HashMap::new(),
             roots: HashMap::new(),
             names: HashMap::new(),
+            sessions: HashMap::new(),
+            carried: HashMap::new(),
+            orphaned: HashMap::new(),
+        };
+        Ok(Broker::around(books))
+    }
+
+    /// A broker around `books`: no hooks yet, no cluster link; the wait
+    /// figures and the utilization history start afresh.
+    fn around(books: Books) -> Self {
+        Broker {
+            books,
+            hooks: HashMap::new(),
+            gates_hook: None,
             cluster: None,
             demand_hook: None,
             gate_allowance: None,
             reclaim: None,
             stats: HashMap::new(),
             utilization: Utilization::new(HISTORY_SLOT.as_nanos() as u64, HISTORY_SLOTS),
-            started: (Instant::now(), SystemTime::now()),
-            sessions: HashMap::new(),
-            carried: HashMap::new(),
-            orphaned: HashMap::new(),
             orphans_hook: None,
-        })
+        }
     }
 
     /// What the successor needs to carry on where this broker stops.
     pub fn snapshot(&mut self) -> BrokerState {
         self.tick();
-        let undelivered = self
-            .undelivered
-            .iter()
-            .flat_map(|(&t, grants)| grants.iter().map(move |&g| (t, g)))
-            .collect();
-        BrokerState {
-            pool: self.pool.clone(),
-            undelivered,
-            gates: self.gates.config(),
-            roots: self.roots.iter().map(|(&pid, &id)| (pid, id)).collect(),
-            names: self.names.iter().map(|(&b, n)| (b, n.clone())).collect(),
-            sessions: self.sessions.iter().map(|(&id, &s)| (id, s)).collect(),
-            carried: self.carried.iter().map(|(&id, &p)| (id, p)).collect(),
-            orphaned: self.orphaned.iter().map(|(&id, &o)| (id, o)).collect(),
-            clock: self.clock(),
-            started: self.started.1,
-        }
+        self.books.clone()
     }
 
-    /// Carries on from a predecessor's state; its pool must balance.
+    /// Carries on from a predecessor's books; its pool must balance.
     ///
     /// # Errors
-    /// The pool's books do not balance, or its clock is from before boot.
-    pub fn restore(state: BrokerState) -> anyhow::Result<Self> {
-        let pool = state.pool.restore()?;
-        let Some(started) = Instant::now().checked_sub(state.clock) else {
-            anyhow::bail!("the predecessor's clock ran longer than this machine has been up")
-        };
-        let mut undelivered: HashMap<Transport, Vec<Grant>> = HashMap::new();
-        for (transport, grant) in state.undelivered {
+    /// The pool's books do not balance, or a grant not yet delivered is for
+    /// no client of its transport.
+    pub fn restore(mut books: BrokerState) -> anyhow::Result<Self> {
+        books.pool = books.pool.restore()?;
+        for (&transport, grants) in &books.undelivered {
             anyhow::ensure!(
-                pool.meta(grant.client)
-                    .is_some_and(|m| m.transport == transport),
+                grants.iter().all(|g| books
+                    .pool
+                    .meta(g.client)
+                    .is_some_and(|m| m.transport == transport)),
                 "a grant not yet delivered is for no client of its transport"
             );
-            undelivered.entry(transport).or_default().push(grant);
         }
-        let mut broker = Broker {
-            pool,
-            undelivered,
-            hooks: HashMap::new(),
-            gates_hook: None,
-            gates: Gates::new(GateConfig::default()),
-            roots: state.roots.into_iter().collect(),
-            names: state.names.into_iter().collect(),
-            // The cluster link is joined anew by the successor; the wait
-            // figures and the utilization history start afresh.
-            cluster: None,
-            demand_hook: None,
-            gate_allowance: None,
-            reclaim: None,
-            stats: HashMap::new(),
-            utilization: Utilization::new(HISTORY_SLOT.as_nanos() as u64, HISTORY_SLOTS),
-            started: (started, state.started),
-            sessions: state.sessions.into_iter().collect(),
-            carried: state.carried.into_iter().collect(),
-            orphaned: state.orphaned.into_iter().collect(),
-            orphans_hook: None,
-        };
-        broker.set_gates(state.gates);
+        // The cluster link is joined anew by the successor; the gates'
+        // settings take effect now, as `baton limit` would set them.
+        let gates = books.gates.config();
+        let mut broker = Broker::around(books);
+        broker.set_gates(gates);
         Ok(broker)
     }
 
     /// Brings the pool's clock to now, so that what each build held
     /// meanwhile counts towards its share. Called before every change.
     fn tick(&mut self) {
-        let now = self.started.0.elapsed().as_nanos() as u64;
+        let now = self.books.began.elapsed().as_nanos() as u64;
         // What was held until now counts before the clock's grants change it.
-        self.utilization.advance(now, self.pool.held());
-        let grants = self.pool.advance(now);
+        self.utilization.advance(now, self.books.pool.held());
+        let grants = self.books.pool.advance(now);
         self.route(grants);
     }
 
@@ -292,7 +357,7 @@ impl Broker {
     }
 
     pub fn pool(&self) -> &Pool<ClientMeta> {
-        &self.pool
+        &self.books.pool
     }
 
     /// A new client joins the build of the nearest ancestor process that
@@ -300,16 +365,17 @@ impl Broker {
     pub fn connect(&mut self, meta: ClientMeta) -> ClientId {
         self.tick();
         // Reading /proc costs a little at every connect: only when a build exists.
-        let root = if self.roots.is_empty() {
+        let root = if self.books.roots.is_empty() {
             None
         } else {
-            crate::fuse::procs::ancestors(meta.pid).find_map(|pid| self.roots.get(&pid).copied())
+            crate::fuse::procs::ancestors(meta.pid)
+                .find_map(|pid| self.books.roots.get(&pid).copied())
         };
         let id = match root {
-            Some(root) => self.pool.connect_beside(root, meta),
-            None => self.pool.connect(meta),
+            Some(root) => self.books.pool.connect_beside(root, meta),
+            None => self.books.pool.connect(meta),
         };
-        let build = self.pool.build_of(id).expect("just connected");
+        let build = self.books.pool.build_of(id).expect("just connected");
         self.stats.entry(build).or_insert_with(|| BuildStats {
             began: SystemTime::now(),
             waits: Histogram::default(),
@@ -328,26 +394,31 @@ impl Broker {
         weight: u32,
         name: String,
     ) -> Result<(BuildId, u32), PoolError> {
-        let build = self.pool.build_of(id).ok_or(PoolError::UnknownClient(id))?;
-        let meta = self.pool.meta(id).expect("the client is connected");
+        let build = self
+            .books
+            .pool
+            .build_of(id)
+            .ok_or(PoolError::UnknownClient(id))?;
+        let meta = self.books.pool.meta(id).expect("the client is connected");
         let (pid, command) = (meta.pid, meta.command.clone());
         let nested = crate::fuse::procs::ancestors(pid)
             .skip(1)
-            .any(|p| self.roots.contains_key(&p));
+            .any(|p| self.books.roots.contains_key(&p));
         if !nested {
-            self.pool.set_weight(id, weight)?;
+            self.books.pool.set_weight(id, weight)?;
             let name = if name.is_empty() { command } else { name };
-            self.names.insert(build, name);
-            self.roots.insert(pid, id);
+            self.books.names.insert(build, name);
+            self.books.roots.insert(pid, id);
             if let Some(session) = crate::jobs::session_of(pid) {
-                self.sessions.insert(id, session);
+                self.books.sessions.insert(id, session);
             }
             if let Some(inner) = crate::jobs::pid_in_its_namespace(pid).filter(|&p| p != pid) {
                 let ns = crate::jobs::pid_namespace_of(&pid.to_string()).unwrap_or(0);
-                self.carried.insert(id, (inner, ns));
+                self.books.carried.insert(id, (inner, ns));
             }
         }
         let weight = self
+            .books
             .pool
             .builds()
             .find(|b| b.id == build)
@@ -365,19 +436,27 @@ impl Broker {
         // start new jobs the gates never saw.
         // A cluster pool wants them back too: a token parked in a build's
         // pipe holds a cluster token that another machine may wait for.
-        let machine = u32::from(self.gates.config().any() || self.cluster.is_some());
+        let machine = u32::from(self.books.gates.config().any() || self.cluster.is_some());
         // A lowered limit (or builds re-attached past it) wants back what
         // is held beyond it: tokens parked in a build's FIFO would start
         // jobs past the new limit (issue #32).
-        let draining = self.pool.held().saturating_sub(self.pool.limit());
-        let wanted = self.pool.waiting_ahead(id).max(machine).max(draining);
-        (wanted, self.pool.free())
+        let draining = self
+            .books
+            .pool
+            .held()
+            .saturating_sub(self.books.pool.limit());
+        let wanted = self.books.pool.waiting_ahead(id).max(machine).max(draining);
+        (wanted, self.books.pool.free())
     }
 
     pub fn acquire(&mut self, id: ClientId, tag: Tag, tokens: u32) -> Result<Acquired, PoolError> {
         self.tick();
-        let outcome = self.pool.acquire(id, tag, tokens)?;
-        let meta = self.pool.meta_mut(id).expect("acquire checked the client");
+        let outcome = self.books.pool.acquire(id, tag, tokens)?;
+        let meta = self
+            .books
+            .pool
+            .meta_mut(id)
+            .expect("acquire checked the client");
         match outcome {
             Acquired::Granted => {
                 Self::note_holding(meta);
@@ -395,10 +474,11 @@ impl Broker {
 
     pub fn try_acquire(&mut self, id: ClientId, tokens: u32) -> Result<bool, PoolError> {
         self.tick();
-        let granted = self.pool.try_acquire(id, tokens)?;
+        let granted = self.books.pool.try_acquire(id, tokens)?;
         if granted {
             Self::note_holding(
-                self.pool
+                self.books
+                    .pool
                     .meta_mut(id)
                     .expect("try_acquire checked the client"),
             );
@@ -410,8 +490,13 @@ impl Broker {
     /// The client holds `tokens` a predecessor granted (see [`Pool::hold`]).
     pub fn hold(&mut self, id: ClientId, tokens: u32) -> Result<(), PoolError> {
         self.tick();
-        self.pool.hold(id, tokens)?;
-        Self::note_holding(self.pool.meta_mut(id).expect("hold checked the client"));
+        self.books.pool.hold(id, tokens)?;
+        Self::note_holding(
+            self.books
+                .pool
+                .meta_mut(id)
+                .expect("hold checked the client"),
+        );
         Ok(())
     }
 
@@ -424,9 +509,10 @@ impl Broker {
     /// Gives tokens back; grants that follow are routed to their transports.
     pub fn release(&mut self, id: ClientId, tokens: u32) -> Result<(), PoolError> {
         self.tick();
-        let grants = self.pool.release(id, tokens)?;
-        if self.pool.held_by(id) == 0 {
-            self.pool
+        let grants = self.books.pool.release(id, tokens)?;
+        if self.books.pool.held_by(id) == 0 {
+            self.books
+                .pool
                 .meta_mut(id)
                 .expect("release checked the client")
                 .holding_since = None;
@@ -441,8 +527,8 @@ impl Broker {
     pub fn cancel(&mut self, id: ClientId, tag: Tag) -> u32 {
         // Withdrawn before the clock moves: moving it may grant this very
         // request, which the caller would then answer after CANCELLED.
-        let (tokens, grants) = self.pool.cancel(id, tag);
-        if let Some(meta) = self.pool.meta_mut(id) {
+        let (tokens, grants) = self.books.pool.cancel(id, tag);
+        if let Some(meta) = self.books.pool.meta_mut(id) {
             meta.waiting_since.remove(&tag);
         }
         self.route(grants);
@@ -454,17 +540,18 @@ impl Broker {
     /// Forgets a client; returns the tokens reclaimed from it.
     pub fn disconnect(&mut self, id: ClientId) -> u32 {
         self.tick();
-        self.roots.retain(|_, &mut root| root != id);
-        match self.sessions.remove(&id) {
+        self.books.roots.retain(|_, &mut root| root != id);
+        match self.books.sessions.remove(&id) {
             Some(session) if self.outlived_by_its_processes(id, session) => return 0,
             Some(_) => {}
             None => self.hand_to_the_owner(id),
         }
-        self.carried.remove(&id);
-        let build = self.pool.build_of(id);
-        let (reclaimed, grants) = self.pool.disconnect(id);
-        let pool = &self.pool;
-        self.names
+        self.books.carried.remove(&id);
+        let build = self.books.pool.build_of(id);
+        let (reclaimed, grants) = self.books.pool.disconnect(id);
+        let pool = &self.books.pool;
+        self.books
+            .names
             .retain(|&build, _| pool.builds().any(|b| b.id == build));
         if let Some(build) = build.filter(|&build| !pool.builds().any(|b| b.id == build)) {
             self.stats.remove(&build);
@@ -478,33 +565,34 @@ impl Broker {
     /// started still run jobs, its client stays, holding as many tokens as
     /// they run jobs (at most what it held), and the rest go back now.
     fn outlived_by_its_processes(&mut self, id: ClientId, session: u32) -> bool {
-        let Some(owner) = self.pool.meta(id).map(|m| m.pid) else {
+        let Some(owner) = self.books.pool.meta(id).map(|m| m.pid) else {
             return false;
         };
-        if self.pool.held_by(id) == 0 {
+        if self.books.pool.held_by(id) == 0 {
             return false;
         }
-        let carried = self.carried.get(&id).copied();
+        let carried = self.books.carried.get(&id).copied();
         let (pid, ns) = carried.unwrap_or_else(|| here(owner));
         let jobs = crate::jobs::orphan_jobs(pid, session, ns);
         if jobs == 0 {
             return false;
         }
         let waits: Vec<Tag> = self
+            .books
             .pool
             .queue()
             .filter(|&(client, _, _)| client == id)
             .map(|(_, tag, _)| tag)
             .collect();
         for tag in waits {
-            let (_, grants) = self.pool.cancel(id, tag);
+            let (_, grants) = self.books.pool.cancel(id, tag);
             self.route(grants);
         }
-        if let Some(meta) = self.pool.meta_mut(id) {
+        if let Some(meta) = self.books.pool.meta_mut(id) {
             meta.command = format!("[orphaned] {}", meta.command);
             meta.waiting_since.clear();
         }
-        self.orphaned.insert(
+        self.books.orphaned.insert(
             id,
             Orphaned {
                 owner,
@@ -531,19 +619,21 @@ impl Broker {
     /// (found by the soak: make's tokens went to another build 3 ms before
     /// its `baton run`'s death was seen). They come back with the build's.
     fn hand_to_the_owner(&mut self, id: ClientId) {
-        let held = self.pool.held_by(id);
-        let Some(build) = self.pool.build_of(id).filter(|_| held > 0) else {
+        let held = self.books.pool.held_by(id);
+        let Some(build) = self.books.pool.build_of(id).filter(|_| held > 0) else {
             return;
         };
         let Some((owner, pid, session)) = self.owner_of(build).filter(|o| o.0 != id) else {
             return;
         };
         let (carried, ns) = self
+            .books
             .carried
             .get(&owner)
             .copied()
             .unwrap_or_else(|| here(pid));
         let build_held = self
+            .books
             .pool
             .builds()
             .find(|b| b.id == build)
@@ -551,11 +641,11 @@ impl Broker {
         let covered = build_held.saturating_sub(held);
         let jobs = crate::jobs::orphan_jobs(carried, session, ns);
         let keep = held.min(jobs.saturating_sub(covered));
-        if keep > 0 && self.pool.hold(owner, keep).is_ok() {
+        if keep > 0 && self.books.pool.hold(owner, keep).is_ok() {
             log::info(format_args!(
                 "pid {} of baton run pid {pid}'s build exited holding {held} token(s) while the build \
                  runs {jobs} job(s): {keep} stay with the build",
-                self.pool.meta(id).map_or(0, |m| m.pid)
+                self.books.pool.meta(id).map_or(0, |m| m.pid)
             ));
         }
     }
@@ -563,11 +653,15 @@ impl Broker {
     /// The client that owns a build (its `baton run`, alive or orphaned),
     /// with the pid and session its processes are found by.
     fn owner_of(&self, build: BuildId) -> Option<(ClientId, u32, u32)> {
-        let live = self.sessions.iter().map(|(&id, &session)| (id, session));
-        let orphaned = self.orphaned.iter().map(|(&id, o)| (id, o.session));
+        let live = self
+            .books
+            .sessions
+            .iter()
+            .map(|(&id, &session)| (id, session));
+        let orphaned = self.books.orphaned.iter().map(|(&id, o)| (id, o.session));
         live.chain(orphaned)
-            .find(|&(id, _)| self.pool.build_of(id) == Some(build))
-            .and_then(|(id, session)| Some((id, self.pool.meta(id)?.pid, session)))
+            .find(|&(id, _)| self.books.pool.build_of(id) == Some(build))
+            .and_then(|(id, session)| Some((id, self.books.pool.meta(id)?.pid, session)))
     }
 
     /// Keeps `jobs` of an orphaned build's tokens and gives the rest back.
@@ -579,15 +673,18 @@ impl Broker {
     /// HOLD counts (the pool drains; nothing is created). Later looks only
     /// give back: a job started since took a token the pool already counts.
     fn hold_for_orphans(&mut self, id: ClientId, jobs: u32, at_death: bool) {
-        let held = self.pool.held_by(id);
+        let held = self.books.pool.held_by(id);
         if at_death && jobs > held {
             // Refused only past MAX_LIMIT held in all: then the pool
             // already grants nothing, and what it holds is what it has.
-            let _ = self.pool.hold(id, (jobs - held).min(self.pool.limit()));
+            let _ = self
+                .books
+                .pool
+                .hold(id, (jobs - held).min(self.books.pool.limit()));
         }
-        let spare = self.pool.held_by(id).saturating_sub(jobs);
+        let spare = self.books.pool.held_by(id).saturating_sub(jobs);
         if spare > 0 {
-            let grants = self.pool.release(id, spare).unwrap_or_default();
+            let grants = self.books.pool.release(id, spare).unwrap_or_default();
             self.route(grants);
             self.demand_changed();
         }
@@ -598,13 +695,17 @@ impl Broker {
     /// whether any orphaned build is left.
     pub fn watch_orphans(&mut self) -> bool {
         self.tick();
-        let orphaned: Vec<(ClientId, Orphaned)> =
-            self.orphaned.iter().map(|(&id, &o)| (id, o)).collect();
+        let orphaned: Vec<(ClientId, Orphaned)> = self
+            .books
+            .orphaned
+            .iter()
+            .map(|(&id, &o)| (id, o))
+            .collect();
         for (id, o) in orphaned {
             let (pid, ns) = o.carried.unwrap_or_else(|| here(o.owner));
             match crate::jobs::orphan_jobs(pid, o.session, ns) {
                 0 => {
-                    self.orphaned.remove(&id);
+                    self.books.orphaned.remove(&id);
                     let held = self.disconnect(id);
                     log::info(format_args!(
                         "the last job of baton run pid {}'s build ended: {held} token(s) back",
@@ -614,12 +715,12 @@ impl Broker {
                 jobs => self.hold_for_orphans(id, jobs, false),
             }
         }
-        !self.orphaned.is_empty()
+        !self.books.orphaned.is_empty()
     }
 
     /// Whether an orphaned build waits to be looked at.
     pub fn has_orphans(&self) -> bool {
-        !self.orphaned.is_empty()
+        !self.books.orphaned.is_empty()
     }
 
     /// Calls `hook` when a build becomes orphaned, to wake the thread that
@@ -630,8 +731,8 @@ impl Broker {
 
     pub fn set_limit(&mut self, limit: u32) -> Result<u32, PoolError> {
         self.tick();
-        let old = self.pool.limit();
-        let grants = self.pool.set_limit(limit)?;
+        let old = self.books.pool.limit();
+        let grants = self.books.pool.set_limit(limit)?;
         self.route(grants);
         self.demand_changed();
         Ok(old)
@@ -639,7 +740,10 @@ impl Broker {
 
     /// Takes the grants waiting for delivery by one transport.
     pub fn take_grants(&mut self, transport: Transport) -> Vec<Grant> {
-        self.undelivered.remove(&transport).unwrap_or_default()
+        self.books
+            .undelivered
+            .remove(&transport)
+            .unwrap_or_default()
     }
 
     /// Takes one client's grant that is filed but not yet delivered, if
@@ -651,7 +755,7 @@ impl Broker {
         client: ClientId,
         tag: Tag,
     ) -> Option<Grant> {
-        let filed = self.undelivered.get_mut(&transport)?;
+        let filed = self.books.undelivered.get_mut(&transport)?;
         let pos = filed
             .iter()
             .position(|g| g.client == client && g.tag == tag)?;
@@ -662,7 +766,7 @@ impl Broker {
     /// empty configuration removes them and lifts the cap they set.
     pub fn set_gates(&mut self, config: GateConfig) {
         let now = self.clock();
-        self.gates.set_config(config, now);
+        self.books.gates.set_config(config, now);
         self.refresh_cap();
         if let Some(GrantHook(hook)) = &self.gates_hook {
             hook();
@@ -687,13 +791,13 @@ impl Broker {
 
     /// The gates' configuration (all off if none).
     pub fn gate_config(&self) -> GateConfig {
-        self.gates.config()
+        self.books.gates.config()
     }
 
     /// A new measurement of the machine: the gates open or close on it.
     pub fn observe(&mut self, reading: Reading) {
-        let (held, now) = (self.pool.held(), self.clock());
-        self.gates.observe(reading, held, now);
+        let (held, now) = (self.books.pool.held(), self.clock());
+        self.books.gates.observe(reading, held, now);
         self.refresh_cap();
     }
 
@@ -705,46 +809,46 @@ impl Broker {
 
     /// Whether the gates want the machine measured often now.
     pub fn gates_urgent(&self) -> bool {
-        self.gates.urgent()
+        self.books.gates.urgent()
     }
 
     /// Jobs stopped by `--on-memory-pressure pause` now.
     pub fn jobs_stopped(&self) -> u32 {
-        self.gates.stopped()
+        self.books.gates.stopped()
     }
 
     /// What the pause policy wants done with the `running` jobs.
     pub fn pause_action(&self, running: &[JobMemory]) -> PauseAction {
-        self.gates.pause_action(running)
+        self.books.gates.pause_action(running)
     }
 
     /// `jobs` jobs were stopped; `running` jobs run now.
     pub fn did_pause(&mut self, jobs: u32, running: u32) {
-        self.gates.did_pause(jobs, running);
+        self.books.gates.did_pause(jobs, running);
         self.refresh_cap();
     }
 
     /// A stopped job goes on; `running` jobs run now.
     pub fn did_resume(&mut self, running: u32) {
-        self.gates.did_resume(running);
+        self.books.gates.did_resume(running);
         self.refresh_cap();
     }
 
     /// The pids of every client: their jobs are under them.
     pub fn client_pids(&self) -> Vec<u32> {
-        self.pool.clients().map(|c| c.meta.pid).collect()
+        self.books.pool.clients().map(|c| c.meta.pid).collect()
     }
 
     fn clock(&self) -> Duration {
-        self.started.0.elapsed()
+        self.books.began.elapsed()
     }
 
     /// Tokens just handed out count as young jobs for the memory gate, and
     /// use up part of what it allows.
     fn note_granted(&mut self, tokens: u32) {
-        if self.gates.config().any() {
+        if self.books.gates.config().any() {
             let now = self.clock();
-            self.gates.granted(tokens, now);
+            self.books.gates.granted(tokens, now);
             self.refresh_cap();
         }
     }
@@ -752,10 +856,10 @@ impl Broker {
     /// Sets the pool's admission cap to what the gates allow now, and
     /// delivers any grants a higher cap lets through.
     fn refresh_cap(&mut self) {
-        let gates = self.gates.allowance(
-            self.pool.held(),
-            self.pool.next_request(),
-            self.started.0.elapsed(),
+        let gates = self.books.gates.allowance(
+            self.books.pool.held(),
+            self.books.pool.next_request(),
+            self.books.began.elapsed(),
         );
         if gates != self.gate_allowance {
             self.gate_allowance = gates;
@@ -769,7 +873,7 @@ impl Broker {
         // through (HOLD is not a request).
         let reclaim = self.reclaim.map(|_| 0);
         let cap = [gates, cluster, reclaim].into_iter().flatten().min();
-        let grants = self.pool.set_admission_cap(cap);
+        let grants = self.books.pool.set_admission_cap(cap);
         self.route(grants);
     }
 
@@ -777,7 +881,7 @@ impl Broker {
     /// held (`Gates::allowance`): looked at as the queue or the holdings
     /// change, not at the next reading.
     fn whole_requests_pass_the_gates(&mut self) {
-        if self.pool.held() == 0 && self.gates.config().any() {
+        if self.books.pool.held() == 0 && self.books.gates.config().any() {
             self.refresh_cap();
         }
     }
@@ -799,11 +903,11 @@ impl Broker {
     /// are served from what the re-attached builds left free.
     pub fn end_reclaim(&mut self) {
         if self.reclaim.take().is_some() {
-            let t = self.pool.totals();
+            let t = self.books.pool.totals();
             log::info(format_args!(
                 "re-attach time over: {} token(s) counted for builds of the broker before; serving {} waiting request(s)",
                 t.held_again,
-                self.pool.waiting()
+                self.books.pool.waiting()
             ));
             self.refresh_cap();
         }
@@ -821,7 +925,11 @@ impl Broker {
     /// Counts the stray bytes the client's `baton run` took out of its
     /// build's jobserver; returns the build's count so far.
     pub fn note_stray(&mut self, id: ClientId, bytes: u32) -> u32 {
-        let build = self.pool.build_of(id).expect("the client is connected");
+        let build = self
+            .books
+            .pool
+            .build_of(id)
+            .expect("the client is connected");
         self.stats.get_mut(&build).map_or(bytes, |stats| {
             stats.stray = stats.stray.saturating_add(bytes);
             stats.stray
@@ -830,7 +938,11 @@ impl Broker {
 
     /// Counts how long one of the client's ACQUIREs waited.
     fn note_wait(&mut self, id: ClientId, waited: Duration) {
-        let build = self.pool.build_of(id).expect("the client is connected");
+        let build = self
+            .books
+            .pool
+            .build_of(id)
+            .expect("the client is connected");
         if let Some(stats) = self.stats.get_mut(&build) {
             stats.waits.record(waited.as_micros() as u64);
         }
@@ -842,6 +954,7 @@ impl Broker {
         let mut woken = Vec::new();
         for grant in grants {
             let meta = self
+                .books
                 .pool
                 .meta_mut(grant.client)
                 .expect("grants go to connected clients");
@@ -851,7 +964,11 @@ impl Broker {
             if let Some(since) = since {
                 self.note_wait(grant.client, now.duration_since(since).unwrap_or_default());
             }
-            self.undelivered.entry(transport).or_default().push(grant);
+            self.books
+                .undelivered
+                .entry(transport)
+                .or_default()
+                .push(grant);
             if !woken.contains(&transport) {
                 woken.push(transport);
             }
@@ -867,18 +984,22 @@ impl Broker {
     /// number of builds: a broker may have a thousand single-client ones.
     fn builds(&self) -> Vec<status::Build> {
         let mut first: HashMap<BuildId, &ClientMeta> = HashMap::new();
-        for c in self.pool.clients() {
+        for c in self.books.pool.clients() {
             first.entry(c.build).or_insert(c.meta);
         }
         let roots: HashMap<BuildId, &ClientMeta> = self
+            .books
             .roots
             .values()
-            .filter_map(|&root| Some((self.pool.build_of(root)?, self.pool.meta(root)?)))
+            .filter_map(|&root| {
+                Some((self.books.pool.build_of(root)?, self.books.pool.meta(root)?))
+            })
             .collect();
         let running = self.running_jobs();
         let own_uid = nix::unistd::getuid().as_raw();
         let own_cgroup = crate::jobs::cgroup_of("self");
-        self.pool
+        self.books
+            .pool
             .builds()
             // A client that only asks (`baton status`, `baton top`, a
             // scraper's exporter) is not a build: listed only once it
@@ -887,6 +1008,7 @@ impl Broker {
             .map(|b| {
                 let starter = roots.get(&b.id).or(first.get(&b.id));
                 let name = self
+                    .books
                     .names
                     .get(&b.id)
                     .cloned()
@@ -929,11 +1051,17 @@ impl Broker {
     /// find. A build running no job is there with 0.
     fn running_jobs(&self) -> Option<HashMap<u32, u32>> {
         let owners: HashMap<(u32, u32, u64), u32> = self
+            .books
             .roots
             .iter()
             .filter_map(|(&pid, id)| {
-                let (carried, ns) = self.carried.get(id).copied().unwrap_or_else(|| here(pid));
-                Some(((carried, *self.sessions.get(id)?, ns), pid))
+                let (carried, ns) = self
+                    .books
+                    .carried
+                    .get(id)
+                    .copied()
+                    .unwrap_or_else(|| here(pid));
+                Some(((carried, *self.books.sessions.get(id)?, ns), pid))
             })
             .collect();
         if owners.is_empty() {
@@ -948,10 +1076,10 @@ impl Broker {
 
     /// The mean tokens held in each second of the last ten minutes.
     fn utilization(&self) -> status::Utilization {
-        let now = self.started.0.elapsed().as_nanos() as u64;
+        let now = self.books.began.elapsed().as_nanos() as u64;
         let held = self
             .utilization
-            .samples(now, self.pool.held())
+            .samples(now, self.books.pool.held())
             .into_iter()
             .map(|m| (f64::from(m) * 100.0).round() / 100.0)
             .collect();
@@ -972,6 +1100,7 @@ impl Broker {
     /// The document `STATUS` returns.
     pub fn status(&self) -> Status {
         let mut holders: Vec<_> = self
+            .books
             .pool
             .clients()
             .filter(|c| c.held > 0)
@@ -987,10 +1116,11 @@ impl Broker {
             .collect();
         holders.sort_by(|a, b| a.since.total_cmp(&b.since));
         let waiters = self
+            .books
             .pool
             .queue()
             .map(|(id, tag, tokens)| {
-                let meta = self.pool.meta(id).expect("waiters are connected");
+                let meta = self.books.pool.meta(id).expect("waiters are connected");
                 status::Waiter {
                     pid: meta.pid,
                     command: meta.command.clone(),
@@ -1002,12 +1132,13 @@ impl Broker {
                             .unwrap_or(SystemTime::now()),
                     ),
                     transport: meta.transport.name().to_string(),
-                    build: self.pool.build_of(id).map_or(0, |b| b.0),
+                    build: self.books.pool.build_of(id).map_or(0, |b| b.0),
                 }
             })
             .collect();
-        let t = self.pool.totals();
+        let t = self.books.pool.totals();
         let mut gates: Vec<status::Gate> = self
+            .books
             .gates
             .views()
             .into_iter()
@@ -1019,16 +1150,16 @@ impl Broker {
                 open: false,
                 value: Some((self.clock() - since).as_secs_f64()),
                 threshold: grace.as_secs_f64(),
-                closed_since: Some(epoch_seconds(self.started.1 + since)),
+                closed_since: Some(epoch_seconds(self.books.started + since)),
             });
         }
         Status {
             builds: self.builds(),
             version: baton_core::protocol::VERSION,
             broker_pid: std::process::id(),
-            limit: self.pool.limit(),
-            free: self.pool.free(),
-            held: self.pool.held(),
+            limit: self.books.pool.limit(),
+            free: self.books.pool.free(),
+            held: self.books.pool.held(),
             holders,
             waiters,
             totals: status::Totals {
@@ -1036,7 +1167,7 @@ impl Broker {
                 released: t.released,
                 reclaimed: t.reclaimed,
                 waits: t.waits,
-                clients: self.pool.clients().count() as u64,
+                clients: self.books.pool.clients().count() as u64,
                 held_again: t.held_again,
             },
             gates,
@@ -1051,7 +1182,9 @@ impl Broker {
             open: view.open,
             value: view.value,
             threshold: view.threshold,
-            closed_since: view.closed_since.map(|d| epoch_seconds(self.started.1 + d)),
+            closed_since: view
+                .closed_since
+                .map(|d| epoch_seconds(self.books.started + d)),
         }
     }
 }
@@ -1095,15 +1228,15 @@ impl Broker {
 
     /// What the local pool holds and waits for, for the cluster link.
     pub fn cluster_demand(&self) -> Local {
-        let held = self.pool.held();
-        let waiting: u32 = self.pool.queue().map(|(_, _, tokens)| tokens).sum();
+        let held = self.books.pool.held();
+        let waiting: u32 = self.books.pool.queue().map(|(_, _, tokens)| tokens).sum();
         let room = self
             .gate_allowance
             .map_or(u32::MAX, |allowed| allowed.saturating_sub(held));
         Local {
             held,
             waiting: waiting.min(room),
-            limit: self.pool.limit(),
+            limit: self.books.pool.limit(),
         }
     }
 
@@ -1471,12 +1604,62 @@ mod tests {
         assert_eq!(u.interval_s, 1.0);
     }
 
+    /// A successor gets the books as the JSON brokers before this one
+    /// wrote them (a successor may be newer than its predecessor, or
+    /// older): the same keys, maps as lists of pairs, grants by transport
+    /// as one list; and it carries on with the same books.
+    #[test]
+    fn the_books_travel_under_the_names_and_shapes_they_always_had() {
+        let mut broker = Broker::new(1).unwrap();
+        let (a, b) = (client(&mut broker, 1), client(&mut broker, 2));
+        broker.start_build(a, 3, "named".into()).unwrap();
+        broker.acquire(a, 1, 1).unwrap();
+        assert_eq!(broker.acquire(b, 1, 1).unwrap(), Acquired::Queued);
+        broker.release(a, 1).unwrap(); // a grant for b, not yet delivered
+        let json = serde_json::to_value(broker.snapshot()).unwrap();
+        let mut keys: Vec<&str> = json
+            .as_object()
+            .unwrap()
+            .keys()
+            .map(|k| k.as_str())
+            .collect();
+        keys.sort();
+        assert_eq!(
+            keys,
+            [
+                "carried",
+                "clock",
+                "gates",
+                "names",
+                "orphaned",
+                "pool",
+                "roots",
+                "sessions",
+                "started",
+                "undelivered"
+            ]
+        );
+        assert_eq!(json["roots"], serde_json::json!([[1, a.0]]), "{json}");
+        let build = broker.books.pool.build_of(a).unwrap().0;
+        assert_eq!(json["names"], serde_json::json!([[build, "named"]]));
+        assert_eq!(json["undelivered"][0][0], serde_json::json!("Socket"));
+        assert_eq!(json["undelivered"][0][1]["client"], serde_json::json!(b.0));
+        let state: BrokerState = serde_json::from_value(json).unwrap();
+        let mut next = Broker::restore(state).unwrap();
+        assert_eq!(next.books.roots, broker.books.roots);
+        assert_eq!(next.books.names, broker.books.names);
+        let grants = next.take_grants(Transport::Socket);
+        assert_eq!(grants.len(), 1, "the grant is the successor's to deliver");
+        assert_eq!(grants[0].client, b);
+        assert_eq!(next.pool().held_by(b), 1);
+    }
+
     #[test]
     fn the_reclaim_gate_closed_when_the_grace_began_not_before() {
         let mut state = Broker::new(2).unwrap().snapshot();
         // A predecessor whose clock ran 100 s: the pool's clock goes on
         // from there.
-        state.clock = Duration::from_secs(100);
+        state.began = Instant::now() - Duration::from_secs(100);
         state.started = SystemTime::now() - Duration::from_secs(100);
         let mut broker = Broker::restore(state).unwrap();
         let before = epoch_now();
@@ -1600,6 +1783,7 @@ mod tests {
         // As if b had asked 1.5 s ago.
         let asked = SystemTime::now() - Duration::from_millis(1500);
         broker
+            .books
             .pool
             .meta_mut(b)
             .unwrap()
