@@ -108,51 +108,27 @@ pub struct Books {
     undelivered: HashMap<Transport, Vec<Grant>>,
     /// The clients that started builds (BUILD), by pid: a client whose
     /// process descends from one joins its build.
-    #[serde(with = "pairs")]
+    #[serde(with = "crate::pairs")]
     roots: HashMap<u32, ClientId>,
     /// Names given with BUILD.
-    #[serde(with = "pairs")]
+    #[serde(with = "crate::pairs")]
     names: HashMap<BuildId, String>,
     /// The session of each client that started a build: where its
     /// processes are looked for if it dies before them.
-    #[serde(default, with = "pairs")]
+    #[serde(default, with = "crate::pairs")]
     sessions: HashMap<ClientId, u32>,
     /// Where a build's processes are when it is not here: the pid they
     /// carry ([`crate::jobs::RUN_PID_VAR`]: a `baton run` in a container's
     /// PID namespace knows only its pid there) and that namespace. Two
     /// containers started from one session may both have a `baton run`
     /// of pid 2: the namespace tells their processes apart.
-    #[serde(default, with = "pairs")]
+    #[serde(default, with = "crate::pairs")]
     carried: HashMap<ClientId, Place>,
     /// Builds whose `baton run` died while their processes run on (#32):
     /// they travel too, as their clients have no connection, and only
     /// this tells the successor when their tokens come back.
-    #[serde(default, with = "pairs")]
+    #[serde(default, with = "crate::pairs")]
     orphaned: HashMap<ClientId, Orphaned>,
-}
-
-/// A map as the list of its (key, value) pairs: JSON keys are strings
-/// only, and these are numbers and ids.
-mod pairs {
-    use serde::{Deserialize, Deserializer, Serialize, Serializer};
-    use std::collections::HashMap;
-    use std::hash::Hash;
-
-    pub fn serialize<K: Serialize, V: Serialize, S: Serializer>(
-        map: &HashMap<K, V>,
-        s: S,
-    ) -> Result<S::Ok, S::Error> {
-        s.collect_seq(map)
-    }
-
-    pub fn deserialize<'de, K, V, D>(d: D) -> Result<HashMap<K, V>, D::Error>
-    where
-        K: Deserialize<'de> + Eq + Hash,
-        V: Deserialize<'de>,
-        D: Deserializer<'de>,
-    {
-        Ok(Vec::<(K, V)>::deserialize(d)?.into_iter().collect())
-    }
 }
 
 /// The gates as their settings alone.

@@ -39,6 +39,7 @@ mod handover;
 mod jobs;
 mod log;
 pub mod metrics;
+mod pairs;
 mod paths;
 mod serve;
 mod session;

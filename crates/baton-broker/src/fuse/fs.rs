@@ -118,18 +118,31 @@ const ORPHAN_BASE: u64 = 1 << 40;
 /// thread hand over its state (see [`FsShared::ask_handover`]).
 pub const HANDOVER_NAME: &str = ".baton-handover";
 
-/// The token files as a successor broker receives them.
+/// The token files as a successor broker receives them: the file table
+/// as it is, and the waiters (whose blocked reads and poll wakers are
+/// bound to this process: see `Waiters::hand_over`).
 #[derive(Debug, Serialize, Deserialize)]
 pub struct FsState {
     waiters: WaitersState,
-    files: Vec<(u64, String)>,
+    #[serde(flatten)]
+    table: FileTable,
+}
+
+/// The token files: their names by inode, the open handles, and which
+/// files' pollers are held. Plain values, handed to a successor whole
+/// (maps as lists of pairs, as brokers before this one wrote them).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+struct FileTable {
+    #[serde(with = "crate::pairs")]
+    files: BTreeMap<u64, String>,
     next_ino: u64,
-    handles: Vec<(Fh, u64)>,
+    #[serde(with = "crate::pairs")]
+    handles: BTreeMap<Fh, u64>,
     next_fh: Fh,
     /// Files whose pollers are held ([`POLLS_XATTR`]); absent from a
     /// predecessor that had none.
     #[serde(default)]
-    holding: Vec<u64>,
+    holding: BTreeSet<u64>,
 }
 
 /// A handover asked for: the FUSE thread sends its state, then waits to
@@ -155,14 +168,9 @@ pub struct Inner {
     pub control_sleeps_until: Option<Instant>,
     /// When blocked readers were last checked for pending signals.
     pub scanned_at: Instant,
-    files: BTreeMap<u64, String>,
-    /// Files whose pollers are held (see [`POLLS_XATTR`]).
-    holding: BTreeSet<u64>,
+    table: FileTable,
     /// Files a bmake build wrote abort tokens to (see [`sort_written`]).
     aborted: BTreeMap<u64, Aborted>,
-    next_ino: u64,
-    handles: BTreeMap<Fh, u64>,
-    next_fh: Fh,
     /// Handed over to a successor: the control thread must not act.
     pub frozen: bool,
 }
@@ -180,12 +188,14 @@ impl FsShared {
             exits,
             control_sleeps_until: None,
             scanned_at: Instant::now(),
-            files: BTreeMap::new(),
-            holding: BTreeSet::new(),
+            table: FileTable {
+                files: BTreeMap::new(),
+                next_ino: INodeNo::ROOT.0 + 1,
+                handles: BTreeMap::new(),
+                next_fh: 1,
+                holding: BTreeSet::new(),
+            },
             aborted: BTreeMap::new(),
-            next_ino: INodeNo::ROOT.0 + 1,
-            handles: BTreeMap::new(),
-            next_fh: 1,
             frozen: false,
         };
         FsShared {
@@ -204,11 +214,7 @@ impl FsShared {
         let waker = |handle| FusePoll::Adopted(notifier.clone(), PollHandle(handle));
         let hold = inner.waiters.hold();
         inner.waiters = Waiters::adopt(state.waiters, &broker, waker, Instant::now(), hold)?;
-        inner.files = state.files.into_iter().collect();
-        inner.holding = state.holding.into_iter().collect();
-        inner.handles = state.handles.into_iter().collect();
-        inner.next_ino = state.next_ino;
-        inner.next_fh = state.next_fh;
+        inner.table = state.table;
         let pids: Vec<Pid> = inner.waiters.pids().collect();
         drop(broker);
         for pid in pids {
@@ -226,8 +232,8 @@ impl FsShared {
     /// it granted.
     pub fn take_orphan(&self) {
         let mut inner = self.inner.lock().expect("fuse state lock");
-        inner.next_fh = ORPHAN_BASE;
-        inner.next_ino = ORPHAN_BASE;
+        inner.table.next_fh = ORPHAN_BASE;
+        inner.table.next_ino = ORPHAN_BASE;
         inner.waiters.forgive_strangers();
     }
 
@@ -254,15 +260,7 @@ impl FsShared {
             let waiters = inner.waiters.hand_over(&mut broker, Instant::now());
             FsState {
                 waiters,
-                files: inner
-                    .files
-                    .iter()
-                    .map(|(&ino, n)| (ino, n.clone()))
-                    .collect(),
-                next_ino: inner.next_ino,
-                handles: inner.handles.iter().map(|(&fh, &ino)| (fh, ino)).collect(),
-                next_fh: inner.next_fh,
-                holding: inner.holding.iter().copied().collect(),
+                table: inner.table.clone(),
             }
         };
         let _ = asked.state.send(state);
@@ -339,9 +337,10 @@ impl Inner {
     fn process(&mut self, broker: &mut Broker, tid: u32, fh: Fh) -> Option<Pid> {
         let pid = self.threads.process_of(tid)?;
         let file = self
+            .table
             .handles
             .get(&fh)
-            .and_then(|ino| self.files.get(ino))
+            .and_then(|ino| self.table.files.get(ino))
             .cloned()
             .unwrap_or_default();
         let describe = || {
@@ -365,22 +364,22 @@ impl Inner {
     }
 
     fn open_handle(&mut self, ino: u64) -> Fh {
-        let fh = self.next_fh;
-        self.next_fh += 1;
-        self.handles.insert(fh, ino);
+        let fh = self.table.next_fh;
+        self.table.next_fh += 1;
+        self.table.handles.insert(fh, ino);
         fh
     }
 
     /// The abort state of the file behind `fh`, once an abort token was
     /// written to it.
     fn aborted(&mut self, fh: Fh) -> Option<&mut Aborted> {
-        let ino = self.handles.get(&fh)?;
+        let ino = self.table.handles.get(&fh)?;
         self.aborted.get_mut(ino)
     }
 
     /// Marks the file behind `fh` aborted by `byte` (the first one stays).
     fn abort(&mut self, fh: Fh, byte: u8) {
-        if let Some(&ino) = self.handles.get(&fh) {
+        if let Some(&ino) = self.table.handles.get(&fh) {
             self.aborted
                 .entry(ino)
                 .or_insert_with(|| Aborted::new(byte));
@@ -388,7 +387,8 @@ impl Inner {
     }
 
     fn lookup(&self, name: &OsStr) -> Option<u64> {
-        self.files
+        self.table
+            .files
             .iter()
             .find(|(_, n)| OsStr::new(n.as_str()) == name)
             .map(|(&ino, _)| ino)
@@ -502,7 +502,8 @@ impl Filesystem for TokenFs {
     }
 
     fn getattr(&self, _req: &Request, ino: INodeNo, _fh: Option<FileHandle>, reply: ReplyAttr) {
-        let exists = ino == INodeNo::ROOT || self.with(|inner, _| inner.files.contains_key(&ino.0));
+        let exists =
+            ino == INodeNo::ROOT || self.with(|inner, _| inner.table.files.contains_key(&ino.0));
         if exists {
             reply.attr(&TTL, &attr(ino.0));
         } else {
@@ -547,9 +548,9 @@ impl Filesystem for TokenFs {
         };
         let (ino, fh) = self.with(|inner, _| {
             let ino = inner.lookup(OsStr::new(name)).unwrap_or_else(|| {
-                let ino = inner.next_ino;
-                inner.next_ino += 1;
-                inner.files.insert(ino, name.to_string());
+                let ino = inner.table.next_ino;
+                inner.table.next_ino += 1;
+                inner.table.files.insert(ino, name.to_string());
                 ino
             });
             (ino, inner.open_handle(ino))
@@ -561,8 +562,8 @@ impl Filesystem for TokenFs {
         let removed = self.with(|inner, _| {
             let ino = inner.lookup(name).filter(|_| parent == INodeNo::ROOT)?;
             inner.aborted.remove(&ino);
-            inner.holding.remove(&ino);
-            inner.files.remove(&ino)
+            inner.table.holding.remove(&ino);
+            inner.table.files.remove(&ino)
         });
         match removed {
             Some(_) => reply.ok(),
@@ -573,6 +574,7 @@ impl Filesystem for TokenFs {
     fn open(&self, _req: &Request, ino: INodeNo, _flags: OpenFlags, reply: ReplyOpen) {
         let fh = self.with(|inner, _| {
             inner
+                .table
                 .files
                 .contains_key(&ino.0)
                 .then(|| inner.open_handle(ino.0))
@@ -674,7 +676,7 @@ impl Filesystem for TokenFs {
             }
             let call = PollCall {
                 will_wait: flags.contains(PollFlags::FUSE_POLL_SCHEDULE_NOTIFY),
-                hold: inner.holding.contains(&ino.0),
+                hold: inner.table.holding.contains(&ino.0),
                 unique: req.unique().0,
                 waker: FusePoll::Answered(ph),
                 answer,
@@ -711,13 +713,13 @@ impl Filesystem for TokenFs {
             _ => return reply.error(Errno::EINVAL),
         };
         let known = self.with(|inner, _| {
-            if !inner.files.contains_key(&ino.0) {
+            if !inner.table.files.contains_key(&ino.0) {
                 return false;
             }
             if hold {
-                inner.holding.insert(ino.0);
+                inner.table.holding.insert(ino.0);
             } else {
-                inner.holding.remove(&ino.0);
+                inner.table.holding.remove(&ino.0);
             }
             true
         });
@@ -734,9 +736,10 @@ impl Filesystem for TokenFs {
         }
         let Some(hold) = self.with(|inner, _| {
             inner
+                .table
                 .files
                 .contains_key(&ino.0)
-                .then(|| inner.holding.contains(&ino.0))
+                .then(|| inner.table.holding.contains(&ino.0))
         }) else {
             return reply.error(Errno::ENOENT);
         };
@@ -763,7 +766,7 @@ impl Filesystem for TokenFs {
         reply: ReplyEmpty,
     ) {
         self.with(|inner, broker| {
-            inner.handles.remove(&fh.0);
+            inner.table.handles.remove(&fh.0);
             inner.waiters.close(broker, fh.0);
         });
         reply.ok();
@@ -787,6 +790,7 @@ impl Filesystem for TokenFs {
         self.with(|inner, _| {
             entries.extend(
                 inner
+                    .table
                     .files
                     .iter()
                     .map(|(&ino, name)| (ino, FileType::RegularFile, name.clone())),
@@ -804,6 +808,27 @@ impl Filesystem for TokenFs {
 #[cfg(test)]
 mod tests {
     use super::sort_written;
+
+    /// A successor reads the token files as brokers before this one wrote
+    /// them (no `holding` before held polls), and writes them the same way.
+    #[test]
+    fn the_file_table_travels_under_the_names_and_shapes_it_always_had() {
+        let old = serde_json::json!({
+            "waiters": {"mode": "OneAtATime", "processes": [], "polled": []},
+            "files": [[2, "make.1"], [3, "ninja.2"]],
+            "next_ino": 4,
+            "handles": [[1, 2]],
+            "next_fh": 2,
+        });
+        let state: super::FsState = serde_json::from_value(old.clone()).unwrap();
+        assert_eq!(state.table.files[&3], "ninja.2");
+        assert_eq!(state.table.handles[&1], 2);
+        assert!(state.table.holding.is_empty());
+        let mut again = serde_json::to_value(&state).unwrap();
+        assert_eq!(again["holding"], serde_json::json!([]));
+        again.as_object_mut().unwrap().remove("holding");
+        assert_eq!(again, old);
+    }
 
     #[test]
     fn abort_tokens_are_not_tokens() {
