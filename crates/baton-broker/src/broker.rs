@@ -228,7 +228,7 @@ type Place = (u32, u64);
 
 /// `pid`'s place when it is in our own PID namespace.
 fn here(pid: u32) -> Place {
-    (pid, crate::jobs::pid_namespace_of("self").unwrap_or(0))
+    (pid, crate::sys::pid_namespace_of("self").unwrap_or(0))
 }
 
 /// A build whose `baton run` died (`kill -9`) while processes it started
@@ -389,7 +389,7 @@ impl Broker {
                 self.books.sessions.insert(id, session);
             }
             if let Some(inner) = crate::jobs::pid_in_its_namespace(pid).filter(|&p| p != pid) {
-                let ns = crate::jobs::pid_namespace_of(&pid.to_string()).unwrap_or(0);
+                let ns = crate::sys::pid_namespace_of(&pid.to_string()).unwrap_or(0);
                 self.books.carried.insert(id, (inner, ns));
             }
         }
@@ -973,7 +973,7 @@ impl Broker {
             .collect();
         let running = self.running_jobs();
         let own_uid = nix::unistd::getuid().as_raw();
-        let own_cgroup = crate::jobs::cgroup_of("self");
+        let own_cgroup = crate::sys::cgroup_of("self");
         self.books
             .pool
             .builds()
@@ -1015,7 +1015,7 @@ impl Broker {
                         .and_then(|m| crate::jobs::uid_of(m.pid))
                         .filter(|&u| u != own_uid),
                     cgroup: starter
-                        .and_then(|m| crate::jobs::cgroup_of(&m.pid.to_string()))
+                        .and_then(|m| crate::sys::cgroup_of(&m.pid.to_string()))
                         .filter(|c| Some(c) != own_cgroup.as_ref()),
                 }
             })
@@ -1346,7 +1346,7 @@ mod tests {
         /// /proc: a process just spawned may not show its environment yet.
         fn await_jobs(&self, owner: u32, jobs: u32) {
             let session = crate::jobs::session_of(std::process::id()).unwrap();
-            let ns = crate::jobs::pid_namespace_of("self").unwrap();
+            let ns = crate::sys::pid_namespace_of("self").unwrap();
             let deadline = Instant::now() + Duration::from_secs(30);
             while crate::jobs::orphan_jobs(owner, session, ns) != jobs {
                 assert!(Instant::now() < deadline, "the jobs never showed");

@@ -178,7 +178,7 @@ pub fn session_of(pid: u32) -> Option<u32> {
 /// `owner` is the pid the processes carry ([`RUN_PID_VAR`]): in a
 /// container, the `baton run`'s pid in its PID namespace
 /// ([`pid_in_its_namespace`], recorded while it lived); `pid_ns` that
-/// namespace ([`pid_namespace_of`]), in which the processes are looked for.
+/// namespace ([`sys::pid_namespace_of`]), in which the processes are looked for.
 pub fn orphan_jobs(owner: u32, session: u32, pid_ns: u64) -> u32 {
     leaves(
         &HashMap::from([((owner, session, pid_ns), owner)]),
@@ -197,8 +197,6 @@ pub fn uid_of(pid: u32) -> Option<u32> {
         .parse()
         .ok()
 }
-
-pub use sys::{cgroup_of, pid_namespace_of};
 
 /// A process's pid in its own PID namespace (the last of its `NSpid:`
 /// line), which is what `baton run` in a container puts in
@@ -242,7 +240,7 @@ fn leaves(owners: &HashMap<(u32, u32, u64), u32>, count: Count) -> HashMap<u32, 
             if !stat.is_live() || !sessions.contains(&stat.session) {
                 return None;
             }
-            let ns = pid_namespace_of(&pid.to_string())?;
+            let ns = sys::pid_namespace_of(&pid.to_string())?;
             let owner = *owners.get(&(run_pid_of(pid)?, stat.session, ns))?;
             Some((pid, (stat.ppid, owner, is_a_build_tool(&stat.comm))))
         })
@@ -292,7 +290,7 @@ mod tests {
         let owner = 4_000_000_000u32 - std::process::id();
         // SAFETY: getsid(0) has no preconditions.
         let sid = unsafe { libc::getsid(0) } as u32;
-        let ns = pid_namespace_of("self").unwrap();
+        let ns = sys::pid_namespace_of("self").unwrap();
         assert_eq!(orphan_jobs(owner, sid, ns), 0);
         let mut job = std::process::Command::new("sleep")
             .arg("30")
@@ -420,7 +418,7 @@ mod tests {
                 .env(RUN_PID_VAR, owner.to_string()),
         );
         until(|| !sys::children(shell).is_empty());
-        let ns = pid_namespace_of("self").unwrap();
+        let ns = sys::pid_namespace_of("self").unwrap();
         until(|| orphan_jobs(owner, session, ns) == 1);
         assert_eq!(
             running_jobs(&HashMap::from([((owner, session, ns), owner)])),

@@ -120,16 +120,25 @@ impl Shares {
 
     /// Rebuilds the indexes a snapshot does not carry, from the books.
     pub fn reindex(&mut self) {
-        self.holding.clear();
-        self.active.clear();
-        for (&id, b) in &self.builds {
-            if b.held > 0 {
-                self.holding.insert(id);
-            }
-            if b.is_active() {
-                self.active.insert((b.vtime, id));
-            }
-        }
+        (self.holding, self.active) = self.indexes_from_books();
+    }
+
+    /// The builds holding tokens, and the active ones by virtual time, as
+    /// the books say.
+    fn indexes_from_books(&self) -> (BTreeSet<BuildId>, BTreeSet<(u128, BuildId)>) {
+        let holding = self
+            .builds
+            .iter()
+            .filter(|(_, b)| b.held > 0)
+            .map(|(&id, _)| id)
+            .collect();
+        let active = self
+            .builds
+            .iter()
+            .filter(|(_, b)| b.is_active())
+            .map(|(&id, b)| (b.vtime, id))
+            .collect();
+        (holding, active)
     }
 
     /// Charges every build for the tokens it held since the last call.
@@ -193,9 +202,7 @@ impl Shares {
         if expected != self.ready {
             return Err("the order of service disagrees with the builds' books");
         }
-        let mut books = self.clone();
-        books.reindex();
-        if (books.holding, books.active) != (self.holding.clone(), self.active.clone()) {
+        if self.indexes_from_books() != (self.holding.clone(), self.active.clone()) {
             return Err("the builds holding or active disagree with the builds' books");
         }
         if self.builds.iter().any(|(id, b)| {

@@ -1270,18 +1270,44 @@ mod tests {
         assert_eq!(requests, "ACQUIRE 1\nCANCEL\n");
     }
 
+    /// A pipe-style build of a cap of 2 against a played broker where one
+    /// other build waits: the feeder lent both tokens and the build read
+    /// them. Returns the build's write end (its return pipe).
+    fn a_pipe_build_using_both_its_tokens(
+        name: &str,
+    ) -> (PlayedBroker, Client, Feeder, std::fs::File) {
+        use std::io::Read;
+        let (broker, mut client) = PlayedBroker::start(name, 1);
+        let mut feeder = Feeder::new(Fifo::create(&broker.dir).unwrap(), 2, true);
+        let (read, write) = feeder.fifo.open_pipe_ends().unwrap();
+        let mut read = std::fs::File::from(read);
+        feeder.tend(&mut client).unwrap();
+        read.read_exact(&mut [0u8; 2]).unwrap();
+        (broker, client, feeder, std::fs::File::from(write))
+    }
+
+    /// The feeder queued again behind the waiting build: its grant is read
+    /// before the connection closes; then what the broker was asked.
+    fn requeued_and_finished(
+        broker: PlayedBroker,
+        mut client: Client,
+        feeder: &mut Feeder,
+    ) -> String {
+        assert!(feeder.is_waiting());
+        let reply = client.read_reply().unwrap();
+        feeder.on_reply(reply).unwrap();
+        drop(client);
+        broker.finish().0
+    }
+
     /// Re-attached to a new broker (played here), which may have a smaller
     /// limit: a token the build wrote back meanwhile does not go back into
     /// its FIFO before a look, and the old broker's request is forgotten.
     #[test]
     fn after_re_attaching_the_feeder_looks_before_recycling_a_returned_token() {
-        use std::io::{Read, Write};
-        let (broker, mut client) = PlayedBroker::start("reattach", 1);
-        let mut feeder = Feeder::new(Fifo::create(&broker.dir).unwrap(), 2, true);
-        let (read, write) = feeder.fifo.open_pipe_ends().unwrap();
-        let (mut read, mut write) = (std::fs::File::from(read), std::fs::File::from(write));
-        feeder.tend(&mut client).unwrap();
-        read.read_exact(&mut [0u8; 2]).unwrap();
+        use std::io::Write;
+        let (broker, mut client, mut feeder, mut write) =
+            a_pipe_build_using_both_its_tokens("reattach");
         write.write_all(b"+").unwrap();
         // The old broker's last look found nobody (a moment still to come,
         // so as not to race the clock), and a request of ours waited there.
@@ -1295,14 +1321,10 @@ mod tests {
             (0, 0),
             "given back, never put back"
         );
-        // It queues again behind the waiting build: the grant, read
-        // before the connection closes.
-        assert!(feeder.is_waiting());
-        let reply = client.read_reply().unwrap();
-        feeder.on_reply(reply).unwrap();
-        drop(client);
-        let (requests, _) = broker.finish();
-        assert_eq!(requests, "TRY 2\nWANTED\nRELEASE 1\nACQUIRE 1\n");
+        assert_eq!(
+            requeued_and_finished(broker, client, &mut feeder),
+            "TRY 2\nWANTED\nRELEASE 1\nACQUIRE 1\n"
+        );
     }
 
     /// A lowered limit the last look (a moment ago) could not know of: the
@@ -1311,13 +1333,9 @@ mod tests {
     /// look, a written-back token went straight back in).
     #[test]
     fn a_token_written_back_a_moment_after_a_look_is_asked_about_first() {
-        use std::io::{Read, Write};
-        let (broker, mut client) = PlayedBroker::start("fresh-look", 1);
-        let mut feeder = Feeder::new(Fifo::create(&broker.dir).unwrap(), 2, true);
-        let (read, write) = feeder.fifo.open_pipe_ends().unwrap();
-        let (mut read, mut write) = (std::fs::File::from(read), std::fs::File::from(write));
-        feeder.tend(&mut client).unwrap();
-        read.read_exact(&mut [0u8; 2]).unwrap();
+        use std::io::Write;
+        let (broker, mut client, mut feeder, mut write) =
+            a_pipe_build_using_both_its_tokens("fresh-look");
         // The last look found nobody, a moment ago (still to come, so as
         // not to race the clock); then the limit went down.
         feeder.last_look = Some(Instant::now() + Duration::from_secs(3600));
@@ -1329,14 +1347,10 @@ mod tests {
             (0, 0, 1),
             "given back, not put back for the next job"
         );
-        // It queues again behind whoever wanted it: that grant, read
-        // before the connection closes.
-        assert!(feeder.is_waiting());
-        let reply = client.read_reply().unwrap();
-        feeder.on_reply(reply).unwrap();
-        drop(client);
-        let (requests, _) = broker.finish();
-        assert_eq!(requests, "TRY 2\nWANTED\nRELEASE 1\nACQUIRE 1\n");
+        assert_eq!(
+            requeued_and_finished(broker, client, &mut feeder),
+            "TRY 2\nWANTED\nRELEASE 1\nACQUIRE 1\n"
+        );
     }
 
     /// How long the run loop waits for nothing but the clock before it

@@ -281,15 +281,22 @@ fn a_smaller_next_broker_is_obeyed_at_once(style: &str, tool: &Path) {
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
-    assert_eq!(started(&log), 12, "every job ran");
-    let (max, starts) = overlap_after(&log, "N");
-    assert!(starts > 0, "no job started under the new broker");
-    assert!(
-        max <= 2,
-        "{max} jobs at once under the new broker's limit of 2 ({style}):\n{}",
-        std::fs::read_to_string(&log).unwrap()
-    );
+    assert_ran_within(&log, 12, "N", 2);
     new.assert_all_free();
+}
+
+/// Every one of `jobs` jobs ran, some started after the log's `mark`, and
+/// from the moment the jobs running at the mark had ended, at most
+/// `limit` ran at once, counted from the jobs' own lines.
+fn assert_ran_within(log: &Path, jobs: usize, mark: &str, limit: usize) {
+    assert_eq!(started(log), jobs, "every job ran");
+    let (max, starts) = overlap_after(log, mark);
+    assert!(starts > 0, "no job started after {mark}");
+    assert!(
+        max <= limit,
+        "after {mark}, {max} jobs at once under a limit of {limit}:\n{}",
+        std::fs::read_to_string(log).unwrap()
+    );
 }
 
 /// A build of 4 jobs at once whose broker is killed, and whose jobs end
@@ -361,14 +368,7 @@ fn a_smaller_next_broker_drains_a_busy_fifo_build(tool: &Path) {
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
-    assert_eq!(started(&log), 40, "every job ran");
-    let (max, starts) = overlap_after(&log, "D");
-    assert!(starts > 0, "no job started after the drain");
-    assert!(
-        max <= 2,
-        "after the drain, {max} jobs at once under the new broker's limit of 2:\n{}",
-        std::fs::read_to_string(&log).unwrap()
-    );
+    assert_ran_within(&log, 40, "D", 2);
     new.assert_all_free();
 }
 

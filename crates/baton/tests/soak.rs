@@ -364,6 +364,7 @@ fn check_jobs(text: &str) -> JobsSeen {
             }
             "E" | "K" => {
                 running.remove(&value);
+                kinds.remove(&value);
             }
             "X" => stray = Some(ns),
             "B" => drain_cut = lowered.is_some_and(|low| ns < low + IN_FLIGHT_NS),
