@@ -132,9 +132,15 @@ fn a_build_the_oom_killer_ends_under_make_j8_finishes_under_the_memory_gate() {
 }
 
 /// A Makefile of `jobs` jobs that start at 50 MiB and, 0.5 s later, grow
-/// to 400 MiB, hold it for a second, and log their start and end.
+/// to 300 MiB, hold it for a second, and log their start and end.
+///
+/// In a 1 GiB cgroup four grown jobs (about 1.25 GiB with Python's own)
+/// do not fit, so `make -j4` is killed; under the pause, two grown and two
+/// stopped at 64 MiB leave about 250 MiB, the room the gates' thread has
+/// to see a job that grows. Jobs of 400 MiB left it 60 MiB: 6 of Python's
+/// allocations, and on a busy CI machine a look came too late.
 fn growing_makefile(dir: &Path, log: &Path, jobs: usize) {
-    let grow = "import time\nx = [b'1' * (50 << 20)]\ntime.sleep(0.5)\nfor _ in range(35):\n    x.append(b'1' * (10 << 20))\ntime.sleep(1)\n";
+    let grow = "import time\nx = [b'1' * (50 << 20)]\ntime.sleep(0.5)\nfor _ in range(25):\n    x.append(b'1' * (10 << 20))\ntime.sleep(1)\n";
     std::fs::write(dir.join("grow.py"), grow).unwrap();
     let targets: Vec<String> = (0..jobs).map(|i| format!("j{i}")).collect();
     let job = format!(
@@ -172,7 +178,7 @@ fn jobs_that_grow_after_their_grant_are_paused_not_killed() {
     );
 
     // A settle time shorter than the jobs take to grow: the gate sees only
-    // the 50 MiB each starts with, and admits all 4 (1.6 GB once grown).
+    // the 50 MiB each starts with, and admits all 4 (1.2 GB once grown).
     let broker = Broker::start_under(
         &enter,
         4,
@@ -183,6 +189,7 @@ fn jobs_that_grow_after_their_grant_are_paused_not_killed() {
             "200",
             "--on-memory-pressure",
             "pause",
+            "-v",
         ],
     );
     let dir = TempDir::new("pause");
