@@ -39,6 +39,9 @@ pub struct StoppedJob {
 pub struct Snapshot {
     procs: HashMap<u32, Stat>,
     children: HashMap<u32, Vec<u32>>,
+    /// Children of a build tool that still share its memory: vforked, not
+    /// yet exec'd ([`sys::shares_memory_with`]).
+    unexeced: HashSet<u32>,
 }
 
 impl Snapshot {
@@ -48,7 +51,21 @@ impl Snapshot {
         for (&pid, p) in &procs {
             children.entry(p.ppid).or_default().push(pid);
         }
-        Snapshot { procs, children }
+        let unexeced = procs
+            .iter()
+            .filter(|(_, p)| {
+                procs
+                    .get(&p.ppid)
+                    .is_some_and(|parent| TOOLS.contains(&parent.comm.as_str()))
+            })
+            .filter(|&(&pid, p)| sys::shares_memory_with(pid, p.ppid))
+            .map(|(&pid, _)| pid)
+            .collect();
+        Snapshot {
+            procs,
+            children,
+            unexeced,
+        }
     }
 
     /// The jobs under `clients` that are not inside a job in `stopped`.
@@ -76,6 +93,11 @@ impl Snapshot {
                     .take_while(|p| under.contains(p))
                     .any(|p| is_job(&p))
             })
+            // A job between vfork and exec (make 4.3 starts its jobs so)
+            // runs in its make's memory, and its make waits in vfork until
+            // it execs: stopped there, it would hold the whole build. It is
+            // about to exec; it can be stopped after.
+            .filter(|pid| !self.unexeced.contains(pid))
             .map(|root| Job {
                 root,
                 start: self.procs[&root].start,
@@ -339,7 +361,11 @@ mod tests {
         for (&pid, p) in &procs {
             children.entry(p.ppid).or_default().push(pid);
         }
-        Snapshot { procs, children }
+        Snapshot {
+            procs,
+            children,
+            unexeced: HashSet::new(),
+        }
     }
 
     #[test]
@@ -443,5 +469,19 @@ mod tests {
         assert!(is_stopped(shell), "its child is");
         // SAFETY: as above; the shell is killed and reaped by Procs.
         unsafe { libc::kill(child as i32, libc::SIGKILL) };
+    }
+
+    /// make 4.3 vforks its jobs: one caught before its exec holds its make
+    /// in vfork, so the pause must not pick it; its exec'd sibling it may.
+    #[test]
+    fn a_job_between_vfork_and_exec_is_not_offered_to_the_pause() {
+        let make = sys::VforkedJob::start();
+        let (sleep, vforked) = make.children();
+        let roots: Vec<u32> = Snapshot::take()
+            .running(&[make.helper], &[])
+            .iter()
+            .map(|j| j.root)
+            .collect();
+        assert_eq!(roots, [sleep], "not the vforked {vforked}");
     }
 }

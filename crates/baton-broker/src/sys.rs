@@ -1,6 +1,6 @@
 //! The broker's one door to the process table: every /proc read and every
-//! process system call (pidfd_open, kill) the broker makes, each written
-//! once, with the unsafe code they need. The modules above work on the
+//! process system call (pidfd_open, kill, kcmp) the broker makes, each
+//! written once, with the unsafe code they need. The modules above work on the
 //! values these return, and their rules are tested on values made up.
 
 use std::io;
@@ -169,6 +169,151 @@ pub fn pidfd_open(pid: u32) -> io::Result<OwnedFd> {
     Ok(unsafe { OwnedFd::from_raw_fd(fd as i32) })
 }
 
+/// Whether processes `a` and `b` share one address space (kcmp(2),
+/// `KCMP_VM`): true of a vfork child that has not exec'd yet and its
+/// parent (make 4.3 starts its jobs so), of two threads of one process, and
+/// of a process and itself. False on any error: one of them is gone, or
+/// kcmp is not permitted (it asks for ptrace access to both; a kernel
+/// without CONFIG_KCMP says ENOSYS).
+pub fn shares_memory_with(a: u32, b: u32) -> bool {
+    /// `enum kcmp_type` in linux/kcmp.h: compare the two `mm`s. It is 1:
+    /// 0 is KCMP_FILE, which would compare the two processes' descriptor 0.
+    const KCMP_VM: libc::c_int = 1;
+    // SAFETY: kcmp takes two pids, a type and two integer arguments (unused
+    // for KCMP_VM), reads and writes none of our memory, and returns 0 (the
+    // same), 1, 2 or 3 (not the same, by order), or -1 with errno.
+    let r = unsafe {
+        libc::syscall(
+            libc::SYS_kcmp,
+            a as libc::pid_t,
+            b as libc::pid_t,
+            KCMP_VM,
+            0 as libc::c_ulong,
+            0 as libc::c_ulong,
+        )
+    };
+    r == 0
+}
+
+/// For tests: a real build tool's job caught between vfork and exec. A
+/// forked helper, renamed `make`, that first starts `sleep 60` (fork and
+/// exec), then vforks a child that never execs (it sleeps in pause()), as
+/// make 4.3 starts a job and is then held in vfork until the job execs.
+/// The vfork is glibc's posix_spawn's (which make 4.3 calls): clone with
+/// CLONE_VM | CLONE_VFORK, the child on a stack of its own, which to the
+/// kernel is vfork(2); libc::vfork itself is deprecated, as the compiler
+/// does not know it returns twice (rust-lang/libc#1596).
+/// On drop, whatever the test's outcome, both children are killed
+/// (SIGKILL) by pid; the helper, let out of vfork, reaps them and exits,
+/// and is reaped. Should it not (a test that failed before the children
+/// were there), its process group, its own, is killed whole.
+#[cfg(test)]
+pub(crate) struct VforkedJob {
+    /// The helper, named `make`.
+    pub helper: u32,
+}
+
+#[cfg(test)]
+impl VforkedJob {
+    pub fn start() -> VforkedJob {
+        use std::ffi::CString;
+        // Everything the helper needs is made before the fork: after it,
+        // in a copy of a process with threads, only async-signal-safe
+        // calls (no allocation).
+        let sleep = std::env::split_paths(&std::env::var_os("PATH").unwrap_or_default())
+            .map(|d| d.join("sleep"))
+            .find(|p| p.is_file())
+            .expect("sleep on PATH");
+        let sleep = CString::new(sleep.into_os_string().into_encoded_bytes()).unwrap();
+        let sixty = CString::new("60").unwrap();
+        let argv = [sleep.as_ptr(), sixty.as_ptr(), std::ptr::null()];
+        let mut stack = vec![0u8; 64 * 1024];
+        // The stack grows down: the child starts at its 16-byte aligned top.
+        let top = (stack.as_mut_ptr() as usize + stack.len()) & !15;
+        extern "C" fn never_exec(_: *mut libc::c_void) -> libc::c_int {
+            loop {
+                // SAFETY: pause has no preconditions.
+                unsafe { libc::pause() };
+            }
+        }
+        // SAFETY: fork; the child is handled below.
+        let helper = unsafe { libc::fork() };
+        assert!(helper >= 0, "fork: {}", io::Error::last_os_error());
+        if helper == 0 {
+            // SAFETY: the forked helper makes only async-signal-safe calls
+            // (setpgid, prctl, fork, execv, clone, waitpid, _exit) on memory
+            // made before the fork, and never returns into Rust code. The
+            // cloned child runs never_exec on `stack`, which nothing else
+            // uses, and calls nothing but pause.
+            unsafe {
+                libc::setpgid(0, 0);
+                libc::prctl(libc::PR_SET_NAME, c"make".as_ptr());
+                if libc::fork() == 0 {
+                    libc::execv(argv[0], argv.as_ptr());
+                    libc::_exit(127);
+                }
+                libc::clone(
+                    never_exec,
+                    top as *mut libc::c_void,
+                    libc::CLONE_VM | libc::CLONE_VFORK | libc::SIGCHLD,
+                    std::ptr::null_mut(),
+                );
+                while libc::waitpid(-1, std::ptr::null_mut(), 0) > 0 {}
+                libc::_exit(0);
+            }
+        }
+        drop(stack);
+        // SAFETY: setpgid on our own child (as it does itself: whichever
+        // comes first), so that drop's kill of the group never misses it.
+        unsafe { libc::setpgid(helper, helper) };
+        VforkedJob {
+            helper: helper as u32,
+        }
+    }
+
+    /// The helper's children once both are there and `sleep` has exec'd:
+    /// (the exec'd `sleep`, the vfork child).
+    pub fn children(&self) -> (u32, u32) {
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+        loop {
+            let kids = children(self.helper);
+            let named = |name: &str| {
+                kids.iter()
+                    .copied()
+                    .find(|&k| stat(k).is_some_and(|s| s.comm == name))
+            };
+            if let (2, Some(sleep), Some(vforked)) = (kids.len(), named("sleep"), named("make")) {
+                return (sleep, vforked);
+            }
+            assert!(std::time::Instant::now() < deadline, "never started");
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        }
+    }
+}
+
+#[cfg(test)]
+impl Drop for VforkedJob {
+    fn drop(&mut self) {
+        let helper = self.helper as i32;
+        for child in children(self.helper) {
+            signal(child, libc::SIGKILL);
+        }
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        // SAFETY: waitpid of our own child, kill(2) of the group it made
+        // (our own processes only).
+        unsafe {
+            while libc::waitpid(helper, std::ptr::null_mut(), libc::WNOHANG) == 0 {
+                if std::time::Instant::now() > deadline {
+                    libc::kill(-helper, libc::SIGKILL);
+                    libc::waitpid(helper, std::ptr::null_mut(), 0);
+                    return;
+                }
+                std::thread::sleep(std::time::Duration::from_millis(1));
+            }
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -332,5 +477,40 @@ mod tests {
     fn a_pidfd_of_a_live_process_only() {
         assert!(pidfd_open(std::process::id()).is_ok());
         assert!(pidfd_open(4_000_000_000).is_err());
+    }
+
+    #[test]
+    fn a_vfork_child_that_has_not_execd_shares_its_parents_memory() {
+        let job = VforkedJob::start();
+        let (sleep, vforked) = job.children();
+        assert!(shares_memory_with(vforked, job.helper), "vforked, no exec");
+        assert!(shares_memory_with(job.helper, vforked), "either way round");
+        assert!(
+            !shares_memory_with(sleep, job.helper),
+            "forked and exec'd: a memory of its own"
+        );
+        let mut child = std::process::Command::new("sleep")
+            .arg("60")
+            .spawn()
+            .unwrap();
+        let pid = child.id();
+        let exec_done = || {
+            std::fs::read_link(format!("/proc/{pid}/exe"))
+                .is_ok_and(|exe| exe.file_name().is_some_and(|n| n == "sleep"))
+        };
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+        while !exec_done() && std::time::Instant::now() < deadline {
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        }
+        let (execd, shares) = (exec_done(), shares_memory_with(pid, std::process::id()));
+        let _ = child.kill();
+        let _ = child.wait();
+        assert!(execd, "never exec'd");
+        assert!(!shares, "an exec'd child shares nothing with its parent");
+        assert!(shares_memory_with(std::process::id(), std::process::id()));
+        assert!(
+            !shares_memory_with(4_000_000_000, std::process::id()),
+            "gone"
+        );
     }
 }
