@@ -10,7 +10,7 @@
 
 use super::procs::{Exits, Threads};
 use super::waiters::{
-    Caller, Fh, Pid, PollAnswer, PollCall, PollWaker, ReadReply, Waiters, WaitersState,
+    Caller, Fh, Handed, Pid, PollAnswer, PollCall, PollWaker, ReadReply, Waiters,
 };
 use crate::broker::{Broker, ClientMeta, Transport};
 use crate::log;
@@ -123,7 +123,7 @@ pub const HANDOVER_NAME: &str = ".baton-handover";
 /// bound to this process: see `Waiters::hand_over`).
 #[derive(Debug, Serialize, Deserialize)]
 pub struct FsState {
-    waiters: WaitersState,
+    waiters: Handed<FuseRead, FuseAnswer>,
     #[serde(flatten)]
     table: FileTable,
 }
@@ -213,7 +213,7 @@ impl FsShared {
         let broker = self.broker.lock().expect("broker lock");
         let waker = |handle| FusePoll::Adopted(notifier.clone(), PollHandle(handle));
         let hold = inner.waiters.hold();
-        inner.waiters = Waiters::adopt(state.waiters, &broker, waker, Instant::now(), hold)?;
+        inner.waiters = Waiters::adopt(state.waiters, &broker, waker, hold)?;
         inner.table = state.table;
         let pids: Vec<Pid> = inner.waiters.pids().collect();
         drop(broker);
@@ -257,7 +257,7 @@ impl FsShared {
             let mut inner = self.inner.lock().expect("fuse state lock");
             let mut broker = self.broker.lock().expect("broker lock");
             inner.frozen = true;
-            let waiters = inner.waiters.hand_over(&mut broker, Instant::now());
+            let waiters = inner.waiters.hand_over(&mut broker);
             FsState {
                 waiters,
                 table: inner.table.clone(),
@@ -827,6 +827,41 @@ mod tests {
         let mut again = serde_json::to_value(&state).unwrap();
         assert_eq!(again["holding"], serde_json::json!([]));
         again.as_object_mut().unwrap().remove("holding");
+        assert_eq!(again, old);
+    }
+
+    /// The waiters travel as the value they are, under the names and
+    /// shapes the hand-copied form they replace had: each process with its
+    /// client, each polled handle with its kernel handle, its place in the
+    /// queue and the time its reservation has left.
+    #[test]
+    fn the_waiters_travel_under_the_names_and_shapes_they_always_had() {
+        let old = serde_json::json!({
+            "waiters": {
+                "mode": "OneAtATime",
+                "processes": [[4242, 3]],
+                "polled": [
+                    {"fh": 7, "client": 3, "kernel_handle": 99, "queued": true, "reserved_for": null},
+                    {"fh": 8, "client": 3, "kernel_handle": 100, "queued": false,
+                     "reserved_for": {"secs": 3600, "nanos": 0}},
+                ],
+            },
+            "files": [[2, "make.1"]],
+            "next_ino": 3,
+            "handles": [[7, 2], [8, 2]],
+            "next_fh": 9,
+            "holding": [],
+        });
+        let state: super::FsState = serde_json::from_value(old.clone()).unwrap();
+        let mut again = serde_json::to_value(&state).unwrap();
+        let polled = again["waiters"]["polled"].as_array_mut().unwrap();
+        polled.sort_by_key(|p| p["fh"].as_u64());
+        let left = polled[1]["reserved_for"]["secs"].as_u64().unwrap();
+        assert!(
+            (3500..3600).contains(&left),
+            "an hour's reservation has a little less than an hour left: {left} s"
+        );
+        polled[1]["reserved_for"] = serde_json::json!({"secs": 3600, "nanos": 0});
         assert_eq!(again, old);
     }
 

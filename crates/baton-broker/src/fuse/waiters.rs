@@ -133,15 +133,25 @@ struct Held<A> {
     until: Instant,
 }
 
+/// A poll()ed handle. A successor receives it as it is, with `N` the
+/// kernel's poll handle: who polls, its place in the queue, the time its
+/// reservation has left; a held poll is answered before (`hand_over`).
+#[derive(Serialize, Deserialize)]
+#[serde(bound(serialize = "N: Serialize", deserialize = "N: Deserialize<'de>"))]
 struct Polled<N, A> {
     client: ClientId,
+    #[serde(rename = "kernel_handle")]
     waker: N,
     queued: bool,
+    #[serde(rename = "reserved_for", with = "time_left")]
     reserved_until: Option<Instant>,
+    #[serde(skip)]
     held: Option<Held<A>>,
     /// A poller was answered "not ready" and sleeps until its handle is
     /// woken. (Never when the only poller is held: waking its handle would
-    /// only rouse it in its request, for nothing.)
+    /// only rouse it in its request, for nothing.) A successor takes every
+    /// poller to sleep.
+    #[serde(skip)]
     sleeps: bool,
 }
 
@@ -167,36 +177,94 @@ impl<N, A: PollAnswer> Polled<N, A> {
     }
 }
 
-/// The waiters as a successor broker receives them: which process is
-/// which client, and each polled handle with its kernel poll handle, its
-/// place in the queue or its reservation (the time it has left).
-#[derive(Debug, Serialize, Deserialize)]
-pub struct WaitersState {
-    mode: Mode,
-    processes: Vec<(Pid, ClientId)>,
-    polled: Vec<PolledState>,
-}
-
-#[derive(Debug, Serialize, Deserialize)]
-struct PolledState {
-    fh: Fh,
-    client: ClientId,
-    kernel_handle: u64,
-    queued: bool,
-    reserved_for: Option<Duration>,
-}
-
 /// The FUSE file's waiters and reservations.
+///
+/// A successor broker receives this value itself (serde), as
+/// [`Handed`]: which process is which client, and each polled handle by
+/// its kernel poll handle. Blocked reads and held polls are bound to this
+/// process and are answered before ([`Waiters::hand_over`]); how long polls
+/// are held is the successor's to choose.
+#[derive(Serialize, Deserialize)]
+#[serde(bound(serialize = "N: Serialize", deserialize = "N: Deserialize<'de>"))]
 pub struct Waiters<R, N, A> {
     mode: Mode,
     /// How long a poll is held at most; zero: never.
+    #[serde(skip)]
     hold: Duration,
     /// The mount came from a killed broker: a process may give back more
     /// than it took from us (tokens that broker granted).
+    #[serde(skip)]
     forgiving: bool,
+    #[serde(with = "crate::pairs")]
     processes: HashMap<Pid, ClientId>,
+    #[serde(skip)]
     reads: HashMap<(ClientId, Tag), BlockedRead<R>>,
+    #[serde(with = "by_handle")]
     polled: HashMap<Fh, Polled<N, A>>,
+}
+
+/// The waiters as they travel to a successor: each poller by its kernel
+/// poll handle.
+pub type Handed<R, A> = Waiters<R, u64, A>;
+
+impl<R, N, A> std::fmt::Debug for Waiters<R, N, A> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Waiters")
+            .field("mode", &self.mode)
+            .field("processes", &self.processes)
+            .field("reads", &self.reads.len())
+            .field("polled", &self.polled.len())
+            .finish()
+    }
+}
+
+/// A deadline as the time it has left when written, and read back as that
+/// much from when it is read: an `Instant` means nothing in another
+/// process.
+mod time_left {
+    use serde::{Deserialize, Deserializer, Serialize, Serializer};
+    use std::time::{Duration, Instant};
+
+    pub fn serialize<S: Serializer>(until: &Option<Instant>, s: S) -> Result<S::Ok, S::Error> {
+        until
+            .map(|t| t.saturating_duration_since(Instant::now()))
+            .serialize(s)
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Option<Instant>, D::Error> {
+        Ok(Option::<Duration>::deserialize(d)?.map(|left| Instant::now() + left))
+    }
+}
+
+/// The polled handles as a list, each with its handle number beside its
+/// fields (`{"fh": 7, "client": ..}`), as brokers before this one wrote them.
+mod by_handle {
+    use super::{Fh, Polled};
+    use serde::{Deserialize, Deserializer, Serialize, Serializer};
+    use std::collections::HashMap;
+
+    #[derive(Serialize, Deserialize)]
+    struct Entry<P> {
+        fh: Fh,
+        #[serde(flatten)]
+        polled: P,
+    }
+
+    pub fn serialize<N: Serialize, A, S: Serializer>(
+        polled: &HashMap<Fh, Polled<N, A>>,
+        s: S,
+    ) -> Result<S::Ok, S::Error> {
+        s.collect_seq(polled.iter().map(|(&fh, polled)| Entry { fh, polled }))
+    }
+
+    pub fn deserialize<'de, N: Deserialize<'de>, A, D: Deserializer<'de>>(
+        d: D,
+    ) -> Result<HashMap<Fh, Polled<N, A>>, D::Error> {
+        Ok(Vec::<Entry<Polled<N, A>>>::deserialize(d)?
+            .into_iter()
+            .map(|e| (e.fh, e.polled))
+            .collect())
+    }
 }
 
 impl<R: ReadReply, N: PollWaker, A: PollAnswer> Waiters<R, N, A> {
@@ -211,12 +279,13 @@ impl<R: ReadReply, N: PollWaker, A: PollAnswer> Waiters<R, N, A> {
         }
     }
 
-    /// The state to hand a successor. A blocked read cannot travel (its
+    /// The waiters to hand a successor. A blocked read cannot travel (its
     /// reply is bound to this process): it fails with EINTR, as a signal
     /// would make it, and its request leaves the queue; readers retry. A
     /// held poll is answered "not ready": its poller sleeps on its handle,
-    /// which the successor wakes.
-    pub fn hand_over(&mut self, broker: &mut Broker, now: Instant) -> WaitersState {
+    /// which the successor wakes. These waiters stay as they were besides,
+    /// to carry on with should the handover fail.
+    pub fn hand_over(&mut self, broker: &mut Broker) -> Handed<R, A> {
         for ((client, tag), read) in self.reads.drain() {
             broker.cancel(client, tag);
             read.reply.fail(libc::EINTR);
@@ -227,17 +296,21 @@ impl<R: ReadReply, N: PollWaker, A: PollAnswer> Waiters<R, N, A> {
         let polled = self
             .polled
             .iter()
-            .map(|(&fh, p)| PolledState {
-                fh,
-                client: p.client,
-                kernel_handle: p.waker.handle(),
-                queued: p.queued,
-                reserved_for: p.reserved_until.map(|t| t.saturating_duration_since(now)),
+            .map(|(&fh, p)| {
+                let handle = Polled {
+                    queued: p.queued,
+                    reserved_until: p.reserved_until,
+                    ..Polled::new(p.client, p.waker.handle())
+                };
+                (fh, handle)
             })
             .collect();
-        WaitersState {
+        Waiters {
             mode: self.mode,
-            processes: self.processes.iter().map(|(&pid, &id)| (pid, id)).collect(),
+            hold: self.hold,
+            forgiving: false,
+            processes: self.processes.clone(),
+            reads: HashMap::new(),
             polled,
         }
     }
@@ -247,10 +320,9 @@ impl<R: ReadReply, N: PollWaker, A: PollAnswer> Waiters<R, N, A> {
     /// Every process and client named must be known to `broker`, which
     /// came with them.
     pub fn adopt(
-        state: WaitersState,
+        handed: Handed<R, A>,
         broker: &Broker,
         waker: impl Fn(u64) -> N,
-        now: Instant,
         hold: Duration,
     ) -> Result<Self, &'static str> {
         let known = |pid: Pid, client: ClientId| {
@@ -259,45 +331,38 @@ impl<R: ReadReply, N: PollWaker, A: PollAnswer> Waiters<R, N, A> {
                 .meta(client)
                 .is_some_and(|m| m.pid == pid && m.transport == Transport::Fuse)
         };
-        if !state
+        if !handed
             .processes
             .iter()
-            .all(|&(pid, client)| known(pid, client))
+            .all(|(&pid, &client)| known(pid, client))
         {
             return Err("a FUSE process is not the broker's FUSE client");
         }
-        let processes: HashMap<Pid, ClientId> = state.processes.into_iter().collect();
-        if !state
+        if !handed
             .polled
-            .iter()
-            .all(|p| processes.values().any(|&c| c == p.client))
+            .values()
+            .all(|p| handed.processes.values().any(|&c| c == p.client))
         {
             return Err("a polled handle belongs to no FUSE process");
         }
-        let polled = state
+        let polled = handed
             .polled
             .into_iter()
-            .map(|p| {
-                let reserved_until = p.reserved_for.map(|d| now + d);
+            .map(|(fh, p)| {
                 // Whoever polled it may sleep on the handle.
-                (
-                    p.fh,
-                    Polled {
-                        queued: p.queued,
-                        reserved_until,
-                        sleeps: true,
-                        ..Polled::new(p.client, waker(p.kernel_handle))
-                    },
-                )
+                let adopted = Polled {
+                    queued: p.queued,
+                    reserved_until: p.reserved_until,
+                    sleeps: true,
+                    ..Polled::new(p.client, waker(p.waker))
+                };
+                (fh, adopted)
             })
             .collect();
         Ok(Waiters {
-            mode: state.mode,
-            hold,
-            forgiving: false,
-            processes,
-            reads: HashMap::new(),
+            processes: handed.processes,
             polled,
+            ..Waiters::new(handed.mode, hold)
         })
     }
 
@@ -1033,17 +1098,11 @@ mod tests {
     fn a_handover_answers_held_polls_and_the_successor_wakes_them() {
         let mut f = Fixture::polls_held_behind_a_holder(&[(2, "p2")]);
         f.events();
-        let state = f.waiters.hand_over(&mut f.broker, f.now);
+        let state = f.waiters.hand_over(&mut f.broker);
         assert_eq!(f.events(), ["p2 not ready"]);
         let log = f.log.clone();
-        f.waiters = Waiters::adopt(
-            state,
-            &f.broker,
-            |_| Waker(log.clone(), "adopted p2"),
-            f.now,
-            HOLD,
-        )
-        .unwrap();
+        f.waiters =
+            Waiters::adopt(state, &f.broker, |_| Waker(log.clone(), "adopted p2"), HOLD).unwrap();
         f.write(1, 1).unwrap();
         assert_eq!(f.events(), ["adopted p2 woken"]);
     }
