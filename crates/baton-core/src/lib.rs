@@ -7,6 +7,7 @@
 #![deny(missing_docs)]
 
 pub mod cluster;
+pub mod fastpath;
 pub mod gates;
 pub mod idle;
 pub mod metrics;
