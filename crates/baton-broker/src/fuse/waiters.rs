@@ -1108,6 +1108,80 @@ mod tests {
     }
 
     #[test]
+    fn a_reservation_crosses_a_handover_and_still_runs_out() {
+        let mut f = Fixture::new(1, Mode::OneAtATime, &[1, 2, 3]);
+        f.read(1, 10, false, "holder");
+        f.poll(2, 20, "p2");
+        f.poll(3, 30, "p3");
+        f.events();
+        f.write(1, 1).unwrap();
+        assert_eq!(f.events(), ["p2 woken"]);
+        let handed = f.waiters.hand_over(&mut f.broker);
+        let log = f.log.clone();
+        f.waiters =
+            Waiters::adopt(handed, &f.broker, |_| Waker(log.clone(), "adopted"), HOLD).unwrap();
+        assert_eq!(
+            f.waiters.hold(),
+            HOLD,
+            "polls are held as this broker was told"
+        );
+        assert_eq!(
+            f.waiters.next_deadline(),
+            Some(f.now + RESERVATION),
+            "p2's reservation came along"
+        );
+        f.read(3, 30, false, "p3 too soon");
+        assert_eq!(f.events(), [format!("p3 too soon errno {}", libc::EAGAIN)]);
+        f.now += RESERVATION;
+        f.waiters.expire(&mut f.broker, f.now);
+        f.settle();
+        assert_eq!(f.events(), ["adopted woken"], "then it passes to p3");
+        f.read(3, 30, false, "p3 read");
+        assert_eq!(f.events(), ["p3 read token"]);
+    }
+
+    #[test]
+    fn two_threads_of_one_process_wait_in_two_reads_and_both_are_answered() {
+        let mut f = Fixture::new(2, Mode::OneAtATime, &[1, 2]);
+        f.read(1, 10, false, "h1");
+        f.read(1, 11, false, "h2");
+        f.events();
+        f.read(2, 20, true, "first thread");
+        f.read(2, 21, true, "second thread");
+        f.write(1, 2).unwrap();
+        assert_eq!(f.events(), ["first thread token", "second thread token"]);
+        assert_eq!(f.free(), 0);
+    }
+
+    #[test]
+    fn reading_more_than_the_pool_has_says_edeadlk_and_a_stranger_einval() {
+        assert_eq!(
+            errno_of(&PoolError::MoreThanLimit { asked: 3, limit: 2 }),
+            libc::EDEADLK
+        );
+        assert_eq!(
+            errno_of(&PoolError::OverRelease { asked: 2, held: 1 }),
+            libc::ENOSPC
+        );
+        assert_eq!(
+            errno_of(&PoolError::UnknownClient(ClientId(7))),
+            libc::EINVAL
+        );
+    }
+
+    #[test]
+    fn notify_all_keeps_a_waiting_poller_past_a_round_of_expiries() {
+        let mut f = Fixture::new(1, Mode::NotifyAll, &[1, 2]);
+        f.read(1, 10, false, "holder");
+        assert!(!f.poll(2, 20, "p2"));
+        f.events();
+        f.now += RESERVATION;
+        f.waiters.expire(&mut f.broker, f.now);
+        f.write(1, 1).unwrap();
+        assert_eq!(f.events(), ["p2 woken"]);
+    }
+
+    #[test]
     fn notify_all_wakes_every_poller() {
         let mut f = Fixture::new(1, Mode::NotifyAll, &[1, 2, 3]);
         f.read(1, 10, false, "holder");
