@@ -927,3 +927,39 @@ fn admitting_others_in_the_private_directory_or_an_unknown_group_is_refused() {
         "{said}"
     );
 }
+
+/// With `--allow-group`, the broker warns at start when the users it
+/// admits cannot search its socket's directory, and only then: the group
+/// it allows may, through the directory's group bits, when the directory
+/// belongs to that group; anyone may through its others' bits.
+#[test]
+fn the_socket_directory_draws_a_warning_only_when_the_admitted_cannot_search_it() {
+    if !can_act_as_another_user() {
+        return; // recorded: chown needs root
+    }
+    for (mode, gid, warned) in [
+        (0o750, MEMBERS_GROUP, false),
+        (0o700, MEMBERS_GROUP, true),
+        (0o750, 0, true),
+        (0o701, 0, false),
+    ] {
+        let tmp = TempDir::new("group-dir");
+        let run = tmp.path().join("run");
+        std::fs::create_dir(&run).unwrap();
+        std::os::unix::fs::chown(&run, None, Some(gid)).unwrap();
+        chmod(&run, mode);
+        let out = baton()
+            .args(["serve", "--jobs", "1", "--no-fuse", "--idle-timeout", "1"])
+            .args(["--allow-group", &MEMBERS_GROUP.to_string(), "--socket"])
+            .arg(run.join("socket"))
+            .output()
+            .unwrap();
+        let said = output_text(&out);
+        assert!(out.status.success(), "{said}");
+        assert_eq!(
+            said.contains("cannot be searched by the users --allow-uid/--allow-group admit"),
+            warned,
+            "mode {mode:o}, group {gid}: {said}"
+        );
+    }
+}
