@@ -386,22 +386,45 @@ fn baton_run_marks_a_make_builds_file_hold_and_another_commands_notify() {
 }
 
 /// `auto` gives make ≥ 4.4 the file only from 32 tokens: below, a FIFO's
-/// herd costs less than the file's round trips (docs/jobserver.md).
+/// herd costs less than the file's round trips (docs/jobserver.md); with
+/// `--max`, or from a broker without the mount, the FIFO as well. Its
+/// `--explain` says which of the three kept the file away.
 #[test]
 fn auto_gives_make_4_4_the_file_from_32_tokens_and_the_fifo_below() {
-    for (jobs, form) in [
-        (16, "fifo (fifo:PATH)"),
-        (32, "fuse (fifo:PATH on the broker's FUSE mount)"),
+    let (fifo, fuse) = (
+        "fifo (fifo:PATH)",
+        "fuse (fifo:PATH on the broker's FUSE mount)",
+    );
+    let (max, no_mount) = (["--max", "2"], ["--no-fuse"]);
+    for (jobs, serve, run, form, not_fuse) in [
+        (16, &[][..], &[][..], fifo, Some("16 tokens: below 32")),
+        (32, &[], &[], fuse, None),
+        (32, &[], &max, fifo, Some("--max needs the bridge")),
+        (
+            32,
+            &no_mount,
+            &[],
+            fifo,
+            Some("the broker has no FUSE mount"),
+        ),
     ] {
-        let Some(broker) = fuse_broker(jobs, &[]) else {
-            return;
+        let broker = if serve.is_empty() {
+            let Some(broker) = fuse_broker(jobs, &[]) else {
+                return;
+            };
+            broker
+        } else {
+            Broker::start_with(jobs, serve)
         };
         let dir = TempDir::new("auto-size");
         std::fs::write(dir.path().join("Makefile"), "all:\n\t@true\n").unwrap();
         let make = make44();
+        let mut args = vec!["--explain"];
+        args.extend(run);
+        args.extend(["--", make.to_str().unwrap(), "-s"]);
         // No reader of R,W only in sight: make 4.4.1 is $MAKE, and no cc.
         let out = broker
-            .run(&["--explain", "--", make.to_str().unwrap(), "-s"])
+            .run(&args)
             .current_dir(dir.path())
             .env_remove("MAKEFLAGS")
             .env("MAKE", &make)
@@ -414,6 +437,10 @@ fn auto_gives_make_4_4_the_file_from_32_tokens_and_the_fifo_below() {
             err.contains(&format!("jobserver: {form} (auto)")),
             "{jobs} tokens: {err}"
         );
+        match not_fuse {
+            Some(why) => assert!(err.contains(&format!("  not fuse: {why}")), "{err}"),
+            None => assert!(!err.contains("not fuse"), "{err}"),
+        }
         broker.assert_all_free();
     }
 }
