@@ -548,6 +548,11 @@ fn a_finished_build_leaves_no_fifo() {
         .output()
         .unwrap();
     assert_built(&out);
+    let said = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !said.contains("stray"),
+        "no stray byte, no word of one: {said}"
+    );
     let fifo = PathBuf::from(String::from_utf8(out.stdout).unwrap().trim());
     assert!(
         fifo.starts_with(broker.socket.parent().unwrap()),
