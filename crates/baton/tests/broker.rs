@@ -434,6 +434,24 @@ fn a_client_gone_before_it_was_accepted_does_not_keep_a_newcomer_out() {
     assert!(status.success());
 }
 
+/// A client that hangs up with replies it never read is closed like any
+/// other: its token comes back, and the broker serves on.
+#[test]
+fn a_client_that_hangs_up_on_unread_replies_is_closed_and_others_served() {
+    let broker = Broker::start(1);
+    let mut gone = UnixStream::connect(&broker.socket).unwrap();
+    gone.write_all(b"HELLO 1 gone\nACQUIRE 1\n").unwrap();
+    wait_for(Duration::from_secs(10), "its token to be granted", || {
+        broker.status().held == 1
+    });
+    drop(gone);
+    broker.wait_all_free();
+    let mut next = broker.client("next");
+    next.acquire(1).unwrap();
+    next.release(1).unwrap();
+    broker.assert_all_free();
+}
+
 /// Raw bytes, for what the client library would never send.
 fn raw_exchange(broker: &Broker, bytes: &[u8]) -> String {
     let mut s = UnixStream::connect(&broker.socket).unwrap();
