@@ -39,9 +39,10 @@ pub struct StoppedJob {
 pub struct Snapshot {
     procs: HashMap<u32, Stat>,
     children: HashMap<u32, Vec<u32>>,
-    /// Children of a build tool that still share its memory: vforked, not
-    /// yet exec'd ([`sys::shares_memory_with`]).
-    unexeced: HashSet<u32>,
+    /// Whether two processes share one address space
+    /// ([`sys::shares_memory_with`]; asked only of the jobs found, not of
+    /// every process of the machine).
+    shares_memory: fn(u32, u32) -> bool,
 }
 
 impl Snapshot {
@@ -51,20 +52,10 @@ impl Snapshot {
         for (&pid, p) in &procs {
             children.entry(p.ppid).or_default().push(pid);
         }
-        let unexeced = procs
-            .iter()
-            .filter(|(_, p)| {
-                procs
-                    .get(&p.ppid)
-                    .is_some_and(|parent| TOOLS.contains(&parent.comm.as_str()))
-            })
-            .filter(|&(&pid, p)| sys::shares_memory_with(pid, p.ppid))
-            .map(|(&pid, _)| pid)
-            .collect();
         Snapshot {
             procs,
             children,
-            unexeced,
+            shares_memory: sys::shares_memory_with,
         }
     }
 
@@ -97,7 +88,7 @@ impl Snapshot {
             // runs in its make's memory, and its make waits in vfork until
             // it execs: stopped there, it would hold the whole build. It is
             // about to exec; it can be stopped after.
-            .filter(|pid| !self.unexeced.contains(pid))
+            .filter(|&pid| !(self.shares_memory)(pid, self.procs[&pid].ppid))
             .map(|root| Job {
                 root,
                 start: self.procs[&root].start,
@@ -361,10 +352,12 @@ mod tests {
         for (&pid, p) in &procs {
             children.entry(p.ppid).or_default().push(pid);
         }
+        // Made-up pids may be real ones here (kernel threads share "no
+        // memory" alike): none of these is between vfork and exec.
         Snapshot {
             procs,
             children,
-            unexeced: HashSet::new(),
+            shares_memory: |_, _| false,
         }
     }
 

@@ -1141,7 +1141,7 @@ mod tests {
     }
 
     #[test]
-    fn two_threads_of_one_process_wait_in_two_reads_and_both_are_answered() {
+    fn two_blocked_reads_of_one_process_are_both_answered() {
         let mut f = Fixture::new(2, Mode::OneAtATime, &[1, 2]);
         f.read(1, 10, false, "h1");
         f.read(1, 11, false, "h2");
