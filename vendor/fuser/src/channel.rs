@@ -31,6 +31,12 @@ impl Channel {
         nix::unistd::read(&self.0, buffer)
     }
 
+    /// Receives one request without retrying: on a non-blocking
+    /// descriptor, `EAGAIN` says none is waiting (baton's addition).
+    pub(crate) fn receive_now(&self, buffer: &mut [u8]) -> nix::Result<usize> {
+        self.receive(buffer)
+    }
+
     /// Receives data up to the capacity of the given buffer (can block),
     /// retrying on errors that are safe to retry (ENOENT, EINTR, EAGAIN).
     ///

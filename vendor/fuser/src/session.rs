@@ -515,6 +515,103 @@ impl<FS: Filesystem> Session<FS> {
     }
 }
 
+/// What one call of [`CallerSession::serve_ready`] did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Served {
+    /// It served every request the kernel had waiting.
+    AllWaiting,
+    /// The session ended: unmounted, or the kernel sent DESTROY.
+    Ended,
+}
+
+/// Baton's addition: a session served on the caller's own thread, by the
+/// caller's event loop. The descriptor is non-blocking; when the loop finds
+/// it readable, [`CallerSession::serve_ready`] reads and dispatches every
+/// request waiting, then returns. So the filesystem's methods run on the
+/// loop's thread, with whatever state that thread owns.
+pub struct CallerSession<FS: Filesystem> {
+    event_loop: SessionEventLoop<FS>,
+    buf: FuseReadBuf,
+    _mount: UmountOnDrop,
+}
+
+impl<FS: Filesystem> Session<FS> {
+    /// Serves this session from the caller's event loop instead of a thread
+    /// of its own (see [`CallerSession`]).
+    /// # Errors
+    /// The descriptor cannot be made non-blocking.
+    pub fn into_caller_session(self) -> io::Result<CallerSession<FS>> {
+        let Session {
+            filesystem,
+            ch,
+            mount,
+            allowed,
+            session_owner,
+            proto_version: _,
+            config: _,
+        } = self;
+        let flags = nix::fcntl::fcntl(&ch, nix::fcntl::FcntlArg::F_GETFL)?;
+        let flags = nix::fcntl::OFlag::from_bits_retain(flags) | nix::fcntl::OFlag::O_NONBLOCK;
+        nix::fcntl::fcntl(&ch, nix::fcntl::FcntlArg::F_SETFL(flags))?;
+        Ok(CallerSession {
+            event_loop: SessionEventLoop {
+                thread_name: thread::current().name().unwrap_or("caller").to_string(),
+                filesystem: Arc::new(filesystem),
+                ch,
+                allowed,
+                session_owner,
+            },
+            buf: FuseReadBuf::new(),
+            _mount: mount,
+        })
+    }
+}
+
+impl<FS: Filesystem> CallerSession<FS> {
+    /// Reads and dispatches requests until none is waiting.
+    /// # Errors
+    /// The kernel sent a request fuser cannot parse, or the read failed.
+    pub fn serve_ready(&mut self) -> io::Result<Served> {
+        loop {
+            let buf = self.buf.as_mut();
+            let size = match self.event_loop.ch.receive_now(buf) {
+                Ok(size) => size,
+                Err(nix::errno::Errno::EAGAIN) => return Ok(Served::AllWaiting),
+                // The request was interrupted before we read it; try the next.
+                Err(nix::errno::Errno::ENOENT | nix::errno::Errno::EINTR) => continue,
+                Err(nix::errno::Errno::ENODEV) => return Ok(Served::Ended),
+                Err(err) => return Err(err.into()),
+            };
+            let Some(req) = RequestWithSender::new(self.event_loop.ch.sender(), &buf[..size])
+            else {
+                return Err(io::Error::new(io::ErrorKind::InvalidData, "Invalid request"));
+            };
+            if let Ok(Operation::Destroy(_)) = req.request.operation() {
+                req.reply::<ReplyEmpty>().ok();
+                return Ok(Served::Ended);
+            }
+            req.dispatch(&self.event_loop);
+        }
+    }
+
+    /// Sends notifications to the kernel (poll wake-ups).
+    pub fn notifier(&self) -> Notifier {
+        Notifier::new(self.event_loop.ch.sender())
+    }
+}
+
+impl<FS: Filesystem> std::fmt::Debug for CallerSession<FS> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CallerSession").finish_non_exhaustive()
+    }
+}
+
+impl<FS: Filesystem> AsFd for CallerSession<FS> {
+    fn as_fd(&self) -> BorrowedFd<'_> {
+        self.event_loop.ch.as_fd()
+    }
+}
+
 #[derive(Debug)]
 /// A thread-safe object that can be used to unmount a Filesystem
 pub struct SessionUnmounter {
