@@ -60,12 +60,12 @@ pub struct Link {
 impl Link {
     /// Connects to etcd and checks the pool's limit, then serves in a
     /// thread of its own. Until it holds a cluster token, the local pool
-    /// may grant nothing.
+    /// may grant nothing: the caller caps it at none before the start
+    /// (its first [`LocalPool::set_held`] comes from the link's thread).
     ///
     /// # Errors
     /// etcd cannot be reached, or the pool exists with another limit.
     pub fn start(config: Config, local: Arc<dyn LocalPool>) -> Result<Link> {
-        local.set_held(0, Contact::Reachable);
         let runtime = tokio::runtime::Builder::new_current_thread()
             .enable_all()
             .build()

@@ -50,7 +50,7 @@ pub const DEFAULT_TTL: Duration = Duration::from_secs(5);
 pub const DEFAULT_LINGER: Duration = Duration::from_millis(200);
 
 /// What the local pool needs, as the broker sees it now.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Local {
     /// Tokens held by local clients.
     pub held: u32,
