@@ -110,6 +110,12 @@ pub struct Client {
     held: u32,
 }
 
+impl std::os::fd::AsFd for Client {
+    fn as_fd(&self) -> std::os::fd::BorrowedFd<'_> {
+        self.writer.as_fd()
+    }
+}
+
 impl Client {
     /// Connects to the broker at `path` and says hello. `label` is shown by
     /// `baton status` (a command line, say); at most 200 bytes, no newlines.
@@ -370,7 +376,7 @@ impl Client {
 
     /// The socket's file descriptor, readable when a reply has arrived.
     /// Replies may already be buffered: check [`Client::has_buffered_reply`]
-    /// before polling.
+    /// before polling. (Also as a borrowed descriptor: `AsFd`.)
     pub fn as_raw_fd(&self) -> std::os::fd::RawFd {
         use std::os::fd::AsRawFd;
         self.writer.as_raw_fd()

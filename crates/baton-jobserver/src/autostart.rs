@@ -16,7 +16,6 @@ use std::ffi::OsString;
 use std::fs::{DirBuilder, File, OpenOptions};
 use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
 use std::os::unix::net::UnixStream;
-use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -157,13 +156,7 @@ fn spawn_detached(start: &Autostart, log: &Path) -> Result<Child> {
         .stdin(Stdio::null())
         .stdout(Stdio::null())
         .stderr(log_file);
-    // SAFETY: setsid is async-signal-safe and touches no memory.
-    unsafe {
-        command.pre_exec(|| match libc::setsid() {
-            -1 => Err(std::io::Error::last_os_error()),
-            _ => Ok(()),
-        });
-    }
+    crate::sys::in_a_session_of_its_own(&mut command);
     command
         .spawn()
         .with_context(|| format!("cannot start a broker ({})", start.program.display()))

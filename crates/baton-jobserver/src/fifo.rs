@@ -8,7 +8,7 @@ use nix::sys::inotify::{AddWatchFlags, InitFlags, Inotify};
 use nix::sys::stat::Mode;
 use std::fs::{File, OpenOptions};
 use std::io::{ErrorKind, Read, Write};
-use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 
@@ -339,14 +339,7 @@ impl Drop for Fifo {
 }
 
 fn bytes_in(pipe: &File) -> u32 {
-    let mut n: libc::c_int = 0;
-    // SAFETY: FIONREAD writes one int to the pointer we pass.
-    let rc = unsafe { libc::ioctl(pipe.as_raw_fd(), libc::FIONREAD, &mut n) };
-    if rc < 0 {
-        0
-    } else {
-        n as u32
-    }
+    crate::sys::bytes_waiting(pipe)
 }
 
 /// Reads up to `n` bytes from a non-blocking pipe; returns how many.

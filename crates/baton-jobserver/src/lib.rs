@@ -21,7 +21,8 @@
 //! the pool's queue. The FUSE style closes it for `fifo:` clients.
 //!
 //! It reaches the broker only through `baton-client` and the documented
-//! protocol (docs/protocol.md), never through the broker's internals.
+//! protocol (docs/protocol.md), never through the broker's internals; and
+//! the system calls no safe wrapper covers only through `sys`.
 #![deny(missing_docs)]
 
 mod autostart;
@@ -38,6 +39,7 @@ mod log;
 mod probe;
 mod run;
 mod submakes;
+mod sys;
 
 pub use autostart::{log_path as autostart_log_path, Autostart, LazyAutostart};
 use feeder::Feeder;

@@ -194,8 +194,7 @@ pub fn find(program: &Path) -> Option<PathBuf> {
 
 fn read_if_ours(file: &Path) -> Option<String> {
     let m = std::fs::metadata(file).ok()?;
-    // SAFETY: geteuid cannot fail and touches no memory.
-    let ours = m.uid() == unsafe { libc::geteuid() } && m.mode() & 0o022 == 0;
+    let ours = m.uid() == crate::sys::effective_uid() && m.mode() & 0o022 == 0;
     ours.then(|| std::fs::read_to_string(file).ok()).flatten()
 }
 

@@ -24,7 +24,7 @@ use nix::sys::signal::{SigSet, Signal};
 use nix::sys::signalfd::{SfdFlags, SignalFd};
 use std::ffi::OsString;
 use std::io::ErrorKind;
-use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
+use std::os::fd::{AsFd, AsRawFd, OwnedFd};
 use std::os::unix::process::{CommandExt, ExitStatusExt};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus};
@@ -676,22 +676,7 @@ impl BrokerLink {
 /// Starts CMD with the signal mask restored and the parent-death signal set,
 /// so that CMD dies with us however we die.
 fn spawn_tied_to_us(command: &mut Command, blocked: SigSet) -> std::io::Result<Child> {
-    let parent = std::process::id() as libc::pid_t;
-    // SAFETY: the closure runs between fork and exec and only makes
-    // async-signal-safe system calls.
-    unsafe {
-        command.pre_exec(move || {
-            blocked.thread_unblock().map_err(std::io::Error::from)?;
-            if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) != 0 {
-                return Err(std::io::Error::last_os_error());
-            }
-            // We may have died before prctl took effect.
-            if libc::getppid() != parent {
-                libc::_exit(137);
-            }
-            Ok(())
-        });
-    }
+    crate::sys::tie_to_us(command, blocked);
     command.spawn()
 }
 
@@ -703,13 +688,14 @@ fn supervise(
     mut broker: BrokerLink,
     mut feeder: Option<Feeder>,
 ) -> Result<ExitStatus> {
-    let pidfd = pidfd_open(child.id())?;
+    let pidfd = crate::sys::pidfd_open(child.id())
+        .context("pidfd_open failed (Linux 5.3 or later is needed)")?;
     loop {
         if broker.alive && broker.client.has_buffered_reply() {
             on_broker_readable(&mut broker, feeder.as_mut());
             continue;
         }
-        let client_fd = unsafe { BorrowedFd::borrow_raw(broker.client.as_raw_fd()) };
+        let client_fd = broker.client.as_fd();
         let mut fds = vec![
             PollFd::new(pidfd.as_fd(), PollFlags::POLLIN),
             PollFd::new(signals.as_fd(), PollFlags::POLLIN),
@@ -819,8 +805,7 @@ fn forward_signals(signals: &SignalFd, child: u32) {
         if from_kernel && is_terminal_signal {
             continue;
         }
-        // SAFETY: plain kill(2) on the child we spawned and have not reaped.
-        unsafe { libc::kill(child as libc::pid_t, info.ssi_signo as i32) };
+        crate::sys::signal(child, info.ssi_signo as i32);
     }
 }
 
@@ -835,17 +820,6 @@ fn forwarded_signals() -> SigSet {
         set.add(s);
     }
     set
-}
-
-fn pidfd_open(pid: u32) -> Result<OwnedFd> {
-    // SAFETY: pidfd_open takes a pid and flags and returns a new fd or -1.
-    let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid as libc::pid_t, 0) };
-    if fd < 0 {
-        return Err(std::io::Error::last_os_error())
-            .context("pidfd_open failed (Linux 5.3 or later is needed)");
-    }
-    // SAFETY: the fd was just returned to us and nothing else owns it.
-    Ok(unsafe { OwnedFd::from_raw_fd(fd as i32) })
 }
 
 /// A shell's exit codes: 127 not found, 126 found but not runnable.
@@ -1004,14 +978,5 @@ mod tests {
         assert!(!r.due());
         r.next_try = std::time::Instant::now();
         assert!(r.due());
-    }
-
-    #[test]
-    fn a_pid_descriptor_is_had_for_a_running_process_only() {
-        assert!(pidfd_open(std::process::id()).is_ok());
-        let mut child = Command::new("true").spawn().unwrap();
-        let gone = child.id();
-        child.wait().unwrap();
-        assert!(pidfd_open(gone).is_err_and(|e| e.to_string().contains("pidfd_open failed")));
     }
 }

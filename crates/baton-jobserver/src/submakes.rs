@@ -241,8 +241,12 @@ mod tests {
             std::thread::yield_now();
         };
         let lines = ready.then(|| watch(root).finish());
-        // SAFETY: kill(2) of the process group we started.
-        unsafe { libc::kill(-(root as libc::pid_t), libc::SIGKILL) };
+        // The process group we started.
+        nix::sys::signal::killpg(
+            nix::unistd::Pid::from_raw(root as i32),
+            nix::sys::signal::Signal::SIGKILL,
+        )
+        .unwrap();
         build.wait().unwrap();
         assert!(ready, "the tree never ran");
         let lines = lines.unwrap();
