@@ -1,10 +1,11 @@
 //! The pool plus what the transports need around it: who each client is,
 //! since when it holds or waits, and where its grants must be delivered.
 //!
-//! One `Broker` is shared by every transport behind a mutex. A call that
-//! frees tokens returns grants; [`Broker::route`] files each under the
-//! transport that owns the client, and that transport's thread is woken to
-//! deliver them. Nothing here blocks or does I/O besides reading the clock.
+//! One `Broker`, owned by the event loop (crate::owner), serves every
+//! transport. A call that frees tokens returns grants; [`Broker::route`]
+//! files each under the transport that owns the client, and the loop
+//! delivers them at the end of its round. Nothing here blocks or does I/O
+//! besides reading the clock.
 
 use crate::log;
 use baton_core::cluster::{admission_cap, Contact};
@@ -76,7 +77,8 @@ struct BuildStats {
 const HISTORY_SLOT: Duration = Duration::from_secs(1);
 const HISTORY_SLOTS: usize = 600;
 
-/// Tells a transport's thread that grants wait for it (see [`Broker::on_grants`]).
+/// Wakes another thread from the loop: the gates', the cluster link's,
+/// the orphan watcher's. It runs on the loop: it must only wake.
 pub struct GrantHook(Box<dyn Fn() + Send + Sync>);
 
 impl std::fmt::Debug for GrantHook {
@@ -197,7 +199,6 @@ mod grants_by_transport {
 #[derive(Debug)]
 pub struct Broker {
     books: Books,
-    hooks: HashMap<Transport, GrantHook>,
     /// The cluster pool this broker is in (docs/cluster.md), with the
     /// cluster tokens its link holds: local grants stop there. None: no
     /// cluster pool.
@@ -273,7 +274,6 @@ impl Broker {
     fn around(books: Books) -> Self {
         Broker {
             books,
-            hooks: HashMap::new(),
             gates_hook: None,
             cluster: None,
             demand_hook: None,
@@ -323,13 +323,6 @@ impl Broker {
         self.utilization.advance(now, self.books.pool.held());
         let grants = self.books.pool.advance(now);
         self.route(grants);
-    }
-
-    /// Calls `hook` whenever a call files grants for `transport`, so that
-    /// whichever thread caused them, the transport's own thread learns of
-    /// them. The hook runs under the broker lock: it must only wake.
-    pub fn on_grants(&mut self, transport: Transport, hook: impl Fn() + Send + Sync + 'static) {
-        self.hooks.insert(transport, GrantHook(Box::new(hook)));
     }
 
     pub fn pool(&self) -> &Pool<ClientMeta> {
@@ -714,6 +707,14 @@ impl Broker {
         Ok(old)
     }
 
+    /// Whether grants wait for delivery by `transport`.
+    pub fn has_grants_for(&self, transport: Transport) -> bool {
+        self.books
+            .undelivered
+            .get(&transport)
+            .is_some_and(|grants| !grants.is_empty())
+    }
+
     /// Takes the grants waiting for delivery by one transport.
     pub fn take_grants(&mut self, transport: Transport) -> Vec<Grant> {
         self.books
@@ -749,8 +750,8 @@ impl Broker {
         }
     }
 
-    /// Calls `hook` whenever the gates' configuration is set. It runs under
-    /// the broker lock: it must only wake.
+    /// Calls `hook` whenever the gates' configuration is set. It runs on the
+    /// loop: it must only wake.
     pub fn on_gates_set(&mut self, hook: impl Fn() + Send + Sync + 'static) {
         self.gates_hook = Some(GrantHook(Box::new(hook)));
     }
@@ -924,10 +925,10 @@ impl Broker {
         }
     }
 
-    /// Files each grant under its client's transport and wakes those.
+    /// Files each grant under its client's transport, for the loop to
+    /// deliver.
     fn file(&mut self, grants: Vec<Grant>) {
         let now = SystemTime::now();
-        let mut woken = Vec::new();
         for grant in grants {
             let meta = self
                 .books
@@ -945,14 +946,6 @@ impl Broker {
                 .entry(transport)
                 .or_default()
                 .push(grant);
-            if !woken.contains(&transport) {
-                woken.push(transport);
-            }
-        }
-        for transport in woken {
-            if let Some(GrantHook(hook)) = self.hooks.get(&transport) {
-                hook();
-            }
         }
     }
 
@@ -1217,7 +1210,7 @@ impl Broker {
     }
 
     /// Calls `hook` whenever what the local pool holds or waits for may
-    /// have changed. It runs under the broker lock: it must only wake.
+    /// have changed. It runs on the loop: it must only wake.
     pub fn on_demand(&mut self, hook: impl Fn() + Send + Sync + 'static) {
         self.demand_hook = Some(GrantHook(Box::new(hook)));
     }

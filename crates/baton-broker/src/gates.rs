@@ -24,12 +24,13 @@
 use crate::broker::Broker;
 use crate::jobs::{self, Job, Snapshot, StoppedJob};
 use crate::log;
+use crate::owner::Mailbox;
 use crate::triggers::{Sources, Triggers, Waker};
 use baton_core::gates::{JobMemory, PauseAction, Reading};
 use std::collections::{HashMap, VecDeque};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -195,43 +196,44 @@ pub struct Sampler {
 }
 
 impl Sampler {
-    pub fn spawn(broker: Arc<Mutex<Broker>>, mut probe: Probe) -> std::io::Result<Self> {
+    /// Starts the thread for `broker`, which it reaches by `mailbox` once
+    /// the loop runs; called before the loop takes the broker.
+    pub fn spawn(broker: &mut Broker, mailbox: Mailbox, mut probe: Probe) -> std::io::Result<Self> {
         // The first reading before any client is served: gates never
         // decide on no figures.
         let first = probe.read();
-        broker.lock().expect("broker lock").observe(first);
+        broker.observe(first);
         let stop = Arc::new(AtomicBool::new(false));
         let stopping = stop.clone();
         let mut armed = Triggers::new()?;
         let waker = armed.waker();
         let sources = probe.sources();
         let on_set = waker.clone();
-        broker
-            .lock()
-            .expect("broker lock")
-            .on_gates_set(move || on_set.wake());
+        broker.on_gates_set(move || on_set.wake());
         let thread = std::thread::Builder::new()
             .name("baton-gates".into())
             .spawn(move || {
                 run_before_the_jobs();
                 let mut pausing = Pausing::default();
-                while !stopping.load(Ordering::Relaxed) {
+                let broker = Loop {
+                    mailbox,
+                    stop: &stopping,
+                };
+                while let Some(config) = broker.ask(|b| b.gate_config()) {
                     // Gates can be set while the broker runs (`baton limit`), so
                     // the thread stays, and measures only while one is set:
                     // else it sleeps until one is (the broker wakes it).
-                    let config = broker.lock().expect("broker lock").gate_config();
                     let mut interval = UNTIL_WOKEN;
                     armed.arm(&config, &sources);
                     if config.any() || !pausing.stopped.is_empty() {
                         let reading = probe.read();
-                        let mut b = broker.lock().expect("broker lock");
-                        b.observe(reading);
-                        interval = if b.gates_urgent() {
-                            URGENT_SAMPLE
-                        } else {
-                            SAMPLE
+                        let Some(urgent) = broker.ask(move |b| {
+                            b.observe(reading);
+                            b.gates_urgent()
+                        }) else {
+                            break;
                         };
-                        drop(b);
+                        interval = if urgent { URGENT_SAMPLE } else { SAMPLE };
                         pausing.act(&broker);
                     }
                     armed.wait(interval);
@@ -243,6 +245,23 @@ impl Sampler {
             waker,
             thread: Some(thread),
         })
+    }
+}
+
+/// The gates' thread's way to the broker: errands to the event loop
+/// (crate::owner), given up when the thread is told to stop.
+struct Loop<'a> {
+    mailbox: Mailbox,
+    stop: &'a AtomicBool,
+}
+
+impl Loop<'_> {
+    fn ask<T: Send + 'static>(
+        &self,
+        f: impl FnOnce(&mut Broker) -> T + Send + 'static,
+    ) -> Option<T> {
+        self.mailbox
+            .ask_unless(self.stop, |owned| f(&mut owned.broker))
     }
 }
 
@@ -279,21 +298,24 @@ struct Pausing {
 impl Pausing {
     /// Carries out the pause policy's word after a reading: stop the jobs
     /// it picks, or let the first started of the stopped jobs go on.
-    fn act(&mut self, broker: &Mutex<Broker>) {
-        let (pause_on, any_stopped, urgent) = {
-            let b = broker.lock().expect("broker lock");
+    fn act(&mut self, broker: &Loop) {
+        let Some((pause_on, any_stopped, urgent)) = broker.ask(|b| {
             (
                 b.gate_config().pause,
                 b.jobs_stopped() > 0,
                 b.gates_urgent(),
             )
+        }) else {
+            return;
         };
         if !(any_stopped || pause_on && urgent) {
             // Memory is plentiful: nothing to compare growth with later.
             self.resident.clear();
             return;
         }
-        let clients = broker.lock().expect("broker lock").client_pids();
+        let Some(clients) = broker.ask(|b| b.client_pids()) else {
+            return;
+        };
         let running = Snapshot::take().running(&clients, &self.stopped);
         let seen: Vec<JobMemory> = running
             .iter()
@@ -307,7 +329,10 @@ impl Pausing {
                     .map(|&(_, r)| r),
             })
             .collect();
-        let action = broker.lock().expect("broker lock").pause_action(&seen);
+        let asked = seen.clone();
+        let Some(action) = broker.ask(move |b| b.pause_action(&asked)) else {
+            return;
+        };
         log::debug(format_args!(
             "gates: jobs running {:?} MiB, {} stopped: {action:?}",
             seen.iter().map(|j| j.resident >> 20).collect::<Vec<_>>(),
@@ -320,10 +345,8 @@ impl Pausing {
                     self.pause(&running[*i], seen[*i].growing());
                 }
                 let running = running.len().saturating_sub(picks.len()) as u32;
-                broker
-                    .lock()
-                    .expect("broker lock")
-                    .did_pause(picks.len() as u32, running);
+                let paused = picks.len() as u32;
+                broker.ask(move |b| b.did_pause(paused, running));
             }
             PauseAction::Resume => {
                 let Some(first) = (0..self.stopped.len()).min_by_key(|&i| self.stopped[i].start)
@@ -336,10 +359,8 @@ impl Pausing {
                     "memory is back: resumed job pid {} (SIGCONT)",
                     job.root
                 ));
-                broker
-                    .lock()
-                    .expect("broker lock")
-                    .did_resume(running.len() as u32 + 1);
+                let running = running.len() as u32 + 1;
+                broker.ask(move |b| b.did_resume(running));
             }
             PauseAction::Nothing => {}
         }

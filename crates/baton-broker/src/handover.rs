@@ -3,7 +3,8 @@
 //!
 //! The running broker listens on `<socket>.handover` (0600, and only our
 //! own uid is answered). The successor connects there; the running broker
-//! stops between two rounds of its loop, freezes its FUSE side, and sends
+//! stops between two rounds of its loop (it reads no FUSE request until it
+//! knows how the handover went), and sends
 //! its whole state as one JSON document followed by its descriptors (the
 //! listening socket, every client connection, /dev/fuse) as SCM_RIGHTS
 //! messages. The successor answers one byte once it has everything; only
@@ -18,10 +19,7 @@ use crate::broker::BrokerState;
 use crate::fuse::FsState;
 use crate::socket::ConnState;
 use anyhow::{bail, ensure, Context, Result};
-use nix::sys::socket::{
-    getsockopt, recvmsg, sendmsg, sockopt::PeerCredentials, ControlMessage, ControlMessageOwned,
-    MsgFlags,
-};
+use nix::sys::socket::{recvmsg, sendmsg, ControlMessage, ControlMessageOwned, MsgFlags};
 use serde::{Deserialize, Serialize};
 use std::io::{IoSlice, IoSliceMut, Read, Write};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
@@ -123,7 +121,7 @@ pub fn receive(socket: &Path) -> Result<Handed> {
     // Whoever answers there gets to hand us every client's connection and
     // the books we will serve by: only a broker of our own uid (or root's)
     // may, as only ours may take them from us ([`is_ours`]).
-    let peer = getsockopt(&stream, PeerCredentials).context("cannot ask who answers there")?;
+    let peer = crate::sys::peer(&stream).context("cannot ask who answers there")?;
     let ours = nix::unistd::getuid().as_raw();
     ensure!(
         peer.uid() == ours || peer.uid() == 0,

@@ -7,12 +7,17 @@
 //! The pool and its policy live in `baton-core`; this crate turns sockets,
 //! FUSE requests and process exits into calls on it.
 //!
-//! - `broker`: the shared pool with each client's metadata and the grants
-//!   each transport still has to deliver.
-//! - `socket`: the native protocol's event loop (mio), with `spin` (when to
-//!   look for the next message before sleeping) and `uring` (send replies
-//!   and sleep in one system call).
+//! - `broker`: the pool with each client's metadata and the grants each
+//!   transport still has to deliver.
+//! - `owner` and `mailbox`: the event loop owns the broker and the token
+//!   files; other threads reach them by errands through a mailbox.
+//! - `socket`: the event loop (mio): the native protocol's connections, the
+//!   FUSE device, errands; with `spin` (when to look for the next message
+//!   before sleeping) and `uring` (send replies and sleep in one system
+//!   call).
+//! - `session`: one connection's side of the protocol, with no I/O.
 //! - `fuse`: the FUSE token file server.
+//! - `sys`: the one door to /proc and the process system calls.
 //! - `gates`: measuring memory, memory pressure and the run queue for
 //!   the gates (`baton_core::gates` decides).
 //! - `jobs`: the jobs under the clients, in /proc, for pausing.
@@ -38,7 +43,9 @@ mod gates;
 mod handover;
 mod jobs;
 mod log;
+mod mailbox;
 pub mod metrics;
+mod owner;
 mod pairs;
 mod paths;
 mod serve;

@@ -9,8 +9,8 @@
 //! a build's series carry its name and the broker's id for it, which stays
 //! the same for the build's whole life.
 
-use crate::broker::Broker;
 use crate::log;
+use crate::owner::Mailbox;
 use baton_core::status::{Build, Status};
 use prometheus_client::encoding::prometheus_text;
 use prometheus_client::metrics::counter::Counter;
@@ -20,7 +20,6 @@ use prometheus_client::registry::Registry;
 use std::io::{self, Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::sync::atomic::AtomicU64;
-use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 /// The `Content-Type` of what [`render`] returns.
@@ -202,18 +201,19 @@ fn render_gates(s: &Status, registry: &mut Registry) {
 }
 
 /// Answers `GET /metrics` on `listener` from a thread of its own, one
-/// request at a time, each connection closed after its answer. Reading the
-/// figures takes the broker's lock once, as a STATUS does, but connects no
-/// client: a scrape is not a build.
+/// request at a time, each connection closed after its answer. The figures
+/// are read by one errand to the event loop (crate::owner), as a STATUS
+/// reads them, but connect no client: a scrape is not a build.
 ///
 /// A hand-written loop rather than an HTTP crate: one path, one method, no
 /// keep-alive, no body to read; what a scraper sends fits in a few lines.
-pub fn serve_http(listener: TcpListener, broker: Arc<Mutex<Broker>>) -> io::Result<()> {
+pub(crate) fn serve_http(listener: TcpListener, mailbox: Mailbox) -> io::Result<()> {
     std::thread::Builder::new()
         .name("metrics".into())
         .spawn(move || {
+            let status = || mailbox.ask(|owned| owned.broker.status_now());
             for stream in listener.incoming() {
-                let result = stream.and_then(|stream| answer(stream, &broker));
+                let result = stream.and_then(|stream| answer(stream, &status));
                 if let Err(e) = result {
                     log::debug(format_args!("metrics: a request failed: {e}"));
                     if e.raw_os_error() == Some(libc::EMFILE) {
@@ -232,7 +232,9 @@ const MAX_HEAD: usize = 8192;
 /// not hold up the scrapes behind it.
 const IO_TIMEOUT: Duration = Duration::from_secs(5);
 
-fn answer(mut stream: TcpStream, broker: &Mutex<Broker>) -> io::Result<()> {
+/// Answers one request; `status` reads the figures (None: the broker is
+/// stopping).
+fn answer(mut stream: TcpStream, status: &dyn Fn() -> Option<Status>) -> io::Result<()> {
     stream.set_read_timeout(Some(IO_TIMEOUT))?;
     stream.set_write_timeout(Some(IO_TIMEOUT))?;
     let head = read_head(&mut stream)?;
@@ -241,10 +243,14 @@ fn answer(mut stream: TcpStream, broker: &Mutex<Broker>) -> io::Result<()> {
     let (method, target) = (words.next().unwrap_or(""), words.next().unwrap_or(""));
     let path = target.split('?').next().unwrap_or("");
     let (status, content_type, body) = match (method, path) {
-        ("GET" | "HEAD", "/metrics") => {
-            let status = broker.lock().expect("broker lock").status_now();
-            ("200 OK", CONTENT_TYPE, render(&status))
-        }
+        ("GET" | "HEAD", "/metrics") => match status() {
+            Some(status) => ("200 OK", CONTENT_TYPE, render(&status)),
+            None => (
+                "503 Service Unavailable",
+                "text/plain; charset=utf-8",
+                "baton is stopping\n".to_string(),
+            ),
+        },
         ("GET" | "HEAD", _) => (
             "404 Not Found",
             "text/plain; charset=utf-8",
@@ -290,6 +296,7 @@ fn read_head(stream: &mut TcpStream) -> io::Result<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::broker::Broker;
 
     #[test]
     fn label_values_are_escaped_and_no_pid_is_labelled() {
@@ -396,12 +403,14 @@ mod tests {
 
     /// One request to the metrics endpoint over loopback TCP: the whole
     /// answer, as the scraper reads it.
-    fn ask(broker: &Mutex<Broker>, request: &str) -> String {
+    fn ask(broker: &mut Broker, request: &str) -> String {
+        let now = broker.status_now();
+        let status = || Some(now.clone());
         let listener = TcpListener::bind("127.0.0.1:0").unwrap();
         let mut client = TcpStream::connect(listener.local_addr().unwrap()).unwrap();
         client.write_all(request.as_bytes()).unwrap();
         let (server, _) = listener.accept().unwrap();
-        answer(server, broker).unwrap();
+        answer(server, &status).unwrap();
         let mut reply = String::new();
         client.read_to_string(&mut reply).unwrap();
         reply
@@ -409,16 +418,16 @@ mod tests {
 
     #[test]
     fn the_endpoint_answers_get_and_head_at_metrics_404_elsewhere_and_405_to_others() {
-        let broker = Mutex::new(Broker::new(3).unwrap());
-        let got = ask(&broker, "GET /metrics?x=1 HTTP/1.1\r\nHost: a\r\n\r\n");
+        let broker = &mut Broker::new(3).unwrap();
+        let got = ask(broker, "GET /metrics?x=1 HTTP/1.1\r\nHost: a\r\n\r\n");
         assert!(got.starts_with("HTTP/1.1 200 OK\r\n"), "{got}");
         assert!(got.contains("\nbaton_limit 3.0\n"), "{got}");
-        let head = ask(&broker, "HEAD /metrics HTTP/1.1\r\n\r\n");
+        let head = ask(broker, "HEAD /metrics HTTP/1.1\r\n\r\n");
         assert!(head.starts_with("HTTP/1.1 200 OK\r\n"), "{head}");
         assert!(head.ends_with("\r\n\r\n"), "no body: {head}");
-        let other = ask(&broker, "GET /other HTTP/1.1\n\n");
+        let other = ask(broker, "GET /other HTTP/1.1\n\n");
         assert!(other.starts_with("HTTP/1.1 404 Not Found\r\n"), "{other}");
-        let post = ask(&broker, "POST /metrics HTTP/1.1\r\n\r\n");
+        let post = ask(broker, "POST /metrics HTTP/1.1\r\n\r\n");
         assert!(
             post.starts_with("HTTP/1.1 405 Method Not Allowed\r\n"),
             "{post}"

@@ -1,14 +1,16 @@
 //! `baton serve`: start the broker, serve until SIGTERM/SIGINT, clean up.
 
 use crate::admission::Admission;
-use crate::broker::{Broker, Transport};
+use crate::broker::Broker;
 use crate::fuse::Options as FuseOptions;
 use crate::gates::{Probe, Sampler};
 use crate::handover::{self, State};
 use crate::log::LogLevel;
+use crate::mailbox;
+use crate::owner::{Mailbox, Owned};
 use crate::socket::{SocketServer, Stop};
 use crate::spin::SpinPolicy;
-use crate::{activation, cluster, fuse, log, metrics, paths};
+use crate::{activation, cluster, fuse, log, metrics, paths, socket};
 use anyhow::{Context, Result};
 use baton_core::gates::GateConfig;
 use baton_core::idle::IdleTimer;
@@ -21,7 +23,6 @@ use std::os::fd::OwnedFd;
 use std::os::unix::fs::PermissionsExt;
 use std::os::unix::net::UnixListener;
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 /// What `baton serve` was asked to do.
@@ -127,7 +128,7 @@ pub fn serve(opts: ServeOptions) -> Result<()> {
     let signals = SignalFd::with_flags(&stop, SfdFlags::SFD_NONBLOCK | SfdFlags::SFD_CLOEXEC)
         .context("cannot create a signalfd")?;
 
-    let broker = match restored {
+    let mut broker = match restored {
         Some(broker) => broker,
         None => {
             let mut broker = Broker::new(opts.jobs)?;
@@ -136,18 +137,26 @@ pub fn serve(opts: ServeOptions) -> Result<()> {
         }
     };
     let gates = broker.gate_config();
-    let broker = Arc::new(Mutex::new(broker));
-    watch_orphaned_builds(&broker);
+    // The event loop's poll and mailbox come first: every thread started
+    // below reaches the broker through the mailbox, once the loop runs.
+    let poll = mio::Poll::new().context("cannot create the event loop")?;
+    let (mailbox, inbox) = mailbox::mailbox(poll.registry(), socket::WAKER)
+        .context("cannot create the event loop's waker")?;
+    watch_orphaned_builds(&mut broker, mailbox.clone());
     if a_broker_died_here && !opts.reclaim_grace.is_zero() {
-        give_builds_time_to_reattach(&broker, &socket, opts.reclaim_grace);
+        give_builds_time_to_reattach(&mut broker, mailbox.clone(), &socket, opts.reclaim_grace);
     }
     // Joined before the socket listens: no grant escapes the cluster's cap.
     let _cluster = opts
         .cluster
-        .map(|config| cluster::join(config, &broker))
+        .map(|config| cluster::join(config, &mut broker, mailbox.clone()))
         .transpose()?;
-    let _sampler = Sampler::spawn(broker.clone(), Probe::new(gates.max_mem_pressure.is_some()))
-        .context("cannot start the gates' thread")?;
+    let _sampler = Sampler::spawn(
+        &mut broker,
+        mailbox.clone(),
+        Probe::new(gates.max_mem_pressure.is_some()),
+    )
+    .context("cannot start the gates' thread")?;
     let mut fds: Vec<Option<OwnedFd>> = handed
         .as_mut()
         .map(|(_, fds)| std::mem::take(fds).into_iter().map(Some).collect())
@@ -159,10 +168,11 @@ pub fn serve(opts: ServeOptions) -> Result<()> {
     };
     // Mounted before the socket listens: whoever finds the broker ready finds
     // its token files too (`baton run --jobserver-style auto`).
-    let mut fuse = match handed.as_mut().and_then(|(state, _)| state.fuse.take()) {
+    let fuse = match handed.as_mut().and_then(|(state, _)| state.fuse.take()) {
         Some((fs, device)) => Some(fuse::adopt(
             &socket,
-            broker.clone(),
+            &broker,
+            poll.registry(),
             take_fd(device)?,
             fs,
             opts.fuse.unwrap_or_default(),
@@ -170,8 +180,10 @@ pub fn serve(opts: ServeOptions) -> Result<()> {
         None if handed.is_some() => None,
         None => opts
             .fuse
-            .and_then(|mode| fuse::mount(&socket, broker.clone(), mode)),
+            .and_then(|mode| fuse::mount(&socket, poll.registry(), mode)),
     };
+    let (fuse, files) = fuse.unzip();
+    let parts = (inbox, Owned { broker, files }, fuse);
 
     // A socket systemd bound is systemd's to remove.
     let (listener, owned_socket) = match (&handed, activated) {
@@ -186,27 +198,17 @@ pub fn serve(opts: ServeOptions) -> Result<()> {
         ),
     };
 
-    let (mut server, waker) = SocketServer::new(
+    let mut server = SocketServer::new(
+        poll,
+        parts,
         listener,
         signals,
-        broker.clone(),
         SpinPolicy::for_this_machine(opts.spin_us),
         opts.io_uring,
         max_clients,
         admission,
     )
     .context("cannot start the event loop")?;
-    // Grants other transports cause for socket clients wake the socket
-    // thread; it delivers its own at the end of each round.
-    let socket_thread = std::thread::current().id();
-    broker
-        .lock()
-        .expect("broker lock")
-        .on_grants(Transport::Socket, move || {
-            if std::thread::current().id() != socket_thread {
-                let _ = waker.wake();
-            }
-        });
     if let Some((state, _)) = handed {
         let conns = state
             .conns
@@ -227,15 +229,15 @@ pub fn serve(opts: ServeOptions) -> Result<()> {
     }
     if let Some(timeout) = opts.idle_timeout {
         stop_when_idle(
-            broker.clone(),
+            mailbox.clone(),
             timeout,
             owned_socket.as_ref().map(|s| s.0.clone()),
         );
     }
     if let Some(addr) = opts.metrics_listen {
-        serve_metrics(addr, opts.replace, &broker)?;
+        serve_metrics(addr, opts.replace, mailbox.clone())?;
     }
-    let limit = broker.lock().expect("broker lock").pool().limit();
+    let limit = server.owned().broker.pool().limit();
     let noun = if limit == 1 { "token" } else { "tokens" };
     let how = if opts.replace {
         "took over: serving"
@@ -251,32 +253,24 @@ pub fn serve(opts: ServeOptions) -> Result<()> {
         match server.run().context("the event loop failed")? {
             Stop::Signal(name) => break name.to_string(),
             Stop::Asked(pid) => break format!("a STOP request (pid {pid}, baton stop)"),
-            Stop::Handover(successor) => match hand_over(
-                successor,
-                &mut server,
-                fuse.as_mut(),
-                owned_socket.is_some(),
-            ) {
-                // The successor serves everything now: leave the socket
-                // and the mount as they are, without the destructors.
-                Ok(()) => {
-                    if let Some(fuse) = fuse.as_mut() {
-                        fuse.dismiss_keeper();
+            Stop::Handover(successor) => {
+                match hand_over(successor, &mut server, owned_socket.is_some()) {
+                    // The successor serves everything now: leave the socket
+                    // and the mount as they are, without the destructors.
+                    Ok(()) => {
+                        if let Some(fuse) = server.fuse() {
+                            fuse.dismiss_keeper();
+                        }
+                        log::info(format_args!("handed over to a successor: exiting"));
+                        std::process::exit(0);
                     }
-                    log::info(format_args!("handed over to a successor: exiting"));
-                    std::process::exit(0);
+                    Err(e) => log::warn(format_args!("the handover failed ({e:#}); serving on")),
                 }
-                Err(e) => {
-                    log::warn(format_args!("the handover failed ({e:#}); serving on"));
-                    if let Some(fuse) = fuse.as_mut() {
-                        fuse.thaw();
-                    }
-                }
-            },
+            }
         }
     };
     {
-        let broker = broker.lock().expect("broker lock");
+        let broker = &server.owned().broker;
         log::info(format_args!(
             "stopping on {why}: {} of {} tokens held by {} client(s) at exit",
             broker.pool().held(),
@@ -287,28 +281,19 @@ pub fn serve(opts: ServeOptions) -> Result<()> {
     // A clean stop leaves nothing but the log: connections close (builds
     // carry on with what they hold), the mount goes, then the files.
     drop(server);
-    drop(fuse);
     drop(owned_socket);
     paths::remove_leftovers(&socket);
     Ok(())
 }
 
-/// Freezes the FUSE side, then sends everything to the successor.
+/// Sends everything to the successor: the loop's state as it stands
+/// between two rounds, and the descriptors it names.
 fn hand_over(
     successor: std::os::unix::net::UnixStream,
     server: &mut SocketServer,
-    fuse: Option<&mut fuse::FuseMount>,
     owns_socket: bool,
 ) -> Result<()> {
-    let fs = match fuse {
-        Some(fuse) => Some((fuse.freeze()?, fuse.device())),
-        None => None,
-    };
-    let (broker, conns, mut fds) = server.hand_over();
-    let fuse = fs.map(|(state, device)| {
-        fds.push(device);
-        (state, fds.len() - 1)
-    });
+    let (broker, conns, fds, fuse) = server.hand_over();
     handover::send(
         successor,
         &State {
@@ -324,14 +309,14 @@ fn hand_over(
 
 /// Binds the metrics endpoint and says where it is: with port 0, the log
 /// line is where the port chosen is found.
-fn serve_metrics(addr: SocketAddr, replace: bool, broker: &Arc<Mutex<Broker>>) -> Result<()> {
+fn serve_metrics(addr: SocketAddr, replace: bool, mailbox: Mailbox) -> Result<()> {
     let listener = bind_metrics(addr, replace).with_context(|| {
         format!("cannot serve metrics at {addr} (--metrics-listen: is the port taken?)")
     })?;
     let bound = listener
         .local_addr()
         .context("the metrics listener has no address")?;
-    metrics::serve_http(listener, broker.clone()).context("cannot start the metrics thread")?;
+    metrics::serve_http(listener, mailbox).context("cannot start the metrics thread")?;
     log::info(format_args!("metrics at http://{bound}/metrics"));
     Ok(())
 }
@@ -423,21 +408,33 @@ fn admission(opts: &ServeOptions, dir: &Path) -> Result<Admission> {
 /// Stops the broker, as SIGTERM would, once it has had no client for
 /// `timeout`: a broker started on demand does not outlive its use. The
 /// signal reaches the event loop's signalfd, so shutdown takes one path.
-/// Our own socket goes first, under the broker's lock: from then on a new
-/// client finds no broker (and `baton run` starts a fresh one) rather than
-/// one about to leave.
-fn stop_when_idle(broker: Arc<Mutex<Broker>>, timeout: Duration, own_socket: Option<PathBuf>) {
+/// Our own socket goes first, on the loop between two rounds: from then on
+/// a new client finds no broker (and `baton run` starts a fresh one) rather
+/// than one about to leave.
+fn stop_when_idle(mailbox: Mailbox, timeout: Duration, own_socket: Option<PathBuf>) {
     // Often enough that a short timeout is kept to within a second.
     let check_every = timeout.clamp(Duration::from_millis(100), Duration::from_secs(1));
     std::thread::spawn(move || {
         let mut timer = IdleTimer::new(timeout);
         loop {
             std::thread::sleep(check_every);
-            let broker = broker.lock().expect("broker lock");
-            if timer.expired(broker.pool().clients().count(), Instant::now()) {
-                if let Some(socket) = &own_socket {
-                    let _ = std::fs::remove_file(socket);
+            let own_socket = own_socket.clone();
+            // The timer goes to the loop and back: it looks at the clients
+            // there, and removes the socket in the same step.
+            let Some((back, stopping)) = mailbox.ask(move |owned| {
+                let clients = owned.broker.pool().clients().count();
+                let expired = timer.expired(clients, Instant::now());
+                if expired {
+                    if let Some(socket) = &own_socket {
+                        let _ = std::fs::remove_file(socket);
+                    }
                 }
+                (timer, expired)
+            }) else {
+                return;
+            };
+            timer = back;
+            if stopping {
                 log::info(format_args!(
                     "no clients for {} s: stopping",
                     timeout.as_secs()
@@ -456,18 +453,19 @@ const ORPHANS_EVERY: Duration = Duration::from_millis(250);
 /// Looks at orphaned builds' processes while there are any
 /// ([`Broker::watch_orphans`]); sleeps otherwise, until the broker says a
 /// build was orphaned. One read of /proc per process per look, only then.
-fn watch_orphaned_builds(broker: &Arc<Mutex<Broker>>) {
+fn watch_orphaned_builds(broker: &mut Broker, mailbox: Mailbox) {
     let (wake, woken) = std::sync::mpsc::channel::<()>();
-    broker.lock().expect("broker lock").on_orphans(move || {
+    broker.on_orphans(move || {
         let _ = wake.send(());
     });
-    let broker = broker.clone();
+    // Orphaned builds a predecessor handed over are there before any wake.
+    let mut look = broker.has_orphans();
     std::thread::spawn(move || loop {
-        // Orphaned builds a predecessor handed over are there before any wake.
-        if !broker.lock().expect("broker lock").has_orphans() && woken.recv().is_err() {
+        if !look && woken.recv().is_err() {
             return;
         }
-        while broker.lock().expect("broker lock").watch_orphans() {
+        look = false;
+        while mailbox.ask(|owned| owned.broker.watch_orphans()) == Some(true) {
             std::thread::sleep(ORPHANS_EVERY);
         }
     });
@@ -475,17 +473,21 @@ fn watch_orphaned_builds(broker: &Arc<Mutex<Broker>>) {
 
 /// Grants nothing new for `grace` (see [`Broker::start_reclaim`]); set
 /// before the socket listens, so no newcomer slips in first.
-fn give_builds_time_to_reattach(broker: &Arc<Mutex<Broker>>, socket: &Path, grace: Duration) {
+fn give_builds_time_to_reattach(
+    broker: &mut Broker,
+    mailbox: Mailbox,
+    socket: &Path,
+    grace: Duration,
+) {
     log::info(format_args!(
         "a broker died at {} without cleaning up: for {} ms nothing new is granted while its builds re-attach and say what they hold",
         socket.display(),
         grace.as_millis()
     ));
-    broker.lock().expect("broker lock").start_reclaim(grace);
-    let broker = broker.clone();
+    broker.start_reclaim(grace);
     std::thread::spawn(move || {
         std::thread::sleep(grace);
-        broker.lock().expect("broker lock").end_reclaim();
+        mailbox.post(|owned| owned.broker.end_reclaim());
     });
 }
 

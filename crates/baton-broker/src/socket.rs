@@ -1,13 +1,19 @@
 //! The native transport: a Unix stream socket speaking docs/protocol.md.
 //!
-//! One thread runs a mio loop over the listener, every connection, a waker
-//! (other transports' grants for our clients) and a signalfd (SIGTERM,
-//! SIGINT). A waiting client blocks in read() on its own connection, so a
-//! grant wakes exactly that process: the broker never broadcasts.
+//! One thread runs a mio loop over the listener, every connection, the
+//! FUSE device, a waker (errands other threads post, crate::owner) and a
+//! signalfd (SIGTERM, SIGINT). It owns the broker's state ([`Owned`]): the
+//! socket's sessions, the FUSE requests it dispatches and the errands all
+//! act on it here, one after another. A waiting client blocks in read() on
+//! its own connection, so a grant wakes exactly that process: the broker
+//! never broadcasts.
 
 use crate::admission::{Access, Admission};
-use crate::broker::{Broker, BrokerState, Transport};
+use crate::broker::{BrokerState, Transport};
+use crate::fuse::{FsState, FuseMount};
 use crate::log;
+use crate::mailbox::Inbox;
+use crate::owner::Owned;
 use crate::session::{Context, Session};
 use crate::spin::SpinPolicy;
 use crate::uring::{SendAndWait, Sent};
@@ -15,20 +21,22 @@ use baton_core::protocol::{ErrorCode, Reply};
 use baton_core::{ClientId, Grant};
 use mio::net::{UnixListener, UnixStream};
 use mio::unix::SourceFd;
-use mio::{Events, Interest, Poll, Token, Waker};
+use mio::{Events, Interest, Poll, Token};
 use nix::sys::signalfd::SignalFd;
 use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
 use std::io::{self, ErrorKind, Read, Write};
 use std::os::fd::{AsRawFd, OwnedFd, RawFd};
-use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 const LISTENER: Token = Token(0);
 const SIGNALS: Token = Token(1);
 pub const WAKER: Token = Token(2);
 const HANDOVER: Token = Token(3);
-const FIRST_CONN: usize = 4;
+const FUSE: Token = Token(4);
+const FUSE_CLOCK: Token = Token(5);
+/// Connections from here up, below `fuse::procs::EXITS` (pidfds).
+const FIRST_CONN: usize = 6;
 
 /// At most this many connections at once unless told otherwise
 /// (`--max-clients`); more get `ERR full`. Bounded by the file descriptor
@@ -82,7 +90,12 @@ pub struct SocketServer {
     poll: Poll,
     listener: UnixListener,
     signals: SignalFd,
-    broker: Arc<Mutex<Broker>>,
+    /// Errands from other threads.
+    inbox: Inbox<Owned>,
+    /// The broker and the token files: the loop is their one owner.
+    owned: Owned,
+    /// The FUSE token files' session, served from this loop.
+    fuse: Option<FuseMount>,
     conns: HashMap<Token, Conn>,
     by_client: HashMap<ClientId, Token>,
     next_token: usize,
@@ -109,18 +122,20 @@ pub struct SocketServer {
 }
 
 impl SocketServer {
-    /// `io_uring`: send replies in the system call that sleeps, where the
-    /// kernel allows (crate::uring).
+    /// A loop on `poll`, whose waker for `inbox` is [`WAKER`] (see
+    /// crate::owner::mailbox). `io_uring`: send replies in the system call
+    /// that sleeps, where the kernel allows (crate::uring).
+    #[allow(clippy::too_many_arguments)]
     pub fn new(
+        poll: Poll,
+        (inbox, owned, fuse): (Inbox<Owned>, Owned, Option<FuseMount>),
         listener: std::os::unix::net::UnixListener,
         signals: SignalFd,
-        broker: Arc<Mutex<Broker>>,
         spin: SpinPolicy,
         io_uring: bool,
         max_clients: usize,
         admission: Admission,
-    ) -> io::Result<(Self, Arc<Waker>)> {
-        let poll = Poll::new()?;
+    ) -> io::Result<Self> {
         listener.set_nonblocking(true)?;
         let mut listener = UnixListener::from_std(listener);
         poll.registry()
@@ -130,17 +145,29 @@ impl SocketServer {
             SIGNALS,
             Interest::READABLE,
         )?;
-        let waker = Arc::new(Waker::new(poll.registry(), WAKER)?);
+        if let Some(mount) = fuse.as_ref() {
+            if let Some(fd) = mount.source() {
+                poll.registry()
+                    .register(&mut SourceFd(&fd), FUSE, Interest::READABLE)?;
+            }
+            poll.registry().register(
+                &mut SourceFd(&mount.clock()),
+                FUSE_CLOCK,
+                Interest::READABLE,
+            )?;
+        }
         let sender = if io_uring {
             io_uring_sender(&poll)
         } else {
             None
         };
-        let server = SocketServer {
+        let mut server = SocketServer {
             poll,
             listener,
             signals,
-            broker,
+            inbox,
+            owned,
+            fuse,
             conns: HashMap::new(),
             by_client: HashMap::new(),
             next_token: FIRST_CONN,
@@ -154,7 +181,21 @@ impl SocketServer {
             admission,
             spare_fd: std::fs::File::open("/dev/null").ok(),
         };
-        Ok((server, waker))
+        // Token files taken over may hold reservations already.
+        if let (Some(mount), Some(files)) = (server.fuse.as_mut(), server.owned.files.as_ref()) {
+            mount.plan(files);
+        }
+        Ok(server)
+    }
+
+    /// The broker's state, for what `serve` does before and after the loop.
+    pub fn owned(&mut self) -> &mut Owned {
+        &mut self.owned
+    }
+
+    /// The FUSE mount, if any.
+    pub fn fuse(&mut self) -> Option<&mut FuseMount> {
+        self.fuse.as_mut()
     }
 
     /// Listens for a successor (crate::handover) on `listener`.
@@ -182,6 +223,7 @@ impl SocketServer {
                 Err(e) if e.kind() == ErrorKind::Interrupted => continue,
                 Err(e) => return Err(e),
             }
+            let mut files = FilesEvents::default();
             for event in events.iter() {
                 match event.token() {
                     LISTENER => self.accept_all(),
@@ -192,11 +234,27 @@ impl SocketServer {
                     }
                     HANDOVER => successor = successor.or_else(|| self.accept_successor()),
                     WAKER => {}
-                    token => self.serve_conn(token),
+                    FUSE => {
+                        self.serve_fuse();
+                        files.touched = true;
+                    }
+                    FUSE_CLOCK => files.clock_fired = true,
+                    token => match crate::fuse::exited_pid(token) {
+                        Some(pid) => files.exited.push(pid),
+                        None => self.serve_conn(token),
+                    },
                 }
             }
+            self.act_on_files(&mut files);
+            self.inbox.run_all(&mut self.owned);
             // Grants caused by this round (ours or other transports').
-            self.deliver_grants();
+            files.touched |= self.deliver_grants();
+            if files.touched {
+                if let (Some(mount), Some(files)) = (self.fuse.as_mut(), self.owned.files.as_ref())
+                {
+                    mount.plan(files);
+                }
+            }
             if let Some(pid) = self.stop_asked {
                 return Ok(Stop::Asked(pid));
             }
@@ -208,11 +266,10 @@ impl SocketServer {
     fn wait(&mut self, events: &mut Events) -> io::Result<()> {
         let started = Instant::now();
         let replied = std::mem::take(&mut self.replied);
-        let broker = &self.broker;
-        // The broker lock is taken only when the waits before say spin.
+        let broker = &self.owned.broker;
         let spin = self
             .spin
-            .spin_for(|| replied.max(broker.lock().expect("broker lock").pool().held() as usize));
+            .spin_for(|| replied.max(broker.pool().held() as usize));
         if spin.is_zero() {
             if self.unsent.is_empty() {
                 self.poll.poll(events, None)?;
@@ -357,10 +414,19 @@ impl SocketServer {
 
     /// Our state for a successor, with the descriptors it names: the
     /// listening socket first, then every connection. Grants filed since
-    /// the last round go into their connections' output first, under the
-    /// same lock as the snapshot, so that none is lost between the two.
-    pub fn hand_over(&mut self) -> (BrokerState, Vec<ConnState>, Vec<RawFd>) {
-        let mut broker = self.broker.lock().expect("broker lock");
+    /// the last round go into their connections' output first, so that none
+    /// is lost between the two. The token files' state and the FUSE
+    /// device's descriptor come last, if mounted: the loop reads no FUSE
+    /// request while it hands over, so none is half-served.
+    pub fn hand_over(
+        &mut self,
+    ) -> (
+        BrokerState,
+        Vec<ConnState>,
+        Vec<RawFd>,
+        Option<(FsState, usize)>,
+    ) {
+        let broker = &mut self.owned.broker;
         for grant in broker.take_grants(Transport::Socket) {
             let held = broker.pool().held_by(grant.client);
             let Some(conn) = self
@@ -384,7 +450,45 @@ impl SocketServer {
                 }
             })
             .collect();
-        (broker.snapshot(), conns, fds)
+        let fuse = match (self.fuse.as_ref(), self.owned.files.as_mut()) {
+            (Some(mount), Some(files)) => {
+                fds.push(mount.device());
+                Some((files.hand_over(broker), fds.len() - 1))
+            }
+            _ => None,
+        };
+        (broker.snapshot(), conns, fds, fuse)
+    }
+
+    /// Acts on the processes that exited and the deadlines that came, if
+    /// any (`fuse::control`).
+    fn act_on_files(&mut self, events: &mut FilesEvents) {
+        if events.exited.is_empty() && !events.clock_fired {
+            return;
+        }
+        events.touched = true;
+        if let (Some(mount), Some(files)) = (self.fuse.as_mut(), self.owned.files.as_mut()) {
+            mount.act(
+                files,
+                &mut self.owned.broker,
+                &events.exited,
+                events.clock_fired,
+            );
+        }
+    }
+
+    /// Serves the FUSE requests waiting; stops watching the device once
+    /// the session has ended.
+    fn serve_fuse(&mut self) {
+        let (Some(mount), Some(files)) = (self.fuse.as_mut(), self.owned.files.as_mut()) else {
+            return;
+        };
+        let fd = mount.source();
+        if !mount.serve_ready(files, &mut self.owned.broker) {
+            if let Some(fd) = fd {
+                let _ = self.poll.registry().deregister(&mut SourceFd(&fd));
+            }
+        }
     }
 
     /// Takes on a predecessor's connections (crate::handover), then serves
@@ -397,10 +501,7 @@ impl SocketServer {
             // What it may do is ours to say, from the kernel's word on it:
             // one our options would refuse stays, since its build holds
             // tokens, but only as a member.
-            (session.uid, session.access) = match nix::sys::socket::getsockopt(
-                &stream,
-                nix::sys::socket::sockopt::PeerCredentials,
-            ) {
+            (session.uid, session.access) = match crate::sys::peer(&stream) {
                 Ok(peer) => (
                     peer.uid(),
                     self.admission.check(&peer).unwrap_or(Access::Member),
@@ -488,8 +589,7 @@ impl SocketServer {
     }
 
     fn add_conn(&mut self, mut stream: UnixStream) {
-        use nix::sys::socket::{getsockopt, sockopt::PeerCredentials};
-        let Ok(peer) = getsockopt(&stream, PeerCredentials) else {
+        let Ok(peer) = crate::sys::peer(&stream) else {
             return; // gone already
         };
         let pid = peer.pid() as u32;
@@ -690,7 +790,7 @@ impl SocketServer {
             return;
         }
         let outcome = conn.session.process(&mut Context {
-            broker: &mut self.broker.lock().expect("broker lock"),
+            broker: &mut self.owned.broker,
             admission: &self.admission,
             command_line: &crate::sys::command_line,
         });
@@ -702,11 +802,20 @@ impl SocketServer {
         }
     }
 
-    fn deliver_grants(&mut self) {
-        // One lock for the whole batch: what each client holds now is read
-        // with its grants.
+    /// Delivers the grants this round filed: the token files' (to their
+    /// blocked reads and polls), then the socket's. Whether the token
+    /// files had any.
+    fn deliver_grants(&mut self) -> bool {
+        let mut settled = false;
+        if let Some(files) = self.owned.files.as_mut() {
+            if self.owned.broker.has_grants_for(Transport::Fuse) {
+                files.settle(&mut self.owned.broker);
+                settled = true;
+            }
+        }
+        // What each client holds now is read with its grants.
         let grants: Vec<(ClientId, u32, u32)> = {
-            let mut broker = self.broker.lock().expect("broker lock");
+            let broker = &mut self.owned.broker;
             let grants = broker.take_grants(Transport::Socket);
             grants
                 .into_iter()
@@ -724,6 +833,7 @@ impl SocketServer {
             conn.session.granted(tokens, held);
             self.flush_or_close(token, false);
         }
+        settled
     }
 
     fn close(&mut self, token: Token) {
@@ -740,7 +850,7 @@ impl SocketServer {
     /// its wait (if any) is withdrawn.
     fn leave_pool(&mut self, id: ClientId, pid: u32) {
         self.by_client.remove(&id);
-        let mut broker = self.broker.lock().expect("broker lock");
+        let broker = &mut self.owned.broker;
         let command = broker
             .pool()
             .meta(id)
@@ -753,6 +863,17 @@ impl SocketServer {
             ));
         }
     }
+}
+
+/// What a round brought the token files besides requests.
+#[derive(Default)]
+struct FilesEvents {
+    /// Processes that exited (their pidfds turned readable).
+    exited: Vec<u32>,
+    /// Their clock fired: a deadline came.
+    clock_fired: bool,
+    /// Anything changed them: their clock is planned again.
+    touched: bool,
 }
 
 enum Chunk {

@@ -1,7 +1,10 @@
 //! The broker's one door to the process table: every /proc read and every
 //! process system call (pidfd_open, kill, kcmp) the broker makes, each
-//! written once, with the unsafe code they need. The modules above work on the
-//! values these return, and their rules are tested on values made up.
+//! written once, with the unsafe code they need; and the peer of a Unix
+//! socket (SO_PEERCRED) and the lazy unmount. The modules above work on
+//! the values these return, and their rules are tested on values made up.
+//! (The FUSE keeper, a forked child that may call only async-signal-safe
+//! functions, makes its own raw calls: see `fuse::keeper`.)
 
 use std::io;
 use std::os::fd::{FromRawFd, OwnedFd};
@@ -150,12 +153,29 @@ pub fn signal(pid: u32, signal: i32) {
     unsafe { libc::kill(pid as i32, signal) };
 }
 
-/// Whether the peer of a Unix socket connection runs as our own uid
-/// (SO_PEERCRED): the handover and the FUSE keeper give what they hold to
-/// nobody else, as anyone else could take every client's connection.
-pub fn peer_is_our_uid(stream: &std::os::unix::net::UnixStream) -> bool {
+/// Who is at the other end of a Unix socket connection (SO_PEERCRED): the
+/// kernel's word, taken when the peer connected.
+pub fn peer(stream: &impl std::os::fd::AsFd) -> io::Result<nix::sys::socket::UnixCredentials> {
     use nix::sys::socket::{getsockopt, sockopt::PeerCredentials};
-    getsockopt(stream, PeerCredentials).is_ok_and(|c| c.uid() == nix::unistd::getuid().as_raw())
+    getsockopt(stream, PeerCredentials).map_err(io::Error::from)
+}
+
+/// Whether the peer of a Unix socket connection runs as our own uid: the
+/// handover and the FUSE keeper give what they hold to nobody else, as
+/// anyone else could take every client's connection.
+pub fn peer_is_our_uid(stream: &std::os::unix::net::UnixStream) -> bool {
+    peer(stream).is_ok_and(|c| c.uid() == nix::unistd::getuid().as_raw())
+}
+
+/// Unmounts `path` lazily (MNT_DETACH), not following a link there;
+/// false where we may not (not root).
+pub fn detach_mount(path: &std::path::Path) -> bool {
+    use std::os::unix::ffi::OsStrExt;
+    let Ok(cpath) = std::ffi::CString::new(path.as_os_str().as_bytes()) else {
+        return false;
+    };
+    // SAFETY: umount2 reads a NUL-terminated path.
+    unsafe { libc::umount2(cpath.as_ptr(), libc::MNT_DETACH | libc::UMOUNT_NOFOLLOW) == 0 }
 }
 
 /// A descriptor that becomes readable when process `pid` exits (Linux 5.3).

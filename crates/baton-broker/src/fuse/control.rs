@@ -1,100 +1,97 @@
-//! The FUSE side's own thread: it learns of processes that exit (pidfds),
-//! reservations that run out, blocked readers that a signal would interrupt, and
-//! grants caused by socket clients, and acts on each.
+//! What the token files act on by themselves, on the event loop: processes
+//! that exit holding tokens (their pidfds, in the loop's poll under
+//! [`procs::EXITS`]), reservations that run out, and blocked readers that a
+//! signal would interrupt ([`Clock`], a timerfd in the loop's poll, armed
+//! for the next of those). No thread of its own: the loop acts when one of
+//! them turns readable.
 
-use super::fs::{FsShared, KILL_SCAN};
+use super::fs::{Files, KILL_SCAN};
 use super::procs;
+use crate::broker::Broker;
 use crate::log;
-use mio::{Events, Poll, Token, Waker};
-use std::io::ErrorKind;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
-use std::thread::JoinHandle;
+use nix::sys::time::TimeSpec;
+use nix::sys::timerfd::{ClockId, Expiration, TimerFd, TimerFlags, TimerSetTimeFlags};
+use std::os::fd::{AsFd, AsRawFd, RawFd};
 use std::time::Instant;
 
-/// The waker's token; pidfds use `Token(pid)`, and pids are below this.
-pub const WAKER: Token = Token(usize::MAX);
-
-/// The running control thread; stopped and joined on drop.
-pub struct Control {
-    waker: Arc<Waker>,
-    stop: Arc<AtomicBool>,
-    thread: Option<JoinHandle<()>>,
+/// The timer the loop polls for the token files' deadlines.
+pub struct Clock {
+    timer: TimerFd,
+    /// When it fires next; None: disarmed.
+    armed: Option<Instant>,
 }
 
-impl Control {
-    pub fn spawn(shared: Arc<FsShared>, poll: Poll, waker: Arc<Waker>) -> std::io::Result<Self> {
-        let stop = Arc::new(AtomicBool::new(false));
-        let stopping = stop.clone();
-        let thread = std::thread::Builder::new()
-            .name("baton-fuse".into())
-            .spawn(move || run(&shared, poll, &stopping))?;
-        Ok(Control {
-            waker,
-            stop,
-            thread: Some(thread),
-        })
+impl Clock {
+    pub fn new() -> std::io::Result<Self> {
+        let timer = TimerFd::new(
+            ClockId::CLOCK_MONOTONIC,
+            TimerFlags::TFD_NONBLOCK | TimerFlags::TFD_CLOEXEC,
+        )?;
+        Ok(Clock { timer, armed: None })
+    }
+
+    /// The descriptor the loop polls: readable when the timer fires.
+    pub fn fd(&self) -> RawFd {
+        self.timer.as_fd().as_raw_fd()
+    }
+
+    /// Arms the timer for the next time `files` must act, if that is
+    /// sooner than it is armed for: a later one is seen to when it fires
+    /// early and finds nothing to do.
+    pub fn plan(&mut self, files: &Files) {
+        let Some(due) = files.next_wakeup() else {
+            return;
+        };
+        let now = Instant::now();
+        if self.armed.is_some_and(|armed| armed > now && armed <= due) {
+            return;
+        }
+        // A relative one-shot; at least a nanosecond, as zero disarms.
+        let after = due
+            .saturating_duration_since(now)
+            .max(std::time::Duration::from_nanos(1));
+        match self.timer.set(
+            Expiration::OneShot(TimeSpec::from_duration(after)),
+            TimerSetTimeFlags::empty(),
+        ) {
+            Ok(()) => self.armed = Some(due),
+            Err(e) => log::warn(format_args!("cannot arm the token files' timer: {e}")),
+        }
+    }
+
+    /// The timer fired: it is disarmed until planned again.
+    pub fn fired(&mut self) {
+        self.armed = None;
+        // Reads the expiry count, so that the descriptor is quiet again.
+        let mut count = [0u8; 8];
+        let _ = nix::unistd::read(&self.timer, &mut count);
     }
 }
 
-impl Drop for Control {
-    fn drop(&mut self) {
-        self.stop.store(true, Ordering::Relaxed);
-        let _ = self.waker.wake();
-        if let Some(thread) = self.thread.take() {
-            let _ = thread.join();
+/// Acts on processes that exited, reservations that ran out, and blocked
+/// readers with a signal pending.
+pub fn act(files: &mut Files, broker: &mut Broker, exited: &[u32]) {
+    for &pid in exited {
+        let reclaimed = files.waiters.exited(broker, pid);
+        files.exits.unwatch(pid);
+        files.threads.forget(pid);
+        if reclaimed > 0 {
+            log::info(format_args!(
+                "reclaimed {reclaimed} token(s) from pid {pid}: it exited holding them (fuse)"
+            ));
         }
     }
-}
-
-fn run(shared: &FsShared, mut poll: Poll, stop: &AtomicBool) {
-    let mut events = Events::with_capacity(256);
-    while !stop.load(Ordering::Relaxed) {
-        let timeout = shared.with(|inner, _| {
-            // Handed over: nothing to act on until woken (a failed handover).
-            inner.control_sleeps_until = if inner.frozen {
-                None
-            } else {
-                inner.next_wakeup()
-            };
-            inner
-                .control_sleeps_until
-                .map(|t| t.saturating_duration_since(Instant::now()))
-        });
-        match poll.poll(&mut events, timeout) {
-            Ok(()) => {}
-            Err(e) if e.kind() == ErrorKind::Interrupted => continue,
-            Err(e) => {
-                log::warn(format_args!("the FUSE control loop failed: {e}"));
-                return;
-            }
-        }
-        let exited: Vec<u32> = events
-            .iter()
-            .map(|e| e.token())
-            .filter(|&t| t != WAKER)
-            .map(|t| t.0 as u32)
+    files.waiters.expire(broker, Instant::now());
+    if files.scanned_at.elapsed() >= KILL_SCAN {
+        files.scanned_at = Instant::now();
+        let interrupted: Vec<u32> = files
+            .waiters
+            .blocked_threads()
+            .filter(|&tid| procs::signal_pending(tid))
             .collect();
-        shared.with(|inner, broker| {
-            if inner.frozen {
-                return;
-            }
-            for pid in exited {
-                let reclaimed = inner.waiters.exited(broker, pid);
-                inner.exits.unwatch(pid);
-                inner.threads.forget(pid);
-                if reclaimed > 0 {
-                    log::info(format_args!("reclaimed {reclaimed} token(s) from pid {pid}: it exited holding them (fuse)"));
-                }
-            }
-            inner.waiters.expire(broker, Instant::now());
-            if inner.scanned_at.elapsed() >= KILL_SCAN {
-                inner.scanned_at = Instant::now();
-                let interrupted: Vec<u32> = inner.waiters.blocked_threads().filter(|&tid| procs::signal_pending(tid)).collect();
-                for tid in interrupted {
-                    inner.waiters.interrupt(broker, tid);
-                }
-            }
-        });
+        for tid in interrupted {
+            files.waiters.interrupt(broker, tid);
+        }
     }
+    files.settle(broker);
 }

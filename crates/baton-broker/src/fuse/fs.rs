@@ -4,9 +4,10 @@
 //! so `baton status` and `ls` tell builds apart) or by anyone with
 //! `open(O_CREAT)`, and removed with `unlink`.
 //!
-//! fuser calls us from its session thread; the control thread (pidfds,
-//! reservation timeouts, grants caused by socket clients) shares the
-//! state below. Lock order: `Inner`, then the broker.
+//! fuser calls us on the event loop's thread (crate::socket), which owns
+//! the file table ([`Files`]) and the broker and lends them to each request
+//! it dispatches ([`lend`]). What the files act on by themselves (exits,
+//! deadlines) the loop carries out too (`control`).
 
 use super::procs::{Exits, Threads};
 use super::waiters::{
@@ -21,13 +22,11 @@ use fuser::{
     ReplyData, ReplyDirectory, ReplyEmpty, ReplyEntry, ReplyOpen, ReplyPoll, ReplyWrite,
     ReplyXattr, Request, RequestId, TimeOrNow, WriteFlags,
 };
-use mio::Waker;
 use serde::{Deserialize, Serialize};
 use std::cell::Cell;
 use std::collections::{BTreeMap, BTreeSet};
 use std::ffi::OsStr;
-use std::sync::mpsc::{Receiver, Sender};
-use std::sync::{Arc, Mutex};
+use std::ptr::NonNull;
 use std::time::{Duration, Instant, SystemTime};
 
 /// Attributes never change behind the kernel's back except by our own
@@ -37,18 +36,6 @@ const TTL: Duration = Duration::from_secs(1);
 /// Every read returns one byte, the GNU token. make and the jobserver
 /// crate read one byte at a time anyway.
 const TOKEN: &[u8] = b"+";
-
-thread_local! {
-    /// Set while this thread holds the FUSE state: grants it causes for
-    /// FUSE clients are delivered before it lets go, so the broker's grant
-    /// hook need not wake the control thread (a context switch per token).
-    static DELIVERING: Cell<bool> = const { Cell::new(false) };
-}
-
-/// Whether the calling thread will deliver FUSE grants itself.
-pub fn delivering_here() -> bool {
-    DELIVERING.with(Cell::get)
-}
 
 pub struct FuseRead(ReplyData);
 
@@ -114,10 +101,6 @@ impl PollWaker for FusePoll {
 /// above any it can have made.
 const ORPHAN_BASE: u64 = 1 << 40;
 
-/// The name whose lookup, while a handover is asked for, makes the FUSE
-/// thread hand over its state (see [`FsShared::ask_handover`]).
-pub const HANDOVER_NAME: &str = ".baton-handover";
-
 /// The token files as a successor broker receives them: the file table
 /// as it is, and the waiters (whose blocked reads and poll wakers are
 /// bound to this process: see `Waiters::hand_over`).
@@ -145,48 +128,25 @@ struct FileTable {
     holding: BTreeSet<u64>,
 }
 
-/// A handover asked for: the FUSE thread sends its state, then waits to
-/// be told to go on (true: the successor failed) or for the end.
-struct HandoverAsked {
-    state: Sender<FsState>,
-    go_on: Receiver<bool>,
-}
-
-/// State shared by the fuser thread and the control thread.
-pub struct FsShared {
-    broker: Arc<Mutex<Broker>>,
-    inner: Mutex<Inner>,
-    control: Arc<Waker>,
-    handover: Mutex<Option<HandoverAsked>>,
-}
-
-pub struct Inner {
+/// The token files as the event loop owns them: the table, who waits,
+/// and the processes watched for their exit.
+pub struct Files {
     pub waiters: Waiters<FuseRead, FusePoll, FuseAnswer>,
     pub threads: Threads,
     pub exits: Exits,
-    /// When the control thread wakes next; None: only when woken.
-    pub control_sleeps_until: Option<Instant>,
     /// When blocked readers were last checked for pending signals.
     pub scanned_at: Instant,
     table: FileTable,
     /// Files a bmake build wrote abort tokens to (see [`sort_written`]).
     aborted: BTreeMap<u64, Aborted>,
-    /// Handed over to a successor: the control thread must not act.
-    pub frozen: bool,
 }
 
-impl FsShared {
-    pub fn new(
-        broker: Arc<Mutex<Broker>>,
-        waiters: Waiters<FuseRead, FusePoll, FuseAnswer>,
-        exits: Exits,
-        control: Arc<Waker>,
-    ) -> Self {
-        let inner = Inner {
+impl Files {
+    pub fn new(waiters: Waiters<FuseRead, FusePoll, FuseAnswer>, exits: Exits) -> Self {
+        Files {
             waiters,
             threads: Threads::default(),
             exits,
-            control_sleeps_until: None,
             scanned_at: Instant::now(),
             table: FileTable {
                 files: BTreeMap::new(),
@@ -196,30 +156,25 @@ impl FsShared {
                 holding: BTreeSet::new(),
             },
             aborted: BTreeMap::new(),
-            frozen: false,
-        };
-        FsShared {
-            broker,
-            inner: Mutex::new(inner),
-            control,
-            handover: Mutex::new(None),
         }
     }
 
     /// Carries on from a predecessor's token files; `notifier` wakes the
     /// pollers it answered.
-    pub fn adopt(&self, state: FsState, notifier: &Notifier) -> Result<(), &'static str> {
-        let mut inner = self.inner.lock().expect("fuse state lock");
-        let broker = self.broker.lock().expect("broker lock");
+    pub fn adopt(
+        &mut self,
+        state: FsState,
+        broker: &Broker,
+        notifier: &Notifier,
+    ) -> Result<(), &'static str> {
         let waker = |handle| FusePoll::Adopted(notifier.clone(), PollHandle(handle));
-        let hold = inner.waiters.hold();
-        inner.waiters = Waiters::adopt(state.waiters, &broker, waker, hold)?;
-        inner.table = state.table;
-        let pids: Vec<Pid> = inner.waiters.pids().collect();
-        drop(broker);
+        let hold = self.waiters.hold();
+        self.waiters = Waiters::adopt(state.waiters, broker, waker, hold)?;
+        self.table = state.table;
+        let pids: Vec<Pid> = self.waiters.pids().collect();
         for pid in pids {
-            if let Err(e) = inner.exits.watch(pid) {
-                // Gone meanwhile: the control thread's first round reclaims.
+            if let Err(e) = self.exits.watch(pid) {
+                // Gone meanwhile: the loop's first look at the files reclaims.
                 log::debug(format_args!("cannot watch pid {pid}: {e}"));
             }
         }
@@ -230,78 +185,79 @@ impl FsShared {
     /// handles and inodes are still open in the kernel, so ours are
     /// numbered far above theirs, and its processes may give back tokens
     /// it granted.
-    pub fn take_orphan(&self) {
-        let mut inner = self.inner.lock().expect("fuse state lock");
-        inner.table.next_fh = ORPHAN_BASE;
-        inner.table.next_ino = ORPHAN_BASE;
-        inner.waiters.forgive_strangers();
+    pub fn take_orphan(&mut self) {
+        self.table.next_fh = ORPHAN_BASE;
+        self.table.next_ino = ORPHAN_BASE;
+        self.waiters.forgive_strangers();
     }
 
-    /// Asks the FUSE thread for its state: it hands it over at the next
-    /// lookup of [`HANDOVER_NAME`] and from then on answers nothing, so
-    /// that every request after it waits in the kernel for the successor
-    /// and none is half-served. `go_on` tells it to carry on (true) if the
-    /// handover fails.
-    pub fn ask_handover(&self) -> (Receiver<FsState>, Sender<bool>) {
-        let (state, state_rx) = std::sync::mpsc::channel();
-        let (go_on_tx, go_on) = std::sync::mpsc::channel();
-        *self.handover.lock().expect("handover lock") = Some(HandoverAsked { state, go_on });
-        (state_rx, go_on_tx)
-    }
-
-    /// Freezes the state and sends it, if a handover was asked for; then
-    /// waits as [`FsShared::ask_handover`] says. Runs on the FUSE thread.
-    fn hand_over_if_asked(&self) -> Option<Receiver<bool>> {
-        let asked = self.handover.lock().expect("handover lock").take()?;
-        let state = {
-            let mut inner = self.inner.lock().expect("fuse state lock");
-            let mut broker = self.broker.lock().expect("broker lock");
-            inner.frozen = true;
-            let waiters = inner.waiters.hand_over(&mut broker);
-            FsState {
-                waiters,
-                table: inner.table.clone(),
-            }
-        };
-        let _ = asked.state.send(state);
-        Some(asked.go_on)
-    }
-
-    fn wait_after_handover(&self, go_on: Receiver<bool>) {
-        if go_on.recv() == Ok(true) {
-            self.inner.lock().expect("fuse state lock").frozen = false;
-            return;
-        }
-        // Handed over: the process exits soon; read no more requests.
-        loop {
-            std::thread::park();
+    /// The token files for a successor. The loop calls it between two
+    /// rounds, with no request half-served: every request read from the
+    /// device was answered or is held in the waiters, which travel.
+    pub fn hand_over(&mut self, broker: &mut Broker) -> FsState {
+        FsState {
+            waiters: self.waiters.hand_over(broker),
+            table: self.table.clone(),
         }
     }
 
-    /// Runs `f` on the state and the broker, then delivers every grant for
-    /// FUSE clients that followed, and wakes the control thread if it must
-    /// now act sooner than it planned (a new reservation or blocked read).
-    pub fn with<T>(&self, f: impl FnOnce(&mut Inner, &mut Broker) -> T) -> T {
-        let mut inner = self.inner.lock().expect("fuse state lock");
-        let mut broker = self.broker.lock().expect("broker lock");
-        DELIVERING.with(|d| d.set(true));
-        let out = f(&mut inner, &mut broker);
-        // Handed over: grants filed since travel to the successor.
-        if !inner.frozen {
-            inner.waiters.settle(&mut broker, Instant::now());
-        }
-        DELIVERING.with(|d| d.set(false));
-        let due = inner.next_wakeup();
-        if due.is_some_and(|due| {
-            inner
-                .control_sleeps_until
-                .is_none_or(|planned| due < planned)
-        }) {
-            inner.control_sleeps_until = due;
-            let _ = self.control.wake();
-        }
-        out
+    /// After any change: delivers every grant for FUSE clients that
+    /// followed. (The loop then plans its clock: `control::Clock::plan`.)
+    pub fn settle(&mut self, broker: &mut Broker) {
+        self.waiters.settle(broker, Instant::now());
     }
+}
+
+/// The token files and the broker, as the loop lends them to the FUSE
+/// requests it dispatches.
+type Lent = (NonNull<Files>, NonNull<Broker>);
+
+thread_local! {
+    static LENT: Cell<Option<Lent>> = const { Cell::new(None) };
+}
+
+/// Runs `serve` (the FUSE session's dispatch, on the loop's thread) with
+/// `files` and `broker` lent to the filesystem's methods, which reach them
+/// through [`with`]: fuser calls them through `&self` of a filesystem that
+/// must be `'static`, so they cannot be handed the loop's state as an
+/// argument.
+pub fn lend<T>(files: &mut Files, broker: &mut Broker, serve: impl FnOnce() -> T) -> T {
+    struct Restore(Option<Lent>);
+    impl Drop for Restore {
+        fn drop(&mut self) {
+            LENT.with(|lent| lent.set(self.0));
+        }
+    }
+    let lent = (NonNull::from(files), NonNull::from(broker));
+    let _restore = Restore(LENT.with(|cell| cell.replace(Some(lent))));
+    serve()
+}
+
+/// Runs `f` on the token files and the broker the loop lent to the request
+/// being served, then settles (see [`Files::settle`]).
+///
+/// # Panics
+/// Outside a call of [`lend`] on this thread, or inside another call of
+/// `with`: either would be a second owner.
+fn with<T>(f: impl FnOnce(&mut Files, &mut Broker) -> T) -> T {
+    struct GiveBack(Lent);
+    impl Drop for GiveBack {
+        fn drop(&mut self) {
+            LENT.with(|lent| lent.set(Some(self.0)));
+        }
+    }
+    let lent = LENT
+        .with(Cell::take)
+        .expect("FUSE requests are served by the event loop, one at a time");
+    let back = GiveBack(lent);
+    // SAFETY: the pointers are the `&mut` references that `lend` holds
+    // borrowed, on this thread, for as long as its `serve` runs, and we run
+    // within it. Taking them out of LENT until `back` drops means no other
+    // reference to either is made meanwhile.
+    let (files, broker) = unsafe { (&mut *back.0 .0.as_ptr(), &mut *back.0 .1.as_ptr()) };
+    let out = f(files, broker);
+    files.settle(broker);
+    out
 }
 
 /// How often threads blocked in a read are checked for a pending signal
@@ -317,9 +273,9 @@ impl FsShared {
 /// runs while some thread is blocked.
 pub const KILL_SCAN: Duration = Duration::from_millis(10);
 
-impl Inner {
-    /// When the control thread must next act by itself: a reservation runs
-    /// out, or blocked readers are due for a signal check.
+impl Files {
+    /// When the files must next act by themselves: a reservation runs out,
+    /// or blocked readers are due for a signal check.
     pub fn next_wakeup(&self) -> Option<Instant> {
         let scan = self
             .waiters
@@ -443,12 +399,13 @@ impl Aborted {
     }
 }
 
-/// The filesystem fuser serves.
-pub struct TokenFs(pub Arc<FsShared>);
+/// The filesystem fuser serves. Its state is the loop's, lent to each
+/// request (see [`with`]).
+pub struct TokenFs;
 
 impl TokenFs {
-    fn with<T>(&self, f: impl FnOnce(&mut Inner, &mut Broker) -> T) -> T {
-        self.0.with(f)
+    fn with<T>(&self, f: impl FnOnce(&mut Files, &mut Broker) -> T) -> T {
+        with(f)
     }
 }
 
@@ -485,12 +442,6 @@ const OPEN_FLAGS: FopenFlags = FopenFlags::FOPEN_DIRECT_IO.union(FopenFlags::FOP
 
 impl Filesystem for TokenFs {
     fn lookup(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEntry) {
-        if parent == INodeNo::ROOT && name == HANDOVER_NAME {
-            if let Some(go_on) = self.0.hand_over_if_asked() {
-                reply.error(Errno::ENOENT);
-                return self.0.wait_after_handover(go_on);
-            }
-        }
         match self.with(|inner, _| {
             (parent == INodeNo::ROOT)
                 .then(|| inner.lookup(name))
@@ -808,6 +759,36 @@ impl Filesystem for TokenFs {
 #[cfg(test)]
 mod tests {
     use super::sort_written;
+    use super::*;
+    use crate::fuse::waiters::HOLD;
+
+    fn files() -> Files {
+        let poll = mio::Poll::new().unwrap();
+        let exits = super::super::procs::Exits::new(poll.registry().try_clone().unwrap());
+        Files::new(
+            Waiters::new(super::super::waiters::Mode::OneAtATime, HOLD),
+            exits,
+        )
+    }
+
+    #[test]
+    fn what_is_lent_is_reached_within_and_only_within() {
+        let (mut files, mut broker) = (files(), Broker::new(4).unwrap());
+        let limit = lend(&mut files, &mut broker, || with(|_, b| b.pool().limit()));
+        assert_eq!(limit, 4);
+        let outside = std::panic::catch_unwind(|| with(|_, _| ()));
+        assert!(outside.is_err(), "nothing is lent outside lend");
+        let nested = lend(&mut files, &mut broker, || {
+            with(|_, _| std::panic::catch_unwind(|| with(|_, _| ())).is_err())
+        });
+        assert!(nested, "a second borrow inside the first panics");
+        // A request that panics gives the state back for the next one.
+        let again = lend(&mut files, &mut broker, || {
+            let _ = std::panic::catch_unwind(|| with(|_, _| panic!("a request failed")));
+            with(|_, b| b.pool().limit())
+        });
+        assert_eq!(again, 4);
+    }
 
     /// A successor reads the token files as brokers before this one wrote
     /// them (no `holding` before held polls), and writes them the same way.

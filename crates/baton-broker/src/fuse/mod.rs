@@ -10,8 +10,9 @@
 //!
 //! - `waiters`: who waits, reservations for notified pollers (pure).
 //! - `procs`: thread → process, pidfds, pending-SIGKILL checks.
-//! - `fs`: the fuser `Filesystem`.
-//! - `control`: the thread acting on exits, timeouts and socket grants.
+//! - `fs`: the fuser `Filesystem`, served on the event loop, and `Files`,
+//!   the state the loop owns for it.
+//! - `control`: acting on exits and deadlines, on the event loop.
 //! - `keeper`: the process that keeps the mount alive if we are killed.
 
 mod control;
@@ -20,23 +21,21 @@ mod keeper;
 pub(crate) mod procs;
 pub(crate) mod waiters;
 
-pub use fs::FsState;
+pub use fs::{Files, FsState};
+pub use procs::exited_pid;
 pub use waiters::Mode;
 
-use crate::broker::{Broker, Transport};
+use crate::broker::Broker;
 use crate::log;
 use anyhow::{bail, Context, Result};
-use control::{Control, WAKER};
-use fs::{FsShared, TokenFs};
-use fuser::{BackgroundSession, Config, MountOption, Session, SessionACL};
-use mio::{Poll, Waker};
+use control::Clock;
+use fs::TokenFs;
+use fuser::{CallerSession, Config, MountOption, Served, Session, SessionACL};
+use mio::Registry;
 use nix::errno::Errno;
 use nix::sys::statfs::{statfs, FUSE_SUPER_MAGIC};
 use std::os::fd::{AsFd, AsRawFd, OwnedFd, RawFd};
-use std::os::unix::ffi::OsStrExt;
 use std::path::{Path, PathBuf};
-use std::sync::mpsc::Sender;
-use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 /// How the token files serve their waiters (`baton serve`'s options).
@@ -66,26 +65,27 @@ impl Default for Options {
     }
 }
 
-/// The mounted token filesystem. Dropping it unmounts.
+/// The mounted token filesystem. Dropping it unmounts. The event loop
+/// serves its session ([`FuseMount::serve_ready`]) and owns its [`Files`].
 pub struct FuseMount {
-    control: Option<Control>,
-    session: Option<BackgroundSession>,
+    clock: Clock,
+    session: Option<CallerSession<TokenFs>>,
     path: PathBuf,
-    shared: Arc<FsShared>,
     /// The session's /dev/fuse descriptor, for a successor.
     device: OwnedFd,
-    /// Tells the FUSE thread, frozen for a handover, to go on.
-    go_on: Option<Sender<bool>>,
     keeper: Option<keeper::Keeper>,
 }
+
+/// A mount and its token files, before the loop takes them.
+pub type Mounted = (FuseMount, Files);
 
 /// Mounts the token filesystem for the broker at `socket`. Where FUSE is
 /// not available, says why in one log line and returns None: builds then
 /// use the FIFO bridge.
-pub fn mount(socket: &Path, broker: Arc<Mutex<Broker>>, options: Options) -> Option<FuseMount> {
+pub fn mount(socket: &Path, registry: &Registry, options: Options) -> Option<Mounted> {
     let path = baton_core::paths::fuse_mount_point(socket);
     if let Some(device) = keeper::take(socket) {
-        return match adopt_orphan(socket, &path, broker, device, options) {
+        return match adopt_orphan(socket, &path, registry, device, options) {
             Ok(mount) => Some(mount),
             Err(e) => {
                 log::warn(format_args!("cannot serve the mount a killed broker left ({e:#}); builds will use the FIFO bridge"));
@@ -93,7 +93,7 @@ pub fn mount(socket: &Path, broker: Arc<Mutex<Broker>>, options: Options) -> Opt
             }
         };
     }
-    match try_mount(socket, &path, broker, options) {
+    match try_mount(socket, &path, registry, options) {
         Ok(mount) => {
             log::info(format_args!("FUSE token files at {}", path.display()));
             Some(mount)
@@ -107,109 +107,74 @@ pub fn mount(socket: &Path, broker: Arc<Mutex<Broker>>, options: Options) -> Opt
     }
 }
 
-fn try_mount(
-    socket: &Path,
-    path: &Path,
-    broker: Arc<Mutex<Broker>>,
-    options: Options,
-) -> Result<FuseMount> {
+fn try_mount(socket: &Path, path: &Path, registry: &Registry, options: Options) -> Result<Mounted> {
     if !Path::new("/dev/fuse").exists() {
         bail!("/dev/fuse does not exist");
     }
-    // A dead mount (a broker killed with its keeper) answers lstat with
-    // ENOTCONN: a mount point, not a link; it is cleared first.
+    // A mount whose server died answers ENOTCONN to everything, even
+    // lstat: unmount it before checking the directory.
     if std::fs::symlink_metadata(path).is_err_and(|e| e.raw_os_error() == Some(libc::ENOTCONN)) {
         clear_stale_mount(path)?;
     }
-    // Checked by lstat before anything else: a link planted here would
-    // have us unmount, then mount over, whatever it points at.
     crate::paths::own_subdir(path)?;
     clear_stale_mount(path)?;
-    let (poll, waker, shared) = new_shared(broker.clone(), options)?;
-    let session = Session::new(TokenFs(shared.clone()), path, &config())
+    let files = new_files(registry, options)?;
+    let session = Session::new(TokenFs, path, &config())
         .with_context(|| format!("cannot mount at {}", path.display()))?;
-    start(
-        session,
-        socket.to_path_buf(),
-        path,
-        broker,
-        (poll, waker, shared),
-        options.orphan_grace,
-    )
+    start(session, socket, path, options.orphan_grace).map(|mount| (mount, files))
 }
 
-/// Serves the mount of a broker that was killed, whose keeper passed us
-/// the descriptor: its state is lost, so files, handles and what each
-/// process holds start afresh (docs/fuse.md, "When the broker dies").
+/// Serves the mount a killed broker left, whose descriptor its keeper
+/// passed us (see `keeper`).
 fn adopt_orphan(
     socket: &Path,
     path: &Path,
-    broker: Arc<Mutex<Broker>>,
+    registry: &Registry,
     device: OwnedFd,
     options: Options,
-) -> Result<FuseMount> {
-    let (poll, waker, shared) = new_shared(broker.clone(), options)?;
-    shared.take_orphan();
-    let session =
-        Session::from_initialized_fd(TokenFs(shared.clone()), device, SessionACL::Owner, config());
+) -> Result<Mounted> {
+    let mut files = new_files(registry, options)?;
+    files.take_orphan();
+    let session = Session::from_initialized_fd(TokenFs, device, SessionACL::Owner, config());
     log::info(format_args!(
         "FUSE token files at {}: serving the mount a killed broker left",
         path.display()
     ));
-    start(
-        session,
-        socket.to_path_buf(),
-        path,
-        broker,
-        (poll, waker, shared),
-        options.orphan_grace,
-    )
+    start(session, socket, path, options.orphan_grace).map(|mount| (mount, files))
 }
 
-/// Serves the mount a predecessor broker handed over (crate::handover):
-/// its /dev/fuse descriptor and its token files' state.
+/// Takes over the mount a predecessor broker handed us (crate::handover):
+/// its /dev/fuse descriptor and its token files, as they stand.
 pub fn adopt(
     socket: &Path,
-    broker: Arc<Mutex<Broker>>,
+    broker: &Broker,
+    registry: &Registry,
     device: OwnedFd,
     state: FsState,
     options: Options,
-) -> Result<FuseMount> {
+) -> Result<Mounted> {
     let path = baton_core::paths::fuse_mount_point(socket);
-    let (poll, waker, shared) = new_shared(broker.clone(), options)?;
-    let session =
-        Session::from_initialized_fd(TokenFs(shared.clone()), device, SessionACL::Owner, config());
-    shared
-        .adopt(state, &session.notifier())
+    let mut files = new_files(registry, options)?;
+    let session = Session::from_initialized_fd(TokenFs, device, SessionACL::Owner, config());
+    let mount = start(session, socket, &path, options.orphan_grace)?;
+    let notifier = mount.notifier().context("the FUSE session ended at once")?;
+    files
+        .adopt(state, broker, &notifier)
         .map_err(|e| anyhow::anyhow!("the predecessor's token files are inconsistent: {e}"))?;
     log::info(format_args!(
         "FUSE token files at {} taken over",
         path.display()
     ));
-    start(
-        session,
-        socket.to_path_buf(),
-        &path,
-        broker,
-        (poll, waker, shared),
-        options.orphan_grace,
-    )
+    Ok((mount, files))
 }
 
-fn new_shared(
-    broker: Arc<Mutex<Broker>>,
-    options: Options,
-) -> Result<(Poll, Arc<Waker>, Arc<FsShared>)> {
-    let poll = Poll::new().context("cannot create an event loop")?;
-    let waker = Arc::new(Waker::new(poll.registry(), WAKER)?);
-    let exits = procs::Exits::new(poll.registry().try_clone()?);
-    let shared = Arc::new(FsShared::new(
-        broker,
+/// New token files, whose pidfds go into the loop's poll (`registry`).
+fn new_files(registry: &Registry, options: Options) -> Result<Files> {
+    let exits = procs::Exits::new(registry.try_clone()?);
+    Ok(Files::new(
         waiters::Waiters::new(options.mode, options.hold),
         exits,
-        waker.clone(),
-    ));
-    Ok((poll, waker, shared))
+    ))
 }
 
 fn config() -> Config {
@@ -226,75 +191,99 @@ fn config() -> Config {
 
 fn start(
     session: Session<TokenFs>,
-    socket: PathBuf,
+    socket: &Path,
     path: &Path,
-    broker: Arc<Mutex<Broker>>,
-    (poll, waker, shared): (Poll, Arc<Waker>, Arc<FsShared>),
     orphan_grace: Duration,
 ) -> Result<FuseMount> {
     let device = session
         .as_fd()
         .try_clone_to_owned()
         .context("cannot duplicate the FUSE descriptor")?;
-    let keeper = keeper::Keeper::spawn(&socket, device.as_raw_fd(), orphan_grace)
+    let keeper = keeper::Keeper::spawn(socket, device.as_raw_fd(), orphan_grace)
         .inspect_err(|e| log::warn(format_args!("no keeper for the FUSE mount ({e:#}): if this broker is killed, FUSE-style builds fail")))
         .ok();
-    let session = session.spawn().context("cannot start the FUSE thread")?;
-
-    // Grants socket clients cause for FUSE waiters wake the control thread;
-    // the FUSE threads deliver their own (see fs::delivering_here).
-    let hook_waker = waker.clone();
-    broker
-        .lock()
-        .expect("broker lock")
-        .on_grants(Transport::Fuse, move || {
-            if !fs::delivering_here() {
-                let _ = hook_waker.wake();
-            }
-        });
-    let control =
-        Control::spawn(shared.clone(), poll, waker).context("cannot start the FUSE thread")?;
+    let session = session
+        .into_caller_session()
+        .context("cannot serve the FUSE device from the event loop")?;
+    let clock = Clock::new().context("cannot create the token files' timer")?;
     Ok(FuseMount {
-        control: Some(control),
+        clock,
         session: Some(session),
         path: path.to_path_buf(),
-        shared,
         device,
-        go_on: None,
         keeper,
     })
 }
 
 impl FuseMount {
-    /// Freezes the token files for a successor and returns their state;
-    /// from now on every FUSE request waits in the kernel for whoever
-    /// reads the session next (see `FsShared::ask_handover`).
-    pub fn freeze(&mut self) -> Result<FsState> {
-        let (state, go_on) = self.shared.ask_handover();
-        self.go_on = Some(go_on);
-        // A lookup of this name reaches the FUSE thread between two
-        // requests; the kernel does not cache the ENOENT it gets.
-        let _ = std::fs::metadata(self.path.join(fs::HANDOVER_NAME));
-        state
-            .recv_timeout(Duration::from_secs(30))
-            .context("the FUSE thread did not hand over its state")
-    }
-
-    /// A handover failed: the FUSE thread goes on serving.
-    pub fn thaw(&mut self) {
-        if let Some(go_on) = self.go_on.take() {
-            let _ = go_on.send(true);
+    /// Serves every request the kernel has waiting, on the calling thread
+    /// (the event loop's), with `files` and `broker` lent to them.
+    /// False once the session has ended (the mount is gone).
+    pub fn serve_ready(&mut self, files: &mut Files, broker: &mut Broker) -> bool {
+        let Some(session) = self.session.as_mut() else {
+            return false;
+        };
+        match fs::lend(files, broker, || session.serve_ready()) {
+            Ok(Served::AllWaiting) => true,
+            Ok(Served::Ended) => {
+                log::warn(format_args!(
+                    "the FUSE token files at {} were unmounted: builds using them fail",
+                    self.path.display()
+                ));
+                self.session = None;
+                false
+            }
+            Err(e) => {
+                log::warn(format_args!(
+                    "the FUSE session failed ({e}): the token files serve no more"
+                ));
+                self.session = None;
+                false
+            }
         }
     }
 
-    /// A successor holds the descriptor now: the keeper may go.
+    /// The descriptor the event loop watches for requests.
+    pub fn source(&self) -> Option<RawFd> {
+        self.session.as_ref().map(|s| s.as_fd().as_raw_fd())
+    }
+
+    /// The descriptor the event loop watches for the files' deadlines.
+    pub fn clock(&self) -> RawFd {
+        self.clock.fd()
+    }
+
+    /// Acts on what the files watch (see `control`): the processes in
+    /// `exited`, and the deadlines if `clock_fired`.
+    pub fn act(
+        &mut self,
+        files: &mut Files,
+        broker: &mut Broker,
+        exited: &[u32],
+        clock_fired: bool,
+    ) {
+        if clock_fired {
+            self.clock.fired();
+        }
+        control::act(files, broker, exited);
+    }
+
+    /// Arms the clock for the files' next deadline; after any round that
+    /// touched them.
+    pub fn plan(&mut self, files: &Files) {
+        self.clock.plan(files);
+    }
+
+    fn notifier(&self) -> Option<fuser::Notifier> {
+        self.session.as_ref().map(CallerSession::notifier)
+    }
+
     pub fn dismiss_keeper(&mut self) {
         if let Some(keeper) = self.keeper.take() {
             keeper.dismiss();
         }
     }
 
-    /// The session's /dev/fuse descriptor.
     pub fn device(&self) -> RawFd {
         self.device.as_raw_fd()
     }
@@ -303,7 +292,6 @@ impl FuseMount {
 impl Drop for FuseMount {
     fn drop(&mut self) {
         self.dismiss_keeper();
-        drop(self.control.take());
         // Lazily: builds may still hold the files open. Their next read
         // fails once we exit and the connection closes.
         detach(&self.path);
@@ -331,11 +319,7 @@ fn clear_stale_mount(path: &Path) -> Result<()> {
 
 /// Unmounts lazily: umount2 as root, else the setuid fusermount3.
 fn detach(path: &Path) {
-    let Ok(cpath) = std::ffi::CString::new(path.as_os_str().as_bytes()) else {
-        return;
-    };
-    // SAFETY: umount2 reads a NUL-terminated path.
-    if unsafe { libc::umount2(cpath.as_ptr(), libc::MNT_DETACH | libc::UMOUNT_NOFOLLOW) } == 0 {
+    if crate::sys::detach_mount(path) {
         return;
     }
     let _ = std::process::Command::new("fusermount3")

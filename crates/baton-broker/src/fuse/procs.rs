@@ -68,8 +68,17 @@ impl Threads {
     }
 }
 
-/// A pidfd per watched process, registered with a mio poll under the
-/// token `Token(pid)`: readable once the process has exited.
+/// Tokens of the event loop's poll from here up are pidfds: `EXITS + pid`
+/// (a pid is below 2^22; the loop numbers its connections from below).
+pub const EXITS: usize = 1 << 40;
+
+/// The pid whose exit a token of the loop's poll reports, if it is one.
+pub fn exited_pid(token: Token) -> Option<u32> {
+    token.0.checked_sub(EXITS).map(|pid| pid as u32)
+}
+
+/// A pidfd per watched process, registered with the event loop's poll
+/// under the token `EXITS + pid`: readable once the process has exited.
 pub struct Exits {
     registry: Registry,
     pidfds: HashMap<u32, OwnedFd>,
@@ -87,7 +96,7 @@ impl Exits {
         let fd = sys::pidfd_open(pid)?;
         self.registry.register(
             &mut SourceFd(&fd.as_raw_fd()),
-            Token(pid as usize),
+            Token(EXITS + pid as usize),
             Interest::READABLE,
         )?;
         self.pidfds.insert(pid, fd);
