@@ -270,13 +270,9 @@ impl Loop<'_> {
 /// on a machine the jobs keep busy. Allowed with CAP_SYS_NICE (or an
 /// RLIMIT_NICE that permits it); elsewhere the thread keeps its priority.
 fn run_before_the_jobs() {
-    // SAFETY: gettid and setpriority on this thread have no preconditions.
-    let done =
-        unsafe { libc::setpriority(libc::PRIO_PROCESS, libc::gettid() as libc::id_t, -10) } == 0;
-    if !done {
+    if let Err(e) = crate::sys::set_thread_priority(-10) {
         log::debug(format_args!(
-            "gates: the gates' thread keeps its priority ({})",
-            std::io::Error::last_os_error()
+            "gates: the gates' thread keeps its priority ({e})"
         ));
     }
 }
@@ -666,9 +662,7 @@ mod tests {
     #[test]
     fn the_gates_thread_is_never_made_nicer_than_it_was() {
         std::thread::spawn(|| {
-            // SAFETY: getpriority on this thread has no preconditions.
-            let prio =
-                || unsafe { libc::getpriority(libc::PRIO_PROCESS, libc::gettid() as libc::id_t) };
+            let prio = crate::sys::thread_priority;
             let before = prio();
             run_before_the_jobs();
             assert!(prio() <= before, "{} > {before}", prio());

@@ -79,14 +79,16 @@ impl<S> Mailbox<S> {
             // The asker may have given up: then nobody needs the answer.
             let _ = answer.send(errand(owned));
         });
-        while posted {
+        if !posted {
+            return None;
+        }
+        loop {
             match answered.recv_timeout(STOP_CHECK) {
                 Ok(answer) => return Some(answer),
                 Err(RecvTimeoutError::Timeout) if !stop.load(Ordering::Relaxed) => {}
                 Err(_) => return None,
             }
         }
-        None
     }
 }
 

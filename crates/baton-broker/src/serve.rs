@@ -293,7 +293,12 @@ fn hand_over(
     server: &mut SocketServer,
     owns_socket: bool,
 ) -> Result<()> {
-    let (broker, conns, fds, fuse) = server.hand_over();
+    let socket::Snapshot {
+        broker,
+        conns,
+        fds,
+        fuse,
+    } = server.hand_over();
     handover::send(
         successor,
         &State {

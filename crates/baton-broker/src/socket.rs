@@ -75,6 +75,16 @@ pub struct ConnState {
     session: Session,
 }
 
+/// The loop's state as a successor receives it (crate::handover): the
+/// books, the connections, the descriptors they name (the listener first),
+/// and the token files with the index of /dev/fuse, if mounted.
+pub struct Snapshot {
+    pub broker: BrokerState,
+    pub conns: Vec<ConnState>,
+    pub fds: Vec<RawFd>,
+    pub fuse: Option<(FsState, usize)>,
+}
+
 /// Why the loop stopped.
 pub enum Stop {
     /// SIGTERM or SIGINT, by name.
@@ -418,14 +428,7 @@ impl SocketServer {
     /// is lost between the two. The token files' state and the FUSE
     /// device's descriptor come last, if mounted: the loop reads no FUSE
     /// request while it hands over, so none is half-served.
-    pub fn hand_over(
-        &mut self,
-    ) -> (
-        BrokerState,
-        Vec<ConnState>,
-        Vec<RawFd>,
-        Option<(FsState, usize)>,
-    ) {
+    pub fn hand_over(&mut self) -> Snapshot {
         let broker = &mut self.owned.broker;
         for grant in broker.take_grants(Transport::Socket) {
             let held = broker.pool().held_by(grant.client);
@@ -457,7 +460,12 @@ impl SocketServer {
             }
             _ => None,
         };
-        (broker.snapshot(), conns, fds, fuse)
+        Snapshot {
+            broker: broker.snapshot(),
+            conns,
+            fds,
+            fuse,
+        }
     }
 
     /// Acts on the processes that exited and the deadlines that came, if
@@ -641,24 +649,12 @@ impl SocketServer {
     /// the maximum.
     fn reap_hung_up(&mut self) {
         let tokens: Vec<Token> = self.conns.keys().copied().collect();
-        let mut fds: Vec<libc::pollfd> = tokens
+        let fds: Vec<RawFd> = tokens
             .iter()
-            .map(|t| libc::pollfd {
-                fd: self.conns[t].stream.as_raw_fd(),
-                events: libc::POLLRDHUP,
-                revents: 0,
-            })
+            .map(|t| self.conns[t].stream.as_raw_fd())
             .collect();
-        // SAFETY: `fds` is a live array of `fds.len()` pollfds; a zero
-        // timeout only reports, it never blocks. (nix's PollFlags lacks
-        // POLLRDHUP, the one flag that tells a half-close.)
-        let ready = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, 0) };
-        if ready <= 0 {
-            return;
-        }
-        let gone = libc::POLLRDHUP | libc::POLLHUP | libc::POLLERR;
-        for (token, fd) in tokens.into_iter().zip(&fds) {
-            if fd.revents & gone != 0 {
+        for (token, gone) in tokens.into_iter().zip(crate::sys::hung_up(&fds)) {
+            if gone {
                 // Reads what it sent before it went, answers it, then sees
                 // the end of file and closes: the same path as the loop's.
                 self.serve_conn(token);

@@ -167,6 +167,46 @@ pub fn peer_is_our_uid(stream: &std::os::unix::net::UnixStream) -> bool {
     peer(stream).is_ok_and(|c| c.uid() == nix::unistd::getuid().as_raw())
 }
 
+/// Which of these connections' peers have hung up (POLLRDHUP, POLLHUP,
+/// POLLERR), in one poll(2) that does not wait; each answer in the order
+/// asked. (nix's PollFlags lacks POLLRDHUP, the one flag that tells a
+/// half-close.)
+pub fn hung_up(fds: &[std::os::fd::RawFd]) -> Vec<bool> {
+    let mut polled: Vec<libc::pollfd> = fds
+        .iter()
+        .map(|&fd| libc::pollfd {
+            fd,
+            events: libc::POLLRDHUP,
+            revents: 0,
+        })
+        .collect();
+    // SAFETY: `polled` is a live array of `polled.len()` pollfds; a zero
+    // timeout only reports, it never blocks.
+    let ready = unsafe { libc::poll(polled.as_mut_ptr(), polled.len() as libc::nfds_t, 0) };
+    let gone = libc::POLLRDHUP | libc::POLLHUP | libc::POLLERR;
+    polled
+        .iter()
+        .map(|p| ready > 0 && p.revents & gone != 0)
+        .collect()
+}
+
+/// This thread's scheduling priority (its nice value).
+#[cfg(test)]
+pub fn thread_priority() -> i32 {
+    // SAFETY: gettid and getpriority on this thread have no preconditions.
+    unsafe { libc::getpriority(libc::PRIO_PROCESS, libc::gettid() as libc::id_t) }
+}
+
+/// Sets this thread's nice value; the error where we may not (lowering it
+/// needs CAP_SYS_NICE or an RLIMIT_NICE that allows it).
+pub fn set_thread_priority(nice: i32) -> io::Result<()> {
+    // SAFETY: gettid and setpriority on this thread have no preconditions.
+    match unsafe { libc::setpriority(libc::PRIO_PROCESS, libc::gettid() as libc::id_t, nice) } {
+        0 => Ok(()),
+        _ => Err(io::Error::last_os_error()),
+    }
+}
+
 /// Unmounts `path` lazily (MNT_DETACH), not following a link there;
 /// false where we may not (not root).
 pub fn detach_mount(path: &std::path::Path) -> bool {
@@ -337,6 +377,17 @@ impl Drop for VforkedJob {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_peer_that_hung_up_is_told_from_one_still_there() {
+        use std::os::fd::AsRawFd;
+        let (gone, ours_gone) = std::os::unix::net::UnixStream::pair().unwrap();
+        let (_there, ours_there) = std::os::unix::net::UnixStream::pair().unwrap();
+        drop(gone);
+        let fds = [ours_there.as_raw_fd(), ours_gone.as_raw_fd()];
+        assert_eq!(hung_up(&fds), [false, true]);
+        assert_eq!(hung_up(&fds[..1]), [false]);
+    }
 
     const LINE: &str =
         "4242 (make (x)) S 4000 4242 4001 0 -1 4194560 1 0 0 0 0 0 0 0 20 0 1 0 987654 1000 100";

@@ -427,9 +427,8 @@ fn attr(ino: u64) -> FileAttr {
         kind,
         perm,
         nlink,
-        // SAFETY: getuid/getgid cannot fail.
-        uid: unsafe { libc::getuid() },
-        gid: unsafe { libc::getgid() },
+        uid: nix::unistd::getuid().as_raw(),
+        gid: nix::unistd::getgid().as_raw(),
         rdev: 0,
         blksize: 512,
         flags: 0,
