@@ -202,7 +202,7 @@ pub struct Broker {
     /// The cluster pool this broker is in (docs/cluster.md), with the
     /// cluster tokens its link holds: local grants stop there. None: no
     /// cluster pool.
-    cluster: Option<status::Cluster>,
+    cluster: Option<ClusterLink>,
     /// Wakes the cluster link when what the local pool needs changes.
     demand_hook: Option<GrantHook>,
     /// Wakes the gates' thread when the gates change: with none set, it
@@ -221,6 +221,34 @@ pub struct Broker {
     reclaim: Option<(Duration, Duration)>,
     /// Wakes the thread that looks at orphaned builds' processes.
     orphans_hook: Option<GrantHook>,
+}
+
+/// The cluster pool this broker is in, as its link last told us: what
+/// caps its grants (`held`, `contact`), and what STATUS shows of it.
+#[derive(Debug, Clone)]
+struct ClusterLink {
+    pool: String,
+    endpoints: Vec<String>,
+    limit: u32,
+    held: u32,
+    contact: Contact,
+    watch_events: u64,
+}
+
+impl ClusterLink {
+    /// As STATUS shows it; `brokers` is `baton status`'s to fill, from
+    /// etcd (the broker never waits on etcd).
+    fn status(&self) -> status::Cluster {
+        status::Cluster {
+            pool: self.pool.clone(),
+            endpoints: self.endpoints.clone(),
+            limit: self.limit,
+            held: self.held,
+            contact: self.contact.name().to_string(),
+            brokers: Vec::new(),
+            watch_events: self.watch_events,
+        }
+    }
 }
 
 /// A pid as a build's processes carry it, and their PID namespace (the
@@ -845,7 +873,7 @@ impl Broker {
         let cluster = self
             .cluster
             .as_ref()
-            .map(|c| admission_cap(c.held, Contact::from_name(&c.contact)));
+            .map(|c| admission_cap(c.held, c.contact));
         // While builds re-attach, nothing new: a cap of 0 lets no request
         // through (HOLD is not a request).
         let reclaim = self.reclaim.map(|_| 0);
@@ -1140,7 +1168,7 @@ impl Broker {
                 held_again: t.held_again,
             },
             gates,
-            cluster: self.cluster.clone(),
+            cluster: self.cluster.as_ref().map(ClusterLink::status),
             utilization: self.utilization(),
         }
     }
@@ -1163,13 +1191,12 @@ impl Broker {
 impl Broker {
     /// Joins a cluster pool: no grant until the link holds cluster tokens.
     pub fn join_cluster(&mut self, config: &Config) {
-        self.cluster = Some(status::Cluster {
+        self.cluster = Some(ClusterLink {
             pool: config.pool.clone(),
             endpoints: config.endpoints.clone(),
             limit: config.jobs,
             held: 0,
-            contact: Contact::Reachable.name().to_string(),
-            brokers: Vec::new(),
+            contact: Contact::Reachable,
             watch_events: 0,
         });
         self.refresh_cap();
@@ -1182,7 +1209,7 @@ impl Broker {
         self.tick();
         if let Some(cluster) = &mut self.cluster {
             cluster.held = held;
-            cluster.contact = contact.name().to_string();
+            cluster.contact = contact;
         }
         self.refresh_cap();
         self.cluster_demand()

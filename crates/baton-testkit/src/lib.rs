@@ -147,7 +147,7 @@ impl Drop for TempDir {
 }
 
 /// A running broker. Dropping it sends SIGTERM by pid and reaps it.
-pub struct Broker {
+pub struct RunningBroker {
     pub child: Child,
     pub socket: PathBuf,
     pub dir: TempDir,
@@ -155,7 +155,7 @@ pub struct Broker {
     stopped: bool,
 }
 
-impl Broker {
+impl RunningBroker {
     pub fn start(jobs: u32) -> Self {
         Self::start_with(jobs, &[])
     }
@@ -182,7 +182,7 @@ impl Broker {
 
     /// A new broker at the socket of `old` (which has stopped), logging
     /// beside it, with `extra` serve flags.
-    pub fn start_at(old: &Broker, jobs: u32, extra: &[&str]) -> Self {
+    pub fn start_at(old: &RunningBroker, jobs: u32, extra: &[&str]) -> Self {
         let dir = TempDir::new("broker-again");
         Self::serve(baton(), dir, old.socket.clone(), jobs, extra)
     }
@@ -200,7 +200,7 @@ impl Broker {
             .stderr(log)
             .spawn()
             .expect("start baton serve");
-        let broker = Broker {
+        let broker = RunningBroker {
             child,
             socket,
             dir,
@@ -291,7 +291,7 @@ impl Broker {
     }
 }
 
-impl Drop for Broker {
+impl Drop for RunningBroker {
     fn drop(&mut self) {
         if !self.stopped {
             unsafe { libc::kill(self.child.id() as i32, libc::SIGTERM) };
@@ -685,7 +685,7 @@ fn main() {{ log("S\n"); std::thread::sleep(std::time::Duration::from_millis(300
 
 /// `cargo build --offline` of such a workspace under `baton run` with
 /// `run_args`, its target directory inside `dir`.
-pub fn cargo_build(broker: &Broker, dir: &Path, run_args: &[&str]) -> std::process::Output {
+pub fn cargo_build(broker: &RunningBroker, dir: &Path, run_args: &[&str]) -> std::process::Output {
     let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
     let mut args = run_args.to_vec();
     args.extend(["--", &cargo, "build", "--offline", "--quiet", "-j", "16"]);
@@ -702,7 +702,7 @@ pub fn cargo_build(broker: &Broker, dir: &Path, run_args: &[&str]) -> std::proce
 
 /// `baton run ARGS -- TOOL` in `dir`, without the caller's MAKEFLAGS and
 /// with its output discarded, started and guarded.
-pub fn spawn_build(broker: &Broker, dir: &Path, run_args: &[&str], tool: &Path) -> Guarded {
+pub fn spawn_build(broker: &RunningBroker, dir: &Path, run_args: &[&str], tool: &Path) -> Guarded {
     let mut args: Vec<&str> = run_args.to_vec();
     args.extend(["--", tool.to_str().unwrap()]);
     broker
@@ -720,7 +720,7 @@ pub fn spawn_build(broker: &Broker, dir: &Path, run_args: &[&str], tool: &Path) 
 /// the file), baton run reaped (its pid gone, as the sweeper checks) and
 /// its tokens back.
 pub fn file_of_a_killed_build(
-    broker: &Broker,
+    broker: &RunningBroker,
     style: &str,
     what: &str,
     files: impl Fn() -> Vec<PathBuf>,
@@ -785,7 +785,7 @@ pub fn output_text(out: &std::process::Output) -> String {
 }
 
 /// `baton limit N` against `broker`: its output and exit code.
-pub fn set_limit(broker: &Broker, limit: u32) -> std::process::Output {
+pub fn set_limit(broker: &RunningBroker, limit: u32) -> std::process::Output {
     baton()
         .args(["limit", &limit.to_string(), "--socket"])
         .arg(&broker.socket)
@@ -795,7 +795,7 @@ pub fn set_limit(broker: &Broker, limit: u32) -> std::process::Output {
 
 /// Every token is free, and came back released (by baton run, say), not
 /// reclaimed from a connection that broke.
-pub fn assert_clean_end(broker: &Broker) {
+pub fn assert_clean_end(broker: &RunningBroker) {
     broker.assert_all_free();
     let s = broker.status();
     assert_eq!(s.totals.reclaimed, 0, "{s:#?}");

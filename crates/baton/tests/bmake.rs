@@ -26,7 +26,7 @@ fn bmake_tree(dir: &Path, log: &Path, subs: usize, jobs: usize, fail: &str) {
     std::fs::write(dir.join("sub.mk"), sub).unwrap();
 }
 
-fn run_bmake(broker: &Broker, dir: &Path, run_args: &[&str], bmake_args: &[&str]) -> Output {
+fn run_bmake(broker: &RunningBroker, dir: &Path, run_args: &[&str], bmake_args: &[&str]) -> Output {
     let bmake = bmake();
     let mut args = run_args.to_vec();
     args.extend(["--", bmake.to_str().unwrap()]);
@@ -72,7 +72,7 @@ fn read_all(mut from: impl std::io::Read + Send + 'static) -> std::thread::JoinH
 /// FIFO, bmake's own shape), `pipe` (tokens come back through a pipe only
 /// baton reads) and `fuse` (both ends on the build's FUSE token file: a
 /// freed token wakes one sub-make), where the broker has its mount.
-fn styles(broker: &Broker) -> Vec<&'static str> {
+fn styles(broker: &RunningBroker) -> Vec<&'static str> {
     let mount = broker.socket.with_file_name("fuse");
     let mounts = std::fs::read_to_string("/proc/self/mounts").unwrap_or_default();
     if mounts
@@ -93,8 +93,8 @@ fn styles(broker: &Broker) -> Vec<&'static str> {
 
 #[test]
 fn a_recursive_bmake_tree_holds_the_limit_and_reaches_it() {
-    for style in styles(&Broker::start(1)) {
-        let broker = Broker::start(4);
+    for style in styles(&RunningBroker::start(1)) {
+        let broker = RunningBroker::start(4);
         let dir = TempDir::new("bmake-tree");
         let log = dir.path().join("jobs.log");
         bmake_tree(dir.path(), &log, 4, 8, "none");
@@ -114,7 +114,7 @@ fn a_recursive_bmake_tree_holds_the_limit_and_reaches_it() {
 
 #[test]
 fn bmake_is_found_by_what_it_is_and_gets_its_own_form() {
-    let broker = Broker::start(2);
+    let broker = RunningBroker::start(2);
     let dir = TempDir::new("bmake-style");
     // Found by what it is, under another name: FreeBSD's make is bmake.
     let link = dir.path().join("make");
@@ -162,7 +162,7 @@ fn bmake_is_found_by_what_it_is_and_gets_its_own_form() {
 
 #[test]
 fn bmake_beside_gnu_make_and_ninja_shares_one_limit() {
-    let broker = Broker::start(6);
+    let broker = RunningBroker::start(6);
     let log = broker.dir.path().join("all-jobs.log");
     let dirs: Vec<TempDir> = (0..4)
         .map(|i| TempDir::new(&format!("bmake-mix{i}")))
@@ -195,13 +195,13 @@ fn bmake_beside_gnu_make_and_ninja_shares_one_limit() {
 /// sub-makes never saw it.
 #[test]
 fn a_failing_bmake_job_stops_its_build_but_no_other_and_every_token_comes_back() {
-    for style in styles(&Broker::start(1)) {
+    for style in styles(&RunningBroker::start(1)) {
         a_failing_bmake_job_stops_its_build(style);
     }
 }
 
 fn a_failing_bmake_job_stops_its_build(style: &str) {
-    let broker = Broker::start(4);
+    let broker = RunningBroker::start(4);
     let dir = TempDir::new("bmake-fail");
     let log = dir.path().join("jobs.log");
     // Fewer sub-makes than tokens: all run before s1's first job fails,
@@ -253,7 +253,7 @@ fn a_failing_bmake_job_stops_its_build(style: &str) {
 
 #[test]
 fn with_dash_k_bmake_goes_on_past_a_failing_job() {
-    let broker = Broker::start(4);
+    let broker = RunningBroker::start(4);
     let dir = TempDir::new("bmake-k");
     let log = dir.path().join("jobs.log");
     bmake_tree(dir.path(), &log, 4, 6, "s1j1");
@@ -272,7 +272,7 @@ fn with_dash_k_bmake_goes_on_past_a_failing_job() {
 #[test]
 fn kill_9_of_the_top_bmake_gives_every_token_back() {
     use std::os::unix::process::CommandExt;
-    let broker = Broker::start(4);
+    let broker = RunningBroker::start(4);
     let dir = TempDir::new("bmake-kill");
     let log = dir.path().join("jobs.log");
     bmake_tree(dir.path(), &log, 4, 20, "none");
@@ -308,7 +308,7 @@ fn kill_9_of_the_top_bmake_gives_every_token_back() {
 #[test]
 fn tokens_an_idle_bmake_build_leaves_unread_go_to_a_waiting_build() {
     use std::os::unix::process::CommandExt;
-    let broker = Broker::start(4);
+    let broker = RunningBroker::start(4);
     let dir = TempDir::new("bmake-idle");
     let started = dir.path().join("started");
     // One long job: bmake holds its own slot and reads nothing more. It

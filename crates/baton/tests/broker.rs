@@ -13,7 +13,7 @@ use std::time::Duration;
 
 #[test]
 fn two_hundred_runs_never_exceed_four_jobs() {
-    let broker = Broker::start(4);
+    let broker = RunningBroker::start(4);
     let log = broker.dir.path().join("jobs.log");
     let job = logged_job(&log, "0.02");
     let children: Vec<_> = (0..200)
@@ -47,7 +47,7 @@ fn two_hundred_runs_never_exceed_four_jobs() {
 
 #[test]
 fn a_freed_token_goes_to_the_longest_waiter() {
-    let broker = Broker::start(1);
+    let broker = RunningBroker::start(1);
     let mut holder = broker.client("holder");
     holder.acquire(1).unwrap();
     let (tx, rx) = std::sync::mpsc::channel();
@@ -77,7 +77,7 @@ fn a_freed_token_goes_to_the_longest_waiter() {
 
 #[test]
 fn kill_9_of_holders_gives_their_tokens_to_the_waiter() {
-    let broker = Broker::start(2);
+    let broker = RunningBroker::start(2);
     let mut holders: Vec<_> = (0..2)
         .map(|_| {
             broker
@@ -128,7 +128,7 @@ fn kill_9_of_holders_gives_their_tokens_to_the_waiter() {
 #[test]
 fn status_json_has_the_documented_keys() {
     // A gate, so that the gates' fields are there to check.
-    let broker = Broker::start_with(3, &["--max-load", "100000"]);
+    let broker = RunningBroker::start_with(3, &["--max-load", "100000"]);
     let mut holder = broker.client("holder");
     holder.acquire(2).unwrap();
     let mut waiter = broker
@@ -251,7 +251,7 @@ fn json_at<'a>(v: &'a serde_json::Value, path: &str) -> Option<&'a serde_json::V
         })
 }
 
-fn broker_status_json(broker: &Broker) -> String {
+fn broker_status_json(broker: &RunningBroker) -> String {
     let out = baton()
         .args(["status", "--json", "--socket"])
         .arg(&broker.socket)
@@ -267,7 +267,7 @@ fn broker_status_json(broker: &Broker) -> String {
 
 #[test]
 fn human_status_lists_holders_and_waiters() {
-    let broker = Broker::start(1);
+    let broker = RunningBroker::start(1);
     let mut holder = broker.client("the-holder");
     holder.acquire(1).unwrap();
     let mut waiter = broker
@@ -298,7 +298,7 @@ fn human_status_lists_holders_and_waiters() {
 
 #[test]
 fn run_exits_with_the_commands_status() {
-    let broker = Broker::start(2);
+    let broker = RunningBroker::start(2);
     let code = |args: &[&str]| {
         broker
             .run(args)
@@ -317,7 +317,7 @@ fn run_exits_with_the_commands_status() {
 
 #[test]
 fn run_sets_baton_socket_for_the_command() {
-    let broker = Broker::start(1);
+    let broker = RunningBroker::start(1);
     let out = broker
         .run(&["--", "sh", "-c", "echo $BATON_SOCKET"])
         .output()
@@ -330,7 +330,7 @@ fn run_sets_baton_socket_for_the_command() {
 
 #[test]
 fn kill_9_of_baton_run_kills_its_command_and_frees_its_token() {
-    let broker = Broker::start(1);
+    let broker = RunningBroker::start(1);
     let mut run = broker.run(&["--", "sleep", "600"]).spawn_guarded().unwrap();
     let sleeper = running_command(run.id(), "sleep");
     run.kill().unwrap();
@@ -348,7 +348,7 @@ fn kill_9_of_baton_run_kills_its_command_and_frees_its_token() {
 
 #[test]
 fn sigterm_to_baton_run_reaches_the_command() {
-    let broker = Broker::start(1);
+    let broker = RunningBroker::start(1);
     let mut run = broker.run(&["--", "sleep", "600"]).spawn_guarded().unwrap();
     running_command(run.id(), "sleep");
     unsafe { libc::kill(run.id() as i32, libc::SIGTERM) };
@@ -363,7 +363,7 @@ fn sigterm_to_baton_run_reaches_the_command() {
 
 #[test]
 fn over_release_is_refused_and_the_pool_never_grows() {
-    let broker = Broker::start(2);
+    let broker = RunningBroker::start(2);
     let mut c = broker.client("greedy");
     c.acquire(1).unwrap();
     match c.release(2) {
@@ -378,7 +378,7 @@ fn over_release_is_refused_and_the_pool_never_grows() {
 
 #[test]
 fn more_than_the_limit_is_refused_not_queued_forever() {
-    let broker = Broker::start(2);
+    let broker = RunningBroker::start(2);
     let mut c = broker.client("c");
     assert!(matches!(c.acquire(3), Err(Error::Refused { .. })));
     assert!(matches!(c.acquire(0), Err(Error::Refused { .. })));
@@ -405,7 +405,7 @@ fn raw_line(s: &UnixStream) -> String {
 /// accepts the gone one first, with its end of file not yet read.
 #[test]
 fn a_client_gone_before_it_was_accepted_does_not_keep_a_newcomer_out() {
-    let mut broker = Broker::start_with(1, &["--max-clients", "2"]);
+    let mut broker = RunningBroker::start_with(1, &["--max-clients", "2"]);
     let pid = nix::unistd::Pid::from_raw(broker.pid() as i32);
     nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGSTOP).unwrap();
     drop(UnixStream::connect(&broker.socket).unwrap());
@@ -438,7 +438,7 @@ fn a_client_gone_before_it_was_accepted_does_not_keep_a_newcomer_out() {
 /// other: its token comes back, and the broker serves on.
 #[test]
 fn a_client_that_hangs_up_on_unread_replies_is_closed_and_others_served() {
-    let broker = Broker::start(1);
+    let broker = RunningBroker::start(1);
     let mut gone = UnixStream::connect(&broker.socket).unwrap();
     gone.write_all(b"HELLO 1 gone\nACQUIRE 1\n").unwrap();
     wait_for(Duration::from_secs(10), "its token to be granted", || {
@@ -453,7 +453,7 @@ fn a_client_that_hangs_up_on_unread_replies_is_closed_and_others_served() {
 }
 
 /// Raw bytes, for what the client library would never send.
-fn raw_exchange(broker: &Broker, bytes: &[u8]) -> String {
+fn raw_exchange(broker: &RunningBroker, bytes: &[u8]) -> String {
     let mut s = UnixStream::connect(&broker.socket).unwrap();
     s.write_all(bytes).unwrap();
     s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
@@ -464,7 +464,7 @@ fn raw_exchange(broker: &Broker, bytes: &[u8]) -> String {
 
 #[test]
 fn malformed_and_oversized_requests_get_an_error_and_lose_nothing() {
-    let broker = Broker::start(3);
+    let broker = RunningBroker::start(3);
     let mut bystander = broker.client("bystander");
     bystander.acquire(1).unwrap();
 
@@ -505,7 +505,7 @@ fn malformed_and_oversized_requests_get_an_error_and_lose_nothing() {
 
 #[test]
 fn cancel_withdraws_a_pending_acquire() {
-    let broker = Broker::start(1);
+    let broker = RunningBroker::start(1);
     let mut holder = broker.client("holder");
     holder.acquire(1).unwrap();
     let mut session = RawSession::open(&broker, "w");
@@ -536,7 +536,7 @@ fn cancel_withdraws_a_pending_acquire() {
 /// take the grant for a stray reply and never give the token back.
 #[test]
 fn a_cancel_that_loses_the_race_to_a_grant_is_answered_after_it() {
-    let broker = Broker::start(1);
+    let broker = RunningBroker::start(1);
     let mut holder = broker.client("holder");
     holder.acquire(1).unwrap();
     let mut waiter = RawSession::open(&broker, "w");
@@ -570,7 +570,7 @@ struct RawSession(std::io::BufReader<UnixStream>);
 
 impl RawSession {
     /// Connects as `label` ([`hello_as`]).
-    fn open(broker: &Broker, label: &str) -> Self {
+    fn open(broker: &RunningBroker, label: &str) -> Self {
         let stream = hello_as(&broker.socket, label);
         stream
             .set_read_timeout(Some(Duration::from_secs(30)))
@@ -650,7 +650,7 @@ fn permission_denied_is_reported_as_such() {
     if !can_act_as_another_user() {
         return;
     }
-    let broker = Broker::start(1);
+    let broker = RunningBroker::start(1);
     let out = Command::new("setpriv")
         .args([
             "--reuid=nobody",
@@ -669,7 +669,7 @@ fn permission_denied_is_reported_as_such() {
 
 #[test]
 fn a_second_broker_is_refused_and_a_stale_socket_replaced() {
-    let mut broker = Broker::start(1);
+    let mut broker = RunningBroker::start(1);
     let out = baton()
         .args(["serve", "--jobs", "1", "--socket"])
         .arg(&broker.socket)
@@ -718,7 +718,7 @@ fn stamp_and_level(line: &str) -> Option<(std::time::SystemTime, &str)> {
 #[test]
 fn every_log_line_has_an_rfc3339_utc_time_and_a_level() {
     let before = std::time::SystemTime::now() - Duration::from_millis(1);
-    let mut broker = Broker::start(1);
+    let mut broker = RunningBroker::start(1);
     let refused = baton()
         .args(["serve", "--jobs", "1", "--socket"])
         .arg(&broker.socket)
@@ -751,7 +751,7 @@ fn every_log_line_has_an_rfc3339_utc_time_and_a_level() {
 #[test]
 fn socket_is_private_and_removed_on_sigterm_and_sigint() {
     for (signal, name) in [(libc::SIGTERM, "SIGTERM"), (libc::SIGINT, "SIGINT")] {
-        let mut broker = Broker::start(1);
+        let mut broker = RunningBroker::start(1);
         let mode = |p: &std::path::Path| std::fs::metadata(p).unwrap().permissions().mode() & 0o777;
         assert_eq!(mode(&broker.socket), 0o600);
         assert_eq!(mode(broker.socket.parent().unwrap()), 0o700);
@@ -766,13 +766,13 @@ fn socket_is_private_and_removed_on_sigterm_and_sigint() {
 
 #[test]
 fn a_broker_restarted_on_the_same_socket_has_every_token() {
-    let mut broker = Broker::start(2);
+    let mut broker = RunningBroker::start(2);
     let mut c = broker.client("survivor");
     c.acquire(2).unwrap();
     broker.stop_with(libc::SIGTERM);
     assert!(matches!(c.release(1), Err(Error::Disconnected)));
     // The same socket path, as a service manager would restart it.
-    let mut again = Broker::start_at(&broker, 2, &[]);
+    let mut again = RunningBroker::start_at(&broker, 2, &[]);
     let mut reconnected = again.client("survivor again");
     // A clean stop removed its socket, so the new broker has no dead
     // predecessor whose builds might still hold tokens: no reclaim grace
@@ -797,7 +797,7 @@ fn a_broker_restarted_on_the_same_socket_has_every_token() {
 
 #[test]
 fn raising_the_limit_by_k_wakes_exactly_k_waiters() {
-    let broker = Broker::start(1);
+    let broker = RunningBroker::start(1);
     let mut holder = broker.client("holder");
     holder.acquire(1).unwrap();
     let waiters: Vec<_> = (0..6)
@@ -849,7 +849,7 @@ fn running_command(pid: u32, program: &str) -> u32 {
 
 /// `members` clients, each taking and giving back a token `rounds` times;
 /// every acquisition must be granted once, and every token come back.
-fn run_ring(broker: &Broker, members: u64, rounds: u64) {
+fn run_ring(broker: &RunningBroker, members: u64, rounds: u64) {
     let threads: Vec<_> = (0..members)
         .map(|i| {
             let mut c = broker.client(&format!("ring member {i}"));
@@ -873,7 +873,7 @@ fn run_ring(broker: &Broker, members: u64, rounds: u64) {
 #[test]
 fn a_fast_ring_is_served_whole_and_the_broker_then_sleeps() {
     // A wide window, so the broker surely spins while the ring runs.
-    let broker = Broker::start_with(1, &["--no-fuse", "--spin-us", "2000"]);
+    let broker = RunningBroker::start_with(1, &["--no-fuse", "--spin-us", "2000"]);
     run_ring(&broker, 4, 500);
     // Idle now: a loop that kept spinning would burn the whole second.
     let before = cpu_ticks(broker.pid());
@@ -911,7 +911,7 @@ const SEND_PATHS: [&[&str]; 2] = [
 /// `flags` ask for: io_uring by default (a skip where the kernel refuses
 /// it, since both runs then take the same path), writes with
 /// `--no-io-uring`, and that the ring never failed on the way.
-fn assert_send_path(broker: &Broker, flags: &[&str]) {
+fn assert_send_path(broker: &RunningBroker, flags: &[&str]) {
     let log = broker.log();
     let through_ring = log.contains("replies go out through io_uring");
     if flags.contains(&"--no-io-uring") {
@@ -939,7 +939,7 @@ fn assert_send_path(broker: &Broker, flags: &[&str]) {
 #[test]
 fn both_send_paths_serve_a_busy_ring_whole() {
     for flags in SEND_PATHS {
-        let broker = Broker::start_with(2, flags);
+        let broker = RunningBroker::start_with(2, flags);
         run_ring(&broker, 6, 300);
         assert_send_path(&broker, flags);
     }
@@ -949,7 +949,7 @@ fn both_send_paths_serve_a_busy_ring_whole() {
 fn a_raise_wakes_more_waiters_than_one_send_batch_holds() {
     // 100 grants at once: more than the 63 the io_uring call takes.
     for flags in SEND_PATHS {
-        let broker = Broker::start_with(1, flags);
+        let broker = RunningBroker::start_with(1, flags);
         let mut holder = broker.client("holder");
         holder.acquire(1).unwrap();
         let waiters: Vec<_> = (0..100)
@@ -995,7 +995,7 @@ fn a_client_that_reads_late_gets_every_reply_in_order() {
     // Its replies overflow the socket: sends that would block wait for it,
     // even once it has shut down its writing side.
     for flags in SEND_PATHS {
-        let broker = Broker::start_with(1, flags);
+        let broker = RunningBroker::start_with(1, flags);
         let mut s = UnixStream::connect(&broker.socket).unwrap();
         let rounds = 2000;
         let mut text = String::from("HELLO 1 slow reader\n");
@@ -1051,7 +1051,7 @@ fn a_client_that_reads_late_gets_every_reply_in_order() {
 
 #[test]
 fn a_client_that_shuts_down_its_writing_side_gives_its_tokens_back_and_gets_its_replies() {
-    let broker = Broker::start(2);
+    let broker = RunningBroker::start(2);
     let mut holder = broker.client("holder");
     holder.acquire(1).unwrap();
     let mut s = UnixStream::connect(&broker.socket).unwrap();
@@ -1091,7 +1091,7 @@ fn a_client_that_shuts_down_its_writing_side_gives_its_tokens_back_and_gets_its_
 
 /// A client waiting in ACQUIRE on its own thread; joining gives it back.
 fn queued_acquire(
-    broker: &Broker,
+    broker: &RunningBroker,
     label: &str,
     tokens: u32,
 ) -> std::thread::JoinHandle<baton_client::Client> {
@@ -1111,7 +1111,7 @@ fn queued_acquire(
 
 #[test]
 fn a_lowered_limit_drains_before_anyone_is_served() {
-    let broker = Broker::start(4);
+    let broker = RunningBroker::start(4);
     let mut holder = broker.client("holder");
     holder.acquire(4).unwrap();
     let waiter = queued_acquire(&broker, "waiter", 1);
@@ -1156,7 +1156,7 @@ fn a_lowered_limit_drains_before_anyone_is_served() {
 
 #[test]
 fn a_client_killed_while_queued_never_gets_the_token() {
-    let broker = Broker::start(1);
+    let broker = RunningBroker::start(1);
     let mut holder = broker.client("holder");
     holder.acquire(1).unwrap();
     let mut doomed = broker
@@ -1197,7 +1197,7 @@ fn a_client_killed_while_queued_never_gets_the_token() {
 
 #[test]
 fn protocol_edges_get_the_documented_answers() {
-    let broker = Broker::start(2);
+    let broker = RunningBroker::start(2);
     // HELLO twice is fatal.
     let reply = raw_exchange(&broker, b"HELLO 1 a\nHELLO 1 b\n");
     assert!(
@@ -1236,7 +1236,7 @@ fn protocol_edges_get_the_documented_answers() {
 #[test]
 fn a_client_that_never_reads_is_paused_past_1_mib_and_served_in_full_when_it_reads() {
     const ASKED: usize = 10_000;
-    let broker = Broker::start(1);
+    let broker = RunningBroker::start(1);
     let mut hog = RawSession::open(&broker, "reads late");
     hog.send("ACQUIRE 1\n");
     assert_eq!(hog.line(), "GRANTED 1 1");
@@ -1265,7 +1265,7 @@ fn a_client_that_never_reads_is_paused_past_1_mib_and_served_in_full_when_it_rea
 #[test]
 fn a_terminal_sigint_reaches_the_command_and_sighup_is_forwarded() {
     use std::os::unix::process::CommandExt;
-    let broker = Broker::start(1);
+    let broker = RunningBroker::start(1);
     let dir = TempDir::new("tty");
     let (ready, counts) = (dir.path().join("ready"), dir.path().join("counts"));
     let script = "import signal, sys, time\n\

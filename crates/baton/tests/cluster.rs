@@ -10,7 +10,7 @@
 mod common;
 
 use baton_bench::etcd::Etcd;
-use common::{max_overlap, wait_for, Broker, Guarded, SpawnGuarded, TempDir};
+use common::{max_overlap, wait_for, Guarded, RunningBroker, SpawnGuarded, TempDir};
 use std::process::Stdio;
 use std::time::{Duration, Instant};
 
@@ -77,7 +77,13 @@ fn start_etcd(members: usize, dir: &TempDir) -> Etcd {
     Etcd::start(members, dir.path()).unwrap()
 }
 
-fn cluster_broker(etcd: &Etcd, jobs: u32, pool: &str, cluster_jobs: u32, extra: &[&str]) -> Broker {
+fn cluster_broker(
+    etcd: &Etcd,
+    jobs: u32,
+    pool: &str,
+    cluster_jobs: u32,
+    extra: &[&str],
+) -> RunningBroker {
     let (endpoints, cluster_jobs) = (etcd.endpoints(), cluster_jobs.to_string());
     let mut args = vec![
         "--no-fuse",
@@ -89,14 +95,14 @@ fn cluster_broker(etcd: &Etcd, jobs: u32, pool: &str, cluster_jobs: u32, extra: 
         &cluster_jobs,
     ];
     args.extend_from_slice(extra);
-    Broker::start_with(jobs, &args)
+    RunningBroker::start_with(jobs, &args)
 }
 
 #[test]
 fn three_brokers_on_three_members_never_run_more_than_the_cluster_limit() {
     let etcd_dir = TempDir::new("etcd");
     let etcd = start_etcd(3, &etcd_dir);
-    let brokers: Vec<Broker> = (0..3)
+    let brokers: Vec<RunningBroker> = (0..3)
         .map(|_| cluster_broker(&etcd, 4, "limit", 6, &[]))
         .collect();
     let work = TempDir::new("cluster-builds");

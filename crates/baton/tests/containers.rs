@@ -12,7 +12,7 @@
 
 mod common;
 
-use common::{baton_bin, can_act_as_another_user, max_overlap, wait_for, Broker, TempDir};
+use common::{baton_bin, can_act_as_another_user, max_overlap, wait_for, RunningBroker, TempDir};
 use std::collections::BTreeMap;
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
@@ -63,7 +63,7 @@ struct Container {
 
 impl Container {
     fn command(
-        broker: &Broker,
+        broker: &RunningBroker,
         userns: Userns,
         cgroup: Option<&Path>,
         env: &[(&str, &str)],
@@ -77,7 +77,7 @@ impl Container {
     /// namespace must: it may not uncover what a mount below hides),
     /// `--bind` leaves it out.
     fn command_binding(
-        broker: &Broker,
+        broker: &RunningBroker,
         userns: Userns,
         cgroup: Option<&Path>,
         env: &[(&str, &str)],
@@ -204,12 +204,12 @@ fn shared_log(dir: &Path) -> PathBuf {
 
 /// The host broker for the containers: root's, admitting RUNNER by uid
 /// and GROUPED by group, its socket directory open to search.
-fn host_broker(jobs: u32, extra: &[&str]) -> Broker {
+fn host_broker(jobs: u32, extra: &[&str]) -> RunningBroker {
     let runner = RUNNER.to_string();
     let grouped = GROUPED.to_string();
     let mut args = vec!["--allow-uid", &runner, "--allow-group", &grouped];
     args.extend(extra);
-    let broker = Broker::start_with(jobs, &args);
+    let broker = RunningBroker::start_with(jobs, &args);
     chmod(broker.dir.path(), 0o755);
     chmod(broker.socket.parent().unwrap(), 0o755);
     broker
@@ -380,7 +380,7 @@ fn blocking_makefile(dir: &Path, own: &Path, shared: &Path, go: &Path, jobs: usi
 
 /// The killed build `id`, orphaned, holds a token per job of its own
 /// still running (`jobs`), no more, no fewer.
-fn assert_the_orphan_keeps(broker: &Broker, id: u64, jobs: usize) {
+fn assert_the_orphan_keeps(broker: &RunningBroker, id: u64, jobs: usize) {
     let s = broker.status();
     let orphan = s.builds.iter().find(|b| b.id == id).expect("the orphan");
     assert_eq!(
@@ -886,7 +886,7 @@ impl Podman {
     /// `work` at /work, BATON_SOCKET and BATON_NAME (`label`) set.
     fn start(
         &self,
-        broker: &Broker,
+        broker: &RunningBroker,
         label: &str,
         log_dir: &Path,
         work: &Path,
@@ -993,7 +993,7 @@ fn podman_tools() -> Vec<PathBuf> {
 
 /// The broker's socket directory as docs/containers.md has it: root's,
 /// 0755, so that a container's other uids may reach the socket.
-fn open_socket_dir(broker: &Broker) {
+fn open_socket_dir(broker: &RunningBroker) {
     chmod(broker.dir.path(), 0o755);
     chmod(broker.socket.parent().unwrap(), 0o755);
 }
@@ -1011,7 +1011,7 @@ fn podman_containers_of_three_makes_share_one_limit() {
     let Some(podman) = Podman::with_image(&podman_tools()) else {
         return;
     };
-    let broker = Broker::start_with(4, &[]);
+    let broker = RunningBroker::start_with(4, &[]);
     open_socket_dir(&broker);
     let logs = TempDir::new("podman-logs");
     shared_log(logs.path());
@@ -1074,7 +1074,7 @@ fn podman_a_killed_build_returns_its_tokens_only_when_its_jobs_are_gone() {
     let Some(podman) = Podman::with_image(&podman_tools()) else {
         return;
     };
-    let broker = Broker::start_with(4, &[]);
+    let broker = RunningBroker::start_with(4, &[]);
     open_socket_dir(&broker);
     let logs = TempDir::new("podman-kill-logs");
     let shared = shared_log(logs.path());
@@ -1169,7 +1169,7 @@ fn podman_a_uid_not_allowed_is_refused_naming_allow_group_and_admitted_by_allow_
     common::flat_makefile(work.path(), Path::new("/log/jobs.log"), 4, "0.1");
     let build = ["/bin/baton", "run", "--", "make", "-f", "/work/Makefile"];
 
-    let closed = Broker::start_with(2, &[]);
+    let closed = RunningBroker::start_with(2, &[]);
     open_socket_dir(&closed);
     let out = podman
         .start(
@@ -1189,7 +1189,7 @@ fn podman_a_uid_not_allowed_is_refused_naming_allow_group_and_admitted_by_allow_
 
     // Admitted by uid, by a broker that also admits others: a uid it does
     // not name is refused by the broker, in words naming both options.
-    let open = Broker::start_with(2, &["--allow-uid", "1234"]);
+    let open = RunningBroker::start_with(2, &["--allow-uid", "1234"]);
     open_socket_dir(&open);
     let out = podman
         .start(

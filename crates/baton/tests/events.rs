@@ -100,7 +100,7 @@ fn overlap_after(log: &Path, mark: &str) -> (usize, usize) {
 }
 
 /// `baton run --jobserver-style STYLE -- MAKE` in `dir`, its output piped.
-fn spawn_piped_build(broker: &Broker, dir: &Path, style: &str, make: &Path) -> Guarded {
+fn spawn_piped_build(broker: &RunningBroker, dir: &Path, style: &str, make: &Path) -> Guarded {
     broker
         .run(&["--jobserver-style", style, "--", make.to_str().unwrap()])
         .current_dir(dir)
@@ -112,7 +112,7 @@ fn spawn_piped_build(broker: &Broker, dir: &Path, style: &str, make: &Path) -> G
 }
 
 /// `baton limit` would do the same, through the same request.
-fn set_limit_by_request(broker: &Broker, limit: u32) {
+fn set_limit_by_request(broker: &RunningBroker, limit: u32) {
     broker
         .client("limit")
         .set_limit(limit)
@@ -123,7 +123,7 @@ fn set_limit_by_request(broker: &Broker, limit: u32) {
 /// when the limit drops to 1, gives back what it holds beyond it, and the
 /// jobs it starts from then on obey the new limit.
 fn a_lowered_limit_holds(style: &str, make: &Path) {
-    let broker = Broker::start(4);
+    let broker = RunningBroker::start(4);
     let dir = TempDir::new("lowered");
     let log = dir.path().join("jobs.log");
     logged_makefile(dir.path(), &log, 12, "0.4");
@@ -179,7 +179,7 @@ fn a_lowered_limit_holds_for_make_4_4_through_the_pipe() {
 /// lowered limit within a few of its jobs, while it is still busy, and
 /// from then on runs one job at a time, counted from the jobs.
 fn a_lowered_limit_drains_a_busy_fifo_build(make: &Path, style: &str) {
-    let broker = Broker::start(4);
+    let broker = RunningBroker::start(4);
     let dir = TempDir::new("lowered-fifo");
     let log = dir.path().join("jobs.log");
     logged_makefile(dir.path(), &log, 40, "0.2");
@@ -237,7 +237,7 @@ fn a_lowered_limit_drains_a_busy_bmake_build() {
 /// whole, once, and the pool drains until it is back under the limit.
 #[test]
 fn a_build_re_attaching_past_a_smaller_limit_is_counted_once() {
-    let mut old = Broker::start(4);
+    let mut old = RunningBroker::start(4);
     let dir = TempDir::new("smaller");
     let log = dir.path().join("jobs.log");
     logged_makefile(dir.path(), &log, 8, "1");
@@ -246,7 +246,7 @@ fn a_build_re_attaching_past_a_smaller_limit_is_counted_once() {
         running(&log) >= 4
     });
     old.stop_with(libc::SIGKILL);
-    let new = Broker::start_at(&old, 2, &[]);
+    let new = RunningBroker::start_at(&old, 2, &[]);
     let out = child.wait_with_output().unwrap();
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "the build failed: {err}");
@@ -307,8 +307,8 @@ fn a_build_outlives_its_broker_into_a_smaller_one(
     tool: &Path,
     jobs: usize,
     secs: &str,
-) -> (std::path::PathBuf, Broker, Broker, Guarded) {
-    let mut old = Broker::start(4);
+) -> (std::path::PathBuf, RunningBroker, RunningBroker, Guarded) {
+    let mut old = RunningBroker::start(4);
     // The build's files go with the first broker's directory.
     let log = old.dir.path().join("jobs.log");
     let dir = old.dir.path().join("build");
@@ -324,7 +324,7 @@ fn a_build_outlives_its_broker_into_a_smaller_one(
         "the jobs running at the kill to end, with no broker",
         || started(&log) - running(&log) >= 4,
     );
-    let new = Broker::start_at(&old, 2, &[]);
+    let new = RunningBroker::start_at(&old, 2, &[]);
     mark(&log, "N");
     (log, old, new, child)
 }
@@ -387,7 +387,7 @@ fn a_smaller_next_broker_drains_a_busy_ninja_build() {
 /// "waiting for tokens: the broker closed the connection").
 #[test]
 fn a_build_waiting_for_its_first_token_outlives_its_broker() {
-    let mut old = Broker::start(1);
+    let mut old = RunningBroker::start(1);
     let mut holder = old.client("holder");
     holder.acquire(1).unwrap();
     let dir = TempDir::new("first-token");
@@ -402,7 +402,7 @@ fn a_build_waiting_for_its_first_token_outlives_its_broker() {
     });
     old.stop_with(libc::SIGKILL);
     drop(holder);
-    let new = Broker::start_at(&old, 1, &[]);
+    let new = RunningBroker::start_at(&old, 1, &[]);
     let status = wait_timeout(&mut waiting, Duration::from_secs(60));
     let _ = waiting.kill(); // by pid, if it hung
     let mut err = String::new();
@@ -413,7 +413,7 @@ fn a_build_waiting_for_its_first_token_outlives_its_broker() {
     new.assert_all_free();
 }
 
-fn status_text(broker: &Broker) -> String {
+fn status_text(broker: &RunningBroker) -> String {
     let out = baton()
         .args(["status", "--socket"])
         .arg(&broker.socket)
@@ -422,7 +422,7 @@ fn status_text(broker: &Broker) -> String {
     String::from_utf8_lossy(&out.stdout).into_owned()
 }
 
-fn holder_stopped(broker: &Broker) -> bool {
+fn holder_stopped(broker: &RunningBroker) -> bool {
     broker.status().holders.iter().any(|h| h.stopped)
 }
 
@@ -431,7 +431,7 @@ fn holder_stopped(broker: &Broker) -> bool {
 /// (`^Z` stops both) was stopped, and stops saying so once it goes on.
 #[test]
 fn a_stopped_build_is_shown_as_stopped() {
-    let broker = Broker::start(2);
+    let broker = RunningBroker::start(2);
     let mut run = broker
         .run(&["--jobserver-style", "none", "--", "sleep", "60"])
         .spawn_guarded()
@@ -466,7 +466,7 @@ fn a_stopped_build_is_shown_as_stopped() {
 
 /// A build of two 3-second jobs under `baton run`, logging to `log`.
 fn spawn_logged_build(
-    broker: &Broker,
+    broker: &RunningBroker,
     dir: &Path,
     log: &Path,
     make: &Path,
@@ -494,7 +494,7 @@ enum Victim {
 }
 
 fn killed_builds_jobs_keep_their_tokens(make: &Path, style: &str, victim: Victim) {
-    let broker = Broker::start(2);
+    let broker = RunningBroker::start(2);
     let (a, b) = (TempDir::new("orphans-a"), TempDir::new("orphans-b"));
     let log = a.path().join("jobs.log");
     let mut first = spawn_logged_build(&broker, a.path(), &log, make, style);
@@ -561,7 +561,7 @@ fn a_killed_baton_runs_jobs_keep_their_tokens_with_bmake() {
 }
 
 /// The jobs `status` counts for the build (`builds[].running`).
-fn jobs_seen(broker: &Broker) -> Option<u32> {
+fn jobs_seen(broker: &RunningBroker) -> Option<u32> {
     broker.status().builds.iter().find_map(|b| b.running)
 }
 
@@ -572,7 +572,7 @@ fn jobs_seen(broker: &Broker) -> Option<u32> {
 /// tokens shows as many jobs as it runs.
 #[test]
 fn status_counts_the_jobs_a_build_runs_past_its_tokens() {
-    let broker = Broker::start(2);
+    let broker = RunningBroker::start(2);
     let dir = TempDir::new("jobs-seen");
     let log = dir.path().join("jobs.log");
     let jobs: Vec<String> = (0..4).map(|i| format!("s{i}")).collect();
@@ -621,7 +621,7 @@ fn status_counts_the_jobs_a_build_runs_past_its_tokens() {
 /// shows them beside the build while it runs, `baton run` says so at its
 /// end, and no token is made: the pool has its limit back, all free.
 fn stray_bytes_are_taken_out_and_reported(make: &Path, style: &str) {
-    let broker = Broker::start(2);
+    let broker = RunningBroker::start(2);
     let dir = TempDir::new("stray");
     let log = dir.path().join("jobs.log");
     logged_makefile(dir.path(), &log, 6, "1");

@@ -19,7 +19,7 @@ fn finish(mut build: Guarded) {
 /// at once: all 4 run together, never more. (ninja fed one token at a time
 /// ran 3 here: it starts its jobs in one burst of reads.)
 fn reaches_the_limit(tool: PathBuf, style: &str, ninja_file: bool) {
-    let broker = Broker::start(4);
+    let broker = RunningBroker::start(4);
     let dir = TempDir::new("alone");
     let log = dir.path().join("jobs.log");
     if ninja_file {
@@ -66,7 +66,7 @@ fn ninja_1_13_alone_reaches_the_limit() {
 
 #[test]
 fn three_weighted_builds_stay_within_the_limit_all_finish_and_show_in_status() {
-    let broker = Broker::start(4);
+    let broker = RunningBroker::start(4);
     let log = broker.dir.path().join("all-jobs.log");
     let dirs: Vec<TempDir> = (0..3)
         .map(|i| TempDir::new(&format!("weighted{i}")))
@@ -134,7 +134,7 @@ fn three_weighted_builds_stay_within_the_limit_all_finish_and_show_in_status() {
 /// the outer build: one build holds both tokens, under the outer name.
 #[test]
 fn a_client_under_baton_run_joins_its_build() {
-    let broker = Broker::start(4);
+    let broker = RunningBroker::start(4);
     let socket = broker.socket.to_str().unwrap().to_string();
     let inner = format!(
         "exec {} run --socket {socket} --name inner --weight 5 --jobserver-style none -- sleep 30",
@@ -182,7 +182,7 @@ fn a_client_under_baton_run_joins_its_build() {
 
 #[test]
 fn make_4_3_is_refused_the_fifo_style_with_what_to_use() {
-    let broker = Broker::start(2);
+    let broker = RunningBroker::start(2);
     let dir = TempDir::new("refuse");
     flat_makefile(dir.path(), &dir.path().join("jobs.log"), 2, "0");
     let out = broker
@@ -207,7 +207,7 @@ fn make_4_3_is_refused_the_fifo_style_with_what_to_use() {
 
 #[test]
 fn a_weight_out_of_range_is_refused_by_the_cli() {
-    let broker = Broker::start(2);
+    let broker = RunningBroker::start(2);
     for bad in ["0", "1001", "x"] {
         let out = broker
             .run(&["--weight", bad, "--", "true"])
@@ -229,7 +229,7 @@ impl WireClient {
 s=socket.socket(socket.AF_UNIX); s.connect(sys.argv[1]); f=s.makefile('rw')\n\
 for line in sys.stdin:\n    f.write(line); f.flush(); print(f.readline().rstrip(), flush=True)\n";
 
-    fn start(broker: &Broker) -> Self {
+    fn start(broker: &RunningBroker) -> Self {
         let mut child = std::process::Command::new("python3")
             .args(["-c", Self::RELAY, broker.socket.to_str().unwrap()])
             .stdin(Stdio::piped())
@@ -262,7 +262,7 @@ impl Drop for WireClient {
 #[test]
 fn build_and_wanted_on_the_wire() {
     use std::io::Write;
-    let broker = Broker::start(1);
+    let broker = RunningBroker::start(1);
     let mut a = WireClient::start(&broker);
     assert!(a.say("HELLO 1 a").starts_with("OK 1 "));
     let reply = a.say("BUILD 2 nightly");

@@ -83,7 +83,7 @@ impl Home {
 
 #[test]
 fn stop_stops_the_broker_says_what_carried_on_and_leaves_only_its_log() {
-    let mut broker = Broker::start(2);
+    let mut broker = RunningBroker::start(2);
     let mut build = broker
         .run(&["--", "sleep", "60"])
         .stderr(Stdio::null())
@@ -147,7 +147,7 @@ fn stop_with_no_broker_says_so_and_exits_3() {
 
 #[test]
 fn limit_alone_prints_the_limit_and_the_gates() {
-    let broker = Broker::start_with(3, &["--max-load", "7", "--min-mem-available", "1G"]);
+    let broker = RunningBroker::start_with(3, &["--max-load", "7", "--min-mem-available", "1G"]);
     let out = baton()
         .args(["limit", "--socket"])
         .arg(&broker.socket)
@@ -448,7 +448,7 @@ fn every_subcommand_has_a_man_page_that_renders_cleanly_and_refers_only_to_pages
 
 #[test]
 fn wrappers_count_a_build_started_without_an_interactive_shell_once() {
-    let broker = Broker::start(2);
+    let broker = RunningBroker::start(2);
     let home = TempDir::new("wrappers");
     let wrote = baton()
         .args(["shell-init", "--wrappers"])
@@ -520,7 +520,7 @@ fn wrappers_count_a_build_started_without_an_interactive_shell_once() {
 #[test]
 fn stop_on_the_wire_is_as_documented() {
     use std::io::{BufRead, BufReader, Read, Write};
-    let mut broker = Broker::start(2);
+    let mut broker = RunningBroker::start(2);
     let mut holder = broker.client("holder");
     holder.acquire(2).unwrap();
     let mut stream = std::os::unix::net::UnixStream::connect(&broker.socket).unwrap();

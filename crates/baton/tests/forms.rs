@@ -34,7 +34,7 @@ fn system_tool(path: &str) -> PathBuf {
 /// `baton run ARGS -- TOOL TOOL_ARGS` in `dir`, without the caller's
 /// MAKEFLAGS.
 fn run_in(
-    broker: &Broker,
+    broker: &RunningBroker,
     dir: &Path,
     run_args: &[&str],
     tool: &Path,
@@ -57,7 +57,7 @@ const PRINT_MAKEFLAGS: &str = "all:\n\t@echo \"[$$MAKEFLAGS]\"\n";
 
 #[test]
 fn makeflags_carry_the_builds_cap_as_gnu_make_writes_it() {
-    let broker = Broker::start(3);
+    let broker = RunningBroker::start(3);
     let dir = TempDir::new("makeflags");
     std::fs::write(dir.path().join("Makefile"), PRINT_MAKEFLAGS).unwrap();
     let cases: [(&[&str], PathBuf, &[&str], &str); 4] = [
@@ -114,7 +114,7 @@ fn crate_running_make(dir: &Path, log: &Path) {
 
 #[test]
 fn a_build_script_running_make_4_3_builds_under_auto() {
-    let broker = Broker::start(2);
+    let broker = RunningBroker::start(2);
     let dir = TempDir::new("cargo-make");
     let log = dir.path().join("jobs.log");
     crate_running_make(dir.path(), &log);
@@ -246,7 +246,7 @@ fn assert_lto_used_the_jobserver(out: &Output) {
 }
 
 fn check_lto_links(make: PathBuf, make_args: &[&str]) {
-    let broker = Broker::start(2);
+    let broker = RunningBroker::start(2);
     let dir = TempDir::new("lto");
     lto_objects(dir.path());
     let build = run_in(&broker, dir.path(), &["--explain"], &make, make_args);
@@ -273,7 +273,7 @@ fn lto_links_stay_within_the_limit_under_make_4_4() {
 
 #[test]
 fn two_lto_builds_at_once_stay_within_one_limit() {
-    let broker = Broker::start(2);
+    let broker = RunningBroker::start(2);
     let dirs = [TempDir::new("lto-a"), TempDir::new("lto-b")];
     for dir in &dirs {
         lto_objects(dir.path());
@@ -295,7 +295,7 @@ fn two_lto_builds_at_once_stay_within_one_limit() {
 
 #[test]
 fn ninja_that_runs_make_4_3_gets_the_pipe_form_and_builds() {
-    let broker = Broker::start(2);
+    let broker = RunningBroker::start(2);
     let dir = TempDir::new("ninja-make");
     let sub = dir.path().join("sub");
     std::fs::create_dir_all(&sub).unwrap();
@@ -329,7 +329,7 @@ fn assert_ninja_used_fifo(out: &Output) {
 
 #[test]
 fn ninja_1_13_keeps_the_fifo_form_beside_make_4_3() {
-    let broker = Broker::start(2);
+    let broker = RunningBroker::start(2);
     let dir = TempDir::new("ninja-fifo");
     let log = dir.path().join("jobs.log");
     flat_ninja(dir.path(), &log, 8, "0.05");
@@ -349,7 +349,7 @@ fn ninja_1_13_keeps_the_fifo_form_beside_make_4_3() {
 #[test]
 fn cmake_build_of_a_ninja_project_gets_the_fifo_form() {
     let cmake = system_tool("/usr/bin/cmake");
-    let broker = Broker::start(2);
+    let broker = RunningBroker::start(2);
     let dir = TempDir::new("cmake");
     let src = dir.path().join("src");
     std::fs::create_dir_all(&src).unwrap();
@@ -393,7 +393,7 @@ fn cmake_build_of_a_ninja_project_gets_the_fifo_form() {
 #[test]
 fn debian_ninja_1_11_gets_a_warning() {
     let old_ninja = system_tool("/usr/bin/ninja");
-    let broker = Broker::start(2);
+    let broker = RunningBroker::start(2);
     let dir = TempDir::new("ninja-old");
     let log = dir.path().join("jobs.log");
     flat_ninja(dir.path(), &log, 2, "0.01");
@@ -417,7 +417,7 @@ fn debian_ninja_1_11_gets_a_warning() {
 
 #[test]
 fn make_with_its_own_jobs_gets_a_warning() {
-    let broker = Broker::start(2);
+    let broker = RunningBroker::start(2);
     let dir = TempDir::new("forced-jobs");
     std::fs::write(dir.path().join("Makefile"), PRINT_MAKEFLAGS).unwrap();
     let out = run_in(&broker, dir.path(), &[], &make43(), &["-j3"])
@@ -440,7 +440,7 @@ fn make_with_its_own_jobs_gets_a_warning() {
 /// asked again and is judged as what it is.
 #[test]
 fn tool_versions_are_asked_once_and_again_when_the_tool_changes() {
-    let broker = Broker::start(4);
+    let broker = RunningBroker::start(4);
     let dir = TempDir::new("probes");
     let (bin, calls) = (dir.path().join("bin"), dir.path().join("calls"));
     std::fs::create_dir_all(&bin).unwrap();
@@ -593,7 +593,7 @@ fn a_meson_python_package_built_by_pip_stays_within_the_limit() {
         "{} not found: run scripts/test, which fills it",
         wheelhouse.display()
     );
-    let broker = Broker::start(2);
+    let broker = RunningBroker::start(2);
     let isolated = ["--no-index", "--find-links", wheelhouse.to_str().unwrap()];
     for isolation in [&["--no-build-isolation"][..], &isolated[..]] {
         let dir = TempDir::new("meson-python");
@@ -645,7 +645,7 @@ fn assert_refused(out: &Output, names: &[&str]) {
 
 #[test]
 fn explicit_fifo_is_refused_where_a_build_script_runs_make_4_3() {
-    let broker = Broker::start(2);
+    let broker = RunningBroker::start(2);
     let dir = TempDir::new("cargo-make-fifo");
     let log = dir.path().join("jobs.log");
     crate_running_make(dir.path(), &log);
@@ -689,7 +689,7 @@ fn explicit_fifo_and_fuse_are_refused_for_gcc_12_lto_links() {
         major < 13,
         "gcc {major} reads fifo: this test needs Debian's gcc 12"
     );
-    let broker = Broker::start(2);
+    let broker = RunningBroker::start(2);
     let dir = TempDir::new("lto-fifo");
     lto_objects(dir.path());
     for style in ["fifo", "fuse"] {
@@ -710,7 +710,7 @@ fn explicit_fifo_and_fuse_are_refused_for_gcc_12_lto_links() {
 
 #[test]
 fn explicit_fuse_is_refused_for_ninja() {
-    let broker = Broker::start(2);
+    let broker = RunningBroker::start(2);
     let dir = TempDir::new("ninja-fuse");
     let log = dir.path().join("jobs.log");
     flat_ninja(dir.path(), &log, 4, "0.05");
@@ -740,7 +740,7 @@ fn explicit_fuse_is_refused_for_ninja() {
 #[test]
 fn explicit_pipe_is_refused_for_a_python_driver() {
     let pip = meson_python_venv().join("pip");
-    let broker = Broker::start(2);
+    let broker = RunningBroker::start(2);
     let dir = TempDir::new("pip-pipe");
     let out = run_in(
         &broker,
@@ -769,7 +769,7 @@ fn explicit_pipe_is_refused_for_a_python_driver() {
 /// the end, with the jobs it ran on no token.
 #[test]
 fn a_sub_make_forcing_its_own_jobs_is_named_at_the_end() {
-    let broker = Broker::start(2);
+    let broker = RunningBroker::start(2);
     let dir = TempDir::new("forced-submake");
     let (sub, sub2) = (dir.path().join("sub"), dir.path().join("sub2"));
     let log = dir.path().join("jobs.log");

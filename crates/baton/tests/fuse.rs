@@ -8,7 +8,7 @@ mod common;
 
 use common::{
     file_of_a_killed_build, kill_group, logged_job, make44, max_overlap, pid_alive, wait_for,
-    Broker, SpawnGuarded, TempDir,
+    RunningBroker, SpawnGuarded, TempDir,
 };
 use std::fs::{File, OpenOptions};
 use std::io::{ErrorKind, Read, Write};
@@ -21,8 +21,8 @@ use std::time::Duration;
 
 /// A broker with its FUSE mount, or None (after recording a skip) where
 /// FUSE is not available.
-pub fn fuse_broker(jobs: u32, extra: &[&str]) -> Option<Broker> {
-    let broker = Broker::start_with(jobs, extra);
+pub fn fuse_broker(jobs: u32, extra: &[&str]) -> Option<RunningBroker> {
+    let broker = RunningBroker::start_with(jobs, extra);
     if is_fuse(&mount_point(&broker)) {
         return Some(broker);
     }
@@ -33,7 +33,7 @@ pub fn fuse_broker(jobs: u32, extra: &[&str]) -> Option<Broker> {
     None
 }
 
-pub fn mount_point(broker: &Broker) -> PathBuf {
+pub fn mount_point(broker: &RunningBroker) -> PathBuf {
     broker.socket.parent().unwrap().join("fuse")
 }
 
@@ -45,7 +45,7 @@ fn is_fuse(path: &Path) -> bool {
 }
 
 /// A token file in the broker's mount, as `baton run` makes one per build.
-pub fn token_file(broker: &Broker, name: &str) -> PathBuf {
+pub fn token_file(broker: &RunningBroker, name: &str) -> PathBuf {
     let path = mount_point(broker).join(name);
     File::create(&path).expect("create a token file");
     path
@@ -53,7 +53,7 @@ pub fn token_file(broker: &Broker, name: &str) -> PathBuf {
 
 /// `baton run --jobserver-style fuse -- make` (4.4.1) in `dir`, in its own
 /// process group so a test can kill the whole tree.
-pub fn make_via_fuse(broker: &Broker, dir: &Path, makefile: &str) -> Command {
+pub fn make_via_fuse(broker: &RunningBroker, dir: &Path, makefile: &str) -> Command {
     let make = make44();
     let mut cmd = broker.run(&[
         "--jobserver-style",
@@ -150,7 +150,7 @@ fn read_takes_a_token_write_gives_it_back_and_status_shows_the_process() {
 
 /// A token file whose polls the broker holds (docs/fuse.md, "Held polls"),
 /// as `baton run` marks a GNU make build's.
-fn held_token_file(broker: &Broker, name: &str) -> PathBuf {
+fn held_token_file(broker: &RunningBroker, name: &str) -> PathBuf {
     let path = token_file(broker, name);
     baton_client::hold_polls(&path).expect("mark the token file hold");
     path
@@ -185,7 +185,7 @@ fn a_poll_held_past_its_time_is_still_woken_by_its_token() {
     one_poller_per_freed_token(&broker, &held_token_file(&broker, "expired"));
 }
 
-fn one_poller_per_freed_token(broker: &Broker, path: &Path) {
+fn one_poller_per_freed_token(broker: &RunningBroker, path: &Path) {
     let mut holder = broker.client("holder");
     holder.acquire(4).unwrap();
 
@@ -414,7 +414,7 @@ fn auto_gives_make_4_4_the_file_from_32_tokens_and_the_fifo_below() {
             };
             broker
         } else {
-            Broker::start_with(jobs, serve)
+            RunningBroker::start_with(jobs, serve)
         };
         let dir = TempDir::new("auto-size");
         std::fs::write(dir.path().join("Makefile"), "all:\n\t@true\n").unwrap();
@@ -543,7 +543,7 @@ fn the_issue_tree_runs_all_5120_jobs_within_a_binding_limit_and_returns_every_to
 }
 
 /// Pids of FUSE holders whose command contains `what`.
-fn fuse_holders(broker: &Broker, what: &str) -> Vec<u32> {
+fn fuse_holders(broker: &RunningBroker, what: &str) -> Vec<u32> {
     broker
         .status()
         .holders
@@ -591,7 +591,7 @@ fn killing_a_sub_make_or_the_whole_tree_returns_its_tokens() {
 }
 
 /// Files in the mount, but for ones the test made itself.
-fn build_files(broker: &Broker) -> Vec<PathBuf> {
+fn build_files(broker: &RunningBroker) -> Vec<PathBuf> {
     std::fs::read_dir(mount_point(broker))
         .unwrap()
         .map(|e| e.unwrap().path())
@@ -744,7 +744,7 @@ fn a_process_exiting_with_a_thread_blocked_in_a_read_exits_at_once() {
 /// and an explicit `fuse` must say what to do instead.
 #[test]
 fn without_a_mount_auto_falls_back_to_the_fifo_and_fuse_is_refused() {
-    let broker = Broker::start_with(4, &["--no-fuse"]);
+    let broker = RunningBroker::start_with(4, &["--no-fuse"]);
     let dir = TempDir::new("no-fuse");
     let log = dir.path().join("jobs.log");
     common::flat_makefile(dir.path(), &log, 12, "0.05");

@@ -62,7 +62,7 @@ fn run_in(cgroup: &MemCgroup, dir: &Path, command: &[&str]) -> (Output, u64) {
 }
 
 /// `baton run --socket S -- MAKE -s` for `broker`.
-fn gated_make<'a>(broker: &'a Broker, make: &'a Path) -> [&'a str; 7] {
+fn gated_make<'a>(broker: &'a RunningBroker, make: &'a Path) -> [&'a str; 7] {
     [
         baton_bin(),
         "run",
@@ -103,7 +103,7 @@ fn a_build_the_oom_killer_ends_under_make_j8_finishes_under_the_memory_gate() {
     // With the pause as well: on a loaded machine a job may not touch its
     // memory within the settle time, and the gate alone then admits too
     // many (docs/adaptive.md); the pause stops the late growers.
-    let broker = Broker::start_under(
+    let broker = RunningBroker::start_under(
         &enter,
         8,
         &[
@@ -179,7 +179,7 @@ fn jobs_that_grow_after_their_grant_are_paused_not_killed() {
 
     // A settle time shorter than the jobs take to grow: the gate sees only
     // the 50 MiB each starts with, and admits all 4 (1.2 GB once grown).
-    let broker = Broker::start_under(
+    let broker = RunningBroker::start_under(
         &enter,
         4,
         &[
@@ -220,7 +220,7 @@ fn a_psi_trigger_wakes_the_pressure_gate() {
     let Some(cgroup) = memory_cgroup("test-psi", 32 * MIB) else {
         return;
     };
-    let broker = Broker::start_with(2, &["--max-mem-pressure", "1", "-v"]);
+    let broker = RunningBroker::start_with(2, &["--max-mem-pressure", "1", "-v"]);
     wait_for(
         Duration::from_secs(30),
         "the gates' thread to arm its triggers",
@@ -272,7 +272,8 @@ fn a_psi_trigger_wakes_the_pressure_gate() {
 
 #[test]
 fn gates_are_shown_by_status_and_set_live() {
-    let broker = Broker::start_with(4, &["--min-mem-available", "1.5G", "--max-load", "1000"]);
+    let broker =
+        RunningBroker::start_with(4, &["--min-mem-available", "1.5G", "--max-load", "1000"]);
     let s = broker.status();
     let names: Vec<&str> = s.gates.iter().map(|g| g.name.as_str()).collect();
     assert_eq!(names, ["mem-available", "load"]);
@@ -344,7 +345,7 @@ fn gates_are_shown_by_status_and_set_live() {
 /// at its start could show.
 #[test]
 fn a_gate_set_on_a_broker_started_without_gates_is_measured() {
-    let broker = Broker::start(4);
+    let broker = RunningBroker::start(4);
     assert!(broker.status().gates.is_empty());
     let stress_ng = which("stress-ng").expect("stress-ng (scripts/test installs it)");
     let mut stress = Command::new(stress_ng)
@@ -391,7 +392,7 @@ fn a_gate_set_on_a_broker_started_without_gates_is_measured() {
 /// granted whole, not held back for ever.
 #[test]
 fn a_request_for_several_tokens_passes_the_memory_gate_whole() {
-    let broker = Broker::start_with(4, &["--min-mem-available", "1M"]);
+    let broker = RunningBroker::start_with(4, &["--min-mem-available", "1M"]);
     let mut a = broker.client("a");
     let (done, granted) = std::sync::mpsc::channel();
     std::thread::spawn(move || {
@@ -481,7 +482,7 @@ fn the_load_gate_holds_a_build_to_one_job_while_the_cpus_are_busy() {
         .args(["--cpu", "4", "--timeout", "120", "--quiet"])
         .spawn_guarded()
         .unwrap();
-    let broker = Broker::start_with(4, &["--max-load", "3"]);
+    let broker = RunningBroker::start_with(4, &["--max-load", "3"]);
     wait_for(
         Duration::from_secs(30),
         "the load gate to close under stress-ng --cpu 4",
@@ -537,8 +538,8 @@ fn which(program: &str) -> Result<PathBuf, ()> {
 fn while_a_gate_is_set_builds_are_asked_to_give_back_what_their_jobs_return() {
     // A build keeps the tokens its jobs write back only while nobody wants
     // them (WANTED 0); with a gate set, the gates must see every new job.
-    let plain = Broker::start(4);
+    let plain = RunningBroker::start(4);
     assert_eq!(plain.client("build").wanted().unwrap(), (0, 4));
-    let gated = Broker::start_with(4, &["--max-load", "100000"]);
+    let gated = RunningBroker::start_with(4, &["--max-load", "100000"]);
     assert_eq!(gated.client("build").wanted().unwrap(), (1, 4));
 }

@@ -11,7 +11,7 @@ use std::time::Duration;
 
 /// Runs `tool` in `dir` under `baton run`; returns its output.
 fn build(
-    broker: &Broker,
+    broker: &RunningBroker,
     dir: &Path,
     run_args: &[&str],
     tool: &Path,
@@ -44,7 +44,7 @@ fn assert_built(out: &Output) {
 }
 
 fn check_make(make: PathBuf, style: &str) {
-    let broker = Broker::start(4);
+    let broker = RunningBroker::start(4);
     let dir = TempDir::new("make");
     let log = dir.path().join("jobs.log");
     flat_makefile(dir.path(), &log, 24, "0.1");
@@ -83,7 +83,7 @@ fn make_4_4_also_works_with_the_pipe_style() {
 
 #[test]
 fn ninja_1_13_builds_within_the_limit() {
-    let broker = Broker::start(4);
+    let broker = RunningBroker::start(4);
     let dir = TempDir::new("ninja");
     let log = dir.path().join("jobs.log");
     flat_ninja(dir.path(), &log, 24, "0.1");
@@ -97,7 +97,7 @@ fn ninja_1_13_builds_within_the_limit() {
 
 #[test]
 fn cargo_builds_within_the_limit() {
-    let broker = Broker::start(4);
+    let broker = RunningBroker::start(4);
     let dir = TempDir::new("cargo");
     let log = dir.path().join("jobs.log");
     cargo_workspace(dir.path(), &log, 10);
@@ -121,7 +121,7 @@ fn cargo_builds_within_the_limit() {
 
 #[test]
 fn three_builds_at_once_share_one_limit() {
-    let broker = Broker::start(6);
+    let broker = RunningBroker::start(6);
     let log = broker.dir.path().join("all-jobs.log");
     let dirs: Vec<TempDir> = (0..3)
         .map(|i| TempDir::new(&format!("shared{i}")))
@@ -198,8 +198,8 @@ fn recursive_tree(dir: &Path, log: &Path, subs: usize, jobs: usize, secs: &str) 
 /// a broker of 6 and a recursive tree of 4 sub-makes of 20 jobs under
 /// `baton run -- MAKE`, running and holding every token; the build is in
 /// a group of its own, so that the test can kill the whole tree.
-fn running_tree(make: &Path) -> (Broker, TempDir, Guarded) {
-    let broker = Broker::start(6);
+fn running_tree(make: &Path) -> (RunningBroker, TempDir, Guarded) {
+    let broker = RunningBroker::start(6);
     let dir = TempDir::new("tree");
     let log = dir.path().join("jobs.log");
     recursive_tree(dir.path(), &log, 4, 20, "0.2");
@@ -222,7 +222,7 @@ fn running_tree(make: &Path) -> (Broker, TempDir, Guarded) {
 
 /// The build holds `tokens` and has started as many jobs: its tokens are
 /// in its jobs' hands, not only in its FIFO (filled before it starts).
-fn tree_running(broker: &Broker, log: &std::path::Path, tokens: u32) -> bool {
+fn tree_running(broker: &RunningBroker, log: &std::path::Path, tokens: u32) -> bool {
     broker.status().held == tokens && max_overlap(log).1 >= tokens as usize
 }
 
@@ -272,7 +272,7 @@ fn kill_9_of_baton_run_returns_every_token_of_its_build() {
 /// read end is itself open for writing.
 #[test]
 fn the_pipe_styles_read_end_opens_after_baton_run_is_killed() {
-    let broker = Broker::start(2);
+    let broker = RunningBroker::start(2);
     let dir = TempDir::new("orphan");
     let (pid_file, opened, gone) = (
         dir.path().join("orphan.pid"),
@@ -329,7 +329,7 @@ fn extra_bytes_written_by_a_client_do_not_grow_the_pool() {
         // dash cannot redirect to descriptors above 9: write with python.
         ("pipe", "python3 -c 'import os; os.write(int(os.environ[\"MAKEFLAGS\"].split(\",\")[-1]), b\"0123456789\")'"),
     ] {
-        let broker = Broker::start(4);
+        let broker = RunningBroker::start(4);
         let script = format!("{writer}; sleep 0.5; echo done");
         let out = broker.run(&["--jobserver-style", style, "--", "sh", "-c", &script]).env_remove("MAKEFLAGS").output().unwrap();
         assert!(out.status.success(), "{style}: {}", String::from_utf8_lossy(&out.stderr));
@@ -343,7 +343,7 @@ fn extra_bytes_written_by_a_client_do_not_grow_the_pool() {
 #[test]
 fn an_idle_build_gives_its_spare_token_to_a_waiting_build() {
     // A runs one long job at a time: its spare token would sit unused.
-    let broker = Broker::start(2);
+    let broker = RunningBroker::start(2);
     let a = TempDir::new("idle");
     std::fs::write(a.path().join("Makefile"), "all:\n\tsleep 600\n").unwrap();
     let mut build_a = broker
@@ -383,7 +383,7 @@ fn an_idle_build_gives_its_spare_token_to_a_waiting_build() {
 
 #[test]
 fn max_caps_one_build() {
-    let broker = Broker::start(8);
+    let broker = RunningBroker::start(8);
     let dir = TempDir::new("max");
     let log = dir.path().join("jobs.log");
     flat_makefile(dir.path(), &log, 12, "0.1");
@@ -395,7 +395,7 @@ fn max_caps_one_build() {
 
 #[test]
 fn a_build_survives_its_broker_going_away() {
-    let mut broker = Broker::start(4);
+    let mut broker = RunningBroker::start(4);
     let dir = TempDir::new("orphan");
     let log = dir.path().join("jobs.log");
     flat_makefile(dir.path(), &log, 12, "0.2");
@@ -439,7 +439,7 @@ fn a_build_survives_its_broker_going_away() {
 
 #[test]
 fn auto_picks_pipe_when_the_make_on_path_is_older_than_4_4() {
-    let broker = Broker::start(2);
+    let broker = RunningBroker::start(2);
     for (make, expect_fifo) in [(make43(), false), (make44(), true)] {
         let bin = TempDir::new("path");
         std::os::unix::fs::symlink(&make, bin.path().join("make")).unwrap();
@@ -468,7 +468,7 @@ fn auto_picks_pipe_when_the_make_on_path_is_older_than_4_4() {
 
 #[test]
 fn a_build_that_ends_while_its_next_token_is_queued_gives_back_cleanly() {
-    let broker = Broker::start(2);
+    let broker = RunningBroker::start(2);
     let mut other = broker.client("other");
     other.acquire(1).unwrap(); // the build's own slot takes the last token
     let dir = TempDir::new("queued");
@@ -503,7 +503,7 @@ fn a_build_that_ends_while_its_next_token_is_queued_gives_back_cleanly() {
 
 #[test]
 fn a_command_that_never_opens_its_fifo_takes_no_extra_token() {
-    let broker = Broker::start(2);
+    let broker = RunningBroker::start(2);
     let out = broker
         .run(&["--jobserver-style", "fifo", "--", "sh", "-c", "sleep 0.3"])
         .output()
@@ -515,7 +515,7 @@ fn a_command_that_never_opens_its_fifo_takes_no_extra_token() {
 
 #[test]
 fn a_missing_command_exits_127_and_leaves_no_fifo() {
-    let broker = Broker::start(2);
+    let broker = RunningBroker::start(2);
     let out = broker.run(&["--", "no-such-build-tool"]).output().unwrap();
     assert_eq!(out.status.code(), Some(127));
     assert!(String::from_utf8_lossy(&out.stderr).contains("no-such-build-tool: command not found"));
@@ -529,7 +529,7 @@ fn a_missing_command_exits_127_and_leaves_no_fifo() {
 }
 
 /// The FIFOs in the broker's private directory.
-fn fifos(broker: &Broker) -> Vec<PathBuf> {
+fn fifos(broker: &RunningBroker) -> Vec<PathBuf> {
     std::fs::read_dir(broker.socket.parent().unwrap())
         .unwrap()
         .flatten()
@@ -540,7 +540,7 @@ fn fifos(broker: &Broker) -> Vec<PathBuf> {
 
 #[test]
 fn a_finished_build_leaves_no_fifo() {
-    let broker = Broker::start(2);
+    let broker = RunningBroker::start(2);
     let script = "f=${MAKEFLAGS##*fifo:}; test -p \"$f\" && echo \"$f\"";
     let out = broker
         .run(&["--jobserver-style", "fifo", "--", "sh", "-c", script])
@@ -565,7 +565,7 @@ fn a_finished_build_leaves_no_fifo() {
 
 #[test]
 fn the_fifo_of_a_killed_baton_run_is_swept_by_the_next() {
-    let broker = Broker::start(2);
+    let broker = RunningBroker::start(2);
     let left = file_of_a_killed_build(&broker, "fifo", "its FIFO", || fifos(&broker));
     assert!(
         left.exists(),
@@ -584,7 +584,7 @@ fn the_fifo_of_a_killed_baton_run_is_swept_by_the_next() {
 
 #[test]
 fn max_below_the_tokens_a_build_needs_or_with_fuse_is_refused() {
-    let broker = Broker::start(4);
+    let broker = RunningBroker::start(4);
     let out = broker
         .run(&["--max", "1", "--tokens", "2", "--", "true"])
         .output()
@@ -619,7 +619,7 @@ fn max_below_the_tokens_a_build_needs_or_with_fuse_is_refused() {
 /// that never queues.
 #[test]
 fn the_cap_holds_against_a_broker_that_queues() {
-    let broker = Broker::start(2);
+    let broker = RunningBroker::start(2);
     let socket = broker.socket.clone();
     let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
     let rival = std::thread::spawn({
@@ -687,7 +687,7 @@ fn the_cap_holds_against_a_broker_that_queues() {
 #[test]
 fn a_recursive_make_stays_within_a_binding_limit() {
     for (make, style) in [(make43(), "pipe"), (make44(), "fifo")] {
-        let broker = Broker::start(3);
+        let broker = RunningBroker::start(3);
         let dir = TempDir::new("recursive");
         let log = dir.path().join("jobs.log");
         recursive_tree(dir.path(), &log, 4, 10, "0.05");
@@ -720,7 +720,7 @@ fn a_recursive_make_stays_within_a_binding_limit() {
 #[test]
 fn baton_run_inside_a_recipe_of_a_build_under_baton_runs_in_its_job_slot() {
     for make in [make43(), make44()] {
-        let broker = Broker::start(1);
+        let broker = RunningBroker::start(1);
         let dir = TempDir::new("nested-run");
         let log = dir.path().join("jobs.log");
         let job = logged_job(&log, "0.1");
@@ -763,7 +763,7 @@ fn baton_run_inside_a_recipe_of_a_build_under_baton_runs_in_its_job_slot() {
 /// otherwise wait for it.
 #[test]
 fn baton_run_leaves_nothing_in_its_process_group_or_on_its_output() {
-    let broker = Broker::start(2);
+    let broker = RunningBroker::start(2);
     for style in ["fifo", "pipe"] {
         let mut run = broker.run(&["--jobserver-style", style, "--", "true"]);
         run.process_group(0)

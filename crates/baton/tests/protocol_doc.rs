@@ -3,7 +3,7 @@
 
 mod common;
 
-use common::Broker;
+use common::RunningBroker;
 use std::io::{BufRead, BufReader, Write};
 use std::os::unix::net::UnixStream;
 
@@ -31,7 +31,7 @@ fn doc_session() -> Vec<(char, String)> {
 fn the_documented_session_is_what_the_broker_says() {
     let session = doc_session();
     assert!(session.len() >= 10, "the session was found");
-    let broker = Broker::start(2);
+    let broker = RunningBroker::start(2);
     let mut stream = UnixStream::connect(&broker.socket).unwrap();
     let mut replies = BufReader::new(stream.try_clone().unwrap());
     for (who, text) in session {

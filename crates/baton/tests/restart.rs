@@ -27,7 +27,7 @@ impl Builds {
     /// Starts the four builds so that each gets exactly one token: the
     /// test holds the whole pool until all four `baton run`s wait for
     /// their first, then lets go, and the pool serves them in turn.
-    fn start(broker: &Broker) -> Self {
+    fn start(broker: &RunningBroker) -> Self {
         let mut pool = broker.client("the test, holding the pool");
         pool.acquire(4).unwrap();
         let builds = Self::spawn(broker);
@@ -40,7 +40,7 @@ impl Builds {
         builds
     }
 
-    fn spawn(broker: &Broker) -> Self {
+    fn spawn(broker: &RunningBroker) -> Self {
         let gate = broker.dir.path().join("gate");
         // Orphaned by a failed test, a job still ends when the test's
         // directory goes.
@@ -99,7 +99,7 @@ impl Builds {
 
     /// Every build runs one job on its first token and waits for one more:
     /// every token is held, and four requests wait.
-    fn wait_until_saturated(&self, broker: &Broker) -> Status {
+    fn wait_until_saturated(&self, broker: &RunningBroker) -> Status {
         wait_for_status(
             broker,
             "every build to run a job and wait for another",
@@ -126,7 +126,11 @@ impl Builds {
 
 /// Waits until the broker's status satisfies `cond`, and returns it;
 /// fails after a minute, showing the last status and the broker's log.
-fn wait_for_status(broker: &Broker, what: &str, mut cond: impl FnMut(&Status) -> bool) -> Status {
+fn wait_for_status(
+    broker: &RunningBroker,
+    what: &str,
+    mut cond: impl FnMut(&Status) -> bool,
+) -> Status {
     let started = std::time::Instant::now();
     loop {
         let s = broker.status();
@@ -155,11 +159,11 @@ impl Drop for Builds {
 }
 
 /// The successor: `baton serve --replace` with the same options.
-fn replace(broker: &Broker) -> Successor {
+fn replace(broker: &RunningBroker) -> Successor {
     replace_with(broker, 4)
 }
 
-fn replace_with(broker: &Broker, jobs: u32) -> Successor {
+fn replace_with(broker: &RunningBroker, jobs: u32) -> Successor {
     let log = std::fs::File::create(broker.dir.path().join("successor.log")).unwrap();
     Successor(
         broker
@@ -193,7 +197,7 @@ impl Drop for Successor {
     }
 }
 
-fn successor_log(broker: &Broker) -> String {
+fn successor_log(broker: &RunningBroker) -> String {
     std::fs::read_to_string(broker.dir.path().join("successor.log")).unwrap_or_default()
 }
 
@@ -207,8 +211,8 @@ fn is_mounted(path: &Path) -> bool {
 /// A broker of 4 tokens with its FUSE mount, and the four builds holding
 /// all of them (and the status then); None, recorded as a skip, where FUSE
 /// is not available.
-fn four_builds_holding_the_pool() -> Option<(Broker, PathBuf, Builds, Status)> {
-    let broker = Broker::start(4);
+fn four_builds_holding_the_pool() -> Option<(RunningBroker, PathBuf, Builds, Status)> {
+    let broker = RunningBroker::start(4);
     let mount = broker.socket.with_file_name("fuse");
     if !is_mounted(&mount) {
         skip(
@@ -294,7 +298,7 @@ fn builds_of_every_style_survive_a_crash_and_re_attach_to_a_new_broker() {
     assert_eq!(status.signal(), Some(libc::SIGKILL), "{log}");
     // The scenario: a new broker two seconds later.
     std::thread::sleep(Duration::from_secs(2));
-    let mut restarted = Broker::start_at(&broker, 4, &[]);
+    let mut restarted = RunningBroker::start_at(&broker, 4, &[]);
     // Every `baton run` comes back and says what it holds; the pool may
     // drain meanwhile (a build re-attached early took a free token that
     // a later one turns out to hold already).
@@ -325,7 +329,7 @@ fn builds_of_every_style_survive_a_crash_and_re_attach_to_a_new_broker() {
 /// tokens instead of running beside them past the limit.
 #[test]
 fn a_broker_where_one_died_grants_nothing_new_before_its_builds_re_attach() {
-    let mut broker = Broker::start(2);
+    let mut broker = RunningBroker::start(2);
     let dir = TempDir::new("reclaim");
     let (gate, a_end, b_start) = (
         dir.path().join("gate"),
@@ -350,7 +354,7 @@ fn a_broker_where_one_died_grants_nothing_new_before_its_builds_re_attach() {
 
     // Long enough for the build to re-attach on a loaded machine; the
     // newcomer then waits for the build's tokens, not for the grace.
-    let restarted = Broker::start_at(&broker, 2, &["--reclaim-grace", "5000"]);
+    let restarted = RunningBroker::start_at(&broker, 2, &["--reclaim-grace", "5000"]);
     let newcomer = format!("date +%s%N > {}", b_start.display());
     let mut b = restarted
         .run(&["--", "sh", "-c", &newcomer])
@@ -409,7 +413,7 @@ fn a_broker_where_one_died_grants_nothing_new_before_its_builds_re_attach() {
 
 #[test]
 fn a_broker_whose_successor_goes_away_serves_on() {
-    let broker = Broker::start(2);
+    let broker = RunningBroker::start(2);
     let mount = broker.socket.with_file_name("fuse");
     if !is_mounted(&mount) {
         return skip(
@@ -464,7 +468,7 @@ fn a_broker_whose_successor_goes_away_serves_on() {
 #[test]
 fn a_half_read_line_and_a_waiting_acquire_cross_a_replace() {
     use std::io::{BufRead, BufReader, Write};
-    let mut broker = Broker::start(1);
+    let mut broker = RunningBroker::start(1);
     let mut holder = broker.client("holds the only token");
     holder.acquire(1).unwrap();
     let connect = |label: &str| {

@@ -9,7 +9,7 @@
 
 mod common;
 
-use common::{hello_as, rss_kib, Broker, Missing};
+use common::{hello_as, rss_kib, Missing, RunningBroker};
 use std::io::{BufRead, BufReader, Read, Write};
 use std::os::fd::AsRawFd;
 use std::os::unix::net::UnixStream;
@@ -112,7 +112,7 @@ fn many_connected_clients_are_each_granted_in_turn() {
     if !enough_files(n as u64 + SPARE_FDS) {
         return;
     }
-    let broker = Broker::start_with(4, &["--quiet"]);
+    let broker = RunningBroker::start_with(4, &["--quiet"]);
     let (rss_before, _) = rss_kib(broker.pid());
     let started = Instant::now();
     let mut clients: Vec<UnixStream> = (0..n).map(|i| hello(&broker.socket, i)).collect();
@@ -169,7 +169,7 @@ fn a_status_longer_than_the_unsent_bound_reaches_its_reader() {
     if !enough_files(WAITERS as u64 + SPARE_FDS) {
         return;
     }
-    let broker = Broker::start_with(1, &["--quiet"]);
+    let broker = RunningBroker::start_with(1, &["--quiet"]);
     let mut holder = broker.client("the holder of the one token");
     holder.acquire(1).unwrap();
     let long = "w".repeat(180);
@@ -265,7 +265,7 @@ fn waits_to_write(pid: u32, epolls: &[String]) -> bool {
     })
 }
 
-fn wait_for_waiters(broker: &Broker, n: usize) -> baton_core::status::Status {
+fn wait_for_waiters(broker: &RunningBroker, n: usize) -> baton_core::status::Status {
     let started = Instant::now();
     loop {
         let status = broker.status();

@@ -6,8 +6,8 @@
 mod common;
 
 use common::{
-    baton, baton_bin, can_act_as_another_user, output_text, python, wait_for, Broker, Guarded,
-    SpawnGuarded, TempDir,
+    baton, baton_bin, can_act_as_another_user, output_text, python, wait_for, Guarded,
+    RunningBroker, SpawnGuarded, TempDir,
 };
 use std::io::{BufRead, BufReader, Read, Write};
 use std::os::unix::fs::{MetadataExt, PermissionsExt};
@@ -285,7 +285,7 @@ fn the_broker_refuses_another_user_even_at_a_socket_open_to_all() {
     if !can_act_as_another_user() {
         return;
     }
-    let broker = Broker::start_with(3, &["--no-fuse"]);
+    let broker = RunningBroker::start_with(3, &["--no-fuse"]);
     chmod(broker.dir.path(), 0o755);
     chmod(broker.socket.parent().unwrap(), 0o755);
     chmod(&broker.socket, 0o777);
@@ -314,7 +314,7 @@ fn the_handover_socket_refuses_another_user() {
     if !can_act_as_another_user() {
         return;
     }
-    let broker = Broker::start_with(2, &["--no-fuse"]);
+    let broker = RunningBroker::start_with(2, &["--no-fuse"]);
     let mut held = broker.client("holder");
     held.acquire(1).unwrap();
     chmod(broker.dir.path(), 0o755);
@@ -403,7 +403,7 @@ fn peak_rss_kb(pid: u32) -> u64 {
 #[test]
 fn a_flood_of_unread_requests_neither_grows_the_broker_nor_delays_others() {
     const LINES: usize = 1_000_000;
-    let broker = Broker::start_with(2, &["--no-fuse"]);
+    let broker = RunningBroker::start_with(2, &["--no-fuse"]);
     let mut flood = UnixStream::connect(&broker.socket).unwrap();
     let stop = flood.try_clone().unwrap();
     let written = Arc::new(AtomicUsize::new(0));
@@ -632,7 +632,13 @@ const MEMBERS_GROUP: u32 = 4321;
 /// `baton ARGS...` at `broker`'s socket as uid MEMBER with primary gid
 /// `gid` and supplementary `groups`, in `cwd`, with a config home of its
 /// own (root's is closed to it) and no autostart.
-fn as_member(broker: &Broker, gid: u32, groups: &[u32], cwd: &Path, args: &[&str]) -> Output {
+fn as_member(
+    broker: &RunningBroker,
+    gid: u32,
+    groups: &[u32],
+    cwd: &Path,
+    args: &[&str],
+) -> Output {
     let mut c = Command::new("setpriv");
     c.args([&format!("--reuid={MEMBER}"), &format!("--regid={gid}")]);
     match groups {
@@ -660,10 +666,10 @@ fn as_member(broker: &Broker, gid: u32, groups: &[u32], cwd: &Path, args: &[&str
 /// A broker started as root (its own user) with `allow`, its socket's
 /// directories made searchable by others, as the operator would
 /// (docs/containers.md).
-fn broker_admitting(allow: &[&str]) -> Broker {
+fn broker_admitting(allow: &[&str]) -> RunningBroker {
     let mut args = vec!["--no-fuse"];
     args.extend(allow);
-    let broker = Broker::start_with(4, &args);
+    let broker = RunningBroker::start_with(4, &args);
     chmod(broker.dir.path(), 0o755);
     chmod(broker.socket.parent().unwrap(), 0o755);
     broker
@@ -834,7 +840,7 @@ fn the_config_file_admits_other_uids_too() {
         if let Some(uid) = cli {
             extra.extend(["--allow-uid", uid]);
         }
-        let broker = Broker::start_under(&["env", &config_home], 2, &extra);
+        let broker = RunningBroker::start_under(&["env", &config_home], 2, &extra);
         chmod(broker.dir.path(), 0o755);
         chmod(broker.socket.parent().unwrap(), 0o755);
         let out = as_member(&broker, MEMBER, &[], broker.dir.path(), &["status"]);

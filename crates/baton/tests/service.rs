@@ -497,7 +497,7 @@ fn tool_dir(name: &str, tool: &Path) -> TempDir {
 
 #[test]
 fn plain_make_in_shells_with_shell_init_shares_one_limit() {
-    let broker = Broker::start(3);
+    let broker = RunningBroker::start(3);
     let work = TempDir::new("shell-init");
     let log = work.path().join("jobs.log");
     let flags = work.path().join("makeflags.log");

@@ -26,7 +26,7 @@
 
 mod common;
 
-use common::{baton, group_members, set_limit, Broker};
+use common::{baton, group_members, set_limit, RunningBroker};
 use std::io::Write;
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
@@ -511,7 +511,7 @@ fn observe(socket: PathBuf, stop: Arc<AtomicBool>, seen: Arc<Mutex<Observed>>) {
 
 /// Kills the broker with SIGKILL and starts a new one on its socket: its
 /// log goes on in the same file.
-fn restart_after_kill9(broker: &mut Broker, limit: u32, gap: Duration) {
+fn restart_after_kill9(broker: &mut RunningBroker, limit: u32, gap: Duration) {
     kill9(broker.pid());
     broker.child.wait().expect("reap the killed broker");
     // A while with no broker at all: builds carry on with what they hold,
@@ -536,7 +536,7 @@ fn restart_after_kill9(broker: &mut Broker, limit: u32, gap: Duration) {
 /// Replaces the broker in place (`baton serve --replace`, as an upgrade
 /// would): the running one hands everything over and exits; builds must
 /// not notice. Its log goes on in the same file.
-fn replace(broker: &mut Broker, limit: u32) {
+fn replace(broker: &mut RunningBroker, limit: u32) {
     let log = std::fs::OpenOptions::new()
         .append(true)
         .open(broker.dir.path().join("broker.log"))
@@ -622,7 +622,7 @@ fn chaos_loses_no_token_and_never_breaks_the_limit() {
     let mut dice = Dice(seed);
     let mut limit = 4;
     let grace = FUSE_GRACE_SECS.to_string();
-    let mut broker = Broker::start_with(limit, &["--fuse-orphan-grace", &grace]);
+    let mut broker = RunningBroker::start_with(limit, &["--fuse-orphan-grace", &grace]);
     let projects = Projects::new(broker.dir.path().join("projects"));
     projects.jobs.mark('L', limit.into());
     let fuse = broker.log().contains("FUSE token files at");

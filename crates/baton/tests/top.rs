@@ -128,7 +128,7 @@ fn top_in_tmux(dir: &Path, socket: &Path, rc: &Path) -> Tmux {
 struct HoldingBuild(Guarded);
 
 impl HoldingBuild {
-    fn start(broker: &Broker, name: &str, tokens: u32) -> Self {
+    fn start(broker: &RunningBroker, name: &str, tokens: u32) -> Self {
         let t = tokens.to_string();
         let child = broker
             .run(&["--name", name, "-t", &t, "--max", &t, "--", "sleep", "600"])
@@ -147,7 +147,7 @@ impl Drop for HoldingBuild {
 }
 
 /// Waits until the broker's builds named in `want` hold those tokens.
-fn wait_for_holdings(broker: &Broker, want: &[(&str, u32)]) {
+fn wait_for_holdings(broker: &RunningBroker, want: &[(&str, u32)]) {
     wait_for(GUARD, "the builds to hold their tokens", || {
         let s = broker.status();
         want.iter()
@@ -155,7 +155,7 @@ fn wait_for_holdings(broker: &Broker, want: &[(&str, u32)]) {
     });
 }
 
-fn wait_until_all_free(broker: &Broker) {
+fn wait_until_all_free(broker: &RunningBroker) {
     wait_for(GUARD, "every token to come back", || {
         let s = broker.status();
         s.free == s.limit && s.held == 0
@@ -165,7 +165,7 @@ fn wait_until_all_free(broker: &Broker) {
 
 #[test]
 fn top_shows_both_builds_raises_the_limit_survives_a_resize_and_quits_with_0() {
-    let broker = Broker::start(4);
+    let broker = RunningBroker::start(4);
     let dir = TempDir::new("top");
     {
         let _alpha = HoldingBuild::start(&broker, "alpha", 2);
@@ -271,7 +271,7 @@ fn top_tells_no_broker_yet_from_broker_gone_and_explains_an_empty_panel() {
 
 #[test]
 fn top_says_the_broker_is_gone_and_reconnects_to_its_successor() {
-    let mut broker = Broker::start(3);
+    let mut broker = RunningBroker::start(3);
     let dir = TempDir::new("top-restart");
     let rc = dir.path().join("rc");
     let tmux = top_in_tmux(dir.path(), &broker.socket, &rc);
@@ -305,7 +305,7 @@ fn top_says_the_broker_is_gone_and_reconnects_to_its_successor() {
 
 #[test]
 fn top_without_a_terminal_refuses_and_points_at_status_json() {
-    let broker = Broker::start(2);
+    let broker = RunningBroker::start(2);
     let out = baton()
         .args(["top", "--socket"])
         .arg(&broker.socket)
@@ -330,7 +330,7 @@ fn top_without_a_terminal_refuses_and_points_at_status_json() {
 /// says what it holds and waits for, and the holders of each add up to it.
 #[test]
 fn status_json_builds_hold_what_the_builds_really_hold() {
-    let broker = Broker::start(4);
+    let broker = RunningBroker::start(4);
     {
         let _alpha = HoldingBuild::start(&broker, "alpha", 2);
         let _beta = HoldingBuild::start(&broker, "beta", 1);
@@ -482,7 +482,7 @@ fn python_samples(args: &[&str], text: &[u8]) -> Samples {
 
 #[test]
 fn status_prometheus_parses_with_the_reference_parser() {
-    let broker = Broker::start_with(4, &["--max-load", "1000"]);
+    let broker = RunningBroker::start_with(4, &["--max-load", "1000"]);
     {
         let _alpha = HoldingBuild::start(&broker, "alpha \"quoted\"", 2);
         wait_for_holdings(&broker, &[("alpha \"quoted\"", 2)]);
@@ -559,7 +559,7 @@ fn label_values(samples: &Samples, key: &str) -> std::collections::BTreeSet<Stri
 /// and neither they nor `baton status --prometheus` show up as a build.
 #[test]
 fn metrics_endpoint_serves_what_builds_hold_and_scrapes_are_not_builds() {
-    let broker = Broker::start_with(4, &["--metrics-listen", "127.0.0.1:0"]);
+    let broker = RunningBroker::start_with(4, &["--metrics-listen", "127.0.0.1:0"]);
     let mut url = String::new();
     wait_for(GUARD, "the broker to log its metrics address", || {
         let log = broker.log();
@@ -635,7 +635,7 @@ fn a_replacing_broker_takes_over_the_metrics_port() {
     let addr = free.local_addr().unwrap().to_string();
     drop(free);
     let url = format!("http://{addr}/metrics");
-    let mut broker = Broker::start_with(3, &["--metrics-listen", &addr]);
+    let mut broker = RunningBroker::start_with(3, &["--metrics-listen", &addr]);
     assert_eq!(sample(&scrape(&url), "baton_limit", None), 3.0);
 
     let elsewhere = TempDir::new("metrics-elsewhere");
@@ -682,7 +682,7 @@ fn a_replacing_broker_takes_over_the_metrics_port() {
 fn the_broker_stays_under_20_mb_with_a_thousand_clients() {
     raise_open_file_limit();
     let spawned = Instant::now();
-    let broker = Broker::start(4);
+    let broker = RunningBroker::start(4);
     let ready = Instant::now();
     let mut clients: Vec<baton_client::Client> = (0..1000)
         .map(|i| broker.client(&format!("client {i}")))

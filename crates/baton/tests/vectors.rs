@@ -4,7 +4,7 @@
 
 mod common;
 
-use common::{wait_for, Broker};
+use common::{wait_for, RunningBroker};
 use serde_json::Value;
 use std::collections::HashMap;
 use std::io::{BufRead, BufReader, Read, Write};
@@ -72,7 +72,7 @@ fn replay(vector: &Value) {
         .iter()
         .flat_map(|n| ["--max-clients", n.as_str()])
         .collect();
-    let broker = Broker::start_with(vector["jobs"].as_u64().unwrap() as u32, &extra);
+    let broker = RunningBroker::start_with(vector["jobs"].as_u64().unwrap() as u32, &extra);
     let mut conns: HashMap<String, Conn> = HashMap::new();
     let mut fillers = Vec::new();
     for step in vector["steps"].as_array().unwrap() {

@@ -29,14 +29,14 @@ pub enum Wait {
 }
 
 /// A `baton serve` child process, stopped when dropped.
-pub struct Broker {
+pub struct BrokerProcess {
     child: Child,
     socket: PathBuf,
     log: PathBuf,
     wait: Wait,
 }
 
-impl Broker {
+impl BrokerProcess {
     /// A broker without a FUSE mount, for the native protocol.
     pub fn start(tokens: u32, env: &Env, wait: Wait) -> Result<Self> {
         Self::start_with(tokens, env, wait, &["--no-fuse"])
@@ -95,7 +95,7 @@ impl Broker {
         let child = command
             .spawn()
             .with_context(|| format!("starting {} serve", env.baton_bin.display()))?;
-        let mut broker = Broker {
+        let mut broker = BrokerProcess {
             child,
             socket,
             log,
@@ -166,7 +166,7 @@ impl Broker {
 /// socket, docs/jobserver.md).
 pub struct Brokers<'a> {
     env: &'a Env,
-    running: HashMap<(u32, Vec<String>), Broker>,
+    running: HashMap<(u32, Vec<String>), BrokerProcess>,
 }
 
 impl<'a> Brokers<'a> {
@@ -179,10 +179,10 @@ impl<'a> Brokers<'a> {
 
     /// The broker of `tokens` started with `flags`, started now if it is
     /// the first asked for.
-    pub fn get(&mut self, tokens: u32, flags: &[&str]) -> Result<&Broker> {
+    pub fn get(&mut self, tokens: u32, flags: &[&str]) -> Result<&BrokerProcess> {
         let key = (tokens, flags.iter().map(|f| f.to_string()).collect());
         if !self.running.contains_key(&key) {
-            let broker = Broker::start_with(tokens, self.env, Wait::Blocking, flags)?;
+            let broker = BrokerProcess::start_with(tokens, self.env, Wait::Blocking, flags)?;
             self.running.insert(key.clone(), broker);
         }
         Ok(&self.running[&key])
@@ -194,7 +194,7 @@ impl<'a> Brokers<'a> {
     }
 }
 
-impl Drop for Broker {
+impl Drop for BrokerProcess {
     fn drop(&mut self) {
         // SAFETY: signalling our own child, not yet reaped by us.
         unsafe { libc::kill(self.child.id() as libc::pid_t, libc::SIGTERM) };
@@ -208,7 +208,7 @@ impl Drop for Broker {
     }
 }
 
-impl Pool for Broker {
+impl Pool for BrokerProcess {
     fn open(&self) -> Result<Box<dyn Tokens + '_>> {
         let client = Client::connect(&self.socket, "baton bench")?;
         Ok(Box::new(Connection {

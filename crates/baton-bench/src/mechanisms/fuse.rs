@@ -4,7 +4,7 @@
 //! polling handle per freed token; started with `--fuse-notify-all` it
 //! notifies every one, as a pipe would (the herd, as a control).
 
-use super::baton::{Broker, Wait};
+use super::baton::{BrokerProcess, Wait};
 use super::{Env, Pool, Tokens};
 use crate::sys;
 use anyhow::{bail, Context, Result};
@@ -25,7 +25,7 @@ pub enum Notify {
 
 /// A broker with a FUSE mount and one token file, shared by every waiter.
 pub struct TokenFile {
-    broker: Broker,
+    broker: BrokerProcess,
     path: PathBuf,
 }
 
@@ -41,7 +41,7 @@ impl TokenFile {
             Notify::One => &[],
             Notify::All => &["--fuse-notify-all"],
         };
-        let broker = Broker::start_with(tokens, env, Wait::Poll, flags)?;
+        let broker = BrokerProcess::start_with(tokens, env, Wait::Poll, flags)?;
         let mount = broker.socket().with_file_name("fuse");
         let path = mount.join("bench");
         // The broker mounts in the background: wait until the file can be made.

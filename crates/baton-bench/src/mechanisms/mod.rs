@@ -104,22 +104,26 @@ impl Mechanism {
             Mechanism::SysvSemaphore => Box::new(semaphore::Sysv::new(tokens)?),
             Mechanism::Eventfd => Box::new(eventfd::Eventfd::new(tokens)?),
             Mechanism::Futex => Box::new(futex::Futex::new(tokens)?),
-            Mechanism::BatonNative => {
-                Box::new(baton::Broker::start(tokens, env, baton::Wait::Blocking)?)
-            }
-            Mechanism::BatonNativeNoSpin => Box::new(baton::Broker::start_with(
+            Mechanism::BatonNative => Box::new(baton::BrokerProcess::start(
+                tokens,
+                env,
+                baton::Wait::Blocking,
+            )?),
+            Mechanism::BatonNativeNoSpin => Box::new(baton::BrokerProcess::start_with(
                 tokens,
                 env,
                 baton::Wait::Blocking,
                 &["--no-fuse", "--spin-us", "0"],
             )?),
-            Mechanism::BatonNativeNoUring => Box::new(baton::Broker::start_with(
+            Mechanism::BatonNativeNoUring => Box::new(baton::BrokerProcess::start_with(
                 tokens,
                 env,
                 baton::Wait::Blocking,
                 &["--no-fuse", "--no-io-uring"],
             )?),
-            Mechanism::BatonPoll => Box::new(baton::Broker::start(tokens, env, baton::Wait::Poll)?),
+            Mechanism::BatonPoll => {
+                Box::new(baton::BrokerProcess::start(tokens, env, baton::Wait::Poll)?)
+            }
             Mechanism::BatonFuse => {
                 Box::new(fuse::TokenFile::start(tokens, env, fuse::Notify::One)?)
             }

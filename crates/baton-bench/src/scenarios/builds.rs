@@ -25,7 +25,7 @@
 
 use super::{median, Bench, Defaults, Findings, Scale};
 use crate::measure::Usage;
-use crate::mechanisms::baton::{Broker, Wait};
+use crate::mechanisms::baton::{BrokerProcess, Wait};
 use crate::report::Row;
 use anyhow::{bail, Context, Result};
 use std::os::unix::process::CommandExt;
@@ -278,7 +278,10 @@ enum Slots<'a> {
     /// The tool's own `-jN`.
     Own(u32),
     /// `baton run --weight W`.
-    Baton { broker: &'a Broker, weight: u32 },
+    Baton {
+        broker: &'a BrokerProcess,
+        weight: u32,
+    },
     /// One GNU jobserver FIFO shared by every build.
     SharedMemory(&'a SharedFifo),
 }
@@ -451,7 +454,7 @@ pub fn run(bench: &Bench, scale: &Scale) -> Result<Findings> {
         tools.iter().chain(&bmake()).chain(&cargo()),
         &root,
     )?;
-    let broker = Broker::start_with(n, &bench.env, Wait::Blocking, &[])?;
+    let broker = BrokerProcess::start_with(n, &bench.env, Wait::Blocking, &[])?;
     rows.extend(together(
         bench,
         scale,
@@ -517,7 +520,7 @@ fn alone<'a>(
     root: &Path,
 ) -> Result<Vec<Row>> {
     let n = scale.tokens;
-    let broker = Broker::start_with(n, &bench.env, Wait::Blocking, &[])?;
+    let broker = BrokerProcess::start_with(n, &bench.env, Wait::Blocking, &[])?;
     let mut rows = Vec::new();
     for tool in tools {
         let ways = [
@@ -614,7 +617,7 @@ fn containers(
         return Ok(None);
     }
     let n = std::thread::available_parallelism().map_or(1, |n| n.get() as u32);
-    let broker = Broker::start_with(n, &bench.env, Wait::Blocking, &[])?;
+    let broker = BrokerProcess::start_with(n, &bench.env, Wait::Blocking, &[])?;
     let ways = [
         (format!("own -j{n}"), Slots::Own(n)),
         (

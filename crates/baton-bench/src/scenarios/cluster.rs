@@ -66,7 +66,7 @@ fn measure(
     let pool = format!("bench-{name}-{n}");
     let brokers = (0..n)
         .map(|i| {
-            Broker::start(
+            PoolMember::start(
                 &bench.env.baton_bin,
                 &dir.join(format!("b{i}")),
                 etcd,
@@ -130,7 +130,7 @@ fn measure(
     let (brokers_after, rest_after) = usage()?;
     let events: u64 = brokers
         .iter()
-        .map(Broker::watch_events)
+        .map(PoolMember::watch_events)
         .sum::<Result<u64>>()?;
     let ops = latencies.len() as u64;
     latencies.sort();
@@ -193,13 +193,13 @@ fn ms(d: Duration) -> f64 {
 }
 
 /// A `baton serve` in the pool; SIGTERM by pid on drop.
-struct Broker {
+struct PoolMember {
     child: Child,
     socket: PathBuf,
     log: PathBuf,
 }
 
-impl Broker {
+impl PoolMember {
     fn start(
         baton: &Path,
         dir: &Path,
@@ -207,7 +207,7 @@ impl Broker {
         pool: &str,
         tokens: u32,
         watch_all: bool,
-    ) -> Result<Broker> {
+    ) -> Result<PoolMember> {
         std::fs::create_dir_all(dir)?;
         let socket = dir.join("socket");
         let mut serve = Command::new(baton);
@@ -234,7 +234,7 @@ impl Broker {
             .stderr(std::fs::File::create(&log)?)
             .spawn()
             .context("starting baton serve")?;
-        Ok(Broker { child, socket, log })
+        Ok(PoolMember { child, socket, log })
     }
 
     /// Waits until the broker listens; an error at once if it exits first
@@ -267,7 +267,7 @@ impl Broker {
     }
 }
 
-impl Drop for Broker {
+impl Drop for PoolMember {
     fn drop(&mut self) {
         // SAFETY: kill only sends a signal to our own child.
         unsafe { libc::kill(self.child.id() as i32, libc::SIGTERM) };

@@ -14,7 +14,7 @@
 use super::{median, Bench, Defaults, Findings, Scale};
 use crate::cgroup::MemCgroup;
 use crate::measure::Usage;
-use crate::mechanisms::baton::{Broker, Wait};
+use crate::mechanisms::baton::{BrokerProcess, Wait};
 use crate::report::Row;
 use anyhow::{bail, Context, Result};
 use std::path::{Path, PathBuf};
@@ -83,7 +83,7 @@ pub fn run(bench: &Bench, scale: &Scale) -> Result<Findings> {
     if bench.with_baton() {
         ways.extend([Way::Baton(n, false), Way::Baton(n, true)]);
     }
-    let brokers: Vec<(Way, Broker)> = ways
+    let brokers: Vec<(Way, BrokerProcess)> = ways
         .iter()
         .filter(|w| matches!(w, Way::Baton(..)))
         .map(|&w| Ok((w, broker_in(&cgroup, bench, w)?)))
@@ -149,7 +149,7 @@ fn row(way: Way, samples: &[Sample], safe: &[Sample], jobs: u32) -> Row {
 fn build(
     bench: &Bench,
     cgroup: &MemCgroup,
-    broker: Option<&Broker>,
+    broker: Option<&BrokerProcess>,
     dir: &Path,
     log: &Path,
     way: Way,
@@ -237,7 +237,7 @@ fn load_average() -> String {
 }
 
 /// A broker for `way` inside the cgroup.
-fn broker_in(cgroup: &MemCgroup, bench: &Bench, way: Way) -> Result<Broker> {
+fn broker_in(cgroup: &MemCgroup, bench: &Bench, way: Way) -> Result<BrokerProcess> {
     let Way::Baton(jobs, pause) = way else {
         bail!("{} needs no broker", way.name())
     };
@@ -253,5 +253,5 @@ fn broker_in(cgroup: &MemCgroup, bench: &Bench, way: Way) -> Result<Broker> {
     }
     let enter = cgroup.enter();
     let enter: Vec<&str> = enter.iter().map(String::as_str).collect();
-    Broker::start_under(jobs as u32, &bench.env, Wait::Blocking, &flags, &enter)
+    BrokerProcess::start_under(jobs as u32, &bench.env, Wait::Blocking, &flags, &enter)
 }

@@ -9,7 +9,7 @@
 
 use super::{Bench, Defaults, Findings, Scale};
 use crate::measure::Usage;
-use crate::mechanisms::baton::{Broker, Brokers};
+use crate::mechanisms::baton::{BrokerProcess, Brokers};
 use crate::mechanisms::Pool;
 use crate::report::Row;
 use anyhow::{bail, Context, Result};
@@ -303,7 +303,7 @@ fn build(brokers: &mut Brokers, bmake: &Path, tree: &Path, n: usize, way: Way) -
 /// back: the next build uses it too.
 pub(super) fn measure_and_check(
     command: Command,
-    broker: Option<&Broker>,
+    broker: Option<&BrokerProcess>,
     tokens: usize,
     name: &str,
 ) -> Result<Sample> {
@@ -319,7 +319,11 @@ pub(super) fn measure_and_check(
 /// Runs a build to its end and returns what it and the broker (if any)
 /// spent meanwhile. Only the jobserver the command gives is used: none
 /// inherited from our caller.
-pub(super) fn measure(mut command: Command, broker: Option<&Broker>, name: &str) -> Result<Sample> {
+pub(super) fn measure(
+    mut command: Command,
+    broker: Option<&BrokerProcess>,
+    name: &str,
+) -> Result<Sample> {
     command
         .env_remove("MAKEFLAGS")
         .env_remove("MAKELEVEL")
