@@ -19,6 +19,8 @@
 //! claimed yet: the next client to come takes one at once, and once they
 //! are gone it waits, in ticket order, for a releaser to give it one.
 
+pub mod words;
+
 /// A client's place in the region: the index of its record. The broker
 /// gives each fast-path connection one.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
