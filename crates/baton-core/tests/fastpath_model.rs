@@ -425,6 +425,40 @@ mod fastpath {
             if !audit.balanced() {
                 return Err(format!("the broker's audit finds fault: {audit:?}"));
             }
+            self.check_words()
+        }
+
+        /// Every slot and record of the state fits the real region's
+        /// words (`fastpath::words`) and comes back from them whole.
+        fn check_words(&self) -> Result<(), String> {
+            use baton_core::fastpath::words::{IntentWord, RecordWord, SlotWord};
+            for (t, &slot) in self.region.slots.iter().enumerate() {
+                let word = SlotWord {
+                    gen: t as u32,
+                    slot,
+                    sleeping: false,
+                };
+                if SlotWord::unpack(word.pack()) != Ok(word) {
+                    return Err(format!(
+                        "ticket {t}'s slot {slot:?} does not survive its word"
+                    ));
+                }
+            }
+            for record in &self.region.records {
+                let word = RecordWord {
+                    held: u16::try_from(record.held).map_err(|_| "held past 16 bits")?,
+                    returned: u8::try_from(record.returned).map_err(|_| "returned past 8 bits")?,
+                    intent: match record.intent {
+                        Intent::Idle => IntentWord::Idle,
+                        Intent::Taking(t) => IntentWord::Taking(t as u32 & 0xff_ffff),
+                        Intent::Releasing => IntentWord::Releasing,
+                    },
+                    changes: 0,
+                };
+                if RecordWord::unpack(word.pack()) != Ok(word) {
+                    return Err(format!("{record:?} does not survive its word"));
+                }
+            }
             Ok(())
         }
 
