@@ -1,6 +1,6 @@
 //! Joining a cluster pool in etcd (docs/cluster.md): the link's thread
 //! (`baton-cluster`, a cargo feature) sets the cap on local grants, by
-//! errands to the event loop (crate::owner); the broker wakes it when its
+//! errands to the event loop (crate::mailbox); the broker wakes it when its
 //! demand changes.
 
 use crate::broker::Broker;

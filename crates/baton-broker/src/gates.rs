@@ -249,7 +249,7 @@ impl Sampler {
 }
 
 /// The gates' thread's way to the broker: errands to the event loop
-/// (crate::owner), given up when the thread is told to stop.
+/// (crate::mailbox), given up when the thread is told to stop.
 struct Loop<'a> {
     mailbox: Mailbox,
     stop: &'a AtomicBool,

@@ -202,7 +202,7 @@ fn render_gates(s: &Status, registry: &mut Registry) {
 
 /// Answers `GET /metrics` on `listener` from a thread of its own, one
 /// request at a time, each connection closed after its answer. The figures
-/// are read by one errand to the event loop (crate::owner), as a STATUS
+/// are read by one errand to the event loop (crate::mailbox), as a STATUS
 /// reads them, but connect no client: a scrape is not a build.
 ///
 /// A hand-written loop rather than an HTTP crate: one path, one method, no

@@ -1,7 +1,7 @@
 //! The native transport: a Unix stream socket speaking docs/protocol.md.
 //!
 //! One thread runs a mio loop over the listener, every connection, the
-//! FUSE device, a waker (errands other threads post, crate::owner) and a
+//! FUSE device, a waker (errands other threads post, crate::mailbox) and a
 //! signalfd (SIGTERM, SIGINT). It owns the broker's state ([`Owned`]): the
 //! socket's sessions, the FUSE requests it dispatches and the errands all
 //! act on it here, one after another. A waiting client blocks in read() on
@@ -133,7 +133,7 @@ pub struct SocketServer {
 
 impl SocketServer {
     /// A loop on `poll`, whose waker for `inbox` is [`WAKER`] (see
-    /// crate::owner::mailbox). `io_uring`: send replies in the system call
+    /// crate::mailbox::mailbox). `io_uring`: send replies in the system call
     /// that sleeps, where the kernel allows (crate::uring).
     #[allow(clippy::too_many_arguments)]
     pub fn new(
