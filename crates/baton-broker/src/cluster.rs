@@ -4,7 +4,7 @@
 //! demand changes.
 
 use crate::broker::Broker;
-use crate::owner::Mailbox;
+use crate::mailbox::Mailbox;
 use anyhow::Result;
 use baton_core::cluster::Config;
 #[cfg(feature = "cluster")]
@@ -37,7 +37,7 @@ pub type Link = std::convert::Infallible;
 /// Connects to etcd and caps the broker's grants at the cluster tokens it
 /// holds (none yet), before the loop takes the broker and serves anyone.
 #[cfg(feature = "cluster")]
-pub fn join(config: Config, broker: &mut Broker, mailbox: Mailbox) -> Result<Link> {
+pub fn join(config: Config, broker: &mut Broker, mailbox: Mailbox<Broker>) -> Result<Link> {
     let pool = config.pool.clone();
     let (jobs, endpoints) = (config.jobs, config.endpoints.join(","));
     broker.join_cluster(&config);
@@ -55,14 +55,14 @@ pub fn join(config: Config, broker: &mut Broker, mailbox: Mailbox) -> Result<Lin
 }
 
 #[cfg(not(feature = "cluster"))]
-pub fn join(_config: Config, _broker: &mut Broker, _mailbox: Mailbox) -> Result<Link> {
+pub fn join(_config: Config, _broker: &mut Broker, _mailbox: Mailbox<Broker>) -> Result<Link> {
     anyhow::bail!("this baton was built without cluster pools (build it with: cargo install --features cluster --path crates/baton)")
 }
 
 /// The local pool as the link sees it: the broker, on the event loop.
 #[cfg(feature = "cluster")]
 struct BrokerPool {
-    mailbox: Mailbox,
+    mailbox: Mailbox<Broker>,
     stop: Arc<AtomicBool>,
 }
 
@@ -74,9 +74,7 @@ impl BrokerPool {
         &self,
         f: impl FnOnce(&mut Broker) -> T + Send + 'static,
     ) -> T {
-        self.mailbox
-            .ask_unless(&self.stop, |owned| f(&mut owned.broker))
-            .unwrap_or_default()
+        self.mailbox.ask_unless(&self.stop, f).unwrap_or_default()
     }
 }
 
@@ -92,7 +90,7 @@ impl baton_cluster::LocalPool for BrokerPool {
 
     fn watched(&self, events: u64) {
         self.mailbox
-            .post(move |owned| owned.broker.note_watch_events(events));
+            .post(move |broker| broker.note_watch_events(events));
     }
 
     fn log(&self, line: std::fmt::Arguments) {

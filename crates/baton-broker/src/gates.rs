@@ -24,7 +24,7 @@
 use crate::broker::Broker;
 use crate::jobs::{self, Job, Snapshot, StoppedJob};
 use crate::log;
-use crate::owner::Mailbox;
+use crate::mailbox::Mailbox;
 use crate::triggers::{Sources, Triggers, Waker};
 use baton_core::gates::{JobMemory, PauseAction, Reading};
 use std::collections::{HashMap, VecDeque};
@@ -198,7 +198,11 @@ pub struct Sampler {
 impl Sampler {
     /// Starts the thread for `broker`, which it reaches by `mailbox` once
     /// the loop runs; called before the loop takes the broker.
-    pub fn spawn(broker: &mut Broker, mailbox: Mailbox, mut probe: Probe) -> std::io::Result<Self> {
+    pub fn spawn(
+        broker: &mut Broker,
+        mailbox: Mailbox<Broker>,
+        mut probe: Probe,
+    ) -> std::io::Result<Self> {
         // The first reading before any client is served: gates never
         // decide on no figures.
         let first = probe.read();
@@ -251,7 +255,7 @@ impl Sampler {
 /// The gates' thread's way to the broker: errands to the event loop
 /// (crate::mailbox), given up when the thread is told to stop.
 struct Loop<'a> {
-    mailbox: Mailbox,
+    mailbox: Mailbox<Broker>,
     stop: &'a AtomicBool,
 }
 
@@ -260,8 +264,7 @@ impl Loop<'_> {
         &self,
         f: impl FnOnce(&mut Broker) -> T + Send + 'static,
     ) -> Option<T> {
-        self.mailbox
-            .ask_unless(self.stop, |owned| f(&mut owned.broker))
+        self.mailbox.ask_unless(self.stop, f)
     }
 }
 

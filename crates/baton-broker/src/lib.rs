@@ -9,8 +9,8 @@
 //!
 //! - `broker`: the pool with each client's metadata and the grants each
 //!   transport still has to deliver.
-//! - `owner` and `mailbox`: the event loop owns the broker and the token
-//!   files; other threads reach them by errands through a mailbox.
+//! - `mailbox`: the event loop owns the broker and the token files; other
+//!   threads reach the broker by errands through a mailbox.
 //! - `socket`: the event loop (mio): the native protocol's connections, the
 //!   FUSE device, errands; with `spin` (when to look for the next message
 //!   before sleeping) and `uring` (send replies and sleep in one system
@@ -45,7 +45,6 @@ mod jobs;
 mod log;
 mod mailbox;
 pub mod metrics;
-mod owner;
 mod pairs;
 mod paths;
 mod serve;

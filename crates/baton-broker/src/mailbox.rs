@@ -1,5 +1,5 @@
 //! How other threads reach state that one thread owns: the event loop
-//! (crate::socket) owns the broker's state (crate::owner::Owned), and every
+//! (crate::socket) owns the broker's state (the `Broker`), and every
 //! other thread (the gates' sampler, the cluster link, the FUSE control
 //! thread, the metrics endpoint, the timers in crate::serve) posts it
 //! errands through a [`Mailbox`]: closures the loop runs between two

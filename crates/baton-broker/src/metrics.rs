@@ -9,8 +9,9 @@
 //! a build's series carry its name and the broker's id for it, which stays
 //! the same for the build's whole life.
 
+use crate::broker::Broker;
 use crate::log;
-use crate::owner::Mailbox;
+use crate::mailbox::Mailbox;
 use baton_core::status::{Build, Status};
 use prometheus_client::encoding::prometheus_text;
 use prometheus_client::metrics::counter::Counter;
@@ -207,11 +208,11 @@ fn render_gates(s: &Status, registry: &mut Registry) {
 ///
 /// A hand-written loop rather than an HTTP crate: one path, one method, no
 /// keep-alive, no body to read; what a scraper sends fits in a few lines.
-pub(crate) fn serve_http(listener: TcpListener, mailbox: Mailbox) -> io::Result<()> {
+pub(crate) fn serve_http(listener: TcpListener, mailbox: Mailbox<Broker>) -> io::Result<()> {
     std::thread::Builder::new()
         .name("metrics".into())
         .spawn(move || {
-            let status = || mailbox.ask(|owned| owned.broker.status_now());
+            let status = || mailbox.ask(|broker| broker.status_now());
             for stream in listener.incoming() {
                 let result = stream.and_then(|stream| answer(stream, &status));
                 if let Err(e) = result {
@@ -296,7 +297,6 @@ fn read_head(stream: &mut TcpStream) -> io::Result<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::broker::Broker;
 
     #[test]
     fn label_values_are_escaped_and_no_pid_is_labelled() {

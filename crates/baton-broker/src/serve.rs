@@ -6,8 +6,7 @@ use crate::fuse::Options as FuseOptions;
 use crate::gates::{Probe, Sampler};
 use crate::handover::{self, State};
 use crate::log::LogLevel;
-use crate::mailbox;
-use crate::owner::{Mailbox, Owned};
+use crate::mailbox::{self, Mailbox};
 use crate::socket::{SocketServer, Stop};
 use crate::spin::SpinPolicy;
 use crate::{activation, cluster, fuse, log, metrics, paths, socket};
@@ -182,8 +181,7 @@ pub fn serve(opts: ServeOptions) -> Result<()> {
             .fuse
             .and_then(|mode| fuse::mount(&socket, poll.registry(), mode)),
     };
-    let (fuse, files) = fuse.unzip();
-    let parts = (inbox, Owned { broker, files }, fuse);
+    let parts = (inbox, broker, fuse);
 
     // A socket systemd bound is systemd's to remove.
     let (listener, owned_socket) = match (&handed, activated) {
@@ -237,7 +235,7 @@ pub fn serve(opts: ServeOptions) -> Result<()> {
     if let Some(addr) = opts.metrics_listen {
         serve_metrics(addr, opts.replace, mailbox.clone())?;
     }
-    let limit = server.owned().broker.pool().limit();
+    let limit = server.broker().pool().limit();
     let noun = if limit == 1 { "token" } else { "tokens" };
     let how = if opts.replace {
         "took over: serving"
@@ -270,7 +268,7 @@ pub fn serve(opts: ServeOptions) -> Result<()> {
         }
     };
     {
-        let broker = &server.owned().broker;
+        let broker = server.broker();
         log::info(format_args!(
             "stopping on {why}: {} of {} tokens held by {} client(s) at exit",
             broker.pool().held(),
@@ -314,7 +312,7 @@ fn hand_over(
 
 /// Binds the metrics endpoint and says where it is: with port 0, the log
 /// line is where the port chosen is found.
-fn serve_metrics(addr: SocketAddr, replace: bool, mailbox: Mailbox) -> Result<()> {
+fn serve_metrics(addr: SocketAddr, replace: bool, mailbox: Mailbox<Broker>) -> Result<()> {
     let listener = bind_metrics(addr, replace).with_context(|| {
         format!("cannot serve metrics at {addr} (--metrics-listen: is the port taken?)")
     })?;
@@ -416,7 +414,7 @@ fn admission(opts: &ServeOptions, dir: &Path) -> Result<Admission> {
 /// Our own socket goes first, on the loop between two rounds: from then on
 /// a new client finds no broker (and `baton run` starts a fresh one) rather
 /// than one about to leave.
-fn stop_when_idle(mailbox: Mailbox, timeout: Duration, own_socket: Option<PathBuf>) {
+fn stop_when_idle(mailbox: Mailbox<Broker>, timeout: Duration, own_socket: Option<PathBuf>) {
     // Often enough that a short timeout is kept to within a second.
     let check_every = timeout.clamp(Duration::from_millis(100), Duration::from_secs(1));
     std::thread::spawn(move || {
@@ -426,8 +424,8 @@ fn stop_when_idle(mailbox: Mailbox, timeout: Duration, own_socket: Option<PathBu
             let own_socket = own_socket.clone();
             // The timer goes to the loop and back: it looks at the clients
             // there, and removes the socket in the same step.
-            let Some((back, stopping)) = mailbox.ask(move |owned| {
-                let clients = owned.broker.pool().clients().count();
+            let Some((back, stopping)) = mailbox.ask(move |broker| {
+                let clients = broker.pool().clients().count();
                 let expired = timer.expired(clients, Instant::now());
                 if expired {
                     if let Some(socket) = &own_socket {
@@ -458,7 +456,7 @@ const ORPHANS_EVERY: Duration = Duration::from_millis(250);
 /// Looks at orphaned builds' processes while there are any
 /// ([`Broker::watch_orphans`]); sleeps otherwise, until the broker says a
 /// build was orphaned. One read of /proc per process per look, only then.
-fn watch_orphaned_builds(broker: &mut Broker, mailbox: Mailbox) {
+fn watch_orphaned_builds(broker: &mut Broker, mailbox: Mailbox<Broker>) {
     let (wake, woken) = std::sync::mpsc::channel::<()>();
     broker.on_orphans(move || {
         let _ = wake.send(());
@@ -470,7 +468,7 @@ fn watch_orphaned_builds(broker: &mut Broker, mailbox: Mailbox) {
             return;
         }
         look = false;
-        while mailbox.ask(|owned| owned.broker.watch_orphans()) == Some(true) {
+        while mailbox.ask(|broker| broker.watch_orphans()) == Some(true) {
             std::thread::sleep(ORPHANS_EVERY);
         }
     });
@@ -480,7 +478,7 @@ fn watch_orphaned_builds(broker: &mut Broker, mailbox: Mailbox) {
 /// before the socket listens, so no newcomer slips in first.
 fn give_builds_time_to_reattach(
     broker: &mut Broker,
-    mailbox: Mailbox,
+    mailbox: Mailbox<Broker>,
     socket: &Path,
     grace: Duration,
 ) {
@@ -492,7 +490,7 @@ fn give_builds_time_to_reattach(
     broker.start_reclaim(grace);
     std::thread::spawn(move || {
         std::thread::sleep(grace);
-        mailbox.post(|owned| owned.broker.end_reclaim());
+        mailbox.post(|broker| broker.end_reclaim());
     });
 }
 

@@ -2,18 +2,17 @@
 //!
 //! One thread runs a mio loop over the listener, every connection, the
 //! FUSE device, a waker (errands other threads post, crate::mailbox) and a
-//! signalfd (SIGTERM, SIGINT). It owns the broker's state ([`Owned`]): the
-//! socket's sessions, the FUSE requests it dispatches and the errands all
-//! act on it here, one after another. A waiting client blocks in read() on
+//! signalfd (SIGTERM, SIGINT). It owns the broker's state, the [`Broker`]
+//! and the FUSE token files: the socket's sessions, the FUSE requests it
+//! dispatches and the errands all act on it here, one after another. A waiting client blocks in read() on
 //! its own connection, so a grant wakes exactly that process: the broker
 //! never broadcasts.
 
 use crate::admission::{Access, Admission};
-use crate::broker::{BrokerState, Transport};
+use crate::broker::{Broker, BrokerState, Transport};
 use crate::fuse::{FsState, FuseMount};
 use crate::log;
 use crate::mailbox::Inbox;
-use crate::owner::Owned;
 use crate::session::{Context, Session};
 use crate::spin::SpinPolicy;
 use crate::uring::{SendAndWait, Sent};
@@ -101,10 +100,10 @@ pub struct SocketServer {
     listener: UnixListener,
     signals: SignalFd,
     /// Errands from other threads.
-    inbox: Inbox<Owned>,
-    /// The broker and the token files: the loop is their one owner.
-    owned: Owned,
-    /// The FUSE token files' session, served from this loop.
+    inbox: Inbox<Broker>,
+    /// The pool's broker: the loop is its one owner.
+    broker: Broker,
+    /// The FUSE token files, with their session, served from this loop.
     fuse: Option<FuseMount>,
     conns: HashMap<Token, Conn>,
     by_client: HashMap<ClientId, Token>,
@@ -138,7 +137,7 @@ impl SocketServer {
     #[allow(clippy::too_many_arguments)]
     pub fn new(
         poll: Poll,
-        (inbox, owned, fuse): (Inbox<Owned>, Owned, Option<FuseMount>),
+        (inbox, broker, fuse): (Inbox<Broker>, Broker, Option<FuseMount>),
         listener: std::os::unix::net::UnixListener,
         signals: SignalFd,
         spin: SpinPolicy,
@@ -176,7 +175,7 @@ impl SocketServer {
             listener,
             signals,
             inbox,
-            owned,
+            broker,
             fuse,
             conns: HashMap::new(),
             by_client: HashMap::new(),
@@ -192,15 +191,15 @@ impl SocketServer {
             spare_fd: std::fs::File::open("/dev/null").ok(),
         };
         // Token files taken over may hold reservations already.
-        if let (Some(mount), Some(files)) = (server.fuse.as_mut(), server.owned.files.as_ref()) {
-            mount.plan(files);
+        if let Some(mount) = server.fuse.as_mut() {
+            mount.plan();
         }
         Ok(server)
     }
 
-    /// The broker's state, for what `serve` does before and after the loop.
-    pub fn owned(&mut self) -> &mut Owned {
-        &mut self.owned
+    /// The broker, for what `serve` does before and after the loop.
+    pub fn broker(&self) -> &Broker {
+        &self.broker
     }
 
     /// The FUSE mount, if any.
@@ -256,14 +255,11 @@ impl SocketServer {
                 }
             }
             self.act_on_files(&mut files);
-            self.inbox.run_all(&mut self.owned);
+            self.inbox.run_all(&mut self.broker);
             // Grants caused by this round (ours or other transports').
             files.touched |= self.deliver_grants();
-            if files.touched {
-                if let (Some(mount), Some(files)) = (self.fuse.as_mut(), self.owned.files.as_ref())
-                {
-                    mount.plan(files);
-                }
+            if let Some(mount) = self.fuse.as_mut().filter(|_| files.touched) {
+                mount.plan();
             }
             if let Some(pid) = self.stop_asked {
                 return Ok(Stop::Asked(pid));
@@ -276,7 +272,7 @@ impl SocketServer {
     fn wait(&mut self, events: &mut Events) -> io::Result<()> {
         let started = Instant::now();
         let replied = std::mem::take(&mut self.replied);
-        let broker = &self.owned.broker;
+        let broker = &self.broker;
         let spin = self
             .spin
             .spin_for(|| replied.max(broker.pool().held() as usize));
@@ -429,7 +425,7 @@ impl SocketServer {
     /// device's descriptor come last, if mounted: the loop reads no FUSE
     /// request while it hands over, so none is half-served.
     pub fn hand_over(&mut self) -> Snapshot {
-        let broker = &mut self.owned.broker;
+        let broker = &mut self.broker;
         for grant in broker.take_grants(Transport::Socket) {
             let held = broker.pool().held_by(grant.client);
             let Some(conn) = self
@@ -453,13 +449,10 @@ impl SocketServer {
                 }
             })
             .collect();
-        let fuse = match (self.fuse.as_ref(), self.owned.files.as_mut()) {
-            (Some(mount), Some(files)) => {
-                fds.push(mount.device());
-                Some((files.hand_over(broker), fds.len() - 1))
-            }
-            _ => None,
-        };
+        let fuse = self.fuse.as_mut().map(|mount| {
+            fds.push(mount.device());
+            (mount.hand_over(broker), fds.len() - 1)
+        });
         Snapshot {
             broker: broker.snapshot(),
             conns,
@@ -475,24 +468,19 @@ impl SocketServer {
             return;
         }
         events.touched = true;
-        if let (Some(mount), Some(files)) = (self.fuse.as_mut(), self.owned.files.as_mut()) {
-            mount.act(
-                files,
-                &mut self.owned.broker,
-                &events.exited,
-                events.clock_fired,
-            );
+        if let Some(mount) = self.fuse.as_mut() {
+            mount.act(&mut self.broker, &events.exited, events.clock_fired);
         }
     }
 
     /// Serves the FUSE requests waiting; stops watching the device once
     /// the session has ended.
     fn serve_fuse(&mut self) {
-        let (Some(mount), Some(files)) = (self.fuse.as_mut(), self.owned.files.as_mut()) else {
+        let Some(mount) = self.fuse.as_mut() else {
             return;
         };
         let fd = mount.source();
-        if !mount.serve_ready(files, &mut self.owned.broker) {
+        if !mount.serve_ready(&mut self.broker) {
             if let Some(fd) = fd {
                 let _ = self.poll.registry().deregister(&mut SourceFd(&fd));
             }
@@ -786,7 +774,7 @@ impl SocketServer {
             return;
         }
         let outcome = conn.session.process(&mut Context {
-            broker: &mut self.owned.broker,
+            broker: &mut self.broker,
             admission: &self.admission,
             command_line: &crate::sys::command_line,
         });
@@ -803,15 +791,15 @@ impl SocketServer {
     /// files had any.
     fn deliver_grants(&mut self) -> bool {
         let mut settled = false;
-        if let Some(files) = self.owned.files.as_mut() {
-            if self.owned.broker.has_grants_for(Transport::Fuse) {
-                files.settle(&mut self.owned.broker);
+        if let Some(mount) = self.fuse.as_mut() {
+            if self.broker.has_grants_for(Transport::Fuse) {
+                mount.settle(&mut self.broker);
                 settled = true;
             }
         }
         // What each client holds now is read with its grants.
         let grants: Vec<(ClientId, u32, u32)> = {
-            let broker = &mut self.owned.broker;
+            let broker = &mut self.broker;
             let grants = broker.take_grants(Transport::Socket);
             grants
                 .into_iter()
@@ -846,7 +834,7 @@ impl SocketServer {
     /// its wait (if any) is withdrawn.
     fn leave_pool(&mut self, id: ClientId, pid: u32) {
         self.by_client.remove(&id);
-        let broker = &mut self.owned.broker;
+        let broker = &mut self.broker;
         let command = broker
             .pool()
             .meta(id)

@@ -21,7 +21,7 @@ mod keeper;
 pub(crate) mod procs;
 pub(crate) mod waiters;
 
-pub use fs::{Files, FsState};
+pub use fs::FsState;
 pub use procs::exited_pid;
 pub use waiters::Mode;
 
@@ -29,7 +29,7 @@ use crate::broker::Broker;
 use crate::log;
 use anyhow::{bail, Context, Result};
 use control::Clock;
-use fs::TokenFs;
+use fs::{Files, TokenFs};
 use fuser::{CallerSession, Config, MountOption, Served, Session, SessionACL};
 use mio::Registry;
 use nix::errno::Errno;
@@ -65,9 +65,11 @@ impl Default for Options {
     }
 }
 
-/// The mounted token filesystem. Dropping it unmounts. The event loop
-/// serves its session ([`FuseMount::serve_ready`]) and owns its [`Files`].
+/// The mounted token filesystem and its [`Files`], owned by the event
+/// loop, which serves its session ([`FuseMount::serve_ready`]). Dropping it
+/// unmounts.
 pub struct FuseMount {
+    files: Files,
     clock: Clock,
     session: Option<CallerSession<TokenFs>>,
     path: PathBuf,
@@ -76,13 +78,10 @@ pub struct FuseMount {
     keeper: Option<keeper::Keeper>,
 }
 
-/// A mount and its token files, before the loop takes them.
-pub type Mounted = (FuseMount, Files);
-
 /// Mounts the token filesystem for the broker at `socket`. Where FUSE is
 /// not available, says why in one log line and returns None: builds then
 /// use the FIFO bridge.
-pub fn mount(socket: &Path, registry: &Registry, options: Options) -> Option<Mounted> {
+pub fn mount(socket: &Path, registry: &Registry, options: Options) -> Option<FuseMount> {
     let path = baton_core::paths::fuse_mount_point(socket);
     if let Some(device) = keeper::take(socket) {
         return match adopt_orphan(socket, &path, registry, device, options) {
@@ -107,7 +106,12 @@ pub fn mount(socket: &Path, registry: &Registry, options: Options) -> Option<Mou
     }
 }
 
-fn try_mount(socket: &Path, path: &Path, registry: &Registry, options: Options) -> Result<Mounted> {
+fn try_mount(
+    socket: &Path,
+    path: &Path,
+    registry: &Registry,
+    options: Options,
+) -> Result<FuseMount> {
     if !Path::new("/dev/fuse").exists() {
         bail!("/dev/fuse does not exist");
     }
@@ -121,7 +125,7 @@ fn try_mount(socket: &Path, path: &Path, registry: &Registry, options: Options) 
     let files = new_files(registry, options)?;
     let session = Session::new(TokenFs, path, &config())
         .with_context(|| format!("cannot mount at {}", path.display()))?;
-    start(session, socket, path, options.orphan_grace).map(|mount| (mount, files))
+    start(session, files, socket, path, options.orphan_grace)
 }
 
 /// Serves the mount a killed broker left, whose descriptor its keeper
@@ -132,7 +136,7 @@ fn adopt_orphan(
     registry: &Registry,
     device: OwnedFd,
     options: Options,
-) -> Result<Mounted> {
+) -> Result<FuseMount> {
     let mut files = new_files(registry, options)?;
     files.take_orphan();
     let session = Session::from_initialized_fd(TokenFs, device, SessionACL::Owner, config());
@@ -140,7 +144,7 @@ fn adopt_orphan(
         "FUSE token files at {}: serving the mount a killed broker left",
         path.display()
     ));
-    start(session, socket, path, options.orphan_grace).map(|mount| (mount, files))
+    start(session, files, socket, path, options.orphan_grace)
 }
 
 /// Takes over the mount a predecessor broker handed us (crate::handover):
@@ -152,20 +156,20 @@ pub fn adopt(
     device: OwnedFd,
     state: FsState,
     options: Options,
-) -> Result<Mounted> {
+) -> Result<FuseMount> {
     let path = baton_core::paths::fuse_mount_point(socket);
     let mut files = new_files(registry, options)?;
     let session = Session::from_initialized_fd(TokenFs, device, SessionACL::Owner, config());
-    let mount = start(session, socket, &path, options.orphan_grace)?;
-    let notifier = mount.notifier().context("the FUSE session ended at once")?;
+    // Checked before anything starts: inconsistent files leave no keeper
+    // and no unmount behind.
     files
-        .adopt(state, broker, &notifier)
+        .adopt(state, broker, &session.notifier())
         .map_err(|e| anyhow::anyhow!("the predecessor's token files are inconsistent: {e}"))?;
     log::info(format_args!(
         "FUSE token files at {} taken over",
         path.display()
     ));
-    Ok((mount, files))
+    start(session, files, socket, &path, options.orphan_grace)
 }
 
 /// New token files, whose pidfds go into the loop's poll (`registry`).
@@ -191,6 +195,7 @@ fn config() -> Config {
 
 fn start(
     session: Session<TokenFs>,
+    files: Files,
     socket: &Path,
     path: &Path,
     orphan_grace: Duration,
@@ -207,6 +212,7 @@ fn start(
         .context("cannot serve the FUSE device from the event loop")?;
     let clock = Clock::new().context("cannot create the token files' timer")?;
     Ok(FuseMount {
+        files,
         clock,
         session: Some(session),
         path: path.to_path_buf(),
@@ -217,13 +223,13 @@ fn start(
 
 impl FuseMount {
     /// Serves every request the kernel has waiting, on the calling thread
-    /// (the event loop's), with `files` and `broker` lent to them.
+    /// (the event loop's), with the files and `broker` lent to them.
     /// False once the session has ended (the mount is gone).
-    pub fn serve_ready(&mut self, files: &mut Files, broker: &mut Broker) -> bool {
+    pub fn serve_ready(&mut self, broker: &mut Broker) -> bool {
         let Some(session) = self.session.as_mut() else {
             return false;
         };
-        match fs::lend(files, broker, || session.serve_ready()) {
+        match fs::lend(&mut self.files, broker, || session.serve_ready()) {
             Ok(Served::AllWaiting) => true,
             Ok(Served::Ended) => {
                 log::warn(format_args!(
@@ -255,27 +261,27 @@ impl FuseMount {
 
     /// Acts on what the files watch (see `control`): the processes in
     /// `exited`, and the deadlines if `clock_fired`.
-    pub fn act(
-        &mut self,
-        files: &mut Files,
-        broker: &mut Broker,
-        exited: &[u32],
-        clock_fired: bool,
-    ) {
+    pub fn act(&mut self, broker: &mut Broker, exited: &[u32], clock_fired: bool) {
         if clock_fired {
             self.clock.fired();
         }
-        control::act(files, broker, exited);
+        control::act(&mut self.files, broker, exited);
     }
 
     /// Arms the clock for the files' next deadline; after any round that
     /// touched them.
-    pub fn plan(&mut self, files: &Files) {
-        self.clock.plan(files);
+    pub fn plan(&mut self) {
+        self.clock.plan(&self.files);
     }
 
-    fn notifier(&self) -> Option<fuser::Notifier> {
-        self.session.as_ref().map(CallerSession::notifier)
+    /// Delivers the grants filed for the files' readers and pollers.
+    pub fn settle(&mut self, broker: &mut Broker) {
+        self.files.settle(broker);
+    }
+
+    /// The files' state for a successor (see `Files::hand_over`).
+    pub fn hand_over(&mut self, broker: &mut Broker) -> FsState {
+        self.files.hand_over(broker)
     }
 
     pub fn dismiss_keeper(&mut self) {
