@@ -19,7 +19,12 @@
 //! claimed yet: the next client to come takes one at once, and once they
 //! are gone it waits, in ticket order, for a releaser to give it one.
 
+mod keeper;
+pub mod ring;
 pub mod words;
+
+pub use keeper::Unread;
+pub use ring::{Acquired, Host, LayoutError, Notice, Refused, Released, Ring};
 
 /// A client's place in the region: the index of its record. The broker
 /// gives each fast-path connection one.
