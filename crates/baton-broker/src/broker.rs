@@ -131,6 +131,13 @@ pub struct Books {
     /// this tells the successor when their tokens come back.
     #[serde(default, with = "crate::pairs")]
     orphaned: HashMap<ClientId, Orphaned>,
+    /// Since when (on the pool's clock), and for how long, builds of a
+    /// broker that died here are given the time to re-attach before
+    /// anything new is granted. It travels: a successor that took over
+    /// half-way through would otherwise grant at once what a build not yet
+    /// re-attached still runs jobs on.
+    #[serde(default)]
+    reclaim: Option<(Duration, Duration)>,
 }
 
 /// The gates as their settings alone.
@@ -215,10 +222,6 @@ pub struct Broker {
     stats: HashMap<BuildId, BuildStats>,
     /// Tokens held over the last minutes, on the pool's clock.
     utilization: Utilization,
-    /// Since when (on the pool's clock), and for how long, builds of a
-    /// broker that died here are given the time to re-attach before
-    /// anything new is granted.
-    reclaim: Option<(Duration, Duration)>,
     /// Wakes the thread that looks at orphaned builds' processes.
     orphans_hook: Option<GrantHook>,
 }
@@ -293,6 +296,7 @@ impl Broker {
             sessions: HashMap::new(),
             carried: HashMap::new(),
             orphaned: HashMap::new(),
+            reclaim: None,
         };
         Ok(Broker::around(books))
     }
@@ -306,7 +310,6 @@ impl Broker {
             cluster: None,
             demand_hook: None,
             gate_allowance: None,
-            reclaim: None,
             stats: HashMap::new(),
             utilization: Utilization::new(HISTORY_SLOT.as_nanos() as u64, HISTORY_SLOTS),
             orphans_hook: None,
@@ -876,7 +879,7 @@ impl Broker {
             .map(|c| admission_cap(c.held, c.contact));
         // While builds re-attach, nothing new: a cap of 0 lets no request
         // through (HOLD is not a request).
-        let reclaim = self.reclaim.map(|_| 0);
+        let reclaim = self.books.reclaim.map(|_| 0);
         let cap = [gates, cluster, reclaim].into_iter().flatten().min();
         let grants = self.books.pool.set_admission_cap(cap);
         self.route(grants);
@@ -900,14 +903,21 @@ impl Broker {
     /// grace period before it grants new ones (RFC 8881, "Server Failure and
     /// Recovery").
     pub fn start_reclaim(&mut self, grace: Duration) {
-        self.reclaim = Some((self.clock(), grace));
+        self.books.reclaim = Some((self.clock(), grace));
         self.refresh_cap();
+    }
+
+    /// How much of the grace [`Broker::start_reclaim`] began is left:
+    /// a successor that took over during it ends it on time.
+    pub fn reclaim_left(&self) -> Option<Duration> {
+        let (since, grace) = self.books.reclaim?;
+        Some((since + grace).saturating_sub(self.clock()))
     }
 
     /// Ends the grace [`Broker::start_reclaim`] began: waiting requests
     /// are served from what the re-attached builds left free.
     pub fn end_reclaim(&mut self) {
-        if self.reclaim.take().is_some() {
+        if self.books.reclaim.take().is_some() {
             let t = self.books.pool.totals();
             log::info(format_args!(
                 "re-attach time over: {} token(s) counted for builds of the broker before; serving {} waiting request(s)",
@@ -1141,7 +1151,7 @@ impl Broker {
             .into_iter()
             .map(|v| self.gate_status(v))
             .collect();
-        if let Some((since, grace)) = self.reclaim {
+        if let Some((since, grace)) = self.books.reclaim {
             gates.push(status::Gate {
                 name: "reclaim".to_string(),
                 open: false,
@@ -1629,6 +1639,7 @@ mod tests {
                 "names",
                 "orphaned",
                 "pool",
+                "reclaim",
                 "roots",
                 "sessions",
                 "started",
@@ -1648,6 +1659,37 @@ mod tests {
         assert_eq!(grants.len(), 1, "the grant is the successor's to deliver");
         assert_eq!(grants[0].client, b);
         assert_eq!(next.pool().held_by(b), 1);
+    }
+
+    /// A broker replaced while builds of a dead one re-attach: the
+    /// successor grants nothing new until the grace it took over ends
+    /// (the soak caught a newcomer granted the token a build still ran a
+    /// job on, when a replacement came 160 ms after a restart).
+    #[test]
+    fn the_reclaim_grace_travels_to_a_successor() {
+        let mut broker = Broker::new(2).unwrap();
+        broker.start_reclaim(Duration::from_secs(60));
+        let json = serde_json::to_value(broker.snapshot()).unwrap();
+        let mut next = Broker::restore(serde_json::from_value(json).unwrap()).unwrap();
+        let left = next.reclaim_left().expect("the grace goes on");
+        assert!(
+            left <= Duration::from_secs(60) && left > Duration::from_secs(50),
+            "{left:?}"
+        );
+        let newcomer = client(&mut next, 1);
+        assert!(
+            !next.try_acquire(newcomer, 1).unwrap(),
+            "nothing new in the grace"
+        );
+        assert!(next
+            .status()
+            .gates
+            .iter()
+            .any(|g| g.name == "reclaim" && !g.open));
+        next.end_reclaim();
+        assert_eq!(next.reclaim_left(), None);
+        assert!(next.try_acquire(newcomer, 1).unwrap());
+        assert_eq!(Broker::new(2).unwrap().reclaim_left(), None);
     }
 
     #[test]

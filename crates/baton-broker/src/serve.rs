@@ -144,6 +144,10 @@ pub fn serve(opts: ServeOptions) -> Result<()> {
     watch_orphaned_builds(&mut broker, mailbox.clone());
     if a_broker_died_here && !opts.reclaim_grace.is_zero() {
         give_builds_time_to_reattach(&mut broker, mailbox.clone(), &socket, opts.reclaim_grace);
+    } else if let Some(left) = broker.reclaim_left() {
+        // The predecessor handed over while its builds re-attached: the
+        // grace goes on here for what is left of it.
+        end_reclaim_after(mailbox.clone(), left);
     }
     // Joined before the socket listens: no grant escapes the cluster's cap.
     let _cluster = opts
@@ -488,6 +492,10 @@ fn give_builds_time_to_reattach(
         grace.as_millis()
     ));
     broker.start_reclaim(grace);
+    end_reclaim_after(mailbox, grace);
+}
+
+fn end_reclaim_after(mailbox: Mailbox<Broker>, grace: Duration) {
     std::thread::spawn(move || {
         std::thread::sleep(grace);
         mailbox.post(|broker| broker.end_reclaim());

@@ -323,6 +323,94 @@ fn builds_of_every_style_survive_a_crash_and_re_attach_to_a_new_broker() {
     assert!(!is_mounted(&mount), "no mount is left: {}", restarted.log());
 }
 
+/// A broker replaced while the builds of a dead one re-attach: the
+/// successor keeps what is left of the grace, so a newcomer still waits
+/// for the tokens a build not yet re-attached runs its job on. (The soak
+/// found a newcomer run beside such a build when a replacement came
+/// 160 ms after a restart: the grace did not travel.)
+#[test]
+fn a_broker_replaced_during_its_reclaim_grace_keeps_it() {
+    let mut broker = RunningBroker::start(1);
+    let dir = TempDir::new("regrace");
+    let (gate, a_end, b_start) = (
+        dir.path().join("gate"),
+        dir.path().join("a_end"),
+        dir.path().join("b_start"),
+    );
+    let holder = format!(
+        "while [ ! -e {} ] && [ -d {} ]; do sleep 0.05; done; date +%s%N > {}",
+        gate.display(),
+        dir.path().display(),
+        a_end.display()
+    );
+    let mut a = broker
+        .run(&["--", "sh", "-c", &holder])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn_guarded()
+        .unwrap();
+    wait_for_status(&broker, "the build to hold the token", |s| s.held == 1);
+    // Its `baton run` cannot re-attach until it is let go on; its job
+    // runs on.
+    unsafe { libc::kill(a.id() as i32, libc::SIGSTOP) };
+    broker.stop_with(libc::SIGKILL);
+
+    let restarted = RunningBroker::start_at(&broker, 1, &["--reclaim-grace", "8000"]);
+    let successor = replace_with(&restarted, 1);
+    wait_for_status(&restarted, "the successor to answer", |s| {
+        s.broker_pid == successor.id()
+    });
+    let newcomer = format!("date +%s%N > {}", b_start.display());
+    let mut b = restarted
+        .run(&["--", "sh", "-c", &newcomer])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn_guarded()
+        .unwrap();
+    let s = wait_for_status(&restarted, "the newcomer to wait", |s| {
+        assert!(
+            !b_start.exists(),
+            "the successor granted in the grace: {s:#?}"
+        );
+        s.waiters.len() == 1
+    });
+    assert!(
+        s.gates.iter().any(|g| g.name == "reclaim" && !g.open),
+        "the successor keeps the grace: {s:#?}\n{}",
+        successor_log(&restarted)
+    );
+    unsafe { libc::kill(a.id() as i32, libc::SIGCONT) };
+    wait_for_status(
+        &restarted,
+        "the build to re-attach while the newcomer waits",
+        |s| {
+            assert!(
+                !b_start.exists(),
+                "the newcomer ran beside the build's job: {s:#?}\n{}",
+                successor_log(&restarted)
+            );
+            s.held == 1 && s.waiters.len() == 1
+        },
+    );
+    std::fs::write(&gate, "").unwrap();
+    assert!(a.wait().unwrap().success());
+    assert!(b.wait().unwrap().success());
+    let read = |p: &Path| {
+        std::fs::read_to_string(p)
+            .unwrap()
+            .trim()
+            .parse::<u128>()
+            .unwrap()
+    };
+    assert!(
+        read(&b_start) >= read(&a_end),
+        "the newcomer ran beside the build's job"
+    );
+    wait_for_status(&restarted, "every token back", |s| {
+        (s.free, s.held) == (1, 0)
+    });
+}
+
 /// A broker killed while a build holds every token leaves its socket
 /// behind. The next one there grants nothing new until that build has
 /// re-attached and said what it holds, so a newcomer waits for those
