@@ -5,6 +5,7 @@
 
 use baton_testkit::{skip, Missing};
 use std::io::{BufRead, BufReader};
+use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -58,7 +59,19 @@ fn wait_exit(child: &mut Child) -> std::process::ExitStatus {
 /// A bench stopped by `signal` while it measures: its directory, with the
 /// broker's socket and log under it, is gone once it has stopped.
 fn interrupted_bench_leaves_nothing(baton: &Path, signal: i32) {
-    let mut bench = Command::new(baton)
+    let mut bench = Command::new(baton);
+    // As a terminal's Ctrl-C finds it: a shell that started the suite in
+    // the background (`cmd &` without job control) leaves SIGINT ignored,
+    // and an ignored disposition is inherited across exec.
+    // SAFETY: signal(2) is async-signal-safe; nothing else runs between
+    // fork and exec.
+    unsafe {
+        bench.pre_exec(move || {
+            libc::signal(signal, libc::SIG_DFL);
+            Ok(())
+        })
+    };
+    let mut bench = bench
         .args([
             "bench",
             "token-ring",
