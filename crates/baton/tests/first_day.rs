@@ -89,9 +89,19 @@ fn stop_stops_the_broker_says_what_carried_on_and_leaves_only_its_log() {
         .stderr(Stdio::null())
         .spawn_guarded()
         .unwrap();
-    wait_for(Duration::from_secs(10), "the build to hold a token", || {
-        broker.status().builds.iter().any(|b| b.held > 0)
-    });
+    // Its command runs once `baton run` has asked the tools what they are
+    // and written down the answers (the probes' cache, which a clean stop
+    // removes): a stop before that would find the cache written after it.
+    let command_runs = || {
+        children(build.id()).into_iter().any(|child| {
+            std::fs::read(format!("/proc/{child}/cmdline")).is_ok_and(|c| c == b"sleep\060\0")
+        })
+    };
+    wait_for(
+        Duration::from_secs(30),
+        "the build's command to run",
+        || broker.status().builds.iter().any(|b| b.held > 0) && command_runs(),
+    );
     let out = baton()
         .args(["stop", "--socket"])
         .arg(&broker.socket)
