@@ -12,6 +12,8 @@
 //! them back when the socket closes, so nothing leaks however it ends.
 #![deny(missing_docs)]
 
+pub mod fastpath;
+
 use baton_core::protocol::{self, ErrorCode, Reply, ReplyHead, Request};
 use std::io::{self, BufRead, BufReader, Read, Write};
 use std::os::unix::net::UnixStream;

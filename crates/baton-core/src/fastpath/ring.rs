@@ -304,6 +304,11 @@ impl<'w> Ring<'w> {
         &self.words[RING + self.capacity + usize::from(seat.0) * LINE + field]
     }
 
+    /// A hint's value ([`TAIL`] or [`SERVE`]), for a post-mortem.
+    pub fn hint_word(&self, hint: usize) -> u64 {
+        load(&self.words[hint])
+    }
+
     /// A seat's record word.
     pub fn record_word(&self, seat: Seat) -> &'w AtomicU64 {
         self.seat_word(seat, RECORD)

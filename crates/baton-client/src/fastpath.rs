@@ -1,0 +1,318 @@
+//! The fast path's shared memory (docs/fastpath.md, "The region"): a
+//! sealed memfd mapped into the broker and each of its fast-path clients,
+//! and the futex calls with which a waiter sleeps on its slot and a
+//! releaser wakes exactly that one waiter. The steps themselves are
+//! `baton_core::fastpath::Ring`'s; this module gives them memory and a
+//! [`Host`].
+//!
+//! The broker makes the region ([`Mapping::create`]) and passes its
+//! descriptor over the socket; a client maps what it was given
+//! ([`Mapping::map`]) only if it is sealed against shrinking and growing:
+//! a region truncated under a client's feet would kill it with SIGBUS.
+
+use baton_core::fastpath::{ring, Host, LayoutError, Notice, Ring};
+use std::io;
+use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
+use std::ptr::NonNull;
+use std::sync::atomic::AtomicU64;
+use std::time::Instant;
+
+/// The seals a region must carry before a client maps it: no one may
+/// shrink or grow it, nor change its seals again.
+const SEALS: libc::c_int = libc::F_SEAL_SHRINK | libc::F_SEAL_GROW | libc::F_SEAL_SEAL;
+
+/// Why a region cannot be mapped.
+#[derive(Debug, thiserror::Error)]
+pub enum MapError {
+    /// A system call failed.
+    #[error("{what}: {source}")]
+    Os {
+        /// The call.
+        what: &'static str,
+        /// Its error.
+        source: io::Error,
+    },
+    /// The descriptor can still be resized by someone.
+    #[error("the region is not sealed against resizing (seals {0:#x})")]
+    Unsealed(libc::c_int),
+    /// Its words are not a region of this layout.
+    #[error(transparent)]
+    Layout(#[from] LayoutError),
+}
+
+fn os(what: &'static str) -> MapError {
+    MapError::Os {
+        what,
+        source: io::Error::last_os_error(),
+    }
+}
+
+/// A region's words, mapped shared; unmapped on drop.
+#[derive(Debug)]
+pub struct Mapping {
+    words: NonNull<AtomicU64>,
+    len: usize,
+}
+
+// SAFETY: the mapping is plain shared memory accessed only through
+// atomics; it may be used and dropped from any thread.
+unsafe impl Send for Mapping {}
+// SAFETY: as above: every access is an atomic operation.
+unsafe impl Sync for Mapping {}
+
+impl Mapping {
+    /// The broker's side: a new sealed memfd laid out for `capacity`
+    /// slots and `seats` seats with `lent` free tokens, mapped here, and
+    /// its descriptor, to pass to clients.
+    pub fn create(
+        capacity: usize,
+        seats: usize,
+        lent: u32,
+    ) -> Result<(Mapping, OwnedFd), MapError> {
+        let len = ring::words_for(capacity, seats) * 8;
+        // SAFETY: the name is a NUL-terminated string; flags are valid.
+        let fd = unsafe {
+            libc::memfd_create(
+                c"baton-fastpath".as_ptr(),
+                libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING,
+            )
+        };
+        if fd < 0 {
+            return Err(os("memfd_create"));
+        }
+        // SAFETY: memfd_create returned a descriptor we now own.
+        let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+        // SAFETY: plain calls on a descriptor we own.
+        if unsafe { libc::ftruncate(fd.as_raw_fd(), len as libc::off_t) } != 0 {
+            return Err(os("ftruncate"));
+        }
+        if unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_ADD_SEALS, SEALS) } != 0 {
+            return Err(os("F_ADD_SEALS"));
+        }
+        let mapping = Mapping::map_words(fd.as_raw_fd(), len)?;
+        Ring::init(mapping.words(), capacity, seats, lent)?;
+        Ok((mapping, fd))
+    }
+
+    /// A client's side: maps the region `fd` names, once it is sure that
+    /// nobody can resize it, and checks its layout.
+    pub fn map(fd: BorrowedFd<'_>) -> Result<Mapping, MapError> {
+        // SAFETY: F_GET_SEALS reads the descriptor's seals.
+        let seals = unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_GET_SEALS) };
+        if seals < 0 {
+            return Err(os("F_GET_SEALS"));
+        }
+        if seals & SEALS != SEALS {
+            return Err(MapError::Unsealed(seals));
+        }
+        // SAFETY: an all-zero stat is a valid value for fstat to fill.
+        let mut stat: libc::stat = unsafe { std::mem::zeroed() };
+        // SAFETY: stat is valid for writes.
+        if unsafe { libc::fstat(fd.as_raw_fd(), &mut stat) } != 0 {
+            return Err(os("fstat"));
+        }
+        let mapping = Mapping::map_words(fd.as_raw_fd(), stat.st_size as usize)?;
+        Ring::attach(mapping.words())?;
+        // A child this process forks must not use a seat it does not own.
+        // SAFETY: advice on our own mapping.
+        unsafe {
+            libc::madvise(
+                mapping.words.as_ptr().cast(),
+                mapping.len,
+                libc::MADV_DONTFORK,
+            )
+        };
+        Ok(mapping)
+    }
+
+    fn map_words(fd: libc::c_int, len: usize) -> Result<Mapping, MapError> {
+        if len == 0 || !len.is_multiple_of(8) {
+            return Err(LayoutError::Size {
+                needed: 8,
+                have: len / 8,
+            }
+            .into());
+        }
+        // SAFETY: a fresh shared mapping of `len` bytes of `fd`, which is
+        // sealed against shrinking, so every page stays backed.
+        let ptr = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED,
+                fd,
+                0,
+            )
+        };
+        if ptr == libc::MAP_FAILED {
+            return Err(os("mmap"));
+        }
+        Ok(Mapping {
+            words: NonNull::new(ptr.cast()).ok_or_else(|| os("mmap"))?,
+            len,
+        })
+    }
+
+    /// The region's words.
+    pub fn words(&self) -> &[AtomicU64] {
+        // SAFETY: the mapping is `len` bytes, page-aligned, and lives as
+        // long as `self`; AtomicU64 has the size and alignment of u64.
+        unsafe { std::slice::from_raw_parts(self.words.as_ptr(), self.len / 8) }
+    }
+
+    /// The ring on these words.
+    pub fn ring(&self) -> Ring<'_> {
+        Ring::attach(self.words()).expect("checked when mapped")
+    }
+}
+
+impl Drop for Mapping {
+    fn drop(&mut self) {
+        // SAFETY: our own mapping, unmapped once.
+        unsafe { libc::munmap(self.words.as_ptr().cast(), self.len) };
+    }
+}
+
+/// The futex calls on a slot's word, and where a client's notices go.
+pub struct Futexes<F: Fn(Notice)> {
+    /// Called with what the broker must hear: the client writes it to
+    /// its socket.
+    pub tell: F,
+}
+
+impl<F: Fn(Notice)> Host for Futexes<F> {
+    fn wait(&self, word: &AtomicU64, expected: u32, deadline: Option<Instant>) {
+        futex_wait(word, expected, deadline);
+    }
+
+    fn wake(&self, word: &AtomicU64) {
+        futex_wake(word);
+    }
+
+    fn tell(&self, notice: Notice) {
+        (self.tell)(notice)
+    }
+}
+
+/// The low 32 bits of a slot's word: what a waiter sleeps on (futex(2)
+/// waits on a 32-bit word; the region is little-endian, so they come
+/// first).
+fn low_half(word: &AtomicU64) -> *const u32 {
+    const _: () = assert!(
+        cfg!(target_endian = "little"),
+        "the region's layout is little-endian"
+    );
+    word.as_ptr().cast::<u32>()
+}
+
+/// Sleeps while the low half of `word` is `expected`: until a wake, a
+/// signal, `deadline`, or for no reason (the caller looks again). Not
+/// `FUTEX_PRIVATE_FLAG`: the word is shared between processes.
+pub fn futex_wait(word: &AtomicU64, expected: u32, deadline: Option<Instant>) {
+    let timeout = deadline.map(|d| {
+        let left = d.saturating_duration_since(Instant::now());
+        libc::timespec {
+            tv_sec: left.as_secs() as libc::time_t,
+            tv_nsec: left.subsec_nanos() as libc::c_long,
+        }
+    });
+    let timeout_ptr = timeout
+        .as_ref()
+        .map_or(std::ptr::null(), |t| t as *const libc::timespec);
+    // SAFETY: the address is an aligned word of a live mapping; the
+    // timeout, if any, outlives the call. Its result needs no look: the
+    // caller reads the word again whatever happened.
+    unsafe {
+        libc::syscall(
+            libc::SYS_futex,
+            low_half(word),
+            libc::FUTEX_WAIT,
+            expected,
+            timeout_ptr,
+        )
+    };
+}
+
+/// Wakes one process sleeping on `word`: the slot's one claimer.
+pub fn futex_wake(word: &AtomicU64) {
+    // SAFETY: the address is an aligned word of a live mapping.
+    unsafe { libc::syscall(libc::SYS_futex, low_half(word), libc::FUTEX_WAKE, 1) };
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use baton_core::fastpath::{Acquired, Seat};
+    use std::os::fd::AsFd;
+    use std::sync::atomic::Ordering::SeqCst;
+
+    #[test]
+    fn a_region_is_sealed_and_maps_again_with_the_same_words() {
+        let (broker, fd) = Mapping::create(16, 2, 1).unwrap();
+        let client = Mapping::map(fd.as_fd()).unwrap();
+        assert_eq!(client.ring().capacity(), 16);
+        broker.words()[ring::TAIL].store(7, SeqCst);
+        assert_eq!(client.words()[ring::TAIL].load(SeqCst), 7, "one memory");
+        // SAFETY: a call on our own descriptor.
+        let grown = unsafe { libc::ftruncate(fd.as_raw_fd(), 1 << 20) };
+        assert_eq!(grown, -1, "sealed against growing");
+    }
+
+    #[test]
+    fn an_unsealed_descriptor_is_refused() {
+        // SAFETY: as in Mapping::create.
+        let fd = unsafe { libc::memfd_create(c"unsealed".as_ptr(), libc::MFD_CLOEXEC) };
+        assert!(fd >= 0);
+        // SAFETY: a descriptor we own.
+        let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+        unsafe { libc::ftruncate(fd.as_raw_fd(), 4096) };
+        assert!(matches!(
+            Mapping::map(fd.as_fd()),
+            Err(MapError::Unsealed(_))
+        ));
+    }
+
+    #[test]
+    fn a_waiter_sleeps_in_the_kernel_until_a_release_wakes_it() {
+        let region = std::sync::Arc::new(Mapping::create(16, 2, 1).unwrap().0);
+        let host = Futexes { tell: |_| {} };
+        let ring = region.ring();
+        assert_eq!(ring.acquire(Seat(0), &host, None), Ok(Acquired::Token));
+        let (tid_tx, tid) = std::sync::mpsc::channel();
+        let (done_tx, done) = std::sync::mpsc::channel();
+        // Not a scoped thread: one never woken must not hang the test.
+        let shared = region.clone();
+        std::thread::spawn(move || {
+            // SAFETY: gettid has no arguments and cannot fail.
+            tid_tx.send(unsafe { libc::gettid() }).unwrap();
+            let host = Futexes { tell: |_| {} };
+            let got = shared.ring().acquire(Seat(1), &host, None);
+            done_tx.send(got).unwrap();
+        });
+        // In the kernel, in futex_wait, not merely about to be: so only a
+        // wake can end its wait.
+        let wchan = format!("/proc/self/task/{}/wchan", tid.recv().unwrap());
+        while !std::fs::read_to_string(&wchan).unwrap().contains("futex") {
+            std::thread::yield_now();
+        }
+        ring.release(Seat(0), &host).unwrap();
+        let got = done.recv_timeout(std::time::Duration::from_secs(60));
+        assert_eq!(got, Ok(Ok(Acquired::Token)), "the waiter was woken");
+        assert_eq!(ring.record(Seat(1)).unwrap().held, 1);
+    }
+
+    #[test]
+    fn a_wait_with_a_deadline_ends_in_the_kernel() {
+        let (region, _fd) = Mapping::create(16, 2, 1).unwrap();
+        let ring = region.ring();
+        let host = Futexes { tell: |_| {} };
+        ring.acquire(Seat(0), &host, None).unwrap();
+        let deadline = Instant::now() + std::time::Duration::from_millis(50);
+        assert_eq!(
+            ring.acquire(Seat(1), &host, Some(deadline)),
+            Ok(Acquired::TimedOut)
+        );
+        assert!(Instant::now() >= deadline);
+    }
+}
