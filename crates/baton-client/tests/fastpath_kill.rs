@@ -34,14 +34,9 @@ const VIOLATION: usize = 1;
 const DONE: usize = 8;
 
 /// A client process: maps the region (descriptor 3) and the jobs' words
-/// (descriptor 4) and runs jobs on its seat until it is killed. Run only
-/// as a child of the test below.
-#[test]
-#[ignore = "a child process of clients_killed_at_random_points_lose_and_create_no_token"]
-fn fastpath_client() {
-    let Ok(seat) = std::env::var("BATON_FASTPATH_SEAT") else {
-        return;
-    };
+/// (descriptor 4) and runs jobs on `seat` until it is killed. The test
+/// binary runs it in its children (`BATON_FASTPATH_SEAT`).
+fn client(seat: &str) -> ! {
     let seat = Seat(seat.parse().unwrap());
     // SAFETY: the parent put them there, open, for this process.
     let (region, jobs) = unsafe { (BorrowedFd::borrow_raw(3), BorrowedFd::borrow_raw(4)) };
@@ -108,7 +103,10 @@ fn start_client(seat: usize, region: &OwnedFd, jobs: &Jobs) -> Child {
     let (region, jobs) = (region.as_raw_fd(), jobs.fd.as_ref().unwrap().as_raw_fd());
     let mut command = Command::new(std::env::current_exe().unwrap());
     command
-        .args(["--ignored", "--exact", "fastpath_client", "--nocapture"])
+        .args([
+            "--exact",
+            "clients_killed_at_random_points_lose_and_create_no_token",
+        ])
         .env("BATON_FASTPATH_SEAT", seat.to_string())
         .stdout(Stdio::null());
     // SAFETY: fcntl, prctl and dup2 are async-signal-safe. Copies above 10
@@ -201,6 +199,9 @@ fn tend(ring: &Ring, in_hand: &mut u32) {
 
 #[test]
 fn clients_killed_at_random_points_lose_and_create_no_token() {
+    if let Ok(seat) = std::env::var("BATON_FASTPATH_SEAT") {
+        client(&seat);
+    }
     let (region, fd) = Mapping::create(64, CLIENTS, LENT).unwrap();
     let ring = region.ring();
     let jobs = Jobs::new();
