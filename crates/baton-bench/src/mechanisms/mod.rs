@@ -9,6 +9,7 @@
 
 pub mod baton;
 mod eventfd;
+mod fastpath;
 mod fuse;
 mod futex;
 mod pipe;
@@ -45,6 +46,9 @@ pub enum Mechanism {
     BatonNativeNoUring,
     /// baton's native protocol waited on with poll(), as an event loop would.
     BatonPoll,
+    /// baton's shared-memory fast path as built so far: the region's ring
+    /// and its futexes, with no broker yet (docs/fastpath.md).
+    FastpathRing,
     /// baton's FUSE token file, polled as GNU make 4.4 polls its jobserver:
     /// the broker notifies one poller per freed token.
     BatonFuse,
@@ -67,6 +71,7 @@ impl Mechanism {
             Mechanism::BatonNativeNoSpin => "baton native, no spin",
             Mechanism::BatonNativeNoUring => "baton native, no io_uring",
             Mechanism::BatonPoll => "baton native, poll",
+            Mechanism::FastpathRing => "baton fast path, ring only (no broker yet)",
             Mechanism::BatonFuse => "baton FUSE file, poll",
             Mechanism::BatonFuseNotifyAll => "baton FUSE file, notify-all",
         }
@@ -92,7 +97,7 @@ impl Mechanism {
     /// Whether giving back a token one does not hold creates one. Every
     /// kernel counter does; baton refuses, since only its limit makes tokens.
     pub fn mints_on_release(self) -> bool {
-        !self.is_baton()
+        !self.is_baton() && self != Mechanism::FastpathRing
     }
 
     /// A pool of `tokens` free tokens.
@@ -124,6 +129,7 @@ impl Mechanism {
             Mechanism::BatonPoll => {
                 Box::new(baton::BrokerProcess::start(tokens, env, baton::Wait::Poll)?)
             }
+            Mechanism::FastpathRing => Box::new(fastpath::Region::new(tokens)?),
             Mechanism::BatonFuse => {
                 Box::new(fuse::TokenFile::start(tokens, env, fuse::Notify::One)?)
             }

@@ -34,6 +34,7 @@ const MECHANISMS: &[Mechanism] = &[
     Mechanism::BatonNative,
     Mechanism::BatonNativeNoSpin,
     Mechanism::BatonNativeNoUring,
+    Mechanism::FastpathRing,
 ];
 
 /// The ring's state, in memory shared by its processes.
