@@ -81,6 +81,8 @@ fn main() {
         }
     }
     println!("\nscenarios: {passed} passed, {failed} failed");
+    // Before exit, which runs no destructor: the temporary directory goes.
+    drop(harness);
     if failed > 0 {
         std::process::exit(1);
     }
