@@ -94,7 +94,8 @@ fn stop_stops_the_broker_says_what_carried_on_and_leaves_only_its_log() {
     // removes): a stop before that would find the cache written after it.
     let command_runs = || {
         children(build.id()).into_iter().any(|child| {
-            std::fs::read(format!("/proc/{child}/cmdline")).is_ok_and(|c| c == b"sleep\060\0")
+            std::fs::read(format!("/proc/{child}/cmdline"))
+                .is_ok_and(|c| c == [b"sleep\0".as_slice(), b"60\0"].concat())
         })
     };
     wait_for(
