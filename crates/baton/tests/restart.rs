@@ -323,6 +323,47 @@ fn builds_of_every_style_survive_a_crash_and_re_attach_to_a_new_broker() {
     assert!(!is_mounted(&mount), "no mount is left: {}", restarted.log());
 }
 
+/// A build's job that runs until the test opens its gate, stamping when
+/// it ends, and a newcomer's that stamps when it starts: the newcomer
+/// must not start before the job ends.
+struct Stamps {
+    dir: TempDir,
+    gate: PathBuf,
+    a_end: PathBuf,
+    b_start: PathBuf,
+}
+
+impl Stamps {
+    fn new(name: &str) -> Self {
+        let dir = TempDir::new(name);
+        let at = |f: &str| dir.path().join(f);
+        let (gate, a_end, b_start) = (at("gate"), at("a_end"), at("b_start"));
+        Stamps {
+            dir,
+            gate,
+            a_end,
+            b_start,
+        }
+    }
+
+    /// The held job. Orphaned by a failed test, it still ends when the
+    /// test's directory goes.
+    fn holder(&self) -> String {
+        format!(
+            "while [ ! -e {} ] && [ -d {} ]; do sleep 0.05; done; date +%s%N > {}",
+            self.gate.display(),
+            self.dir.path().display(),
+            self.a_end.display()
+        )
+    }
+
+    /// A stamp's time, in nanoseconds.
+    fn read(stamp: &Path) -> u128 {
+        let text = std::fs::read_to_string(stamp).unwrap();
+        text.trim().parse().unwrap()
+    }
+}
+
 /// A broker replaced while the builds of a dead one re-attach: the
 /// successor keeps what is left of the grace, so a newcomer still waits
 /// for the tokens a build not yet re-attached runs its job on. (The soak
@@ -331,18 +372,9 @@ fn builds_of_every_style_survive_a_crash_and_re_attach_to_a_new_broker() {
 #[test]
 fn a_broker_replaced_during_its_reclaim_grace_keeps_it() {
     let mut broker = RunningBroker::start(1);
-    let dir = TempDir::new("regrace");
-    let (gate, a_end, b_start) = (
-        dir.path().join("gate"),
-        dir.path().join("a_end"),
-        dir.path().join("b_start"),
-    );
-    let holder = format!(
-        "while [ ! -e {} ] && [ -d {} ]; do sleep 0.05; done; date +%s%N > {}",
-        gate.display(),
-        dir.path().display(),
-        a_end.display()
-    );
+    let stamps = Stamps::new("regrace");
+    let (gate, a_end, b_start) = (&stamps.gate, &stamps.a_end, &stamps.b_start);
+    let holder = stamps.holder();
     let mut a = broker
         .run(&["--", "sh", "-c", &holder])
         .stdout(Stdio::null())
@@ -392,18 +424,12 @@ fn a_broker_replaced_during_its_reclaim_grace_keeps_it() {
             s.held == 1 && s.waiters.len() == 1
         },
     );
-    std::fs::write(&gate, "").unwrap();
+    std::fs::write(gate, "").unwrap();
     assert!(a.wait().unwrap().success());
     assert!(b.wait().unwrap().success());
-    let read = |p: &Path| {
-        std::fs::read_to_string(p)
-            .unwrap()
-            .trim()
-            .parse::<u128>()
-            .unwrap()
-    };
+    let read = Stamps::read;
     assert!(
-        read(&b_start) >= read(&a_end),
+        read(b_start) >= read(a_end),
         "the newcomer ran beside the build's job"
     );
     wait_for_status(&restarted, "every token back", |s| {
@@ -418,19 +444,9 @@ fn a_broker_replaced_during_its_reclaim_grace_keeps_it() {
 #[test]
 fn a_broker_where_one_died_grants_nothing_new_before_its_builds_re_attach() {
     let mut broker = RunningBroker::start(2);
-    let dir = TempDir::new("reclaim");
-    let (gate, a_end, b_start) = (
-        dir.path().join("gate"),
-        dir.path().join("a_end"),
-        dir.path().join("b_start"),
-    );
-    // Orphaned by a failed test, it still ends when the test's directory goes.
-    let holder = format!(
-        "while [ ! -e {} ] && [ -d {} ]; do sleep 0.05; done; date +%s%N > {}",
-        gate.display(),
-        dir.path().display(),
-        a_end.display()
-    );
+    let stamps = Stamps::new("reclaim");
+    let (gate, a_end, b_start) = (&stamps.gate, &stamps.a_end, &stamps.b_start);
+    let holder = stamps.holder();
     let mut a = broker
         .run(&["--tokens", "2", "--", "sh", "-c", &holder])
         .stdout(Stdio::null())
@@ -472,18 +488,12 @@ fn a_broker_where_one_died_grants_nothing_new_before_its_builds_re_attach() {
         restarted.log()
     );
 
-    std::fs::write(&gate, "").unwrap();
+    std::fs::write(gate, "").unwrap();
     assert!(a.wait().unwrap().success());
     assert!(b.wait().unwrap().success());
-    let read = |p: &Path| {
-        std::fs::read_to_string(p)
-            .unwrap()
-            .trim()
-            .parse::<u128>()
-            .unwrap()
-    };
+    let read = Stamps::read;
     assert!(
-        read(&b_start) >= read(&a_end),
+        read(b_start) >= read(a_end),
         "the newcomer ran while the build still held every token"
     );
     let s = restarted.status();
