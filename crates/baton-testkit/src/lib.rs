@@ -190,16 +190,21 @@ impl RunningBroker {
     /// `COMMAND serve --jobs JOBS --socket SOCKET EXTRA`, logging to
     /// `dir`/broker.log, once it listens.
     fn serve(mut serve: Command, dir: TempDir, socket: PathBuf, jobs: u32, extra: &[&str]) -> Self {
+        serve
+            .args(["serve", "--jobs", &jobs.to_string(), "--socket"])
+            .arg(&socket)
+            .args(extra);
+        Self::start_command(serve, dir, socket)
+    }
+
+    /// A broker that `serve` starts (a command that serves at `socket`:
+    /// the broker crate's own tests run `baton_broker::serve` in their
+    /// test binary), logging to `dir`/broker.log, once it listens.
+    pub fn start_command(mut serve: Command, dir: TempDir, socket: PathBuf) -> Self {
         // A file, not a pipe: nobody reads a pipe while the test runs, and
         // a full one would block the broker.
         let log = std::fs::File::create(dir.path().join("broker.log")).unwrap();
-        let child = serve
-            .args(["serve", "--jobs", &jobs.to_string(), "--socket"])
-            .arg(&socket)
-            .args(extra)
-            .stderr(log)
-            .spawn()
-            .expect("start baton serve");
+        let child = serve.stderr(log).spawn().expect("start the broker");
         let broker = RunningBroker {
             child,
             socket,

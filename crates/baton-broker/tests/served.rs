@@ -1,0 +1,884 @@
+//! The broker's shell, served for real by this crate alone: its event loop
+//! (`socket.rs`), `serve` (`serve.rs`) and its stop, handover, idle and
+//! metrics paths, driven over real Unix sockets, signals and HTTP.
+//!
+//! The binary's integration tests (crates/baton/tests) cover the same
+//! shell through `baton serve`; these exist so that the crate's own tests,
+//! which is what `scripts/mutants` runs per mutant in seconds, reach it as
+//! well (docs/testing.md). The broker runs in a process of its own: this
+//! test binary started again with `BATON_SERVED` set, which calls
+//! [`baton_broker::serve`] on its main thread as `baton serve` does. That
+//! is why this file has its own small harness (`harness = false`): under
+//! libtest, a test runs on a thread of its own and the main thread, which
+//! does not block SIGTERM, would take the signals meant for the broker's
+//! signalfd. It prints libtest's lines, which scripts/test tallies.
+
+use baton_broker::{serve, FuseOptions, LogLevel, ServeOptions, MAX_CLIENTS};
+use baton_core::gates::GateConfig;
+use baton_testkit::{hello_as, skip, wait_for, Missing, RunningBroker, TempDir};
+use std::io::{BufRead, BufReader, Read, Write};
+use std::os::unix::net::UnixStream;
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::Duration;
+
+/// How long a test waits for what must happen at once, before it fails
+/// rather than hangs (a hang guard, not a timing check).
+const PATIENCE: Duration = Duration::from_secs(20);
+
+fn main() {
+    if let Ok(spec) = std::env::var("BATON_SERVED") {
+        serve_here(&spec);
+    }
+    let tests: &[(&str, fn())] = &[
+        (
+            "requests_split_anywhere_or_sent_at_once_get_the_same_replies",
+            requests_split_anywhere_or_sent_at_once_get_the_same_replies,
+        ),
+        (
+            "a_freed_token_goes_to_the_oldest_waiter_and_a_hang_up_frees_what_it_held",
+            a_freed_token_goes_to_the_oldest_waiter_and_a_hang_up_frees_what_it_held,
+        ),
+        (
+            "the_same_with_replies_sent_by_io_uring",
+            the_same_with_replies_sent_by_io_uring,
+        ),
+        (
+            "a_full_broker_says_so_and_serves_the_rest",
+            a_full_broker_says_so_and_serves_the_rest,
+        ),
+        (
+            "a_low_open_file_limit_caps_the_clients_and_is_logged",
+            a_low_open_file_limit_caps_the_clients_and_is_logged,
+        ),
+        (
+            "statuses_larger_than_the_socket_buffer_reach_a_late_reader_whole",
+            statuses_larger_than_the_socket_buffer_reach_a_late_reader_whole,
+        ),
+        (
+            "a_client_that_never_reads_does_not_hold_up_the_others",
+            a_client_that_never_reads_does_not_hold_up_the_others,
+        ),
+        (
+            "stop_ends_the_broker_says_who_asked_and_leaves_no_socket",
+            stop_ends_the_broker_says_who_asked_and_leaves_no_socket,
+        ),
+        (
+            "sigterm_and_sigint_each_stop_the_broker_by_name",
+            sigterm_and_sigint_each_stop_the_broker_by_name,
+        ),
+        (
+            "a_successor_takes_the_connections_their_tokens_and_their_wait",
+            a_successor_takes_the_connections_their_tokens_and_their_wait,
+        ),
+        (
+            "an_idle_broker_stops_by_itself",
+            an_idle_broker_stops_by_itself,
+        ),
+        (
+            "the_metrics_endpoint_serves_the_pool",
+            the_metrics_endpoint_serves_the_pool,
+        ),
+        (
+            "a_second_broker_at_a_served_socket_refuses_and_a_stale_one_is_cleared",
+            a_second_broker_at_a_served_socket_refuses_and_a_stale_one_is_cleared,
+        ),
+        (
+            "the_token_file_lends_a_byte_a_token_and_takes_back_no_more",
+            the_token_file_lends_a_byte_a_token_and_takes_back_no_more,
+        ),
+        (
+            "readers_and_pollers_of_the_file_wait_in_turn_with_the_socket",
+            readers_and_pollers_of_the_file_wait_in_turn_with_the_socket,
+        ),
+        (
+            "a_process_killed_holding_the_files_tokens_gives_them_back",
+            a_process_killed_holding_the_files_tokens_gives_them_back,
+        ),
+    ];
+    std::process::exit(run(tests));
+}
+
+/// Runs each test named by the filter (the first argument that is not an
+/// option; all without one), one after another, each on a thread named
+/// after it as libtest does, and prints libtest's lines. Returns the exit
+/// code: 101 if any failed, as libtest.
+fn run(tests: &[(&str, fn())]) -> i32 {
+    // libtest's options that take a value as the next argument; the
+    // others (`--test-threads=2`, `--nocapture`) change nothing here.
+    const WITH_VALUE: &[&str] = &["--test-threads", "--skip", "--format", "--color", "-Z"];
+    let mut filter = String::new();
+    let mut args = std::env::args().skip(1);
+    while let Some(arg) = args.next() {
+        if WITH_VALUE.contains(&arg.as_str()) {
+            args.next();
+        } else if !arg.starts_with('-') {
+            filter = arg;
+            break;
+        }
+    }
+    let chosen: Vec<_> = tests.iter().filter(|(n, _)| n.contains(&filter)).collect();
+    println!("\nrunning {} tests", chosen.len());
+    let started = std::time::Instant::now();
+    let mut failed = Vec::new();
+    for (name, test) in &chosen {
+        let outcome = std::thread::Builder::new()
+            .name(name.to_string())
+            .spawn(*test)
+            .expect("a thread for the test")
+            .join();
+        let word = if outcome.is_ok() { "ok" } else { "FAILED" };
+        println!("test {name} ... {word}");
+        if outcome.is_err() {
+            failed.push(*name);
+        }
+    }
+    if !failed.is_empty() {
+        println!("\nfailures:");
+        for name in &failed {
+            println!("    {name}");
+        }
+    }
+    let verdict = if failed.is_empty() { "ok" } else { "FAILED" };
+    println!(
+        "\ntest result: {verdict}. {} passed; {} failed; 0 ignored; 0 measured; {} filtered out; finished in {:.2}s\n",
+        chosen.len() - failed.len(),
+        failed.len(),
+        tests.len() - chosen.len(),
+        started.elapsed().as_secs_f64()
+    );
+    if failed.is_empty() {
+        0
+    } else {
+        101
+    }
+}
+
+/// The broker's side: `BATON_SERVED` holds `key=value` lines (below), and
+/// this process serves as `baton serve` would with the same options, then
+/// exits as it does: 0 after a clean stop, 1 with the reason logged.
+fn serve_here(spec: &str) -> ! {
+    let mut opts = ServeOptions {
+        jobs: 2,
+        socket: None,
+        fuse: None,
+        spin_us: 0,
+        io_uring: false,
+        log_level: LogLevel::Debug,
+        max_clients: MAX_CLIENTS,
+        gates: GateConfig::default(),
+        idle_timeout: None,
+        cluster: None,
+        replace: false,
+        reclaim_grace: Duration::ZERO,
+        metrics_listen: None,
+        allow_uids: Vec::new(),
+        allow_groups: Vec::new(),
+    };
+    for line in spec.lines() {
+        let (key, value) = line.split_once('=').expect("key=value");
+        match key {
+            "jobs" => opts.jobs = value.parse().unwrap(),
+            "socket" => opts.socket = Some(PathBuf::from(value)),
+            "io_uring" => opts.io_uring = value == "1",
+            "max_clients" => opts.max_clients = value.parse().unwrap(),
+            "replace" => opts.replace = value == "1",
+            "idle_ms" => opts.idle_timeout = Some(Duration::from_millis(value.parse().unwrap())),
+            "metrics" => opts.metrics_listen = Some(value.parse().unwrap()),
+            "fuse" => opts.fuse = Some(FuseOptions::default()),
+            other => panic!("BATON_SERVED: unknown key {other}"),
+        }
+    }
+    match serve(opts) {
+        Ok(()) => std::process::exit(0),
+        Err(e) => {
+            baton_broker::log_fatal(&format!("{e:#}"));
+            std::process::exit(1)
+        }
+    }
+}
+
+/// This binary, set to serve at `socket` with `spec` (besides the socket).
+fn serve_command(socket: &Path, spec: &str) -> Command {
+    let mut command = Command::new(std::env::current_exe().expect("the test binary"));
+    command.env(
+        "BATON_SERVED",
+        format!("socket={}\n{spec}", socket.display()),
+    );
+    command
+}
+
+/// A broker of `jobs` tokens served by this binary with `spec`, in a
+/// temporary directory; stopped by pid when dropped.
+fn served(jobs: u32, spec: &str) -> RunningBroker {
+    let dir = TempDir::new("served");
+    let socket = dir.path().join("run").join("socket");
+    let command = serve_command(&socket, &format!("jobs={jobs}\n{spec}"));
+    RunningBroker::start_command(command, dir, socket)
+}
+
+/// A connection speaking the protocol line by line.
+struct Peer {
+    stream: UnixStream,
+    reader: BufReader<UnixStream>,
+}
+
+impl Peer {
+    /// Connected, with `HELLO 1 LABEL` said and answered.
+    fn hello(socket: &Path, label: &str) -> Peer {
+        Peer::of(hello_as(socket, label))
+    }
+
+    fn of(stream: UnixStream) -> Peer {
+        stream.set_read_timeout(Some(PATIENCE)).unwrap();
+        let reader = BufReader::new(stream.try_clone().unwrap());
+        Peer { stream, reader }
+    }
+
+    fn send(&mut self, line: &str) {
+        self.stream
+            .write_all(format!("{line}\n").as_bytes())
+            .unwrap();
+    }
+
+    /// The next line, without its newline; empty at end of file.
+    fn line(&mut self) -> String {
+        let mut line = String::new();
+        self.reader.read_line(&mut line).expect("a reply in time");
+        line.trim_end_matches('\n').to_string()
+    }
+
+    fn ask(&mut self, line: &str) -> String {
+        self.send(line);
+        self.line()
+    }
+
+    /// A STATUS reply's JSON, read whole.
+    fn status(&mut self) -> serde_json::Value {
+        self.send("STATUS");
+        self.read_status()
+    }
+
+    fn read_status(&mut self) -> serde_json::Value {
+        let head = self.line();
+        let len: usize = head
+            .strip_prefix("STATUS ")
+            .unwrap_or_else(|| panic!("a STATUS reply, not {head:?}"))
+            .parse()
+            .unwrap();
+        let mut body = vec![0; len + 1];
+        self.reader.read_exact(&mut body).unwrap();
+        assert_eq!(body.pop(), Some(b'\n'), "the document ends its line");
+        serde_json::from_slice(&body).unwrap()
+    }
+}
+
+/// The labels of the holders (with their tokens) and of the waiters, in
+/// the broker's order.
+fn holders_and_waiters(status: &serde_json::Value) -> (Vec<(String, u64)>, Vec<String>) {
+    let label = |c: &serde_json::Value| c["command"].as_str().unwrap().to_string();
+    let holders = status["holders"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|h| (label(h), h["tokens"].as_u64().unwrap()))
+        .collect();
+    let waiters = status["waiters"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(label)
+        .collect();
+    (holders, waiters)
+}
+
+fn broker_status(broker: &RunningBroker) -> serde_json::Value {
+    Peer::hello(&broker.socket, "status").status()
+}
+
+fn wait_for_waiters(broker: &RunningBroker, n: usize) {
+    wait_for(PATIENCE, &format!("{n} waiters"), || {
+        broker_status(broker)["waiters"].as_array().unwrap().len() == n
+    });
+}
+
+/// Every reply a connection gets to `requests` (after its HELLO) until the
+/// broker closes it, with the requests written by `write`.
+fn replies(socket: &Path, requests: &[&str], write: impl Fn(&mut UnixStream, &str)) -> Vec<String> {
+    let mut peer = Peer::hello(socket, "split");
+    let all: String = requests.iter().map(|r| format!("{r}\n")).collect();
+    write(&mut peer.stream, &all);
+    let mut got = Vec::new();
+    loop {
+        let line = peer.line();
+        if line.is_empty() {
+            return got;
+        }
+        got.push(line);
+    }
+}
+
+fn requests_split_anywhere_or_sent_at_once_get_the_same_replies() {
+    let broker = served(2, "");
+    // The documented session's requests (docs/protocol.md), ending with a
+    // malformed one, after which the broker closes the connection.
+    let requests = [
+        "TRY 1",
+        "TRY 1",
+        "TRY 1",
+        "RELEASE 3",
+        "RELEASE 2",
+        "CANCEL",
+        "FROB",
+    ];
+    let at_once = replies(&broker.socket, &requests, |s, all| {
+        s.write_all(all.as_bytes()).unwrap()
+    });
+    assert_eq!(
+        at_once,
+        [
+            "GRANTED 1 1",
+            "GRANTED 1 2",
+            "BUSY 0",
+            "ERR over-release cannot give back 3 tokens: only 2 held",
+            "RELEASED 2 0",
+            "CANCELLED 0",
+            "ERR malformed unknown request \"FROB\"",
+        ]
+    );
+    broker.wait_all_free();
+    let byte_by_byte = replies(&broker.socket, &requests, |s, all| {
+        for b in all.as_bytes() {
+            s.write_all(&[*b]).unwrap();
+        }
+    });
+    assert_eq!(byte_by_byte, at_once);
+    broker.wait_all_free();
+    // Split across a line's end and inside a word, in three writes.
+    let in_thirds = replies(&broker.socket, &requests, |s, all| {
+        let third = all.len() / 3;
+        for part in [&all[..third], &all[third..2 * third], &all[2 * third..]] {
+            s.write_all(part.as_bytes()).unwrap();
+            std::thread::yield_now();
+        }
+    });
+    assert_eq!(in_thirds, at_once);
+    broker.wait_all_free();
+}
+
+fn a_freed_token_goes_to_the_oldest_waiter_and_a_hang_up_frees_what_it_held() {
+    oldest_waiter_first(served(1, ""));
+}
+
+fn the_same_with_replies_sent_by_io_uring() {
+    // Where the kernel refuses io_uring, the broker falls back to plain
+    // writes, and this repeats the test above.
+    oldest_waiter_first(served(1, "io_uring=1"));
+}
+
+fn oldest_waiter_first(broker: RunningBroker) {
+    let mut a = Peer::hello(&broker.socket, "a");
+    assert_eq!(a.ask("TRY 1"), "GRANTED 1 1");
+    let mut b = Peer::hello(&broker.socket, "b");
+    b.send("ACQUIRE 1");
+    wait_for_waiters(&broker, 1);
+    let mut c = Peer::hello(&broker.socket, "c");
+    c.send("ACQUIRE 1");
+    wait_for_waiters(&broker, 2);
+    assert_eq!(a.ask("RELEASE 1"), "RELEASED 1 0");
+    assert_eq!(b.line(), "GRANTED 1 1");
+    let status = broker_status(&broker);
+    assert_eq!(
+        holders_and_waiters(&status),
+        (vec![("b".to_string(), 1)], vec!["c".to_string()]),
+        "the oldest waiter alone is served"
+    );
+    // b hangs up holding its token: it goes to c.
+    drop(b);
+    assert_eq!(c.line(), "GRANTED 1 1");
+    let status = broker_status(&broker);
+    assert_eq!(
+        holders_and_waiters(&status),
+        (vec![("c".to_string(), 1)], vec![])
+    );
+    assert_eq!(status["totals"]["reclaimed"], 1);
+    assert_eq!(c.ask("RELEASE 1"), "RELEASED 1 0");
+    broker.assert_all_free();
+}
+
+fn a_full_broker_says_so_and_serves_the_rest() {
+    let broker = served(2, "max_clients=2");
+    let mut first = Peer::hello(&broker.socket, "first");
+    let second = Peer::hello(&broker.socket, "second");
+    let mut third = Peer::of(UnixStream::connect(&broker.socket).unwrap());
+    let refusal = third.line();
+    assert!(refusal.starts_with("ERR full "), "{refusal:?}");
+    assert_eq!(third.line(), "", "the broker closes a refused connection");
+    assert_eq!(first.ask("TRY 1"), "GRANTED 1 1", "the others are served");
+    // A place that frees is taken by the next to come.
+    drop(second);
+    wait_for(PATIENCE, "a place for a newcomer", || {
+        let mut peer = Peer::of(UnixStream::connect(&broker.socket).unwrap());
+        peer.send("HELLO 1 newcomer");
+        peer.line().starts_with("OK 1 ")
+    });
+    assert_eq!(first.ask("RELEASE 1"), "RELEASED 1 0");
+}
+
+fn a_low_open_file_limit_caps_the_clients_and_is_logged() {
+    let dir = TempDir::new("served-nofile");
+    let socket = dir.path().join("run").join("socket");
+    let mut command = serve_command(&socket, "jobs=2\nmax_clients=1000");
+    // SAFETY: setrlimit is async-signal-safe.
+    unsafe {
+        command.pre_exec(|| {
+            let limit = libc::rlimit {
+                rlim_cur: 80,
+                rlim_max: 80,
+            };
+            if libc::setrlimit(libc::RLIMIT_NOFILE, &limit) == 0 {
+                Ok(())
+            } else {
+                Err(std::io::Error::last_os_error())
+            }
+        });
+    }
+    let broker = RunningBroker::start_command(command, dir, socket);
+    // 80 descriptors, 64 kept beside the clients: 16 clients.
+    assert!(
+        broker.log().contains(
+            "the open-file limit (80) lets the broker serve 16 clients, not --max-clients 1000"
+        ),
+        "{}",
+        broker.log()
+    );
+    let peers: Vec<Peer> = (0..16)
+        .map(|i| Peer::hello(&broker.socket, &format!("c{i}")))
+        .collect();
+    let mut over = Peer::of(UnixStream::connect(&broker.socket).unwrap());
+    assert!(over.line().starts_with("ERR full "));
+    drop(peers);
+}
+
+fn statuses_larger_than_the_socket_buffer_reach_a_late_reader_whole() {
+    let broker = served(1, "");
+    let mut holder = Peer::hello(&broker.socket, "holder");
+    assert_eq!(holder.ask("TRY 1"), "GRANTED 1 1");
+    // 300 waiters with labels of 200 bytes: some 100 kB of status each.
+    let label = |i: usize| format!("w{i:03}{}", "x".repeat(196));
+    let mut waiters = Vec::new();
+    for i in 0..300 {
+        let mut w = Peer::hello(&broker.socket, &label(i));
+        w.send("ACQUIRE 1");
+        waiters.push(w);
+    }
+    wait_for_waiters(&broker, 300);
+    // Four of them asked for before a byte is read: more than a Unix
+    // socket's buffer holds, so most goes out as the reader drains it.
+    let mut reader = Peer::hello(&broker.socket, "reader");
+    for _ in 0..4 {
+        reader.send("STATUS");
+    }
+    for _ in 0..4 {
+        let (_, order) = holders_and_waiters(&reader.read_status());
+        assert_eq!(order, (0..300).map(label).collect::<Vec<_>>());
+    }
+    // And everyone is still served, in order.
+    assert_eq!(holder.ask("RELEASE 1"), "RELEASED 1 0");
+    assert_eq!(waiters[0].line(), "GRANTED 1 1");
+}
+
+fn a_client_that_never_reads_does_not_hold_up_the_others() {
+    let broker = served(1, "");
+    let mut silent = Peer::hello(&broker.socket, "silent");
+    silent.stream.set_nonblocking(true).unwrap();
+    // STATUS after STATUS, never reading: the broker stops reading from it
+    // once its replies pile up, and the socket fills.
+    let request = b"STATUS\n".repeat(1000);
+    let mut written = 0;
+    let mut full = false;
+    for _ in 0..200 {
+        match silent.stream.write(&request) {
+            Ok(n) => written += n,
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                full = true;
+                break;
+            }
+            Err(e) => panic!("{e}"),
+        }
+    }
+    assert!(full, "wrote {written} bytes and the broker read them all");
+    let mut other = Peer::hello(&broker.socket, "other");
+    for _ in 0..20 {
+        assert_eq!(other.ask("TRY 1"), "GRANTED 1 1");
+        assert_eq!(other.ask("RELEASE 1"), "RELEASED 1 0");
+    }
+    drop(silent);
+    wait_for(PATIENCE, "the silent client gone", || {
+        broker_status(&broker)["totals"]["clients"] == 2
+    });
+    broker.assert_all_free();
+}
+
+fn stop_ends_the_broker_says_who_asked_and_leaves_no_socket() {
+    let mut broker = served(3, "");
+    let mut holder = Peer::hello(&broker.socket, "holder");
+    assert_eq!(holder.ask("TRY 2"), "GRANTED 2 2");
+    let mut stopper = Peer::hello(&broker.socket, "stopper");
+    let pid = broker.pid();
+    assert_eq!(stopper.ask("STOP"), format!("STOPPING {pid} 1 2"));
+    assert_eq!(stopper.line(), "", "the broker closes the connection");
+    let status = broker.wait_exit(PATIENCE);
+    assert!(status.success(), "{status:?}");
+    assert_eq!(holder.line(), "", "every connection closes");
+    let log = broker.log();
+    assert!(
+        log.contains(&format!(
+            "stopping on a STOP request (pid {}, baton stop): 2 of 3 tokens held by 1 client(s)",
+            std::process::id()
+        )),
+        "{log}"
+    );
+    let left: Vec<_> = std::fs::read_dir(broker.socket.parent().unwrap())
+        .unwrap()
+        .map(|e| e.unwrap().file_name())
+        .collect();
+    assert!(left.is_empty(), "left behind: {left:?}");
+}
+
+fn sigterm_and_sigint_each_stop_the_broker_by_name() {
+    for (signal, name) in [(libc::SIGTERM, "SIGTERM"), (libc::SIGINT, "SIGINT")] {
+        let mut broker = served(1, "");
+        let mut peer = Peer::hello(&broker.socket, "peer");
+        assert_eq!(peer.ask("TRY 1"), "GRANTED 1 1");
+        let (status, log) = broker.stop_with(signal);
+        assert!(status.success(), "{name}: {status:?}\n{log}");
+        assert!(
+            log.contains(&format!(
+                "stopping on {name}: 1 of 1 tokens held by 1 client(s)"
+            )),
+            "{name}: {log}"
+        );
+        assert!(!broker.socket.exists(), "{name}: the socket is left");
+    }
+}
+
+fn a_successor_takes_the_connections_their_tokens_and_their_wait() {
+    let mut old = served(2, "");
+    let mut x = Peer::hello(&old.socket, "x");
+    assert_eq!(x.ask("TRY 2"), "GRANTED 2 2");
+    let mut y = Peer::hello(&old.socket, "y");
+    y.send("ACQUIRE 1");
+    wait_for_waiters(&old, 1);
+    // Half a line read before the handover is finished after it.
+    x.stream.write_all(b"RELE").unwrap();
+    let dir = TempDir::new("served-successor");
+    let new = RunningBroker::start_command(
+        serve_command(&old.socket, "jobs=9\nreplace=1"),
+        dir,
+        old.socket.clone(),
+    );
+    assert!(old.wait_exit(PATIENCE).success(), "{}", old.log());
+    assert!(old.log().contains("handed over to a successor: exiting"));
+    assert_eq!(x.ask("ASE 1"), "RELEASED 1 1");
+    assert_eq!(y.line(), "GRANTED 1 1");
+    let status = broker_status(&new);
+    assert_eq!(status["broker_pid"], new.pid());
+    assert_eq!(status["limit"], 2, "the limit travels, not --jobs");
+    assert_eq!(
+        holders_and_waiters(&status),
+        (vec![("x".to_string(), 1), ("y".to_string(), 1)], vec![])
+    );
+    assert_eq!(x.ask("RELEASE 1"), "RELEASED 1 0");
+    assert_eq!(y.ask("RELEASE 1"), "RELEASED 1 0");
+    new.assert_all_free();
+    assert!(
+        new.log().contains("took over: serving 2 tokens"),
+        "{}",
+        new.log()
+    );
+}
+
+fn an_idle_broker_stops_by_itself() {
+    let mut broker = served(1, "idle_ms=300");
+    let mut peer = Peer::hello(&broker.socket, "peer");
+    assert_eq!(peer.ask("TRY 1"), "GRANTED 1 1");
+    drop(peer);
+    let status = broker.wait_exit(PATIENCE);
+    assert!(status.success(), "{status:?}");
+    let log = broker.log();
+    assert!(log.contains("no clients for 0 s: stopping"), "{log}");
+    assert!(log.contains("stopping on SIGTERM"), "{log}");
+    assert!(!broker.socket.exists());
+}
+
+fn the_metrics_endpoint_serves_the_pool() {
+    let broker = served(3, "metrics=127.0.0.1:0");
+    let mut holder = Peer::hello(&broker.socket, "holder");
+    assert_eq!(holder.ask("TRY 2"), "GRANTED 2 2");
+    let log = broker.log();
+    let address = log
+        .split("metrics at http://")
+        .nth(1)
+        .and_then(|rest| rest.split("/metrics").next())
+        .unwrap_or_else(|| panic!("no metrics address logged: {log}"));
+    let mut http = std::net::TcpStream::connect(address).unwrap();
+    http.write_all(b"GET /metrics HTTP/1.0\r\n\r\n").unwrap();
+    let mut answer = String::new();
+    http.read_to_string(&mut answer).unwrap();
+    assert!(
+        answer.starts_with("HTTP/1.0 200") || answer.starts_with("HTTP/1.1 200"),
+        "{answer}"
+    );
+    assert!(answer.contains("\nbaton_limit 3.0\n"), "{answer}");
+    assert!(answer.contains("\nbaton_free 1.0\n"), "{answer}");
+}
+
+fn a_second_broker_at_a_served_socket_refuses_and_a_stale_one_is_cleared() {
+    let broker = served(1, "");
+    let second = serve_command(&broker.socket, "jobs=1").output().unwrap();
+    assert_eq!(second.status.code(), Some(1));
+    let said = String::from_utf8_lossy(&second.stderr);
+    assert!(said.contains("a broker is already running at"), "{said}");
+    drop(broker);
+    // A socket nobody listens on (its broker died) is cleared, and the
+    // new broker says why it waits for builds... here with no grace.
+    let dir = TempDir::new("served-stale");
+    let socket = dir.path().join("run").join("socket");
+    std::fs::create_dir_all(socket.parent().unwrap()).unwrap();
+    std::fs::set_permissions(
+        socket.parent().unwrap(),
+        std::os::unix::fs::PermissionsExt::from_mode(0o700),
+    )
+    .unwrap();
+    drop(std::os::unix::net::UnixListener::bind(&socket).unwrap());
+    assert!(socket.exists(), "a stale socket to clear");
+    let broker = RunningBroker::start_command(serve_command(&socket, "jobs=1"), dir, socket);
+    assert_eq!(
+        Peer::hello(&broker.socket, "after").ask("TRY 1"),
+        "GRANTED 1 1"
+    );
+}
+
+/// A broker of `jobs` tokens with its FUSE token files, or None (the test
+/// recorded as skipped) where this machine cannot mount them.
+fn served_with_files(jobs: u32) -> Option<(RunningBroker, PathBuf)> {
+    if !Path::new("/dev/fuse").exists() {
+        skip(Missing::Fuse, "no /dev/fuse");
+        return None;
+    }
+    let broker = served(jobs, "fuse=1");
+    let mount = broker.socket.with_file_name("fuse");
+    if !broker.log().contains("FUSE token files at") {
+        skip(
+            Missing::Fuse,
+            &format!("the broker did not mount: {}", broker.log()),
+        );
+        return None;
+    }
+    Some((broker, mount))
+}
+
+/// One holder's transport and tokens, by its place in STATUS.
+fn holders_by_transport(status: &serde_json::Value) -> Vec<(String, u64)> {
+    status["holders"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|h| {
+            (
+                h["transport"].as_str().unwrap().to_string(),
+                h["tokens"].as_u64().unwrap(),
+            )
+        })
+        .collect()
+}
+
+fn open_rw(path: &Path, nonblocking: bool) -> std::fs::File {
+    use std::os::unix::fs::OpenOptionsExt;
+    std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .custom_flags(if nonblocking { libc::O_NONBLOCK } else { 0 })
+        .open(path)
+        .unwrap()
+}
+
+fn xattr(path: &Path) -> std::io::Result<String> {
+    use std::os::unix::ffi::OsStrExt;
+    let c_path = std::ffi::CString::new(path.as_os_str().as_bytes()).unwrap();
+    let mut buf = [0u8; 64];
+    // SAFETY: both strings end in NUL and the buffer is as long as said.
+    let n = unsafe {
+        libc::getxattr(
+            c_path.as_ptr(),
+            c"user.baton.polls".as_ptr(),
+            buf.as_mut_ptr().cast(),
+            buf.len(),
+        )
+    };
+    if n < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(String::from_utf8_lossy(&buf[..n as usize]).into_owned())
+}
+
+fn set_xattr(path: &Path, value: &str) -> std::io::Result<()> {
+    use std::os::unix::ffi::OsStrExt;
+    let c_path = std::ffi::CString::new(path.as_os_str().as_bytes()).unwrap();
+    // SAFETY: both strings end in NUL; the value is as long as said.
+    let r = unsafe {
+        libc::setxattr(
+            c_path.as_ptr(),
+            c"user.baton.polls".as_ptr(),
+            value.as_ptr().cast(),
+            value.len(),
+            0,
+        )
+    };
+    if r < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+fn names_in(mount: &Path) -> Vec<String> {
+    let mut names: Vec<String> = std::fs::read_dir(mount)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    names.sort();
+    names
+}
+
+fn the_token_file_lends_a_byte_a_token_and_takes_back_no_more() {
+    let Some((broker, mount)) = served_with_files(2) else {
+        return;
+    };
+    assert_eq!(names_in(&mount), Vec::<String>::new());
+    let file = mount.join("mine");
+    std::fs::File::create(&file).unwrap();
+    std::fs::File::create(mount.join("other")).unwrap();
+    assert_eq!(names_in(&mount), ["mine", "other"]);
+    let meta = std::fs::metadata(&file).unwrap();
+    assert!(meta.is_file(), "{meta:?}");
+    assert!(std::fs::metadata(mount.join("absent")).is_err());
+    // Polls are answered, not held, until the file says otherwise.
+    assert_eq!(xattr(&file).unwrap(), "notify");
+    set_xattr(&file, "hold").unwrap();
+    assert_eq!(xattr(&file).unwrap(), "hold");
+    assert!(
+        set_xattr(&file, "sometimes").is_err(),
+        "only hold or notify"
+    );
+    assert_eq!(xattr(&file).unwrap(), "hold");
+
+    let mut handle = open_rw(&file, true);
+    let mut byte = [0u8; 1];
+    assert_eq!(handle.read(&mut byte).unwrap(), 1);
+    assert_eq!(&byte, b"+");
+    assert_eq!(
+        holders_by_transport(&broker_status(&broker)),
+        [("fuse".to_string(), 1)]
+    );
+    // The socket takes the other token: the file has none left to lend.
+    let mut peer = Peer::hello(&broker.socket, "peer");
+    assert_eq!(peer.ask("TRY 1"), "GRANTED 1 1");
+    let again = handle.read(&mut byte).unwrap_err();
+    assert_eq!(again.kind(), std::io::ErrorKind::WouldBlock, "{again}");
+    // Two back from a process that took one: refused, nothing changes.
+    let over = handle.write(b"++").unwrap_err();
+    assert_eq!(over.raw_os_error(), Some(libc::ENOSPC), "{over}");
+    assert_eq!(broker_status(&broker)["free"], 0);
+    assert_eq!(handle.write(b"+").unwrap(), 1);
+    assert_eq!(peer.ask("RELEASE 1"), "RELEASED 1 0");
+    broker.assert_all_free();
+    std::fs::remove_file(&file).unwrap();
+    assert_eq!(names_in(&mount), ["other"]);
+}
+
+fn readers_and_pollers_of_the_file_wait_in_turn_with_the_socket() {
+    let Some((broker, mount)) = served_with_files(1) else {
+        return;
+    };
+    let file = mount.join("queue");
+    std::fs::File::create(&file).unwrap();
+    let mut peer = Peer::hello(&broker.socket, "peer");
+    assert_eq!(peer.ask("TRY 1"), "GRANTED 1 1");
+    // A blocking read waits in the broker's one queue.
+    let reader = {
+        let file = file.clone();
+        std::thread::spawn(move || {
+            let mut handle = open_rw(&file, false);
+            let mut byte = [0u8; 1];
+            handle.read_exact(&mut byte).unwrap();
+            (handle, byte)
+        })
+    };
+    wait_for_waiters(&broker, 1);
+    assert_eq!(
+        broker_status(&broker)["waiters"][0]["transport"],
+        "fuse",
+        "the reader waits as the file's"
+    );
+    assert_eq!(peer.ask("RELEASE 1"), "RELEASED 1 0");
+    let (mut handle, byte) = reader.join().unwrap();
+    assert_eq!(&byte, b"+");
+    // A socket client now waits behind the file's holder...
+    peer.send("ACQUIRE 1");
+    wait_for_waiters(&broker, 1);
+    // ...and a poller behind it: the token the file gives back goes to
+    // the socket's waiter, the oldest, and the next to the poller.
+    let poller = open_rw(&file, true);
+    let mut fds = [libc::pollfd {
+        fd: std::os::fd::AsRawFd::as_raw_fd(&poller),
+        events: libc::POLLIN,
+        revents: 0,
+    }];
+    // SAFETY: one pollfd, as said.
+    assert_eq!(
+        unsafe { libc::poll(fds.as_mut_ptr(), 1, 0) },
+        0,
+        "no token yet"
+    );
+    assert_eq!(handle.write(b"+").unwrap(), 1);
+    assert_eq!(peer.line(), "GRANTED 1 1");
+    assert_eq!(peer.ask("RELEASE 1"), "RELEASED 1 0");
+    // SAFETY: as above; the hang guard is PATIENCE.
+    let ready = unsafe { libc::poll(fds.as_mut_ptr(), 1, PATIENCE.as_millis() as i32) };
+    assert_eq!(ready, 1, "the poller is told of the token");
+    assert_ne!(fds[0].revents & libc::POLLIN, 0);
+    let mut byte = [0u8; 1];
+    assert_eq!((&poller).read(&mut byte).unwrap(), 1, "and takes it");
+    assert_eq!((&poller).write(b"+").unwrap(), 1);
+    broker.assert_all_free();
+}
+
+fn a_process_killed_holding_the_files_tokens_gives_them_back() {
+    let Some((broker, mount)) = served_with_files(3) else {
+        return;
+    };
+    let file = mount.join("victim");
+    std::fs::File::create(&file).unwrap();
+    // Takes two tokens through the file, says so, and sleeps holding them.
+    let mut child = Command::new("sh")
+        .arg("-c")
+        .arg("exec 3<>\"$0\"; head -c 2 <&3; exec sleep 600")
+        .arg(&file)
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut taken = [0u8; 2];
+    child.stdout.take().unwrap().read_exact(&mut taken).unwrap();
+    assert_eq!(&taken, b"++");
+    assert_eq!(broker_status(&broker)["held"], 2);
+    child.kill().unwrap();
+    child.wait().unwrap();
+    wait_for(PATIENCE, "the killed process's tokens back", || {
+        broker_status(&broker)["free"] == 3
+    });
+    let status = broker_status(&broker);
+    assert_eq!(status["totals"]["reclaimed"], 2);
+    assert_eq!(status["holders"].as_array().unwrap().len(), 0);
+}
