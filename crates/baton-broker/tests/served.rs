@@ -861,10 +861,12 @@ fn a_process_killed_holding_the_files_tokens_gives_them_back() {
     };
     let file = mount.join("victim");
     std::fs::File::create(&file).unwrap();
-    // Takes two tokens through the file, says so, and sleeps holding them.
-    let mut child = Command::new("sh")
+    // Takes two tokens through the file, says so, and sleeps holding them:
+    // bash's `read` reads in the shell's own process, and `exec` keeps its
+    // pid (the tokens are the process's).
+    let mut child = Command::new("bash")
         .arg("-c")
-        .arg("exec 3<>\"$0\"; head -c 2 <&3; exec sleep 600")
+        .arg("exec 3<>\"$0\"; read -r -N 2 taken <&3; printf %s \"$taken\"; exec sleep 600")
         .arg(&file)
         .stdout(std::process::Stdio::piped())
         .spawn()
