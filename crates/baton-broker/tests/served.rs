@@ -6,16 +6,15 @@
 //! shell through `baton serve`; these exist so that the crate's own tests,
 //! which is what `scripts/mutants` runs per mutant in seconds, reach it as
 //! well (docs/testing.md). The broker runs in a process of its own: this
-//! test binary started again with `BATON_SERVED` set, which calls
-//! [`baton_broker::serve`] on its main thread as `baton serve` does. That
-//! is why this file has its own small harness (`harness = false`): under
-//! libtest, a test runs on a thread of its own and the main thread, which
-//! does not block SIGTERM, would take the signals meant for the broker's
-//! signalfd. It prints libtest's lines, which scripts/test tallies.
+//! test binary started again in the `serve` role (tests/support), which
+//! calls [`baton_broker::serve`] on its main thread as `baton serve` does;
+//! hence `harness = false` and `baton_testkit::harness`, which says why.
 
-use baton_broker::{serve, FuseOptions, LogLevel, ServeOptions, MAX_CLIENTS};
-use baton_core::gates::GateConfig;
-use baton_testkit::{hello_as, skip, wait_for, Missing, RunningBroker, TempDir};
+#[path = "support/serve_role.rs"]
+mod serve_role;
+
+use baton_testkit::{harness, hello_as, skip, wait_for, Missing, RunningBroker, TempDir};
+use serve_role::{serve_command, served, served_at};
 use std::io::{BufRead, BufReader, Read, Write};
 use std::os::unix::net::UnixStream;
 use std::os::unix::process::CommandExt;
@@ -28,8 +27,8 @@ use std::time::Duration;
 const PATIENCE: Duration = Duration::from_secs(20);
 
 fn main() {
-    if let Ok(spec) = std::env::var("BATON_SERVED") {
-        serve_here(&spec);
+    if let Some((_, spec)) = harness::role() {
+        serve_role::serve_here(&spec);
     }
     let tests: &[(&str, fn())] = &[
         (
@@ -97,125 +96,7 @@ fn main() {
             a_process_killed_holding_the_files_tokens_gives_them_back,
         ),
     ];
-    std::process::exit(run(tests));
-}
-
-/// Runs each test named by the filter (the first argument that is not an
-/// option; all without one), one after another, each on a thread named
-/// after it as libtest does, and prints libtest's lines. Returns the exit
-/// code: 101 if any failed, as libtest.
-fn run(tests: &[(&str, fn())]) -> i32 {
-    // libtest's options that take a value as the next argument; the
-    // others (`--test-threads=2`, `--nocapture`) change nothing here.
-    const WITH_VALUE: &[&str] = &["--test-threads", "--skip", "--format", "--color", "-Z"];
-    let mut filter = String::new();
-    let mut args = std::env::args().skip(1);
-    while let Some(arg) = args.next() {
-        if WITH_VALUE.contains(&arg.as_str()) {
-            args.next();
-        } else if !arg.starts_with('-') {
-            filter = arg;
-            break;
-        }
-    }
-    let chosen: Vec<_> = tests.iter().filter(|(n, _)| n.contains(&filter)).collect();
-    println!("\nrunning {} tests", chosen.len());
-    let started = std::time::Instant::now();
-    let mut failed = Vec::new();
-    for (name, test) in &chosen {
-        let outcome = std::thread::Builder::new()
-            .name(name.to_string())
-            .spawn(*test)
-            .expect("a thread for the test")
-            .join();
-        let word = if outcome.is_ok() { "ok" } else { "FAILED" };
-        println!("test {name} ... {word}");
-        if outcome.is_err() {
-            failed.push(*name);
-        }
-    }
-    if !failed.is_empty() {
-        println!("\nfailures:");
-        for name in &failed {
-            println!("    {name}");
-        }
-    }
-    let verdict = if failed.is_empty() { "ok" } else { "FAILED" };
-    println!(
-        "\ntest result: {verdict}. {} passed; {} failed; 0 ignored; 0 measured; {} filtered out; finished in {:.2}s\n",
-        chosen.len() - failed.len(),
-        failed.len(),
-        tests.len() - chosen.len(),
-        started.elapsed().as_secs_f64()
-    );
-    if failed.is_empty() {
-        0
-    } else {
-        101
-    }
-}
-
-/// The broker's side: `BATON_SERVED` holds `key=value` lines (below), and
-/// this process serves as `baton serve` would with the same options, then
-/// exits as it does: 0 after a clean stop, 1 with the reason logged.
-fn serve_here(spec: &str) -> ! {
-    let mut opts = ServeOptions {
-        jobs: 2,
-        socket: None,
-        fuse: None,
-        spin_us: 0,
-        io_uring: false,
-        log_level: LogLevel::Debug,
-        max_clients: MAX_CLIENTS,
-        gates: GateConfig::default(),
-        idle_timeout: None,
-        cluster: None,
-        replace: false,
-        reclaim_grace: Duration::ZERO,
-        metrics_listen: None,
-        allow_uids: Vec::new(),
-        allow_groups: Vec::new(),
-    };
-    for line in spec.lines() {
-        let (key, value) = line.split_once('=').expect("key=value");
-        match key {
-            "jobs" => opts.jobs = value.parse().unwrap(),
-            "socket" => opts.socket = Some(PathBuf::from(value)),
-            "io_uring" => opts.io_uring = value == "1",
-            "max_clients" => opts.max_clients = value.parse().unwrap(),
-            "replace" => opts.replace = value == "1",
-            "idle_ms" => opts.idle_timeout = Some(Duration::from_millis(value.parse().unwrap())),
-            "metrics" => opts.metrics_listen = Some(value.parse().unwrap()),
-            "fuse" => opts.fuse = Some(FuseOptions::default()),
-            other => panic!("BATON_SERVED: unknown key {other}"),
-        }
-    }
-    match serve(opts) {
-        Ok(()) => std::process::exit(0),
-        Err(e) => {
-            baton_broker::log_fatal(&format!("{e:#}"));
-            std::process::exit(1)
-        }
-    }
-}
-
-/// This binary, set to serve at `socket` with `spec` (besides the socket).
-fn serve_command(socket: &Path, spec: &str) -> Command {
-    let mut command = Command::new(std::env::current_exe().expect("the test binary"));
-    command.env(
-        "BATON_SERVED",
-        format!("socket={}\n{spec}", socket.display()),
-    );
-    command
-}
-
-/// A broker of `jobs` tokens served by this binary with `spec`, in a
-/// temporary directory; stopped by pid when dropped.
-fn served(jobs: u32, spec: &str) -> RunningBroker {
-    let dir = TempDir::new("served");
-    let socket = dir.path().join("run").join("socket");
-    let command = serve_command(&socket, &format!("jobs={jobs}\n{spec}"));
-    RunningBroker::start_command(command, dir, socket)
+    std::process::exit(harness::run(tests));
 }
 
 /// A connection speaking the protocol line by line.
@@ -573,12 +454,7 @@ fn a_successor_takes_the_connections_their_tokens_and_their_wait() {
     wait_for_waiters(&old, 1);
     // Half a line read before the handover is finished after it.
     x.stream.write_all(b"RELE").unwrap();
-    let dir = TempDir::new("served-successor");
-    let new = RunningBroker::start_command(
-        serve_command(&old.socket, "jobs=9\nreplace=1"),
-        dir,
-        old.socket.clone(),
-    );
+    let new = served_at(&old.socket, "jobs=9\nreplace=1");
     assert!(old.wait_exit(PATIENCE).success(), "{}", old.log());
     assert!(old.log().contains("handed over to a successor: exiting"));
     assert_eq!(x.ask("ASE 1"), "RELEASED 1 1");

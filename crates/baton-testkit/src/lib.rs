@@ -5,6 +5,8 @@
 //! process a test starts, and helpers to drive the real binary and the
 //! real build tools.
 
+pub mod harness;
+
 use baton_client::{Client, Status};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command};

@@ -1,0 +1,82 @@
+// Each includer uses what it needs of these.
+#![allow(dead_code)]
+
+//! The broker as a test binary serves it (`baton_testkit::harness`): this
+//! binary started again in the `serve` role calls [`baton_broker::serve`]
+//! on its main thread, as `baton serve` does. Shared by this crate's
+//! tests/served.rs and baton-jobserver's tests, which need a broker
+//! without the baton binary.
+
+use baton_broker::{serve, FuseOptions, LogLevel, ServeOptions, MAX_CLIENTS};
+use baton_core::gates::GateConfig;
+use baton_testkit::harness::{role_command, spec_lines};
+use baton_testkit::{RunningBroker, TempDir};
+use std::path::Path;
+use std::process::Command;
+use std::time::Duration;
+
+/// Serves as `baton serve` would with the options of `spec` (`key=value`
+/// lines: jobs, socket, io_uring, max_clients, replace, idle_ms, metrics,
+/// fuse, reclaim_ms), then exits as it does: 0 after a clean stop, 1 with
+/// the reason logged.
+pub fn serve_here(spec: &str) -> ! {
+    let mut opts = ServeOptions {
+        jobs: 2,
+        socket: None,
+        fuse: None,
+        spin_us: 0,
+        io_uring: false,
+        log_level: LogLevel::Debug,
+        max_clients: MAX_CLIENTS,
+        gates: GateConfig::default(),
+        idle_timeout: None,
+        cluster: None,
+        replace: false,
+        reclaim_grace: Duration::ZERO,
+        metrics_listen: None,
+        allow_uids: Vec::new(),
+        allow_groups: Vec::new(),
+    };
+    for (key, value) in spec_lines(spec) {
+        match key {
+            "jobs" => opts.jobs = value.parse().unwrap(),
+            "socket" => opts.socket = Some(value.into()),
+            "io_uring" => opts.io_uring = value == "1",
+            "max_clients" => opts.max_clients = value.parse().unwrap(),
+            "replace" => opts.replace = value == "1",
+            "idle_ms" => opts.idle_timeout = Some(Duration::from_millis(value.parse().unwrap())),
+            "metrics" => opts.metrics_listen = Some(value.parse().unwrap()),
+            "fuse" => opts.fuse = Some(FuseOptions::default()),
+            "reclaim_ms" => opts.reclaim_grace = Duration::from_millis(value.parse().unwrap()),
+            other => panic!("the serve role: unknown key {other}"),
+        }
+    }
+    match serve(opts) {
+        Ok(()) => std::process::exit(0),
+        Err(e) => {
+            baton_broker::log_fatal(&format!("{e:#}"));
+            std::process::exit(1)
+        }
+    }
+}
+
+/// This binary, set to serve at `socket` with `spec` (besides the socket).
+pub fn serve_command(socket: &Path, spec: &str) -> Command {
+    role_command("serve", &format!("socket={}\n{spec}", socket.display()))
+}
+
+/// A broker of `jobs` tokens served by this binary with `spec`, in a
+/// temporary directory; stopped by pid when dropped.
+pub fn served(jobs: u32, spec: &str) -> RunningBroker {
+    let dir = TempDir::new("served");
+    let socket = dir.path().join("run").join("socket");
+    let command = serve_command(&socket, &format!("jobs={jobs}\n{spec}"));
+    RunningBroker::start_command(command, dir, socket)
+}
+
+/// Another broker at `socket` served by this binary with `spec`, logging
+/// in a directory of its own.
+pub fn served_at(socket: &Path, spec: &str) -> RunningBroker {
+    let dir = TempDir::new("served-again");
+    RunningBroker::start_command(serve_command(socket, spec), dir, socket.to_path_buf())
+}

@@ -1,0 +1,116 @@
+//! A small test runner for test binaries that must keep their main thread
+//! (`harness = false`): the broker and `baton run` block SIGTERM and read
+//! it from a signalfd on the thread that serves, which works only if no
+//! other thread of the process takes it first. Under libtest, each test
+//! runs on a thread of its own and the main thread does not block it. A
+//! binary with this runner serves on its main thread when started again
+//! in a role ([`role`]), and otherwise runs its tests.
+//!
+//! It prints libtest's lines (`test NAME ... ok`, `test result: ...`),
+//! which scripts/test tallies.
+
+use std::process::Command;
+
+/// The environment variable that names a re-executed binary's role.
+const ROLE: &str = "BATON_TEST_ROLE";
+/// And the role's specification (its options, one `key=value` a line).
+const SPEC: &str = "BATON_TEST_SPEC";
+
+/// This binary's role and its specification, when a test started it in
+/// one ([`role_command`]).
+pub fn role() -> Option<(String, String)> {
+    let role = std::env::var(ROLE).ok()?;
+    Some((role, std::env::var(SPEC).unwrap_or_default()))
+}
+
+/// This test binary, to be started in `role` with `spec`.
+pub fn role_command(role: &str, spec: &str) -> Command {
+    let mut command = Command::new(std::env::current_exe().expect("the test binary"));
+    command.env(ROLE, role).env(SPEC, spec);
+    command
+}
+
+/// The `key=value` lines of a specification.
+pub fn spec_lines(spec: &str) -> impl Iterator<Item = (&str, &str)> {
+    spec.lines()
+        .map(|line| line.split_once('=').expect("a key=value line"))
+}
+
+/// Runs each test named by the filter (the first argument that is not an
+/// option; all without one), one after another, each on a thread named
+/// after it as libtest does (the skip record reads the name), and prints
+/// libtest's lines. Returns the exit code: 101 if any failed, as libtest.
+pub fn run(tests: &[(&str, fn())]) -> i32 {
+    let filter = filter(std::env::args().skip(1));
+    let chosen: Vec<_> = tests.iter().filter(|(n, _)| n.contains(&filter)).collect();
+    println!("\nrunning {} tests", chosen.len());
+    let started = std::time::Instant::now();
+    let mut failed = Vec::new();
+    for (name, test) in &chosen {
+        let outcome = std::thread::Builder::new()
+            .name(name.to_string())
+            .spawn(*test)
+            .expect("a thread for the test")
+            .join();
+        let word = if outcome.is_ok() { "ok" } else { "FAILED" };
+        println!("test {name} ... {word}");
+        if outcome.is_err() {
+            failed.push(*name);
+        }
+    }
+    if !failed.is_empty() {
+        println!("\nfailures:");
+        for name in &failed {
+            println!("    {name}");
+        }
+    }
+    let verdict = if failed.is_empty() { "ok" } else { "FAILED" };
+    println!(
+        "\ntest result: {verdict}. {} passed; {} failed; 0 ignored; 0 measured; {} filtered out; finished in {:.2}s\n",
+        chosen.len() - failed.len(),
+        failed.len(),
+        tests.len() - chosen.len(),
+        started.elapsed().as_secs_f64()
+    );
+    if failed.is_empty() {
+        0
+    } else {
+        101
+    }
+}
+
+/// The filter among libtest's arguments: options that take a value as the
+/// next argument skip it; the others (`--test-threads=2`, `--nocapture`)
+/// change nothing here.
+fn filter(args: impl Iterator<Item = String>) -> String {
+    const WITH_VALUE: &[&str] = &["--test-threads", "--skip", "--format", "--color", "-Z"];
+    let mut args = args;
+    while let Some(arg) = args.next() {
+        if WITH_VALUE.contains(&arg.as_str()) {
+            args.next();
+        } else if !arg.starts_with('-') {
+            return arg;
+        }
+    }
+    String::new()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::filter;
+
+    fn of(args: &[&str]) -> String {
+        filter(args.iter().map(|a| a.to_string()))
+    }
+
+    #[test]
+    fn the_filter_is_the_first_word_that_is_no_option_nor_an_options_value() {
+        assert_eq!(of(&[]), "");
+        assert_eq!(of(&["--test-threads=2", "stop"]), "stop");
+        assert_eq!(of(&["--test-threads", "2"]), "");
+        assert_eq!(
+            of(&["--test-threads", "2", "--nocapture", "fuse", "x"]),
+            "fuse"
+        );
+    }
+}
