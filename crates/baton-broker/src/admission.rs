@@ -264,6 +264,47 @@ mod tests {
     }
 
     #[test]
+    fn others_are_admitted_only_when_named_and_one_group_alone_owns_the_socket() {
+        assert!(!admission(&[], &[]).admits_others());
+        assert!(admission(&[1234], &[]).admits_others());
+        assert!(admission(&[], &[600]).admits_others());
+        assert_eq!(admission(&[], &[]).socket_group(), None);
+        assert_eq!(admission(&[], &[600]).socket_group(), Some(600));
+        assert_eq!(admission(&[1234], &[600]).socket_group(), None);
+        assert_eq!(admission(&[], &[600, 601]).socket_group(), None);
+    }
+
+    #[test]
+    fn a_peers_groups_are_read_from_its_proc_status() {
+        if !nix::unistd::getuid().is_root() {
+            return baton_testkit::skip(baton_testkit::Missing::Root, "setgroups needs root");
+        }
+        // A process with supplementary groups of its own, as a peer has.
+        let mut peer = std::process::Command::new("sleep");
+        peer.arg("30");
+        // SAFETY: setgroups is async-signal-safe.
+        unsafe {
+            std::os::unix::process::CommandExt::pre_exec(&mut peer, || {
+                let groups = [4 as libc::gid_t, 24, 600];
+                match libc::setgroups(groups.len(), groups.as_ptr()) {
+                    0 => Ok(()),
+                    _ => Err(std::io::Error::last_os_error()),
+                }
+            });
+        }
+        let mut peer = peer.spawn().unwrap();
+        let groups = supplementary_groups(peer.id() as i32);
+        peer.kill().unwrap();
+        peer.wait().unwrap();
+        assert_eq!(groups, vec![4, 24, 600]);
+        assert_eq!(
+            supplementary_groups(-1),
+            Vec::<u32>::new(),
+            "no such process"
+        );
+    }
+
+    #[test]
     fn a_group_is_a_number_or_a_name() {
         assert_eq!(resolve_group("4242"), Ok(4242));
         assert_eq!(resolve_group("root"), Ok(0));

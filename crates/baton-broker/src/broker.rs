@@ -1760,6 +1760,228 @@ mod tests {
         );
     }
 
+    /// Orphaned with 2 jobs on the 4 tokens it held: 2 come back at once;
+    /// a job started later takes no token at the next look (only the
+    /// moment of death may count more than it held), and a request the
+    /// build had waiting goes with its `baton run`, while another build's
+    /// stays.
+    #[test]
+    fn an_orphaned_build_gives_back_what_its_jobs_do_not_use_and_takes_no_more() {
+        let mut procs = Procs(Vec::new());
+        let owner = procs.spawn(None);
+        procs.spawn(Some(owner));
+        procs.spawn(Some(owner));
+        procs.await_jobs(owner, 2);
+        let mut broker = Broker::new(5).unwrap();
+        let woken = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        broker.on_orphans({
+            let woken = woken.clone();
+            move || woken.store(true, std::sync::atomic::Ordering::SeqCst)
+        });
+        let run = client(&mut broker, owner);
+        broker.start_build(run, 1, "orphan".into()).unwrap();
+        broker.acquire(run, 1, 4).unwrap();
+        let other = client(&mut broker, 1);
+        broker.acquire(other, 1, 1).unwrap();
+        assert_eq!(broker.acquire(run, 2, 1).unwrap(), Acquired::Queued);
+        assert_eq!(broker.acquire(other, 2, 1).unwrap(), Acquired::Queued);
+        assert_eq!(broker.disconnect(run), 0);
+        assert!(
+            woken.load(std::sync::atomic::Ordering::SeqCst),
+            "the watcher is woken"
+        );
+        // 2 of its 4 back, to the other build's waiting request.
+        assert_eq!(broker.pool().held_by(run), 2);
+        assert_eq!(broker.pool().held_by(other), 2);
+        let waiters = broker.status().waiters;
+        assert!(waiters.is_empty(), "{waiters:?}");
+        procs.spawn(Some(owner));
+        procs.await_jobs(owner, 3);
+        assert!(broker.watch_orphans());
+        assert_eq!(broker.pool().held_by(run), 2, "a later job takes no token");
+        assert_eq!(
+            broker.status().totals.held_again,
+            0,
+            "nothing counted again"
+        );
+    }
+
+    /// At its death the build runs more jobs than it held: the difference
+    /// is counted again (as HOLD counts), exactly.
+    #[test]
+    fn an_orphaned_build_counts_again_only_the_jobs_beyond_what_it_held() {
+        let mut procs = Procs(Vec::new());
+        let owner = procs.spawn(None);
+        for _ in 0..5 {
+            procs.spawn(Some(owner));
+        }
+        procs.await_jobs(owner, 5);
+        let mut broker = Broker::new(8).unwrap();
+        let run = client(&mut broker, owner);
+        broker.start_build(run, 1, "orphan".into()).unwrap();
+        broker.acquire(run, 1, 2).unwrap();
+        broker.disconnect(run);
+        assert_eq!(broker.pool().held_by(run), 5);
+        assert_eq!(broker.status().totals.held_again, 3);
+    }
+
+    /// make dies holding 2 while its build runs 2 jobs and its `baton
+    /// run` holds 1 of its own: the jobs beyond what the build's others
+    /// hold (2 - 1) stay with the build, the rest come back.
+    #[test]
+    fn a_dying_member_leaves_the_build_only_what_its_others_do_not_cover() {
+        let mut procs = Procs(Vec::new());
+        let owner = procs.spawn(None);
+        procs.spawn(Some(owner));
+        procs.spawn(Some(owner));
+        procs.await_jobs(owner, 2);
+        let mut broker = Broker::new(8).unwrap();
+        let run = client(&mut broker, owner);
+        broker.start_build(run, 1, "covered".into()).unwrap();
+        broker.acquire(run, 1, 1).unwrap();
+        let make = client(&mut broker, owner);
+        broker.acquire(make, 1, 2).unwrap();
+        broker.disconnect(make);
+        assert_eq!(broker.pool().held_by(run), 2, "its own 1 and 1 of make's");
+        assert_eq!(broker.pool().held(), 2);
+    }
+
+    #[test]
+    fn a_build_is_given_the_weight_it_asks_for() {
+        let mut broker = Broker::new(4).unwrap();
+        let run = client(&mut broker, std::process::id());
+        let (_, weight) = broker.start_build(run, 3, "heavy".into()).unwrap();
+        assert_eq!(weight, 3);
+    }
+
+    /// A build's figures go with its last client; another's stay.
+    #[test]
+    fn a_builds_figures_are_forgotten_when_it_ends() {
+        let mut broker = Broker::new(2).unwrap();
+        let (a, b) = (client(&mut broker, 1), client(&mut broker, 2));
+        broker.acquire(a, 1, 1).unwrap();
+        broker.acquire(b, 1, 1).unwrap();
+        assert_eq!(broker.stats.len(), 2);
+        broker.disconnect(a);
+        let left: Vec<BuildId> = broker.stats.keys().copied().collect();
+        assert_eq!(left, vec![broker.pool().build_of(b).unwrap()]);
+        broker.disconnect(b);
+        assert!(broker.stats.is_empty());
+    }
+
+    /// The gates' sampler is woken when the gates are set, and only then.
+    #[test]
+    fn setting_the_gates_wakes_their_thread() {
+        use std::sync::atomic::{AtomicU32, Ordering::SeqCst};
+        let mut broker = Broker::new(1).unwrap();
+        let woken = std::sync::Arc::new(AtomicU32::new(0));
+        broker.on_gates_set({
+            let n = woken.clone();
+            move || {
+                n.fetch_add(1, SeqCst);
+            }
+        });
+        let a = client(&mut broker, 1);
+        broker.acquire(a, 1, 1).unwrap();
+        broker.set_limit(2).unwrap();
+        assert_eq!(woken.load(SeqCst), 0);
+        broker.set_gate("load", Some(50.0)).unwrap();
+        assert_eq!(woken.load(SeqCst), 1);
+    }
+
+    /// A cluster's link is woken whenever what the pool holds or waits
+    /// for may have changed.
+    #[cfg(feature = "cluster")]
+    #[test]
+    fn demand_changes_wake_the_cluster_link() {
+        use std::sync::atomic::{AtomicU32, Ordering::SeqCst};
+        let mut broker = Broker::new(1).unwrap();
+        let woken = std::sync::Arc::new(AtomicU32::new(0));
+        broker.on_demand({
+            let n = woken.clone();
+            move || {
+                n.fetch_add(1, SeqCst);
+            }
+        });
+        let (a, b) = (client(&mut broker, 1), client(&mut broker, 2));
+        broker.acquire(a, 1, 1).unwrap();
+        assert_eq!(broker.acquire(b, 1, 1).unwrap(), Acquired::Queued);
+        let after_wait = woken.load(SeqCst);
+        assert!(after_wait >= 1, "a request that waits changes demand");
+        broker.release(a, 1).unwrap();
+        assert!(woken.load(SeqCst) > after_wait, "so does a release");
+        let before = woken.load(SeqCst);
+        broker.set_limit(2).unwrap();
+        assert!(woken.load(SeqCst) > before, "and a new limit");
+    }
+
+    /// Memory is measured often while the pause policy may have to act.
+    #[test]
+    fn the_gates_are_urgent_below_the_memory_threshold_with_pausing_on() {
+        let mut broker = Broker::new(4).unwrap();
+        assert!(!broker.gates_urgent());
+        broker.set_gates(GateConfig {
+            min_mem_available: Some(1 << 30),
+            pause: true,
+            ..GateConfig::default()
+        });
+        broker.observe(Reading {
+            mem_available: Some(8 << 30),
+            ..Reading::default()
+        });
+        assert!(!broker.gates_urgent(), "plenty of memory");
+        broker.observe(Reading {
+            mem_available: Some(1 << 20),
+            ..Reading::default()
+        });
+        assert!(broker.gates_urgent(), "below the threshold");
+    }
+
+    /// A CANCEL that meets a grant not yet delivered takes exactly that
+    /// client's grant for that request.
+    #[test]
+    fn a_filed_grant_is_taken_by_its_client_and_request_only() {
+        let mut broker = Broker::new(2).unwrap();
+        let (a, b, c) = (
+            client(&mut broker, 1),
+            client(&mut broker, 2),
+            client(&mut broker, 3),
+        );
+        broker.acquire(a, 1, 2).unwrap();
+        assert_eq!(broker.acquire(b, 7, 1).unwrap(), Acquired::Queued);
+        assert_eq!(broker.acquire(c, 7, 1).unwrap(), Acquired::Queued);
+        broker.release(a, 2).unwrap();
+        assert_eq!(
+            broker.take_grant_of(Transport::Socket, b, 8),
+            None,
+            "another request"
+        );
+        assert_eq!(
+            broker.take_grant_of(Transport::Fuse, b, 7),
+            None,
+            "another transport"
+        );
+        let taken = broker.take_grant_of(Transport::Socket, b, 7).unwrap();
+        assert_eq!((taken.client, taken.tag), (b, 7));
+        let left = broker.take_grants(Transport::Socket);
+        assert_eq!(left.len(), 1);
+        assert_eq!((left[0].client, left[0].tag), (c, 7));
+    }
+
+    #[test]
+    fn grants_wait_for_the_transport_that_delivers_them() {
+        let mut broker = Broker::new(1).unwrap();
+        let (a, b) = (client(&mut broker, 1), client(&mut broker, 2));
+        assert!(!broker.has_grants_for(Transport::Socket));
+        broker.acquire(a, 1, 1).unwrap();
+        assert_eq!(broker.acquire(b, 1, 1).unwrap(), Acquired::Queued);
+        broker.release(a, 1).unwrap();
+        assert!(broker.has_grants_for(Transport::Socket));
+        assert!(!broker.has_grants_for(Transport::Fuse));
+        assert_eq!(broker.take_grants(Transport::Socket).len(), 1);
+        assert!(!broker.has_grants_for(Transport::Socket));
+    }
+
     #[test]
     fn a_build_that_holds_nothing_is_not_kept_for_its_running_jobs() {
         let mut procs = Procs(Vec::new());

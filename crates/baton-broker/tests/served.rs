@@ -95,6 +95,10 @@ fn main() {
             "a_process_killed_holding_the_files_tokens_gives_them_back",
             a_process_killed_holding_the_files_tokens_gives_them_back,
         ),
+        (
+            "a_broker_started_by_socket_activation_serves_the_socket_it_is_given",
+            a_broker_started_by_socket_activation_serves_the_socket_it_is_given,
+        ),
     ];
     std::process::exit(harness::run(tests));
 }
@@ -759,4 +763,60 @@ fn a_process_killed_holding_the_files_tokens_gives_them_back() {
     let status = broker_status(&broker);
     assert_eq!(status["totals"]["reclaimed"], 2);
     assert_eq!(status["holders"].as_array().unwrap().len(), 0);
+}
+
+fn a_broker_started_by_socket_activation_serves_the_socket_it_is_given() {
+    let Some(activate) = [
+        "/usr/bin/systemd-socket-activate",
+        "/bin/systemd-socket-activate",
+    ]
+    .into_iter()
+    .map(Path::new)
+    .find(|p| p.exists()) else {
+        return skip(Missing::Systemd, "no systemd-socket-activate");
+    };
+    let dir = TempDir::new("served-activated");
+    let run = dir.path().join("run");
+    std::fs::create_dir_all(&run).unwrap();
+    std::fs::set_permissions(&run, std::os::unix::fs::PermissionsExt::from_mode(0o700)).unwrap();
+    let socket = run.join("socket");
+    // systemd-socket-activate binds the socket, and on the first
+    // connection starts this binary in the serve role with it as
+    // descriptor 3. No socket in the role's options: the one passed is
+    // the one served (and a broker that ignored it would bind under this
+    // test's own XDG_RUNTIME_DIR, not the user's).
+    let mut command = Command::new(activate);
+    command
+        .arg("--listen")
+        .arg(&socket)
+        .arg("--setenv=BATON_TEST_ROLE=serve")
+        .arg("--setenv=BATON_TEST_SPEC=jobs=3")
+        .arg(format!("--setenv=XDG_RUNTIME_DIR={}", dir.path().display()))
+        .arg(std::env::current_exe().unwrap());
+    let mut broker = RunningBroker::start_command(command, dir, socket.clone());
+    let mut peer = Peer::hello(&socket, "first");
+    assert_eq!(peer.ask("TRY 3"), "GRANTED 3 3");
+    let status = peer.status();
+    assert_eq!(
+        status["broker_pid"],
+        broker.pid(),
+        "the activator became the broker"
+    );
+    assert_eq!(status["limit"], 3);
+    let log = broker.log();
+    assert!(
+        log.contains(&format!("serving 3 tokens at {}", socket.display())),
+        "{log}"
+    );
+    assert!(
+        !broker.dir.path().join("baton").exists(),
+        "the broker bound a socket of its own"
+    );
+    drop(peer);
+    let (status, log) = broker.stop_with(libc::SIGTERM);
+    assert!(status.success(), "{status:?}\n{log}");
+    assert!(
+        socket.exists(),
+        "the socket is systemd's to remove, not ours"
+    );
 }

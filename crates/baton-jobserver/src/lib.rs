@@ -140,9 +140,8 @@ fn program_name(command: &[OsString]) -> String {
 }
 
 fn is_jobs_flag(word: &str) -> bool {
-    word.starts_with("--jobserver-auth=")
-        || word.starts_with("--jobserver-fds=")
-        || word.starts_with("--jobs")
+    // "--jobs" begins --jobs, --jobs=N, --jobserver-auth= and --jobserver-fds=.
+    word.starts_with("--jobs")
         || (word.starts_with("-j") && word[2..].bytes().all(|b| b.is_ascii_digit()))
 }
 

@@ -72,6 +72,10 @@ fn main() {
             refusals_are_said_and_cost_nothing,
         ),
         (
+            "a_broker_that_will_not_start_is_tried_three_times_and_said_why",
+            a_broker_that_will_not_start_is_tried_three_times_and_said_why,
+        ),
+        (
             "builds_that_find_no_broker_start_one_between_them",
             builds_that_find_no_broker_start_one_between_them,
         ),
@@ -137,6 +141,17 @@ fn run_here(spec: &str) -> ! {
                             std::env::current_exe()?.into(),
                         ],
                         announce: Some("started a broker here".to_string()),
+                    })
+                }))
+            }
+            // Start `sh -c VALUE` as the broker if none answers.
+            "autostart_sh" => {
+                let script = value.to_string();
+                opts.autostart = Some(Box::new(move || {
+                    Ok(Autostart {
+                        program: "sh".into(),
+                        args: vec!["-c".into(), script.clone().into()],
+                        announce: None,
                     })
                 }))
             }
@@ -463,6 +478,33 @@ fn refusals_are_said_and_cost_nothing() {
         "{}",
         said(&out)
     );
+}
+
+fn a_broker_that_will_not_start_is_tried_three_times_and_said_why() {
+    let dir = TempDir::new("run-served-no-start");
+    let socket = dir.path().join("private").join("socket");
+    let tries = dir.path().join("tries");
+    let script = format!(
+        "echo try >> {}; echo 'cannot serve: planted' >&2; exit 1",
+        tries.display()
+    );
+    let mut run = role_command(
+        "run",
+        &run_spec(
+            &socket,
+            &format!("style=fifo\nautostart_sh={script}"),
+            &["true"],
+        ),
+    );
+    run.stdout(Stdio::piped()).stderr(Stdio::piped());
+    let out = finished(run);
+    assert_eq!(out.status.code(), Some(1), "{}", said(&out));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("stopped (exit status: 1): cannot serve: planted"),
+        "{err}"
+    );
+    assert_eq!(std::fs::read_to_string(&tries).unwrap(), "try\n".repeat(3));
 }
 
 fn builds_that_find_no_broker_start_one_between_them() {
