@@ -1915,6 +1915,62 @@ mod tests {
         assert!(woken.load(SeqCst) > before, "and a new limit");
     }
 
+    /// Before the memory gate knows what a job takes, one job at a time
+    /// starts: a grant counts as a young job until it settles.
+    #[test]
+    fn a_grant_counts_as_a_young_job_for_the_memory_gate() {
+        let mut broker = Broker::new(4).unwrap();
+        broker.set_gates(GateConfig {
+            min_mem_available: Some(1 << 30),
+            settle: Duration::from_secs(3600),
+            ..GateConfig::default()
+        });
+        broker.observe(Reading {
+            mem_available: Some(8 << 30),
+            ..Reading::default()
+        });
+        let (a, b) = (client(&mut broker, 1), client(&mut broker, 2));
+        assert_eq!(broker.acquire(a, 1, 1).unwrap(), Acquired::Granted);
+        assert_eq!(
+            broker.acquire(b, 1, 1).unwrap(),
+            Acquired::Queued,
+            "the first job is still young"
+        );
+    }
+
+    /// What the cluster link asks of the cluster is what the gates would
+    /// let through, not every token waited for.
+    #[cfg(feature = "cluster")]
+    #[test]
+    fn the_cluster_is_asked_only_for_what_the_gates_let_through() {
+        let mut broker = Broker::new(4).unwrap();
+        broker.set_gates(GateConfig {
+            min_mem_available: Some(1 << 30),
+            settle: Duration::from_secs(3600),
+            ..GateConfig::default()
+        });
+        broker.observe(Reading {
+            mem_available: Some(8 << 30),
+            ..Reading::default()
+        });
+        let (a, b) = (client(&mut broker, 1), client(&mut broker, 2));
+        broker.acquire(a, 1, 1).unwrap();
+        assert_eq!(broker.acquire(b, 1, 3).unwrap(), Acquired::Queued);
+        let local = broker.cluster_demand();
+        assert_eq!((local.held, local.waiting), (1, 0));
+    }
+
+    #[test]
+    fn stray_bytes_add_up_per_build() {
+        let mut broker = Broker::new(2).unwrap();
+        let (a, b) = (client(&mut broker, 1), client(&mut broker, 2));
+        broker.acquire(a, 1, 1).unwrap();
+        broker.acquire(b, 1, 1).unwrap();
+        assert_eq!(broker.note_stray(a, 3), 3);
+        assert_eq!(broker.note_stray(a, 2), 5);
+        assert_eq!(broker.note_stray(b, 1), 1, "another build's count");
+    }
+
     /// Memory is measured often while the pause policy may have to act.
     #[test]
     fn the_gates_are_urgent_below_the_memory_threshold_with_pausing_on() {
