@@ -586,6 +586,20 @@ fn make_4_4_gets_the_token_file_which_goes_with_the_build() {
     let dir = TempDir::new("run-served-fuse");
     let log = dir.path().join("jobs.log");
     flat_makefile(dir.path(), &log, 6, "0.1");
+    // One more job says how the build's file answers polls: make's are
+    // held (docs/fuse.md, "Held polls").
+    let polls = dir.path().join("polls");
+    let read_polls = format!(
+        "python3 -c \"import os, re; path = re.search(r'fifo:(\\S+)', os.environ['MAKEFLAGS']).group(1); \
+         print(os.getxattr(path, 'user.baton.polls').decode())\" > {}",
+        polls.display()
+    );
+    let makefile = std::fs::read_to_string(dir.path().join("Makefile")).unwrap();
+    std::fs::write(
+        dir.path().join("Makefile"),
+        makefile.replacen("all:", "all: polls", 1) + &format!("polls:\n\t@{read_polls}\n.PHONY: polls\n"),
+    )
+    .unwrap();
     let mount = broker.socket.with_file_name("fuse");
     let out = finished(baton_run(
         &broker,
@@ -599,6 +613,7 @@ fn make_4_4_gets_the_token_file_which_goes_with_the_build() {
     assert!(err.contains("jobserver: fuse"), "{err}");
     assert!(err.contains("as --jobserver-style asked"), "{err}");
     assert_eq!(max_overlap(&log).1, 6);
+    assert_eq!(std::fs::read_to_string(&polls).unwrap(), "hold\n");
     let left: Vec<_> = std::fs::read_dir(&mount).unwrap().collect();
     assert!(left.is_empty(), "the build's file is gone: {left:?}");
     broker.wait_all_free();
