@@ -1960,6 +1960,72 @@ mod tests {
         assert_eq!((local.held, local.waiting), (1, 0));
     }
 
+    /// Utilization is reported per slot, to the hundredth of a token.
+    #[test]
+    fn utilization_is_the_mean_held_per_second_to_two_places() {
+        let mut broker = Broker::new(4).unwrap();
+        let second = HISTORY_SLOT.as_nanos() as u64;
+        broker.utilization = Utilization::new(second, HISTORY_SLOTS);
+        // [0, 0.5 s): none; [0.5 s, 1 s): 3; then a third of a second of 1.
+        broker.utilization.advance(second / 2, 0);
+        broker.utilization.advance(second, 3);
+        broker.utilization.advance(second + second / 3, 1);
+        broker.utilization.advance(2 * second, 0);
+        let report = broker.utilization();
+        assert_eq!(report.interval_s, 1.0);
+        assert_eq!(report.held, vec![1.5, 0.33]);
+    }
+
+    /// A build started by another user, or from another cgroup (a
+    /// container's), says so in status; one of the broker's own does not.
+    #[test]
+    fn a_builds_uid_and_cgroup_are_shown_only_when_not_the_brokers() {
+        if !nix::unistd::getuid().is_root() {
+            return baton_testkit::skip(
+                baton_testkit::Missing::Root,
+                "setuid and cgroups need root",
+            );
+        }
+        let Some(unified) = std::fs::read_to_string("/proc/self/mounts")
+            .unwrap()
+            .lines()
+            .find(|l| l.split(' ').nth(2) == Some("cgroup2"))
+            .and_then(|l| l.split(' ').nth(1).map(std::path::PathBuf::from))
+        else {
+            return baton_testkit::skip(baton_testkit::Missing::Cgroup, "no cgroup2 mount");
+        };
+        let name = format!("baton-broker-test-{}", std::process::id());
+        let group = unified.join(&name);
+        std::fs::create_dir(&group).unwrap();
+        struct Removed(std::path::PathBuf);
+        impl Drop for Removed {
+            fn drop(&mut self) {
+                let _ = std::fs::remove_dir(&self.0);
+            }
+        }
+        let _removed = Removed(group.clone());
+        let mut stranger = std::process::Command::new("sleep");
+        stranger.arg("60");
+        std::os::unix::process::CommandExt::uid(&mut stranger, 65534);
+        let mut procs = Procs(vec![stranger.spawn().unwrap()]);
+        let stranger = procs.0[0].id();
+        std::fs::write(group.join("cgroup.procs"), stranger.to_string()).unwrap();
+        let own = procs.spawn(None);
+        let mut broker = Broker::new(4).unwrap();
+        let (theirs, ours) = (client(&mut broker, stranger), client(&mut broker, own));
+        broker.start_build(theirs, 1, "theirs".into()).unwrap();
+        broker.start_build(ours, 1, "ours".into()).unwrap();
+        let builds = broker.status().builds;
+        let of = |name: &str| builds.iter().find(|b| b.name == name).unwrap();
+        assert_eq!(of("theirs").uid, Some(65534));
+        assert_eq!(
+            of("theirs").cgroup.as_deref(),
+            Some(format!("/{name}").as_str())
+        );
+        assert_eq!((of("ours").uid, of("ours").cgroup.clone()), (None, None));
+        drop(procs);
+    }
+
     #[test]
     fn stray_bytes_add_up_per_build() {
         let mut broker = Broker::new(2).unwrap();

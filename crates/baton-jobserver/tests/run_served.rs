@@ -597,7 +597,8 @@ fn make_4_4_gets_the_token_file_which_goes_with_the_build() {
     let makefile = std::fs::read_to_string(dir.path().join("Makefile")).unwrap();
     std::fs::write(
         dir.path().join("Makefile"),
-        makefile.replacen("all:", "all: polls", 1) + &format!("polls:\n\t@{read_polls}\n.PHONY: polls\n"),
+        makefile.replacen("all:", "all: polls", 1)
+            + &format!("polls:\n\t@{read_polls}\n.PHONY: polls\n"),
     )
     .unwrap();
     let mount = broker.socket.with_file_name("fuse");
