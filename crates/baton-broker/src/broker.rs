@@ -1715,6 +1715,36 @@ mod tests {
             "{before} <= {closed} <= {after}"
         );
         assert_eq!(gate.threshold, 30.0);
+        // Its value is how long the grace has run: not the pool's age.
+        let value = gate.value.unwrap();
+        assert!((0.0..30.0).contains(&value), "{value} s");
+    }
+
+    /// A memory gate that closes on a broker whose clock ran 100 s says
+    /// when it closed as a time of day, now.
+    #[test]
+    fn a_closed_gate_says_when_it_closed() {
+        let mut state = Broker::new(2).unwrap().snapshot();
+        state.began = Instant::now() - Duration::from_secs(100);
+        state.started = SystemTime::now() - Duration::from_secs(100);
+        let mut broker = Broker::restore(state).unwrap();
+        broker.set_gates(GateConfig {
+            min_mem_available: Some(1 << 30),
+            ..GateConfig::default()
+        });
+        let before = epoch_now();
+        broker.observe(Reading {
+            mem_available: Some(1 << 20),
+            ..Reading::default()
+        });
+        let after = epoch_now();
+        let gate = broker.status().gates.remove(0);
+        assert_eq!((gate.name.as_str(), gate.open), ("mem-available", false));
+        let closed = gate.closed_since.unwrap();
+        assert!(
+            closed >= before - 1.0 && closed <= after + 1.0,
+            "{before} <= {closed} <= {after}"
+        );
     }
 
     #[test]
