@@ -489,8 +489,8 @@ fn has_python_shebang(program: &Path) -> bool {
 }
 
 pub fn is_make_name(name: &str) -> bool {
-    matches!(name, "make" | "gmake" | "gnumake")
-        || (name.ends_with("make") && !name.ends_with("cmake") && !name.ends_with("bmake"))
+    // make, gmake, gnumake and the like; not cmake, not bmake.
+    name.ends_with("make") && !name.ends_with("cmake") && !name.ends_with("bmake")
 }
 
 /// GNU make at `program`, with its version; None for any other make.
@@ -846,6 +846,42 @@ mod tests {
         Top::Ninja {
             path: "/bin/ninja".into(),
             version: Some(v),
+        }
+    }
+
+    /// gcc 13.0.0 is the first whose lto-wrapper reads the fifo form:
+    /// with it, no top and no explicit style hears of gcc at all, and
+    /// one version below, each does.
+    #[test]
+    fn gcc_13_0_0_reads_the_fifo_and_the_last_gcc_12_does_not() {
+        let tops = [
+            Top::Make(found("/m", Version(4, 4, 1)).unwrap()),
+            ninja(Version(1, 13, 2)),
+            Top::Python("/usr/bin/meson".into()),
+        ];
+        for top in tops {
+            for (gcc, old) in [(Version(13, 0, 0), false), (Version(12, 99, 99), true)] {
+                let t = Tree {
+                    gcc: found("/usr/bin/cc", gcc),
+                    lto: true,
+                    ..tree(top.clone())
+                };
+                let choice = choose(&t);
+                let said: Vec<&String> = choice
+                    .why
+                    .iter()
+                    .chain(&choice.warnings)
+                    .chain(&choice.left_behind)
+                    .filter(|w| w.contains("gcc "))
+                    .collect();
+                assert_eq!(!said.is_empty(), old, "{top:?} with gcc {gcc}: {choice:?}");
+                let refused = unreadable(&t, Style::Fifo);
+                assert_eq!(
+                    refused.as_ref().is_some_and(|r| r.contains("gcc ")),
+                    old,
+                    "{top:?} with gcc {gcc}: {refused:?}"
+                );
+            }
         }
     }
 

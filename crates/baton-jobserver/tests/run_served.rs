@@ -18,8 +18,8 @@ mod serve_role;
 use baton_jobserver::{autostart_log_path, run, Autostart, RunOptions, Style};
 use baton_testkit::harness::{self, role_command, spec_lines};
 use baton_testkit::{
-    bmake, flat_makefile, make43, max_overlap, skip, wait_for, wait_timeout, Missing,
-    RunningBroker, SpawnGuarded, TempDir,
+    bmake, flat_makefile, fuse_should_mount, make43, max_overlap, skip, wait_for, wait_timeout,
+    Missing, RunningBroker, SpawnGuarded, TempDir,
 };
 use serve_role::{served, served_at};
 use std::ffi::OsString;
@@ -569,8 +569,11 @@ fn bmake_gets_its_own_form_and_keeps_to_the_limit() {
 }
 
 fn make_4_4_gets_the_token_file_which_goes_with_the_build() {
-    if !Path::new("/dev/fuse").exists() {
-        return skip(Missing::Fuse, "no /dev/fuse");
+    if !fuse_should_mount() {
+        return skip(
+            Missing::Fuse,
+            "no /dev/fuse, or neither root nor fusermount3",
+        );
     }
     let make = std::env::var_os("BATON_TEST_MAKE44").map(std::path::PathBuf::from);
     let Some(make) = make.filter(|m| m.exists()) else {
@@ -580,9 +583,11 @@ fn make_4_4_gets_the_token_file_which_goes_with_the_build() {
         );
     };
     let broker = served(32, "fuse=1");
-    if !broker.log().contains("FUSE token files at") {
-        return skip(Missing::Fuse, "the broker did not mount");
-    }
+    assert!(
+        broker.log().contains("FUSE token files at"),
+        "the broker did not mount: {}",
+        broker.log()
+    );
     let dir = TempDir::new("run-served-fuse");
     let log = dir.path().join("jobs.log");
     flat_makefile(dir.path(), &log, 6, "0.1");

@@ -123,6 +123,19 @@ pub fn baton() -> Command {
     Command::new(baton_bin())
 }
 
+/// Whether a broker here can mount its FUSE token files: `/dev/fuse`, and
+/// root or `fusermount3`. Where it can, a broker without its mount is a
+/// failure, not a skip: a skip would let a broken mount pass unseen
+/// (found by mutation testing: a `mount` that returns None passed).
+pub fn fuse_should_mount() -> bool {
+    let on_path = |name: &str| {
+        std::env::var_os("PATH")
+            .is_some_and(|path| std::env::split_paths(&path).any(|d| d.join(name).is_file()))
+    };
+    // SAFETY: getuid has no preconditions.
+    Path::new("/dev/fuse").exists() && (unsafe { libc::getuid() } == 0 || on_path("fusermount3"))
+}
+
 /// A temporary directory removed on drop.
 pub struct TempDir(pub PathBuf);
 
