@@ -26,6 +26,12 @@ pub fn fuse_broker(jobs: u32, extra: &[&str]) -> Option<RunningBroker> {
     if is_fuse(&mount_point(&broker)) {
         return Some(broker);
     }
+    // A broker that could mount and did not is a failure, not a skip.
+    assert!(
+        !common::fuse_should_mount(),
+        "the broker did not mount its token files: {}",
+        broker.log()
+    );
     common::skip(
         common::Missing::Fuse,
         &format!("FUSE is not available here: {}", broker.log()),
