@@ -96,6 +96,14 @@ fn main() {
             a_process_killed_holding_the_files_tokens_gives_them_back,
         ),
         (
+            "a_successor_takes_the_token_files_and_what_their_readers_hold",
+            a_successor_takes_the_token_files_and_what_their_readers_hold,
+        ),
+        (
+            "the_mount_of_a_killed_broker_is_served_by_the_next_or_cleared",
+            the_mount_of_a_killed_broker_is_served_by_the_next_or_cleared,
+        ),
+        (
             "a_broker_started_by_socket_activation_serves_the_socket_it_is_given",
             a_broker_started_by_socket_activation_serves_the_socket_it_is_given,
         ),
@@ -819,4 +827,93 @@ fn a_broker_started_by_socket_activation_serves_the_socket_it_is_given() {
         socket.exists(),
         "the socket is systemd's to remove, not ours"
     );
+}
+
+/// How many mounts this process sees at `path`.
+fn mounts_at(path: &Path) -> usize {
+    let path = path.to_str().unwrap();
+    std::fs::read_to_string("/proc/self/mounts")
+        .unwrap()
+        .lines()
+        .filter(|line| line.split(' ').nth(1) == Some(path))
+        .count()
+}
+
+fn a_successor_takes_the_token_files_and_what_their_readers_hold() {
+    let Some((mut old, mount)) = served_with_files(2) else {
+        return;
+    };
+    let file = mount.join("kept");
+    std::fs::File::create(&file).unwrap();
+    let mut handle = open_rw(&file, true);
+    let mut byte = [0u8; 1];
+    assert_eq!(handle.read(&mut byte).unwrap(), 1);
+    let mut new = served_at(&old.socket, "jobs=2\nreplace=1\nfuse=1");
+    assert!(old.wait_exit(PATIENCE).success(), "{}", old.log());
+    // The old one exits once it has handed over; the new one says so as it
+    // adopts the mount, a moment later.
+    wait_for(PATIENCE, "the successor to take the files", || {
+        new.log().contains("FUSE token files at") && new.log().contains("taken over")
+    });
+    assert_eq!(mounts_at(&mount), 1, "the same mount, not a second");
+    let status = broker_status(&new);
+    assert_eq!(status["broker_pid"], new.pid());
+    assert_eq!(holders_by_transport(&status), [("fuse".to_string(), 1)]);
+    // The reader gives its token back to the successor, on the same handle.
+    assert_eq!(handle.write(b"+").unwrap(), 1);
+    new.assert_all_free();
+    drop(handle);
+    let (status, log) = new.stop_with(libc::SIGTERM);
+    assert!(status.success(), "{log}");
+    assert_eq!(mounts_at(&mount), 0, "a clean stop unmounts");
+}
+
+fn the_mount_of_a_killed_broker_is_served_by_the_next_or_cleared() {
+    let Some((mut first, mount)) = served_with_files(2) else {
+        return;
+    };
+    std::fs::File::create(mount.join("before")).unwrap();
+    // SAFETY: kill(2) has no memory effects.
+    unsafe { libc::kill(first.pid() as i32, libc::SIGKILL) };
+    first.wait_exit(PATIENCE);
+    // Within its grace the mount's keeper hands it to the next broker
+    // (this one's own keeper waits for nobody: a grace of 1 ms).
+    let mut second = served_at(&first.socket, "jobs=2\nfuse=1\norphan_ms=1");
+    assert!(
+        second
+            .log()
+            .contains("serving the mount a killed broker left"),
+        "{}",
+        second.log()
+    );
+    assert_eq!(mounts_at(&mount), 1);
+    let file = mount.join("after");
+    std::fs::File::create(&file).unwrap();
+    let mut byte = [0u8; 1];
+    let mut handle = open_rw(&file, true);
+    assert_eq!(handle.read(&mut byte).unwrap(), 1);
+    assert_eq!(handle.write(b"+").unwrap(), 1);
+    second.assert_all_free();
+    // Killed in turn: its keeper lets the mount go at once, dead
+    // (ENOTCONN); the next broker clears it and mounts afresh.
+    // SAFETY: as above.
+    unsafe { libc::kill(second.pid() as i32, libc::SIGKILL) };
+    second.wait_exit(PATIENCE);
+    wait_for(PATIENCE, "the mount let go", || {
+        std::fs::metadata(&mount).is_err_and(|e| e.raw_os_error() == Some(libc::ENOTCONN))
+    });
+    let third = served_at(&first.socket, "jobs=2\nfuse=1");
+    assert!(
+        third.log().contains("unmounting a stale FUSE mount"),
+        "{}",
+        third.log()
+    );
+    assert_eq!(mounts_at(&mount), 1, "{}", third.log());
+    let file = mount.join("afresh");
+    std::fs::File::create(&file).unwrap();
+    let mut handle = open_rw(&file, true);
+    assert_eq!(handle.read(&mut byte).unwrap(), 1);
+    assert_eq!(handle.write(b"+").unwrap(), 1);
+    third.assert_all_free();
+    assert_eq!(open_rw(&file, true).read(&mut byte).unwrap(), 1);
 }
