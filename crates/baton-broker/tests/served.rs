@@ -13,7 +13,10 @@
 #[path = "support/serve_role.rs"]
 mod serve_role;
 
-use baton_testkit::{harness, hello_as, skip, wait_for, Missing, RunningBroker, TempDir};
+use baton_testkit::{
+    fuse_should_mount, harness, hello_as, skip, wait_for, Missing, RunningBroker, SpawnGuarded,
+    TempDir,
+};
 use serve_role::{serve_command, served, served_at};
 use std::io::{BufRead, BufReader, Read, Write};
 use std::os::unix::net::UnixStream;
@@ -102,6 +105,10 @@ fn main() {
         (
             "the_mount_of_a_killed_broker_is_served_by_the_next_or_cleared",
             the_mount_of_a_killed_broker_is_served_by_the_next_or_cleared,
+        ),
+        (
+            "the_memory_gate_follows_what_its_cgroup_uses",
+            the_memory_gate_follows_what_its_cgroup_uses,
         ),
         (
             "a_broker_started_by_socket_activation_serves_the_socket_it_is_given",
@@ -552,19 +559,21 @@ fn a_second_broker_at_a_served_socket_refuses_and_a_stale_one_is_cleared() {
 /// A broker of `jobs` tokens with its FUSE token files, or None (the test
 /// recorded as skipped) where this machine cannot mount them.
 fn served_with_files(jobs: u32) -> Option<(RunningBroker, PathBuf)> {
-    if !Path::new("/dev/fuse").exists() {
-        skip(Missing::Fuse, "no /dev/fuse");
+    if !fuse_should_mount() {
+        skip(
+            Missing::Fuse,
+            "no /dev/fuse, or neither root nor fusermount3",
+        );
         return None;
     }
     let broker = served(jobs, "fuse=1");
     let mount = broker.socket.with_file_name("fuse");
-    if !broker.log().contains("FUSE token files at") {
-        skip(
-            Missing::Fuse,
-            &format!("the broker did not mount: {}", broker.log()),
-        );
-        return None;
-    }
+    // One that could mount and did not fails: a skip would hide it.
+    assert!(
+        broker.log().contains("FUSE token files at"),
+        "the broker did not mount: {}",
+        broker.log()
+    );
     Some((broker, mount))
 }
 
@@ -916,4 +925,71 @@ fn the_mount_of_a_killed_broker_is_served_by_the_next_or_cleared() {
     assert_eq!(handle.write(b"+").unwrap(), 1);
     third.assert_all_free();
     assert_eq!(open_rw(&file, true).read(&mut byte).unwrap(), 1);
+}
+
+/// The `mem-available` gate's state and value, from STATUS.
+fn memory_gate(broker: &RunningBroker) -> (bool, u64) {
+    let status = broker_status(broker);
+    let gate = status["gates"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|g| g["name"] == "mem-available")
+        .cloned()
+        .unwrap_or_else(|| panic!("no memory gate: {status}"));
+    (
+        gate["open"].as_bool().unwrap(),
+        gate["value"].as_f64().unwrap() as u64,
+    )
+}
+
+/// The broker in a memory cgroup of 512 MiB, with the gate at 256 MiB
+/// free: its thread measures the cgroup while it serves, and the gate
+/// closes while a process in the cgroup takes 350 MiB, and opens again
+/// when it is gone.
+fn the_memory_gate_follows_what_its_cgroup_uses() {
+    const MIB: u64 = 1 << 20;
+    let cgroup = match baton_bench::cgroup::MemCgroup::new("served-gate", 512 * MIB) {
+        Ok(cgroup) => cgroup,
+        Err(why) => {
+            let missing = match why.downcast_ref::<baton_bench::cgroup::Unusable>() {
+                Some(baton_bench::cgroup::Unusable::NotRoot) => Missing::Root,
+                _ => Missing::Cgroup,
+            };
+            return skip(missing, &format!("{why:#}"));
+        }
+    };
+    let dir = TempDir::new("served-gate");
+    let socket = dir.path().join("run").join("socket");
+    let mut command = cgroup.command();
+    command
+        .arg(std::env::current_exe().unwrap())
+        .env("BATON_TEST_ROLE", "serve")
+        .env(
+            "BATON_TEST_SPEC",
+            format!("socket={}\njobs=4\nmin_mem={}", socket.display(), 256 * MIB),
+        );
+    let broker = RunningBroker::start_command(command, dir, socket);
+    let (open, value) = memory_gate(&broker);
+    assert!(open, "{value} bytes free of 512 MiB");
+    assert!(value <= 512 * MIB && value > 256 * MIB, "{value}");
+    let mut hog = cgroup.command();
+    hog.args([
+        "python3",
+        "-c",
+        "import sys, time\nb = bytearray(350 << 20)\nb[::4096] = b'x' * len(range(0, len(b), 4096))\nprint('taken', flush=True)\ntime.sleep(600)",
+    ])
+    .stdout(std::process::Stdio::piped());
+    let mut hog = hog.spawn_guarded().unwrap();
+    let mut line = String::new();
+    BufReader::new(hog.stdout.take().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    assert_eq!(line, "taken\n");
+    wait_for(PATIENCE, "the gate to close", || !memory_gate(&broker).0);
+    hog.kill().unwrap();
+    hog.reap().unwrap();
+    wait_for(PATIENCE, "the gate to open again", || {
+        memory_gate(&broker).0
+    });
 }
