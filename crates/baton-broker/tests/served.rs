@@ -111,6 +111,10 @@ fn main() {
             the_memory_gate_follows_what_its_cgroup_uses,
         ),
         (
+            "a_growing_job_is_paused_while_memory_is_short_and_resumed_after",
+            a_growing_job_is_paused_while_memory_is_short_and_resumed_after,
+        ),
+        (
             "a_broker_started_by_socket_activation_serves_the_socket_it_is_given",
             a_broker_started_by_socket_activation_serves_the_socket_it_is_given,
         ),
@@ -927,6 +931,40 @@ fn the_mount_of_a_killed_broker_is_served_by_the_next_or_cleared() {
     assert_eq!(open_rw(&file, true).read(&mut byte).unwrap(), 1);
 }
 
+const MIB: u64 = 1 << 20;
+
+/// A broker of 4 tokens with `spec`, served in a memory cgroup of 512 MiB
+/// of its own; None (the skip recorded) where none can be made.
+fn served_in_a_memory_cgroup(
+    name: &str,
+    spec: &str,
+) -> Option<(baton_bench::cgroup::MemCgroup, RunningBroker)> {
+    use baton_bench::cgroup::{MemCgroup, Unusable};
+    let cgroup = match MemCgroup::new(&format!("served-{name}"), 512 * MIB) {
+        Ok(cgroup) => cgroup,
+        Err(why) => {
+            let missing = match why.downcast_ref::<Unusable>() {
+                Some(Unusable::NotRoot) => Missing::Root,
+                _ => Missing::Cgroup,
+            };
+            skip(missing, &format!("{why:#}"));
+            return None;
+        }
+    };
+    let dir = TempDir::new("served-cgroup");
+    let socket = dir.path().join("run").join("socket");
+    let mut command = cgroup.command();
+    command
+        .arg(std::env::current_exe().unwrap())
+        .env("BATON_TEST_ROLE", "serve")
+        .env(
+            "BATON_TEST_SPEC",
+            format!("socket={}\njobs=4\n{spec}", socket.display()),
+        );
+    let broker = RunningBroker::start_command(command, dir, socket);
+    Some((cgroup, broker))
+}
+
 /// The `mem-available` gate's state and value, from STATUS.
 fn memory_gate(broker: &RunningBroker) -> (bool, u64) {
     let status = broker_status(broker);
@@ -948,28 +986,11 @@ fn memory_gate(broker: &RunningBroker) -> (bool, u64) {
 /// closes while a process in the cgroup takes 350 MiB, and opens again
 /// when it is gone.
 fn the_memory_gate_follows_what_its_cgroup_uses() {
-    const MIB: u64 = 1 << 20;
-    let cgroup = match baton_bench::cgroup::MemCgroup::new("served-gate", 512 * MIB) {
-        Ok(cgroup) => cgroup,
-        Err(why) => {
-            let missing = match why.downcast_ref::<baton_bench::cgroup::Unusable>() {
-                Some(baton_bench::cgroup::Unusable::NotRoot) => Missing::Root,
-                _ => Missing::Cgroup,
-            };
-            return skip(missing, &format!("{why:#}"));
-        }
+    let Some((cgroup, broker)) =
+        served_in_a_memory_cgroup("gate", &format!("min_mem={}", 256 * MIB))
+    else {
+        return;
     };
-    let dir = TempDir::new("served-gate");
-    let socket = dir.path().join("run").join("socket");
-    let mut command = cgroup.command();
-    command
-        .arg(std::env::current_exe().unwrap())
-        .env("BATON_TEST_ROLE", "serve")
-        .env(
-            "BATON_TEST_SPEC",
-            format!("socket={}\njobs=4\nmin_mem={}", socket.display(), 256 * MIB),
-        );
-    let broker = RunningBroker::start_command(command, dir, socket);
     let (open, value) = memory_gate(&broker);
     assert!(open, "{value} bytes free of 512 MiB");
     assert!(value <= 512 * MIB && value > 256 * MIB, "{value}");
@@ -992,4 +1013,91 @@ fn the_memory_gate_follows_what_its_cgroup_uses() {
     wait_for(PATIENCE, "the gate to open again", || {
         memory_gate(&broker).0
     });
+}
+
+/// A process's state letter in /proc (T: stopped); None once it is gone.
+fn state_of(pid: u32) -> Option<char> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    stat.rsplit(')').next()?.trim_start().chars().next()
+}
+
+/// `--on-memory-pressure pause` for real: a build (a client that holds 2
+/// tokens) runs two jobs that grow in the broker's memory cgroup; once
+/// less than the gate's 200 MiB is left, the job that grows and is not
+/// the first started is stopped (SIGSTOP), and when the first ends,
+/// it is resumed.
+fn a_growing_job_is_paused_while_memory_is_short_and_resumed_after() {
+    let spec = format!("min_mem={}\npause=1", 200 * MIB);
+    let Some((cgroup, broker)) = served_in_a_memory_cgroup("pause", &spec) else {
+        return;
+    };
+    // The build: a client that holds 2 tokens and runs make, whose two
+    // jobs (children of a build tool: jobs, as the broker counts them)
+    // start a moment apart and say their pids. Each takes 20 MiB every
+    // 50 ms, up to 200 MiB: both together would leave less than 200 MiB
+    // of 512.
+    let dir = TempDir::new("served-pause");
+    let job = "import time\nb = []\nwhile len(b) < 10:\n    b.append(bytearray(b'x' * (20 << 20)))\n    time.sleep(0.05)\ntime.sleep(600)";
+    std::fs::write(dir.path().join("job.py"), job).unwrap();
+    std::fs::write(
+        dir.path().join("Makefile"),
+        "all: first second\n\
+         first:\n\techo $$$$ > first.pid; exec python3 job.py\n\
+         second:\n\tsleep 0.3; echo $$$$ > second.pid; exec python3 job.py\n",
+    )
+    .unwrap();
+    let build = format!(
+        "import socket, subprocess, time\n\
+         s = socket.socket(socket.AF_UNIX); s.connect({socket:?})\n\
+         f = s.makefile('rw')\n\
+         f.write('HELLO 1 pausing\\nACQUIRE 2\\n'); f.flush()\n\
+         assert f.readline().startswith('OK'), 'hello'\n\
+         assert f.readline().startswith('GRANTED'), 'granted'\n\
+         subprocess.run(['make', '-s', '-j2'])\n",
+        socket = broker.socket.to_str().unwrap(),
+    );
+    let mut client = cgroup.command();
+    client
+        .args(["python3", "-c", &build])
+        .current_dir(dir.path())
+        .env_remove("MAKEFLAGS")
+        .env_remove("MAKELEVEL");
+    let client = client.spawn_guarded().unwrap();
+    let pid_of = |job: &str| {
+        let path = dir.path().join(format!("{job}.pid"));
+        let mut pid = None;
+        wait_for(PATIENCE, &format!("the {job} job"), || {
+            pid = std::fs::read_to_string(&path)
+                .ok()
+                .and_then(|p| p.trim().parse::<u32>().ok());
+            pid.is_some()
+        });
+        pid.unwrap()
+    };
+    let (first, second) = (pid_of("first"), pid_of("second"));
+    let paused = std::time::Instant::now();
+    while state_of(second) != Some('T') {
+        assert!(
+            paused.elapsed() < PATIENCE,
+            "the second job was never paused: {}",
+            broker.log()
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    assert_ne!(state_of(first), Some('T'), "the first started runs on");
+    // Logged just after the signal.
+    wait_for(PATIENCE, "the pause logged", || {
+        broker.log().contains(&format!("paused job pid {second}"))
+    });
+    // SAFETY: kill(2) has no memory effects.
+    unsafe { libc::kill(first as i32, libc::SIGKILL) };
+    wait_for(PATIENCE, "the second job to be resumed", || {
+        state_of(second).is_some_and(|s| s != 'T')
+    });
+    wait_for(PATIENCE, "the resume logged", || {
+        broker
+            .log()
+            .contains(&format!("resumed job pid {second} (SIGCONT)"))
+    });
+    drop(client);
 }
