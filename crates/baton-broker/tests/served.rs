@@ -115,6 +115,10 @@ fn main() {
             a_growing_job_is_paused_while_memory_is_short_and_resumed_after,
         ),
         (
+            "the_load_and_pressure_gates_read_the_machine",
+            the_load_and_pressure_gates_read_the_machine,
+        ),
+        (
             "a_broker_started_by_socket_activation_serves_the_socket_it_is_given",
             a_broker_started_by_socket_activation_serves_the_socket_it_is_given,
         ),
@@ -1100,4 +1104,41 @@ fn a_growing_job_is_paused_while_memory_is_short_and_resumed_after() {
             .contains(&format!("resumed job pid {second} (SIGCONT)"))
     });
     drop(client);
+}
+
+/// A gate's value from STATUS, by name.
+fn gate_value(broker: &RunningBroker, name: &str) -> Option<f64> {
+    let status = broker_status(broker);
+    let gates = status["gates"].as_array().unwrap();
+    let gate = gates
+        .iter()
+        .find(|g| g["name"] == name)
+        .unwrap_or_else(|| panic!("no {name} gate: {status}"));
+    gate["value"].as_f64()
+}
+
+/// The load gate counts runnable tasks: four spinning shells on this
+/// machine show as at least two (the mean of the last readings, less the
+/// reader itself). The pressure gate reads PSI where the kernel has it.
+fn the_load_and_pressure_gates_read_the_machine() {
+    let broker = served(2, "max_load=100000\nmax_pressure=100");
+    let spinners: Vec<_> = (0..4)
+        .map(|_| {
+            Command::new("sh")
+                .args(["-c", "while :; do :; done"])
+                .spawn_guarded()
+                .unwrap()
+        })
+        .collect();
+    wait_for(PATIENCE, "the run queue to show the spinners", || {
+        gate_value(&broker, "load").is_some_and(|v| v >= 2.0)
+    });
+    drop(spinners);
+    if std::fs::read_to_string("/proc/pressure/memory").is_ok() {
+        let pressure = gate_value(&broker, "mem-pressure");
+        assert!(
+            pressure.is_some_and(|p| (0.0..=100.0).contains(&p)),
+            "{pressure:?}"
+        );
+    }
 }
