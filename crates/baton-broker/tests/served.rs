@@ -119,6 +119,10 @@ fn main() {
             the_load_and_pressure_gates_read_the_machine,
         ),
         (
+            "the_log_says_as_much_as_its_level_asks",
+            the_log_says_as_much_as_its_level_asks,
+        ),
+        (
             "a_broker_started_by_socket_activation_serves_the_socket_it_is_given",
             a_broker_started_by_socket_activation_serves_the_socket_it_is_given,
         ),
@@ -1141,4 +1145,46 @@ fn the_load_and_pressure_gates_read_the_machine() {
             "{pressure:?}"
         );
     }
+}
+
+/// `-q` keeps warnings and errors, the default adds the events, `-v`
+/// every connection; each line has its level. A broker that cannot start
+/// says why, as an ERROR, at every level.
+fn the_log_says_as_much_as_its_level_asks() {
+    for (level, info, debug) in [
+        ("warn", false, false),
+        ("info", true, false),
+        ("debug", true, true),
+    ] {
+        let mut broker = served(1, &format!("log={level}"));
+        let mut peer = Peer::hello(&broker.socket, "peer");
+        assert_eq!(peer.ask("TRY 1"), "GRANTED 1 1");
+        drop(peer);
+        let (_, log) = broker.stop_with(libc::SIGTERM);
+        assert_eq!(
+            log.contains(" INFO baton: serving 1 token at "),
+            info,
+            "{level}: {log}"
+        );
+        assert_eq!(
+            log.contains(" INFO baton: stopping on SIGTERM"),
+            info,
+            "{level}: {log}"
+        );
+        assert_eq!(
+            log.contains(" DEBUG baton: connection from pid "),
+            debug,
+            "{level}: {log}"
+        );
+    }
+    // Refused at start: said as an ERROR even under -q.
+    let broker = served(1, "");
+    let refused = serve_command(&broker.socket, "jobs=1\nlog=warn")
+        .output()
+        .unwrap();
+    let said = String::from_utf8_lossy(&refused.stderr);
+    assert!(
+        said.contains(" ERROR baton: a broker is already running at"),
+        "{said}"
+    );
 }

@@ -17,7 +17,7 @@ use std::time::Duration;
 
 /// Serves as `baton serve` would with the options of `spec` (`key=value`
 /// lines: jobs, socket, io_uring, max_clients, replace, idle_ms, metrics,
-/// fuse, orphan_ms, reclaim_ms, min_mem, pause, max_load, max_pressure), then
+/// fuse, orphan_ms, reclaim_ms, min_mem, pause, max_load, max_pressure, log), then
 /// exits as it does: 0 after a clean stop, 1 with
 /// the reason logged.
 pub fn serve_here(spec: &str) -> ! {
@@ -50,6 +50,14 @@ pub fn serve_here(spec: &str) -> ! {
             "fuse" => opts.fuse = Some(FuseOptions::default()),
             "min_mem" => opts.gates.min_mem_available = Some(value.parse().unwrap()),
             "pause" => opts.gates.pause = value == "1",
+            "log" => {
+                opts.log_level = match value {
+                    "warn" => LogLevel::Warn,
+                    "info" => LogLevel::Info,
+                    "debug" => LogLevel::Debug,
+                    other => panic!("log level {other}"),
+                }
+            }
             "max_load" => opts.gates.max_load = Some(value.parse().unwrap()),
             "max_pressure" => opts.gates.max_mem_pressure = Some(value.parse().unwrap()),
             // How long a killed broker's mount waits for the next broker.
