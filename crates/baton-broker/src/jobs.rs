@@ -445,6 +445,56 @@ mod tests {
         );
     }
 
+    /// A build tool with no child (make waiting for a token) is no job
+    /// for status, but an orphaned build keeps a token for it; a process
+    /// that has exited (a zombie) is neither; nor is one of another build.
+    #[test]
+    fn a_childless_make_counts_only_for_an_orphaned_build_and_a_zombie_not_at_all() {
+        let owner = 4_000_000_000u32 - 11 - std::process::id();
+        let session = own_session();
+        let ns = sys::pid_namespace_of("self").unwrap();
+        let dir = std::env::temp_dir().join(format!("baton-jobs-make-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        // A program called make: its comm is what tells a build tool.
+        let make = dir.join("make");
+        std::fs::copy("/bin/sleep", &make).unwrap();
+        let mut procs = Procs(Vec::new());
+        let marked = |cmd: &mut std::process::Command| {
+            cmd.env(RUN_PID_VAR, owner.to_string());
+        };
+        let mut waiting_make = std::process::Command::new(&make);
+        waiting_make.arg("60");
+        marked(&mut waiting_make);
+        procs.spawn(&mut waiting_make);
+        let mut job = std::process::Command::new("sleep");
+        job.arg("60");
+        marked(&mut job);
+        procs.spawn(&mut job);
+        // One that exits at once and is not reaped: a zombie with the marker.
+        let mut done = std::process::Command::new("true");
+        marked(&mut done);
+        let mut zombie = done.spawn().unwrap();
+        until(|| sys::stat(zombie.id()).is_some_and(|s| !s.is_live()));
+        // Another build's job, and a process of this build's in another
+        // session, count for nobody here.
+        let mut other = std::process::Command::new("sleep");
+        other.arg("60").env(RUN_PID_VAR, (owner + 1).to_string());
+        procs.spawn(&mut other);
+        let mut elsewhere = std::process::Command::new("setsid");
+        elsewhere.args(["sleep", "60"]);
+        marked(&mut elsewhere);
+        procs.spawn(&mut elsewhere);
+        until(|| orphan_jobs(owner, session, ns) == 2);
+        assert_eq!(
+            running_jobs(&HashMap::from([((owner, session, ns), owner)])),
+            HashMap::from([(owner, 1)]),
+            "the sleeping job only"
+        );
+        zombie.wait().unwrap();
+        drop(procs);
+        std::fs::remove_dir_all(dir).unwrap();
+    }
+
     #[test]
     fn a_process_whose_child_is_stopped_is_stopped() {
         let mut procs = Procs(Vec::new());

@@ -146,6 +146,24 @@ mod tests {
         assert_eq!(asker.join().unwrap(), None);
     }
 
+    /// An asker not told to stop waits for as long as the loop takes:
+    /// here three of its looks at the stop flag.
+    #[test]
+    fn an_asker_not_stopped_waits_past_its_looks_at_the_flag() {
+        let poll = Poll::new().unwrap();
+        let (mailbox, inbox) = mailbox::<u32>(poll.registry(), Token(0)).unwrap();
+        let stop = Arc::new(AtomicBool::new(false));
+        let asker = std::thread::spawn(move || mailbox.ask_unless(&stop, |limit| *limit + 1));
+        // The errand is posted before the loop runs it, long after.
+        std::thread::sleep(STOP_CHECK * 3);
+        let mut state = 4;
+        while !asker.is_finished() {
+            inbox.run_all(&mut state);
+            std::thread::yield_now();
+        }
+        assert_eq!(asker.join().unwrap(), Some(5));
+    }
+
     #[test]
     fn errands_run_in_the_order_posted() {
         let poll = Poll::new().unwrap();
