@@ -433,4 +433,50 @@ mod tests {
             "{post}"
         );
     }
+
+    /// A request head that arrives in pieces is read to its blank line,
+    /// in either line ending; one past 8 KiB is refused unanswered.
+    #[test]
+    fn a_request_head_is_read_whole_and_no_longer_than_8_kib() {
+        for (first, rest) in [
+            ("GET /met", "rics HTTP/1.1\r\nHost: a\r\n\r\n"),
+            ("GET /met", "rics HTTP/1.1\nHost: a\n\n"),
+        ] {
+            let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+            let mut client = TcpStream::connect(listener.local_addr().unwrap()).unwrap();
+            let (mut server, _) = listener.accept().unwrap();
+            client.write_all(first.as_bytes()).unwrap();
+            let reader = std::thread::spawn(move || read_head(&mut server).unwrap());
+            // The rest only once the first piece had time to be read alone.
+            std::thread::sleep(Duration::from_millis(50));
+            client.write_all(rest.as_bytes()).unwrap();
+            assert_eq!(reader.join().unwrap(), format!("{first}{rest}"));
+        }
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let mut client = TcpStream::connect(listener.local_addr().unwrap()).unwrap();
+        let (mut server, _) = listener.accept().unwrap();
+        let endless = format!("GET /metrics HTTP/1.1\r\n{}", "X-Pad: y\r\n".repeat(1000));
+        client.write_all(endless.as_bytes()).unwrap();
+        let refused = read_head(&mut server).unwrap_err();
+        assert_eq!(refused.kind(), io::ErrorKind::InvalidData, "{refused}");
+    }
+
+    #[test]
+    fn the_gates_are_gauges_labelled_by_name() {
+        let mut broker = Broker::new(2).unwrap();
+        broker.set_gate("load", Some(64.0)).unwrap();
+        broker.observe(baton_core::gates::Reading {
+            runnable: Some(3.0),
+            ..Default::default()
+        });
+        let text = render(&broker.status_now());
+        let lines = lines(&text);
+        for want in [
+            r#"baton_gate_open{gate="load"} 1.0"#,
+            r#"baton_gate_value{gate="load"} 3.0"#,
+            r#"baton_gate_threshold{gate="load"} 64.0"#,
+        ] {
+            assert!(lines.contains(&want), "{want} not in\n{text}");
+        }
+    }
 }

@@ -371,6 +371,56 @@ mod tests {
         assert!(socket.exists() && file.exists());
     }
 
+    /// A path that cannot be looked at (here: under a regular file) is an
+    /// error, not "nothing there".
+    #[test]
+    fn what_cannot_be_looked_at_is_not_taken_for_nothing() {
+        let tmp = TempDir::new();
+        let file = tmp.0.join("file");
+        fs::write(&file, "").unwrap();
+        let err = clear_stale_socket(&file.join("sock")).unwrap_err();
+        assert!(err.to_string().contains("cannot inspect"), "{err}");
+    }
+
+    #[test]
+    fn the_mount_point_is_made_ours_or_refused_if_it_is_a_link_or_a_file() {
+        let tmp = TempDir::new();
+        let mount = tmp.0.join("fuse");
+        own_subdir(&mount).unwrap();
+        let meta = fs::symlink_metadata(&mount).unwrap();
+        assert!(meta.is_dir());
+        assert_eq!(meta.mode() & 0o777, 0o700);
+        own_subdir(&mount).unwrap();
+        let elsewhere = tmp.0.join("elsewhere");
+        fs::create_dir(&elsewhere).unwrap();
+        let link = tmp.0.join("link");
+        std::os::unix::fs::symlink(&elsewhere, &link).unwrap();
+        assert!(own_subdir(&link).is_err(), "never through a link");
+        let file = tmp.0.join("plain");
+        fs::write(&file, "").unwrap();
+        assert!(own_subdir(&file).is_err(), "a file is no mount point");
+        let long = tmp.0.join("x".repeat(300));
+        let err = own_subdir(&long).unwrap_err();
+        assert!(err.to_string().contains("cannot create"), "{err}");
+        let err = prepare_private_dir(&long, false).unwrap_err();
+        assert!(
+            err.to_string().contains("cannot create the directory"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn a_file_of_ours_is_never_opened_through_a_link() {
+        let tmp = TempDir::new();
+        let target = tmp.0.join("target");
+        fs::write(&target, "").unwrap();
+        let link = tmp.0.join("sock.lock");
+        std::os::unix::fs::symlink(&target, &link).unwrap();
+        let err = open_own_file(&link).unwrap_err();
+        assert!(err.to_string().contains("is a symbolic link"), "{err}");
+        open_own_file(&tmp.0.join("mine")).unwrap();
+    }
+
     #[test]
     fn the_autostart_lock_is_removed_unless_a_baton_run_holds_it() {
         let tmp = TempDir::new();

@@ -13,6 +13,7 @@
 #[path = "support/serve_role.rs"]
 mod serve_role;
 
+use baton_testkit::harness::role_command;
 use baton_testkit::{
     fuse_should_mount, harness, hello_as, skip, wait_for, Missing, RunningBroker, SpawnGuarded,
     TempDir,
@@ -121,6 +122,14 @@ fn main() {
         (
             "the_log_says_as_much_as_its_level_asks",
             the_log_says_as_much_as_its_level_asks,
+        ),
+        (
+            "admitting_others_opens_the_socket_to_them_and_says_where_they_cannot_reach_it",
+            admitting_others_opens_the_socket_to_them_and_says_where_they_cannot_reach_it,
+        ),
+        (
+            "a_successor_of_a_broker_without_token_files_mounts_none",
+            a_successor_of_a_broker_without_token_files_mounts_none,
         ),
         (
             "a_broker_started_by_socket_activation_serves_the_socket_it_is_given",
@@ -543,14 +552,21 @@ fn the_metrics_endpoint_serves_the_pool() {
 }
 
 fn a_second_broker_at_a_served_socket_refuses_and_a_stale_one_is_cleared() {
-    let broker = served(1, "");
+    let died_here = "without cleaning up: for 200 ms nothing new is granted";
+    let broker = served(1, "reclaim_ms=200");
+    assert!(
+        !broker.log().contains(died_here),
+        "a fresh path: {}",
+        broker.log()
+    );
     let second = serve_command(&broker.socket, "jobs=1").output().unwrap();
     assert_eq!(second.status.code(), Some(1));
     let said = String::from_utf8_lossy(&second.stderr);
     assert!(said.contains("a broker is already running at"), "{said}");
     drop(broker);
     // A socket nobody listens on (its broker died) is cleared, and the
-    // new broker says why it waits for builds... here with no grace.
+    // new broker grants nothing new while that broker's builds may come
+    // back (the reclaim grace), and says so.
     let dir = TempDir::new("served-stale");
     let socket = dir.path().join("run").join("socket");
     std::fs::create_dir_all(socket.parent().unwrap()).unwrap();
@@ -561,10 +577,17 @@ fn a_second_broker_at_a_served_socket_refuses_and_a_stale_one_is_cleared() {
     .unwrap();
     drop(std::os::unix::net::UnixListener::bind(&socket).unwrap());
     assert!(socket.exists(), "a stale socket to clear");
-    let broker = RunningBroker::start_command(serve_command(&socket, "jobs=1"), dir, socket);
+    let broker = RunningBroker::start_command(
+        serve_command(&socket, "jobs=1\nreclaim_ms=200"),
+        dir,
+        socket,
+    );
+    assert!(broker.log().contains(died_here), "{}", broker.log());
+    let mut after = Peer::hello(&broker.socket, "after");
     assert_eq!(
-        Peer::hello(&broker.socket, "after").ask("TRY 1"),
-        "GRANTED 1 1"
+        after.ask("ACQUIRE 1"),
+        "GRANTED 1 1",
+        "once the grace is over"
     );
 }
 
@@ -1187,4 +1210,91 @@ fn the_log_says_as_much_as_its_level_asks() {
         said.contains(" ERROR baton: a broker is already running at"),
         "{said}"
     );
+}
+
+/// A broker at `run/socket` in a directory made first with `mode` (and
+/// `group`, if given), served with `spec`.
+fn served_in_dir(mode: u32, group: Option<u32>, spec: &str) -> RunningBroker {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = TempDir::new("served-admit");
+    let run = dir.path().join("run");
+    std::fs::create_dir(&run).unwrap();
+    if let Some(gid) = group {
+        std::os::unix::fs::chown(&run, None, Some(gid)).unwrap();
+    }
+    std::fs::set_permissions(&run, std::fs::Permissions::from_mode(mode)).unwrap();
+    let socket = run.join("socket");
+    RunningBroker::start_command(
+        serve_command(&socket, &format!("jobs=1\n{spec}")),
+        dir,
+        socket,
+    )
+}
+
+fn mode_and_group(path: &Path) -> (u32, u32) {
+    use std::os::unix::fs::MetadataExt;
+    let meta = std::fs::symlink_metadata(path).unwrap();
+    (meta.mode() & 0o7777, meta.gid())
+}
+
+/// `--allow-uid` and `--allow-group` open the socket's mode to those they
+/// admit (one group: 0660 and that group's; else 0666), and the broker
+/// warns where the directory keeps them out; it refuses outright to admit
+/// others to its private directory, which they could never reach.
+fn admitting_others_opens_the_socket_to_them_and_says_where_they_cannot_reach_it() {
+    if !nix::unistd::getuid().is_root() {
+        return skip(Missing::Root, "chown to another group needs root");
+    }
+    let cannot_reach = "cannot be searched by the users --allow-uid/--allow-group admit";
+    let own = served_in_dir(0o700, None, "");
+    assert_eq!(mode_and_group(&own.socket).0, 0o600);
+    assert!(!own.log().contains(cannot_reach));
+
+    let uid = served_in_dir(0o700, None, "allow_uid=1234");
+    assert_eq!(mode_and_group(&uid.socket).0, 0o666);
+    assert!(uid.log().contains(cannot_reach), "{}", uid.log());
+    let uid = served_in_dir(0o701, None, "allow_uid=1234");
+    assert!(!uid.log().contains(cannot_reach), "o+x: {}", uid.log());
+
+    let group = served_in_dir(0o710, Some(4242), "allow_group=4242");
+    assert_eq!(mode_and_group(&group.socket), (0o660, 4242));
+    assert!(
+        !group.log().contains(cannot_reach),
+        "g+x for the group: {}",
+        group.log()
+    );
+    let other_group = served_in_dir(0o710, Some(4243), "allow_group=4242");
+    assert!(
+        other_group.log().contains(cannot_reach),
+        "g+x, another group: {}",
+        other_group.log()
+    );
+
+    // Admitting others to baton's own private directory: refused.
+    let home = TempDir::new("served-admit-home");
+    let refused = role_command("serve", "jobs=1\nallow_uid=1234")
+        .env("XDG_RUNTIME_DIR", home.path())
+        .output()
+        .unwrap();
+    assert_eq!(refused.status.code(), Some(1));
+    let said = String::from_utf8_lossy(&refused.stderr);
+    assert!(
+        said.contains("admit other users, but the socket would be in"),
+        "{said}"
+    );
+}
+
+/// The successor takes its predecessor's state as it is: a broker that
+/// served no token files hands over none, and the successor mounts none
+/// of its own (its builds use the forms they were given).
+fn a_successor_of_a_broker_without_token_files_mounts_none() {
+    let mut old = served(1, "");
+    let mount = old.socket.with_file_name("fuse");
+    let new = served_at(&old.socket, "jobs=1\nreplace=1\nfuse=1");
+    assert!(old.wait_exit(PATIENCE).success());
+    wait_for(PATIENCE, "the successor to serve", || {
+        new.log().contains("took over")
+    });
+    assert!(!new.log().contains("FUSE token files at"), "{}", new.log());
+    assert_eq!(mounts_at(&mount), 0);
 }

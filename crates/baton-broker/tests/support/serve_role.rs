@@ -17,7 +17,8 @@ use std::time::Duration;
 
 /// Serves as `baton serve` would with the options of `spec` (`key=value`
 /// lines: jobs, socket, io_uring, max_clients, replace, idle_ms, metrics,
-/// fuse, orphan_ms, reclaim_ms, min_mem, pause, max_load, max_pressure, log), then
+/// fuse, orphan_ms, reclaim_ms, min_mem, pause, max_load, max_pressure, log, allow_uid, allow_group),
+/// then
 /// exits as it does: 0 after a clean stop, 1 with
 /// the reason logged.
 pub fn serve_here(spec: &str) -> ! {
@@ -50,6 +51,8 @@ pub fn serve_here(spec: &str) -> ! {
             "fuse" => opts.fuse = Some(FuseOptions::default()),
             "min_mem" => opts.gates.min_mem_available = Some(value.parse().unwrap()),
             "pause" => opts.gates.pause = value == "1",
+            "allow_uid" => opts.allow_uids.push(value.parse().unwrap()),
+            "allow_group" => opts.allow_groups.push(value.to_string()),
             "log" => {
                 opts.log_level = match value {
                     "warn" => LogLevel::Warn,
