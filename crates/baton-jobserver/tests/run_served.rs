@@ -80,6 +80,22 @@ fn main() {
             builds_that_find_no_broker_start_one_between_them,
         ),
         (
+            "a_build_waiting_for_its_first_token_waits_for_the_next_broker",
+            a_build_waiting_for_its_first_token_waits_for_the_next_broker,
+        ),
+        (
+            "a_python_driver_is_refused_the_pipe_and_tokens_beyond_max_are_refused",
+            a_python_driver_is_refused_the_pipe_and_tokens_beyond_max_are_refused,
+        ),
+        (
+            "explain_says_why_make_4_4_did_not_get_the_file",
+            explain_says_why_make_4_4_did_not_get_the_file,
+        ),
+        (
+            "bmake_reads_the_token_file_through_its_own_descriptors",
+            bmake_reads_the_token_file_through_its_own_descriptors,
+        ),
+        (
             "bmake_gets_its_own_form_and_keeps_to_the_limit",
             bmake_gets_its_own_form_and_keeps_to_the_limit,
         ),
@@ -622,5 +638,161 @@ fn make_4_4_gets_the_token_file_which_goes_with_the_build() {
     assert_eq!(std::fs::read_to_string(&polls).unwrap(), "hold\n");
     let left: Vec<_> = std::fs::read_dir(&mount).unwrap().collect();
     assert!(left.is_empty(), "the build's file is gone: {left:?}");
+    broker.wait_all_free();
+}
+
+/// The broker goes away (kill -9) while `baton run` waits for the token
+/// its command needs first: it waits for the next broker at the socket,
+/// and runs there.
+fn a_build_waiting_for_its_first_token_waits_for_the_next_broker() {
+    let mut first = served(1, "");
+    let mut holder = baton_client::Client::connect(&first.socket, "holder").unwrap();
+    holder.acquire(1).unwrap();
+    let dir = TempDir::new("run-served-first-token");
+    let ran = dir.path().join("ran");
+    let mut run = baton_run(
+        &first,
+        dir.path(),
+        "style=fifo",
+        &["sh", "-c", &format!("touch {}", ran.display())],
+    );
+    let run = run.spawn_guarded().unwrap();
+    wait_for(PATIENCE, "baton run to wait", || {
+        first.status().waiters.len() == 1
+    });
+    // SAFETY: kill(2) has no memory effects.
+    unsafe { libc::kill(first.pid() as i32, libc::SIGKILL) };
+    first.wait_exit(PATIENCE);
+    drop(holder);
+    assert!(!ran.exists(), "nothing ran without its token");
+    let second = served_at(&first.socket, "jobs=1");
+    let out = output_of(run);
+    assert!(out.status.success(), "{}", said(&out));
+    assert!(ran.exists());
+    assert!(
+        String::from_utf8_lossy(&out.stderr)
+            .contains("went away while we waited for our first token; waiting for the next one"),
+        "{}",
+        said(&out)
+    );
+    second.wait_all_free();
+}
+
+fn a_python_driver_is_refused_the_pipe_and_tokens_beyond_max_are_refused() {
+    let broker = served(4, "");
+    let dir = TempDir::new("run-served-refusals");
+    let out = finished(baton_run(
+        &broker,
+        dir.path(),
+        "style=pipe",
+        &["python3", "-c", "pass"],
+    ));
+    assert_eq!(out.status.code(), Some(1), "{}", said(&out));
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("is a Python program"),
+        "{}",
+        said(&out)
+    );
+    let forced = finished(baton_run(
+        &broker,
+        dir.path(),
+        "style=pipe\nforce=1",
+        &["python3", "-c", "pass"],
+    ));
+    assert!(
+        forced.status.success(),
+        "--force runs it: {}",
+        said(&forced)
+    );
+    let out = finished(baton_run(
+        &broker,
+        dir.path(),
+        "style=fifo\ntokens=3\nmax=2",
+        &["true"],
+    ));
+    assert_eq!(out.status.code(), Some(1), "{}", said(&out));
+    assert!(
+        String::from_utf8_lossy(&out.stderr)
+            .contains("--max 2 is below --tokens 3: the build could never start"),
+        "{}",
+        said(&out)
+    );
+    broker.wait_all_free();
+}
+
+/// The venv's make 4.4.1 first on PATH, no gcc (CC names no compiler):
+/// auto would give the token file, and `--explain` says why it did not.
+fn explain_says_why_make_4_4_did_not_get_the_file() {
+    let Some(make) = std::env::var_os("BATON_TEST_MAKE44").map(std::path::PathBuf::from) else {
+        return skip(
+            Missing::Make44,
+            "BATON_TEST_MAKE44 unset (scripts/test sets it)",
+        );
+    };
+    if !make.exists() {
+        return skip(Missing::Make44, "no make 4.4.1 at BATON_TEST_MAKE44");
+    }
+    let path = format!(
+        "{}:{}",
+        make.parent().unwrap().display(),
+        std::env::var("PATH").unwrap()
+    );
+    let dir = TempDir::new("run-served-explain-fuse");
+    flat_makefile(dir.path(), &dir.path().join("jobs.log"), 1, "0");
+    let explained = |broker: &RunningBroker, options: &str| {
+        let mut run = baton_run(broker, dir.path(), options, &[self::make(&make)]);
+        run.env("PATH", &path).env("CC", "/bin/true");
+        let out = finished(run);
+        assert!(out.status.success(), "{}", said(&out));
+        String::from_utf8_lossy(&out.stderr).into_owned()
+    };
+    let small = served(4, "");
+    let said_small = explained(&small, "explain=1");
+    assert!(
+        said_small.contains("  not fuse: 4 tokens: below 32"),
+        "{said_small}"
+    );
+    let big = served(32, "");
+    let said_big = explained(&big, "explain=1");
+    assert!(
+        said_big.contains("  not fuse: the broker has no FUSE mount"),
+        "{said_big}"
+    );
+    let capped = explained(&big, "explain=1\nmax=8");
+    assert!(
+        capped.contains("  not fuse: --max needs the bridge"),
+        "{capped}"
+    );
+}
+
+/// bmake reads no `fifo:` path: asked for the token file, it gets its
+/// own -J R,W on descriptors opened on the file, and keeps to the limit.
+fn bmake_reads_the_token_file_through_its_own_descriptors() {
+    if !fuse_should_mount() {
+        return skip(
+            Missing::Fuse,
+            "no /dev/fuse, or neither root nor fusermount3",
+        );
+    }
+    let broker = served(3, "fuse=1");
+    let dir = TempDir::new("run-served-bmake-fuse");
+    let log = dir.path().join("jobs.log");
+    flat_makefile(dir.path(), &log, 6, "0.1");
+    let bmake = bmake();
+    let out = finished(baton_run(
+        &broker,
+        dir.path(),
+        "explain=1\nstyle=fuse",
+        &[make(&bmake)],
+    ));
+    assert!(out.status.success(), "{}", said(&out));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("jobserver: fuse"), "{err}");
+    let (most, started) = max_overlap(&log);
+    assert_eq!(started, 6);
+    assert!(
+        (2..=3).contains(&most),
+        "{most} jobs at once under a limit of 3"
+    );
     broker.wait_all_free();
 }
