@@ -402,6 +402,7 @@ fn a_build_rides_out_a_broker_killed_and_restarted() {
     let mut child = baton_run(&first, dir.path(), "style=pipe", &[self::make(&make)])
         .spawn_guarded()
         .unwrap();
+    let run_pid = child.id();
     wait_for(PATIENCE, "the first jobs", || max_overlap(&log).1 >= 1);
     // SAFETY: kill(2) has no memory effects.
     unsafe { libc::kill(first.pid() as i32, libc::SIGKILL) };
@@ -413,11 +414,15 @@ fn a_build_rides_out_a_broker_killed_and_restarted() {
     assert_eq!(started, 6, "every job ran");
     assert!(most <= 2, "{most} jobs at once under a limit of 2");
     second.wait_all_free();
+    // It came back to the new broker and said what it held (HOLD).
     assert!(
-        second.log().contains("HOLD") || second.log().contains("re-attach"),
+        second
+            .log()
+            .contains(&format!("connection from pid {run_pid}")),
         "{}",
         second.log()
     );
+    assert!(second.status().totals.held_again >= 1, "{}", second.log());
 }
 
 fn explain_says_which_form_and_why() {
