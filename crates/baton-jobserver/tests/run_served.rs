@@ -309,17 +309,30 @@ fn the_exit_code_is_the_commands_own() {
     let dir = TempDir::new("run-served-exit");
     let not_executable = dir.path().join("data");
     std::fs::write(&not_executable, "not a program").unwrap();
-    let cases: [(&[&str], i32); 5] = [
-        (&["sh", "-c", "exit 0"], 0),
-        (&["sh", "-c", "exit 7"], 7),
-        (&["sh", "-c", "kill -TERM $$"], 128 + 15),
-        (&["/nonexistent/program"], 127),
-        (&[not_executable.to_str().unwrap()], 126),
+    // The command's own token is given back when it exits, and left to
+    // the broker when a signal killed it (jobs it started may run on: the
+    // broker keeps a token per job, and takes back the rest).
+    let cases: [(&[&str], i32, bool); 5] = [
+        (&["sh", "-c", "exit 0"], 0, true),
+        (&["sh", "-c", "exit 7"], 7, true),
+        (&["sh", "-c", "kill -TERM $$"], 128 + 15, false),
+        (&["/nonexistent/program"], 127, true),
+        (&[not_executable.to_str().unwrap()], 126, true),
     ];
-    for (command, code) in cases {
+    for (command, code, given_back) in cases {
+        let before = broker.status().totals;
         let out = finished(baton_run(&broker, dir.path(), "style=fifo", command));
         assert_eq!(out.status.code(), Some(code), "{command:?}: {}", said(&out));
         broker.wait_all_free();
+        let after = broker.status().totals;
+        assert_eq!(
+            (
+                after.released - before.released,
+                after.reclaimed - before.reclaimed
+            ),
+            if given_back { (1, 0) } else { (0, 1) },
+            "{command:?}"
+        );
     }
 }
 
