@@ -403,6 +403,19 @@ fn baton_run_inside_a_build_joins_the_outer_build() {
     // The inner command ran in the outer build, not in one of its own.
     let run_pid = std::fs::read_to_string(&said_pid).unwrap();
     assert_eq!(run_pid.trim(), outer_pid.to_string());
+    // A command it cannot start there is said as baton run says it: 127.
+    let missing = run_spec(&broker.socket, "style=fifo", &["/nonexistent/program"]);
+    let out = finished(baton_run(
+        &broker,
+        dir.path(),
+        "style=fifo",
+        &[
+            "env",
+            &format!("BATON_TEST_SPEC={missing}"),
+            me.to_str().unwrap(),
+        ],
+    ));
+    assert_eq!(out.status.code(), Some(127), "{}", said(&out));
     broker.wait_all_free();
 }
 
