@@ -96,6 +96,18 @@ fn main() {
             bmake_reads_the_token_file_through_its_own_descriptors,
         ),
         (
+            "stray_bytes_are_taken_out_said_once_and_counted",
+            stray_bytes_are_taken_out_said_once_and_counted,
+        ),
+        (
+            "a_sub_make_that_forces_its_own_jobs_late_is_still_reported",
+            a_sub_make_that_forces_its_own_jobs_late_is_still_reported,
+        ),
+        (
+            "the_tools_a_build_may_run_are_found_as_a_shell_finds_them",
+            the_tools_a_build_may_run_are_found_as_a_shell_finds_them,
+        ),
+        (
             "bmake_gets_its_own_form_and_keeps_to_the_limit",
             bmake_gets_its_own_form_and_keeps_to_the_limit,
         ),
@@ -825,5 +837,127 @@ fn bmake_reads_the_token_file_through_its_own_descriptors() {
         (2..=3).contains(&most),
         "{most} jobs at once under a limit of 3"
     );
+    broker.wait_all_free();
+}
+
+/// A command that writes bytes the pool never lent into its FIFO: they
+/// are taken out, the first time said at once, and all counted at the
+/// end. The FIFO is beside the broker's socket, and the command inherits
+/// no descriptor of it (it opens the path itself, as make does).
+fn stray_bytes_are_taken_out_said_once_and_counted() {
+    let broker = served(2, "");
+    let dir = TempDir::new("run-served-stray");
+    let script = "fifo=${MAKEFLAGS##*fifo:}; fifo=${fifo%% *}; echo \"$fifo\"; \
+                  ls -l /proc/$$/fd | grep -c \"$fifo\" || true; \
+                  printf +++ > \"$fifo\"; sleep 0.5; printf ++ > \"$fifo\"; sleep 0.5";
+    let out = finished(baton_run(
+        &broker,
+        dir.path(),
+        "style=fifo",
+        &["sh", "-c", script],
+    ));
+    assert!(out.status.success(), "{}", said(&out));
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let mut lines = stdout.lines();
+    let fifo = Path::new(lines.next().unwrap());
+    assert_eq!(
+        fifo.parent(),
+        broker.socket.parent(),
+        "the FIFO is beside the socket"
+    );
+    assert_eq!(
+        lines.next(),
+        Some("0"),
+        "no descriptor of the FIFO inherited"
+    );
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(
+        err.matches("more than the pool lent it").count(),
+        1,
+        "said once: {err}"
+    );
+    assert!(
+        err.contains("5 stray byte(s) were taken out of the build's jobserver in all"),
+        "{err}"
+    );
+    broker.wait_all_free();
+}
+
+/// A sub-make started after the first look, with its own -j2: reported
+/// at the end all the same (the tree is looked at until the build ends).
+fn a_sub_make_that_forces_its_own_jobs_late_is_still_reported() {
+    let broker = served(2, "");
+    let dir = TempDir::new("run-served-submake");
+    std::fs::write(
+        dir.path().join("Makefile"),
+        "all:\n\tsleep 0.7; $(MAKE) -j2 -f sub.mk\n",
+    )
+    .unwrap();
+    std::fs::write(
+        dir.path().join("sub.mk"),
+        "all: a b\na b:\n\tsleep 0.6\n.PHONY: all a b\n",
+    )
+    .unwrap();
+    let make = make43();
+    let out = finished(baton_run(
+        &broker,
+        dir.path(),
+        "style=pipe",
+        &[self::make(&make)],
+    ));
+    assert!(out.status.success(), "{}", said(&out));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("a sub-make forced -j2 and ignored the jobserver"),
+        "{err}"
+    );
+    broker.wait_all_free();
+}
+
+/// `auto` looks for the make a build's scripts run and for the C compiler
+/// as a shell would: the first executable `make` on PATH (a file that is
+/// not executable is passed over), and `$CC`.
+fn the_tools_a_build_may_run_are_found_as_a_shell_finds_them() {
+    let Some(make44) = std::env::var_os("BATON_TEST_MAKE44")
+        .map(std::path::PathBuf::from)
+        .filter(|m| m.exists())
+    else {
+        return skip(Missing::Make44, "no make 4.4.1 at BATON_TEST_MAKE44");
+    };
+    let broker = served(4, "");
+    let dir = TempDir::new("run-served-tools");
+    let decoy = dir.path().join("decoy");
+    std::fs::create_dir(&decoy).unwrap();
+    std::fs::write(decoy.join("make"), "not a program").unwrap();
+    flat_makefile(dir.path(), &dir.path().join("jobs.log"), 1, "0");
+    let gcc_major: u32 = Command::new("gcc")
+        .arg("-dumpversion")
+        .output()
+        .ok()
+        .and_then(|o| {
+            String::from_utf8_lossy(&o.stdout)
+                .trim()
+                .split('.')
+                .next()?
+                .parse()
+                .ok()
+        })
+        .unwrap_or(99);
+    let mut run = baton_run(&broker, dir.path(), "explain=1", &[make(&make44)]);
+    run.env("PATH", format!("{}:/usr/bin:/bin", decoy.display()))
+        .env("CC", "gcc");
+    let out = finished(run);
+    assert!(out.status.success(), "{}", said(&out));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("make 4.3 (/usr/bin/make), which scripts and build scripts run"),
+        "the decoy passed over: {err}"
+    );
+    if gcc_major < 13 {
+        assert!(
+            err.contains(&format!("because gcc {gcc_major}.")),
+            "$CC looked at: {err}"
+        );
+    }
     broker.wait_all_free();
 }
