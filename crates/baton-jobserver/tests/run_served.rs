@@ -199,6 +199,13 @@ fn run_here(spec: &str) -> ! {
 fn run_spec(socket: &Path, options: &str, command: &[&str]) -> String {
     let mut spec = format!("socket={}\n{options}", socket.display());
     for word in command {
+        // The specification is one key a line: a word with a newline would
+        // end its own line and add keys (a nested test's inner spec did,
+        // and the test passed without running it).
+        assert!(
+            !word.contains('\n'),
+            "a command word with a newline: {word:?}"
+        );
         spec.push_str(&format!("\narg={word}"));
     }
     spec
@@ -396,16 +403,23 @@ fn baton_run_inside_a_build_joins_the_outer_build() {
             &format!("echo $BATON_RUN_PID > {}; exit 5", said_pid.display()),
         ],
     );
+    // The outer build runs this binary again in the run role, with the
+    // inner specification (read from a file: it spans lines).
     let me = std::env::current_exe().unwrap();
+    let inner_in = |spec: &str, name: &str| {
+        let file = dir.path().join(name);
+        std::fs::write(&file, spec).unwrap();
+        format!(
+            "BATON_TEST_SPEC=\"$(cat {})\" exec {}",
+            file.display(),
+            me.display()
+        )
+    };
     let outer = baton_run(
         &broker,
         dir.path(),
         "style=fifo",
-        &[
-            "env",
-            &format!("BATON_TEST_SPEC={inner}"),
-            me.to_str().unwrap(),
-        ],
+        &["sh", "-c", &inner_in(&inner, "inner.spec")],
     )
     .spawn_guarded()
     .unwrap();
@@ -421,11 +435,7 @@ fn baton_run_inside_a_build_joins_the_outer_build() {
         &broker,
         dir.path(),
         "style=fifo",
-        &[
-            "env",
-            &format!("BATON_TEST_SPEC={missing}"),
-            me.to_str().unwrap(),
-        ],
+        &["sh", "-c", &inner_in(&missing, "missing.spec")],
     ));
     assert_eq!(out.status.code(), Some(127), "{}", said(&out));
     broker.wait_all_free();
