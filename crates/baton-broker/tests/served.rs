@@ -798,7 +798,7 @@ fn a_process_killed_holding_the_files_tokens_gives_them_back() {
     // pid (the tokens are the process's).
     let mut child = Command::new("bash")
         .arg("-c")
-        .arg("exec 3<>\"$0\"; read -r -N 2 taken <&3; printf %s \"$taken\"; exec sleep 600")
+        .arg("exec 3<>\"$0\"; read -r -N 2 taken <&3; printf %s \"$taken\"; exec sleep 60")
         .arg(&file)
         .stdout(std::process::Stdio::piped())
         .spawn()
@@ -838,6 +838,7 @@ fn a_broker_started_by_socket_activation_serves_the_socket_it_is_given() {
     // the one served (and a broker that ignored it would bind under this
     // test's own XDG_RUNTIME_DIR, not the user's).
     let mut command = Command::new(activate);
+    harness::dies_with_its_test(&mut command);
     command
         .arg("--listen")
         .arg(&socket)
@@ -985,6 +986,7 @@ fn served_in_a_memory_cgroup(
     let dir = TempDir::new("served-cgroup");
     let socket = dir.path().join("run").join("socket");
     let mut command = cgroup.command();
+    harness::dies_with_its_test(&mut command);
     command
         .arg(std::env::current_exe().unwrap())
         .env("BATON_TEST_ROLE", "serve")
@@ -1029,7 +1031,7 @@ fn the_memory_gate_follows_what_its_cgroup_uses() {
     hog.args([
         "python3",
         "-c",
-        "import sys, time\nb = bytearray(350 << 20)\nb[::4096] = b'x' * len(range(0, len(b), 4096))\nprint('taken', flush=True)\ntime.sleep(600)",
+        "import sys, time\nb = bytearray(350 << 20)\nb[::4096] = b'x' * len(range(0, len(b), 4096))\nprint('taken', flush=True)\ntime.sleep(60)",
     ])
     .stdout(std::process::Stdio::piped());
     let mut hog = hog.spawn_guarded().unwrap();
@@ -1068,7 +1070,7 @@ fn a_growing_job_is_paused_while_memory_is_short_and_resumed_after() {
     // 50 ms, up to 200 MiB: both together would leave less than 200 MiB
     // of 512.
     let dir = TempDir::new("served-pause");
-    let job = "import time\nb = []\nwhile len(b) < 10:\n    b.append(bytearray(b'x' * (20 << 20)))\n    time.sleep(0.05)\ntime.sleep(600)";
+    let job = "import time\nb = []\nwhile len(b) < 10:\n    b.append(bytearray(b'x' * (20 << 20)))\n    time.sleep(0.05)\ntime.sleep(60)";
     std::fs::write(dir.path().join("job.py"), job).unwrap();
     std::fs::write(
         dir.path().join("Makefile"),

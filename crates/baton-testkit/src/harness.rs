@@ -23,11 +23,31 @@ pub fn role() -> Option<(String, String)> {
     Some((role, std::env::var(SPEC).unwrap_or_default()))
 }
 
-/// This test binary, to be started in `role` with `spec`.
+/// This test binary, to be started in `role` with `spec`; it is sent
+/// SIGTERM if the test that started it ends without stopping it
+/// ([`dies_with_its_test`]).
 pub fn role_command(role: &str, spec: &str) -> Command {
     let mut command = Command::new(std::env::current_exe().expect("the test binary"));
     command.env(ROLE, role).env(SPEC, spec);
+    dies_with_its_test(&mut command);
     command
+}
+
+/// The process `command` starts is sent SIGTERM when the thread that
+/// starts it (the test's) ends: a test killed at its timeout (cargo-mutants
+/// kills a test binary that hangs) leaves no broker behind. SIGTERM, not
+/// SIGKILL, so that a broker still unmounts its token files.
+pub fn dies_with_its_test(command: &mut Command) {
+    use std::os::unix::process::CommandExt;
+    // SAFETY: prctl is async-signal-safe.
+    unsafe {
+        command.pre_exec(|| {
+            if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGTERM) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
 }
 
 /// The `key=value` lines of a specification.
