@@ -2056,6 +2056,42 @@ mod tests {
         drop(procs);
     }
 
+    /// A broker that joins a cluster pool grants nothing until its link
+    /// holds cluster tokens, and then no more than it holds; the link's
+    /// watch events add up in status.
+    #[cfg(feature = "cluster")]
+    #[test]
+    fn a_cluster_member_grants_only_what_its_link_holds() {
+        let mut broker = Broker::new(4).unwrap();
+        broker.join_cluster(&Config {
+            endpoints: vec!["http://127.0.0.1:1".into()],
+            pool: "test".into(),
+            jobs: 8,
+            ttl: Duration::from_secs(10),
+            linger: Duration::from_secs(1),
+            watch_all: false,
+        });
+        let a = client(&mut broker, 1);
+        assert_eq!(broker.acquire(a, 1, 2).unwrap(), Acquired::Queued);
+        let local = broker.set_cluster_held(1, Contact::Reachable);
+        assert_eq!((local.held, local.waiting, local.limit), (0, 2, 4));
+        let b = client(&mut broker, 2);
+        assert_eq!(
+            broker.acquire(b, 1, 1).unwrap(),
+            Acquired::Queued,
+            "one held, none free"
+        );
+        let local = broker.set_cluster_held(3, Contact::Reachable);
+        assert_eq!(local.held, 3, "the wide request, then the next");
+        broker.note_watch_events(2);
+        broker.note_watch_events(3);
+        let cluster = broker.status().cluster.unwrap();
+        assert_eq!(
+            (cluster.held, cluster.limit, cluster.watch_events),
+            (3, 8, 5)
+        );
+    }
+
     #[test]
     fn stray_bytes_add_up_per_build() {
         let mut broker = Broker::new(2).unwrap();
