@@ -857,15 +857,35 @@ fn bmake_reads_the_token_file_through_its_own_descriptors() {
 fn stray_bytes_are_taken_out_said_once_and_counted() {
     let broker = served(2, "");
     let dir = TempDir::new("run-served-stray");
-    let script = "fifo=${MAKEFLAGS##*fifo:}; fifo=${fifo%% *}; echo \"$fifo\"; \
-                  ls -l /proc/$$/fd | grep -c \"$fifo\" || true; \
-                  printf +++ > \"$fifo\"; sleep 0.5; printf ++ > \"$fifo\"; sleep 0.5";
-    let out = finished(baton_run(
+    let go = dir.path().join("go");
+    // Three bytes, then (once the broker has counted them) two more.
+    let script = format!(
+        "fifo=${{MAKEFLAGS##*fifo:}}; fifo=${{fifo%% *}}; echo \"$fifo\"; \
+         ls -l /proc/$$/fd | grep -c \"$fifo\" || true; \
+         printf +++ > \"$fifo\"; while [ ! -e {go} ]; do sleep 0.01; done; \
+         printf ++ > \"$fifo\"; while [ ! -e {go}2 ]; do sleep 0.01; done",
+        go = go.display()
+    );
+    let run = baton_run(
         &broker,
         dir.path(),
-        "style=fifo",
-        &["sh", "-c", script],
-    ));
+        "style=fifo\nname=stray",
+        &["sh", "-c", &script],
+    )
+    .spawn_guarded()
+    .unwrap();
+    let counted = |n: u64| {
+        broker
+            .status()
+            .builds
+            .iter()
+            .any(|b| b.name == "stray" && u64::from(b.stray) == n)
+    };
+    wait_for(PATIENCE, "the first three counted", || counted(3));
+    std::fs::write(&go, "").unwrap();
+    wait_for(PATIENCE, "all five counted", || counted(5));
+    std::fs::write(dir.path().join("go2"), "").unwrap();
+    let out = output_of(run);
     assert!(out.status.success(), "{}", said(&out));
     let stdout = String::from_utf8_lossy(&out.stdout);
     let mut lines = stdout.lines();
@@ -885,6 +905,10 @@ fn stray_bytes_are_taken_out_said_once_and_counted() {
         err.matches("more than the pool lent it").count(),
         1,
         "said once: {err}"
+    );
+    assert!(
+        err.contains("held 3 byte(s) more than the pool lent it"),
+        "said at the first: {err}"
     );
     assert!(
         err.contains("5 stray byte(s) were taken out of the build's jobserver in all"),
