@@ -489,6 +489,7 @@ fn explain_says_which_form_and_why() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("jobserver: pipe (R,W) (auto)"), "{err}");
     assert!(err.contains("  because make 4.3 ("), "{err}");
+    assert!(!err.contains("not fuse"), "auto never chose the file here: {err}");
     let out = finished(baton_run(
         &broker,
         dir.path(),
