@@ -44,6 +44,10 @@ fn main() {
             a_make_build_keeps_to_the_limit_in_each_form,
         ),
         (
+            "a_token_freed_while_a_build_runs_reaches_it",
+            a_token_freed_while_a_build_runs_reaches_it,
+        ),
+        (
             "max_caps_a_build_below_the_limit",
             max_caps_a_build_below_the_limit,
         ),
@@ -489,7 +493,10 @@ fn explain_says_which_form_and_why() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("jobserver: pipe (R,W) (auto)"), "{err}");
     assert!(err.contains("  because make 4.3 ("), "{err}");
-    assert!(!err.contains("not fuse"), "auto never chose the file here: {err}");
+    assert!(
+        !err.contains("not fuse"),
+        "auto never chose the file here: {err}"
+    );
     let out = finished(baton_run(
         &broker,
         dir.path(),
@@ -994,5 +1001,32 @@ fn the_tools_a_build_may_run_are_found_as_a_shell_finds_them() {
             "$CC looked at: {err}"
         );
     }
+    broker.wait_all_free();
+}
+
+/// The build starts with only its own token (another client holds the
+/// rest); when those come free, the bridge's waiting request is granted
+/// and the build runs jobs side by side.
+fn a_token_freed_while_a_build_runs_reaches_it() {
+    let broker = served(3, "");
+    let mut holder = baton_client::Client::connect(&broker.socket, "holder").unwrap();
+    holder.acquire(2).unwrap();
+    let dir = TempDir::new("run-served-freed");
+    let log = dir.path().join("jobs.log");
+    flat_makefile(dir.path(), &log, 6, "0.3");
+    let make = make43();
+    let run = baton_run(&broker, dir.path(), "style=pipe", &[self::make(&make)])
+        .spawn_guarded()
+        .unwrap();
+    wait_for(PATIENCE, "the first job", || max_overlap(&log).1 >= 1);
+    holder.release(2).unwrap();
+    let out = output_of(run);
+    assert!(out.status.success(), "{}", said(&out));
+    let (most, started) = max_overlap(&log);
+    assert_eq!(started, 6);
+    assert!(
+        (2..=3).contains(&most),
+        "{most} jobs at once once two tokens came free"
+    );
     broker.wait_all_free();
 }
