@@ -293,6 +293,11 @@ fn a_make_build_keeps_to_the_limit_in_each_form() {
             &[self::make(&make)],
         ));
         assert!(out.status.success(), "{style}: {}", said(&out));
+        assert!(
+            !String::from_utf8_lossy(&out.stderr).contains("stray"),
+            "{style}: no stray byte, and nothing said of any: {}",
+            said(&out)
+        );
         let (most, started) = max_overlap(&log);
         assert_eq!(started, 8, "{style}: every job ran");
         assert!(most <= 3, "{style}: {most} jobs at once under a limit of 3");
