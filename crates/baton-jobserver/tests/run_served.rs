@@ -310,6 +310,11 @@ fn a_make_build_keeps_to_the_limit_in_each_form() {
         }
         broker.wait_all_free();
     }
+    // A build that lost no broker never re-attached (HOLD) and had nothing
+    // taken back: every token was given back.
+    let totals = broker.status().totals;
+    assert_eq!((totals.held_again, totals.reclaimed), (0, 0), "{totals:?}");
+    assert_eq!(totals.released, totals.granted, "{totals:?}");
 }
 
 fn max_caps_a_build_below_the_limit() {
