@@ -5,8 +5,8 @@
 //! no other test in the same process may read meanwhile.
 
 use baton_core::paths::{
-    default_socket, default_socket_path, is_chosen_by_baton, is_default_private_dir, socket_path,
-    standard_socket_path,
+    default_socket, default_socket_path, is_chosen_by_baton, is_default_private_dir,
+    named_broker_uid, socket_path, standard_socket_path, trusts_broker_of,
 };
 use std::path::{Path, PathBuf};
 
@@ -44,4 +44,17 @@ fn the_default_socket_follows_the_environment_in_its_order() {
     assert_eq!(default_socket(), (tmp.join("socket"), "/tmp/baton-$UID"));
     assert!(is_chosen_by_baton(None));
     assert!(!is_default_private_dir(&xdg));
+
+    // $BATON_BROKER_UID names one more broker owner to trust (read here,
+    // in the binary that owns the environment).
+    std::env::remove_var("BATON_BROKER_UID");
+    assert_eq!(named_broker_uid(), None);
+    assert!(!trusts_broker_of(4242, uid.wrapping_add(1).max(1)));
+    std::env::set_var("BATON_BROKER_UID", " 4242\n");
+    assert_eq!(named_broker_uid(), Some(4242));
+    assert!(trusts_broker_of(4242, uid.wrapping_add(1).max(1)));
+    assert!(!trusts_broker_of(4243, uid.wrapping_add(1).max(1)));
+    std::env::set_var("BATON_BROKER_UID", "nobody");
+    assert_eq!(named_broker_uid(), None, "a uid is a number");
+    std::env::remove_var("BATON_BROKER_UID");
 }
