@@ -1945,10 +1945,9 @@ mod tests {
         assert!(woken.load(SeqCst) > before, "and a new limit");
     }
 
-    /// Before the memory gate knows what a job takes, one job at a time
-    /// starts: a grant counts as a young job until it settles.
-    #[test]
-    fn a_grant_counts_as_a_young_job_for_the_memory_gate() {
+    /// A broker of 4 tokens whose memory gate (1 GiB) has seen 8 GiB free
+    /// and counts a grant as young for an hour.
+    fn broker_with_a_memory_gate() -> Broker {
         let mut broker = Broker::new(4).unwrap();
         broker.set_gates(GateConfig {
             min_mem_available: Some(1 << 30),
@@ -1959,6 +1958,14 @@ mod tests {
             mem_available: Some(8 << 30),
             ..Reading::default()
         });
+        broker
+    }
+
+    /// Before the memory gate knows what a job takes, one job at a time
+    /// starts: a grant counts as a young job until it settles.
+    #[test]
+    fn a_grant_counts_as_a_young_job_for_the_memory_gate() {
+        let mut broker = broker_with_a_memory_gate();
         let (a, b) = (client(&mut broker, 1), client(&mut broker, 2));
         assert_eq!(broker.acquire(a, 1, 1).unwrap(), Acquired::Granted);
         assert_eq!(
@@ -1973,16 +1980,7 @@ mod tests {
     #[cfg(feature = "cluster")]
     #[test]
     fn the_cluster_is_asked_only_for_what_the_gates_let_through() {
-        let mut broker = Broker::new(4).unwrap();
-        broker.set_gates(GateConfig {
-            min_mem_available: Some(1 << 30),
-            settle: Duration::from_secs(3600),
-            ..GateConfig::default()
-        });
-        broker.observe(Reading {
-            mem_available: Some(8 << 30),
-            ..Reading::default()
-        });
+        let mut broker = broker_with_a_memory_gate();
         let (a, b) = (client(&mut broker, 1), client(&mut broker, 2));
         broker.acquire(a, 1, 1).unwrap();
         assert_eq!(broker.acquire(b, 1, 3).unwrap(), Acquired::Queued);
