@@ -26,6 +26,9 @@ pub enum Transport {
     Socket,
     /// A process using the FUSE token file.
     Fuse,
+    /// The tokens a build's fast-path region holds (crate::fastpath): its
+    /// lender, one per region, whose grants go into the region.
+    Region,
 }
 
 impl Transport {
@@ -33,6 +36,7 @@ impl Transport {
         match self {
             Transport::Socket => "socket",
             Transport::Fuse => "fuse",
+            Transport::Region => "fastpath",
         }
     }
 }
@@ -382,6 +386,37 @@ impl Broker {
             stray: 0,
         });
         id
+    }
+
+    /// The lender of a fast-path region (crate::fastpath): a client of the
+    /// build of `peer`, holding the tokens lent to the region, so that the
+    /// pool's books, shares and gates count them as that build's.
+    pub fn connect_lender(&mut self, peer: ClientId, name: String) -> ClientId {
+        self.tick();
+        let meta = ClientMeta::new(std::process::id(), name, Transport::Region);
+        self.books.pool.connect_beside(peer, meta)
+    }
+
+    /// Moves tokens `from` holds to `to` (see [`Pool::transfer`]): what a
+    /// fast-path client held in its region, booked on its connection.
+    pub fn transfer(&mut self, from: ClientId, to: ClientId, tokens: u32) -> Result<(), PoolError> {
+        if tokens == 0 {
+            return Ok(());
+        }
+        self.books.pool.transfer(from, to, tokens)?;
+        if let Some(meta) = self.books.pool.meta_mut(to) {
+            Self::note_holding(meta);
+        }
+        Ok(())
+    }
+
+    /// Forgets a region's lender: whatever it still holds goes back.
+    pub fn drop_lender(&mut self, id: ClientId) -> u32 {
+        self.tick();
+        let (held, grants) = self.books.pool.disconnect(id);
+        self.route(grants);
+        self.demand_changed();
+        held
     }
 
     /// The client starts a build (`baton run`): processes under it join

@@ -38,6 +38,7 @@ mod activation;
 mod admission;
 mod broker;
 mod cluster;
+mod fastpath;
 mod fuse;
 mod gates;
 mod handover;

@@ -75,6 +75,10 @@ pub struct Outcome {
     pub joined: Option<ClientId>,
     /// The client said STOP: the loop ends after this round.
     pub stop_asked: bool,
+    /// The client asked for a fast-path seat (`FASTPATH 1`), and may have
+    /// one: the loop answers, since the answer carries a descriptor
+    /// (crate::fastpath). Lines after it wait until it is answered.
+    pub fastpath_asked: bool,
 }
 
 impl Session {
@@ -153,6 +157,9 @@ impl Session {
                 Ok(request) => self.handle(cx, request, &mut outcome),
                 Err(e) => self.error(ErrorCode::Malformed, e.0),
             }
+            if outcome.fastpath_asked {
+                break;
+            }
         }
         outcome
     }
@@ -198,6 +205,10 @@ impl Session {
                 );
             }
             Request::Hold(n) if !self.access.may_administer() => self.member_hold(cx.broker, id, n),
+            Request::Fastpath(version) => self.fastpath(version, outcome),
+            // Its only purpose is to wake the loop, whose round reads the
+            // client's region (crate::fastpath); it has no reply.
+            Request::Nudge => {}
             Request::Stop => {
                 // The reply goes out at once and the connection closes; the
                 // loop ends after this round, as on SIGTERM.
@@ -257,6 +268,31 @@ impl Session {
         let tokens = broker.cancel(id, ACQUIRE_TAG);
         self.waiting = false;
         self.push(Reply::Cancelled { tokens });
+    }
+
+    /// FASTPATH: only the broker's own user (and root) may share its
+    /// memory, and only in the layout this broker makes.
+    fn fastpath(&mut self, version: u32, outcome: &mut Outcome) {
+        if version != protocol::FASTPATH_VERSION {
+            let message = format!(
+                "this broker's fast path is version {}, not {version}",
+                protocol::FASTPATH_VERSION
+            );
+            return self.refuse_fastpath(message);
+        }
+        if self.access != Access::Owner {
+            let message = format!(
+                "the fast path shares the broker's memory: only its own user gets it, not uid {}",
+                self.uid
+            );
+            return self.refuse_fastpath(message);
+        }
+        outcome.fastpath_asked = true;
+    }
+
+    /// `ERR unavailable`: the client stays on the socket.
+    pub fn refuse_fastpath(&mut self, message: String) {
+        self.error(ErrorCode::Unavailable, message);
     }
 
     /// A member re-attaching after a restart holds what a broker before us
@@ -405,7 +441,11 @@ fn apply(broker: &mut Broker, id: ClientId, request: Request) -> Result<Option<R
                 held: broker.pool().held_by(id),
             }
         }
-        Request::Hello { .. } | Request::Cancel | Request::Stop => {
+        Request::Hello { .. }
+        | Request::Cancel
+        | Request::Stop
+        | Request::Fastpath(_)
+        | Request::Nudge => {
             unreachable!("handled by the caller")
         }
     }))
@@ -563,6 +603,38 @@ mod tests {
         b.granted(1, 1);
         assert!(!b.is_waiting());
         assert_eq!(b.outbuf, b"GRANTED 1 1\n");
+    }
+
+    #[test]
+    fn the_fast_path_is_for_the_brokers_own_user_and_its_own_layout() {
+        let (mut broker, adm) = pool(2);
+        let mut m = Session::new(3, 4242, Access::Member);
+        exchange(&mut m, &mut broker, &adm, "HELLO 1 member\n");
+        let (out, outcome) = exchange(&mut m, &mut broker, &adm, "FASTPATH 1\nTRY 1\n");
+        assert!(
+            out.starts_with("ERR unavailable the fast path shares the broker's memory: only its own user gets it, not uid 4242\n"),
+            "{out}"
+        );
+        assert!(out.ends_with("GRANTED 1 1\n"), "not fatal: {out}");
+        assert!(!outcome.fastpath_asked && !m.is_closing());
+        let (mut o, _) = joined(4, &mut broker, &adm);
+        let (out, outcome) = exchange(&mut o, &mut broker, &adm, "FASTPATH 2\n");
+        assert_eq!(
+            out,
+            "ERR unavailable this broker's fast path is version 1, not 2\n"
+        );
+        assert!(!outcome.fastpath_asked);
+        // Asked for: the loop answers, with the descriptor; what follows
+        // waits until then.
+        let (out, outcome) = exchange(&mut o, &mut broker, &adm, "FASTPATH 1\nTRY 1\n");
+        assert_eq!(out, "");
+        assert!(outcome.fastpath_asked);
+        assert_eq!(o.inbuf, b"TRY 1\n");
+        // NUDGE only wakes the loop: no reply, and nothing else changes.
+        o.inbuf.clear();
+        let (out, outcome) = exchange(&mut o, &mut broker, &adm, "NUDGE\nTRY 1\n");
+        assert_eq!(out, "GRANTED 1 1\n");
+        assert_eq!(outcome, Outcome::default());
     }
 
     #[test]

@@ -10,6 +10,7 @@
 
 use crate::admission::{Access, Admission};
 use crate::broker::{Broker, BrokerState, Transport};
+use crate::fastpath::Regions;
 use crate::fuse::{FsState, FuseMount};
 use crate::log;
 use crate::mailbox::Inbox;
@@ -105,6 +106,8 @@ pub struct SocketServer {
     broker: Broker,
     /// The FUSE token files, with their session, served from this loop.
     fuse: Option<FuseMount>,
+    /// The fast path's regions, one per build whose clients asked.
+    regions: Regions,
     conns: HashMap<Token, Conn>,
     by_client: HashMap<ClientId, Token>,
     next_token: usize,
@@ -177,6 +180,7 @@ impl SocketServer {
             inbox,
             broker,
             fuse,
+            regions: Regions::default(),
             conns: HashMap::new(),
             by_client: HashMap::new(),
             next_token: FIRST_CONN,
@@ -256,6 +260,7 @@ impl SocketServer {
             }
             self.act_on_files(&mut files);
             self.inbox.run_all(&mut self.broker);
+            self.fastpath_round();
             // Grants caused by this round (ours or other transports').
             files.touched |= self.deliver_grants();
             if let Some(mount) = self.fuse.as_mut().filter(|_| files.touched) {
@@ -425,6 +430,9 @@ impl SocketServer {
     /// device's descriptor come last, if mounted: the loop reads no FUSE
     /// request while it hands over, so none is half-served.
     pub fn hand_over(&mut self) -> Snapshot {
+        // A region dies with this broker: what its clients hold goes on
+        // their connections, which the successor adopts.
+        self.regions.evict_all(&mut self.broker);
         let broker = &mut self.broker;
         for grant in broker.take_grants(Transport::Socket) {
             let held = broker.pool().held_by(grant.client);
@@ -767,22 +775,84 @@ impl SocketServer {
     /// Acts on the whole lines a connection sent (crate::session), with the
     /// pool locked once for them all.
     fn process_lines(&mut self, token: Token) {
+        loop {
+            let Some(conn) = self.conns.get_mut(&token) else {
+                return;
+            };
+            if !conn.session.has_work() {
+                return;
+            }
+            let outcome = conn.session.process(&mut Context {
+                broker: &mut self.broker,
+                admission: &self.admission,
+                command_line: &crate::sys::command_line,
+            });
+            if let Some(id) = outcome.joined {
+                self.by_client.insert(id, token);
+            }
+            if outcome.stop_asked {
+                self.stop_asked = Some(conn.session.pid);
+            }
+            if !outcome.fastpath_asked {
+                return;
+            }
+            self.answer_fastpath(token);
+        }
+    }
+
+    /// Seats a client in its build's region and sends it the region's
+    /// descriptor with the reply; or `ERR unavailable`, and it stays on
+    /// the socket.
+    fn answer_fastpath(&mut self, token: Token) {
         let Some(conn) = self.conns.get_mut(&token) else {
             return;
         };
-        if !conn.session.has_work() {
+        let Some(id) = conn.session.client() else {
             return;
+        };
+        // The descriptor rides with the reply's first byte, so the reply
+        // leaves now, and what was before it must have left already.
+        if flush(conn).is_err() || !conn.session.outbuf.is_empty() {
+            let why = "the replies before FASTPATH are not read yet: send it when none is pending";
+            return conn.session.refuse_fastpath(why.into());
         }
-        let outcome = conn.session.process(&mut Context {
-            broker: &mut self.broker,
-            admission: &self.admission,
-            command_line: &crate::sys::command_line,
-        });
-        if let Some(id) = outcome.joined {
-            self.by_client.insert(id, token);
+        let offer = match self.regions.offer(&mut self.broker, id) {
+            Ok(offer) => offer,
+            Err(why) => return conn.session.refuse_fastpath(why),
+        };
+        let reply = Reply::Fastpath {
+            seat: offer.seat,
+            bytes: offer.bytes,
         }
-        if outcome.stop_asked {
-            self.stop_asked = Some(conn.session.pid);
+        .encode();
+        match crate::sys::send_with_fd(&conn.stream, &reply, offer.fd) {
+            Ok(sent) => {
+                // Never short in practice (a few bytes on an empty
+                // socket); the rest would go as any reply does.
+                conn.session.outbuf.extend_from_slice(&reply[sent..]);
+                log::debug(format_args!("pid {}: a fast-path seat", conn.session.pid));
+            }
+            Err(e) => {
+                log::warn(format_args!(
+                    "pid {}: sending its region: {e}",
+                    conn.session.pid
+                ));
+                self.regions.leave(&mut self.broker, id);
+            }
+        }
+    }
+
+    /// The fast path's moves after a round: grants to regions go into
+    /// them, returns come back, each region opens or closes. Tokens one
+    /// region gives back may be granted to another's lender at once: it
+    /// is served in the same round, so that no waiter waits for the next
+    /// event.
+    fn fastpath_round(&mut self) {
+        for _ in 0..8 {
+            self.regions.round(&mut self.broker);
+            if !self.broker.has_grants_for(Transport::Region) {
+                return;
+            }
         }
     }
 
@@ -834,6 +904,9 @@ impl SocketServer {
     /// its wait (if any) is withdrawn.
     fn leave_pool(&mut self, id: ClientId, pid: u32) {
         self.by_client.remove(&id);
+        // What it held in its region is booked on its connection first,
+        // and comes back (or stays with its build's running jobs) with it.
+        self.regions.leave(&mut self.broker, id);
         let broker = &mut self.broker;
         let command = broker
             .pool()

@@ -167,6 +167,23 @@ pub fn peer_is_our_uid(stream: &std::os::unix::net::UnixStream) -> bool {
     peer(stream).is_ok_and(|c| c.uid() == nix::unistd::getuid().as_raw())
 }
 
+/// Sends `bytes` with `fd` attached (SCM_RIGHTS, unix(7)): the descriptor
+/// arrives with the first byte. Returns the bytes sent.
+pub fn send_with_fd(
+    stream: &impl std::os::fd::AsFd,
+    bytes: &[u8],
+    fd: std::os::fd::BorrowedFd<'_>,
+) -> io::Result<usize> {
+    use nix::sys::socket::{sendmsg, ControlMessage, MsgFlags, UnixAddr};
+    use std::os::fd::AsRawFd;
+    let fds = [fd.as_raw_fd()];
+    let control = [ControlMessage::ScmRights(&fds)];
+    let iov = [io::IoSlice::new(bytes)];
+    let socket = stream.as_fd().as_raw_fd();
+    sendmsg::<UnixAddr>(socket, &iov, &control, MsgFlags::MSG_NOSIGNAL, None)
+        .map_err(io::Error::from)
+}
+
 /// Which of these connections' peers have hung up (POLLRDHUP, POLLHUP,
 /// POLLERR), in one poll(2) that does not wait; each answer in the order
 /// asked. (nix's PollFlags lacks POLLRDHUP, the one flag that tells a

@@ -165,6 +165,67 @@ impl Mapping {
     pub fn ring(&self) -> Ring<'_> {
         Ring::attach(self.words()).expect("checked when mapped")
     }
+
+    /// The broker's side: makes the region's liveness word (line 1) a
+    /// robust, process-shared mutex and locks it from the calling thread,
+    /// which must serve for the broker's whole life. When that thread
+    /// ends, however it ends, the kernel marks the word's owner dead
+    /// (pthread_mutexattr_setrobust(3); the kernel's robust-futex-ABI),
+    /// and clients see it in [`Mapping::broker_alive`].
+    pub fn hold_liveness(&self) -> io::Result<()> {
+        let mutex = self.words()[ring::LIVENESS]
+            .as_ptr()
+            .cast::<libc::pthread_mutex_t>();
+        const _: () = assert!(std::mem::size_of::<libc::pthread_mutex_t>() <= 64);
+        // SAFETY: `mutex` is 64 bytes of our own shared mapping (the
+        // header's line 1, nothing else lives there), aligned to 8; the
+        // attribute lives on this stack for the calls that use it.
+        unsafe {
+            let mut attr: libc::pthread_mutexattr_t = std::mem::zeroed();
+            check(libc::pthread_mutexattr_init(&mut attr))?;
+            check(libc::pthread_mutexattr_setpshared(
+                &mut attr,
+                libc::PTHREAD_PROCESS_SHARED,
+            ))?;
+            check(libc::pthread_mutexattr_setrobust(
+                &mut attr,
+                libc::PTHREAD_MUTEX_ROBUST,
+            ))?;
+            check(libc::pthread_mutex_init(mutex, &attr))?;
+            libc::pthread_mutexattr_destroy(&mut attr);
+            check(libc::pthread_mutex_lock(mutex))
+        }
+    }
+
+    /// The broker's side, when the region dies before the broker does (its
+    /// last client left, or a successor took over): unlocks the liveness
+    /// word from the thread that locked it, so that the word says "no
+    /// broker" to any client still looking. Unlocking also takes it off the
+    /// thread's robust list, which must not name memory about to be
+    /// unmapped.
+    pub fn release_liveness(&self) -> io::Result<()> {
+        let mutex = self.words()[ring::LIVENESS]
+            .as_ptr()
+            .cast::<libc::pthread_mutex_t>();
+        // SAFETY: the mutex was initialized and locked by this thread in
+        // hold_liveness, in our own live mapping.
+        check(unsafe { libc::pthread_mutex_unlock(mutex) })
+    }
+
+    /// Whether the thread that called [`Mapping::hold_liveness`] still
+    /// lives: the word holds its thread id and not the kernel's
+    /// owner-died bit. One load; a client looks before each operation.
+    pub fn broker_alive(&self) -> bool {
+        let word = self.words()[ring::LIVENESS].load(std::sync::atomic::Ordering::SeqCst) as u32;
+        word & libc::FUTEX_TID_MASK != 0 && word & libc::FUTEX_OWNER_DIED == 0
+    }
+}
+
+fn check(rc: libc::c_int) -> io::Result<()> {
+    match rc {
+        0 => Ok(()),
+        e => Err(io::Error::from_raw_os_error(e)),
+    }
 }
 
 impl Drop for Mapping {
@@ -193,6 +254,63 @@ impl<F: Fn(Notice)> Host for Futexes<F> {
     fn tell(&self, notice: Notice) {
         (self.tell)(notice)
     }
+}
+
+/// Reads one reply line from `socket` and the descriptor that may ride
+/// with its first byte (SCM_RIGHTS, unix(7)): the answer to FASTPATH. The
+/// descriptor is made close-on-exec as it arrives.
+pub fn receive_with_fd(
+    socket: &std::os::unix::net::UnixStream,
+) -> io::Result<(String, Option<OwnedFd>)> {
+    let mut line = Vec::new();
+    let mut fd = None;
+    while !line.ends_with(b"\n") {
+        let mut buf = [0u8; 256];
+        // The control buffer: room for one descriptor, aligned for cmsghdr.
+        let mut control = [0u64; 8];
+        let mut iov = libc::iovec {
+            iov_base: buf.as_mut_ptr().cast(),
+            iov_len: if fd.is_none() && line.is_empty() {
+                buf.len()
+            } else {
+                1
+            },
+        };
+        // SAFETY: an all-zero msghdr is valid; its pointers are set below
+        // to buffers that outlive the call.
+        let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+        msg.msg_iov = &mut iov;
+        msg.msg_iovlen = 1;
+        msg.msg_control = control.as_mut_ptr().cast();
+        msg.msg_controllen = std::mem::size_of_val(&control);
+        // SAFETY: msg describes live buffers.
+        let n = unsafe { libc::recvmsg(socket.as_raw_fd(), &mut msg, libc::MSG_CMSG_CLOEXEC) };
+        if n < 0 {
+            let e = io::Error::last_os_error();
+            if e.kind() == io::ErrorKind::Interrupted {
+                continue;
+            }
+            return Err(e);
+        }
+        if n == 0 {
+            return Err(io::ErrorKind::UnexpectedEof.into());
+        }
+        // SAFETY: the kernel filled msg's control buffer; the CMSG macros
+        // walk it within msg_controllen.
+        unsafe {
+            let mut cmsg = libc::CMSG_FIRSTHDR(&msg);
+            while !cmsg.is_null() {
+                if (*cmsg).cmsg_level == libc::SOL_SOCKET && (*cmsg).cmsg_type == libc::SCM_RIGHTS {
+                    let raw = std::ptr::read_unaligned(libc::CMSG_DATA(cmsg).cast::<libc::c_int>());
+                    fd = Some(OwnedFd::from_raw_fd(raw));
+                }
+                cmsg = libc::CMSG_NXTHDR(&msg, cmsg);
+            }
+        }
+        line.extend_from_slice(&buf[..n as usize]);
+    }
+    let line = String::from_utf8(line).map_err(|_| io::Error::from(io::ErrorKind::InvalidData))?;
+    Ok((line, fd))
 }
 
 /// The low 32 bits of a slot's word: what a waiter sleeps on (futex(2)
@@ -257,6 +375,34 @@ mod tests {
         // SAFETY: a call on our own descriptor.
         let grown = unsafe { libc::ftruncate(fd.as_raw_fd(), 1 << 20) };
         assert_eq!(grown, -1, "sealed against growing");
+    }
+
+    #[test]
+    fn the_liveness_word_says_when_the_thread_holding_it_is_gone() {
+        let region = std::sync::Arc::new(Mapping::create(16, 2, 0).unwrap().0);
+        assert!(!region.broker_alive(), "nobody holds it yet");
+        let (held_tx, held) = std::sync::mpsc::channel();
+        let (end_tx, end) = std::sync::mpsc::channel::<()>();
+        let shared = region.clone();
+        let broker = std::thread::spawn(move || {
+            shared.hold_liveness().unwrap();
+            held_tx.send(()).unwrap();
+            let _ = end.recv();
+        });
+        held.recv().unwrap();
+        assert!(region.broker_alive());
+        drop(end_tx);
+        broker.join().unwrap();
+        assert!(!region.broker_alive(), "the kernel marked its owner dead");
+    }
+
+    #[test]
+    fn a_region_given_up_by_its_broker_says_so() {
+        let (region, _fd) = Mapping::create(16, 2, 0).unwrap();
+        region.hold_liveness().unwrap();
+        assert!(region.broker_alive());
+        region.release_liveness().unwrap();
+        assert!(!region.broker_alive());
     }
 
     #[test]

@@ -14,6 +14,8 @@
 
 pub mod fastpath;
 
+use baton_core::fastpath::ring as fastpath_ring;
+use baton_core::fastpath::{Host, Notice, Refused, Ring, Seat};
 use baton_core::protocol::{self, ErrorCode, Reply, ReplyHead, Request};
 use std::io::{self, BufRead, BufReader, Read, Write};
 use std::os::unix::net::UnixStream;
@@ -109,6 +111,18 @@ pub struct Client {
     writer: UnixStream,
     id: u64,
     limit: u32,
+    /// Tokens the broker's books hold on this connection.
+    held: u32,
+    /// A seat in the fast path, once [`Client::enable_fastpath`] got one.
+    fast: Option<Fast>,
+}
+
+/// This client's seat in its build's fast-path region.
+#[derive(Debug)]
+struct Fast {
+    mapping: fastpath::Mapping,
+    seat: Seat,
+    /// Tokens held through the region (its record says the same).
     held: u32,
 }
 
@@ -135,6 +149,7 @@ impl Client {
             id: 0,
             limit: 0,
             held: 0,
+            fast: None,
         };
         let label: String = label
             .chars()
@@ -181,13 +196,108 @@ impl Client {
         self.limit
     }
 
-    /// Tokens this connection holds.
+    /// Tokens this connection holds (through the fast path too).
     pub fn held(&self) -> u32 {
-        self.held
+        self.held + self.fast.as_ref().map_or(0, |f| f.held)
+    }
+
+    /// Asks the broker for a seat in the shared-memory fast path
+    /// (docs/fastpath.md): from then on `acquire(1)`, `try_acquire(1)`
+    /// and `release` take and give tokens in memory shared with the
+    /// broker and the build's other fast-path clients, with no system call
+    /// unless someone must be woken. `Ok(false)`, with the broker's
+    /// reason, when it offers none (another user's broker, an old one, a
+    /// full region): the client goes on over the socket. Do not use the
+    /// client in a child after `fork`: the region is not mapped there.
+    pub fn enable_fastpath(&mut self) -> Result<std::result::Result<(), String>> {
+        if self.fast.is_some() {
+            return Ok(Ok(()));
+        }
+        if self.has_buffered_reply() {
+            return Err(Error::Protocol(
+                "a reply is unread; FASTPATH must come alone".into(),
+            ));
+        }
+        self.send(&Request::Fastpath(protocol::FASTPATH_VERSION))?;
+        let (line, fd) = fastpath::receive_with_fd(&self.writer)
+            .map_err(|e| io_error("reading the FASTPATH reply", e))?;
+        let reply = match protocol::parse_reply_line(line.trim_end_matches('\n')) {
+            Ok(ReplyHead::Complete(reply)) => reply,
+            _ => return Err(Error::Protocol(format!("bad reply to FASTPATH: {line:?}"))),
+        };
+        match (reply, fd) {
+            (Reply::Fastpath { seat, .. }, Some(fd)) => {
+                let seat = u8::try_from(seat)
+                    .map_err(|_| Error::Protocol(format!("seat {seat} out of range")))?;
+                let mapping = fastpath::Mapping::map(std::os::fd::AsFd::as_fd(&fd))
+                    .map_err(|e| Error::Protocol(format!("the broker's region: {e}")))?;
+                self.fast = Some(Fast {
+                    mapping,
+                    seat: Seat(seat),
+                    held: 0,
+                });
+                Ok(Ok(()))
+            }
+            (Reply::Fastpath { .. }, None) => Err(Error::Protocol(
+                "FASTPATH came without the region's descriptor".into(),
+            )),
+            (
+                Reply::Err {
+                    code: ErrorCode::Unavailable,
+                    message,
+                },
+                _,
+            ) => Ok(Err(message)),
+            (Reply::Err { code, message }, _) => Err(Error::Refused { code, message }),
+            (other, _) => Err(unexpected(other)),
+        }
+    }
+
+    /// Whether this client has a fast-path seat it can still use.
+    pub fn uses_fastpath(&self) -> bool {
+        self.fast.is_some()
+    }
+
+    /// One step on the fast path, if this client has a seat: `None` when
+    /// it must use the socket instead (no seat, or the region refused:
+    /// nothing changed there). A seat revoked, or a region whose broker is
+    /// gone, is given up: what it held is the connection's (the broker
+    /// booked it there when it revoked the seat).
+    fn on_fastpath<T>(
+        &mut self,
+        op: impl FnOnce(&Ring, Seat, &dyn Host) -> std::result::Result<T, Refused>,
+    ) -> Option<T> {
+        let fast = self.fast.as_ref()?;
+        let host = Sleeper {
+            socket: &self.writer,
+            mapping: &fast.mapping,
+        };
+        let outcome = if host.gone() {
+            Err(Refused::Gone)
+        } else {
+            op(&fast.mapping.ring(), fast.seat, &host)
+        };
+        match outcome {
+            Ok(done) => Some(done),
+            Err(Refused::Busy | Refused::Full | Refused::NothingHeld) => None,
+            Err(Refused::Revoked | Refused::Gone | Refused::Corrupt) => {
+                let fast = self.fast.take().expect("looked at above");
+                self.held += fast.held;
+                None
+            }
+        }
     }
 
     /// Blocks until `n` tokens are granted.
     pub fn acquire(&mut self, n: u32) -> Result<()> {
+        if n == 1 {
+            let got = self.on_fastpath(|ring, seat, host| ring.acquire(seat, host, None));
+            if let Some(got) = got {
+                debug_assert_eq!(got, fastpath_ring::Acquired::Token, "no deadline");
+                self.fast.as_mut().expect("used above").held += 1;
+                return Ok(());
+            }
+        }
         match self.call(&Request::Acquire(n))? {
             Reply::Granted { held, .. } => {
                 self.held = held;
@@ -199,6 +309,10 @@ impl Client {
 
     /// Takes `n` tokens if they are free now; `Ok(false)` if not.
     pub fn try_acquire(&mut self, n: u32) -> Result<bool> {
+        if n == 1 && self.on_fastpath(|ring, seat, host| ring.try_acquire(seat, host)) == Some(()) {
+            self.fast.as_mut().expect("used above").held += 1;
+            return Ok(true);
+        }
         match self.call(&Request::Try(n))? {
             Reply::Granted { held, .. } => {
                 self.held = held;
@@ -221,9 +335,23 @@ impl Client {
         }
     }
 
-    /// Gives back `n` tokens.
+    /// Gives back `n` tokens: those held through the fast path first.
     pub fn release(&mut self, n: u32) -> Result<()> {
-        match self.call(&Request::Release(n))? {
+        let mut left = n;
+        while left > 0 && self.fast.as_ref().is_some_and(|f| f.held > 0) {
+            if self
+                .on_fastpath(|ring, seat, host| ring.release(seat, host))
+                .is_none()
+            {
+                break;
+            }
+            self.fast.as_mut().expect("used above").held -= 1;
+            left -= 1;
+        }
+        if left == 0 && n > 0 {
+            return Ok(());
+        }
+        match self.call(&Request::Release(left))? {
             Reply::Released { held, .. } => {
                 self.held = held;
                 Ok(())
@@ -428,6 +556,46 @@ impl Client {
     fn call(&mut self, request: &Request) -> Result<Reply> {
         self.send(request)?;
         self.read_reply()
+    }
+}
+
+/// The fast path's host for a client: futexes on the region's words,
+/// NUDGE on the socket, and the broker's liveness word. A sleeper wakes
+/// now and then to look at that word: a broker killed while it sleeps
+/// cannot wake it.
+struct Sleeper<'a> {
+    socket: &'a UnixStream,
+    mapping: &'a fastpath::Mapping,
+}
+
+/// How long a fast-path waiter sleeps before it looks whether the broker
+/// still lives (a wake-up a second per sleeper, at most).
+const LOOK_AT_THE_BROKER_EVERY: std::time::Duration = std::time::Duration::from_secs(1);
+
+impl Host for Sleeper<'_> {
+    fn wait(
+        &self,
+        word: &std::sync::atomic::AtomicU64,
+        expected: u32,
+        deadline: Option<std::time::Instant>,
+    ) {
+        let look = std::time::Instant::now() + LOOK_AT_THE_BROKER_EVERY;
+        let until = deadline.map_or(look, |d| d.min(look));
+        fastpath::futex_wait(word, expected, Some(until));
+    }
+
+    fn wake(&self, word: &std::sync::atomic::AtomicU64) {
+        fastpath::futex_wake(word);
+    }
+
+    fn tell(&self, _: Notice) {
+        // Either notice asks the same: look at the region. A broker that
+        // is gone is found at the next operation.
+        let _ = (&*self.socket).write_all(b"NUDGE\n");
+    }
+
+    fn gone(&self) -> bool {
+        !self.mapping.broker_alive()
     }
 }
 

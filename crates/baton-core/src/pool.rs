@@ -502,6 +502,41 @@ impl<M> Pool<M> {
         self.serve_queue()
     }
 
+    /// The gates' cap on tokens held in all, if one is set.
+    pub fn admission_cap(&self) -> Option<u32> {
+        self.cap
+    }
+
+    /// Moves `tokens` that `from` holds to `to`, as one step: nobody else
+    /// can be granted them in between, and nothing is freed or created.
+    /// The fast path books on a client's connection what it held through
+    /// its build's shared region when the broker drops it from there.
+    pub fn transfer(&mut self, from: ClientId, to: ClientId, tokens: u32) -> Result<(), PoolError> {
+        let held = self.held_by(from);
+        if !self.clients.contains_key(&to) {
+            return Err(PoolError::UnknownClient(to));
+        }
+        if !self.clients.contains_key(&from) {
+            return Err(PoolError::UnknownClient(from));
+        }
+        if tokens > held {
+            return Err(PoolError::OverRelease {
+                asked: tokens,
+                held,
+            });
+        }
+        let giver = self.clients.get_mut(&from).expect("checked above");
+        giver.held -= tokens;
+        let build = giver.build;
+        self.shares.update(build, |b| b.held -= tokens);
+        let taker = self.clients.get_mut(&to).expect("checked above");
+        taker.held += tokens;
+        let build = taker.build;
+        // Not a grant: they were counted as granted when `from` got them.
+        self.shares.update(build, |b| b.held += tokens);
+        Ok(())
+    }
+
     /// How many tokens the request served next asks for, if any waits.
     pub fn next_request(&self) -> Option<u32> {
         self.next_waiter().map(|pos| self.queue[pos].tokens)
@@ -788,6 +823,49 @@ mod tests {
         assert_eq!(p.acquire(a, 0, 2), Ok(Acquired::Granted));
         assert_eq!((p.free(), p.held_by(a)), (0, 2));
         p.assert_invariants();
+    }
+
+    #[test]
+    fn a_transfer_moves_held_tokens_and_frees_or_grants_none() {
+        let mut p = pool(3);
+        let lender = p.connect(());
+        let member = p.connect_beside(lender, ());
+        let other = p.connect(());
+        p.acquire(lender, 0, 3).unwrap();
+        p.acquire(other, 0, 1).unwrap();
+        let granted = p.totals().granted;
+        assert_eq!(p.transfer(lender, member, 2), Ok(()));
+        assert_eq!((p.held_by(lender), p.held_by(member), p.free()), (1, 2, 0));
+        assert_eq!(p.totals().granted, granted, "not a grant");
+        let build: Vec<_> = p.builds().map(|b| (b.held, b.granted)).collect();
+        assert!(
+            build.contains(&(3, 3)),
+            "the build holds what it held: {build:?}"
+        );
+        assert_eq!(p.waiting(), 1, "the waiter still waits");
+        assert_eq!(
+            p.transfer(lender, member, 2),
+            Err(PoolError::OverRelease { asked: 2, held: 1 })
+        );
+        assert_eq!(
+            p.transfer(lender, ClientId(99), 1),
+            Err(PoolError::UnknownClient(ClientId(99)))
+        );
+        assert_eq!(
+            p.transfer(ClientId(98), member, 0),
+            Err(PoolError::UnknownClient(ClientId(98)))
+        );
+        p.release(member, 2).unwrap();
+        assert_eq!(p.held_by(other), 1, "the waiter got a token back");
+        p.assert_invariants();
+    }
+
+    #[test]
+    fn the_admission_cap_reads_back() {
+        let mut p = pool(3);
+        assert_eq!(p.admission_cap(), None);
+        p.set_admission_cap(Some(2));
+        assert_eq!(p.admission_cap(), Some(2));
     }
 
     #[test]

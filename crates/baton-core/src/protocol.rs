@@ -82,7 +82,18 @@ pub enum Request {
     /// that the pool never lent (written by a client that gave back more
     /// than it took, or by a stranger); counted in the build's status.
     Stray(u32),
+    /// `FASTPATH <version>`: asks for a seat in the shared-memory fast
+    /// path of this connection's build (docs/fastpath.md); the reply
+    /// carries the region's descriptor (SCM_RIGHTS).
+    Fastpath(u32),
+    /// `NUDGE`: a fast-path client tells the broker to look at its region
+    /// (it claimed a ticket behind the barrier, or returned a token
+    /// there). No reply.
+    Nudge,
 }
+
+/// The fast path's layout version that `FASTPATH` names.
+pub const FASTPATH_VERSION: u32 = 1;
 
 /// The names GATE accepts.
 pub const GATE_NAMES: [&str; 4] = ["mem-available", "mem-pressure", "load", "min-jobs"];
@@ -173,6 +184,14 @@ pub enum Reply {
         /// Tokens held at that moment.
         held: u32,
     },
+    /// `FASTPATH <seat> <bytes>`: answer to FASTPATH; the region's
+    /// descriptor rides with it, `bytes` long; the client is `seat`.
+    Fastpath {
+        /// The client's seat in the region.
+        seat: u32,
+        /// The region's length in bytes.
+        bytes: u32,
+    },
     /// `ERR <code> <message>`.
     Err {
         /// What kind of error.
@@ -211,6 +230,10 @@ pub enum ErrorCode {
     /// The broker does not serve the connecting user (docs/security.md).
     /// Fatal.
     Denied,
+    /// The fast path is not offered to this connection (another user, a
+    /// region full of seats, an old kernel): it stays on the socket. Not
+    /// fatal.
+    Unavailable,
 }
 
 impl ErrorCode {
@@ -226,6 +249,7 @@ impl ErrorCode {
             ErrorCode::Range => "range",
             ErrorCode::Full => "full",
             ErrorCode::Denied => "denied",
+            ErrorCode::Unavailable => "unavailable",
         }
     }
 
@@ -241,13 +265,17 @@ impl ErrorCode {
             "range" => ErrorCode::Range,
             "full" => ErrorCode::Full,
             "denied" => ErrorCode::Denied,
+            "unavailable" => ErrorCode::Unavailable,
             _ => return None,
         })
     }
 
     /// Whether the broker closes the connection after this error.
     pub fn is_fatal(self) -> bool {
-        !matches!(self, ErrorCode::OverRelease | ErrorCode::Range)
+        !matches!(
+            self,
+            ErrorCode::OverRelease | ErrorCode::Range | ErrorCode::Unavailable
+        )
     }
 }
 
@@ -287,6 +315,7 @@ pub fn parse_request(line: &[u8]) -> Result<Request, ParseError> {
         "RELEASE" => count("RELEASE").map(Request::Release),
         "HOLD" => count("HOLD").map(Request::Hold),
         "STRAY" => count("STRAY").map(Request::Stray),
+        "FASTPATH" => count("FASTPATH").map(Request::Fastpath),
         "LIMIT" => count("LIMIT").map(Request::Limit),
         "GATE" => parse_gate(rest).map(|(name, value)| Request::Gate { name, value }),
         "BUILD" => {
@@ -303,7 +332,8 @@ pub fn parse_request(line: &[u8]) -> Result<Request, ParseError> {
         "CANCEL" if rest.is_empty() => Ok(Request::Cancel),
         "STATUS" if rest.is_empty() => Ok(Request::Status),
         "STOP" if rest.is_empty() => Ok(Request::Stop),
-        "CANCEL" | "STATUS" | "WANTED" | "STOP" => {
+        "NUDGE" if rest.is_empty() => Ok(Request::Nudge),
+        "CANCEL" | "STATUS" | "WANTED" | "STOP" | "NUDGE" => {
             Err(malformed(format!("{verb} takes no arguments")))
         }
         "" => Err(malformed("empty request")),
@@ -402,6 +432,8 @@ impl fmt::Display for Request {
             Request::Hold(n) => write!(f, "HOLD {n}"),
             Request::Stop => f.write_str("STOP"),
             Request::Stray(n) => write!(f, "STRAY {n}"),
+            Request::Fastpath(n) => write!(f, "FASTPATH {n}"),
+            Request::Nudge => f.write_str("NUDGE"),
         }
     }
 }
@@ -426,6 +458,7 @@ impl Reply {
             Reply::Wanted { tokens, free } => format!("WANTED {tokens} {free}\n"),
             Reply::Stopping { pid, builds, held } => format!("STOPPING {pid} {builds} {held}\n"),
             Reply::Stray { total } => format!("STRAY {total}\n"),
+            Reply::Fastpath { seat, bytes } => format!("FASTPATH {seat} {bytes}\n"),
             Reply::Err { code, message } => format!("ERR {code} {}\n", message.replace('\n', " ")),
         };
         line.into_bytes()
@@ -478,6 +511,10 @@ pub fn parse_reply_line(line: &str) -> Result<ReplyHead, ParseError> {
             held: num()?,
         },
         "STRAY" => Reply::Stray { total: num()? },
+        "FASTPATH" => Reply::Fastpath {
+            seat: num()?,
+            bytes: num()?,
+        },
         "STATUS" => return Ok(ReplyHead::StatusFollows(num()? as usize)),
         "GATE" => {
             let (name, value) = parse_gate(line.strip_prefix("GATE ").unwrap_or(""))
@@ -553,6 +590,8 @@ mod tests {
             Request::Hold(3),
             Request::Stop,
             Request::Stray(77),
+            Request::Fastpath(1),
+            Request::Nudge,
         ];
         for r in requests {
             assert_eq!(parse_request(r.to_string().as_bytes()), Ok(r));
@@ -597,7 +636,7 @@ mod tests {
     #[test]
     fn a_refusal_says_what_was_wrong() {
         let said = |line: &[u8]| parse_request(line).unwrap_err().to_string();
-        for verb in ["CANCEL", "STATUS", "WANTED", "STOP"] {
+        for verb in ["CANCEL", "STATUS", "WANTED", "STOP", "NUDGE"] {
             let line = format!("{verb} 1");
             assert!(
                 said(line.as_bytes()).contains(&format!("{verb} takes no arguments")),
@@ -670,6 +709,10 @@ mod tests {
             },
             Reply::Wanted { tokens: 2, free: 0 },
             Reply::Stray { total: 78 },
+            Reply::Fastpath {
+                seat: 3,
+                bytes: 12800,
+            },
             Reply::Stopping {
                 pid: 42,
                 builds: 2,
@@ -688,7 +731,7 @@ mod tests {
     }
 
     #[test]
-    fn every_error_code_reads_back_and_only_two_leave_the_connection_open() {
+    fn every_error_code_reads_back_and_only_three_leave_the_connection_open() {
         use ErrorCode::*;
         let codes = [
             Malformed,
@@ -700,13 +743,14 @@ mod tests {
             Range,
             Full,
             Denied,
+            Unavailable,
         ];
         for code in codes {
             assert_eq!(ErrorCode::parse(code.as_str()), Some(code), "{code}");
         }
         assert_eq!(ErrorCode::parse("nope"), None);
         let open: Vec<_> = codes.into_iter().filter(|c| !c.is_fatal()).collect();
-        assert_eq!(open, [OverRelease, Range]);
+        assert_eq!(open, [OverRelease, Range, Unavailable]);
     }
 
     #[test]

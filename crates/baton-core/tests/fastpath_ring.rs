@@ -269,6 +269,17 @@ impl Pair<'_> {
                 "seat {s}'s record after {after:?}"
             );
         }
+        let waiting = self
+            .model
+            .slots
+            .iter()
+            .filter(|s| matches!(s.claim, Claim::Claimed(_)) && !s.is_granted())
+            .count();
+        assert_eq!(
+            self.ring.waiters() as usize,
+            waiting,
+            "waiters after {after:?}"
+        );
         let (snapshot, _) = self.ring.snapshot().unwrap();
         let books = Books {
             lent: self.lent,
@@ -460,6 +471,11 @@ fn a_revoked_seat_is_refused_before_it_touches_the_ring() {
         "no such seat"
     );
     assert_eq!(ring.acquire(Seat(0), &host, None), Ok(Acquired::Token));
+    ring.revoke(Seat(0));
+    let before: Vec<u64> = words.iter().map(|w| w.load(SeqCst)).collect();
+    assert_eq!(ring.release(Seat(0), &host), Err(Refused::Revoked));
+    let after: Vec<u64> = words.iter().map(|w| w.load(SeqCst)).collect();
+    assert_eq!(before, after, "a refused release changes nothing");
 }
 
 /// A host for threads: a wait only yields (a futex may always return

@@ -190,6 +190,15 @@ impl Ring<'_> {
         Ok(Some(Event::GrantedAndWoke(t)))
     }
 
+    /// Claims that wait for a token. While the barrier stands, each is a
+    /// ticket only the broker will serve: it asks its pool for as many.
+    pub fn waiters(&self) -> u32 {
+        let waiting = |(_, _, w): &(Ticket, u64, SlotWord)| {
+            matches!(w.slot.claim, Claim::Claimed(_)) && !w.slot.is_granted()
+        };
+        self.slots().filter(waiting).count() as u32
+    }
+
     /// Puts the barrier on the first ticket from `from` that awaits a
     /// grant.
     fn put_barrier(&self, from: Ticket) -> Result<(), Refused> {

@@ -94,6 +94,10 @@ pub enum Refused {
     /// A release with no token held.
     #[error("this seat holds no token")]
     NothingHeld,
+    /// The broker that made the region is gone (its host says so): the
+    /// region is dead, and a wait in it would never end.
+    #[error("the broker that made the region is gone")]
+    Gone,
 }
 
 /// What a step asks of the world outside the region: the futex calls,
@@ -107,6 +111,11 @@ pub trait Host {
     /// Tells the broker what it must act on: the barrier stands, or the
     /// ring is full, and a token came back or a client waits.
     fn tell(&self, notice: Notice);
+    /// Whether the broker is gone: a sleeper looks after each wake (its
+    /// host wakes it now and then to look), and gives up.
+    fn gone(&self) -> bool {
+        false
+    }
 }
 
 /// What a client tells the broker over its socket.
@@ -645,6 +654,7 @@ impl<'w> Ring<'w> {
     /// Gives one of `seat`'s tokens to the next ticket, or back to the
     /// broker while its barrier stands.
     pub fn release(&self, seat: Seat, host: &dyn Host) -> Result<Released, Refused> {
+        self.usable(seat)?;
         let mut phase = Phase::Hand;
         let mut released = Released::Given;
         while phase != Phase::Done {
@@ -691,6 +701,12 @@ impl<'w> Ring<'w> {
         deadline: Option<Instant>,
     ) -> Result<Option<Phase>, Refused> {
         loop {
+            if self.revoked(seat) {
+                return Err(Refused::Revoked);
+            }
+            if host.gone() {
+                return Err(Refused::Gone);
+            }
             if deadline.is_some_and(|d| Instant::now() >= d) {
                 return Ok(match self.time_out(seat, t)? {
                     (Phase::Done, _) => None,

@@ -1,0 +1,518 @@
+//! The broker's side of the shared-memory fast path (docs/fastpath.md):
+//! a region per build whose clients ask for one, lent tokens from the
+//! pool, and the broker's moves on it.
+//!
+//! The pool stays the one book of tokens. A region's tokens are held in
+//! the pool by its *lender*, a client of the region's build with no
+//! connection (crate::broker::Transport::Region): the shares, the gates
+//! and STATUS count them as that build's. Inside the region the clients
+//! pass them among themselves without the broker; the broker's moves
+//! (`baton_core::fastpath::Ring`'s keeper) keep `held_by(lender)` equal to
+//! what the region counts, between any two of its rounds:
+//!
+//! - **Open** (no barrier) while the region's build is the only one with
+//!   a region and nobody else waits in the pool, nothing is to be retired
+//!   (a lowered limit, a gate's cap below what is held) and no reclaim
+//!   grace runs: every free token of the pool is lent to it.
+//! - **Closed** otherwise: the barrier stands, the free tokens come out,
+//!   a token released in the region comes back to the pool (the client's
+//!   `NUDGE` says so), and each claim waiting behind the barrier is one
+//!   request of the lender in the pool's queue, served in the share
+//!   policy's order like any other.
+//! - **A client that dies** (its connection closes): its seat is repaired
+//!   and what the region says it held is booked on its connection just
+//!   before the connection leaves the pool, so that the socket path's
+//!   rules apply (a build whose jobs run on keeps them).
+//! - **The audit**: at most once a second while the broker is awake, a
+//!   snapshot of each region is checked against the lender's books. A
+//!   mismatch seen twice is logged and counted, and the region is closed
+//!   for good: from then on every token its clients get comes from the
+//!   pool, which never grants past the limit.
+
+use crate::broker::Broker;
+use crate::log;
+use baton_client::fastpath::{Futexes, Mapping};
+use baton_core::fastpath::{ring, Books, Notice, Refused, Ring, Seat};
+use baton_core::BuildId;
+use baton_core::{Acquired, ClientId, Tag};
+use std::collections::hash_map::Entry;
+use std::collections::HashMap;
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+use std::time::{Duration, Instant};
+
+/// Seats per region: the layout's maximum.
+pub const SEATS: usize = ring::MAX_SEATS;
+
+/// How often, at most, the broker audits each region while it is awake.
+const AUDIT_EVERY: Duration = Duration::from_secs(1);
+
+/// The broker only wakes claimers; it never waits on a slot, nor tells
+/// itself anything.
+fn host() -> Futexes<fn(Notice)> {
+    Futexes { tell: |_| {} }
+}
+
+/// Every region, by build, and where each fast-path client sits.
+#[derive(Default)]
+pub struct Regions {
+    by_build: HashMap<BuildId, Region>,
+    seated: HashMap<ClientId, (BuildId, Seat)>,
+    audited: Option<Instant>,
+    /// Audits that found a region's count and the books apart, twice.
+    pub mismatches: u64,
+    /// Seats repaired after their client's connection closed.
+    pub repairs: u64,
+}
+
+/// One build's region.
+struct Region {
+    mapping: Mapping,
+    fd: OwnedFd,
+    /// Holds the region's tokens in the pool.
+    lender: ClientId,
+    /// The client in each seat.
+    clients: Vec<Option<ClientId>>,
+    /// Seats never given again: their repair found a record no correct
+    /// client writes.
+    burnt: Vec<bool>,
+    /// No barrier: clients give each other tokens.
+    open: bool,
+    /// The lender's requests in the pool's queue, one per claim waiting
+    /// behind the barrier.
+    asked: Vec<Tag>,
+    next_tag: Tag,
+    /// Audits in a row that did not balance.
+    odd_audits: u32,
+    /// Closed for good after a confirmed mismatch.
+    tainted: bool,
+}
+
+/// What a client is told when it gets a seat.
+pub struct Offer<'a> {
+    pub seat: u32,
+    pub bytes: u32,
+    pub fd: BorrowedFd<'a>,
+}
+
+impl Regions {
+    /// Seats `client` in its build's region, made on first use. `Err` says
+    /// why not, for `ERR unavailable`: the client stays on the socket.
+    pub fn offer(&mut self, broker: &mut Broker, client: ClientId) -> Result<Offer<'_>, String> {
+        if self.seated.contains_key(&client) {
+            return Err("this connection has a seat already".into());
+        }
+        let build = broker
+            .pool()
+            .build_of(client)
+            .ok_or("the connection has not said HELLO")?;
+        let region = match self.by_build.entry(build) {
+            Entry::Occupied(found) => found.into_mut(),
+            Entry::Vacant(slot) => slot.insert(Region::new(broker, client, build)?),
+        };
+        if region.tainted {
+            return Err("its build's region was closed after an audit found it wrong".into());
+        }
+        let seat = (0..SEATS)
+            .find(|&s| region.clients[s].is_none() && !region.burnt[s])
+            .ok_or(format!(
+                "its build's region has no free seat ({SEATS} clients use it)"
+            ))?;
+        region.clients[seat] = Some(client);
+        let seat = Seat(seat as u8);
+        self.seated.insert(client, (build, seat));
+        let region = &self.by_build[&build];
+        Ok(Offer {
+            seat: u32::from(seat.0),
+            bytes: (region.mapping.words().len() * 8) as u32,
+            fd: region.fd.as_fd(),
+        })
+    }
+
+    /// `client`'s connection is closing: its seat is repaired and what it
+    /// held there is booked on its connection, which the caller then takes
+    /// out of the pool. The region goes with its last client.
+    pub fn leave(&mut self, broker: &mut Broker, client: ClientId) {
+        let Some((build, seat)) = self.seated.remove(&client) else {
+            return;
+        };
+        let region = self
+            .by_build
+            .get_mut(&build)
+            .expect("a seated client's region");
+        let mut in_hand = 0;
+        let clean = region.repair(seat, &mut in_hand);
+        self.repairs += 1;
+        let held = broker.pool().held_by(region.lender);
+        if in_hand > held {
+            log::warn(format_args!(
+                "fast path: the region says a closing client held {in_hand} token(s), and it lends {held}"
+            ));
+        }
+        let booked = in_hand.min(held);
+        if let Err(e) = broker.transfer(region.lender, client, booked) {
+            log::warn(format_args!(
+                "fast path: booking a closing client's tokens: {e}"
+            ));
+        }
+        region.clients[usize::from(seat.0)] = None;
+        region.burnt[usize::from(seat.0)] |= !clean;
+        if region.clients.iter().all(Option::is_none) {
+            let region = self.by_build.remove(&build).expect("found above");
+            region.retire(broker);
+        }
+    }
+
+    /// Before a successor takes over (`serve --replace`): the regions die
+    /// with this broker. Each one's barrier goes up and its free tokens
+    /// come back; each seat is revoked, its sleeper woken to see it, and
+    /// what the region attributes to it is booked on its connection, which
+    /// the successor adopts. Its client then uses the socket (its library
+    /// moves what it held there to the connection's count).
+    pub fn evict_all(&mut self, broker: &mut Broker) {
+        self.seated.clear();
+        for (_, mut region) in self.by_build.drain() {
+            region.put_up_barrier(broker);
+            let seats: Vec<Seat> = region.seats().collect();
+            let ring = region.ring();
+            for &seat in &seats {
+                ring.revoke(seat);
+            }
+            for i in 0..ring.capacity() {
+                baton_client::fastpath::futex_wake(ring.slot_word(i));
+            }
+            // A client between two steps moves a word: read again until
+            // two reads agree (its step is a few instructions).
+            let snapshot = (0..10_000).find_map(|_| ring.snapshot().ok());
+            let Some((snapshot, _)) = snapshot else {
+                log::warn(format_args!(
+                    "fast path: a region kept moving while handed over; its tokens go back to the pool"
+                ));
+                region.retire(broker);
+                continue;
+            };
+            for seat in seats {
+                let client = region.clients[usize::from(seat.0)].expect("seated");
+                let held = broker.pool().held_by(region.lender);
+                let booked = snapshot.attributed(seat).min(held);
+                if let Err(e) = broker.transfer(region.lender, client, booked) {
+                    log::warn(format_args!("fast path: booking a seat's tokens: {e}"));
+                }
+            }
+            region.retire(broker);
+        }
+    }
+
+    /// The broker's moves after each of its rounds: grants to lenders go
+    /// into their regions, returned tokens come back, each region opens
+    /// or closes as the pool's state says, and, at most once a second,
+    /// the audit.
+    pub fn round(&mut self, broker: &mut Broker) {
+        if self.by_build.is_empty() {
+            return;
+        }
+        for grant in broker.take_grants(crate::broker::Transport::Region) {
+            if let Some(region) = self
+                .by_build
+                .values_mut()
+                .find(|r| r.lender == grant.client)
+            {
+                region.asked.retain(|&t| t != grant.tag);
+                region.serve(broker, grant.tokens);
+            }
+        }
+        let lenders_waiting: usize = self.by_build.values().map(|r| r.asked.len()).sum();
+        let others_waiting = broker.pool().waiting() > lenders_waiting;
+        let alone = self.by_build.len() == 1;
+        for region in self.by_build.values_mut() {
+            region.collect(broker);
+            let closed_by = if !alone {
+                Some("another build has a region")
+            } else if others_waiting {
+                Some("others wait in the pool")
+            } else if region.tainted {
+                Some("an audit found it wrong")
+            } else {
+                must_retire(broker)
+            };
+            match closed_by {
+                None => region.lend(broker),
+                Some(why) => {
+                    if region.open {
+                        log::debug(format_args!("fast path: a region closes: {why}"));
+                    }
+                    region.hold_back(broker);
+                }
+            }
+        }
+        let due = self.audited.is_none_or(|t| t.elapsed() >= AUDIT_EVERY);
+        if due {
+            self.audited = Some(Instant::now());
+            for region in self.by_build.values_mut() {
+                self.mismatches += u64::from(region.audit(broker));
+            }
+        }
+    }
+}
+
+/// Why the pool may not lend now, if so: a lowered limit or a gate wants
+/// tokens back, or a reclaim grace holds every grant back.
+fn must_retire(broker: &Broker) -> Option<&'static str> {
+    let pool = broker.pool();
+    let held = pool.held();
+    if held > pool.limit() {
+        Some("more tokens are held than the limit")
+    } else if pool.admission_cap().is_some_and(|cap| held > cap) {
+        Some("a gate holds tokens back")
+    } else if broker.reclaim_left().is_some() {
+        Some("builds re-attach after a broker's death")
+    } else {
+        None
+    }
+}
+
+/// A ring this large holds every token a pool of `limit` can lend and a
+/// waiting claim from every seat, twice over: a full ring (a client
+/// stopped between two steps) should be rare.
+fn capacity_for(limit: u32) -> usize {
+    ((limit as usize + SEATS) * 2)
+        .next_power_of_two()
+        .clamp(4096, ring::MAX_CAPACITY)
+}
+
+impl Region {
+    fn new(broker: &mut Broker, first: ClientId, build: BuildId) -> Result<Region, String> {
+        let capacity = capacity_for(broker.pool().limit());
+        let (mapping, fd) = Mapping::create(capacity, SEATS, 0)
+            .map_err(|e| format!("the broker cannot make a region: {e}"))?;
+        mapping
+            .hold_liveness()
+            .map_err(|e| format!("the broker cannot lock the region's liveness word: {e}"))?;
+        let lender = broker.connect_lender(first, format!("[fast path of build {}]", build.0));
+        log::debug(format_args!(
+            "fast path: a region of {capacity} slots for build {}",
+            build.0
+        ));
+        Ok(Region {
+            mapping,
+            fd,
+            lender,
+            clients: vec![None; SEATS],
+            burnt: vec![false; SEATS],
+            open: true,
+            asked: Vec::new(),
+            next_tag: 0,
+            odd_audits: 0,
+            tainted: false,
+        })
+    }
+
+    fn ring(&self) -> Ring<'_> {
+        self.mapping.ring()
+    }
+
+    fn seats(&self) -> impl Iterator<Item = Seat> + '_ {
+        (0..SEATS)
+            .filter(|&s| self.clients[s].is_some())
+            .map(|s| Seat(s as u8))
+    }
+
+    /// Takes back what the ring says `seat` had, into `in_hand`; false if
+    /// its record could not be read (no correct client writes it).
+    fn repair(&self, seat: Seat, in_hand: &mut u32) -> bool {
+        let host = host();
+        loop {
+            match self.ring().repair_step(seat, in_hand, &host) {
+                Ok(Some(_)) => continue,
+                Ok(None) => return true,
+                Err(why) => {
+                    log::warn(format_args!("fast path: repairing seat {}: {why}", seat.0));
+                    return false;
+                }
+            }
+        }
+    }
+
+    /// Tokens the pool granted the lender (or the broker took back while
+    /// the region is open) go to the region's queue: the oldest waiting
+    /// claim first, then free for the next claim. What the ring cannot
+    /// take goes back to the pool.
+    fn serve(&mut self, broker: &mut Broker, tokens: u32) {
+        let mut in_hand = tokens;
+        let host = host();
+        loop {
+            match self.ring().regrant_step(&mut in_hand, &host) {
+                Ok(Some(_)) => continue,
+                Ok(None) | Err(Refused::Full) => break,
+                Err(why) => {
+                    log::warn(format_args!(
+                        "fast path: giving a token to the region: {why}"
+                    ));
+                    break;
+                }
+            }
+        }
+        self.give_back(broker, in_hand);
+    }
+
+    /// Returns tokens the broker took out of the region to the pool.
+    fn give_back(&mut self, broker: &mut Broker, tokens: u32) {
+        let tokens = tokens.min(broker.pool().held_by(self.lender));
+        if tokens > 0 {
+            broker
+                .release(self.lender, tokens)
+                .expect("the lender holds them");
+        }
+    }
+
+    /// Tokens clients returned through their records while the barrier
+    /// stood (or the ring was full).
+    fn collect(&mut self, broker: &mut Broker) {
+        let mut in_hand = 0;
+        let seats: Vec<Seat> = self.seats().collect();
+        for seat in seats {
+            while let Ok(Some(_)) = self.ring().collect_step(seat, &mut in_hand) {}
+        }
+        if self.open {
+            self.serve(broker, in_hand);
+        } else {
+            self.give_back(broker, in_hand);
+        }
+    }
+
+    /// Open: the barrier comes down, and every free token of the pool is
+    /// lent to the region.
+    fn lend(&mut self, broker: &mut Broker) {
+        if !self.open {
+            if self.ring().reopen().is_err() {
+                return; // the ring is full: tried again next round
+            }
+            self.open = true;
+            for tag in std::mem::take(&mut self.asked) {
+                broker.cancel(self.lender, tag);
+            }
+        }
+        let mut lent = 0;
+        while broker.pool().free() > 0 && broker.try_acquire(self.lender, 1) == Ok(true) {
+            lent += 1;
+        }
+        if lent > 0 {
+            self.serve(broker, lent);
+        }
+    }
+
+    /// Closed: the barrier stands, the free tokens go back to the pool,
+    /// and each claim behind the barrier is one request in the pool.
+    fn hold_back(&mut self, broker: &mut Broker) {
+        if !self.put_up_barrier(broker) {
+            return; // the ring is full: tried again next round
+        }
+        // One request per claim behind the barrier. The pool lets a client
+        // hold and wait for at most the limit: a lender that holds it all
+        // asks again as tokens come back to it.
+        loop {
+            let wanted = self.requests_wanted(broker);
+            if self.asked.len() >= wanted {
+                break;
+            }
+            let tag = self.next_tag;
+            self.next_tag += 1;
+            match broker.acquire(self.lender, tag, 1) {
+                Ok(Acquired::Granted) => self.serve(broker, 1),
+                Ok(Acquired::Queued) => self.asked.push(tag),
+                Err(e) => {
+                    log::warn(format_args!("fast path: asking the pool for a waiter: {e}"));
+                    break;
+                }
+            }
+        }
+        while self.asked.len() > self.requests_wanted(broker) {
+            let tag = self.asked.pop().expect("longer than wanted");
+            broker.cancel(self.lender, tag);
+        }
+    }
+
+    /// Requests the lender should have in the pool's queue: one per claim
+    /// waiting behind the barrier, as far as the limit allows.
+    fn requests_wanted(&self, broker: &Broker) -> usize {
+        let pool = broker.pool();
+        let room = pool.limit().saturating_sub(pool.held_by(self.lender)) as usize;
+        (self.ring().waiters() as usize).min(room)
+    }
+
+    /// The barrier goes up, and the free tokens back to the pool; false
+    /// if the ring was full (tried again next round).
+    fn put_up_barrier(&mut self, broker: &mut Broker) -> bool {
+        if self.open {
+            if self.ring().close().is_err() {
+                return false;
+            }
+            self.open = false;
+            let mut in_hand = 0;
+            while let Ok(Some(_)) = self.ring().drain_step(&mut in_hand) {}
+            self.give_back(broker, in_hand);
+        }
+        true
+    }
+
+    /// Checks the region against the lender's books; true when a mismatch
+    /// is confirmed (seen twice in a row) and the region closed for good.
+    fn audit(&mut self, broker: &mut Broker) -> bool {
+        let Ok((snapshot, _)) = self.ring().snapshot() else {
+            return false; // moving (or a corrupt slot): read again later
+        };
+        let books = Books {
+            lent: broker.pool().held_by(self.lender),
+            ..Books::default()
+        };
+        let audit = snapshot.audit(&books);
+        if audit.balanced() {
+            self.odd_audits = 0;
+            return false;
+        }
+        self.odd_audits += 1;
+        if self.odd_audits < 2 || self.tainted {
+            return false;
+        }
+        let suspects: Vec<String> = audit
+            .suspects
+            .iter()
+            .filter_map(|s| self.clients[usize::from(s.0)])
+            .filter_map(|c| {
+                broker
+                    .pool()
+                    .meta(c)
+                    .map(|m| format!("pid {} ({})", m.pid, m.command))
+            })
+            .collect();
+        log::warn(format_args!(
+            "fast path: a region counts {} token(s) where its build was lent {}{}; it is closed for good, and its clients get every token from the pool",
+            audit.counted,
+            audit.expected,
+            if suspects.is_empty() {
+                String::new()
+            } else {
+                format!("; records no correct client writes: {}", suspects.join(", "))
+            }
+        ));
+        self.tainted = true;
+        self.hold_back(broker);
+        true
+    }
+
+    /// The last client left: the free tokens, and whatever the lender
+    /// still holds, go back to the pool.
+    fn retire(self, broker: &mut Broker) {
+        // Any client still looking (one revoked at a handover) sees no
+        // broker; and the word leaves this thread's robust list before
+        // the mapping goes.
+        if let Err(e) = self.mapping.release_liveness() {
+            log::warn(format_args!(
+                "fast path: unlocking a region's liveness word: {e}"
+            ));
+        }
+        let left = broker.drop_lender(self.lender);
+        log::debug(format_args!(
+            "fast path: a region closed, {left} token(s) back to the pool"
+        ));
+    }
+}

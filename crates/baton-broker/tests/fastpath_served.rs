@@ -1,0 +1,438 @@
+//! The fast path served for real (docs/fastpath.md): a broker running
+//! `baton_broker::serve` in a process of its own (this binary in the
+//! `serve` role), and clients of `baton_client` that ask it for a seat and
+//! pass tokens in the region it shares with them. Counted from the jobs
+//! themselves (a lock per running job, which the kernel drops when its
+//! process dies) and from the broker's books.
+//!
+//! The clients of one test join one build: the test's own process says
+//! BUILD on a connection it keeps, and the broker puts every later
+//! connection of it and of its children in that build, as `baton run`
+//! does for a build's processes. A region serves one build.
+
+#[path = "support/serve_role.rs"]
+mod serve_role;
+
+use baton_client::Client;
+use baton_testkit::harness::{self, role_command, spec_lines};
+use baton_testkit::{wait_for, RunningBroker, TempDir};
+use serve_role::{served, served_at};
+use std::fs::File;
+use std::io::Write;
+use std::os::fd::AsRawFd;
+use std::sync::atomic::{AtomicU32, Ordering::SeqCst};
+use std::sync::Arc;
+use std::time::Duration;
+
+/// How long a test waits for what must happen at once, before it fails
+/// rather than hangs (a hang guard, not a timing check).
+const PATIENCE: Duration = Duration::from_secs(20);
+
+fn main() {
+    match harness::role() {
+        Some((role, spec)) if role == "job" => job_here(&spec),
+        Some((_, spec)) => serve_role::serve_here(&spec),
+        None => {}
+    }
+    let tests: &[(&str, fn())] = &[
+        (
+            "threads_pass_tokens_in_the_region_without_waking_the_broker",
+            threads_pass_tokens_in_the_region_without_waking_the_broker,
+        ),
+        (
+            "clients_killed_at_random_moments_never_run_more_jobs_than_the_limit_nor_lose_a_token",
+            clients_killed_at_random_moments_never_run_more_jobs_than_the_limit_nor_lose_a_token,
+        ),
+        (
+            "another_build_that_waits_closes_the_region_and_is_served_in_turn",
+            another_build_that_waits_closes_the_region_and_is_served_in_turn,
+        ),
+        (
+            "a_lowered_limit_closes_the_region_until_it_holds_no_more",
+            a_lowered_limit_closes_the_region_until_it_holds_no_more,
+        ),
+        (
+            "a_waiter_whose_broker_is_killed_gives_up_instead_of_sleeping_forever",
+            a_waiter_whose_broker_is_killed_gives_up_instead_of_sleeping_forever,
+        ),
+        (
+            "a_successor_books_what_fast_path_clients_hold_on_their_connections",
+            a_successor_books_what_fast_path_clients_hold_on_their_connections,
+        ),
+        (
+            "garbage_in_a_record_is_found_logged_and_the_region_closed_for_good",
+            garbage_in_a_record_is_found_logged_and_the_region_closed_for_good,
+        ),
+    ];
+    std::process::exit(harness::run(tests));
+}
+
+/// A connection that starts a build: the test's later connections, and
+/// its children's, join it.
+fn build_root(broker: &RunningBroker) -> Client {
+    let mut root = broker.client("fast-path test");
+    root.start_build(1, "fast-path test").expect("BUILD");
+    root
+}
+
+fn fast_client(broker: &RunningBroker, label: &str) -> Client {
+    let mut client = broker.client(label);
+    client
+        .enable_fastpath()
+        .expect("FASTPATH answered")
+        .expect("a seat for the broker's own user");
+    assert!(client.uses_fastpath());
+    client
+}
+
+/// Context switches of every thread of `pid`: how often it slept.
+fn switches(pid: u32) -> u64 {
+    let tasks = std::fs::read_dir(format!("/proc/{pid}/task")).expect("the broker's threads");
+    tasks
+        .filter_map(|t| std::fs::read_to_string(t.ok()?.path().join("status")).ok())
+        .flat_map(|s| {
+            s.lines()
+                .filter(|l| l.contains("ctxt_switches"))
+                .filter_map(|l| l.split_whitespace().nth(1)?.parse::<u64>().ok())
+                .collect::<Vec<_>>()
+        })
+        .sum()
+}
+
+/// The holders STATUS lists, by label, and the pool's (held, free).
+fn books(broker: &RunningBroker) -> (u32, u32) {
+    let s = broker.status();
+    (s.held, s.free)
+}
+
+fn threads_pass_tokens_in_the_region_without_waking_the_broker() {
+    const THREADS: usize = 6;
+    const ROUNDS: u32 = 400;
+    let broker = served(3, "");
+    let _root = build_root(&broker);
+    let clients: Vec<Client> = (0..THREADS)
+        .map(|i| fast_client(&broker, &format!("t{i}")))
+        .collect();
+    let running = Arc::new(AtomicU32::new(0));
+    let most = Arc::new(AtomicU32::new(0));
+    let before = switches(broker.pid());
+    let threads: Vec<_> = clients
+        .into_iter()
+        .map(|mut client| {
+            let (running, most) = (running.clone(), most.clone());
+            std::thread::spawn(move || {
+                for _ in 0..ROUNDS {
+                    client.acquire(1).unwrap();
+                    let now = running.fetch_add(1, SeqCst) + 1;
+                    most.fetch_max(now, SeqCst);
+                    std::thread::yield_now();
+                    running.fetch_sub(1, SeqCst);
+                    client.release(1).unwrap();
+                }
+                assert_eq!(client.held(), 0);
+                client
+            })
+        })
+        .collect();
+    let clients: Vec<Client> = threads.into_iter().map(|t| t.join().unwrap()).collect();
+    let woken = switches(broker.pid()) - before;
+    assert!(
+        most.load(SeqCst) <= 3,
+        "{} jobs ran at once on 3 tokens",
+        most.load(SeqCst)
+    );
+    let operations = u64::from(ROUNDS) * THREADS as u64 * 2;
+    assert!(
+        woken * 10 < operations,
+        "the broker slept and woke {woken} times for {operations} acquires and releases"
+    );
+    // The region holds the tokens lent to it (free there) while clients
+    // are seated, and gives them back with its last client.
+    let status = broker.status();
+    assert_eq!(status.held, 3, "lent to the region: {status:#?}");
+    drop(clients);
+    wait_for(PATIENCE, "the region's tokens back in the pool", || {
+        books(&broker) == (0, 3)
+    });
+}
+
+/// A client process of the kill test: runs jobs one token at a time
+/// until killed, each under a lock of its own that the kernel drops when
+/// the process dies, before its connection closes (a lower descriptor),
+/// and counts the jobs running at once from the others' locks.
+fn job_here(spec: &str) -> ! {
+    let mut dir = None;
+    let (mut socket, mut index, mut limit) = (None, 0usize, 0u32);
+    let mut jobs = 0usize;
+    for (key, value) in spec_lines(spec) {
+        match key {
+            "dir" => dir = Some(std::path::PathBuf::from(value)),
+            "socket" => socket = Some(std::path::PathBuf::from(value)),
+            "index" => index = value.parse().unwrap(),
+            "limit" => limit = value.parse().unwrap(),
+            "jobs" => jobs = value.parse().unwrap(),
+            other => panic!("unknown key {other}"),
+        }
+    }
+    let dir = dir.expect("dir=");
+    let locks: Vec<File> = (0..jobs)
+        .map(|j| File::open(dir.join(format!("job-{j}"))).unwrap())
+        .collect();
+    let mut progress = std::fs::OpenOptions::new()
+        .append(true)
+        .open(dir.join("progress"))
+        .unwrap();
+    let mut client = Client::connect(socket.expect("socket="), "job").unwrap();
+    client.enable_fastpath().unwrap().unwrap();
+    let flock = |f: &File, op| unsafe { libc::flock(f.as_raw_fd(), op) };
+    loop {
+        if client.acquire(1).is_err() {
+            std::process::exit(0);
+        }
+        assert_eq!(flock(&locks[index], libc::LOCK_EX), 0);
+        let others = (0..jobs).filter(|&j| j != index).filter(|&j| {
+            let free = flock(&locks[j], libc::LOCK_SH | libc::LOCK_NB) == 0;
+            if free {
+                flock(&locks[j], libc::LOCK_UN);
+            }
+            !free
+        });
+        let running = 1 + others.count() as u32;
+        if running > limit {
+            let _ = std::fs::write(
+                dir.join("over"),
+                format!("{running} jobs on {limit} tokens"),
+            );
+            std::process::exit(3);
+        }
+        progress.write_all(b".").unwrap();
+        flock(&locks[index], libc::LOCK_UN);
+        if client.release(1).is_err() {
+            std::process::exit(0);
+        }
+    }
+}
+
+fn clients_killed_at_random_moments_never_run_more_jobs_than_the_limit_nor_lose_a_token() {
+    const JOBS: usize = 5;
+    const KILLS: usize = 120;
+    let broker = served(2, "");
+    let _root = build_root(&broker);
+    let dir = TempDir::new("fastpath-kill");
+    for j in 0..JOBS {
+        File::create(dir.path().join(format!("job-{j}"))).unwrap();
+    }
+    File::create(dir.path().join("progress")).unwrap();
+    let spawn = |index: usize| {
+        let spec = format!(
+            "dir={}\nsocket={}\nindex={index}\nlimit=2\njobs={JOBS}",
+            dir.path().display(),
+            broker.socket.display()
+        );
+        role_command("job", &spec).spawn().expect("a job client")
+    };
+    let mut children: Vec<_> = (0..JOBS).map(spawn).collect();
+    let progress = || {
+        std::fs::metadata(dir.path().join("progress"))
+            .unwrap()
+            .len()
+    };
+    let mut seed = 0x9e37_79b9_7f4a_7c15u64 ^ u64::from(std::process::id());
+    let mut next = move || {
+        seed ^= seed << 13;
+        seed ^= seed >> 7;
+        seed ^= seed << 17;
+        seed
+    };
+    for kill in 0..KILLS {
+        let before = progress();
+        std::thread::sleep(Duration::from_micros(next() % 15_000));
+        let victim = (next() % JOBS as u64) as usize;
+        children[victim].kill().unwrap();
+        children[victim].wait().unwrap();
+        assert!(
+            !dir.path().join("over").exists(),
+            "after {kill} kills: {}",
+            std::fs::read_to_string(dir.path().join("over")).unwrap_or_default()
+        );
+        children[victim] = spawn(victim);
+        if kill % 20 == 19 {
+            wait_for(PATIENCE, "the clients to go on running jobs", || {
+                progress() > before
+            });
+        }
+    }
+    for child in &mut children {
+        child.kill().unwrap();
+        child.wait().unwrap();
+    }
+    assert!(!dir.path().join("over").exists());
+    wait_for(PATIENCE, "every token back in the pool", || {
+        books(&broker) == (0, 2)
+    });
+    let log = broker.log();
+    let wrong: Vec<&str> = log
+        .lines()
+        .filter(|l| l.contains("WARN") && l.contains("fast path"))
+        .collect();
+    assert!(
+        wrong.is_empty(),
+        "the broker found something wrong: {wrong:#?}"
+    );
+}
+
+fn another_build_that_waits_closes_the_region_and_is_served_in_turn() {
+    use baton_core::protocol::{Reply, Request};
+    let broker = served(2, "");
+    // Another build: connected before the test says BUILD, so not in it.
+    let mut other = broker.client("other");
+    let root = build_root(&broker);
+    let mut a = fast_client(&broker, "a");
+    let mut b = fast_client(&broker, "b");
+    a.acquire(1).unwrap();
+    b.acquire(1).unwrap();
+    other.send(&Request::Acquire(1)).unwrap();
+    wait_for(PATIENCE, "the other build to wait", || {
+        broker.status().builds.iter().any(|b| b.waiting > 0)
+    });
+    // a's release meets the barrier: the token goes back to the broker,
+    // which grants it to the other build, not to a's own.
+    a.release(1).unwrap();
+    assert!(matches!(
+        other.read_reply().unwrap(),
+        Reply::Granted { tokens: 1, held: 1 }
+    ));
+    // Nobody else waits now: a waits in the region, and the other build's
+    // token, once back, is lent to the region and reaches it.
+    let waiter = std::thread::spawn(move || {
+        a.acquire(1).unwrap();
+        a
+    });
+    other.release(1).unwrap();
+    let mut a = waiter.join().unwrap();
+    assert_eq!((a.held(), b.held(), other.held()), (1, 1, 0));
+    a.release(1).unwrap();
+    b.release(1).unwrap();
+    drop((a, b, root));
+    wait_for(PATIENCE, "every token back", || books(&broker) == (0, 2));
+}
+
+fn a_lowered_limit_closes_the_region_until_it_holds_no_more() {
+    let broker = served(3, "");
+    let _root = build_root(&broker);
+    let mut a = fast_client(&broker, "a");
+    a.acquire(1).unwrap();
+    a.acquire(1).unwrap();
+    broker.client("admin").set_limit(1).unwrap();
+    // The free token left the region at once; the two held come back
+    // one by one, and the first is retired, not lent again.
+    wait_for(PATIENCE, "the free token out of the region", || {
+        books(&broker) == (2, 0)
+    });
+    a.release(1).unwrap();
+    wait_for(PATIENCE, "the first token retired", || {
+        books(&broker) == (1, 0)
+    });
+    assert!(
+        !a.try_acquire(1).unwrap(),
+        "nothing is free at the new limit"
+    );
+    a.release(1).unwrap();
+    // Back under the limit: the region opens and is lent the one token.
+    wait_for(PATIENCE, "the region to lend the token", || {
+        a.try_acquire(1).unwrap()
+    });
+    assert!(!a.try_acquire(1).unwrap(), "one token at limit 1");
+    a.release(1).unwrap();
+}
+
+fn a_waiter_whose_broker_is_killed_gives_up_instead_of_sleeping_forever() {
+    let mut broker = served(1, "");
+    let _root = build_root(&broker);
+    let mut a = fast_client(&broker, "a");
+    let mut b = fast_client(&broker, "b");
+    a.acquire(1).unwrap();
+    let waiter = std::thread::spawn(move || b.acquire(1));
+    // b sleeps in the region: nothing tells the broker.
+    std::thread::sleep(Duration::from_millis(100));
+    broker.stop_with(libc::SIGKILL);
+    let (done_tx, done) = std::sync::mpsc::channel();
+    std::thread::spawn(move || done_tx.send(waiter.join().unwrap()));
+    let outcome = done.recv_timeout(PATIENCE).expect("the waiter gave up");
+    assert!(outcome.is_err(), "no broker, no token: {outcome:?}");
+    assert!(a.release(1).is_err(), "a's broker is gone too");
+}
+
+fn a_successor_books_what_fast_path_clients_hold_on_their_connections() {
+    let mut old = served(3, "");
+    let _root = build_root(&old);
+    let mut a = fast_client(&old, "a");
+    a.acquire(1).unwrap();
+    a.acquire(1).unwrap();
+    let new = served_at(&old.socket, "jobs=9\nreplace=1");
+    assert!(old.wait_exit(PATIENCE).success(), "{}", old.log());
+    let status = new.status();
+    let held: Vec<_> = status
+        .holders
+        .iter()
+        .map(|h| (h.command.as_str(), h.tokens))
+        .collect();
+    assert_eq!(held, [("a", 2)], "{status:#?}");
+    assert_eq!(a.held(), 2);
+    a.release(1).unwrap();
+    assert!(!a.uses_fastpath(), "the region died with the old broker");
+    a.release(1).unwrap();
+    assert_eq!(a.held(), 0);
+    new.wait_all_free();
+}
+
+fn garbage_in_a_record_is_found_logged_and_the_region_closed_for_good() {
+    use baton_client::fastpath::Mapping;
+    use baton_core::fastpath::words::RecordWord;
+    use baton_core::fastpath::Seat;
+    let broker = served(2, "");
+    let _root = build_root(&broker);
+    let mut honest = fast_client(&broker, "honest");
+    honest.acquire(1).unwrap();
+    // A client of our own that writes into its record what no correct
+    // client writes: it holds 7 tokens of 2.
+    let stream = std::os::unix::net::UnixStream::connect(&broker.socket).unwrap();
+    let mut writer = stream.try_clone().unwrap();
+    writer.write_all(b"HELLO 1 garbage\nFASTPATH 1\n").unwrap();
+    let mut hello = [0u8; 1];
+    let mut first = String::new();
+    while !first.ends_with('\n') {
+        std::io::Read::read_exact(&mut &stream, &mut hello).unwrap();
+        first.push(hello[0] as char);
+    }
+    let (line, fd) = baton_client::fastpath::receive_with_fd(&stream).unwrap();
+    let seat: u8 = line.split_whitespace().nth(1).unwrap().parse().unwrap();
+    let region = Mapping::map(std::os::fd::AsFd::as_fd(&fd.expect("the region"))).unwrap();
+    let garbage = RecordWord {
+        held: 7,
+        ..RecordWord::default()
+    };
+    region
+        .ring()
+        .record_word(Seat(seat))
+        .store(garbage.pack(), SeqCst);
+    // Any request wakes the broker; the audit runs at most once a second.
+    wait_for(PATIENCE, "the audit to find it", || {
+        writer.write_all(b"NUDGE\n").unwrap();
+        std::thread::sleep(Duration::from_millis(200));
+        broker.log().contains("fast path: a region counts")
+    });
+    assert!(
+        broker.log().contains("it is closed for good"),
+        "{}",
+        broker.log()
+    );
+    let mut late = broker.client("late");
+    let refused = late.enable_fastpath().unwrap();
+    assert!(refused.is_err(), "a closed region seats nobody");
+    // The honest client goes on, its tokens from the pool.
+    honest.release(1).unwrap();
+    honest.acquire(1).unwrap();
+    honest.release(1).unwrap();
+    drop((stream, writer, region));
+}
