@@ -26,6 +26,9 @@ pub enum Wait {
     /// poll() on the connection, then read: what a client with an event loop
     /// (GNU make's pselect) would do. Only this connection becomes readable.
     Poll,
+    /// The shared-memory fast path (docs/fastpath.md): each client asks for
+    /// a seat in its build's region; the bench's processes are one build.
+    Fastpath,
 }
 
 /// A `baton serve` child process, stopped when dropped.
@@ -34,6 +37,10 @@ pub struct BrokerProcess {
     socket: PathBuf,
     log: PathBuf,
     wait: Wait,
+    /// For the fast path: a connection that started a build, kept open, so
+    /// that the bench's processes (its children) are one build and share
+    /// one region.
+    root: Option<Client>,
 }
 
 impl BrokerProcess {
@@ -100,8 +107,14 @@ impl BrokerProcess {
             socket,
             log,
             wait,
+            root: None,
         };
         broker.wait_until_answering()?;
+        if wait == Wait::Fastpath {
+            let mut root = Client::connect(&broker.socket, "baton bench")?;
+            root.start_build(1, "baton bench")?;
+            broker.root = Some(root);
+        }
         Ok(broker)
     }
 
@@ -210,7 +223,13 @@ impl Drop for BrokerProcess {
 
 impl Pool for BrokerProcess {
     fn open(&self) -> Result<Box<dyn Tokens + '_>> {
-        let client = Client::connect(&self.socket, "baton bench")?;
+        let mut client = Client::connect(&self.socket, "baton bench")?;
+        if self.wait == Wait::Fastpath {
+            if let Err(why) = client.enable_fastpath()? {
+                bail!("the broker offers no fast path: {why}");
+            }
+            return Ok(Box::new(Seated { client }));
+        }
         Ok(Box::new(Connection {
             client,
             unread_releases: 0,
@@ -316,6 +335,27 @@ impl Tokens for Connection {
         self.send(&[Request::Release(n), Request::Acquire(n)])?;
         self.unread_releases += 1;
         self.await_grant()
+    }
+
+    fn use_up(&mut self) -> Result<()> {
+        self.release(1)
+    }
+}
+
+/// A client with a seat in its build's region: a token taken or given in
+/// shared memory, the broker woken only when its policy must decide.
+struct Seated {
+    client: Client,
+}
+
+impl Tokens for Seated {
+    fn acquire(&mut self, n: u32) -> Result<()> {
+        (0..n).try_for_each(|_| self.client.acquire(1))?;
+        Ok(())
+    }
+
+    fn release(&mut self, n: u32) -> Result<()> {
+        Ok(self.client.release(n)?)
     }
 
     fn use_up(&mut self) -> Result<()> {

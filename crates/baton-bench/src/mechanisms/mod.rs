@@ -49,6 +49,9 @@ pub enum Mechanism {
     /// baton's shared-memory fast path as built so far: the region's ring
     /// and its futexes, with no broker yet (docs/fastpath.md).
     FastpathRing,
+    /// baton's fast path served by a broker: every process a client of one
+    /// build, with a seat in its region (docs/fastpath.md).
+    BatonFastpath,
     /// baton's FUSE token file, polled as GNU make 4.4 polls its jobserver:
     /// the broker notifies one poller per freed token.
     BatonFuse,
@@ -71,7 +74,8 @@ impl Mechanism {
             Mechanism::BatonNativeNoSpin => "baton native, no spin",
             Mechanism::BatonNativeNoUring => "baton native, no io_uring",
             Mechanism::BatonPoll => "baton native, poll",
-            Mechanism::FastpathRing => "baton fast path, ring only (no broker yet)",
+            Mechanism::FastpathRing => "baton fast path, ring only (no broker)",
+            Mechanism::BatonFastpath => "baton fast path",
             Mechanism::BatonFuse => "baton FUSE file, poll",
             Mechanism::BatonFuseNotifyAll => "baton FUSE file, notify-all",
         }
@@ -84,9 +88,16 @@ impl Mechanism {
                 | Mechanism::BatonNativeNoSpin
                 | Mechanism::BatonNativeNoUring
                 | Mechanism::BatonPoll
+                | Mechanism::BatonFastpath
                 | Mechanism::BatonFuse
                 | Mechanism::BatonFuseNotifyAll
         )
+    }
+
+    /// The most waiters it serves, if it has a bound: a fast-path region
+    /// seats 255 clients (a build's others would use the socket).
+    pub fn max_waiters(self) -> Option<usize> {
+        (self == Mechanism::BatonFastpath).then_some(baton_core::fastpath::ring::MAX_SEATS)
     }
 
     /// Whether this machine can run it (FUSE needs /dev/fuse).
@@ -130,6 +141,11 @@ impl Mechanism {
                 Box::new(baton::BrokerProcess::start(tokens, env, baton::Wait::Poll)?)
             }
             Mechanism::FastpathRing => Box::new(fastpath::Region::new(tokens)?),
+            Mechanism::BatonFastpath => Box::new(baton::BrokerProcess::start(
+                tokens,
+                env,
+                baton::Wait::Fastpath,
+            )?),
             Mechanism::BatonFuse => {
                 Box::new(fuse::TokenFile::start(tokens, env, fuse::Notify::One)?)
             }

@@ -19,6 +19,7 @@ const MECHANISMS: &[Mechanism] = &[
     Mechanism::PipePoll,
     Mechanism::BatonNative,
     Mechanism::BatonPoll,
+    Mechanism::BatonFastpath,
     Mechanism::BatonFuse,
     Mechanism::BatonFuseNotifyAll,
 ];

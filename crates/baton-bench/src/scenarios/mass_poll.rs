@@ -18,10 +18,12 @@ pub const DEFAULTS: Defaults = Defaults {
 // baton's FUSE token file joins this list when it exists.
 const MECHANISMS: &[Mechanism] = &[
     Mechanism::PipePoll,
+    Mechanism::PosixSemaphore,
     Mechanism::BatonNative,
     Mechanism::BatonNativeNoSpin,
     Mechanism::BatonNativeNoUring,
     Mechanism::BatonPoll,
+    Mechanism::BatonFastpath,
     Mechanism::BatonFuse,
 ];
 

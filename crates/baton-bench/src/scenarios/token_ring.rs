@@ -35,6 +35,7 @@ const MECHANISMS: &[Mechanism] = &[
     Mechanism::BatonNativeNoSpin,
     Mechanism::BatonNativeNoUring,
     Mechanism::FastpathRing,
+    Mechanism::BatonFastpath,
 ];
 
 /// The ring's state, in memory shared by its processes.
