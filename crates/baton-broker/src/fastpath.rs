@@ -40,8 +40,10 @@ use std::collections::HashMap;
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::time::{Duration, Instant};
 
-/// Seats per region: the layout's maximum.
-pub const SEATS: usize = ring::MAX_SEATS;
+/// Seats per region: clients of one build that share its memory. The
+/// layout allows 2047; a region's seat lines take 64 bytes each, and the
+/// audit reads them all.
+pub const SEATS: usize = 1024;
 
 /// How often, at most, the broker audits each region while it is awake.
 const AUDIT_EVERY: Duration = Duration::from_secs(1);
@@ -118,7 +120,7 @@ impl Regions {
                 "its build's region has no free seat ({SEATS} clients use it)"
             ))?;
         region.clients[seat] = Some(client);
-        let seat = Seat(seat as u8);
+        let seat = Seat(seat as u16);
         self.seated.insert(client, (build, seat));
         let region = &self.by_build[&build];
         Ok(Offer {
@@ -313,7 +315,7 @@ impl Region {
     fn seats(&self) -> impl Iterator<Item = Seat> + '_ {
         (0..SEATS)
             .filter(|&s| self.clients[s].is_some())
-            .map(|s| Seat(s as u8))
+            .map(|s| Seat(s as u16))
     }
 
     /// Takes back what the ring says `seat` had, into `in_hand`; false if

@@ -159,7 +159,10 @@ fn threads_pass_tokens_in_the_region_without_waking_the_broker() {
 /// A client process of the kill test: runs jobs one token at a time
 /// until killed, each under a lock of its own that the kernel drops when
 /// the process dies, before its connection closes (a lower descriptor),
-/// and counts the jobs running at once from the others' locks.
+/// and counts the jobs running at once from the others' locks. A job's
+/// lock is taken and dropped only under the scan lock, which the count is
+/// taken under too: no job starts or ends during a count but by a death,
+/// which only lowers it, so a count never sees one job twice.
 fn job_here(spec: &str) -> ! {
     let mut dir = None;
     let (mut socket, mut index, mut limit) = (None, 0usize, 0u32);
@@ -175,6 +178,7 @@ fn job_here(spec: &str) -> ! {
         }
     }
     let dir = dir.expect("dir=");
+    let scan = File::open(dir.join("scan")).unwrap();
     let locks: Vec<File> = (0..jobs)
         .map(|j| File::open(dir.join(format!("job-{j}"))).unwrap())
         .collect();
@@ -189,6 +193,7 @@ fn job_here(spec: &str) -> ! {
         if client.acquire(1).is_err() {
             std::process::exit(0);
         }
+        assert_eq!(flock(&scan, libc::LOCK_EX), 0);
         assert_eq!(flock(&locks[index], libc::LOCK_EX), 0);
         let others = (0..jobs).filter(|&j| j != index).filter(|&j| {
             let free = flock(&locks[j], libc::LOCK_SH | libc::LOCK_NB) == 0;
@@ -205,8 +210,11 @@ fn job_here(spec: &str) -> ! {
             );
             std::process::exit(3);
         }
+        flock(&scan, libc::LOCK_UN);
         progress.write_all(b".").unwrap();
+        flock(&scan, libc::LOCK_EX);
         flock(&locks[index], libc::LOCK_UN);
+        flock(&scan, libc::LOCK_UN);
         if client.release(1).is_err() {
             std::process::exit(0);
         }
@@ -223,6 +231,7 @@ fn clients_killed_at_random_moments_never_run_more_jobs_than_the_limit_nor_lose_
         File::create(dir.path().join(format!("job-{j}"))).unwrap();
     }
     File::create(dir.path().join("progress")).unwrap();
+    File::create(dir.path().join("scan")).unwrap();
     let spawn = |index: usize| {
         let spec = format!(
             "dir={}\nsocket={}\nindex={index}\nlimit=2\njobs={JOBS}",
@@ -406,7 +415,7 @@ fn garbage_in_a_record_is_found_logged_and_the_region_closed_for_good() {
         first.push(hello[0] as char);
     }
     let (line, fd) = baton_client::fastpath::receive_with_fd(&stream).unwrap();
-    let seat: u8 = line.split_whitespace().nth(1).unwrap().parse().unwrap();
+    let seat: u16 = line.split_whitespace().nth(1).unwrap().parse().unwrap();
     let region = Mapping::map(std::os::fd::AsFd::as_fd(&fd.expect("the region"))).unwrap();
     let garbage = RecordWord {
         held: 7,

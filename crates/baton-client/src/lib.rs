@@ -227,7 +227,7 @@ impl Client {
         };
         match (reply, fd) {
             (Reply::Fastpath { seat, .. }, Some(fd)) => {
-                let seat = u8::try_from(seat)
+                let seat = u16::try_from(seat)
                     .map_err(|_| Error::Protocol(format!("seat {seat} out of range")))?;
                 let mapping = fastpath::Mapping::map(std::os::fd::AsFd::as_fd(&fd))
                     .map_err(|e| Error::Protocol(format!("the broker's region: {e}")))?;

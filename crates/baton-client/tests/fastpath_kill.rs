@@ -155,7 +155,7 @@ fn dump(ring: &Ring) -> String {
         let word = SlotWord::unpack(ring.slot_word(i).load(SeqCst));
         format!("slot {i}: {word:?}\n")
     });
-    let records = (0..CLIENTS).map(|s| format!("seat {s}: {:?}\n", ring.record(Seat(s as u8))));
+    let records = (0..CLIENTS).map(|s| format!("seat {s}: {:?}\n", ring.record(Seat(s as u16))));
     let hints = format!(
         "tail {} serve {}\n",
         ring.hint_word(baton_core::fastpath::ring::TAIL),
@@ -169,7 +169,7 @@ fn dump(ring: &Ring) -> String {
 fn repair(ring: &Ring, seat: usize, in_hand: &mut u32) {
     let host = Futexes { tell: |_| {} };
     while ring
-        .repair_step(Seat(seat as u8), in_hand, &host)
+        .repair_step(Seat(seat as u16), in_hand, &host)
         .unwrap()
         .is_some()
     {}
@@ -183,7 +183,7 @@ fn repair(ring: &Ring, seat: usize, in_hand: &mut u32) {
 fn tend(ring: &Ring, in_hand: &mut u32) {
     let host = Futexes { tell: |_| {} };
     for s in 0..CLIENTS {
-        ring.collect_step(Seat(s as u8), in_hand).unwrap();
+        ring.collect_step(Seat(s as u16), in_hand).unwrap();
     }
     while *in_hand > 0 {
         match ring.regrant_step(in_hand, &host) {

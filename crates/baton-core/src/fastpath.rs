@@ -29,7 +29,7 @@ pub use ring::{Acquired, Host, LayoutError, Notice, Refused, Released, Ring};
 /// A client's place in the region: the index of its record. The broker
 /// gives each fast-path connection one.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
-pub struct Seat(pub u8);
+pub struct Seat(pub u16);
 
 impl Seat {
     fn index(self) -> usize {
@@ -531,7 +531,7 @@ impl Region {
     /// Every token the region holds: free, and attributed to each seat (the
     /// broker never leaves one in a slot it claimed).
     pub fn tokens(&self) -> u32 {
-        let seats = (0..self.records.len()).map(|i| self.attributed(Seat(i as u8)));
+        let seats = (0..self.records.len()).map(|i| self.attributed(Seat(i as u16)));
         seats.fold(self.free(), u32::saturating_add)
     }
 
@@ -540,7 +540,7 @@ impl Region {
     /// whatever the others did.
     pub fn audit(&self, books: &Books) -> Audit {
         let suspects = (0..self.records.len())
-            .map(|i| Seat(i as u8))
+            .map(|i| Seat(i as u16))
             .filter(|&seat| !self.plausible(seat, books.lent))
             .collect();
         Audit {
@@ -604,7 +604,7 @@ impl Region {
                 return answer;
             }
         }
-        for seat in (0..self.records.len()).map(|i| Seat(i as u8)) {
+        for seat in (0..self.records.len()).map(|i| Seat(i as u16)) {
             let eviction = self.evict(seat);
             books.on_socket += eviction.taken;
             answer.wake.extend(eviction.wake);

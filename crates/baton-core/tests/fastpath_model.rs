@@ -137,7 +137,7 @@ mod fastpath {
     }
 
     fn seats(n: usize) -> impl Iterator<Item = Seat> {
-        (0..n).map(|i| Seat(i as u8))
+        (0..n).map(|i| Seat(i as u16))
     }
 
     impl World {

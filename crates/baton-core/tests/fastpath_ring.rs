@@ -94,10 +94,10 @@ struct Pair<'w> {
 impl Pair<'_> {
     fn apply(&mut self, m: Move) {
         match m {
-            Move::Step(s) => self.step(Seat(s)),
-            Move::TimeOut(s) => self.time_out(Seat(s)),
+            Move::Step(s) => self.step(Seat(s.into())),
+            Move::TimeOut(s) => self.time_out(Seat(s.into())),
             Move::Kill(s) => {
-                let seat = Seat(s);
+                let seat = Seat(s.into());
                 if !self.dead.contains(&seat) {
                     self.dead.push(seat);
                     self.phases[usize::from(s)] = Phase::Done;
@@ -184,7 +184,7 @@ impl Pair<'_> {
             return;
         }
         for s in 0..self.phases.len() {
-            let seat = Seat(s as u8);
+            let seat = Seat(s as u16);
             self.both(
                 |model, hand| model.collect_step(seat, hand),
                 |ring, hand, _| ring.collect_step(seat, hand),
@@ -231,7 +231,7 @@ impl Pair<'_> {
             format!("slot {i}: {word:?}\n")
         });
         let records = (0..self.phases.len()).map(|s| {
-            let seat = Seat(s as u8);
+            let seat = Seat(s as u16);
             format!(
                 "{seat:?}: {:?} {:?}\n",
                 self.phases[s],
@@ -257,7 +257,7 @@ impl Pair<'_> {
             assert_eq!(word.slot, model, "ticket {t} (slot {i}) after {after:?}");
         }
         for (s, model) in self.model.records.iter().enumerate() {
-            let ring = self.ring.record(Seat(s as u8)).unwrap();
+            let ring = self.ring.record(Seat(s as u16)).unwrap();
             let intent = match model.intent {
                 Intent::Idle => IntentWord::Idle,
                 Intent::Releasing => IntentWord::Releasing,
@@ -294,7 +294,7 @@ impl Pair<'_> {
         let audit = snapshot.audit(&books);
         assert!(audit.balanced(), "{audit:?} after {after:?}");
         for (s, &running) in self.running.iter().enumerate() {
-            let seat = Seat(s as u8);
+            let seat = Seat(s as u16);
             if !self.dead.contains(&seat) {
                 let held = self.ring.record(seat).unwrap().held;
                 assert_eq!(u32::from(held), running, "{seat:?} runs {running} jobs");
@@ -363,6 +363,46 @@ fn a_long_run_wraps_the_ring_many_times() {
         moves.extend([Move::Step(1); 6]);
     }
     run(1, 2, 5, &moves);
+}
+
+#[test]
+fn a_slot_naming_a_seat_the_region_does_not_have_is_corrupt() {
+    use baton_core::fastpath::{Party, Slot, Unread};
+    let words = words(8, 2);
+    let ring = Ring::init(&words, 8, 2, 1).unwrap();
+    assert!(ring.snapshot().is_ok());
+    for (seat, corrupt) in [(1, false), (2, true), (2046, true)] {
+        let claimed = SlotWord {
+            gen: 0,
+            slot: Slot {
+                claim: Claim::Claimed(Party::Seat(Seat(seat))),
+                grant: Grant::Open,
+            },
+            sleeping: false,
+        };
+        ring.slot_word(0).store(claimed.pack(), SeqCst);
+        assert_eq!(
+            ring.snapshot().err() == Some(Unread::Corrupt),
+            corrupt,
+            "claimed by seat {seat}"
+        );
+        let given = SlotWord {
+            slot: Slot {
+                claim: Claim::Unclaimed,
+                grant: Grant::Given {
+                    by: Party::Seat(Seat(seat)),
+                    acked: false,
+                },
+            },
+            ..claimed
+        };
+        ring.slot_word(0).store(given.pack(), SeqCst);
+        assert_eq!(
+            ring.snapshot().err() == Some(Unread::Corrupt),
+            corrupt,
+            "given by seat {seat}"
+        );
+    }
 }
 
 #[test]
@@ -514,7 +554,7 @@ fn clients_on_threads_never_run_more_jobs_than_lent_while_the_barrier_comes_and_
             .map(|c| {
                 let (ring, host, running, most) = (&ring, &host, &running, &most);
                 s.spawn(move || {
-                    let seat = Seat(c);
+                    let seat = Seat(c.into());
                     let mut socket = 0;
                     for round in 0..ROUNDS {
                         // Every few rounds a wait that gives up at once.
@@ -549,7 +589,7 @@ fn clients_on_threads_never_run_more_jobs_than_lent_while_the_barrier_comes_and_
             let moved = if closed { ring.close() } else { Ok(()) };
             assert!(matches!(moved, Ok(()) | Err(Refused::Full)), "{moved:?}");
             for c in 0..CLIENTS {
-                ring.collect_step(Seat(c), &mut in_hand).unwrap();
+                ring.collect_step(Seat(c.into()), &mut in_hand).unwrap();
             }
             while let Ok(Some(_)) = ring.regrant_step(&mut in_hand, &host) {}
             let moved = if closed { Ok(()) } else { ring.reopen() };
@@ -563,8 +603,8 @@ fn clients_on_threads_never_run_more_jobs_than_lent_while_the_barrier_comes_and_
     });
     ring.reopen().unwrap();
     for c in 0..CLIENTS {
-        ring.collect_step(Seat(c), &mut in_hand).unwrap();
-        assert_eq!(ring.record(Seat(c)).unwrap().held, 0);
+        ring.collect_step(Seat(c.into()), &mut in_hand).unwrap();
+        assert_eq!(ring.record(Seat(c.into())).unwrap().held, 0);
     }
     while ring.regrant_step(&mut in_hand, &host).unwrap().is_some() {}
     assert_eq!(in_hand, 0);

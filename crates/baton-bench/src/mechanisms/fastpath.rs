@@ -46,7 +46,7 @@ impl Pool for Region {
         }
         Ok(Box::new(Seated {
             ring: self.mapping.ring(),
-            seat: Seat(seat as u8),
+            seat: Seat(seat as u16),
         }))
     }
 }

@@ -94,10 +94,10 @@ impl Mechanism {
         )
     }
 
-    /// The most waiters it serves, if it has a bound: a fast-path region
-    /// seats 255 clients (a build's others would use the socket).
+    /// The most waiters it serves, if it has a bound: a broker's region
+    /// seats 1024 clients of a build (more would use the socket).
     pub fn max_waiters(self) -> Option<usize> {
-        (self == Mechanism::BatonFastpath).then_some(baton_core::fastpath::ring::MAX_SEATS)
+        (self == Mechanism::BatonFastpath).then_some(1024)
     }
 
     /// Whether this machine can run it (FUSE needs /dev/fuse).

@@ -191,7 +191,7 @@ impl Bench {
 /// Every combination of waiter count and mechanism, counts outermost, so a
 /// table reads as "at this N, each mechanism".
 /// Every mechanism at every number of waiters it can serve (the fast
-/// path seats 255 clients per build: no row of it above that).
+/// path seats 1024 clients per build: no row of it above that).
 pub fn cases(waiters: &[usize], mechanisms: &[Mechanism]) -> Vec<(usize, Mechanism)> {
     waiters
         .iter()

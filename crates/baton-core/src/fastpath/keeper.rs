@@ -271,6 +271,9 @@ impl Ring<'_> {
         let mut tickets = Vec::with_capacity(slots.len());
         for &raw in &slots {
             let word = SlotWord::unpack(raw).map_err(|_| Unread::Corrupt)?;
+            if !names_only_seats_below(word.slot, self.seats()) {
+                return Err(Unread::Corrupt);
+            }
             let ahead = i64::from(word.gen.wrapping_sub(tail as u32) as i32);
             tickets.push((tail as i64 + ahead, word));
         }
@@ -316,9 +319,27 @@ impl Ring<'_> {
 
     fn read_words(&self) -> (Vec<u64>, Vec<u64>) {
         let slots = (0..self.capacity()).map(|i| self.slot_word(i).load(SeqCst));
-        let records = (0..self.seats()).map(|s| self.record_word(Seat(s as u8)).load(SeqCst));
+        let records = (0..self.seats()).map(|s| self.record_word(Seat(s as u16)).load(SeqCst));
         (slots.collect(), records.collect())
     }
+}
+
+/// Whether every seat a slot names is one of the region's: a slot that
+/// names another is garbage (the model would have no record for it).
+fn names_only_seats_below(slot: Slot, seats: usize) -> bool {
+    let ok = |party: Party| match party {
+        Party::Broker => true,
+        Party::Seat(seat) => usize::from(seat.0) < seats,
+    };
+    let claimer = match slot.claim {
+        Claim::Unclaimed => true,
+        Claim::Claimed(p) | Claim::Taken(p) | Claim::Cancelled(p) => ok(p),
+    };
+    let giver = match slot.grant {
+        Grant::Given { by, .. } => ok(by),
+        Grant::Open | Grant::Stop => true,
+    };
+    claimer && giver
 }
 
 fn with_grant(word: SlotWord, grant: Grant) -> u64 {

@@ -43,8 +43,9 @@ const RING: usize = 4 * LINE;
 /// A seat's line: its record, then the broker's revoked flag.
 const RECORD: usize = 0;
 const REVOKED: usize = 1;
-/// Seats a region serves: the model's seats are bytes.
-pub const MAX_SEATS: usize = 255;
+/// Seats a region serves: a slot names its parties in 11 bits, 0 being
+/// the broker.
+pub const MAX_SEATS: usize = (1 << super::words::PARTY_BITS) - 1;
 /// The largest ring: tickets' low 32 bits tell laps apart only while the
 /// ring is far smaller than 2^31.
 pub const MAX_CAPACITY: usize = 1 << 20;

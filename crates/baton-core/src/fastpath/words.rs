@@ -63,13 +63,15 @@ pub enum BadWord {
 }
 
 const CLAIM_SHIFT: u32 = 30;
-const CLAIMER_SHIFT: u32 = 20;
-const GRANT_SHIFT: u32 = 18;
-const GIVER_SHIFT: u32 = 8;
-const ACKED: u64 = 1 << 7;
-const SLEEPING: u64 = 1 << 6;
-const PARTY_MASK: u64 = (1 << 10) - 1;
-const LOW_BITS_UNUSED: u64 = (1 << 6) - 1;
+const CLAIMER_SHIFT: u32 = 19;
+const GRANT_SHIFT: u32 = 17;
+const GIVER_SHIFT: u32 = 6;
+const ACKED: u64 = 1 << 5;
+const SLEEPING: u64 = 1 << 4;
+/// A party: 0 for the broker, a seat + 1 otherwise (11 bits: 2047 seats).
+pub const PARTY_BITS: u32 = 11;
+const PARTY_MASK: u64 = (1 << PARTY_BITS) - 1;
+const LOW_BITS_UNUSED: u64 = (1 << 4) - 1;
 
 fn party_bits(party: Party) -> u64 {
     match party {
@@ -81,9 +83,8 @@ fn party_bits(party: Party) -> u64 {
 fn party(bits: u64) -> Result<Party, BadWord> {
     match bits {
         0 => Ok(Party::Broker),
-        n => u8::try_from(n - 1)
-            .map(|seat| Party::Seat(Seat(seat)))
-            .map_err(|_| BadWord::Stray),
+        // Eleven bits: every value names a seat a region may have.
+        n => Ok(Party::Seat(Seat((n - 1) as u16))),
     }
 }
 
@@ -209,7 +210,7 @@ mod tests {
     fn arb_party() -> impl Strategy<Value = Party> {
         prop_oneof![
             Just(Party::Broker),
-            any::<u8>().prop_map(|s| Party::Seat(Seat(s)))
+            (0u16..(1 << PARTY_BITS) - 1).prop_map(|s| Party::Seat(Seat(s)))
         ]
     }
 
@@ -277,8 +278,8 @@ mod tests {
 
     #[test]
     fn the_layout_is_the_one_the_design_gives() {
-        // docs/fastpath.md: gen 63..32, claim 31..30, claimer 29..20,
-        // grant 19..18, giver 17..8, acked 7, sleeping 6.
+        // docs/fastpath.md: gen 63..32, claim 31..30, claimer 29..19,
+        // grant 18..17, giver 16..6, acked 5, sleeping 4.
         let word = SlotWord {
             gen: 7,
             slot: Slot {
@@ -292,7 +293,7 @@ mod tests {
         };
         assert_eq!(
             word.pack(),
-            7 << 32 | 2 << 30 | 3 << 20 | 2 << 18 | 1 << 7 | 1 << 6
+            7 << 32 | 2 << 30 | 3 << 19 | 2 << 17 | 1 << 5 | 1 << 4
         );
         // held 63..48, returned 47..40, intent 39..38, ticket 37..14,
         // changes 13..0.
@@ -308,26 +309,23 @@ mod tests {
     #[test]
     fn garbage_is_told_from_a_word() {
         assert_eq!(
-            SlotWord::unpack(3 << 18),
+            SlotWord::unpack(3 << 17),
             Err(BadWord::State),
             "grant state 3"
         );
         assert_eq!(SlotWord::unpack(1), Err(BadWord::Stray), "a low bit");
         assert_eq!(
-            SlotWord::unpack(5 << 20),
+            SlotWord::unpack(5 << 19),
             Err(BadWord::Stray),
             "an unclaimed slot's claimer"
         );
         assert_eq!(
-            SlotWord::unpack(1 << 7),
+            SlotWord::unpack(1 << 5),
             Err(BadWord::Stray),
             "an open slot acked"
         );
-        assert_eq!(
-            SlotWord::unpack(1 << 30 | 300 << 20),
-            Err(BadWord::Stray),
-            "seat 299"
-        );
+        // A seat the region does not have is told by the snapshot, which
+        // knows the region's seats (tests/fastpath_ring.rs).
         assert_eq!(RecordWord::unpack(3 << 38), Err(BadWord::State), "intent 3");
         assert_eq!(
             RecordWord::unpack(2 << 38 | 1 << 14),
