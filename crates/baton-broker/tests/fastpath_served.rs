@@ -15,7 +15,7 @@ mod serve_role;
 
 use baton_client::Client;
 use baton_testkit::harness::{self, role_command, spec_lines};
-use baton_testkit::{wait_for, RunningBroker, TempDir};
+use baton_testkit::{join_within, wait_for, RunningBroker, TempDir};
 use serve_role::{served, served_at};
 use std::fs::File;
 use std::io::Write;
@@ -85,6 +85,21 @@ fn fast_client(broker: &RunningBroker, label: &str) -> Client {
     client
 }
 
+/// The next reply, or a failure (not a hang) if none comes in time.
+fn reply_within(client: &mut Client) -> baton_client::Result<baton_core::protocol::Reply> {
+    if !client.has_buffered_reply() {
+        let mut fd = libc::pollfd {
+            fd: client.as_raw_fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        // SAFETY: one valid pollfd for the duration of the call.
+        let ready = unsafe { libc::poll(&mut fd, 1, PATIENCE.as_millis() as i32) };
+        assert_eq!(ready, 1, "no reply within {PATIENCE:?}");
+    }
+    client.read_reply()
+}
+
 /// Context switches of every thread of `pid`: how often it slept.
 fn switches(pid: u32) -> u64 {
     let tasks = std::fs::read_dir(format!("/proc/{pid}/task")).expect("the broker's threads");
@@ -134,7 +149,10 @@ fn threads_pass_tokens_in_the_region_without_waking_the_broker() {
             })
         })
         .collect();
-    let clients: Vec<Client> = threads.into_iter().map(|t| t.join().unwrap()).collect();
+    let clients: Vec<Client> = threads
+        .into_iter()
+        .map(|t| join_within(t, PATIENCE, "a client thread"))
+        .collect();
     let woken = switches(broker.pid()) - before;
     assert!(
         most.load(SeqCst) <= 3,
@@ -308,7 +326,7 @@ fn another_build_that_waits_closes_the_region_and_is_served_in_turn() {
     // which grants it to the other build, not to a's own.
     a.release(1).unwrap();
     assert!(matches!(
-        other.read_reply().unwrap(),
+        reply_within(&mut other).unwrap(),
         Reply::Granted { tokens: 1, held: 1 }
     ));
     // Nobody else waits now: a waits in the region, and the other build's
@@ -318,7 +336,7 @@ fn another_build_that_waits_closes_the_region_and_is_served_in_turn() {
         a
     });
     other.release(1).unwrap();
-    let mut a = waiter.join().unwrap();
+    let mut a = join_within(waiter, PATIENCE, "a's acquire");
     assert_eq!((a.held(), b.held(), other.held()), (1, 1, 0));
     a.release(1).unwrap();
     b.release(1).unwrap();
