@@ -228,6 +228,10 @@ pub struct Broker {
     utilization: Utilization,
     /// Wakes the thread that looks at orphaned builds' processes.
     orphans_hook: Option<GrantHook>,
+    /// The fast path's regions, as STATUS reads them (crate::fastpath):
+    /// what each seated client holds there, attributed at the moment of
+    /// the request.
+    fast_views: Vec<crate::fastpath::View>,
 }
 
 /// The cluster pool this broker is in, as its link last told us: what
@@ -317,7 +321,27 @@ impl Broker {
             stats: HashMap::new(),
             utilization: Utilization::new(HISTORY_SLOT.as_nanos() as u64, HISTORY_SLOTS),
             orphans_hook: None,
+            fast_views: Vec::new(),
         }
+    }
+
+    /// The regions STATUS reads, as the loop's fast path changes them.
+    pub fn set_fast_views(&mut self, views: Vec<crate::fastpath::View>) {
+        self.fast_views = views;
+    }
+
+    /// What STATUS counts for each client from the regions: a seated
+    /// client's tokens there (added), and each lender's (taken off: its
+    /// tokens held by seated clients are listed as theirs).
+    fn fast_holdings(&self) -> HashMap<ClientId, i64> {
+        let mut held = HashMap::new();
+        for view in &self.fast_views {
+            for (client, tokens) in view.attributed() {
+                *held.entry(client).or_insert(0) += i64::from(tokens);
+                *held.entry(view.lender).or_insert(0) -= i64::from(tokens);
+            }
+        }
+        held
     }
 
     /// What the successor needs to carry on where this broker stops.
@@ -1141,15 +1165,20 @@ impl Broker {
 
     /// The document `STATUS` returns.
     pub fn status(&self) -> Status {
+        let fast = self.fast_holdings();
+        let held = |c: &baton_core::ClientView<'_, ClientMeta>| {
+            let moved = fast.get(&c.id).copied().unwrap_or(0);
+            (i64::from(c.held) + moved).max(0) as u32
+        };
         let mut holders: Vec<_> = self
             .books
             .pool
             .clients()
-            .filter(|c| c.held > 0)
+            .filter(|c| held(c) > 0)
             .map(|c| status::Holder {
                 pid: c.meta.pid,
                 command: c.meta.command.clone(),
-                tokens: c.held,
+                tokens: held(&c),
                 since: epoch_seconds(c.meta.holding_since.unwrap_or(SystemTime::now())),
                 transport: c.meta.transport.name().to_string(),
                 build: c.build.0,

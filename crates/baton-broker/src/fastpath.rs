@@ -38,6 +38,7 @@ use baton_core::{Acquired, ClientId, Tag};
 use std::collections::hash_map::Entry;
 use std::collections::HashMap;
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 /// Seats per region: clients of one build that share its memory. The
@@ -68,7 +69,7 @@ pub struct Regions {
 
 /// One build's region.
 struct Region {
-    mapping: Mapping,
+    mapping: Arc<Mapping>,
     fd: OwnedFd,
     /// Holds the region's tokens in the pool.
     lender: ClientId,
@@ -87,6 +88,32 @@ struct Region {
     odd_audits: u32,
     /// Closed for good after a confirmed mismatch.
     tainted: bool,
+}
+
+/// A region as STATUS reads it: its memory, its lender, and who sits
+/// where. Shared with the broker's books, which answer STATUS.
+#[derive(Debug, Clone)]
+pub struct View {
+    mapping: Arc<Mapping>,
+    pub lender: ClientId,
+    seated: Vec<(Seat, ClientId)>,
+}
+
+impl View {
+    /// Each seated client and the tokens the region attributes to it now:
+    /// held, returned, in flight. Read as the audit reads (two equal
+    /// passes); a region that keeps moving is read as it was last seen
+    /// whole, or not at all.
+    pub fn attributed(&self) -> Vec<(ClientId, u32)> {
+        let ring = self.mapping.ring();
+        let Some((region, _)) = (0..100).find_map(|_| ring.snapshot().ok()) else {
+            return Vec::new();
+        };
+        self.seated
+            .iter()
+            .map(|&(seat, client)| (client, region.attributed(seat)))
+            .collect()
+    }
 }
 
 /// What a client is told when it gets a seat.
@@ -122,6 +149,7 @@ impl Regions {
         region.clients[seat] = Some(client);
         let seat = Seat(seat as u16);
         self.seated.insert(client, (build, seat));
+        broker.set_fast_views(self.views());
         let region = &self.by_build[&build];
         Ok(Offer {
             seat: u32::from(seat.0),
@@ -162,6 +190,20 @@ impl Regions {
             let region = self.by_build.remove(&build).expect("found above");
             region.retire(broker);
         }
+        broker.set_fast_views(self.views());
+    }
+
+    /// The regions as STATUS reads them.
+    fn views(&self) -> Vec<View> {
+        let view = |region: &Region| View {
+            mapping: region.mapping.clone(),
+            lender: region.lender,
+            seated: region
+                .seats()
+                .map(|seat| (seat, region.clients[usize::from(seat.0)].expect("seated")))
+                .collect(),
+        };
+        self.by_build.values().map(view).collect()
     }
 
     /// Before a successor takes over (`serve --replace`): the regions die
@@ -172,6 +214,7 @@ impl Regions {
     /// moves what it held there to the connection's count).
     pub fn evict_all(&mut self, broker: &mut Broker) {
         self.seated.clear();
+        broker.set_fast_views(Vec::new());
         for (_, mut region) in self.by_build.drain() {
             region.put_up_barrier(broker);
             let seats: Vec<Seat> = region.seats().collect();
@@ -289,13 +332,16 @@ impl Region {
         mapping
             .hold_liveness()
             .map_err(|e| format!("the broker cannot lock the region's liveness word: {e}"))?;
-        let lender = broker.connect_lender(first, format!("[fast path of build {}]", build.0));
+        let lender = broker.connect_lender(
+            first,
+            format!("[fast path of build {}: free in its region]", build.0),
+        );
         log::debug(format_args!(
             "fast path: a region of {capacity} slots for build {}",
             build.0
         ));
         Ok(Region {
-            mapping,
+            mapping: Arc::new(mapping),
             fd,
             lender,
             clients: vec![None; SEATS],

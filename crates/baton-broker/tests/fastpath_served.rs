@@ -396,6 +396,18 @@ fn a_successor_books_what_fast_path_clients_hold_on_their_connections() {
     let mut a = fast_client(&old, "a");
     a.acquire(1).unwrap();
     a.acquire(1).unwrap();
+    // STATUS reads the region: a holds two, the third is free there.
+    let status = old.status();
+    let mut held: Vec<_> = status
+        .holders
+        .iter()
+        .map(|h| (h.command.clone(), h.tokens))
+        .collect();
+    held.sort();
+    let build = status.holders[0].build;
+    let free = format!("[fast path of build {build}: free in its region]");
+    assert_eq!(held, [(free, 1), ("a".to_string(), 2)], "{status:#?}");
+    assert_eq!((status.held, status.free), (3, 0));
     let new = served_at(&old.socket, "jobs=9\nreplace=1");
     assert!(old.wait_exit(PATIENCE).success(), "{}", old.log());
     let status = new.status();
