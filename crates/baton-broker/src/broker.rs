@@ -325,6 +325,12 @@ impl Broker {
         }
     }
 
+    /// Whether this broker's pool is part of a cluster pool (its grants
+    /// stop at what its link holds).
+    pub fn in_cluster(&self) -> bool {
+        self.cluster.is_some()
+    }
+
     /// The regions STATUS reads, as the loop's fast path changes them.
     pub fn set_fast_views(&mut self, views: Vec<crate::fastpath::View>) {
         self.fast_views = views;

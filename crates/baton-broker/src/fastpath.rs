@@ -310,6 +310,10 @@ fn must_retire(broker: &Broker) -> Option<&'static str> {
         Some("a gate holds tokens back")
     } else if broker.reclaim_left().is_some() {
         Some("builds re-attach after a broker's death")
+    } else if broker.in_cluster() {
+        // A token lent ahead of demand would hold a cluster token that
+        // another machine may wait for.
+        Some("a cluster pool's tokens are taken only as asked")
     } else {
         None
     }
@@ -562,5 +566,167 @@ impl Region {
         log::debug(format_args!(
             "fast path: a region closed, {left} token(s) back to the pool"
         ));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::broker::{ClientMeta, Transport};
+
+    fn client(broker: &mut Broker) -> ClientId {
+        let meta = ClientMeta::new(std::process::id(), "test".into(), Transport::Socket);
+        broker.connect(meta)
+    }
+
+    #[test]
+    fn the_pool_lends_only_while_nothing_is_to_be_retired() {
+        let mut broker = Broker::new(2).unwrap();
+        assert_eq!(must_retire(&broker), None);
+        let a = client(&mut broker);
+        broker.try_acquire(a, 2).unwrap();
+        assert_eq!(must_retire(&broker), None, "held up to the limit");
+        broker.set_limit(1).unwrap();
+        assert_eq!(
+            must_retire(&broker),
+            Some("more tokens are held than the limit")
+        );
+        broker.release(a, 1).unwrap();
+        assert_eq!(must_retire(&broker), None, "back at the limit");
+        broker.start_reclaim(Duration::from_secs(60));
+        assert_eq!(
+            must_retire(&broker),
+            Some("a gate holds tokens back"),
+            "the grace's cap of 0"
+        );
+        broker.release(a, 1).unwrap();
+        assert_eq!(
+            must_retire(&broker),
+            Some("builds re-attach after a broker's death")
+        );
+        broker.end_reclaim();
+        assert_eq!(must_retire(&broker), None);
+    }
+
+    #[cfg(feature = "cluster")]
+    #[test]
+    fn a_cluster_members_pool_is_never_lent_ahead_of_demand() {
+        let mut broker = Broker::new(2).unwrap();
+        broker.join_cluster(&baton_core::cluster::Config {
+            endpoints: vec!["http://127.0.0.1:1".into()],
+            pool: "test".into(),
+            jobs: 8,
+            ttl: Duration::from_secs(10),
+            linger: Duration::from_secs(1),
+            watch_all: false,
+        });
+        broker.set_cluster_held(2, baton_core::cluster::Contact::Reachable);
+        assert_eq!(
+            must_retire(&broker),
+            Some("a cluster pool's tokens are taken only as asked")
+        );
+    }
+
+    #[test]
+    fn a_ring_holds_every_token_and_a_claim_from_every_seat_twice_over() {
+        assert_eq!(capacity_for(1), 4096, "never smaller");
+        assert_eq!(capacity_for(2000), 8192);
+        assert!(capacity_for(2000) >= 2 * (2000 + SEATS));
+        assert_eq!(capacity_for(baton_core::MAX_LIMIT), ring::MAX_CAPACITY);
+    }
+
+    /// A seated client, its region open and lent the pool, and what the
+    /// broker's books and the region say as it holds, dies and leaves.
+    #[test]
+    fn a_seat_lends_the_pool_and_its_departure_books_what_it_held() {
+        let mut broker = Broker::new(3).unwrap();
+        let mut regions = Regions::default();
+        let a = client(&mut broker);
+        let offer = regions.offer(&mut broker, a).unwrap();
+        assert_eq!(offer.seat, 0);
+        let fd = offer.fd.try_clone_to_owned().unwrap();
+        assert!(
+            regions.offer(&mut broker, a).is_err(),
+            "one seat a connection"
+        );
+        regions.round(&mut broker);
+        assert_eq!(
+            (broker.pool().held(), broker.pool().free()),
+            (3, 0),
+            "all lent"
+        );
+        // The client takes two tokens in the region.
+        let region = Mapping::map(fd.as_fd()).unwrap();
+        let host = host();
+        region.ring().acquire(Seat(0), &host, None).unwrap();
+        region.ring().acquire(Seat(0), &host, None).unwrap();
+        let status = broker.status();
+        let held: Vec<_> = status.holders.iter().map(|h| h.tokens).collect();
+        assert_eq!(held.iter().sum::<u32>(), 3);
+        assert!(
+            status
+                .holders
+                .iter()
+                .any(|h| h.command == "test" && h.tokens == 2),
+            "{status:#?}"
+        );
+        // Its connection closes: the two are booked on it, the free one
+        // stays lent until the region ends with its last client.
+        regions.leave(&mut broker, a);
+        assert_eq!(broker.pool().held_by(a), 2);
+        assert_eq!(
+            broker.pool().held(),
+            2,
+            "the region ended: its free token went back"
+        );
+        assert_eq!(regions.repairs, 1);
+        broker.disconnect(a);
+        assert_eq!((broker.pool().held(), broker.pool().free()), (0, 3));
+    }
+
+    #[test]
+    fn a_second_region_closes_both_and_a_waiter_becomes_a_request_in_the_pool() {
+        let mut broker = Broker::new(1).unwrap();
+        let mut regions = Regions::default();
+        let (a, b) = (client(&mut broker), client(&mut broker));
+        let fd_a = regions
+            .offer(&mut broker, a)
+            .unwrap()
+            .fd
+            .try_clone_to_owned()
+            .unwrap();
+        regions.round(&mut broker);
+        let ring_a = Mapping::map(fd_a.as_fd()).unwrap();
+        let host = host();
+        ring_a.ring().acquire(Seat(0), &host, None).unwrap();
+        // b is another build: its region makes two, and both close.
+        let fd_b = regions
+            .offer(&mut broker, b)
+            .unwrap()
+            .fd
+            .try_clone_to_owned()
+            .unwrap();
+        regions.round(&mut broker);
+        let ring_b = Mapping::map(fd_b.as_fd()).unwrap();
+        let past = Some(std::time::Instant::now());
+        assert_eq!(
+            ring_b.ring().acquire(Seat(0), &host, past),
+            Ok(baton_core::fastpath::Acquired::TimedOut),
+            "nothing free behind the barrier"
+        );
+        assert_eq!(
+            ring_b.ring().try_acquire(Seat(0), &host),
+            Err(Refused::Busy)
+        );
+        // a's release meets the barrier: it comes back through the pool.
+        assert_eq!(
+            ring_a.ring().release(Seat(0), &host),
+            Ok(baton_core::fastpath::Released::Returned)
+        );
+        regions.round(&mut broker);
+        assert_eq!((broker.pool().held(), broker.pool().free()), (0, 1));
+        regions.leave(&mut broker, a);
+        regions.leave(&mut broker, b);
+        assert_eq!((broker.pool().held(), broker.pool().free()), (0, 1));
     }
 }
