@@ -118,7 +118,7 @@ int baton_release(baton_t *c, unsigned n, const struct timespec *deadline);
  *   ETIMEDOUT  as for baton_try_acquire(). */
 char *baton_status_json(baton_t *c, const struct timespec *deadline);
 
-/* Tokens this connection holds now. */
+/* Tokens this connection holds now (through the fast path too). */
 unsigned baton_held(const baton_t *c);
 
 /* The pool's limit when the connection was made. */
@@ -137,6 +137,46 @@ const char *baton_refusal(const baton_t *c);
  * except at connect, where ERR full and ERR denied name the socket (see
  * baton_connect()). Never NULL; the library owns the buffer. */
 const char *baton_errmsg(void);
+
+/* Asks the broker for a seat in the shared-memory fast path of the
+ * connection's build (docs/fastpath.md). From then on baton_acquire(c, 1,
+ * ...), baton_try_acquire(c, 1, ...) and baton_release() take and give
+ * single tokens in memory the broker shares with the build's other
+ * fast-path clients: compare-and-swaps, and one futex_wake when a waiter
+ * must be woken; no round trip to the broker. Everything else (n > 1,
+ * STATUS, ...) still goes over the socket, as does whatever the region
+ * refuses: a TRY that finds no free token there (the pool may have one), a
+ * full ring, a seat the broker revoked, a broker that died. Tokens taken
+ * through the region belong to the connection just the same: baton_held()
+ * counts them, and when the process dies the broker takes them back. A
+ * deadline bounds a wait in the region as on the socket.
+ *
+ * A region is its build's: the connections of the processes under one
+ * `baton run` (or under a process that sent BUILD) share one. A process
+ * outside any build is a build of its own at each connection, and while
+ * two builds have regions, or another build waits, the broker keeps every
+ * region's barrier up and serves each token itself, at the socket's cost.
+ *
+ * Call it when no reply is pending (right after baton_connect(), or
+ * between calls). A second call on a seated connection does nothing and
+ * returns 0. The child of a fork() must not use a connection that has a
+ * seat, not even baton_close() (the region is not mapped in the child, and
+ * the socket is its parent's); exec or _exit drops it. Returns 0 (seated),
+ * or -1:
+ *   ENOTSUP    the broker offers no seat (ERR unavailable: another user's
+ *              process, a full or closed region, ...); baton_refusal() and
+ *              baton_errmsg() give its words. The connection stays
+ *              usable, on the socket.
+ *   EPROTO     a reply was already buffered, or the broker's reply or its
+ *              region (unsealed, another layout) is not what this library
+ *              expects; a broker older than the fast path refuses FASTPATH
+ *              as malformed and closes the connection
+ *   and any errno of recvmsg(2), fstat(2) or mmap(2). */
+int baton_fastpath(baton_t *c);
+
+/* 1 while the connection has a fast-path seat it still uses, else 0 (none
+ * asked for, refused, or given up after the broker revoked it or died). */
+int baton_uses_fastpath(const baton_t *c);
 
 /* Closes the connection (the broker takes back every token it held) and
  * frees it. NULL is allowed. */

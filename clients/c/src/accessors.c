@@ -1,6 +1,7 @@
 #include "internal.h"
 
-unsigned baton_held(const baton_t *c) { return c->held; }
+/* The socket's tokens and the region's: the connection's either way. */
+unsigned baton_held(const baton_t *c) { return c->held + c->fast.held; }
 
 unsigned baton_limit(const baton_t *c) { return c->limit; }
 

@@ -6,5 +6,6 @@
 void baton_close(baton_t *c) {
     if (!c) return;
     if (c->fd >= 0) close(c->fd);
+    baton__fast_drop(c);
     free(c);
 }

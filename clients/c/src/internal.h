@@ -6,6 +6,7 @@
 #include <time.h>
 
 #include "baton.h"
+#include "fastpath.h"
 
 /* A request line is at most 256 bytes; a reply line (an ERR message
  * included) stays well below this. */
@@ -15,10 +16,19 @@
  * them. */
 #define BATON_MSG_MAX 2048
 
+/* A connection's seat in its build's fast-path region (baton_fastpath()). */
+struct baton_seat {
+    struct baton_ring ring;     /* ring.words NULL: no seat, the socket for everything */
+    size_t bytes;               /* the mapping's length */
+    unsigned seat;
+    unsigned held;              /* tokens held through the region (its record says the same) */
+};
+
 struct baton {
     int fd;
     unsigned limit;
-    unsigned held;
+    unsigned held;              /* tokens the broker's books hold on the connection */
+    struct baton_seat fast;
     size_t len;                 /* bytes in buf not yet consumed */
     char buf[4096];
     char refusal[BATON_LINE_MAX];
@@ -69,5 +79,20 @@ int baton__call(baton_t *c, const char *request, const char *want, const char *a
 /* Waits in poll() for `events` on fd until the deadline: 0, or -1 with
  * ETIMEDOUT. */
 int baton__wait(int fd, short events, const struct timespec *deadline);
+
+/* One operation in the region, for a connection with a seat, as the Rust
+ * client's `on_fastpath` does it: 1 when done there; 0 when the socket
+ * must do it (no seat; or the region refused, changing nothing: no token
+ * free for a TRY, a full ring, nothing held; or the seat is given up for
+ * good, what it held moved to c->held: revoked, the broker gone, a
+ * corrupt word). baton__fast_acquire also returns -1 with ETIMEDOUT when
+ * the deadline passed first (the wait withdrawn). */
+int baton__fast_acquire(baton_t *c, const struct timespec *deadline);
+int baton__fast_try_acquire(baton_t *c);
+int baton__fast_release(baton_t *c);
+
+/* Unmaps the region, if any (the seat is the broker's to repair when the
+ * connection closes). */
+void baton__fast_drop(baton_t *c);
 
 #endif

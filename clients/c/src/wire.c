@@ -14,7 +14,7 @@ static const struct {
 } refusals[] = {
     {"range", ERANGE},   {"over-release", EINVAL}, {"full", EUSERS},   {"malformed", EPROTO},
     {"too-long", EPROTO}, {"version", EPROTO},      {"hello", EPROTO}, {"busy", EPROTO},
-    {"denied", EACCES},
+    {"denied", EACCES},  {"unavailable", ENOTSUP},
 };
 
 int baton__errno_of(const char *code) {
@@ -27,7 +27,8 @@ static int replies_of(const char *kind) {
     static const struct {
         const char *kind;
         int count;
-    } arity[] = {{"OK", 3}, {"GRANTED", 2}, {"BUSY", 1}, {"RELEASED", 2}, {"CANCELLED", 1}, {"STATUS", 1}, {"LIMIT", 2}};
+    } arity[] = {{"OK", 3}, {"GRANTED", 2}, {"BUSY", 1}, {"RELEASED", 2}, {"CANCELLED", 1}, {"STATUS", 1}, {"LIMIT", 2},
+                   {"FASTPATH", 2}};
     for (size_t i = 0; i < sizeof arity / sizeof *arity; i++)
         if (strcmp(kind, arity[i].kind) == 0) return arity[i].count;
     return -1;

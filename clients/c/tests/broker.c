@@ -55,7 +55,19 @@ void broker_start_with(struct broker *b, unsigned jobs, unsigned max_clients) {
     broker_start_as(b, jobs, max_clients, "run", (unsigned)getuid());
 }
 
+static void start(struct broker *b, unsigned jobs, unsigned max_clients, const char *subdir, unsigned uid,
+                  const char *const *extra);
+
+void broker_start_args(struct broker *b, unsigned jobs, const char *const *extra) {
+    start(b, jobs, 0, "run", (unsigned)getuid(), extra);
+}
+
 void broker_start_as(struct broker *b, unsigned jobs, unsigned max_clients, const char *subdir, unsigned uid) {
+    start(b, jobs, max_clients, subdir, uid, NULL);
+}
+
+static void start(struct broker *b, unsigned jobs, unsigned max_clients, const char *subdir, unsigned uid,
+                  const char *const *extra) {
     int other = uid != (unsigned)getuid();
     if (access(baton_bin(), X_OK) != 0) {
         fprintf(stderr, "%s not found (BATON_BIN unset or wrong): run scripts/test, which builds it\n", baton_bin());
@@ -90,9 +102,14 @@ void broker_start_as(struct broker *b, unsigned jobs, unsigned max_clients, cons
         if (other)
             execlp("setpriv", "setpriv", uid_text, gid_text, "--clear-groups", baton_bin(), "serve", "--jobs", jobs_text,
                    "--socket", b->socket, "--max-clients", max_text, "--no-fuse", (char *)NULL);
-        else
-            execl(baton_bin(), "baton", "serve", "--jobs", jobs_text, "--socket", b->socket, "--max-clients", max_text,
-                  (char *)NULL);
+        else {
+            const char *argv[32] = {"baton", "serve", "--jobs", jobs_text, "--socket", b->socket, "--max-clients",
+                                    max_text};
+            size_t n = 8;
+            for (; extra && *extra && n < sizeof argv / sizeof *argv - 1; extra++) argv[n++] = *extra;
+            argv[n] = NULL;
+            execv(baton_bin(), (char *const *)argv);
+        }
         _exit(127);
     }
     /* A bare connect, no HELLO: the probe takes no client id. */
@@ -107,9 +124,9 @@ void broker_start_as(struct broker *b, unsigned jobs, unsigned max_clients, cons
     }
 }
 
-void broker_stop(struct broker *b) {
+static void stop(struct broker *b, int sig) {
     track(NULL, b);
-    kill(b->pid, SIGTERM);
+    kill(b->pid, sig);
     CHECK(waitpid(b->pid, NULL, 0) == b->pid);
     /* Whatever the broker leaves (its log, lock, an emptied mount point). */
     pid_t rm = fork();
@@ -119,3 +136,7 @@ void broker_stop(struct broker *b) {
     }
     waitpid(rm, NULL, 0);
 }
+
+void broker_stop(struct broker *b) { stop(b, SIGTERM); }
+
+void broker_kill(struct broker *b) { stop(b, SIGKILL); }

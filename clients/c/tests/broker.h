@@ -23,8 +23,15 @@ void broker_start_with(struct broker *b, unsigned jobs, unsigned max_clients);
  * root; --no-fuse). */
 void broker_start_as(struct broker *b, unsigned jobs, unsigned max_clients, const char *subdir, unsigned uid);
 
+/* broker_start() with more `baton serve` options (NULL-terminated; NULL:
+ * none), e.g. {"--no-fuse", NULL}. */
+void broker_start_args(struct broker *b, unsigned jobs, const char *const *extra);
+
 /* SIGTERM by pid, reap, remove the directory. */
 void broker_stop(struct broker *b);
+/* The same with SIGKILL: the broker has no chance to tidy anything (start
+ * it with --no-fuse: a killed broker leaves its FUSE mount behind). */
+void broker_kill(struct broker *b);
 
 /* A bare connection that says nothing (-1 if nobody listens). */
 int broker_connect_raw(const char *path);
