@@ -75,8 +75,10 @@ pub enum LayoutError {
 }
 
 /// Why an operation did not happen in the region: the client then uses
-/// the socket for it, as if it had no region. Nothing in the region
-/// changed.
+/// the socket for it, as if it had no region. Refused before its first
+/// step, nothing in the region changed; `Revoked` or `Gone` while asleep
+/// leave the claim in its slot (the seat is given up, and the broker's
+/// repair or the region's end takes care of it).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
 pub enum Refused {
     /// `TRY`: no free token; the client did not join the queue.

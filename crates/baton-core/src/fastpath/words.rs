@@ -11,7 +11,7 @@
 //! the low 24 bits of a `Taking` ticket (the broker matches them against
 //! the slot's `gen`) and a 14-bit count of the record's changes (so that
 //! two equal reads of it are one instant's value). A party is stored as
-//! seat + 1 in 10 bits, 0 being the broker; the model's seats are bytes.
+//! seat + 1 in 11 bits, 0 being the broker.
 
 use super::{Claim, Grant, Party, Seat, Slot};
 
