@@ -193,7 +193,12 @@ fn record_lock(file: &File, kind: i32) {
     };
     // SAFETY: a valid descriptor and a flock struct for the call.
     let done = unsafe { libc::fcntl(file.as_raw_fd(), libc::F_SETLKW, &lock) };
-    assert_eq!(done, 0, "fcntl(F_SETLKW): {}", std::io::Error::last_os_error());
+    assert_eq!(
+        done,
+        0,
+        "fcntl(F_SETLKW): {}",
+        std::io::Error::last_os_error()
+    );
 }
 
 /// Whether another process holds a record lock on `file` (`F_GETLK`).
@@ -207,7 +212,12 @@ fn locked_by_another(file: &File) -> bool {
     };
     // SAFETY: a valid descriptor and a flock struct the call fills.
     let done = unsafe { libc::fcntl(file.as_raw_fd(), libc::F_GETLK, &mut lock) };
-    assert_eq!(done, 0, "fcntl(F_GETLK): {}", std::io::Error::last_os_error());
+    assert_eq!(
+        done,
+        0,
+        "fcntl(F_GETLK): {}",
+        std::io::Error::last_os_error()
+    );
     lock.l_type != libc::F_UNLCK as libc::c_short
 }
 
@@ -259,7 +269,10 @@ fn job_here(spec: &str) -> ! {
             .count();
         let running = 1 + others as u32;
         if running > limit {
-            let _ = std::fs::write(dir.join("over"), format!("{running} jobs on {limit} tokens"));
+            let _ = std::fs::write(
+                dir.join("over"),
+                format!("{running} jobs on {limit} tokens"),
+            );
             std::process::exit(3);
         }
         record_lock(&scan, libc::F_UNLCK);
