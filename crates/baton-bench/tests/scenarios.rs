@@ -138,9 +138,11 @@ impl Harness {
         let fuse = std::path::Path::new("/dev/fuse").exists();
         all.iter()
             .copied()
-            // The fast path's ring needs no broker binary.
+            // The fast path's ring alone needs no broker binary.
             .filter(|m| {
-                self.baton.is_some() || !m.starts_with("baton") || m.starts_with("baton fast path")
+                self.baton.is_some()
+                    || !m.starts_with("baton")
+                    || m.starts_with("baton fast path, ring only")
             })
             .filter(|m| fuse || !(m.starts_with("baton FUSE") || m.ends_with("(fuse)")))
             .collect()
@@ -239,7 +241,8 @@ fn token_ring_counts_every_transfer(h: &Harness) -> Result<()> {
         "baton native",
         "baton native, no spin",
         "baton native, no io_uring",
-        "baton fast path, ring only (no broker yet)",
+        "baton fast path, ring only (no broker)",
+        "baton fast path",
     ]);
     ensure!(
         mechanisms(&doc) == expected,
@@ -294,6 +297,7 @@ fn blocking_vs_polling_counts_every_acquisition(h: &Harness) -> Result<()> {
         "pipe, poll + non-blocking read",
         "baton native",
         "baton native, poll",
+        "baton fast path",
         "baton FUSE file, poll",
         "baton FUSE file, notify-all",
     ]);
@@ -334,10 +338,12 @@ fn mass_poll_sweeps_waiters_and_plots(h: &Harness) -> Result<()> {
     );
     for mechanism in h.expected(&[
         "pipe, poll + non-blocking read",
+        "POSIX semaphore",
         "baton native",
         "baton native, no spin",
         "baton native, no io_uring",
         "baton native, poll",
+        "baton fast path",
         "baton FUSE file, poll",
     ]) {
         ensure!(!rows(&doc, mechanism).is_empty(), "no {mechanism} rows");

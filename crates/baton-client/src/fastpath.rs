@@ -282,7 +282,8 @@ pub fn receive_with_fd(
         msg.msg_iov = &mut iov;
         msg.msg_iovlen = 1;
         msg.msg_control = control.as_mut_ptr().cast();
-        msg.msg_controllen = std::mem::size_of_val(&control);
+        // socklen_t on musl, size_t on glibc.
+        msg.msg_controllen = std::mem::size_of_val(&control) as _;
         // SAFETY: msg describes live buffers.
         let n = unsafe { libc::recvmsg(socket.as_raw_fd(), &mut msg, libc::MSG_CMSG_CLOEXEC) };
         if n < 0 {
@@ -331,7 +332,7 @@ pub fn futex_wait(word: &AtomicU64, expected: u32, deadline: Option<Instant>) {
     let timeout = deadline.map(|d| {
         let left = d.saturating_duration_since(Instant::now());
         libc::timespec {
-            tv_sec: left.as_secs() as libc::time_t,
+            tv_sec: left.as_secs() as _,
             tv_nsec: left.subsec_nanos() as libc::c_long,
         }
     });
