@@ -232,6 +232,17 @@ pub struct Broker {
     /// what each seated client holds there, attributed at the moment of
     /// the request.
     fast_views: Vec<crate::fastpath::View>,
+    /// What the fast path did that STATUS counts.
+    fast_counts: FastCounts,
+}
+
+/// The fast path's counts (`totals.fastpath_*` in STATUS).
+#[derive(Debug, Default, Clone, Copy)]
+pub struct FastCounts {
+    /// Seats repaired after their connection closed.
+    pub repairs: u64,
+    /// Confirmed audit mismatches.
+    pub mismatches: u64,
 }
 
 /// The cluster pool this broker is in, as its link last told us: what
@@ -322,6 +333,7 @@ impl Broker {
             utilization: Utilization::new(HISTORY_SLOT.as_nanos() as u64, HISTORY_SLOTS),
             orphans_hook: None,
             fast_views: Vec::new(),
+            fast_counts: FastCounts::default(),
         }
     }
 
@@ -329,6 +341,11 @@ impl Broker {
     /// stop at what its link holds).
     pub fn in_cluster(&self) -> bool {
         self.cluster.is_some()
+    }
+
+    /// The fast path's counts, for it to add to.
+    pub fn fast_counts(&mut self) -> &mut FastCounts {
+        &mut self.fast_counts
     }
 
     /// The regions STATUS reads, as the loop's fast path changes them.
@@ -1246,6 +1263,8 @@ impl Broker {
                 waits: t.waits,
                 clients: self.books.pool.clients().count() as u64,
                 held_again: t.held_again,
+                fastpath_repairs: self.fast_counts.repairs,
+                fastpath_mismatches: self.fast_counts.mismatches,
             },
             gates,
             cluster: self.cluster.as_ref().map(ClusterLink::status),

@@ -61,10 +61,6 @@ pub struct Regions {
     by_build: HashMap<BuildId, Region>,
     seated: HashMap<ClientId, (BuildId, Seat)>,
     audited: Option<Instant>,
-    /// Audits that found a region's count and the books apart, twice.
-    pub mismatches: u64,
-    /// Seats repaired after their client's connection closed.
-    pub repairs: u64,
 }
 
 /// One build's region.
@@ -171,7 +167,7 @@ impl Regions {
             .expect("a seated client's region");
         let mut in_hand = 0;
         let clean = region.repair(seat, &mut in_hand);
-        self.repairs += 1;
+        broker.fast_counts().repairs += 1;
         let held = broker.pool().held_by(region.lender);
         if in_hand > held {
             log::warn(format_args!(
@@ -293,7 +289,7 @@ impl Regions {
         if due {
             self.audited = Some(Instant::now());
             for region in self.by_build.values_mut() {
-                self.mismatches += u64::from(region.audit(broker));
+                broker.fast_counts().mismatches += u64::from(region.audit(broker));
             }
         }
     }
@@ -679,7 +675,7 @@ mod tests {
             2,
             "the region ended: its free token went back"
         );
-        assert_eq!(regions.repairs, 1);
+        assert_eq!(broker.status().totals.fastpath_repairs, 1);
         broker.disconnect(a);
         assert_eq!((broker.pool().held(), broker.pool().free()), (0, 3));
     }

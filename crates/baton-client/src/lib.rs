@@ -226,11 +226,17 @@ impl Client {
             _ => return Err(Error::Protocol(format!("bad reply to FASTPATH: {line:?}"))),
         };
         match (reply, fd) {
-            (Reply::Fastpath { seat, .. }, Some(fd)) => {
+            (Reply::Fastpath { seat, bytes }, Some(fd)) => {
                 let seat = u16::try_from(seat)
                     .map_err(|_| Error::Protocol(format!("seat {seat} out of range")))?;
                 let mapping = fastpath::Mapping::map(std::os::fd::AsFd::as_fd(&fd))
                     .map_err(|e| Error::Protocol(format!("the broker's region: {e}")))?;
+                let mapped = mapping.words().len() * 8;
+                if mapped != bytes as usize {
+                    return Err(Error::Protocol(format!(
+                        "the broker said its region is {bytes} bytes, and it is {mapped}"
+                    )));
+                }
                 self.fast = Some(Fast {
                     mapping,
                     seat: Seat(seat),

@@ -227,4 +227,12 @@ pub struct Totals {
     /// broker died: held above the limit for a while, never created.
     #[serde(default)]
     pub held_again: u64,
+    /// Fast-path seats repaired after their client's connection closed
+    /// (docs/fastpath.md): every seat's end, a kill's included.
+    #[serde(default)]
+    pub fastpath_repairs: u64,
+    /// Fast-path audits that found a region's count and the books apart,
+    /// twice in a row: each one closed its region for good.
+    #[serde(default)]
+    pub fastpath_mismatches: u64,
 }
