@@ -725,4 +725,159 @@ mod tests {
         regions.leave(&mut broker, b);
         assert_eq!((broker.pool().held(), broker.pool().free()), (0, 1));
     }
+
+    /// The region a test's `client` sits in, mapped as the client maps it.
+    fn seat_of(regions: &mut Regions, broker: &mut Broker, client: ClientId) -> (Mapping, Seat) {
+        let offer = regions.offer(broker, client).unwrap();
+        let seat = Seat(offer.seat as u16);
+        let fd = offer.fd.try_clone_to_owned().unwrap();
+        (Mapping::map(fd.as_fd()).unwrap(), seat)
+    }
+
+    /// A record no correct client writes: more tokens than the pool has.
+    fn write_garbage(region: &Mapping, seat: Seat) {
+        let garbage = baton_core::fastpath::words::RecordWord {
+            held: 7,
+            ..Default::default()
+        };
+        region
+            .ring()
+            .record_word(seat)
+            .store(garbage.pack(), std::sync::atomic::Ordering::SeqCst);
+    }
+
+    fn the_region(regions: &mut Regions) -> &mut Region {
+        regions.by_build.values_mut().next().expect("a region")
+    }
+
+    /// A balanced region passes every audit; a mismatch is confirmed only
+    /// when seen twice in a row, and confirmed once: the region then
+    /// closes for good and gives its free tokens back.
+    #[test]
+    fn an_audit_closes_a_region_on_a_mismatch_seen_twice_and_only_then() {
+        let mut broker = Broker::new(3).unwrap();
+        let mut regions = Regions::default();
+        let a = client(&mut broker);
+        broker.start_build(a, 1, "one build".into()).unwrap();
+        let (region, seat) = seat_of(&mut regions, &mut broker, a);
+        regions.round(&mut broker);
+        region.ring().acquire(seat, &host(), None).unwrap();
+        for n in 1..=3 {
+            assert!(
+                !the_region(&mut regions).audit(&mut broker),
+                "audit {n} of a region that matches the books"
+            );
+        }
+        write_garbage(&region, seat);
+        let audits: Vec<bool> = (0..3)
+            .map(|_| the_region(&mut regions).audit(&mut broker))
+            .collect();
+        assert_eq!(
+            audits,
+            [false, true, false],
+            "confirmed on the second, once"
+        );
+        assert!(the_region(&mut regions).tainted);
+        assert!(!the_region(&mut regions).open, "closed");
+        assert_eq!(broker.pool().free(), 2, "its free tokens went back");
+        let later = client(&mut broker);
+        assert!(
+            regions.offer(&mut broker, later).is_err(),
+            "no new seat in a region closed for good"
+        );
+    }
+
+    /// A seat given up cleanly is offered again; one whose record could
+    /// not be read at its client's departure never is.
+    #[test]
+    fn a_seat_is_reused_after_a_clean_departure_and_never_after_a_corrupt_one() {
+        let mut broker = Broker::new(2).unwrap();
+        let mut regions = Regions::default();
+        let a = client(&mut broker);
+        broker.start_build(a, 1, "one build".into()).unwrap();
+        let b = client(&mut broker);
+        assert_eq!(broker.pool().build_of(a), broker.pool().build_of(b));
+        assert_eq!(seat_of(&mut regions, &mut broker, a).1, Seat(0));
+        assert_eq!(seat_of(&mut regions, &mut broker, b).1, Seat(1));
+        // (a's connection stays: it is the build's root.)
+        regions.leave(&mut broker, a);
+        let c = client(&mut broker);
+        let (region, seat_c) = seat_of(&mut regions, &mut broker, c);
+        assert_eq!(seat_c, Seat(0), "a clean seat is offered again");
+        // Not even a record: its bits make no word a client writes.
+        region
+            .ring()
+            .record_word(seat_c)
+            .store(u64::MAX, std::sync::atomic::Ordering::SeqCst);
+        regions.leave(&mut broker, c);
+        broker.disconnect(c);
+        let d = client(&mut broker);
+        assert_eq!(broker.pool().build_of(d), broker.pool().build_of(a));
+        assert_eq!(
+            seat_of(&mut regions, &mut broker, d).1,
+            Seat(2),
+            "the corrupt seat is burnt"
+        );
+    }
+
+    /// Two waiters behind the barrier are two requests in the pool, each
+    /// granted into the region when another build gives tokens back; a
+    /// waiter that gives up takes its request out of the pool; and the
+    /// region reopens when it is alone again.
+    #[test]
+    fn requests_for_waiters_behind_the_barrier_follow_the_waiters() {
+        let mut broker = Broker::new(2).unwrap();
+        let mut regions = Regions::default();
+        let (a, b) = (client(&mut broker), client(&mut broker));
+        let (ring_a, seat_a) = seat_of(&mut regions, &mut broker, a);
+        regions.round(&mut broker);
+        for _ in 0..2 {
+            ring_a.ring().acquire(seat_a, &host(), None).unwrap();
+        }
+        let (ring_b, seat_b) = seat_of(&mut regions, &mut broker, b);
+        regions.round(&mut broker);
+        let deadline = Instant::now() + Duration::from_secs(60);
+        let waiters = std::thread::scope(|s| {
+            let waiters: Vec<_> = (0..2)
+                .map(|_| s.spawn(|| ring_b.ring().acquire(seat_b, &host(), Some(deadline))))
+                .collect();
+            while ring_b.ring().waiters() < 2 {
+                assert!(Instant::now() < deadline, "two claims behind b's barrier");
+                std::thread::yield_now();
+            }
+            regions.round(&mut broker);
+            assert_eq!(the_requests(&regions), 2, "one request per waiter");
+            for _ in 0..2 {
+                assert_eq!(
+                    ring_a.ring().release(seat_a, &host()),
+                    Ok(baton_core::fastpath::Released::Returned)
+                );
+            }
+            regions.round(&mut broker); // a's tokens back, granted to b's lender
+            regions.round(&mut broker); // the grants into b's region
+            waiters
+                .into_iter()
+                .map(|w| w.join().unwrap())
+                .collect::<Vec<_>>()
+        });
+        assert_eq!(waiters, [Ok(baton_core::fastpath::Acquired::Token); 2]);
+        // One of b's waits gives up: its request leaves the pool, and the
+        // token a gives back stays free there.
+        ring_b.ring().release(seat_b, &host()).unwrap();
+        let past = Some(Instant::now());
+        let _ = ring_a.ring().acquire(seat_a, &host(), past);
+        regions.round(&mut broker);
+        regions.round(&mut broker);
+        assert_eq!(the_requests(&regions), 0, "nobody waits: no request");
+        // b leaves: a's region is alone, and opens again.
+        regions.leave(&mut broker, b);
+        broker.disconnect(b);
+        regions.round(&mut broker);
+        assert_eq!(ring_a.ring().try_acquire(seat_a, &host()), Ok(()));
+        assert!(the_region(&mut regions).open);
+    }
+
+    fn the_requests(regions: &Regions) -> usize {
+        regions.by_build.values().map(|r| r.asked.len()).sum()
+    }
 }
