@@ -309,6 +309,105 @@ mod tests {
         assert_eq!(&got, b"kept");
     }
 
+    /// `new(epoll, 7)` makes room for 7 sends beside the wait: the ring
+    /// rounds 8 entries up to a power of two, and one is the wait's.
+    #[test]
+    fn the_batch_is_the_ring_less_the_wait() {
+        let (watched, _poker) = UnixStream::pair().unwrap();
+        let epoll = Epoll::watching(watched.as_raw_fd());
+        let Some(ring) = ring(&epoll) else { return };
+        assert_eq!(ring.batch(), 7);
+    }
+
+    /// An empty reply is sent, not failed: a send of 0 bytes completes
+    /// with 0, which is not an error.
+    #[test]
+    fn an_empty_send_is_zero_bytes_sent() {
+        let (ours, _theirs) = UnixStream::pair().unwrap();
+        let (watched, poker) = UnixStream::pair().unwrap();
+        (&poker).write_all(b"x").unwrap();
+        let epoll = Epoll::watching(watched.as_raw_fd());
+        let Some(mut ring) = ring(&epoll) else { return };
+        let results = ring.send_then_wait(&[(ours.as_raw_fd(), b"")]).unwrap();
+        assert!(matches!(results[..], [Sent::Bytes(0)]), "{results:?}");
+    }
+
+    /// With nothing to send, the call still waits, in one system call: it
+    /// does not return before it has asked the kernel for the loop's
+    /// events.
+    #[test]
+    fn with_nothing_to_send_it_still_waits_in_one_call() {
+        let (watched, poker) = UnixStream::pair().unwrap();
+        (&poker).write_all(b"x").unwrap();
+        let epoll = Epoll::watching(watched.as_raw_fd());
+        let Some(mut ring) = ring(&epoll) else { return };
+        assert!(ring.send_then_wait(&[]).unwrap().is_empty());
+        assert_eq!(ring.enters, 1, "returned without waiting");
+    }
+
+    /// A signal that interrupts the sleep ends the call, as the loop's
+    /// wake-up would, and the ring stays usable: the next call sends and
+    /// returns as usual. Signals are sent until the call returns (the
+    /// first may land before the sleep began, or interrupt only the
+    /// submission's wait, which the kernel does not report); a call
+    /// that never returned for them is ended by an event after the
+    /// deadline, and fails the test.
+    #[test]
+    fn a_signal_ends_the_wait_and_leaves_the_ring_usable() {
+        use std::os::unix::thread::JoinHandleExt;
+        extern "C" fn nothing(_: libc::c_int) {}
+        // SAFETY: a handler that does nothing, installed without
+        // SA_RESTART so that it interrupts system calls; SIGURG is
+        // ignored by default and nothing else in these tests uses it.
+        unsafe {
+            let mut action: libc::sigaction = std::mem::zeroed();
+            action.sa_sigaction = nothing as extern "C" fn(libc::c_int) as usize;
+            libc::sigemptyset(&mut action.sa_mask);
+            assert_eq!(
+                libc::sigaction(libc::SIGURG, &action, std::ptr::null_mut()),
+                0
+            );
+        }
+        let (watched, poker) = UnixStream::pair().unwrap();
+        let epoll = Epoll::watching(watched.as_raw_fd());
+        let Some(mut ring) = ring(&epoll) else { return };
+        let done = Arc::new(AtomicBool::new(false));
+        let waiter = std::thread::spawn({
+            let done = done.clone();
+            move || {
+                let result = ring.send_then_wait(&[]).map(|r| r.len());
+                done.store(true, SeqCst);
+                (ring, result)
+            }
+        });
+        let thread = waiter.as_pthread_t();
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+        let mut ended_by_an_event = false;
+        while !done.load(SeqCst) {
+            if std::time::Instant::now() > deadline {
+                ended_by_an_event = true;
+                (&poker).write_all(b"x").unwrap();
+                break;
+            }
+            // SAFETY: the thread is alive until joined.
+            unsafe { libc::pthread_kill(thread, libc::SIGURG) };
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        }
+        let (mut ring, result) = waiter.join().unwrap();
+        assert!(!ended_by_an_event, "signals did not end the wait");
+        assert_eq!(result.unwrap(), 0);
+        // The ring goes on: a send and an event already there.
+        let (ours, mut theirs) = UnixStream::pair().unwrap();
+        (&poker).write_all(b"x").unwrap();
+        let results = ring
+            .send_then_wait(&[(ours.as_raw_fd(), b"GRANTED 1")])
+            .unwrap();
+        assert!(matches!(results[..], [Sent::Bytes(9)]), "{results:?}");
+        let mut got = [0u8; 9];
+        theirs.read_exact(&mut got).unwrap();
+        assert_eq!(&got, b"GRANTED 1");
+    }
+
     #[test]
     fn a_closed_peer_is_an_error_not_a_signal() {
         let (ours, theirs) = UnixStream::pair().unwrap();
