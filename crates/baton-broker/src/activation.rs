@@ -40,13 +40,19 @@ pub fn inherited_listener() -> Result<Option<(UnixListener, PathBuf)>> {
 }
 
 fn passed_to_us() -> bool {
-    let pid = std::env::var("LISTEN_PID")
-        .ok()
-        .and_then(|p| p.parse::<u32>().ok());
-    let fds = std::env::var("LISTEN_FDS")
-        .ok()
-        .and_then(|n| n.parse::<u32>().ok());
-    pid == Some(std::process::id()) && fds.is_some_and(|n| n >= 1)
+    names_us(
+        std::env::var("LISTEN_PID").ok().as_deref(),
+        std::env::var("LISTEN_FDS").ok().as_deref(),
+        std::process::id(),
+    )
+}
+
+/// Whether `LISTEN_PID` and `LISTEN_FDS` pass at least one socket to the
+/// process `pid` (a parent's variables, inherited, name the parent).
+fn names_us(listen_pid: Option<&str>, listen_fds: Option<&str>, pid: u32) -> bool {
+    let named = listen_pid.and_then(|p| p.parse::<u32>().ok());
+    let fds = listen_fds.and_then(|n| n.parse::<u32>().ok());
+    named == Some(pid) && fds.is_some_and(|n| n >= 1)
 }
 
 fn set_cloexec(fd: RawFd) -> Result<()> {
@@ -65,6 +71,36 @@ mod tests {
     fn without_listen_pid_no_socket_was_passed() {
         if std::env::var_os("LISTEN_PID").is_none() {
             assert!(!passed_to_us());
+        }
+    }
+
+    /// One socket or more, passed to this very pid: anything else (none
+    /// passed, or variables inherited from a parent that was passed them)
+    /// is not ours.
+    #[test]
+    fn a_socket_is_ours_only_when_passed_to_our_pid() {
+        assert!(names_us(Some("42"), Some("1"), 42));
+        assert!(names_us(Some("42"), Some("2"), 42));
+        assert!(!names_us(Some("42"), Some("0"), 42), "none passed");
+        assert!(!names_us(Some("41"), Some("1"), 42), "our parent's");
+        assert!(!names_us(None, Some("1"), 42));
+        assert!(!names_us(Some("42"), None, 42));
+        assert!(!names_us(Some("42"), Some("x"), 42));
+    }
+
+    /// The listener passed is not handed on to anything we start.
+    #[test]
+    fn the_passed_socket_is_made_close_on_exec() {
+        let mut fds = [0; 2];
+        // SAFETY: a pipe without O_CLOEXEC, both ends closed below.
+        assert_eq!(unsafe { libc::pipe(fds.as_mut_ptr()) }, 0);
+        let flags = |fd| unsafe { libc::fcntl(fd, libc::F_GETFD) };
+        assert_eq!(flags(fds[0]) & libc::FD_CLOEXEC, 0);
+        set_cloexec(fds[0]).unwrap();
+        assert_eq!(flags(fds[0]) & libc::FD_CLOEXEC, libc::FD_CLOEXEC);
+        for fd in fds {
+            // SAFETY: ours to close.
+            unsafe { libc::close(fd) };
         }
     }
 }
