@@ -331,6 +331,35 @@ mod tests {
         prepare_private_dir(&dir, false).unwrap();
     }
 
+    /// baton's own directory, there already but open to the group or
+    /// the world, is refused (with the chmod that closes it), not used:
+    /// others could replace the socket in it. A `--socket`'s directory
+    /// that was there already is the user's to choose.
+    #[test]
+    fn a_default_dir_left_open_to_others_is_refused() {
+        use std::os::unix::fs::PermissionsExt;
+        let tmp = TempDir::new();
+        let dir = tmp.0.join("baton");
+        fs::create_dir(&dir).unwrap();
+        fs::set_permissions(&dir, fs::Permissions::from_mode(0o755)).unwrap();
+        let err = prepare_private_dir(&dir, true).unwrap_err();
+        assert!(err.to_string().contains("chmod 700"), "{err}");
+        prepare_private_dir(&dir, false).unwrap();
+    }
+
+    /// A socket that answers, but not as a stream (a datagram socket:
+    /// connect fails with EPROTOTYPE), is not taken for a stale one and
+    /// stays where it is.
+    #[test]
+    fn a_socket_that_refuses_for_another_reason_is_not_removed() {
+        let tmp = TempDir::new();
+        let socket = tmp.0.join("sock");
+        let _datagram = std::os::unix::net::UnixDatagram::bind(&socket).unwrap();
+        let err = clear_stale_socket(&socket).unwrap_err();
+        assert!(err.to_string().contains("cannot tell"), "{err}");
+        assert!(socket.exists());
+    }
+
     #[test]
     fn a_world_writable_dir_is_refused_unless_sticky() {
         let dir = Path::new("/some/dir");
