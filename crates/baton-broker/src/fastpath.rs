@@ -861,14 +861,36 @@ mod tests {
                 .collect::<Vec<_>>()
         });
         assert_eq!(waiters, [Ok(baton_core::fastpath::Acquired::Token); 2]);
-        // One of b's waits gives up: its request leaves the pool, and the
-        // token a gives back stays free there.
+        // Now a waits twice (claims made step by step: no thread, no
+        // clock): two requests. One is granted; the other wait is
+        // withdrawn, and its request, not the granted one, leaves the pool.
+        use baton_core::fastpath::Phase;
+        let claim = || match ring_a.ring().step(seat_a, Phase::Claim, &host()) {
+            Ok((Phase::Check(t), _)) => t,
+            other => panic!("a claim behind the barrier: {other:?}"),
+        };
+        let (first, second) = (claim(), claim());
+        regions.round(&mut broker);
+        assert_eq!(broker.pool().waiting(), 2, "a request per wait");
         ring_b.ring().release(seat_b, &host()).unwrap();
-        let past = Some(Instant::now());
-        let _ = ring_a.ring().acquire(seat_a, &host(), past);
         regions.round(&mut broker);
         regions.round(&mut broker);
-        assert_eq!(the_requests(&regions), 0, "nobody waits: no request");
+        assert_eq!(
+            ring_a.ring().time_out(seat_a, second).map(|(p, _)| p),
+            Ok(Phase::Done),
+            "the second wait, withdrawn"
+        );
+        let mut phase = ring_a.ring().time_out(seat_a, first).unwrap().0;
+        assert_eq!(phase, Phase::Take(first), "the first wait got the token");
+        while phase != Phase::Done {
+            phase = ring_a.ring().step(seat_a, phase, &host()).unwrap().0;
+        }
+        regions.round(&mut broker);
+        assert_eq!(
+            (the_requests(&regions), broker.pool().waiting()),
+            (0, 0),
+            "nobody waits: no request"
+        );
         // b leaves: a's region is alone, and opens again.
         regions.leave(&mut broker, b);
         broker.disconnect(b);
