@@ -561,6 +561,58 @@ mod tests {
         assert!(peer_is_our_uid(&a));
     }
 
+    /// A process of another uid that connects is not ours: the handover
+    /// and the FUSE keeper give it nothing. The socket is abstract, so
+    /// that uid can reach it; the process ends when we close our end.
+    #[test]
+    fn a_connection_from_another_uid_is_not_ours() {
+        use std::os::linux::net::SocketAddrExt;
+        use std::os::unix::net::{SocketAddr, UnixListener};
+        use std::os::unix::process::CommandExt;
+        if !nix::unistd::getuid().is_root() {
+            return baton_testkit::skip(
+                baton_testkit::Missing::Root,
+                "starting a process as another uid needs root",
+            );
+        }
+        let name = format!("baton-sys-test-peer-{}", std::process::id());
+        let addr = SocketAddr::from_abstract_name(name.as_bytes()).unwrap();
+        let listener = UnixListener::bind_addr(&addr).unwrap();
+        let mut other = std::process::Command::new("python3")
+            .args([
+                "-c",
+                "import socket, sys\n\
+                 s = socket.socket(socket.AF_UNIX)\n\
+                 s.connect('\\0' + sys.argv[1])\n\
+                 s.recv(1)\n",
+                &name,
+            ])
+            .uid(65534)
+            .gid(65534)
+            .spawn()
+            .unwrap();
+        // Waited for with a deadline: a process that could not connect
+        // must fail the test, not hang it.
+        listener.set_nonblocking(true).unwrap();
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+        let stream = loop {
+            match listener.accept() {
+                Ok((stream, _)) => break stream,
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
+                Err(e) => panic!("{e}"),
+            }
+            if other.try_wait().unwrap().is_some() || std::time::Instant::now() > deadline {
+                let _ = other.kill();
+                let _ = other.wait();
+                panic!("the other uid's process never connected");
+            }
+            std::thread::sleep(std::time::Duration::from_millis(2));
+        };
+        assert!(!peer_is_our_uid(&stream));
+        drop(stream);
+        assert!(other.wait().unwrap().success());
+    }
+
     #[test]
     fn a_pidfd_of_a_live_process_only() {
         assert!(pidfd_open(std::process::id()).is_ok());
