@@ -845,6 +845,50 @@ mod tests {
         assert_eq!(again, old);
     }
 
+    /// Each open gets a handle of its own, which names its file: an abort
+    /// token written through one handle marks that file, and only it.
+    #[test]
+    fn handles_are_numbered_apart_and_an_abort_marks_the_file_behind_one() {
+        let mut files = files();
+        let (bmake, other) = (files.open_handle(2), files.open_handle(3));
+        assert_eq!((bmake, other), (1, 2));
+        assert!(files.aborted(bmake).is_none());
+        files.abort(bmake, b'E');
+        files.abort(bmake, b'I');
+        assert_eq!(
+            files.aborted(bmake).map(|a| a.byte),
+            Some(b'E'),
+            "the first stays"
+        );
+        assert!(files.aborted(other).is_none());
+        let again = files.open_handle(2);
+        assert_eq!(
+            files.aborted(again).map(|a| a.byte),
+            Some(b'E'),
+            "the file's, not the handle's"
+        );
+    }
+
+    /// A mount taken from a killed broker: its handles are still open in
+    /// the kernel, so ours are numbered above them, and its processes may
+    /// give back tokens it granted.
+    #[test]
+    fn an_orphaned_mount_numbers_its_handles_above_the_dead_ones_and_forgives() {
+        let (mut files, mut broker) = (files(), Broker::new(2).unwrap());
+        files.take_orphan();
+        assert_eq!(files.open_handle(2), ORPHAN_BASE);
+        assert_eq!(files.table.next_ino, ORPHAN_BASE);
+        files.waiters.process(&mut broker, 42, || {
+            ClientMeta::new(42, "make".into(), Transport::Fuse)
+        });
+        assert_eq!(
+            files.waiters.write(&mut broker, 42, 1),
+            Ok(()),
+            "a token the dead broker granted comes back"
+        );
+        assert_eq!(broker.pool().free(), 2);
+    }
+
     #[test]
     fn abort_tokens_are_not_tokens() {
         assert_eq!(sort_written(b"++"), (2, None));

@@ -150,6 +150,83 @@ mod tests {
         t.join().unwrap();
     }
 
+    /// `sleep 600`, stopped: signals sent to it stay pending.
+    fn stopped_sleep() -> std::process::Child {
+        let child = std::process::Command::new("sleep")
+            .arg("600")
+            .spawn()
+            .unwrap();
+        let pid = child.id();
+        unsafe { libc::kill(pid as i32, libc::SIGSTOP) };
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+        while !sys::stat(pid).is_some_and(|s| s.is_stopped()) {
+            assert!(std::time::Instant::now() < deadline, "sleep never stopped");
+            std::thread::sleep(std::time::Duration::from_millis(2));
+        }
+        child
+    }
+
+    /// One signal pending twice, for the thread (tgkill) and for its
+    /// process (kill), is pending: the two sets are joined, not set
+    /// against each other.
+    #[test]
+    fn a_signal_pending_for_the_thread_and_for_its_process_is_pending() {
+        let mut child = stopped_sleep();
+        let pid = child.id() as i32;
+        unsafe {
+            libc::syscall(libc::SYS_tgkill, pid, pid, libc::SIGTERM);
+            libc::kill(pid, libc::SIGTERM);
+        }
+        let status = sys::status(child.id()).unwrap_or_default();
+        let pending = signal_pending(child.id());
+        let _ = child.kill();
+        let _ = child.wait();
+        let term = format!("{:016x}", 1u64 << (libc::SIGTERM - 1));
+        assert!(
+            field(&status, "SigPnd:") == Some(term.as_str())
+                && field(&status, "ShdPnd:") == Some(term.as_str()),
+            "SIGTERM pending in both sets: {status}"
+        );
+        assert!(pending);
+    }
+
+    /// The walk up stops below init, which is everyone's ancestor.
+    #[test]
+    fn our_ancestors_stop_below_init() {
+        let up: Vec<u32> = ancestors(std::process::id()).collect();
+        assert!(!up.is_empty() && !up.contains(&1), "{up:?}");
+    }
+
+    /// A process that exited takes its threads out of the map (their ids
+    /// may be reused), and leaves the other processes' threads.
+    #[test]
+    fn forgetting_a_process_forgets_its_threads_only() {
+        let mut threads = Threads::default();
+        threads.process.extend([(100, 50), (101, 50), (200, 60)]);
+        threads.forget(50);
+        assert_eq!(threads.process, HashMap::from([(200, 60)]));
+    }
+
+    /// Unwatching a process closes its pidfd: none is left behind per
+    /// process that used the files.
+    #[test]
+    fn unwatching_a_process_lets_go_of_its_pidfd() {
+        let poll = mio::Poll::new().unwrap();
+        let mut exits = Exits::new(poll.registry().try_clone().unwrap());
+        let mut child = std::process::Command::new("sleep")
+            .arg("600")
+            .spawn()
+            .unwrap();
+        let pid = child.id();
+        let watched = exits.watch(pid).is_ok() && exits.pidfds.contains_key(&pid);
+        exits.unwatch(pid);
+        let left = exits.pidfds.len();
+        let _ = child.kill();
+        let _ = child.wait();
+        assert!(watched);
+        assert_eq!(left, 0);
+    }
+
     #[test]
     fn a_signal_is_pending_only_while_it_waits_to_be_delivered() {
         assert!(!signal_pending(std::process::id()));

@@ -1169,6 +1169,134 @@ mod tests {
         );
     }
 
+    /// A successor takes a lone process polling its own handle, and
+    /// refuses processes that are not the broker's FUSE clients of their
+    /// pid.
+    #[test]
+    fn a_successor_takes_consistent_waiters_and_refuses_mismatched_processes() {
+        let mut f = Fixture::new(1, Mode::OneAtATime, &[2]);
+        assert!(f.poll(2, 20, "p2"));
+        let handed = f.waiters.hand_over(&mut f.broker);
+        let log = f.log.clone();
+        let adopted = Waiters::adopt(handed, &f.broker, |_| Waker(log.clone(), "p2"), HOLD);
+        assert!(adopted.is_ok(), "one process polling its own handle");
+
+        let mut f = Fixture::new(2, Mode::OneAtATime, &[1, 2]);
+        let mut handed = f.waiters.hand_over(&mut f.broker);
+        // Each pid named with the other's client: both clients are FUSE
+        // clients, neither of that pid.
+        let (c1, c2) = (handed.processes[&1], handed.processes[&2]);
+        handed.processes.insert(1, c2);
+        handed.processes.insert(2, c1);
+        let log = f.log.clone();
+        let adopted = Waiters::adopt(handed, &f.broker, |_| Waker(log.clone(), "x"), HOLD);
+        assert!(adopted.is_err(), "a process named with another's client");
+    }
+
+    /// The processes a successor must watch for their exit are every
+    /// process using the file.
+    #[test]
+    fn the_pids_to_watch_are_every_process_using_the_file() {
+        let f = Fixture::new(1, Mode::OneAtATime, &[3, 1, 2]);
+        let mut pids: Vec<Pid> = f.waiters.pids().collect();
+        pids.sort();
+        assert_eq!(pids, [1, 2, 3]);
+    }
+
+    /// On a mount taken from a killed broker, a process may give back
+    /// tokens that broker granted: what is beyond what it took from us is
+    /// accepted and thrown away, where a mount of our own refuses it.
+    #[test]
+    fn a_forgiving_mount_takes_back_more_than_was_taken_and_counts_only_ours() {
+        let mut f = Fixture::new(2, Mode::OneAtATime, &[1]);
+        f.read(1, 10, false, "a");
+        assert_eq!(f.write(1, 2), Err(libc::ENOSPC));
+        f.waiters.forgive_strangers();
+        assert_eq!(f.write(1, 2), Ok(()));
+        assert_eq!(
+            f.free(),
+            2,
+            "the one it took came back, the other is not ours"
+        );
+    }
+
+    /// A poll that finds a free token reserves it for RESERVATION from
+    /// now: it stays the poller's until then.
+    #[test]
+    fn a_reservation_made_at_once_lasts_its_full_time() {
+        let mut f = Fixture::new(1, Mode::OneAtATime, &[1, 2]);
+        assert!(f.poll(1, 10, "p1"));
+        assert_eq!(f.waiters.next_deadline(), Some(f.now + RESERVATION));
+        f.waiters.expire(&mut f.broker, f.now);
+        f.settle();
+        f.read(2, 20, false, "other");
+        f.read(1, 10, false, "p1 read");
+        assert_eq!(
+            f.events(),
+            [
+                format!("other errno {}", libc::EAGAIN),
+                "p1 read token".into()
+            ]
+        );
+    }
+
+    /// The pipe-like control answers a poll ready while a token is free.
+    #[test]
+    fn notify_all_answers_ready_while_a_token_is_free() {
+        let mut f = Fixture::new(1, Mode::NotifyAll, &[1]);
+        assert!(f.poll(1, 10, "p1"));
+    }
+
+    /// Closing a handle whose poll waits takes out that wait, and only
+    /// it: a blocked read of the same process keeps its place.
+    #[test]
+    fn closing_a_polled_handle_leaves_the_same_process_blocked_read_waiting() {
+        let mut f = Fixture::new(2, Mode::OneAtATime, &[1, 2]);
+        f.read(1, 10, false, "holder");
+        f.read(1, 10, false, "holder");
+        assert!(!f.poll(2, 20, "p2"));
+        f.read(2, 21, true, "p2 read");
+        assert_eq!(f.events(), ["holder token", "holder token"]);
+        f.waiters.close(&mut f.broker, 20);
+        f.settle();
+        f.write(1, 1).unwrap();
+        assert_eq!(f.events(), ["p2 read token"]);
+    }
+
+    /// A process that exits takes its held polls with it, answered, and
+    /// leaves the other processes' polls held and in their places.
+    #[test]
+    fn an_exited_process_answers_its_own_held_polls_and_no_one_elses() {
+        let mut f = Fixture::polls_held_behind_a_holder(&[(2, "p2"), (3, "p3")]);
+        f.events();
+        f.waiters.exited(&mut f.broker, 2);
+        f.settle();
+        assert_eq!(f.events(), ["p2 not ready"]);
+        f.write(1, 1).unwrap();
+        assert_eq!(f.events(), ["p3 ready"]);
+    }
+
+    /// What a process waits for through a poll is not yet its own: it
+    /// may still give back every token it took.
+    #[test]
+    fn a_process_waiting_in_a_poll_gives_back_all_it_took() {
+        let mut f = Fixture::new(1, Mode::OneAtATime, &[1]);
+        f.read(1, 10, false, "took");
+        assert!(!f.poll(1, 11, "p1"));
+        assert_eq!(f.write(1, 1), Ok(()));
+    }
+
+    /// The waiters' Debug (in a handover's errors) shows who waits by
+    /// number, not their replies.
+    #[test]
+    fn the_waiters_debug_shows_their_counts() {
+        let mut f = Fixture::new(1, Mode::OneAtATime, &[1]);
+        f.poll(1, 10, "p1");
+        let shown = format!("{:?}", f.waiters);
+        assert!(shown.starts_with("Waiters {"), "{shown}");
+        assert!(shown.contains("reads: 0, polled: 1"), "{shown}");
+    }
+
     #[test]
     fn notify_all_keeps_a_waiting_poller_past_a_round_of_expiries() {
         let mut f = Fixture::new(1, Mode::NotifyAll, &[1, 2]);
