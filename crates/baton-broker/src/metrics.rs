@@ -461,6 +461,20 @@ mod tests {
         assert_eq!(refused.kind(), io::ErrorKind::InvalidData, "{refused}");
     }
 
+    /// 8 KiB is the most read, not the first length refused: a head of
+    /// exactly 8192 bytes, ended by the client's close, is read whole.
+    #[test]
+    fn a_request_head_of_exactly_8_kib_is_read() {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let mut client = TcpStream::connect(listener.local_addr().unwrap()).unwrap();
+        let (mut server, _) = listener.accept().unwrap();
+        let head = format!("GET /metrics HTTP/1.1\r\n{}", "X".repeat(MAX_HEAD - 25));
+        assert_eq!(head.len(), MAX_HEAD);
+        client.write_all(head.as_bytes()).unwrap();
+        client.shutdown(std::net::Shutdown::Write).unwrap();
+        assert_eq!(read_head(&mut server).unwrap(), head);
+    }
+
     #[test]
     fn the_gates_are_gauges_labelled_by_name() {
         let mut broker = Broker::new(2).unwrap();
