@@ -399,8 +399,7 @@ fn admission(opts: &ServeOptions, dir: &Path) -> Result<Admission> {
     }
     if let Ok(meta) = std::fs::symlink_metadata(dir) {
         use std::os::unix::fs::MetadataExt;
-        let by_group = meta.mode() & 0o010 != 0 && admission.socket_group() == Some(meta.gid());
-        if meta.mode() & 0o001 == 0 && !by_group {
+        if !admitted_can_search(meta.mode(), meta.gid(), &admission) {
             log::warn(format_args!(
                 "{} (mode {:04o}) cannot be searched by the users --allow-uid/--allow-group admit: \
                  they will not reach the socket (chmod o+x, or g+x with the allowed group)",
@@ -410,6 +409,14 @@ fn admission(opts: &ServeOptions, dir: &Path) -> Result<Admission> {
         }
     }
     Ok(admission)
+}
+
+/// Whether the users `admission` lets in may search a directory of
+/// `mode` and group `gid`: anyone may (o+x), or the socket's one allowed
+/// group owns it and may (g+x).
+fn admitted_can_search(mode: u32, gid: u32, admission: &Admission) -> bool {
+    let by_group = mode & 0o010 != 0 && admission.socket_group() == Some(gid);
+    mode & 0o001 != 0 || by_group
 }
 
 /// Stops the broker, as SIGTERM would, once it has had no client for
@@ -550,9 +557,14 @@ impl Drop for RemoveOnDrop {
 mod tests {
     use super::*;
 
+    /// Held by the tests that change or read this process's fd limit, so
+    /// that neither sees the other's change.
+    static FD_LIMIT: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
     #[test]
     fn the_fd_limit_caps_the_clients_only_below_what_is_asked() {
         use nix::sys::resource::{getrlimit, Resource};
+        let _alone = FD_LIMIT.lock().unwrap_or_else(|e| e.into_inner());
         assert_eq!(raise_fd_limit(10), 10);
         let (soft, hard) = getrlimit(Resource::RLIMIT_NOFILE).unwrap();
         assert_eq!(soft, hard, "the soft limit is raised to the hard one");
@@ -560,6 +572,36 @@ mod tests {
         if allowed < usize::MAX {
             assert_eq!(raise_fd_limit(usize::MAX), allowed);
         }
+    }
+
+    /// A soft limit below the hard one is raised to it. The test lowers
+    /// its own soft limit by one first (it starts at the hard limit under
+    /// cargo), and the call raises it back.
+    #[test]
+    fn a_soft_fd_limit_below_the_hard_one_is_raised_to_it() {
+        use nix::sys::resource::{getrlimit, setrlimit, Resource};
+        let _alone = FD_LIMIT.lock().unwrap_or_else(|e| e.into_inner());
+        let (_, hard) = getrlimit(Resource::RLIMIT_NOFILE).unwrap();
+        setrlimit(Resource::RLIMIT_NOFILE, hard - 1, hard).unwrap();
+        raise_fd_limit(10);
+        assert_eq!(getrlimit(Resource::RLIMIT_NOFILE).unwrap(), (hard, hard));
+    }
+
+    /// Those `--allow-uid`/`--allow-group` admit reach the socket through
+    /// a directory anyone may search, or one whose group is the socket's
+    /// one allowed group and may search it; not through a directory of
+    /// that group without g+x, nor one of another group.
+    #[test]
+    fn the_admitted_reach_the_socket_by_o_x_or_by_their_groups_g_x() {
+        let group = Admission::new(Vec::new(), vec![4242]);
+        let dir = 0o40000;
+        assert!(admitted_can_search(dir | 0o701, 1, &group));
+        assert!(admitted_can_search(dir | 0o710, 4242, &group));
+        assert!(!admitted_can_search(dir | 0o700, 4242, &group), "no g+x");
+        assert!(!admitted_can_search(dir | 0o710, 4243, &group));
+        let uid = Admission::new(vec![1234], Vec::new());
+        assert!(!admitted_can_search(dir | 0o710, 4242, &uid));
+        assert!(admitted_can_search(dir | 0o711, 4242, &uid));
     }
 
     #[test]
