@@ -1280,9 +1280,11 @@ mod tests {
     /// may still give back every token it took.
     #[test]
     fn a_process_waiting_in_a_poll_gives_back_all_it_took() {
-        let mut f = Fixture::new(1, Mode::OneAtATime, &[1]);
+        let mut f = Fixture::new(2, Mode::OneAtATime, &[1, 2]);
         f.read(1, 10, false, "took");
+        f.read(2, 20, false, "other");
         assert!(!f.poll(1, 11, "p1"));
+        assert_eq!(f.waiters.polled[&11].queued, true, "its poll waits");
         assert_eq!(f.write(1, 1), Ok(()));
     }
 
