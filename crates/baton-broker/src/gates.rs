@@ -674,6 +674,24 @@ mod tests {
         .unwrap();
     }
 
+    /// Where it may (root here), the gates' thread runs at nice -10,
+    /// before the jobs it must stop when memory runs out.
+    #[test]
+    fn the_gates_thread_runs_at_nice_minus_10_where_it_may() {
+        if !nix::unistd::getuid().is_root() {
+            return baton_testkit::skip(
+                baton_testkit::Missing::Root,
+                "a nice value below 0 needs CAP_SYS_NICE",
+            );
+        }
+        std::thread::spawn(|| {
+            run_before_the_jobs();
+            assert_eq!(crate::sys::thread_priority(), -10);
+        })
+        .join()
+        .unwrap();
+    }
+
     #[test]
     fn a_jobs_resident_memory_is_kept_for_the_growth_span() {
         let job = |resident| Job {
