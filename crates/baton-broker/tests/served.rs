@@ -135,6 +135,22 @@ fn main() {
             "a_broker_started_by_socket_activation_serves_the_socket_it_is_given",
             a_broker_started_by_socket_activation_serves_the_socket_it_is_given,
         ),
+        (
+            "an_orphaned_builds_token_comes_back_when_its_last_job_ends",
+            an_orphaned_builds_token_comes_back_when_its_last_job_ends,
+        ),
+        (
+            "a_paused_job_goes_on_when_the_memory_gate_is_turned_off",
+            a_paused_job_goes_on_when_the_memory_gate_is_turned_off,
+        ),
+        (
+            "a_paused_job_goes_on_when_the_broker_stops",
+            a_paused_job_goes_on_when_the_broker_stops,
+        ),
+        (
+            "an_open_file_limit_that_fits_the_clients_asked_is_not_warned_of",
+            an_open_file_limit_that_fits_the_clients_asked_is_not_warned_of,
+        ),
     ];
     std::process::exit(harness::run(tests));
 }
@@ -1299,4 +1315,178 @@ fn a_successor_of_a_broker_without_token_files_mounts_none() {
     });
     assert!(!new.log().contains("FUSE token files at"), "{}", new.log());
     assert_eq!(mounts_at(&mount), 0);
+}
+
+// Tests written for mutants of serve.rs and gates.rs that the tests above
+// did not catch (docs/testing.md, "Against every bug a tool can make").
+
+/// A build's `baton run` (here a Python stand-in that says BUILD and holds
+/// 2 tokens) is killed while one job of its build runs: the broker keeps
+/// one token for that job, and gives it back once the job ends, as its
+/// orphan watcher sees it go.
+fn an_orphaned_builds_token_comes_back_when_its_last_job_ends() {
+    let broker = served(4, "");
+    let run = format!(
+        "import socket, time\n\
+         s = socket.socket(socket.AF_UNIX); s.connect({socket:?})\n\
+         f = s.makefile('rw')\n\
+         f.write('HELLO 1 run\\nBUILD 1 orphan\\nACQUIRE 2\\n'); f.flush()\n\
+         for _ in range(3): print(f.readline().strip(), flush=True)\n\
+         time.sleep(60)\n",
+        socket = broker.socket.to_str().unwrap(),
+    );
+    let mut run = Command::new("python3")
+        .args(["-c", &run])
+        .stdout(std::process::Stdio::piped())
+        .spawn_guarded()
+        .unwrap();
+    let mut replies = BufReader::new(run.stdout.take().unwrap());
+    let mut said = String::new();
+    for _ in 0..3 {
+        replies.read_line(&mut said).unwrap();
+    }
+    assert!(said.contains("GRANTED 2 2"), "{said}");
+    // The job: a process of the build (its run's pid in BATON_RUN_PID),
+    // in the same session.
+    let mut job = Command::new("sleep")
+        .arg("60")
+        .env("BATON_RUN_PID", run.id().to_string())
+        .spawn_guarded()
+        .unwrap();
+    run.kill().unwrap();
+    run.reap().unwrap();
+    wait_for(PATIENCE, "the orphaned build to keep one token", || {
+        let status = broker_status(&broker);
+        status["free"] == 3 && status["holders"].as_array().unwrap().len() == 1
+    });
+    job.kill().unwrap();
+    job.reap().unwrap();
+    wait_for(PATIENCE, "the job's token to come back", || {
+        broker_status(&broker)["free"] == 4
+    });
+    assert!(
+        broker.log().contains("died while its build runs 1 job(s)"),
+        "{}",
+        broker.log()
+    );
+}
+
+/// A broker in a memory cgroup with the memory gate at 200 MiB and
+/// pausing on, running a build whose second job was paused (SIGSTOP) as
+/// memory ran short, as `a_growing_job_is_paused_while_memory_is_short_and_resumed_after`
+/// sets it up; returns the cgroup (which ends every process in it when
+/// dropped), the broker, the build's client, the directory and the
+/// second job's pid. None where no cgroup can be made (the skip recorded).
+fn a_build_with_its_second_job_paused(
+    name: &str,
+) -> Option<(
+    baton_bench::cgroup::MemCgroup,
+    RunningBroker,
+    baton_testkit::Guarded,
+    TempDir,
+    u32,
+)> {
+    let spec = format!("min_mem={}\npause=1", 200 * MIB);
+    let (cgroup, broker) = served_in_a_memory_cgroup(name, &spec)?;
+    let dir = TempDir::new("served-paused");
+    let job = "import time\nb = []\nwhile len(b) < 10:\n    b.append(bytearray(b'x' * (20 << 20)))\n    time.sleep(0.05)\ntime.sleep(60)";
+    std::fs::write(dir.path().join("job.py"), job).unwrap();
+    std::fs::write(
+        dir.path().join("Makefile"),
+        "all: first second\n\
+         first:\n\techo $$$$ > first.pid; exec python3 job.py\n\
+         second:\n\tsleep 0.3; echo $$$$ > second.pid; exec python3 job.py\n",
+    )
+    .unwrap();
+    let build = format!(
+        "import socket, subprocess, time\n\
+         s = socket.socket(socket.AF_UNIX); s.connect({socket:?})\n\
+         f = s.makefile('rw')\n\
+         f.write('HELLO 1 pausing\\nACQUIRE 2\\n'); f.flush()\n\
+         assert f.readline().startswith('OK'), 'hello'\n\
+         assert f.readline().startswith('GRANTED'), 'granted'\n\
+         subprocess.run(['make', '-s', '-j2'])\n",
+        socket = broker.socket.to_str().unwrap(),
+    );
+    let mut client = cgroup.command();
+    client
+        .args(["python3", "-c", &build])
+        .current_dir(dir.path())
+        .env_remove("MAKEFLAGS")
+        .env_remove("MAKELEVEL");
+    let client = client.spawn_guarded().unwrap();
+    let path = dir.path().join("second.pid");
+    let mut second = None;
+    wait_for(PATIENCE, "the second job", || {
+        second = std::fs::read_to_string(&path)
+            .ok()
+            .and_then(|p| p.trim().parse::<u32>().ok());
+        second.is_some()
+    });
+    let second = second.unwrap();
+    wait_for(PATIENCE, "the second job to be paused", || {
+        state_of(second) == Some('T')
+    });
+    Some((cgroup, broker, client, dir, second))
+}
+
+/// Turning the memory gate off (`baton limit --min-mem-available off`)
+/// while a job is paused lets it go on: nothing would resume it later.
+fn a_paused_job_goes_on_when_the_memory_gate_is_turned_off() {
+    let Some((_cgroup, broker, _client, _dir, second)) =
+        a_build_with_its_second_job_paused("gate-off")
+    else {
+        return;
+    };
+    let mut admin = Peer::hello(&broker.socket, "admin");
+    assert_eq!(
+        admin.ask("GATE mem-available off"),
+        "GATE mem-available off"
+    );
+    wait_for(PATIENCE, "the paused job to go on", || {
+        state_of(second).is_some_and(|s| s != 'T')
+    });
+}
+
+/// A broker that stops while a job is paused lets it go on first:
+/// nobody would after it is gone.
+fn a_paused_job_goes_on_when_the_broker_stops() {
+    let Some((_cgroup, mut broker, _client, _dir, second)) =
+        a_build_with_its_second_job_paused("stop")
+    else {
+        return;
+    };
+    let (status, log) = broker.stop_with(libc::SIGTERM);
+    assert!(status.success(), "{status:?}\n{log}");
+    assert!(
+        state_of(second).is_some_and(|s| s != 'T'),
+        "the job was left stopped: {log}"
+    );
+}
+
+/// An open-file limit that leaves room for exactly the clients asked for
+/// caps nothing and warns of nothing: 80 descriptors, 64 kept beside the
+/// clients, `--max-clients 16`.
+fn an_open_file_limit_that_fits_the_clients_asked_is_not_warned_of() {
+    let dir = TempDir::new("served-nofile-fits");
+    let socket = dir.path().join("run").join("socket");
+    let mut command = serve_command(&socket, "jobs=2\nmax_clients=16");
+    // SAFETY: setrlimit is async-signal-safe.
+    unsafe {
+        command.pre_exec(|| {
+            let limit = libc::rlimit {
+                rlim_cur: 80,
+                rlim_max: 80,
+            };
+            if libc::setrlimit(libc::RLIMIT_NOFILE, &limit) == 0 {
+                Ok(())
+            } else {
+                Err(std::io::Error::last_os_error())
+            }
+        });
+    }
+    let mut broker = RunningBroker::start_command(command, dir, socket);
+    let (_, log) = broker.stop_with(libc::SIGTERM);
+    assert!(log.contains("serving 2 tokens"), "{log}");
+    assert!(!log.contains("open-file limit"), "{log}");
 }
