@@ -35,8 +35,8 @@ use baton_client::fastpath::{Futexes, Mapping};
 use baton_core::fastpath::{ring, Books, Notice, Refused, Ring, Seat};
 use baton_core::BuildId;
 use baton_core::{Acquired, ClientId, Tag};
-use std::collections::hash_map::Entry;
-use std::collections::HashMap;
+use std::collections::btree_map::Entry;
+use std::collections::{BTreeMap, HashMap};
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -58,7 +58,9 @@ fn host() -> Futexes<fn(Notice)> {
 /// Every region, by build, and where each fast-path client sits.
 #[derive(Default)]
 pub struct Regions {
-    by_build: HashMap<BuildId, Region>,
+    /// Ordered, so that each round visits the regions in the same order
+    /// (the oldest build first) and a run can be replayed.
+    by_build: BTreeMap<BuildId, Region>,
     seated: HashMap<ClientId, (BuildId, Seat)>,
     audited: Option<Instant>,
 }
@@ -211,7 +213,7 @@ impl Regions {
     pub fn evict_all(&mut self, broker: &mut Broker) {
         self.seated.clear();
         broker.set_fast_views(Vec::new());
-        for (_, mut region) in self.by_build.drain() {
+        for (_, mut region) in std::mem::take(&mut self.by_build) {
             region.put_up_barrier(broker);
             let seats: Vec<Seat> = region.seats().collect();
             let ring = region.ring();
