@@ -904,4 +904,25 @@ mod tests {
     fn the_requests(regions: &Regions) -> usize {
         regions.by_build.values().map(|r| r.asked.len()).sum()
     }
+
+    /// The rounds audit at most once a second, and again whenever that
+    /// second is up, however long the broker slept in between.
+    #[test]
+    fn a_round_audits_when_its_second_is_up_and_not_before() {
+        let mut broker = Broker::new(2).unwrap();
+        let mut regions = Regions::default();
+        let a = client(&mut broker);
+        let (region, seat) = seat_of(&mut regions, &mut broker, a);
+        regions.round(&mut broker);
+        write_garbage(&region, seat);
+        regions.audited = Some(Instant::now());
+        regions.round(&mut broker);
+        assert_eq!(the_region(&mut regions).odd_audits, 0, "not yet due");
+        let long_ago = Instant::now() - 10 * AUDIT_EVERY;
+        for _ in 0..2 {
+            regions.audited = Some(long_ago);
+            regions.round(&mut broker);
+        }
+        assert_eq!(broker.status().totals.fastpath_mismatches, 1);
+    }
 }
