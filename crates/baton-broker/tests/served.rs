@@ -15,8 +15,8 @@ mod serve_role;
 
 use baton_testkit::harness::role_command;
 use baton_testkit::{
-    fuse_should_mount, harness, hello_as, skip, wait_for, Missing, RunningBroker, SpawnGuarded,
-    TempDir,
+    fuse_should_mount, harness, hello_as, join_within, pid_alive, skip, wait_for, wait_timeout,
+    Missing, RunningBroker, SpawnGuarded, TempDir,
 };
 use serve_role::{serve_command, served, served_at};
 use std::io::{BufRead, BufReader, Read, Write};
@@ -150,6 +150,46 @@ fn main() {
         (
             "an_open_file_limit_that_fits_the_clients_asked_is_not_warned_of",
             an_open_file_limit_that_fits_the_clients_asked_is_not_warned_of,
+        ),
+        (
+            "a_sleeping_poller_is_woken_by_a_freed_token_before_and_after_a_handover",
+            a_sleeping_poller_is_woken_by_a_freed_token_before_and_after_a_handover,
+        ),
+        (
+            "a_reservation_nobody_reads_passes_to_the_next_waiter",
+            a_reservation_nobody_reads_passes_to_the_next_waiter,
+        ),
+        (
+            "a_poll_is_answered_the_events_asked_that_hold_and_no_others",
+            a_poll_is_answered_the_events_asked_that_hold_and_no_others,
+        ),
+        (
+            "an_existing_file_is_found_by_name_and_truncating_it_succeeds",
+            an_existing_file_is_found_by_name_and_truncating_it_succeeds,
+        ),
+        (
+            "the_polls_attribute_goes_back_to_notify_and_is_sized_as_getxattr_asks",
+            the_polls_attribute_goes_back_to_notify_and_is_sized_as_getxattr_asks,
+        ),
+        (
+            "closing_a_handle_takes_its_waiting_poll_out_of_the_queue",
+            closing_a_handle_takes_its_waiting_poll_out_of_the_queue,
+        ),
+        (
+            "a_reader_left_blocked_by_a_killed_broker_ends_when_killed",
+            a_reader_left_blocked_by_a_killed_broker_ends_when_killed,
+        ),
+        (
+            "the_mount_is_batons_runs_nothing_and_a_fresh_one_clears_nothing",
+            the_mount_is_batons_runs_nothing_and_a_fresh_one_clears_nothing,
+        ),
+        (
+            "a_broker_that_hands_over_or_stops_leaves_no_keeper_behind",
+            a_broker_that_hands_over_or_stops_leaves_no_keeper_behind,
+        ),
+        (
+            "the_log_names_each_process_reclaimed_from_and_no_other",
+            the_log_names_each_process_reclaimed_from_and_no_other,
         ),
     ];
     std::process::exit(harness::run(tests));
@@ -1489,4 +1529,369 @@ fn an_open_file_limit_that_fits_the_clients_asked_is_not_warned_of() {
     let (_, log) = broker.stop_with(libc::SIGTERM);
     assert!(log.contains("serving 2 tokens"), "{log}");
     assert!(!log.contains("open-file limit"), "{log}");
+}
+
+/// poll(2) of one descriptor for `events`, waiting at most `timeout_ms`:
+/// how many are ready (0 or 1) and what it returned.
+fn poll_one(file: &std::fs::File, events: i16, timeout_ms: i32) -> (i32, i16) {
+    let mut fds = [libc::pollfd {
+        fd: std::os::fd::AsRawFd::as_raw_fd(file),
+        events,
+        revents: 0,
+    }];
+    // SAFETY: one pollfd, as said.
+    let n = unsafe { libc::poll(fds.as_mut_ptr(), 1, timeout_ms) };
+    (n, fds[0].revents)
+}
+
+/// A thread that opens `file` and polls it for a token, sleeping until
+/// woken (the hang guard is PATIENCE); it returns the handle and its poll.
+fn a_sleeping_poller(file: &Path) -> std::thread::JoinHandle<(std::fs::File, (i32, i16))> {
+    let file = file.to_path_buf();
+    std::thread::spawn(move || {
+        let handle = open_rw(&file, true);
+        let polled = poll_one(&handle, libc::POLLIN, PATIENCE.as_millis() as i32);
+        (handle, polled)
+    })
+}
+
+/// A poller sleeping on a file whose polls are not held is woken when a
+/// token frees: by the broker that answered its poll (here when a socket
+/// client gives the token back, with no request to the files to prompt
+/// it), and by a successor that took the files over, which wakes it by
+/// the kernel's poll handle.
+fn a_sleeping_poller_is_woken_by_a_freed_token_before_and_after_a_handover() {
+    let Some((mut old, mount)) = served_with_files(2) else {
+        return;
+    };
+    let file = mount.join("sleepers");
+    std::fs::File::create(&file).unwrap();
+    let mut peer = Peer::hello(&old.socket, "peer");
+    assert_eq!(peer.ask("TRY 2"), "GRANTED 2 2");
+    let sleeper = a_sleeping_poller(&file);
+    wait_for_waiters(&old, 1);
+    assert_eq!(peer.ask("RELEASE 1"), "RELEASED 1 1");
+    let (mut holder, polled) = join_within(sleeper, PATIENCE * 2, "the first poller");
+    assert_eq!(polled, (1, libc::POLLIN), "woken, readable");
+    let mut byte = [0u8; 1];
+    assert_eq!(
+        holder.read(&mut byte).unwrap(),
+        1,
+        "the token was kept for it"
+    );
+
+    // Another poller of this process, which holds one token, sleeps
+    // behind the peer and the holder; a successor takes over.
+    let sleeper = a_sleeping_poller(&file);
+    wait_for_waiters(&old, 1);
+    let new = served_at(&old.socket, "jobs=2\nreplace=1\nfuse=1");
+    assert!(old.wait_exit(PATIENCE).success(), "{}", old.log());
+    wait_for(PATIENCE, "the successor to take the files", || {
+        new.log().contains("taken over")
+    });
+    assert_eq!(holder.write(b"+").unwrap(), 1);
+    let (poller, polled) = join_within(sleeper, PATIENCE * 2, "the second poller");
+    assert_eq!(polled, (1, libc::POLLIN), "woken by the successor");
+    assert_eq!((&poller).read(&mut byte).unwrap(), 1);
+    assert_eq!((&poller).write(b"+").unwrap(), 1);
+    assert_eq!(peer.ask("RELEASE 1"), "RELEASED 1 0");
+    new.assert_all_free();
+}
+
+/// A token reserved for a poller that never reads it passes to the next
+/// waiter once the reservation runs out: the files' clock acts by itself.
+fn a_reservation_nobody_reads_passes_to_the_next_waiter() {
+    let Some((broker, mount)) = served_with_files(1) else {
+        return;
+    };
+    let file = mount.join("unread");
+    std::fs::File::create(&file).unwrap();
+    let poller = open_rw(&file, true);
+    assert_eq!(
+        poll_one(&poller, libc::POLLIN, 0),
+        (1, libc::POLLIN),
+        "the free token, reserved for the poller"
+    );
+    let mut peer = Peer::hello(&broker.socket, "next");
+    assert_eq!(peer.ask("ACQUIRE 1"), "GRANTED 1 1", "passed on, unread");
+    let mut byte = [0u8; 1];
+    let late = (&poller).read(&mut byte).unwrap_err();
+    assert_eq!(late.kind(), std::io::ErrorKind::WouldBlock, "{late}");
+    assert_eq!(peer.ask("RELEASE 1"), "RELEASED 1 0");
+    broker.assert_all_free();
+}
+
+/// A poll is answered with what it asked that holds, and nothing more:
+/// writable always (giving a token back never waits), readable once a
+/// token is the poller's.
+fn a_poll_is_answered_the_events_asked_that_hold_and_no_others() {
+    let Some((broker, mount)) = served_with_files(1) else {
+        return;
+    };
+    let file = mount.join("events");
+    std::fs::File::create(&file).unwrap();
+    let handle = open_rw(&file, true);
+    assert_eq!(poll_one(&handle, libc::POLLOUT, 0), (1, libc::POLLOUT));
+    assert_eq!(poll_one(&handle, libc::POLLIN, 0), (1, libc::POLLIN));
+    let mut byte = [0u8; 1];
+    assert_eq!((&handle).read(&mut byte).unwrap(), 1);
+    assert_eq!((&handle).write(b"+").unwrap(), 1);
+    broker.assert_all_free();
+}
+
+/// A name is looked up whenever the kernel asks (an exclusive create
+/// always asks): an existing file cannot be created anew. Truncating one,
+/// as a shell's `>` does, is accepted.
+fn an_existing_file_is_found_by_name_and_truncating_it_succeeds() {
+    let Some((_broker, mount)) = served_with_files(1) else {
+        return;
+    };
+    let file = mount.join("there");
+    std::fs::File::create(&file).unwrap();
+    let again = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .open(&file)
+        .unwrap_err();
+    assert_eq!(again.kind(), std::io::ErrorKind::AlreadyExists, "{again}");
+    let handle = std::fs::File::create(&file).unwrap();
+    handle.set_len(0).unwrap();
+    assert_eq!(names_in(&mount), ["there"]);
+}
+
+/// getxattr(2) of the polls attribute into `size` bytes (0: asks its
+/// size): the length it returned.
+fn xattr_sized(path: &Path, size: usize) -> std::io::Result<usize> {
+    use std::os::unix::ffi::OsStrExt;
+    let c_path = std::ffi::CString::new(path.as_os_str().as_bytes()).unwrap();
+    let mut buf = vec![0u8; size];
+    // SAFETY: both strings end in NUL and the buffer is as long as said.
+    let n = unsafe {
+        libc::getxattr(
+            c_path.as_ptr(),
+            c"user.baton.polls".as_ptr(),
+            if size == 0 {
+                std::ptr::null_mut()
+            } else {
+                buf.as_mut_ptr().cast()
+            },
+            size,
+        )
+    };
+    if n < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(n as usize)
+}
+
+/// The polls attribute goes back from hold to notify, and answers a
+/// question for its size, and a buffer too small, as getxattr(2) says.
+fn the_polls_attribute_goes_back_to_notify_and_is_sized_as_getxattr_asks() {
+    let Some((_broker, mount)) = served_with_files(1) else {
+        return;
+    };
+    let file = mount.join("marked");
+    std::fs::File::create(&file).unwrap();
+    set_xattr(&file, "hold").unwrap();
+    assert_eq!(xattr_sized(&file, 0).unwrap(), "hold".len());
+    let small = xattr_sized(&file, 2).unwrap_err();
+    assert_eq!(small.raw_os_error(), Some(libc::ERANGE), "{small}");
+    set_xattr(&file, "notify").unwrap();
+    assert_eq!(xattr(&file).unwrap(), "notify");
+    assert_eq!(xattr_sized(&file, 0).unwrap(), "notify".len());
+}
+
+/// Closing a handle whose poll waits in the broker's queue takes that
+/// wait out.
+fn closing_a_handle_takes_its_waiting_poll_out_of_the_queue() {
+    let Some((broker, mount)) = served_with_files(1) else {
+        return;
+    };
+    let file = mount.join("closed");
+    std::fs::File::create(&file).unwrap();
+    let mut peer = Peer::hello(&broker.socket, "peer");
+    assert_eq!(peer.ask("TRY 1"), "GRANTED 1 1");
+    let poller = open_rw(&file, true);
+    // A poll that may wait (its own timeout, 1 ms, runs out: no token
+    // can come) leaves its wait in the queue.
+    assert_eq!(poll_one(&poller, libc::POLLIN, 1), (0, 0));
+    assert_eq!(broker_status(&broker)["waiters"][0]["transport"], "fuse");
+    drop(poller);
+    wait_for_waiters(&broker, 0);
+    assert_eq!(peer.ask("RELEASE 1"), "RELEASED 1 0");
+    broker.assert_all_free();
+}
+
+/// A reader blocked in the file when its broker was killed waits in a
+/// request that broker read and never answered. The broker that takes
+/// over the mount answers it EINTR when the reader gets a signal, so a
+/// killed reader ends instead of hanging in the kernel.
+fn a_reader_left_blocked_by_a_killed_broker_ends_when_killed() {
+    let Some((mut first, mount)) = served_with_files(1) else {
+        return;
+    };
+    let file = mount.join("stuck");
+    std::fs::File::create(&file).unwrap();
+    let mut peer = Peer::hello(&first.socket, "peer");
+    assert_eq!(peer.ask("TRY 1"), "GRANTED 1 1");
+    let mut reader = Command::new("bash")
+        .arg("-c")
+        .arg("exec 3<>\"$0\"; read -r -N 1 taken <&3")
+        .arg(&file)
+        .spawn_guarded()
+        .unwrap();
+    wait_for_waiters(&first, 1);
+    // SAFETY: kill(2) has no memory effects.
+    unsafe { libc::kill(first.pid() as i32, libc::SIGKILL) };
+    first.wait_exit(PATIENCE);
+    let second = served_at(&first.socket, "jobs=1\nfuse=1\norphan_ms=1");
+    assert!(
+        second
+            .log()
+            .contains("serving the mount a killed broker left"),
+        "{}",
+        second.log()
+    );
+    // SAFETY: as above; the reader is our child, not yet reaped.
+    unsafe { libc::kill(reader.id() as i32, libc::SIGKILL) };
+    let ended = wait_timeout(&mut reader, PATIENCE);
+    assert!(
+        ended.is_some(),
+        "the killed reader still waits in the mount"
+    );
+    drop(second);
+}
+
+/// The mount is named baton's in the mount table and runs nothing: no
+/// set-uid programs, no devices, no programs at all. A fresh broker finds
+/// no stale mount to clear.
+fn the_mount_is_batons_runs_nothing_and_a_fresh_one_clears_nothing() {
+    let Some((broker, mount)) = served_with_files(1) else {
+        return;
+    };
+    let mounts = std::fs::read_to_string("/proc/self/mounts").unwrap();
+    let line = mounts
+        .lines()
+        .find(|line| line.split(' ').nth(1) == mount.to_str())
+        .unwrap_or_else(|| panic!("no mount at {}: {mounts}", mount.display()));
+    let fields: Vec<&str> = line.split(' ').collect();
+    assert_eq!(fields[0], "baton", "{line}");
+    let options: Vec<&str> = fields[3].split(',').collect();
+    for option in ["nosuid", "nodev", "noexec"] {
+        assert!(options.contains(&option), "{option}: {line}");
+    }
+    assert!(
+        !broker.log().contains("unmounting a stale FUSE mount"),
+        "{}",
+        broker.log()
+    );
+}
+
+/// The keepers among the children of `pid` (`baton-keeper`).
+fn keepers_of(pid: u32) -> Vec<u32> {
+    let mut keepers = Vec::new();
+    for task in std::fs::read_dir(format!("/proc/{pid}/task")).unwrap() {
+        let children =
+            std::fs::read_to_string(task.unwrap().path().join("children")).unwrap_or_default();
+        for child in children.split_whitespace() {
+            let comm = std::fs::read_to_string(format!("/proc/{child}/comm")).unwrap_or_default();
+            if comm.trim_end() == "baton-keeper" {
+                keepers.push(child.parse().unwrap());
+            }
+        }
+    }
+    keepers
+}
+
+/// Which of `keepers` still live; each is killed, so none outlives the test.
+fn still_living(keepers: &[u32]) -> Vec<u32> {
+    let living: Vec<u32> = keepers.iter().copied().filter(|&p| pid_alive(p)).collect();
+    for &pid in &living {
+        // SAFETY: kill(2) has no memory effects.
+        unsafe { libc::kill(pid as i32, libc::SIGKILL) };
+    }
+    living
+}
+
+/// A broker's keeper goes with it when it hands over (the successor holds
+/// the mount's descriptor, and a keeper of its own) and when it stops:
+/// none is left waiting for a successor that will not come.
+fn a_broker_that_hands_over_or_stops_leaves_no_keeper_behind() {
+    let Some((mut old, _mount)) = served_with_files(1) else {
+        return;
+    };
+    let keepers = keepers_of(old.pid());
+    assert_eq!(keepers.len(), 1, "{keepers:?}");
+    let mut new = served_at(&old.socket, "jobs=1\nreplace=1\nfuse=1");
+    assert!(old.wait_exit(PATIENCE).success(), "{}", old.log());
+    assert_eq!(
+        still_living(&keepers),
+        Vec::<u32>::new(),
+        "the old broker's keeper"
+    );
+    wait_for(PATIENCE, "the successor to take the files", || {
+        new.log().contains("taken over")
+    });
+    let keepers = keepers_of(new.pid());
+    assert_eq!(keepers.len(), 1, "{keepers:?}");
+    let (status, log) = new.stop_with(libc::SIGTERM);
+    assert!(status.success(), "{log}");
+    assert_eq!(
+        still_living(&keepers),
+        Vec::<u32>::new(),
+        "the stopped broker's keeper"
+    );
+}
+
+/// The log names each process whose tokens were reclaimed at its exit,
+/// with how many, and no process that exited holding none.
+fn the_log_names_each_process_reclaimed_from_and_no_other() {
+    let Some((broker, mount)) = served_with_files(2) else {
+        return;
+    };
+    let file = mount.join("reclaimed");
+    std::fs::File::create(&file).unwrap();
+    // Takes a token, gives it back, exits.
+    let status = Command::new("bash")
+        .arg("-c")
+        .arg("exec 3<>\"$0\"; read -r -N 1 taken <&3; printf %s \"$taken\" >&3")
+        .arg(&file)
+        .status()
+        .unwrap();
+    assert!(status.success());
+    // Takes both, says so, and is killed holding them.
+    let mut victim = Command::new("bash")
+        .arg("-c")
+        .arg("exec 3<>\"$0\"; read -r -N 2 taken <&3; printf %s \"$taken\"; exec sleep 60")
+        .arg(&file)
+        .stdout(std::process::Stdio::piped())
+        .spawn_guarded()
+        .unwrap();
+    let mut taken = [0u8; 2];
+    victim
+        .stdout
+        .take()
+        .unwrap()
+        .read_exact(&mut taken)
+        .unwrap();
+    // SAFETY: kill(2) has no memory effects; the victim is not yet reaped.
+    unsafe { libc::kill(victim.id() as i32, libc::SIGKILL) };
+    victim.wait().unwrap();
+    // The first exit came before the second, and is acted on no later.
+    wait_for(PATIENCE, "the victim's tokens back", || {
+        broker_status(&broker)["free"] == 2
+    });
+    let log = broker.log();
+    let reclaimed: Vec<&str> = log
+        .lines()
+        .filter(|line| line.contains("reclaimed") && line.contains("(fuse)"))
+        .collect();
+    assert_eq!(reclaimed.len(), 1, "{log}");
+    assert!(
+        reclaimed[0].contains(&format!(
+            "reclaimed 2 token(s) from pid {}: it exited holding them",
+            victim.id()
+        )),
+        "{log}"
+    );
 }
