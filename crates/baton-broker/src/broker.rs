@@ -353,18 +353,57 @@ impl Broker {
         self.fast_views = views;
     }
 
-    /// What STATUS counts for each client from the regions: a seated
-    /// client's tokens there (added), and each lender's (taken off: its
-    /// tokens held by seated clients are listed as theirs).
-    fn fast_holdings(&self) -> HashMap<ClientId, i64> {
+    /// What STATUS reads in the regions: for each client, the tokens to
+    /// add to its count (a seated client's tokens there) or take off (a
+    /// lender's, whose tokens held by seated clients are listed as
+    /// theirs); and the client of each claim waiting in a region.
+    fn fast_seen(&self) -> (HashMap<ClientId, i64>, Vec<ClientId>) {
         let mut held = HashMap::new();
+        let mut waiting = Vec::new();
         for view in &self.fast_views {
-            for (client, tokens) in view.attributed() {
+            let seen = view.read();
+            for (client, tokens) in seen.holdings {
                 *held.entry(client).or_insert(0) += i64::from(tokens);
                 *held.entry(view.lender).or_insert(0) -= i64::from(tokens);
             }
+            waiting.extend(seen.waiting);
         }
-        held
+        (held, waiting)
+    }
+
+    /// STATUS's waiters: the pool's queue, but for the requests lenders
+    /// make for claims behind a region's barrier, and the claims waiting
+    /// in the regions, each as its client. A region keeps no clock: a
+    /// claim's `since` is when STATUS read it.
+    fn waiters(&self, in_regions: &[ClientId]) -> Vec<status::Waiter> {
+        let lenders: Vec<ClientId> = self.fast_views.iter().map(|v| v.lender).collect();
+        let now = SystemTime::now();
+        let waiter = |id: ClientId, tokens: u32, since: SystemTime, transport: Transport| {
+            let meta = self.books.pool.meta(id).expect("waiters are connected");
+            status::Waiter {
+                pid: meta.pid,
+                command: meta.command.clone(),
+                tokens,
+                since: epoch_seconds(since),
+                transport: transport.name().to_string(),
+                build: self.books.pool.build_of(id).map_or(0, |b| b.0),
+            }
+        };
+        let queued = self
+            .books
+            .pool
+            .queue()
+            .filter(|(id, _, _)| !lenders.contains(id))
+            .map(|(id, tag, tokens)| {
+                let meta = self.books.pool.meta(id).expect("waiters are connected");
+                let since = meta.waiting_since.get(&tag).copied().unwrap_or(now);
+                waiter(id, tokens, since, meta.transport)
+            });
+        let in_regions = in_regions
+            .iter()
+            .filter(|&&id| self.books.pool.meta(id).is_some())
+            .map(|&id| waiter(id, 1, now, Transport::Region));
+        queued.chain(in_regions).collect()
     }
 
     /// What the successor needs to carry on where this broker stops.
@@ -1188,7 +1227,7 @@ impl Broker {
 
     /// The document `STATUS` returns.
     pub fn status(&self) -> Status {
-        let fast = self.fast_holdings();
+        let (fast, waiting_in_regions) = self.fast_seen();
         let held = |c: &baton_core::ClientView<'_, ClientMeta>| {
             let moved = fast.get(&c.id).copied().unwrap_or(0);
             (i64::from(c.held) + moved).max(0) as u32
@@ -1209,27 +1248,7 @@ impl Broker {
             })
             .collect();
         holders.sort_by(|a, b| a.since.total_cmp(&b.since));
-        let waiters = self
-            .books
-            .pool
-            .queue()
-            .map(|(id, tag, tokens)| {
-                let meta = self.books.pool.meta(id).expect("waiters are connected");
-                status::Waiter {
-                    pid: meta.pid,
-                    command: meta.command.clone(),
-                    tokens,
-                    since: epoch_seconds(
-                        meta.waiting_since
-                            .get(&tag)
-                            .copied()
-                            .unwrap_or(SystemTime::now()),
-                    ),
-                    transport: meta.transport.name().to_string(),
-                    build: self.books.pool.build_of(id).map_or(0, |b| b.0),
-                }
-            })
-            .collect();
+        let waiters = self.waiters(&waiting_in_regions);
         let t = self.books.pool.totals();
         let mut gates: Vec<status::Gate> = self
             .books

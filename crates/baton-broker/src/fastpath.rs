@@ -97,20 +97,39 @@ pub struct View {
     seated: Vec<(Seat, ClientId)>,
 }
 
+/// What STATUS reads in one region at one moment.
+#[derive(Debug, Default)]
+pub struct Seen {
+    /// Each seated client and the tokens the region attributes to it:
+    /// held, returned, in flight.
+    pub holdings: Vec<(ClientId, u32)>,
+    /// The client of each claim waiting for a token, oldest first.
+    pub waiting: Vec<ClientId>,
+}
+
 impl View {
-    /// Each seated client and the tokens the region attributes to it now:
-    /// held, returned, in flight. Read as the audit reads (two equal
-    /// passes); a region that keeps moving is read as it was last seen
-    /// whole, or not at all.
-    pub fn attributed(&self) -> Vec<(ClientId, u32)> {
+    /// The region now, read as the audit reads (two equal passes); a
+    /// region that keeps moving is read as it was last seen whole, or not
+    /// at all.
+    pub fn read(&self) -> Seen {
         let ring = self.mapping.ring();
         let Some((region, _)) = (0..100).find_map(|_| ring.snapshot().ok()) else {
-            return Vec::new();
+            return Seen::default();
         };
-        self.seated
-            .iter()
-            .map(|&(seat, client)| (client, region.attributed(seat)))
-            .collect()
+        let client_at = |seat: Seat| {
+            self.seated
+                .iter()
+                .find(|&&(s, _)| s == seat)
+                .map(|&(_, client)| client)
+        };
+        Seen {
+            holdings: self
+                .seated
+                .iter()
+                .map(|&(seat, client)| (client, region.attributed(seat)))
+                .collect(),
+            waiting: region.waiting().into_iter().filter_map(client_at).collect(),
+        }
     }
 }
 
@@ -874,6 +893,15 @@ mod tests {
         let (first, second) = (claim(), claim());
         regions.round(&mut broker);
         assert_eq!(broker.pool().waiting(), 2, "a request per wait");
+        let waiters = broker.status().waiters;
+        assert_eq!(
+            waiters
+                .iter()
+                .map(|w| (w.command.as_str(), w.transport.as_str(), w.tokens))
+                .collect::<Vec<_>>(),
+            [("test", "fastpath", 1); 2],
+            "STATUS lists the claims, not the lender's requests for them"
+        );
         ring_b.ring().release(seat_b, &host()).unwrap();
         regions.round(&mut broker);
         regions.round(&mut broker);
@@ -924,5 +952,31 @@ mod tests {
             regions.round(&mut broker);
         }
         assert_eq!(broker.status().totals.fastpath_mismatches, 1);
+    }
+
+    /// A claim waiting in an open region (the broker never saw it) is in
+    /// STATUS as its client's.
+    #[test]
+    fn status_lists_a_claim_waiting_in_an_open_region() {
+        let mut broker = Broker::new(1).unwrap();
+        let mut regions = Regions::default();
+        let a = client(&mut broker);
+        broker.start_build(a, 1, "one build".into()).unwrap();
+        let (region, seat_a) = seat_of(&mut regions, &mut broker, a);
+        regions.round(&mut broker);
+        region.ring().acquire(seat_a, &host(), None).unwrap();
+        let b = client(&mut broker);
+        let (region, seat_b) = seat_of(&mut regions, &mut broker, b);
+        let step = region
+            .ring()
+            .step(seat_b, baton_core::fastpath::Phase::Claim, &host());
+        assert!(step.is_ok(), "{step:?}");
+        regions.round(&mut broker);
+        assert!(the_region(&mut regions).open);
+        let status = broker.status();
+        assert_eq!(broker.pool().waiting(), 0, "the pool has nobody waiting");
+        assert_eq!(status.waiters.len(), 1, "{status:#?}");
+        assert_eq!(status.waiters[0].transport, "fastpath");
+        assert_eq!(status.waiters[0].pid, std::process::id());
     }
 }

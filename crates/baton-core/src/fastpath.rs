@@ -509,6 +509,16 @@ impl Region {
         free.count() as u32
     }
 
+    /// The seat of each claim still waiting for its token, oldest ticket
+    /// first: one entry per waiting acquire.
+    pub fn waiting(&self) -> Vec<Seat> {
+        let waits = self.slots.iter().filter_map(|s| match s.claim {
+            Claim::Claimed(Party::Seat(seat)) if !s.is_granted() => Some(seat),
+            _ => None,
+        });
+        waits.collect()
+    }
+
     /// Tokens the region attributes to `seat`: held, returned, in flight in
     /// its intent, and granted to its ticket but not yet in its record.
     /// Only `seat`'s own record enters the sum, and only through slots that
@@ -726,6 +736,7 @@ mod tests {
             region.step(B, Phase::Claim),
             (Phase::Check(1), Event::Enqueued(1))
         );
+        assert_eq!(region.waiting(), [B], "B's claim waits");
         assert_eq!(region.step(B, Phase::Check(1)).0, Phase::Asleep(1));
         assert_eq!(region.step(A, Phase::Hand).0, Phase::Grant);
         assert_eq!(
@@ -733,6 +744,7 @@ mod tests {
             (Phase::Wake(1), Event::Granted(1))
         );
         assert_eq!(run(&mut region, A, Phase::Wake(1)), Phase::Done);
+        assert!(region.waiting().is_empty(), "granted: no longer waiting");
         assert_eq!(run(&mut region, B, Phase::Check(1)), Phase::Done);
         assert_eq!((region.records[0].held, region.records[1].held), (0, 1));
         assert_eq!(region.tokens(), 1);
