@@ -15,8 +15,8 @@ mod serve_role;
 
 use baton_testkit::harness::role_command;
 use baton_testkit::{
-    fuse_should_mount, harness, hello_as, join_within, pid_alive, skip, wait_for, wait_timeout,
-    Missing, RunningBroker, SpawnGuarded, TempDir,
+    fuse_should_mount, harness, hello_as, pid_alive, skip, wait_for, wait_timeout, Missing,
+    RunningBroker, SpawnGuarded, TempDir,
 };
 use serve_role::{serve_command, served, served_at};
 use std::io::{BufRead, BufReader, Read, Write};
@@ -1544,15 +1544,48 @@ fn poll_one(file: &std::fs::File, events: i16, timeout_ms: i32) -> (i32, i16) {
     (n, fds[0].revents)
 }
 
-/// A thread that opens `file` and polls it for a token, sleeping until
-/// woken (the hang guard is PATIENCE); it returns the handle and its poll.
-fn a_sleeping_poller(file: &Path) -> std::thread::JoinHandle<(std::fs::File, (i32, i16))> {
+/// A thread that opens `file` and polls it for a token with no timeout,
+/// beside one end of `cancel`: it sleeps until the file's handle is woken.
+/// (A poll that timed out would poll the file once more, and find a
+/// token reserved for it without having been woken.)
+struct SleepingPoller {
+    thread: std::thread::JoinHandle<(std::fs::File, i16, bool)>,
+    cancel: UnixStream,
+}
+
+fn a_sleeping_poller(file: &Path) -> SleepingPoller {
     let file = file.to_path_buf();
-    std::thread::spawn(move || {
+    let (cancel, cancelled) = UnixStream::pair().unwrap();
+    let thread = std::thread::spawn(move || {
         let handle = open_rw(&file, true);
-        let polled = poll_one(&handle, libc::POLLIN, PATIENCE.as_millis() as i32);
-        (handle, polled)
-    })
+        let mut fds = [&handle as &dyn std::os::fd::AsRawFd, &cancelled].map(|f| libc::pollfd {
+            fd: f.as_raw_fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        });
+        // SAFETY: two pollfds, as said.
+        unsafe { libc::poll(fds.as_mut_ptr(), 2, -1) };
+        (handle, fds[0].revents, fds[1].revents != 0)
+    });
+    SleepingPoller { thread, cancel }
+}
+
+impl SleepingPoller {
+    /// Its handle once woken; fails if it was not woken within PATIENCE
+    /// (it is cancelled then, a hang guard).
+    fn woken(mut self, what: &str) -> std::fs::File {
+        let deadline = std::time::Instant::now() + PATIENCE;
+        while !self.thread.is_finished() && std::time::Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(2));
+        }
+        if !self.thread.is_finished() {
+            let _ = self.cancel.write_all(b"x");
+        }
+        let (handle, revents, cancelled) = self.thread.join().unwrap();
+        assert!(!cancelled, "{what} was never woken");
+        assert_eq!(revents, libc::POLLIN, "{what}");
+        handle
+    }
 }
 
 /// A poller sleeping on a file whose polls are not held is woken when a
@@ -1571,8 +1604,7 @@ fn a_sleeping_poller_is_woken_by_a_freed_token_before_and_after_a_handover() {
     let sleeper = a_sleeping_poller(&file);
     wait_for_waiters(&old, 1);
     assert_eq!(peer.ask("RELEASE 1"), "RELEASED 1 1");
-    let (mut holder, polled) = join_within(sleeper, PATIENCE * 2, "the first poller");
-    assert_eq!(polled, (1, libc::POLLIN), "woken, readable");
+    let mut holder = sleeper.woken("the first poller");
     let mut byte = [0u8; 1];
     assert_eq!(
         holder.read(&mut byte).unwrap(),
@@ -1590,8 +1622,7 @@ fn a_sleeping_poller_is_woken_by_a_freed_token_before_and_after_a_handover() {
         new.log().contains("taken over")
     });
     assert_eq!(holder.write(b"+").unwrap(), 1);
-    let (poller, polled) = join_within(sleeper, PATIENCE * 2, "the second poller");
-    assert_eq!(polled, (1, libc::POLLIN), "woken by the successor");
+    let poller = sleeper.woken("the poller the successor took");
     assert_eq!((&poller).read(&mut byte).unwrap(), 1);
     assert_eq!((&poller).write(b"+").unwrap(), 1);
     assert_eq!(peer.ask("RELEASE 1"), "RELEASED 1 0");
