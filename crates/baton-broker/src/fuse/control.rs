@@ -95,3 +95,63 @@ pub fn act(files: &mut Files, broker: &mut Broker, exited: &[u32]) {
     }
     files.settle(broker);
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::broker::{ClientMeta, Transport};
+    use crate::fuse::fs::{FsState, TokenFs};
+    use crate::fuse::procs::Exits;
+    use crate::fuse::waiters::{Mode, Waiters, HOLD};
+    use std::time::Duration;
+
+    /// Token files as a successor receives them: this process polled a
+    /// handle and has a token reserved on it for `left`. The notifier that
+    /// would wake it is a session's on /dev/null: nobody is woken here.
+    fn files_with_a_reservation(poll: &mio::Poll, broker: &mut Broker, left: Duration) -> Files {
+        let pid = std::process::id();
+        let client = broker.connect(ClientMeta::new(pid, "poller".into(), Transport::Fuse));
+        let state: FsState = serde_json::from_value(serde_json::json!({
+            "waiters": {
+                "mode": "OneAtATime",
+                "processes": [[pid, client]],
+                "polled": [{"fh": 1, "client": client, "kernel_handle": 1, "queued": false,
+                            "reserved_for": {"secs": left.as_secs(), "nanos": left.subsec_nanos()}}],
+            },
+            "files": [[2, "make"]],
+            "next_ino": 3,
+            "handles": [[1, 2]],
+            "next_fh": 2,
+        }))
+        .unwrap();
+        let nowhere = std::fs::File::open("/dev/null").unwrap().into();
+        let session = fuser::Session::from_initialized_fd(
+            TokenFs,
+            nowhere,
+            fuser::SessionACL::Owner,
+            fuser::Config::default(),
+        );
+        let exits = Exits::new(poll.registry().try_clone().unwrap());
+        let mut files = Files::new(Waiters::new(Mode::OneAtATime, HOLD), exits);
+        files.adopt(state, broker, &session.notifier()).unwrap();
+        files
+    }
+
+    /// The clock is armed for the files' next deadline, and armed again
+    /// when one comes sooner than it is armed for (a reservation made
+    /// while a poll is held for a second): a reservation nobody reads must
+    /// pass on when it runs out, not when the later deadline comes.
+    #[test]
+    fn the_clock_is_armed_again_for_a_sooner_deadline() {
+        let poll = mio::Poll::new().unwrap();
+        let mut broker = Broker::new(2).unwrap();
+        let mut clock = Clock::new().unwrap();
+        let late = files_with_a_reservation(&poll, &mut broker, Duration::from_secs(3600));
+        clock.plan(&late);
+        assert!(late.next_wakeup().is_some());
+        assert_eq!(clock.armed, late.next_wakeup());
+        let soon = files_with_a_reservation(&poll, &mut broker, Duration::from_millis(50));
+        clock.plan(&soon);
+        assert_eq!(clock.armed, soon.next_wakeup(), "armed for the sooner one");
+    }
+}
