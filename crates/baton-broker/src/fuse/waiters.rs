@@ -1288,8 +1288,8 @@ mod tests {
         assert_eq!(f.write(1, 1), Ok(()));
     }
 
-    /// The waiters' Debug (in a handover's errors) shows who waits by
-    /// number, not their replies.
+    /// The waiters' Debug (part of the handover's state, which derives
+    /// Debug) shows who waits by number: their replies have none.
     #[test]
     fn the_waiters_debug_shows_their_counts() {
         let mut f = Fixture::new(1, Mode::OneAtATime, &[1]);
