@@ -80,6 +80,16 @@ fn render_pool(s: &Status, registry: &mut Registry) {
             s.totals.reclaimed,
         ),
         ("baton_waits", "Requests that had to wait", s.totals.waits),
+        (
+            "baton_fastpath_repairs",
+            "Fast-path seats repaired as their clients left (docs/fastpath.md)",
+            s.totals.fastpath_repairs,
+        ),
+        (
+            "baton_fastpath_mismatches",
+            "Fast-path audits that found a region's tokens differ from the books, twice in a row",
+            s.totals.fastpath_mismatches,
+        ),
     ];
     for (name, help, value) in counters {
         let counter = Counter::<u64>::default();
@@ -344,6 +354,8 @@ mod tests {
         broker.acquire(a, 1, 3).unwrap();
         broker.release(a, 1).unwrap();
         broker.acquire(b, 1, 4).unwrap();
+        broker.fast_counts().repairs = 2;
+        broker.fast_counts().mismatches = 1;
         let text = render(&broker.status());
         let lines = lines(&text);
         for want in [
@@ -356,6 +368,8 @@ mod tests {
             "baton_released_total 1",
             "baton_reclaimed_total 0",
             "baton_waits_total 1",
+            "baton_fastpath_repairs_total 2",
+            "baton_fastpath_mismatches_total 1",
         ] {
             assert!(lines.contains(&want), "{want} not in\n{text}");
         }
