@@ -1922,7 +1922,9 @@ mod tests {
         let other = client(&mut broker, 1);
         broker.acquire(other, 1, 1).unwrap();
         assert_eq!(broker.acquire(run, 2, 1).unwrap(), Acquired::Queued);
-        assert_eq!(broker.acquire(other, 2, 1).unwrap(), Acquired::Queued);
+        // Another tag than run's: the request cancelled must be run's own,
+        // not whichever has its tag.
+        assert_eq!(broker.acquire(other, 3, 1).unwrap(), Acquired::Queued);
         assert_eq!(broker.disconnect(run), 0);
         assert!(
             woken.load(std::sync::atomic::Ordering::SeqCst),
