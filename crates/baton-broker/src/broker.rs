@@ -1898,6 +1898,25 @@ mod tests {
         );
     }
 
+    /// A build's root is forgotten with its own connection, and only
+    /// then: after another build's root leaves, a process under the first
+    /// still joins the first build.
+    #[test]
+    fn a_builds_root_outlives_another_builds_departure() {
+        let mut broker = Broker::new(2).unwrap();
+        let ours = client(&mut broker, std::process::id());
+        broker.start_build(ours, 1, "ours".into()).unwrap();
+        let other = client(&mut broker, 1);
+        broker.start_build(other, 1, "other".into()).unwrap();
+        broker.disconnect(other);
+        let later = client(&mut broker, std::process::id());
+        assert_eq!(
+            broker.pool().build_of(later),
+            broker.pool().build_of(ours),
+            "still a member of the first build"
+        );
+    }
+
     /// Orphaned with 2 jobs on the 4 tokens it held: 2 come back at once;
     /// a job started later takes no token at the next look (only the
     /// moment of death may count more than it held), and a request the
