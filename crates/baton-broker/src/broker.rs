@@ -2097,6 +2097,12 @@ mod tests {
         let mut broker = broker_with_a_memory_gate();
         let (a, b) = (client(&mut broker, 1), client(&mut broker, 2));
         assert_eq!(broker.acquire(a, 1, 1).unwrap(), Acquired::Granted);
+        // A fresh reading recomputes the cap: it must still count the
+        // grant as young (not only the cap computed before it).
+        broker.observe(Reading {
+            mem_available: Some(8 << 30),
+            ..Reading::default()
+        });
         assert_eq!(
             broker.acquire(b, 1, 1).unwrap(),
             Acquired::Queued,
