@@ -728,6 +728,19 @@ mod tests {
         assert_eq!(region.tokens(), 1);
     }
 
+    /// A record that counts more tokens than were lent cannot be a
+    /// correct client's, whatever its intent says.
+    #[test]
+    fn an_idle_record_holding_more_than_was_lent_is_a_suspect() {
+        let mut region = Region::new(2, 2);
+        region.records[1].held = 7;
+        let books = Books {
+            lent: 2,
+            ..Books::default()
+        };
+        assert_eq!(region.audit(&books).suspects, [B]);
+    }
+
     #[test]
     fn a_release_hands_the_token_to_the_waiter() {
         let mut region = Region::new(2, 1);

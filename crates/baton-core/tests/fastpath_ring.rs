@@ -617,3 +617,30 @@ fn clients_on_threads_never_run_more_jobs_than_lent_while_the_barrier_comes_and_
     );
     assert!(most.load(SeqCst) >= 1);
 }
+
+/// A repair clears a dead client's record but keeps counting its changes:
+/// the count is how two equal reads of a record tell "unchanged" from "changed
+/// and changed back", so a repair that reset it could make a record read
+/// before and after look untouched.
+#[test]
+fn a_repair_clears_the_record_and_counts_one_more_change() {
+    let words = words(8, 2);
+    let ring = Ring::init(&words, 8, 2, 2).unwrap();
+    let host = Recorder::default();
+    for _ in 0..2 {
+        assert_eq!(ring.acquire(Seat(0), &host, None), Ok(Acquired::Token));
+    }
+    let before = ring.record(Seat(0)).unwrap();
+    assert!(before.changes >= 2, "{before:?}");
+    // Seat 0's client dies holding both: the broker repairs its seat.
+    let mut in_hand = 0;
+    while ring
+        .repair_step(Seat(0), &mut in_hand, &host)
+        .unwrap()
+        .is_some()
+    {}
+    let after = ring.record(Seat(0)).unwrap();
+    assert_eq!(in_hand, 2);
+    assert_eq!((after.held, after.returned), (0, 0));
+    assert_eq!(after.changes, before.changes + 1, "{after:?}");
+}
