@@ -122,10 +122,8 @@ impl Ring<'_> {
             let mut took = 0;
             self.update_record(seat, |r| {
                 took = u32::from(r.held) + u32::from(r.returned);
-                *r = RecordWord {
-                    changes: r.changes,
-                    ..RecordWord::default()
-                };
+                // (`update_record` moves the change count on itself.)
+                *r = RecordWord::default();
             })?;
             *in_hand += took;
             return Ok(Some(Event::Quiet));
