@@ -1,4 +1,5 @@
-"""A real `baton serve` per test, in a temporary directory, stopped by pid."""
+"""A real `baton serve` per test, in a temporary directory, stopped by pid;
+and libbaton (clients/c), built, for the fast-path client's tests."""
 
 from __future__ import annotations
 
@@ -21,6 +22,18 @@ def baton_bin() -> str:
     if not os.access(path, os.X_OK):
         pytest.fail(f"{path} not found (BATON_BIN unset or wrong): run scripts/test, which builds it")
     return path
+
+
+@pytest.fixture(scope="session")
+def libbaton() -> str:
+    """clients/c/build/libbaton.so.0, built first (`make -C clients/c`, the
+    `all` that scripts/test's `make check` builds too; nothing to do when
+    it is up to date), so that the tests load the library of this tree."""
+    c = REPO / "clients" / "c"
+    built = subprocess.run(["make", "-C", str(c)], capture_output=True, text=True, timeout=600)
+    if built.returncode != 0:
+        pytest.fail(f"make -C {c} failed:\n{built.stdout}{built.stderr}")
+    return str(c / "build" / "libbaton.so.0")
 
 
 class Broker:

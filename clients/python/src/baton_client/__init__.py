@@ -10,10 +10,15 @@ Tokens belong to the connection: if the process dies, even by kill -9, the
 broker takes them back at once. With no broker reachable but a GNU make
 jobserver in MAKEFLAGS, the same calls take tokens from that jobserver.
 The protocol is docs/protocol.md of the baton project.
+
+FastClient binds libbaton (clients/c) for the shared-memory fast path
+(docs/fastpath.md): single tokens passed between a build's processes
+without a round trip to the broker.
 """
 
 from ._async import AsyncClient, AsyncToken
 from ._client import Client, Token
+from ._fast import FastClient, NoLibraryError
 from ._wire import BatonError, DisconnectedError, NoBrokerError, NotOurBrokerError, RefusedError, socket_path
 
 __all__ = [
@@ -22,7 +27,9 @@ __all__ = [
     "BatonError",
     "Client",
     "DisconnectedError",
+    "FastClient",
     "NoBrokerError",
+    "NoLibraryError",
     "NotOurBrokerError",
     "RefusedError",
     "Token",
