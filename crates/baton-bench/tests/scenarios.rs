@@ -236,6 +236,7 @@ fn token_ring_counts_every_transfer(h: &Harness) -> Result<()> {
         "pipe, blocking read",
         "pipe, poll + non-blocking read",
         "POSIX semaphore",
+        "futex, FIFO hand-off",
         "SysV semaphore",
         "eventfd semaphore",
         "baton native",
@@ -339,6 +340,7 @@ fn mass_poll_sweeps_waiters_and_plots(h: &Harness) -> Result<()> {
     for mechanism in h.expected(&[
         "pipe, poll + non-blocking read",
         "POSIX semaphore",
+        "futex, FIFO hand-off",
         "baton native",
         "baton native, no spin",
         "baton native, no io_uring",

@@ -5,7 +5,7 @@
 use super::{Pool, Tokens};
 use crate::sys::{self, SharedMemory};
 use anyhow::{Context, Result};
-use std::sync::atomic::{AtomicU32, Ordering::SeqCst};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering::SeqCst};
 
 pub struct Futex {
     word: SharedMemory<AtomicU32>,
@@ -70,5 +70,93 @@ impl Tokens for &Futex {
             futex(&self.word[0], libc::FUTEX_WAKE, 1).context("FUTEX_WAKE")?;
         }
         Ok(())
+    }
+}
+
+/// Tickets a FIFO futex pool keeps a word for: more than any scenario's
+/// waiters, so no two waiters ever share one.
+const FIFO_SLOTS: usize = 2048;
+
+/// The floor of any first-come-first-served hand-off: a ticket per
+/// acquire, and a futex word per ticket's slot, so a release wakes exactly
+/// the oldest waiter and nobody else (a partitioned ticket lock, counting
+/// tokens). No broker, no records, no repair: the bare cost of FIFO order,
+/// which the fast path keeps and a semaphore does not.
+pub struct FifoFutex {
+    shared: SharedMemory<FifoShared>,
+}
+
+struct FifoShared {
+    /// The next ticket an acquire takes.
+    next: AtomicU64,
+    /// How many tickets may go: the tokens made, then one per release.
+    granted: AtomicU64,
+    /// Per slot: a count of grants to it (times 2), bit 0 set while its
+    /// waiter sleeps, so a release makes the wake-up call only for a
+    /// sleeper.
+    slots: [AtomicU32; FIFO_SLOTS],
+}
+
+impl Default for FifoShared {
+    fn default() -> Self {
+        FifoShared {
+            next: AtomicU64::new(0),
+            granted: AtomicU64::new(0),
+            slots: std::array::from_fn(|_| AtomicU32::new(0)),
+        }
+    }
+}
+
+impl FifoFutex {
+    pub fn new(tokens: u32) -> Result<Self> {
+        let shared = SharedMemory::<FifoShared>::new(1)?;
+        shared[0].granted.store(u64::from(tokens), SeqCst);
+        Ok(FifoFutex { shared })
+    }
+
+    fn take_one(&self) -> Result<()> {
+        let s = &self.shared[0];
+        let ticket = s.next.fetch_add(1, SeqCst);
+        let slot = &s.slots[ticket as usize % FIFO_SLOTS];
+        loop {
+            let seen = slot.load(SeqCst);
+            if s.granted.load(SeqCst) > ticket {
+                return Ok(());
+            }
+            let asleep = seen | 1;
+            if seen == asleep || slot.compare_exchange(seen, asleep, SeqCst, SeqCst).is_ok() {
+                futex(slot, libc::FUTEX_WAIT, asleep).context("FUTEX_WAIT")?;
+            }
+        }
+    }
+
+    fn give_one(&self) -> Result<()> {
+        let s = &self.shared[0];
+        let ticket = s.granted.fetch_add(1, SeqCst);
+        let slot = &s.slots[ticket as usize % FIFO_SLOTS];
+        // The next even count: clears the sleeping bit and moves on.
+        let before = slot
+            .fetch_update(SeqCst, SeqCst, |v| Some((v | 1).wrapping_add(1)))
+            .expect("always Some");
+        if before & 1 == 1 {
+            futex(slot, libc::FUTEX_WAKE, 1).context("FUTEX_WAKE")?;
+        }
+        Ok(())
+    }
+}
+
+impl Pool for FifoFutex {
+    fn open(&self) -> Result<Box<dyn Tokens + '_>> {
+        Ok(Box::new(self))
+    }
+}
+
+impl Tokens for &FifoFutex {
+    fn acquire(&mut self, n: u32) -> Result<()> {
+        (0..n).try_for_each(|_| self.take_one())
+    }
+
+    fn release(&mut self, n: u32) -> Result<()> {
+        (0..n).try_for_each(|_| self.give_one())
     }
 }

@@ -35,6 +35,10 @@ pub enum Mechanism {
     Eventfd,
     /// A counting semaphore on a bare futex word: FUTEX_WAKE of 1 per token.
     Futex,
+    /// First come, first served on bare futexes: a ticket per acquire and a
+    /// word per ticket, each release waking exactly the oldest waiter. The
+    /// floor under any FIFO hand-off, the fast path's included.
+    FutexFifo,
     /// baton's native protocol: each waiter blocks on its own connection.
     BatonNative,
     /// The same with the broker's adaptive spin turned off (`--spin-us 0`):
@@ -70,6 +74,7 @@ impl Mechanism {
             Mechanism::SysvSemaphore => "SysV semaphore",
             Mechanism::Eventfd => "eventfd semaphore",
             Mechanism::Futex => "futex, FUTEX_WAKE 1",
+            Mechanism::FutexFifo => "futex, FIFO hand-off",
             Mechanism::BatonNative => "baton native",
             Mechanism::BatonNativeNoSpin => "baton native, no spin",
             Mechanism::BatonNativeNoUring => "baton native, no io_uring",
@@ -120,6 +125,7 @@ impl Mechanism {
             Mechanism::SysvSemaphore => Box::new(semaphore::Sysv::new(tokens)?),
             Mechanism::Eventfd => Box::new(eventfd::Eventfd::new(tokens)?),
             Mechanism::Futex => Box::new(futex::Futex::new(tokens)?),
+            Mechanism::FutexFifo => Box::new(futex::FifoFutex::new(tokens)?),
             Mechanism::BatonNative => Box::new(baton::BrokerProcess::start(
                 tokens,
                 env,

@@ -19,6 +19,7 @@ pub const DEFAULTS: Defaults = Defaults {
 const MECHANISMS: &[Mechanism] = &[
     Mechanism::PipePoll,
     Mechanism::PosixSemaphore,
+    Mechanism::FutexFifo,
     Mechanism::BatonNative,
     Mechanism::BatonNativeNoSpin,
     Mechanism::BatonNativeNoUring,

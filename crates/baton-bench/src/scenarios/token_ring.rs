@@ -29,6 +29,7 @@ const MECHANISMS: &[Mechanism] = &[
     Mechanism::PipeBlocking,
     Mechanism::PipePoll,
     Mechanism::PosixSemaphore,
+    Mechanism::FutexFifo,
     Mechanism::SysvSemaphore,
     Mechanism::Eventfd,
     Mechanism::BatonNative,
