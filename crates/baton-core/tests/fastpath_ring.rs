@@ -644,3 +644,33 @@ fn a_repair_clears_the_record_and_counts_one_more_change() {
     assert_eq!((after.held, after.returned), (0, 0));
     assert_eq!(after.changes, before.changes + 1, "{after:?}");
 }
+
+/// A snapshot keeps the queue's order: the claims waiting come out oldest
+/// first (STATUS lists them so).
+#[test]
+fn a_snapshot_lists_the_waiting_claims_oldest_first() {
+    let words = words(8, 3);
+    let ring = Ring::init(&words, 8, 3, 0).unwrap();
+    let host = Recorder::default();
+    for seat in [Seat(2), Seat(0), Seat(1)] {
+        let (phase, _) = ring.step(seat, Phase::Claim, &host).unwrap();
+        assert!(matches!(phase, Phase::Check(_)), "{phase:?}");
+    }
+    let (region, _) = ring.snapshot().unwrap();
+    assert_eq!(region.waiting(), [Seat(2), Seat(0), Seat(1)]);
+}
+
+/// A record that is no word at all reads as more than any pool lends, so
+/// the audit names its seat, not only a shortfall.
+#[test]
+fn a_record_that_is_no_word_is_a_suspect() {
+    let words = words(8, 2);
+    let ring = Ring::init(&words, 8, 2, 1).unwrap();
+    ring.record_word(Seat(1)).store(u64::MAX, SeqCst);
+    let (region, _) = ring.snapshot().unwrap();
+    let books = Books {
+        lent: 1,
+        ..Books::default()
+    };
+    assert_eq!(region.audit(&books).suspects, [Seat(1)]);
+}
