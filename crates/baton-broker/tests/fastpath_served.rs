@@ -51,6 +51,11 @@ fn main() {
             "a_lowered_limit_closes_the_region_until_it_holds_no_more",
             a_lowered_limit_closes_the_region_until_it_holds_no_more,
         ),
+        #[cfg(target_arch = "x86_64")]
+        (
+            "a_kernel_without_memfd_leaves_every_client_on_the_socket",
+            a_kernel_without_memfd_leaves_every_client_on_the_socket,
+        ),
         (
             "a_waiter_whose_broker_is_killed_gives_up_instead_of_sleeping_forever",
             a_waiter_whose_broker_is_killed_gives_up_instead_of_sleeping_forever,
@@ -418,6 +423,34 @@ fn a_lowered_limit_closes_the_region_until_it_holds_no_more() {
     });
     assert!(!a.try_acquire(1).unwrap(), "one token at limit 1");
     a.release(1).unwrap();
+}
+
+/// Where the broker cannot make a region (a kernel before 3.17 has no
+/// memfd_create; here the kernel refuses it through a seccomp filter), a
+/// client is told so and stays on the socket, where everything works.
+#[cfg(target_arch = "x86_64")]
+fn a_kernel_without_memfd_leaves_every_client_on_the_socket() {
+    let broker = served(2, "no_memfd=1");
+    let _root = build_root(&broker);
+    let mut client = broker.client("no memfd");
+    let refusal = client
+        .enable_fastpath()
+        .expect("FASTPATH answered")
+        .expect_err("no seat without memfd_create");
+    assert!(refusal.contains("memfd_create"), "{refusal}");
+    assert!(!client.uses_fastpath());
+    client.acquire(1).unwrap();
+    client.acquire(1).unwrap();
+    let status = broker.status();
+    let mine: Vec<_> = status
+        .holders
+        .iter()
+        .filter(|h| h.command == "no memfd")
+        .map(|h| (h.tokens, h.transport.as_str()))
+        .collect();
+    assert_eq!(mine, [(2, "socket")], "{status:#?}");
+    client.release(2).unwrap();
+    assert_eq!(broker.status().free, 2);
 }
 
 fn a_waiter_whose_broker_is_killed_gives_up_instead_of_sleeping_forever() {

@@ -69,6 +69,7 @@ pub fn serve_here(spec: &str) -> ! {
                 fuse.orphan_grace = Duration::from_millis(value.parse().unwrap());
             }
             "reclaim_ms" => opts.reclaim_grace = Duration::from_millis(value.parse().unwrap()),
+            "no_memfd" => refuse_memfd_create(),
             other => panic!("the serve role: unknown key {other}"),
         }
     }
@@ -100,4 +101,56 @@ pub fn served(jobs: u32, spec: &str) -> RunningBroker {
 pub fn served_at(socket: &Path, spec: &str) -> RunningBroker {
     let dir = TempDir::new("served-again");
     RunningBroker::start_command(serve_command(socket, spec), dir, socket.to_path_buf())
+}
+
+/// Makes memfd_create(2) fail with ENOSYS in this process and the threads
+/// it starts, as a kernel older than 3.17 answers it: this machine's
+/// kernel cannot be made old, but a seccomp filter (seccomp(2)) makes the
+/// kernel itself refuse the call. x86-64 only (the filter names its
+/// system call number).
+#[cfg(target_arch = "x86_64")]
+fn refuse_memfd_create() {
+    const AUDIT_ARCH_X86_64: u32 = 0xC000_003E;
+    const ARCH: u32 = 4; // offsetof(struct seccomp_data, arch)
+    const NR: u32 = 0; // offsetof(struct seccomp_data, nr)
+    let op = |code: u32, jt: u8, jf: u8, k: u32| libc::sock_filter {
+        code: code as u16,
+        jt,
+        jf,
+        k,
+    };
+    let (load, jeq, ret) = (
+        libc::BPF_LD | libc::BPF_W | libc::BPF_ABS,
+        libc::BPF_JMP | libc::BPF_JEQ | libc::BPF_K,
+        libc::BPF_RET | libc::BPF_K,
+    );
+    let filter = [
+        op(load, 0, 0, ARCH),
+        op(jeq, 1, 0, AUDIT_ARCH_X86_64),
+        op(ret, 0, 0, libc::SECCOMP_RET_ALLOW),
+        op(load, 0, 0, NR),
+        op(jeq, 0, 1, libc::SYS_memfd_create as u32),
+        op(ret, 0, 0, libc::SECCOMP_RET_ERRNO | libc::ENOSYS as u32),
+        op(ret, 0, 0, libc::SECCOMP_RET_ALLOW),
+    ];
+    let program = libc::sock_fprog {
+        len: filter.len() as u16,
+        filter: filter.as_ptr().cast_mut(),
+    };
+    // SAFETY: prctl(2) with a filter program that outlives the call (the
+    // kernel copies it).
+    unsafe {
+        assert_eq!(libc::prctl(libc::PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), 0);
+        let installed = libc::prctl(
+            libc::PR_SET_SECCOMP,
+            libc::SECCOMP_MODE_FILTER,
+            &program as *const libc::sock_fprog,
+        );
+        assert_eq!(installed, 0, "{}", std::io::Error::last_os_error());
+    }
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+fn refuse_memfd_create() {
+    panic!("the serve role refuses memfd_create on x86-64 only");
 }
