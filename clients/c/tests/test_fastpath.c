@@ -329,7 +329,7 @@ static void threads_pass_tokens_in_the_region_without_waking_the_broker(void) {
 
 /* The kill test's client processes. */
 #define JOBS 5
-#define KILLS 120
+#define KILLS 300
 #define LIMIT 2
 
 static char job_dir[64];

@@ -293,7 +293,7 @@ fn job_here(spec: &str) -> ! {
 
 fn clients_killed_at_random_moments_never_run_more_jobs_than_the_limit_nor_lose_a_token() {
     const JOBS: usize = 5;
-    const KILLS: usize = 120;
+    const KILLS: usize = 300;
     let broker = served(2, "");
     let _root = build_root(&broker);
     let dir = TempDir::new("fastpath-kill");
