@@ -32,7 +32,7 @@
 use crate::broker::Broker;
 use crate::log;
 use baton_client::fastpath::{Futexes, Mapping};
-use baton_core::fastpath::{ring, Books, Notice, Refused, Ring, Seat};
+use baton_core::fastpath::{ring, Audit, Books, Notice, Refused, Ring, Seat, Unread};
 use baton_core::BuildId;
 use baton_core::{Acquired, ClientId, Tag};
 use std::collections::btree_map::Entry;
@@ -526,18 +526,30 @@ impl Region {
     /// Checks the region against the lender's books; true when a mismatch
     /// is confirmed (seen twice in a row) and the region closed for good.
     fn audit(&mut self, broker: &mut Broker) -> bool {
-        let Ok((snapshot, _)) = self.ring().snapshot() else {
-            return false; // moving (or a corrupt slot): read again later
+        let lent = broker.pool().held_by(self.lender);
+        let snapshot = self.ring().snapshot();
+        let unreadable = matches!(snapshot, Err(Unread::Corrupt));
+        let audit = match snapshot {
+            Err(Unread::Moving) => return false, // read again later
+            Ok((snapshot, _)) => {
+                let audit = snapshot.audit(&Books {
+                    lent,
+                    ..Books::default()
+                });
+                if audit.balanced() {
+                    self.odd_audits = 0;
+                    return false;
+                }
+                audit
+            }
+            // A slot no correct party writes: the queue cannot be read, so
+            // nothing in it can be counted, and nobody is named.
+            Err(Unread::Corrupt) => Audit {
+                counted: 0,
+                expected: lent,
+                suspects: Vec::new(),
+            },
         };
-        let books = Books {
-            lent: broker.pool().held_by(self.lender),
-            ..Books::default()
-        };
-        let audit = snapshot.audit(&books);
-        if audit.balanced() {
-            self.odd_audits = 0;
-            return false;
-        }
         self.odd_audits += 1;
         if self.odd_audits < 2 || self.tainted {
             return false;
@@ -553,10 +565,16 @@ impl Region {
                     .map(|m| format!("pid {} ({})", m.pid, m.command))
             })
             .collect();
+        let found = if unreadable {
+            "a region's queue holds a word no correct client writes".to_string()
+        } else {
+            format!(
+                "a region counts {} token(s) where its build was lent {}",
+                audit.counted, audit.expected
+            )
+        };
         log::warn(format_args!(
-            "fast path: a region counts {} token(s) where its build was lent {}{}; it is closed for good, and its clients get every token from the pool",
-            audit.counted,
-            audit.expected,
+            "fast path: {found}{}; it is closed for good, and its clients get every token from the pool",
             if suspects.is_empty() {
                 String::new()
             } else {
@@ -978,5 +996,30 @@ mod tests {
         assert_eq!(status.waiters.len(), 1, "{status:#?}");
         assert_eq!(status.waiters[0].transport, "fastpath");
         assert_eq!(status.waiters[0].pid, std::process::id());
+    }
+
+    /// A slot word no correct party writes makes the queue unreadable:
+    /// that too is a mismatch, confirmed on the second audit, and the
+    /// region closes for good (its tokens cannot be counted in it).
+    #[test]
+    fn a_corrupt_slot_closes_the_region_for_good() {
+        let mut broker = Broker::new(2).unwrap();
+        let mut regions = Regions::default();
+        let a = client(&mut broker);
+        let (region, _) = seat_of(&mut regions, &mut broker, a);
+        regions.round(&mut broker);
+        region
+            .ring()
+            .slot_word(0)
+            .store(u64::MAX, std::sync::atomic::Ordering::SeqCst);
+        let audits: Vec<bool> = (0..3)
+            .map(|_| the_region(&mut regions).audit(&mut broker))
+            .collect();
+        assert_eq!(audits, [false, true, false]);
+        assert!(the_region(&mut regions).tainted);
+        // Its last client leaves: every token is back in the pool.
+        regions.leave(&mut broker, a);
+        broker.disconnect(a);
+        assert_eq!((broker.pool().held(), broker.pool().free()), (0, 2));
     }
 }
