@@ -47,7 +47,7 @@ use std::time::{Duration, Instant};
 pub const SEATS: usize = 1024;
 
 /// How often, at most, the broker audits each region while it is awake.
-const AUDIT_EVERY: Duration = Duration::from_secs(1);
+pub const AUDIT_EVERY: Duration = Duration::from_secs(1);
 
 /// The broker only wakes claimers; it never waits on a slot, nor tells
 /// itself anything.
@@ -141,6 +141,11 @@ pub struct Offer<'a> {
 }
 
 impl Regions {
+    /// Whether no build has a region.
+    pub fn is_empty(&self) -> bool {
+        self.by_build.is_empty()
+    }
+
     /// Seats `client` in its build's region, made on first use. `Err` says
     /// why not, for `ERR unavailable`: the client stays on the socket.
     pub fn offer(&mut self, broker: &mut Broker, client: ClientId) -> Result<Offer<'_>, String> {

@@ -35,8 +35,10 @@ pub const WAKER: Token = Token(2);
 const HANDOVER: Token = Token(3);
 const FUSE: Token = Token(4);
 const FUSE_CLOCK: Token = Token(5);
+/// The fast path's audit clock (below, [`SocketServer::follow_the_regions`]).
+const AUDIT_CLOCK: Token = Token(6);
 /// Connections from here up, below `fuse::procs::EXITS` (pidfds).
-const FIRST_CONN: usize = 6;
+const FIRST_CONN: usize = 7;
 
 /// At most this many connections at once unless told otherwise
 /// (`--max-clients`); more get `ERR full`. Bounded by the file descriptor
@@ -108,6 +110,10 @@ pub struct SocketServer {
     fuse: Option<FuseMount>,
     /// The fast path's regions, one per build whose clients asked.
     regions: Regions,
+    /// Wakes the loop every second while a region exists, so that the
+    /// audit runs even when no client wakes the broker (an open region's
+    /// clients never need to).
+    audit_clock: Option<nix::sys::timerfd::TimerFd>,
     conns: HashMap<Token, Conn>,
     by_client: HashMap<ClientId, Token>,
     next_token: usize,
@@ -181,6 +187,7 @@ impl SocketServer {
             broker,
             fuse,
             regions: Regions::default(),
+            audit_clock: None,
             conns: HashMap::new(),
             by_client: HashMap::new(),
             next_token: FIRST_CONN,
@@ -252,6 +259,7 @@ impl SocketServer {
                         files.touched = true;
                     }
                     FUSE_CLOCK => files.clock_fired = true,
+                    AUDIT_CLOCK => self.audit_clock_fired(),
                     token => match crate::fuse::exited_pid(token) {
                         Some(pid) => files.exited.push(pid),
                         None => self.serve_conn(token),
@@ -261,6 +269,7 @@ impl SocketServer {
             self.act_on_files(&mut files);
             self.inbox.run_all(&mut self.broker);
             self.fastpath_round();
+            self.follow_the_regions();
             // Grants caused by this round (ours or other transports').
             files.touched |= self.deliver_grants();
             if let Some(mount) = self.fuse.as_mut().filter(|_| files.touched) {
@@ -853,6 +862,55 @@ impl SocketServer {
             if !self.broker.has_grants_for(Transport::Region) {
                 return;
             }
+        }
+    }
+
+    /// Runs the audit clock while a region exists, and stops it with the
+    /// last one.
+    fn follow_the_regions(&mut self) {
+        use nix::sys::timerfd::{ClockId, Expiration, TimerFd, TimerFlags, TimerSetTimeFlags};
+        match (self.regions.is_empty(), self.audit_clock.take()) {
+            (false, None) => {
+                let every = nix::sys::time::TimeSpec::from_duration(crate::fastpath::AUDIT_EVERY);
+                let clock = TimerFd::new(
+                    ClockId::CLOCK_MONOTONIC,
+                    TimerFlags::TFD_NONBLOCK | TimerFlags::TFD_CLOEXEC,
+                )
+                .and_then(|t| {
+                    t.set(Expiration::Interval(every), TimerSetTimeFlags::empty())?;
+                    Ok(t)
+                })
+                .map_err(io::Error::from)
+                .and_then(|t| {
+                    let fd = std::os::fd::AsFd::as_fd(&t).as_raw_fd();
+                    self.poll.registry().register(
+                        &mut SourceFd(&fd),
+                        AUDIT_CLOCK,
+                        Interest::READABLE,
+                    )?;
+                    Ok(t)
+                });
+                match clock {
+                    Ok(clock) => self.audit_clock = Some(clock),
+                    Err(e) => log::warn(format_args!(
+                        "fast path: no audit clock ({e}): regions are audited only when a client wakes the broker"
+                    )),
+                }
+            }
+            (true, Some(clock)) => {
+                let fd = std::os::fd::AsFd::as_fd(&clock).as_raw_fd();
+                let _ = self.poll.registry().deregister(&mut SourceFd(&fd));
+            }
+            (_, clock) => self.audit_clock = clock,
+        }
+    }
+
+    /// The audit clock ticked: its count is read (so that it is quiet
+    /// again); the round after this wake-up audits, as it is due.
+    fn audit_clock_fired(&mut self) {
+        if let Some(clock) = &self.audit_clock {
+            let mut count = [0u8; 8];
+            let _ = nix::unistd::read(clock, &mut count);
         }
     }
 
