@@ -674,3 +674,17 @@ fn a_record_that_is_no_word_is_a_suspect() {
     };
     assert_eq!(region.audit(&books).suspects, [Seat(1)]);
 }
+
+/// The layout is a protocol (the C client has its own copy of it): line 1
+/// is the broker's liveness word, lines 2 and 3 the hints, as
+/// docs/fastpath.md draws them.
+#[test]
+fn the_region_has_the_documented_layout() {
+    const LINE: usize = 8; // words of 64 bytes
+    assert_eq!(
+        (ring::LIVENESS, ring::TAIL, ring::SERVE),
+        (LINE, 2 * LINE, 3 * LINE)
+    );
+    // The ring follows, then a line per seat.
+    assert_eq!(ring::words_for(16, 3), 4 * LINE + 16 + 3 * LINE);
+}
