@@ -63,6 +63,9 @@ pub struct Regions {
     by_build: BTreeMap<BuildId, Region>,
     seated: HashMap<ClientId, (BuildId, Seat)>,
     audited: Option<Instant>,
+    /// Builds whose region an audit ended: none is made for them again
+    /// while they live.
+    refused: Vec<BuildId>,
 }
 
 /// One build's region.
@@ -133,6 +136,20 @@ impl View {
     }
 }
 
+/// Why a build gets no seat after an audit.
+const AUDITED_OUT: &str = "an audit found its build's region wrong";
+
+/// What an audit concluded.
+enum Verdict {
+    /// Balanced, not yet confirmed, or confirmed before.
+    Fine,
+    /// Confirmed, and the region readable: its clients go to the socket,
+    /// the seats of `.0` (records no correct client writes) last.
+    Dropped(Vec<Seat>),
+    /// Confirmed, and its queue unreadable: closed for good.
+    Closed,
+}
+
 /// What a client is told when it gets a seat.
 pub struct Offer<'a> {
     pub seat: u32,
@@ -156,12 +173,18 @@ impl Regions {
             .pool()
             .build_of(client)
             .ok_or("the connection has not said HELLO")?;
+        // Builds that ended are forgotten (their ids are not used again).
+        let pool = broker.pool();
+        self.refused.retain(|&b| pool.builds().any(|x| x.id == b));
+        if self.refused.contains(&build) {
+            return Err(AUDITED_OUT.into());
+        }
         let region = match self.by_build.entry(build) {
             Entry::Occupied(found) => found.into_mut(),
             Entry::Vacant(slot) => slot.insert(Region::new(broker, client, build)?),
         };
         if region.tainted {
-            return Err("its build's region was closed after an audit found it wrong".into());
+            return Err(AUDITED_OUT.into());
         }
         let seat = (0..SEATS)
             .find(|&s| region.clients[s].is_none() && !region.burnt[s])
@@ -237,36 +260,24 @@ impl Regions {
     pub fn evict_all(&mut self, broker: &mut Broker) {
         self.seated.clear();
         broker.set_fast_views(Vec::new());
-        for (_, mut region) in std::mem::take(&mut self.by_build) {
-            region.put_up_barrier(broker);
-            let seats: Vec<Seat> = region.seats().collect();
-            let ring = region.ring();
-            for &seat in &seats {
-                ring.revoke(seat);
-            }
-            for i in 0..ring.capacity() {
-                baton_client::fastpath::futex_wake(ring.slot_word(i));
-            }
-            // A client between two steps moves a word: read again until
-            // two reads agree (its step is a few instructions).
-            let snapshot = (0..10_000).find_map(|_| ring.snapshot().ok());
-            let Some((snapshot, _)) = snapshot else {
-                log::warn(format_args!(
-                    "fast path: a region kept moving while handed over; its tokens go back to the pool"
-                ));
-                region.retire(broker);
-                continue;
-            };
-            for seat in seats {
-                let client = region.clients[usize::from(seat.0)].expect("seated");
-                let held = broker.pool().held_by(region.lender);
-                let booked = snapshot.attributed(seat).min(held);
-                if let Err(e) = broker.transfer(region.lender, client, booked) {
-                    log::warn(format_args!("fast path: booking a seat's tokens: {e}"));
-                }
-            }
-            region.retire(broker);
+        for (_, region) in std::mem::take(&mut self.by_build) {
+            region.evict(broker, &[]);
         }
+    }
+
+    /// An audit confirmed that `build`'s region is wrong, and could read
+    /// it: every client is dropped to the socket path with what the region
+    /// attributes to it (`suspects` last, so that a record no correct
+    /// client writes takes only what is left), and the build gets no
+    /// region again.
+    fn drop_to_the_socket(&mut self, broker: &mut Broker, build: BuildId, suspects: &[Seat]) {
+        let Some(region) = self.by_build.remove(&build) else {
+            return;
+        };
+        self.seated.retain(|_, &mut (b, _)| b != build);
+        self.refused.push(build);
+        broker.set_fast_views(self.views());
+        region.evict(broker, suspects);
     }
 
     /// The broker's moves after each of its rounds: grants to lenders go
@@ -314,8 +325,17 @@ impl Regions {
         let due = self.audited.is_none_or(|t| t.elapsed() >= AUDIT_EVERY);
         if due {
             self.audited = Some(Instant::now());
-            for region in self.by_build.values_mut() {
-                broker.fast_counts().mismatches += u64::from(region.audit(broker));
+            let mut readable = Vec::new();
+            for (&build, region) in self.by_build.iter_mut() {
+                match region.audit(broker) {
+                    Verdict::Fine => continue,
+                    Verdict::Dropped(suspects) => readable.push((build, suspects)),
+                    Verdict::Closed => {}
+                }
+                broker.fast_counts().mismatches += 1;
+            }
+            for (build, suspects) in readable {
+                self.drop_to_the_socket(broker, build, &suspects);
             }
         }
     }
@@ -528,14 +548,15 @@ impl Region {
         true
     }
 
-    /// Checks the region against the lender's books; true when a mismatch
-    /// is confirmed (seen twice in a row) and the region closed for good.
-    fn audit(&mut self, broker: &mut Broker) -> bool {
+    /// Checks the region against the lender's books: a mismatch seen
+    /// twice in a row is confirmed (once), logged, and answered (the
+    /// verdict says how).
+    fn audit(&mut self, broker: &mut Broker) -> Verdict {
         let lent = broker.pool().held_by(self.lender);
         let snapshot = self.ring().snapshot();
         let unreadable = matches!(snapshot, Err(Unread::Corrupt));
         let audit = match snapshot {
-            Err(Unread::Moving) => return false, // read again later
+            Err(Unread::Moving) => return Verdict::Fine, // read again later
             Ok((snapshot, _)) => {
                 let audit = snapshot.audit(&Books {
                     lent,
@@ -543,7 +564,7 @@ impl Region {
                 });
                 if audit.balanced() {
                     self.odd_audits = 0;
-                    return false;
+                    return Verdict::Fine;
                 }
                 audit
             }
@@ -557,7 +578,7 @@ impl Region {
         };
         self.odd_audits += 1;
         if self.odd_audits < 2 || self.tainted {
-            return false;
+            return Verdict::Fine;
         }
         let suspects: Vec<String> = audit
             .suspects
@@ -578,17 +599,67 @@ impl Region {
                 audit.counted, audit.expected
             )
         };
+        let answer = if unreadable {
+            "it is closed for good (what it was lent comes back with its last client), and its clients get every token from the pool"
+        } else {
+            "every client of it is dropped to the socket path with what the region says it holds"
+        };
         log::warn(format_args!(
-            "fast path: {found}{}; it is closed for good, and its clients get every token from the pool",
+            "fast path: {found}{}; {answer}",
             if suspects.is_empty() {
                 String::new()
             } else {
-                format!("; records no correct client writes: {}", suspects.join(", "))
+                format!(
+                    "; records no correct client writes: {}",
+                    suspects.join(", ")
+                )
             }
         ));
         self.tainted = true;
-        self.hold_back(broker);
-        true
+        if unreadable {
+            self.hold_back(broker);
+            Verdict::Closed
+        } else {
+            Verdict::Dropped(audit.suspects)
+        }
+    }
+
+    /// Revokes every seat and wakes every sleeper; books on each seated
+    /// client's connection what the region attributes to it (`last`
+    /// after the others), as far as the lender holds it; then ends the
+    /// region. Its clients use the socket from their next operation (their
+    /// library moves what it held through the region to the connection's
+    /// count), at a handover and after an audit alike.
+    fn evict(mut self, broker: &mut Broker, last: &[Seat]) {
+        self.put_up_barrier(broker);
+        let mut seats: Vec<Seat> = self.seats().collect();
+        seats.sort_by_key(|s| last.contains(s));
+        let ring = self.ring();
+        for &seat in &seats {
+            ring.revoke(seat);
+        }
+        for i in 0..ring.capacity() {
+            baton_client::fastpath::futex_wake(ring.slot_word(i));
+        }
+        // A client between two steps moves a word: read again until two
+        // reads agree (its step is a few instructions).
+        let snapshot = (0..10_000).find_map(|_| ring.snapshot().ok());
+        let Some((snapshot, _)) = snapshot else {
+            log::warn(format_args!(
+                "fast path: a region kept moving while its seats were revoked; its tokens go back to the pool"
+            ));
+            self.retire(broker);
+            return;
+        };
+        for seat in seats {
+            let client = self.clients[usize::from(seat.0)].expect("seated");
+            let held = broker.pool().held_by(self.lender);
+            let booked = snapshot.attributed(seat).min(held);
+            if let Err(e) = broker.transfer(self.lender, client, booked) {
+                log::warn(format_args!("fast path: booking a seat's tokens: {e}"));
+            }
+        }
+        self.retire(broker);
     }
 
     /// The last client left: the free tokens, and whatever the lender
@@ -794,11 +865,19 @@ mod tests {
         regions.by_build.values_mut().next().expect("a region")
     }
 
+    /// What an audit concluded, as a word for a test's assertions.
+    fn verdict(regions: &mut Regions, broker: &mut Broker) -> &'static str {
+        match the_region(regions).audit(broker) {
+            Verdict::Fine => "fine",
+            Verdict::Dropped(_) => "dropped",
+            Verdict::Closed => "closed",
+        }
+    }
+
     /// A balanced region passes every audit; a mismatch is confirmed only
-    /// when seen twice in a row, and confirmed once: the region then
-    /// closes for good and gives its free tokens back.
+    /// when seen twice in a row, and confirmed once.
     #[test]
-    fn an_audit_closes_a_region_on_a_mismatch_seen_twice_and_only_then() {
+    fn an_audit_confirms_a_mismatch_seen_twice_and_only_then() {
         let mut broker = Broker::new(3).unwrap();
         let mut regions = Regions::default();
         let a = client(&mut broker);
@@ -807,28 +886,71 @@ mod tests {
         regions.round(&mut broker);
         region.ring().acquire(seat, &host(), None).unwrap();
         for n in 1..=3 {
-            assert!(
-                !the_region(&mut regions).audit(&mut broker),
+            assert_eq!(
+                verdict(&mut regions, &mut broker),
+                "fine",
                 "audit {n} of a region that matches the books"
             );
         }
         write_garbage(&region, seat);
-        let audits: Vec<bool> = (0..3)
-            .map(|_| the_region(&mut regions).audit(&mut broker))
-            .collect();
+        let audits: Vec<&str> = (0..3).map(|_| verdict(&mut regions, &mut broker)).collect();
         assert_eq!(
             audits,
-            [false, true, false],
+            ["fine", "dropped", "fine"],
             "confirmed on the second, once"
         );
-        assert!(the_region(&mut regions).tainted);
-        assert!(!the_region(&mut regions).open, "closed");
-        assert_eq!(broker.pool().free(), 2, "its free tokens went back");
-        let later = client(&mut broker);
-        assert!(
-            regions.offer(&mut broker, later).is_err(),
-            "no new seat in a region closed for good"
+    }
+
+    /// A confirmed mismatch in a region the broker can read drops every
+    /// client of it to the socket path, each with what the region says it
+    /// holds booked on its connection (the record no correct client
+    /// writes last, with what the lender has left: its free tokens went
+    /// back at the barrier), and its build gets no region again; nothing
+    /// is lost when they leave.
+    #[test]
+    fn a_region_found_wrong_drops_its_clients_to_the_socket_with_their_tokens() {
+        let mut broker = Broker::new(3).unwrap();
+        let mut regions = Regions::default();
+        let a = client(&mut broker);
+        broker.start_build(a, 1, "one build".into()).unwrap();
+        let (b, c) = (client(&mut broker), client(&mut broker));
+        let (region, seat_b) = seat_of(&mut regions, &mut broker, b);
+        let (_, seat_c) = seat_of(&mut regions, &mut broker, c);
+        regions.round(&mut broker);
+        region.ring().acquire(seat_c, &host(), None).unwrap();
+        write_garbage(&region, seat_b);
+        let long_ago = Instant::now() - 10 * AUDIT_EVERY;
+        for _ in 0..2 {
+            regions.audited = Some(long_ago);
+            regions.round(&mut broker);
+        }
+        assert_eq!(broker.status().totals.fastpath_mismatches, 1);
+        assert!(regions.is_empty(), "the region ended");
+        assert_eq!(broker.pool().held_by(c), 1, "c's token, on its connection");
+        assert_eq!(
+            (broker.pool().held_by(b), broker.pool().free()),
+            (0, 2),
+            "the free ones went back at the barrier: b's 7 get nothing"
         );
+        assert_eq!(
+            region.ring().acquire(seat_c, &host(), None),
+            Err(Refused::Revoked),
+            "c uses the socket now"
+        );
+        let later = client(&mut broker);
+        assert_eq!(
+            regions.offer(&mut broker, later).err().as_deref(),
+            Some(AUDITED_OUT),
+            "no region for the build again"
+        );
+        for id in [b, c, later, a] {
+            regions.leave(&mut broker, id);
+            broker.disconnect(id);
+        }
+        assert_eq!((broker.pool().held(), broker.pool().free()), (0, 3));
+        let next = client(&mut broker);
+        assert!(regions.offer(&mut broker, next).is_ok(), "another build");
+        assert!(regions.refused.is_empty(), "the ended build forgotten");
     }
 
     /// A seat given up cleanly is offered again; one whose record could
@@ -1017,10 +1139,8 @@ mod tests {
             .ring()
             .slot_word(0)
             .store(u64::MAX, std::sync::atomic::Ordering::SeqCst);
-        let audits: Vec<bool> = (0..3)
-            .map(|_| the_region(&mut regions).audit(&mut broker))
-            .collect();
-        assert_eq!(audits, [false, true, false]);
+        let audits: Vec<&str> = (0..3).map(|_| verdict(&mut regions, &mut broker)).collect();
+        assert_eq!(audits, ["fine", "closed", "fine"]);
         assert!(the_region(&mut regions).tainted);
         // Its last client leaves: every token is back in the pool.
         regions.leave(&mut broker, a);
