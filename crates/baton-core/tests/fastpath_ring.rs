@@ -688,3 +688,12 @@ fn the_region_has_the_documented_layout() {
     // The ring follows, then a line per seat.
     assert_eq!(ring::words_for(16, 3), 4 * LINE + 16 + 3 * LINE);
 }
+
+/// A slot names a party in 11 bits, 0 being the broker: 2,047 seats fit,
+/// 2,048 do not (seat 2,047 would be party 2,048, which has no bits).
+#[test]
+fn a_region_seats_at_most_2047_clients() {
+    assert_eq!(ring::MAX_SEATS, 2047);
+    assert!(Ring::init(&words(8, 2047), 8, 2047, 0).is_ok());
+    assert!(Ring::init(&words(8, 2048), 8, 2048, 0).is_err());
+}
