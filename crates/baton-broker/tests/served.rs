@@ -160,6 +160,10 @@ fn main() {
             a_reservation_nobody_reads_passes_to_the_next_waiter,
         ),
         (
+            "a_poller_holding_the_whole_pool_is_woken_by_its_own_give_back",
+            a_poller_holding_the_whole_pool_is_woken_by_its_own_give_back,
+        ),
+        (
             "a_poll_is_answered_the_events_asked_that_hold_and_no_others",
             a_poll_is_answered_the_events_asked_that_hold_and_no_others,
         ),
@@ -1551,12 +1555,21 @@ fn poll_one(file: &std::fs::File, events: i16, timeout_ms: i32) -> (i32, i16) {
 struct SleepingPoller {
     thread: std::thread::JoinHandle<(std::fs::File, i16, bool)>,
     cancel: UnixStream,
+    /// Its thread's id, once it runs.
+    tid: std::sync::Arc<std::sync::atomic::AtomicI32>,
 }
 
 fn a_sleeping_poller(file: &Path) -> SleepingPoller {
     let file = file.to_path_buf();
     let (cancel, cancelled) = UnixStream::pair().unwrap();
+    let tid = std::sync::Arc::new(std::sync::atomic::AtomicI32::new(0));
+    let its_tid = tid.clone();
     let thread = std::thread::spawn(move || {
+        // SAFETY: gettid has no preconditions.
+        its_tid.store(
+            unsafe { libc::gettid() },
+            std::sync::atomic::Ordering::SeqCst,
+        );
         let handle = open_rw(&file, true);
         let mut fds = [&handle as &dyn std::os::fd::AsRawFd, &cancelled].map(|f| libc::pollfd {
             fd: f.as_raw_fd(),
@@ -1567,10 +1580,26 @@ fn a_sleeping_poller(file: &Path) -> SleepingPoller {
         unsafe { libc::poll(fds.as_mut_ptr(), 2, -1) };
         (handle, fds[0].revents, fds[1].revents != 0)
     });
-    SleepingPoller { thread, cancel }
+    SleepingPoller {
+        thread,
+        cancel,
+        tid,
+    }
 }
 
 impl SleepingPoller {
+    /// Waits until its thread sleeps in poll(2): the broker has answered
+    /// its poll of the file "not ready" (the kernel's wait channel says
+    /// where a thread sleeps, proc(5)).
+    fn asleep(&self) {
+        wait_for(PATIENCE, "the poller to sleep in poll()", || {
+            let tid = self.tid.load(std::sync::atomic::Ordering::SeqCst);
+            tid != 0
+                && std::fs::read_to_string(format!("/proc/self/task/{tid}/wchan"))
+                    .is_ok_and(|w| w.contains("poll"))
+        });
+    }
+
     /// Its handle once woken; fails if it was not woken within PATIENCE
     /// (it is cancelled then, a hang guard).
     fn woken(mut self, what: &str) -> std::fs::File {
@@ -1627,6 +1656,28 @@ fn a_sleeping_poller_is_woken_by_a_freed_token_before_and_after_a_handover() {
     assert_eq!((&poller).write(b"+").unwrap(), 1);
     assert_eq!(peer.ask("RELEASE 1"), "RELEASED 1 0");
     new.assert_all_free();
+}
+
+/// A process that holds the whole pool through the file and polls it for
+/// one more (here from another thread) is woken by its own give-back, as
+/// a pipe's poller is by its own write: its wait could not be queued
+/// before (it would have waited for itself).
+fn a_poller_holding_the_whole_pool_is_woken_by_its_own_give_back() {
+    let Some((broker, mount)) = served_with_files(1) else {
+        return;
+    };
+    let file = mount.join("own");
+    std::fs::File::create(&file).unwrap();
+    let holder = open_rw(&file, true);
+    let mut byte = [0u8; 1];
+    assert_eq!((&holder).read(&mut byte).unwrap(), 1, "the whole pool");
+    let sleeper = a_sleeping_poller(&file);
+    sleeper.asleep();
+    assert_eq!((&holder).write(b"+").unwrap(), 1);
+    let poller = sleeper.woken("the holder's own poller");
+    assert_eq!((&poller).read(&mut byte).unwrap(), 1, "kept for it");
+    assert_eq!((&poller).write(b"+").unwrap(), 1);
+    broker.assert_all_free();
 }
 
 /// A token reserved for a poller that never reads it passes to the next

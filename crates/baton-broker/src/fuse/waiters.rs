@@ -153,6 +153,13 @@ struct Polled<N, A> {
     /// poller to sleep.
     #[serde(skip)]
     sleeps: bool,
+    /// Its process holds the whole pool, so its wait could not be queued
+    /// (it would wait for itself): it is queued when the process gives a
+    /// token back, as a pipe's poller is woken by its own write. Not
+    /// carried across a handover (its poller sees the token at its next
+    /// poll).
+    #[serde(skip)]
+    parked: bool,
 }
 
 impl<N, A: PollAnswer> Polled<N, A> {
@@ -164,6 +171,23 @@ impl<N, A: PollAnswer> Polled<N, A> {
             reserved_until: None,
             held: None,
             sleeps: false,
+            parked: false,
+        }
+    }
+}
+
+impl<N: PollWaker, A: PollAnswer> Polled<N, A> {
+    /// A token is reserved for it now: its held poll is answered ready,
+    /// and a sleeping poller woken.
+    fn reserve(&mut self, now: Instant) {
+        self.queued = false;
+        self.parked = false;
+        self.reserved_until = Some(now + RESERVATION);
+        if let Some(held) = self.held.take() {
+            held.answer.ready();
+        }
+        if std::mem::take(&mut self.sleeps) {
+            self.waker.wake();
         }
     }
 
@@ -441,7 +465,31 @@ impl<R: ReadReply, N: PollWaker, A: PollAnswer> Waiters<R, N, A> {
         }
         match tokens.min(taken) {
             0 => Ok(()),
-            ours => broker.release(client, ours).map_err(|e| errno_of(&e)),
+            ours => {
+                broker.release(client, ours).map_err(|e| errno_of(&e))?;
+                self.unpark(broker, client, Instant::now());
+                Ok(())
+            }
+        }
+    }
+
+    /// `client` gave tokens back: its polls that could not be queued while
+    /// it held the whole pool are queued now (behind whoever waited first),
+    /// or reserved at once if a token is free.
+    fn unpark(&mut self, broker: &mut Broker, client: ClientId, now: Instant) {
+        let parked = self
+            .polled
+            .iter_mut()
+            .filter(|(_, p)| p.parked && p.client == client);
+        for (&fh, p) in parked {
+            match broker.acquire(client, fh | POLL_TAG, 1) {
+                Ok(Acquired::Granted) => p.reserve(now),
+                Ok(Acquired::Queued) => {
+                    p.parked = false;
+                    p.queued = true;
+                }
+                Err(_) => {} // still the whole pool: its next give-back
+            }
         }
     }
 
@@ -482,10 +530,17 @@ impl<R: ReadReply, N: PollWaker, A: PollAnswer> Waiters<R, N, A> {
                 p
             }
             Entry::Vacant(new) => {
+                let mut parked = false;
                 let reserved = if will_wait {
                     match broker.acquire(client, fh | POLL_TAG, 1) {
                         Ok(Acquired::Granted) => true,
                         Ok(Acquired::Queued) => false,
+                        // It holds the whole pool: it waits for its own
+                        // give-back ([`Waiters::unpark`]).
+                        Err(PoolError::MoreThanLimit { .. }) => {
+                            parked = true;
+                            false
+                        }
                         Err(_) => return answer.not_ready(),
                     }
                 } else {
@@ -496,8 +551,9 @@ impl<R: ReadReply, N: PollWaker, A: PollAnswer> Waiters<R, N, A> {
                 }
                 let reserved_until = reserved.then_some(now + RESERVATION);
                 new.insert(Polled {
-                    queued: !reserved,
+                    queued: !reserved && !parked,
                     reserved_until,
+                    parked,
                     ..Polled::new(client, waker)
                 })
             }
@@ -590,16 +646,7 @@ impl<R: ReadReply, N: PollWaker, A: PollAnswer> Waiters<R, N, A> {
     fn deliver(&mut self, broker: &mut Broker, grant: Grant, now: Instant) {
         if grant.tag & POLL_TAG != 0 {
             match self.polled.get_mut(&(grant.tag & !POLL_TAG)) {
-                Some(p) if p.queued => {
-                    p.queued = false;
-                    p.reserved_until = Some(now + RESERVATION);
-                    if let Some(held) = p.held.take() {
-                        held.answer.ready();
-                    }
-                    if std::mem::take(&mut p.sleeps) {
-                        p.waker.wake();
-                    }
-                }
+                Some(p) if p.queued => p.reserve(now),
                 _ => {
                     let _ = broker.release(grant.client, grant.tokens);
                 }
@@ -626,7 +673,7 @@ impl<R: ReadReply, N: PollWaker, A: PollAnswer> Waiters<R, N, A> {
             }
         }
         self.polled
-            .retain(|_, p| p.queued || p.reserved_until.is_some());
+            .retain(|_, p| p.queued || p.parked || p.reserved_until.is_some());
     }
 
     /// When the next reservation or hold runs out.
@@ -931,6 +978,39 @@ mod tests {
         f.read(2, 20, false, "p2 read");
         assert_eq!(f.events(), ["p2 read token"]);
         assert_eq!(f.free(), 0);
+    }
+
+    /// A process that holds the whole pool and polls for one more cannot
+    /// be queued (it would wait for itself); its own give-back wakes its
+    /// poll, with the token reserved for it, as a pipe's poller is woken
+    /// by its own write.
+    #[test]
+    fn a_poller_holding_the_whole_pool_is_woken_by_its_own_give_back() {
+        let mut f = Fixture::new(1, Mode::OneAtATime, &[1]);
+        f.read(1, 10, false, "holder");
+        assert!(!f.poll(1, 11, "p1"), "nothing free");
+        f.events();
+        f.write(1, 1).unwrap();
+        assert_eq!(f.events(), ["p1 woken"]);
+        assert!(f.poll(1, 11, "p1"), "reserved for it");
+        f.read(1, 11, false, "p1 read");
+        assert_eq!(f.events(), ["p1 read token"]);
+    }
+
+    /// Its give-back queues it behind whoever waited first.
+    #[test]
+    fn a_poller_holding_the_whole_pool_queues_behind_earlier_waiters() {
+        let mut f = Fixture::new(1, Mode::OneAtATime, &[1, 2]);
+        f.read(1, 10, false, "holder");
+        assert!(!f.poll(2, 20, "p2"));
+        assert!(!f.poll(1, 11, "p1"));
+        f.events();
+        f.write(1, 1).unwrap();
+        assert_eq!(f.events(), ["p2 woken"], "the earlier waiter first");
+        f.read(2, 20, false, "p2 read");
+        f.events();
+        f.write(2, 1).unwrap();
+        assert_eq!(f.events(), ["p1 woken"], "then the holder that gave back");
     }
 
     #[test]
