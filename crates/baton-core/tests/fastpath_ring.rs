@@ -407,13 +407,38 @@ fn a_slot_naming_a_seat_the_region_does_not_have_is_corrupt() {
 
 #[test]
 fn a_region_of_another_layout_is_refused() {
+    use baton_core::fastpath::ring::LayoutError;
     let words: Vec<AtomicU64> = (0..64).map(|_| AtomicU64::new(0)).collect();
-    assert!(Ring::attach(&words).is_err(), "all zero: no magic");
-    Ring::init(&words, 16, 2, 1).unwrap();
-    assert_eq!(Ring::attach(&words).unwrap().capacity(), 16);
     assert!(
-        Ring::attach(&words[..40]).is_err(),
+        matches!(Ring::attach(&words), Err(LayoutError::Magic(0))),
+        "all zero: no magic"
+    );
+    Ring::init(&words, 16, 2, 1).unwrap();
+    let ring = Ring::attach(&words).unwrap();
+    assert_eq!((ring.capacity(), ring.seats(), ring.lent()), (16, 2, 1));
+    assert!(
+        matches!(Ring::attach(&words[..40]), Err(LayoutError::Size { .. })),
         "shorter than its header says"
+    );
+    // The magic, and no more than the header's own lines: the sizes are
+    // read, and found not to fit.
+    assert!(
+        matches!(Ring::attach(&words[..32]), Err(LayoutError::Size { .. })),
+        "the header alone"
+    );
+    assert!(
+        matches!(Ring::attach(&words[..31]), Err(LayoutError::Magic(_))),
+        "not even its header"
+    );
+    // A header whose capacity is out of range, seats in range.
+    let capacity = 1; // the header's word after the magic
+    words[capacity].store(0, SeqCst);
+    assert!(
+        matches!(
+            Ring::attach(&words),
+            Err(LayoutError::Range { capacity: 0, .. })
+        ),
+        "a ring of no slots"
     );
     assert!(
         Ring::init(&words, 16, 2, 16).is_err(),
