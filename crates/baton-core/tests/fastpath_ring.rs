@@ -722,3 +722,38 @@ fn a_region_seats_at_most_2047_clients() {
     assert!(Ring::init(&words(8, 2047), 8, 2047, 0).is_ok());
     assert!(Ring::init(&words(8, 2048), 8, 2048, 0).is_err());
 }
+
+/// A slot's ticket is this lap's, the lap before (a ring's length behind)
+/// or a later one; a ticket behind by anything else no correct party
+/// writes, and an operation that meets it is refused, not misled.
+#[test]
+fn a_slot_behind_by_less_than_a_lap_is_corrupt() {
+    let words = words(8, 2);
+    let ring = Ring::init(&words, 8, 2, 0).unwrap();
+    let host = Recorder::default();
+    let behind = SlotWord {
+        gen: u32::MAX, // ticket 0 less one
+        slot: Slot {
+            claim: Claim::Unclaimed,
+            grant: Grant::Open,
+        },
+        sleeping: false,
+    };
+    ring.slot_word(0).store(behind.pack(), SeqCst);
+    assert_eq!(
+        ring.step(Seat(0), Phase::Claim, &host).map(|(p, _)| p),
+        Err(Refused::Corrupt)
+    );
+}
+
+/// The hints as laid out: no ticket claimed yet, and the first tickets
+/// past the lent tokens awaiting a grant.
+#[test]
+fn the_hints_start_at_the_tail_and_past_the_lent_tokens() {
+    let words = words(8, 2);
+    let ring = Ring::init(&words, 8, 2, 3).unwrap();
+    assert_eq!(
+        (ring.hint_word(ring::TAIL), ring.hint_word(ring::SERVE)),
+        (0, 3)
+    );
+}
