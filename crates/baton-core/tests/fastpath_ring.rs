@@ -303,7 +303,10 @@ impl Pair<'_> {
     }
 }
 
-fn run(lent: u32, seats: u8, capacity: usize, moves: &[Move]) {
+/// Plays `moves` on a ring and on the model side by side, checking them
+/// against each other after every move; returns how many steps the ring
+/// refused as full, and how far its tail hint moved (tickets claimed).
+fn run(lent: u32, seats: u8, capacity: usize, moves: &[Move]) -> (u32, u64) {
     let words: Vec<AtomicU64> = (0..ring::words_for(capacity, seats.into()))
         .map(|_| AtomicU64::new(0))
         .collect();
@@ -326,6 +329,7 @@ fn run(lent: u32, seats: u8, capacity: usize, moves: &[Move]) {
         pair.apply(m);
         pair.check(&moves[..=i]);
     }
+    (pair.full, pair.ring.hint_word(ring::TAIL))
 }
 
 proptest! {
@@ -362,7 +366,11 @@ fn a_long_run_wraps_the_ring_many_times() {
         moves.extend([Move::Step(0); 6]);
         moves.extend([Move::Step(1); 6]);
     }
-    run(1, 2, 5, &moves);
+    let (full, tail) = run(1, 2, 5, &moves);
+    // Two clients and one token never fill five slots; and the tickets
+    // went round the ring many times.
+    assert_eq!(full, 0);
+    assert!(tail >= 200, "tail at ticket {tail}: 40 laps at least");
 }
 
 #[test]
