@@ -765,3 +765,20 @@ fn the_hints_start_at_the_tail_and_past_the_lent_tokens() {
         (0, 3)
     );
 }
+
+/// A claim in an open region waits without a word to the broker; the
+/// claim that lands on the barrier tells it (a NUDGE), since only the
+/// broker can serve what waits there.
+#[test]
+fn only_a_claim_on_the_barrier_tells_the_broker() {
+    let host = Recorder::default();
+    let words = words(8, 2);
+    let open = Ring::init(&words, 8, 2, 0).unwrap();
+    open.step(Seat(0), Phase::Claim, &host).unwrap();
+    assert!(host.told.borrow().is_empty(), "open: nothing to tell");
+    let words = self::words(8, 2);
+    let closed = Ring::init(&words, 8, 2, 0).unwrap();
+    closed.close().unwrap();
+    closed.step(Seat(0), Phase::Claim, &host).unwrap();
+    assert_eq!(host.told.borrow().as_slice(), [Notice::Waiting]);
+}
