@@ -782,3 +782,37 @@ fn only_a_claim_on_the_barrier_tells_the_broker() {
     closed.step(Seat(0), Phase::Claim, &host).unwrap();
     assert_eq!(host.told.borrow().as_slice(), [Notice::Waiting]);
 }
+
+/// A waiter marks its slot sleeping before it sleeps, so that the release
+/// that serves it wakes it: here the holder releases while the waiter is
+/// in its host's wait, and its one futex wake is the one it must make.
+#[test]
+fn a_sleeping_waiter_is_woken_by_the_release_that_serves_it() {
+    struct ReleaseDuringTheWait<'r> {
+        ring: &'r Ring<'r>,
+        releaser: Recorder,
+        released: std::cell::Cell<bool>,
+    }
+    impl Host for ReleaseDuringTheWait<'_> {
+        fn wait(&self, _: &AtomicU64, _: u32, _: Option<Instant>) {
+            if !self.released.replace(true) {
+                self.ring.release(Seat(0), &self.releaser).unwrap();
+            }
+        }
+        fn wake(&self, _: &AtomicU64) {}
+        fn tell(&self, _: Notice) {}
+    }
+    let words = words(8, 2);
+    let ring = Ring::init(&words, 8, 2, 1).unwrap();
+    assert_eq!(
+        ring.acquire(Seat(0), &Recorder::default(), None),
+        Ok(Acquired::Token)
+    );
+    let host = ReleaseDuringTheWait {
+        ring: &ring,
+        releaser: Recorder::default(),
+        released: std::cell::Cell::new(false),
+    };
+    assert_eq!(ring.acquire(Seat(1), &host, None), Ok(Acquired::Token));
+    assert_eq!(*host.releaser.wakes.borrow(), 1, "the sleeper was woken");
+}
