@@ -860,6 +860,26 @@ mod tests {
         p.assert_invariants();
     }
 
+    /// Counts that a division would also give are no proof: here each
+    /// transfer's amount differs from what the giver holds, and the last
+    /// one moves everything it holds, to another build.
+    #[test]
+    fn a_transfer_moves_exactly_its_tokens_between_clients_and_builds() {
+        let mut p = pool(3);
+        let lender = p.connect(());
+        let member = p.connect_beside(lender, ());
+        let other = p.connect(());
+        p.acquire(lender, 0, 3).unwrap();
+        p.transfer(lender, member, 1).unwrap();
+        assert_eq!((p.held_by(lender), p.held_by(member)), (2, 1));
+        p.transfer(lender, other, 2).unwrap();
+        assert_eq!((p.held_by(lender), p.held_by(other)), (0, 2), "all it held");
+        let mut builds: Vec<u32> = p.builds().map(|b| b.held).collect();
+        builds.sort();
+        assert_eq!(builds, [1, 2], "each build holds what its clients hold");
+        p.assert_invariants();
+    }
+
     #[test]
     fn the_admission_cap_reads_back() {
         let mut p = pool(3);
