@@ -728,6 +728,20 @@ mod tests {
         assert_eq!(region.tokens(), 1);
     }
 
+    /// A record taking a ticket that another seat claimed cannot be a
+    /// correct client's, though that ticket has its token.
+    #[test]
+    fn a_record_taking_another_seats_ticket_is_a_suspect() {
+        let mut region = Region::new(2, 1);
+        assert_eq!(run(&mut region, A, Phase::Claim), Phase::Done);
+        region.records[1].intent = Intent::Taking(0);
+        let books = Books {
+            lent: 1,
+            ..Books::default()
+        };
+        assert_eq!(region.audit(&books).suspects, [B]);
+    }
+
     /// A record that counts more tokens than were lent cannot be a
     /// correct client's, whatever its intent says.
     #[test]
