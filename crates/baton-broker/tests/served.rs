@@ -1885,6 +1885,15 @@ fn keepers_of(pid: u32) -> Vec<u32> {
     keepers
 }
 
+/// The one keeper `broker` starts, once it has started it (the mount
+/// comes first, its keeper a moment later).
+fn one_keeper_of(broker: u32) -> Vec<u32> {
+    wait_for(PATIENCE, "the broker's keeper to start", || {
+        keepers_of(broker).len() == 1
+    });
+    keepers_of(broker)
+}
+
 /// Which of `keepers` still live; each is killed, so none outlives the test.
 fn still_living(keepers: &[u32]) -> Vec<u32> {
     let living: Vec<u32> = keepers.iter().copied().filter(|&p| pid_alive(p)).collect();
@@ -1902,8 +1911,7 @@ fn a_broker_that_hands_over_or_stops_leaves_no_keeper_behind() {
     let Some((mut old, _mount)) = served_with_files(1) else {
         return;
     };
-    let keepers = keepers_of(old.pid());
-    assert_eq!(keepers.len(), 1, "{keepers:?}");
+    let keepers = one_keeper_of(old.pid());
     let mut new = served_at(&old.socket, "jobs=1\nreplace=1\nfuse=1");
     assert!(old.wait_exit(PATIENCE).success(), "{}", old.log());
     assert_eq!(
@@ -1914,8 +1922,7 @@ fn a_broker_that_hands_over_or_stops_leaves_no_keeper_behind() {
     wait_for(PATIENCE, "the successor to take the files", || {
         new.log().contains("taken over")
     });
-    let keepers = keepers_of(new.pid());
-    assert_eq!(keepers.len(), 1, "{keepers:?}");
+    let keepers = one_keeper_of(new.pid());
     let (status, log) = new.stop_with(libc::SIGTERM);
     assert!(status.success(), "{log}");
     assert_eq!(
