@@ -1114,22 +1114,15 @@ fn state_of(pid: u32) -> Option<char> {
     stat.rsplit(')').next()?.trim_start().chars().next()
 }
 
-/// `--on-memory-pressure pause` for real: a build (a client that holds 2
-/// tokens) runs two jobs that grow in the broker's memory cgroup; once
-/// less than the gate's 200 MiB is left, the job that grows and is not
-/// the first started is stopped (SIGSTOP), and when the first ends,
-/// it is resumed.
-fn a_growing_job_is_paused_while_memory_is_short_and_resumed_after() {
-    let spec = format!("min_mem={}\npause=1", 200 * MIB);
-    let Some((cgroup, broker)) = served_in_a_memory_cgroup("pause", &spec) else {
-        return;
-    };
-    // The build: a client that holds 2 tokens and runs make, whose two
-    // jobs (children of a build tool: jobs, as the broker counts them)
-    // start a moment apart and say their pids. Each takes 20 MiB every
-    // 50 ms, up to 200 MiB: both together would leave less than 200 MiB
-    // of 512.
-    let dir = TempDir::new("served-pause");
+/// Starts, in `cgroup`, a build that holds 2 tokens of `broker` and runs
+/// make, whose two jobs start a moment apart, write their pids (first.pid,
+/// second.pid) and each grow to 200 MiB: its directory and its client.
+fn start_pausing_build(
+    cgroup: &baton_bench::cgroup::MemCgroup,
+    broker: &RunningBroker,
+    dir_name: &str,
+) -> (TempDir, baton_testkit::Guarded) {
+    let dir = TempDir::new(dir_name);
     let job = "import time\nb = []\nwhile len(b) < 10:\n    b.append(bytearray(b'x' * (20 << 20)))\n    time.sleep(0.05)\ntime.sleep(60)";
     std::fs::write(dir.path().join("job.py"), job).unwrap();
     std::fs::write(
@@ -1156,6 +1149,25 @@ fn a_growing_job_is_paused_while_memory_is_short_and_resumed_after() {
         .env_remove("MAKEFLAGS")
         .env_remove("MAKELEVEL");
     let client = client.spawn_guarded().unwrap();
+    (dir, client)
+}
+
+/// `--on-memory-pressure pause` for real: a build (a client that holds 2
+/// tokens) runs two jobs that grow in the broker's memory cgroup; once
+/// less than the gate's 200 MiB is left, the job that grows and is not
+/// the first started is stopped (SIGSTOP), and when the first ends,
+/// it is resumed.
+fn a_growing_job_is_paused_while_memory_is_short_and_resumed_after() {
+    let spec = format!("min_mem={}\npause=1", 200 * MIB);
+    let Some((cgroup, broker)) = served_in_a_memory_cgroup("pause", &spec) else {
+        return;
+    };
+    // The build: a client that holds 2 tokens and runs make, whose two
+    // jobs (children of a build tool: jobs, as the broker counts them)
+    // start a moment apart and say their pids. Each takes 20 MiB every
+    // 50 ms, up to 200 MiB: both together would leave less than 200 MiB
+    // of 512.
+    let (dir, client) = start_pausing_build(&cgroup, &broker, "served-pause");
     let pid_of = |job: &str| {
         let path = dir.path().join(format!("{job}.pid"));
         let mut pid = None;
@@ -1432,33 +1444,7 @@ fn a_build_with_its_second_job_paused(
 )> {
     let spec = format!("min_mem={}\npause=1", 200 * MIB);
     let (cgroup, broker) = served_in_a_memory_cgroup(name, &spec)?;
-    let dir = TempDir::new("served-paused");
-    let job = "import time\nb = []\nwhile len(b) < 10:\n    b.append(bytearray(b'x' * (20 << 20)))\n    time.sleep(0.05)\ntime.sleep(60)";
-    std::fs::write(dir.path().join("job.py"), job).unwrap();
-    std::fs::write(
-        dir.path().join("Makefile"),
-        "all: first second\n\
-         first:\n\techo $$$$ > first.pid; exec python3 job.py\n\
-         second:\n\tsleep 0.3; echo $$$$ > second.pid; exec python3 job.py\n",
-    )
-    .unwrap();
-    let build = format!(
-        "import socket, subprocess, time\n\
-         s = socket.socket(socket.AF_UNIX); s.connect({socket:?})\n\
-         f = s.makefile('rw')\n\
-         f.write('HELLO 1 pausing\\nACQUIRE 2\\n'); f.flush()\n\
-         assert f.readline().startswith('OK'), 'hello'\n\
-         assert f.readline().startswith('GRANTED'), 'granted'\n\
-         subprocess.run(['make', '-s', '-j2'])\n",
-        socket = broker.socket.to_str().unwrap(),
-    );
-    let mut client = cgroup.command();
-    client
-        .args(["python3", "-c", &build])
-        .current_dir(dir.path())
-        .env_remove("MAKEFLAGS")
-        .env_remove("MAKELEVEL");
-    let client = client.spawn_guarded().unwrap();
+    let (dir, client) = start_pausing_build(&cgroup, &broker, "served-paused");
     let path = dir.path().join("second.pid");
     let mut second = None;
     wait_for(PATIENCE, "the second job", || {
