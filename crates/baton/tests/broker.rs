@@ -143,10 +143,14 @@ fn status_json_has_the_documented_keys() {
     // old hang-up), so wait for the count to settle at the three open now:
     // the holder, the waiting `baton run` and this STATUS itself.
     let mut v = serde_json::Value::Null;
-    wait_for(Duration::from_secs(10), "the client count to settle", || {
-        v = serde_json::from_str(&broker_status_json(&broker)).unwrap();
-        v["totals"]["clients"].as_u64() == Some(3)
-    });
+    wait_for(
+        Duration::from_secs(10),
+        "the client count to settle",
+        || {
+            v = serde_json::from_str(&broker_status_json(&broker)).unwrap();
+            v["totals"]["clients"].as_u64() == Some(3)
+        },
+    );
     let documented = documented_status_fields();
     assert!(
         documented.len() >= 17,
