@@ -357,7 +357,7 @@ impl Broker {
     /// add to its count (a seated client's tokens there) or take off (a
     /// lender's, whose tokens held by seated clients are listed as
     /// theirs); and the client of each claim waiting in a region.
-    fn fast_seen(&self) -> (HashMap<ClientId, i64>, Vec<ClientId>) {
+    fn fast_seen(&self) -> (HashMap<ClientId, i64>, Vec<(ClientId, SystemTime)>) {
         let mut held = HashMap::new();
         let mut waiting = Vec::new();
         for view in &self.fast_views {
@@ -374,8 +374,8 @@ impl Broker {
     /// STATUS's waiters: the pool's queue, but for the requests lenders
     /// make for claims behind a region's barrier, and the claims waiting
     /// in the regions, each as its client. A region keeps no clock: a
-    /// claim's `since` is when STATUS read it.
-    fn waiters(&self, in_regions: &[ClientId]) -> Vec<status::Waiter> {
+    /// claim's `since` is when the audit or a STATUS first saw it.
+    fn waiters(&self, in_regions: &[(ClientId, SystemTime)]) -> Vec<status::Waiter> {
         let lenders: Vec<ClientId> = self.fast_views.iter().map(|v| v.lender).collect();
         let now = SystemTime::now();
         let waiter = |id: ClientId, tokens: u32, since: SystemTime, transport: Transport| {
@@ -401,8 +401,8 @@ impl Broker {
             });
         let in_regions = in_regions
             .iter()
-            .filter(|&&id| self.books.pool.meta(id).is_some())
-            .map(|&id| waiter(id, 1, now, Transport::Region));
+            .filter(|&&(id, _)| self.books.pool.meta(id).is_some())
+            .map(|&(id, since)| waiter(id, 1, since, Transport::Region));
         queued.chain(in_regions).collect()
     }
 

@@ -25,9 +25,11 @@
 //!   rules apply (a build whose jobs run on keeps them).
 //! - **The audit**: at most once a second while the broker is awake, a
 //!   snapshot of each region is checked against the lender's books. A
-//!   mismatch seen twice is logged and counted, and the region is closed
-//!   for good: from then on every token its clients get comes from the
-//!   pool, which never grants past the limit.
+//!   mismatch seen twice is logged and counted, and every client of the
+//!   region is dropped to the socket path with what the region says it
+//!   holds (a queue the audit cannot read closes the region for good):
+//!   from then on every token its clients get comes from the pool, which
+//!   never grants past the limit.
 
 use crate::broker::Broker;
 use crate::log;
@@ -38,8 +40,8 @@ use baton_core::{Acquired, ClientId, Tag};
 use std::collections::btree_map::Entry;
 use std::collections::{BTreeMap, HashMap};
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
-use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant, SystemTime};
 
 /// Seats per region: clients of one build that share its memory. The
 /// layout allows 2047; a region's seat lines take 64 bytes each, and the
@@ -89,6 +91,34 @@ struct Region {
     odd_audits: u32,
     /// Closed for good after a confirmed mismatch.
     tainted: bool,
+    /// When each waiting claim was first seen; shared with STATUS's view.
+    first_seen: Arc<FirstSeen>,
+}
+
+/// When the broker first saw each claim waiting in a region, by ticket.
+/// The region keeps no clock (a client's claim is one compare-and-swap),
+/// so a waiter's `since` is the first audit or STATUS that saw it waiting:
+/// at most one audit period late while the audit clock runs.
+#[derive(Debug, Default)]
+struct FirstSeen(Mutex<BTreeMap<u64, SystemTime>>);
+
+impl FirstSeen {
+    /// The time each of `tickets` (waiting now) was first seen waiting:
+    /// `now` for those not seen before. Tickets no longer waiting are
+    /// forgotten, so that the map holds only the queue's waiters.
+    fn note(&self, tickets: &[u64], now: SystemTime) -> Vec<SystemTime> {
+        let mut seen = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        seen.retain(|t, _| tickets.contains(t));
+        let since = |&t: &u64| *seen.entry(t).or_insert(now);
+        tickets.iter().map(since).collect()
+    }
+}
+
+/// The absolute tickets and seats of the claims waiting in a snapshot
+/// whose oldest ticket is `base`.
+fn waiting_claims(region: &baton_core::fastpath::Region, base: usize) -> Vec<(u64, Seat)> {
+    let at = |(t, seat): (usize, Seat)| ((base + t) as u64, seat);
+    region.waiting_tickets().into_iter().map(at).collect()
 }
 
 /// A region as STATUS reads it: its memory, its lender, and who sits
@@ -98,6 +128,7 @@ pub struct View {
     mapping: Arc<Mapping>,
     pub lender: ClientId,
     seated: Vec<(Seat, ClientId)>,
+    first_seen: Arc<FirstSeen>,
 }
 
 /// What STATUS reads in one region at one moment.
@@ -106,8 +137,9 @@ pub struct Seen {
     /// Each seated client and the tokens the region attributes to it:
     /// held, returned, in flight.
     pub holdings: Vec<(ClientId, u32)>,
-    /// The client of each claim waiting for a token, oldest first.
-    pub waiting: Vec<ClientId>,
+    /// The client of each claim waiting for a token, oldest first, and
+    /// when the broker first saw the claim waiting.
+    pub waiting: Vec<(ClientId, SystemTime)>,
 }
 
 impl View {
@@ -116,14 +148,8 @@ impl View {
     /// at all.
     pub fn read(&self) -> Seen {
         let ring = self.mapping.ring();
-        let Some((region, _)) = (0..100).find_map(|_| ring.snapshot().ok()) else {
+        let Some((region, base)) = (0..100).find_map(|_| ring.snapshot().ok()) else {
             return Seen::default();
-        };
-        let client_at = |seat: Seat| {
-            self.seated
-                .iter()
-                .find(|&&(s, _)| s == seat)
-                .map(|&(_, client)| client)
         };
         Seen {
             holdings: self
@@ -131,8 +157,31 @@ impl View {
                 .iter()
                 .map(|&(seat, client)| (client, region.attributed(seat)))
                 .collect(),
-            waiting: region.waiting().into_iter().filter_map(client_at).collect(),
+            waiting: self.waiting(&region, base),
         }
+    }
+
+    /// Each claim waiting in `region` (a snapshot whose oldest ticket is
+    /// `base`) as its client, with when it was first seen waiting.
+    fn waiting(
+        &self,
+        region: &baton_core::fastpath::Region,
+        base: usize,
+    ) -> Vec<(ClientId, SystemTime)> {
+        let claims = waiting_claims(region, base);
+        let tickets: Vec<u64> = claims.iter().map(|&(t, _)| t).collect();
+        let since = self.first_seen.note(&tickets, SystemTime::now());
+        let client_at = |seat: Seat| {
+            self.seated
+                .iter()
+                .find(|&&(s, _)| s == seat)
+                .map(|&(_, client)| client)
+        };
+        claims
+            .iter()
+            .zip(since)
+            .filter_map(|(&(_, seat), since)| Some((client_at(seat)?, since)))
+            .collect()
     }
 }
 
@@ -247,6 +296,7 @@ impl Regions {
                 .seats()
                 .map(|seat| (seat, region.clients[usize::from(seat.0)].expect("seated")))
                 .collect(),
+            first_seen: region.first_seen.clone(),
         };
         self.by_build.values().map(view).collect()
     }
@@ -397,6 +447,7 @@ impl Region {
             next_tag: 0,
             odd_audits: 0,
             tainted: false,
+            first_seen: Arc::default(),
         })
     }
 
@@ -557,7 +608,11 @@ impl Region {
         let unreadable = matches!(snapshot, Err(Unread::Corrupt));
         let audit = match snapshot {
             Err(Unread::Moving) => return Verdict::Fine, // read again later
-            Ok((snapshot, _)) => {
+            Ok((snapshot, base)) => {
+                // The audit clock is also the waiters' clock.
+                let claims = waiting_claims(&snapshot, base);
+                let tickets: Vec<u64> = claims.iter().map(|&(t, _)| t).collect();
+                self.first_seen.note(&tickets, SystemTime::now());
                 let audit = snapshot.audit(&Books {
                     lent,
                     ..Books::default()
@@ -1123,6 +1178,57 @@ mod tests {
         assert_eq!(status.waiters.len(), 1, "{status:#?}");
         assert_eq!(status.waiters[0].transport, "fastpath");
         assert_eq!(status.waiters[0].pid, std::process::id());
+    }
+
+    /// A waiting claim's `since` is when the broker first saw it waiting
+    /// (here, by the audit clock), not the time of each STATUS; once
+    /// served, it is forgotten.
+    #[test]
+    fn a_claim_waiting_in_a_region_keeps_the_time_it_was_first_seen() {
+        let mut broker = Broker::new(1).unwrap();
+        let mut regions = Regions::default();
+        let a = client(&mut broker);
+        broker.start_build(a, 1, "one build".into()).unwrap();
+        let (region, seat_a) = seat_of(&mut regions, &mut broker, a);
+        regions.round(&mut broker);
+        region.ring().acquire(seat_a, &host(), None).unwrap();
+        let b = client(&mut broker);
+        let (region, seat_b) = seat_of(&mut regions, &mut broker, b);
+        let step = region
+            .ring()
+            .step(seat_b, baton_core::fastpath::Phase::Claim, &host());
+        assert!(step.is_ok(), "{step:?}");
+        regions.audited = Some(Instant::now() - AUDIT_EVERY * 2);
+        regions.round(&mut broker);
+        // The audit noted the claim; date its sighting far back, so that a
+        // STATUS that took its own time instead would show.
+        let long_ago = SystemTime::UNIX_EPOCH + Duration::from_secs(1000);
+        let first_seen = the_region(&mut regions).first_seen.clone();
+        {
+            let mut seen = first_seen.0.lock().unwrap();
+            assert_eq!(seen.len(), 1, "the audit saw one waiting claim");
+            seen.values_mut().for_each(|t| *t = long_ago);
+        }
+        let status = broker.status();
+        assert_eq!(status.waiters.len(), 1, "{status:#?}");
+        assert_eq!(status.waiters[0].since, 1000.0);
+        assert_eq!(broker.status().waiters[0].since, 1000.0, "and again");
+        // A serves B: the claim leaves the queue, and the clock forgets it.
+        region.ring().release(seat_a, &host()).unwrap();
+        assert!(broker.status().waiters.is_empty());
+        assert!(first_seen.0.lock().unwrap().is_empty());
+    }
+
+    #[test]
+    fn first_seen_keeps_each_tickets_first_sighting_and_forgets_the_served() {
+        let at = |s: u64| SystemTime::UNIX_EPOCH + Duration::from_secs(s);
+        let seen = FirstSeen::default();
+        assert_eq!(seen.note(&[5], at(10)), [at(10)]);
+        assert_eq!(seen.note(&[5, 6], at(20)), [at(10), at(20)]);
+        assert_eq!(seen.note(&[6], at(30)), [at(20)], "5 was served");
+        assert_eq!(seen.note(&[5, 6], at(40)), [at(40), at(20)], "5 anew");
+        assert_eq!(seen.note(&[], at(50)), []);
+        assert!(seen.0.lock().unwrap().is_empty());
     }
 
     /// A slot word no correct party writes makes the queue unreadable:

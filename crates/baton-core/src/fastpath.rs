@@ -512,10 +512,21 @@ impl Region {
     /// The seat of each claim still waiting for its token, oldest ticket
     /// first: one entry per waiting acquire.
     pub fn waiting(&self) -> Vec<Seat> {
-        let waits = self.slots.iter().filter_map(|s| match s.claim {
-            Claim::Claimed(Party::Seat(seat)) if !s.is_granted() => Some(seat),
-            _ => None,
-        });
+        let tickets = self.waiting_tickets().into_iter();
+        tickets.map(|(_, seat)| seat).collect()
+    }
+
+    /// [`Region::waiting`], each with its ticket: what tells one wait
+    /// from the next wait of the same seat.
+    pub fn waiting_tickets(&self) -> Vec<(Ticket, Seat)> {
+        let waits = self
+            .slots
+            .iter()
+            .enumerate()
+            .filter_map(|(t, s)| match s.claim {
+                Claim::Claimed(Party::Seat(seat)) if !s.is_granted() => Some((t, seat)),
+                _ => None,
+            });
         waits.collect()
     }
 
