@@ -342,4 +342,29 @@ mod tests {
         b.cgroup = Some("/ci/job-7".into());
         assert_eq!(place(&b), "  (uid 100000, cgroup /ci/job-7)");
     }
+
+    /// A build that only waits (starved) is listed as much as one that
+    /// holds; an idle one is not.
+    #[test]
+    fn builds_that_hold_or_only_wait_are_listed_idle_ones_are_not() {
+        let build = |name: &str, pid: u32, held: u32, waiting: u32| {
+            serde_json::json!({"name": name, "pid": pid, "weight": 1, "held": held,
+                "waiting": waiting, "grants": held, "token_seconds": 0.0})
+        };
+        let status: Status = serde_json::from_value(serde_json::json!({
+            "version": 1, "broker_pid": 1, "limit": 2, "free": 0, "held": 2,
+            "holders": [], "waiters": [],
+            "builds": [build("holding", 10, 2, 0), build("starved", 20, 0, 1), build("idle", 30, 0, 0)],
+            "totals": {"granted": 2, "released": 0, "reclaimed": 0, "waits": 1, "clients": 3},
+        }))
+        .unwrap();
+        let shown = render(&status, 0.0);
+        let names: Vec<&str> = shown
+            .lines()
+            .skip_while(|l| *l != "BUILDS")
+            .skip(2)
+            .filter_map(|l| l.split_whitespace().last())
+            .collect();
+        assert_eq!(names, ["holding", "starved"], "{shown}");
+    }
 }

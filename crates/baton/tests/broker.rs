@@ -697,6 +697,18 @@ fn a_second_broker_is_refused_and_a_stale_socket_replaced() {
         .unwrap()
         .file_type()
         .is_socket());
+    // Refused there (ECONNREFUSED), as good as no socket at all.
+    let stop = baton()
+        .args(["stop", "--socket"])
+        .arg(&broker.socket)
+        .output()
+        .unwrap();
+    assert_eq!(stop.status.code(), Some(3), "{}", text(&stop.stderr));
+    assert!(
+        text(&stop.stderr).starts_with("baton: no broker at "),
+        "{}",
+        text(&stop.stderr)
+    );
     let mut again = baton()
         .args(["serve", "--jobs", "1", "--socket"])
         .arg(&broker.socket)
@@ -707,6 +719,22 @@ fn a_second_broker_is_refused_and_a_stale_socket_replaced() {
     });
     unsafe { libc::kill(again.id() as i32, libc::SIGTERM) };
     assert!(again.wait().unwrap().success());
+}
+
+/// `Token::release` gives back its one token, once: the client's other
+/// token stays held, in its books and the broker's.
+#[test]
+fn a_token_released_by_hand_gives_back_its_token_once() {
+    let broker = RunningBroker::start(3);
+    let mut c = broker.client("two tokens");
+    c.acquire(1).unwrap();
+    c.token().unwrap().release().unwrap();
+    assert_eq!(c.held(), 1);
+    assert_eq!((broker.status().held, broker.status().free), (1, 2));
+    drop(c.token().unwrap());
+    assert_eq!(c.held(), 1);
+    c.release(1).unwrap();
+    broker.assert_all_free();
 }
 
 /// The time and level a broker log line starts with, if it has them:
@@ -1271,9 +1299,10 @@ fn a_client_that_never_reads_is_paused_past_1_mib_and_served_in_full_when_it_rea
 /// ^C on a terminal signals the whole foreground group, baton run and its
 /// command alike: the command sees it (one SIGINT counted; a second one
 /// from baton run is caught only when it comes after the first was
-/// handled, since a pending signal absorbs its twin). A SIGHUP sent to
-/// baton run alone is forwarded. baton run runs here as the session
-/// leader of a pseudo-terminal, as in a shell.
+/// handled, since a pending signal absorbs its twin). A SIGHUP or a
+/// SIGINT sent to baton run alone (a supervisor's, a CI timeout's) is
+/// forwarded. baton run runs here as the session leader of a
+/// pseudo-terminal, as in a shell.
 #[test]
 fn a_terminal_sigint_reaches_the_command_and_sighup_is_forwarded() {
     use std::os::unix::process::CommandExt;
@@ -1338,6 +1367,11 @@ fn a_terminal_sigint_reaches_the_command_and_sighup_is_forwarded() {
     wait_for(Duration::from_secs(30), "the command to get SIGHUP", || {
         !counted("INT=1 HUP=0")
     });
+    // Sent by a process, not typed: the command gets it from baton run.
+    unsafe { libc::kill(run.id() as i32, libc::SIGINT) };
+    wait_for(Duration::from_secs(30), "the command to get SIGINT", || {
+        counted("INT=2 HUP=1")
+    });
     // Forwarded last, after any second SIGINT baton run would have sent.
     unsafe { libc::kill(run.id() as i32, libc::SIGTERM) };
     let status = wait_timeout(&mut run, Duration::from_secs(30));
@@ -1345,7 +1379,7 @@ fn a_terminal_sigint_reaches_the_command_and_sighup_is_forwarded() {
     assert!(status.is_some(), "baton run did not end on SIGTERM");
     assert_eq!(
         std::fs::read_to_string(&counts).unwrap_or_default(),
-        "INT=1 HUP=1"
+        "INT=2 HUP=1"
     );
     broker.assert_all_free();
 }

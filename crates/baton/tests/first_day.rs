@@ -391,6 +391,28 @@ fn gates_in_the_config_file_reach_the_broker_baton_run_starts() {
     assert_eq!(paused, resumed, "every paused job resumed: {log}");
 }
 
+/// `baton serve` without `--jobs` reads the file: each gate it sets
+/// holds unless the command line sets the same one, which wins.
+#[test]
+fn baton_serve_takes_the_file_s_gates_and_its_own_options_win() {
+    let home = Home::new("serve-file-gates");
+    home.write_config("jobs = 2\nmax-load = 7\nmax-mem-pressure = 40\n");
+    let socket = home.dir.path().join("serve/socket");
+    let mut serve = home.baton(&["serve", "--max-load", "9", "--socket"]);
+    serve.arg(&socket);
+    let broker = RunningBroker::start_command(serve, TempDir::new("serve-file-gates"), socket);
+    let limit = baton()
+        .args(["limit", "--socket"])
+        .arg(&broker.socket)
+        .output()
+        .unwrap();
+    assert!(limit.status.success(), "{}", text(&limit.stderr));
+    assert_eq!(
+        text(&limit.stdout),
+        "limit 2\ngate mem-pressure  max 40\ngate load          max 9\n"
+    );
+}
+
 /// The subcommands `baton --help` lists (but help).
 fn subcommands() -> Vec<String> {
     let help = text(&baton().arg("--help").output().unwrap().stdout);
