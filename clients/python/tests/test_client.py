@@ -58,6 +58,27 @@ def test_try_acquire_takes_only_what_is_free(start_broker):
     all_free(broker)
 
 
+def test_a_token_from_try_acquire_of_several_gives_all_of_them_back(start_broker):
+    """try_acquire(n)'s token is n tokens: released, the client holds none."""
+    broker = start_broker(3)
+    with Client(broker.socket, "several") as client:
+        token = client.try_acquire(2)
+        assert token is not None and token.n == 2
+        assert [(h["command"], h["tokens"]) for h in client.status()["holders"]] == [("several", 2)]
+        token.release()
+        assert client.status()["holders"] == []
+
+    async def main() -> None:
+        async with AsyncClient(broker.socket, "several async") as client:
+            token = await client.try_acquire(2)
+            assert token is not None and token.n == 2
+            await token.release()
+            assert (await client.status())["holders"] == []
+
+    asyncio.run(main())
+    all_free(broker)
+
+
 def test_an_expired_timeout_takes_nothing(start_broker):
     broker = start_broker(1)
     with Client(broker.socket, "holder") as holder, Client(broker.socket, "waiter") as waiter:

@@ -51,6 +51,10 @@ fn main() {
             "a_lowered_limit_closes_the_region_until_it_holds_no_more",
             a_lowered_limit_closes_the_region_until_it_holds_no_more,
         ),
+        (
+            "a_try_of_two_with_a_seat_takes_two_or_none",
+            a_try_of_two_with_a_seat_takes_two_or_none,
+        ),
         #[cfg(target_arch = "x86_64")]
         (
             "a_kernel_without_memfd_leaves_every_client_on_the_socket",
@@ -423,6 +427,31 @@ fn a_lowered_limit_closes_the_region_until_it_holds_no_more() {
     });
     assert!(!a.try_acquire(1).unwrap(), "one token at limit 1");
     a.release(1).unwrap();
+}
+
+/// Only `try_acquire(1)` goes through the region: a TRY of two is the
+/// socket's, which grants both or neither (the region may hold the free
+/// ones), never one of them.
+fn a_try_of_two_with_a_seat_takes_two_or_none() {
+    let broker = served(3, "");
+    let _root = build_root(&broker);
+    let mut a = fast_client(&broker, "a");
+    wait_for(PATIENCE, "the region to lend a token", || {
+        a.try_acquire(1).unwrap()
+    });
+    a.release(1).unwrap(); // back into the region, free there
+    let took = a.try_acquire(2).unwrap();
+    assert_eq!(
+        a.held(),
+        if took { 2 } else { 0 },
+        "a TRY of two holds two or none"
+    );
+    if took {
+        a.release(2).unwrap();
+    }
+    assert_eq!(a.held(), 0);
+    drop(a);
+    wait_for(PATIENCE, "every token back", || books(&broker) == (0, 3));
 }
 
 /// Where the broker cannot make a region (a kernel before 3.17 has no

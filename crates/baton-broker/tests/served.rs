@@ -36,6 +36,10 @@ fn main() {
     }
     let tests: &[(&str, fn())] = &[
         (
+            "the_client_counts_each_grant_once_and_tries_up_to_the_last_free_token",
+            the_client_counts_each_grant_once_and_tries_up_to_the_last_free_token,
+        ),
+        (
             "requests_split_anywhere_or_sent_at_once_get_the_same_replies",
             requests_split_anywhere_or_sent_at_once_get_the_same_replies,
         ),
@@ -1969,4 +1973,31 @@ fn the_log_names_each_process_reclaimed_from_and_no_other() {
         )),
         "{log}"
     );
+}
+
+/// `baton_client`'s books of a connection: `held` is the broker's count
+/// after each grant (not a sum of them), and `try_up_to` takes what is
+/// free when that is fewer than asked, down to a single token (the
+/// feeder tops a build up with it).
+fn the_client_counts_each_grant_once_and_tries_up_to_the_last_free_token() {
+    let broker = served(3, "");
+    let mut a = broker.client("a");
+    a.acquire(1).unwrap();
+    assert_eq!(a.held(), 1);
+    a.acquire(1).unwrap();
+    assert_eq!(a.held(), 2, "two grants of one");
+    let mut b = broker.client("b");
+    assert_eq!(b.try_up_to(2).unwrap(), 1, "one of the two asked is free");
+    assert_eq!(b.held(), 1);
+    assert_eq!(b.try_up_to(2).unwrap(), 0, "none left");
+    a.release(2).unwrap();
+    assert_eq!(a.held(), 0);
+    assert_eq!(
+        b.try_up_to(3).unwrap(),
+        2,
+        "two of the three asked are free"
+    );
+    assert_eq!(b.held(), 3);
+    drop((a, b));
+    wait_for(PATIENCE, "every token back", || broker.status().free == 3);
 }
