@@ -657,6 +657,71 @@ mod tests {
         }
     }
 
+    /// The holders panel lists the selected build's holders, and only
+    /// theirs: moving the selection moves the panel with it.
+    #[test]
+    fn the_holders_panel_shows_the_selected_build_s_holders_only() {
+        let mut top = top_with(vec![build(2, "small", 1, 3), build(3, "big", 2, 9)]);
+        let holder =
+            |pid: u32, build: u64, tokens: u32, command: &str| baton_core::status::Holder {
+                pid,
+                command: command.into(),
+                tokens,
+                since: now(),
+                transport: "socket".into(),
+                build,
+                stopped: false,
+            };
+        top.status.as_mut().unwrap().holders = vec![
+            holder(42002, 2, 1, "make-small-job"),
+            holder(43003, 3, 2, "make-big-job"),
+        ];
+        let shown = |top: &Top| {
+            let mut terminal = Terminal::new(TestBackend::new(120, 40)).unwrap();
+            terminal.draw(|f| top.draw(f)).unwrap();
+            terminal.backend().to_string()
+        };
+        let screen = shown(&top);
+        assert!(
+            screen.contains("holders of big")
+                && screen.contains("make-big-job")
+                && screen.contains("43003")
+                && !screen.contains("make-small-job")
+                && !screen.contains("42002"),
+            "the top row (big) is selected at first:\n{screen}"
+        );
+        top.select(1);
+        top.select(1);
+        let screen = shown(&top);
+        assert!(
+            screen.contains("holders of small")
+                && screen.contains("make-small-job")
+                && !screen.contains("make-big-job"),
+            "small selected:\n{screen}"
+        );
+    }
+
+    /// Sorted by RUNNING, the build that has run longest (started first)
+    /// comes first; `r` reverses that.
+    #[test]
+    fn sorted_by_running_the_oldest_build_comes_first() {
+        let started = |id: u64, name: &str, ago: f64| Build {
+            since: now() - ago,
+            ..build(id, name, 1, 1)
+        };
+        let mut top = top_with(vec![
+            started(1, "middle", 60.0),
+            started(2, "newest", 5.0),
+            started(3, "oldest", 3600.0),
+        ]);
+        top.sort = Sort::Running;
+        let names =
+            |top: &Top| -> Vec<String> { top.rows().iter().map(|b| b.name.clone()).collect() };
+        assert_eq!(names(&top), ["oldest", "middle", "newest"]);
+        top.reversed = true;
+        assert_eq!(names(&top), ["newest", "middle", "oldest"]);
+    }
+
     #[test]
     fn durations_read_as_people_write_them() {
         assert_eq!(

@@ -339,6 +339,41 @@ fn gates_are_shown_by_status_and_set_live() {
     broker.assert_all_free();
 }
 
+/// A memory threshold below a GiB reads in MiB, as it was given, in
+/// `baton limit` and `baton status`; one above in GiB.
+#[test]
+fn memory_thresholds_read_as_they_were_given() {
+    let broker =
+        RunningBroker::start_with(2, &["--min-mem-available", "512M", "--max-load", "1000"]);
+    let shown = |args: &[&str]| {
+        let out = baton()
+            .args(args)
+            .arg("--socket")
+            .arg(&broker.socket)
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8(out.stdout).unwrap()
+    };
+    let limit = shown(&["limit"]);
+    assert!(
+        limit.contains("gate mem-available min 512M\n")
+            && limit.contains("gate load          max 1000\n"),
+        "{limit}"
+    );
+    let status = shown(&["status"]);
+    assert!(status.contains("min 512M\n"), "{status}");
+    let set = shown(&["limit", "--min-mem-available", "1.5G"]);
+    assert!(set.contains("gate mem-available 1.5G"), "{set}");
+    let limit = shown(&["limit"]);
+    assert!(limit.contains("gate mem-available min 1.5G\n"), "{limit}");
+    broker.assert_all_free();
+}
+
 /// With no gate set the gates' thread sleeps; setting one wakes it, and
 /// from then on it measures: the load gate closes under stress-ng and
 /// opens again once it ends, neither of which the reading the broker took
