@@ -892,6 +892,66 @@ fn a_member_may_hold_again_no_more_than_the_limit() {
     broker.wait_all_free();
 }
 
+/// A member whose successor's options no longer admit it keeps its
+/// connection and the tokens its build holds through `serve --replace`,
+/// but only as a member: the successor never gives it the owner's rights.
+#[test]
+fn a_member_the_successor_does_not_admit_stays_a_member() {
+    if !can_act_as_another_user() {
+        return;
+    }
+    let mut broker = broker_admitting(&["--allow-uid", &MEMBER.to_string()]);
+    // A relay: each line on stdin goes to the broker, its reply to stdout.
+    let relay = "import socket, sys\n\
+        s = socket.socket(socket.AF_UNIX)\n\
+        s.connect(sys.argv[1])\n\
+        f = s.makefile('rw')\n\
+        for line in sys.stdin:\n\
+        \x20   f.write(line); f.flush(); print(f.readline().strip(), flush=True)\n";
+    let mut member = Command::new("setpriv")
+        .args([
+            &format!("--reuid={MEMBER}"),
+            &format!("--regid={MEMBER}"),
+            "--clear-groups",
+        ])
+        .arg(python())
+        .args(["-c", relay])
+        .arg(&broker.socket)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn_guarded()
+        .unwrap();
+    let mut to_broker = member.stdin.take().unwrap();
+    let mut replies = BufReader::new(member.stdout.take().unwrap());
+    let mut ask = |request: &str| {
+        writeln!(to_broker, "{request}").unwrap();
+        let mut reply = String::new();
+        replies.read_line(&mut reply).unwrap();
+        reply.trim_end().to_string()
+    };
+    assert!(ask("HELLO 1 member").starts_with("OK 1 "));
+    assert_eq!(ask("ACQUIRE 1"), "GRANTED 1 1");
+
+    // The successor admits nobody but its own user.
+    let _successor = broker
+        .successor(4, &["--no-fuse"])
+        .stderr(Stdio::null())
+        .spawn_guarded()
+        .expect("start the successor");
+    broker.wait_exit(Duration::from_secs(30));
+    assert_eq!(broker.status().held, 1, "the member's token came along");
+
+    assert_eq!(ask("RELEASE 1"), "RELEASED 1 0");
+    // Refused, which closes its connection.
+    let limit = ask("LIMIT 1");
+    assert!(
+        limit.starts_with(&format!("ERR denied uid {MEMBER} may not change the limit")),
+        "{limit}"
+    );
+    assert_eq!(broker.status().limit, 4, "the member changed the limit");
+    broker.wait_all_free();
+}
+
 /// Other users cannot reach a socket in baton's own private directory
 /// (0700): asked to admit them there, `serve` refuses in words that say
 /// where to put the socket instead, and starts nothing. A bad group is
