@@ -1327,6 +1327,20 @@ mod tests {
         );
     }
 
+    /// Re-attached with every token lent (a `fifo:` build at its cap, which
+    /// is otherwise left unheard between looks): until the new broker is
+    /// asked, others are taken to wait, so the build's reads and writes are
+    /// listened to again at once, not only at the next timed look.
+    #[test]
+    fn a_build_at_its_cap_is_listened_to_again_after_a_re_attach() {
+        let scratch = crate::tests::Scratch::new("feeder-reattach-quiet");
+        let mut feeder = feeder(&scratch, 2);
+        feeder.lend(2).unwrap();
+        assert!(feeder.quiet(), "at its cap with nobody waiting: unheard");
+        feeder.reattached();
+        assert!(!feeder.quiet(), "the new broker may want tokens back");
+    }
+
     /// A lowered limit the last look (a moment ago) could not know of: the
     /// token a job writes back goes to the broker, which wants it, not into
     /// the FIFO for the build's next job (it used to: up to 50 ms after a
