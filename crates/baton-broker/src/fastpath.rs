@@ -1154,10 +1154,9 @@ mod tests {
         assert_eq!(broker.status().totals.fastpath_mismatches, 1);
     }
 
-    /// A claim waiting in an open region (the broker never saw it) is in
-    /// STATUS as its client's.
-    #[test]
-    fn status_lists_a_claim_waiting_in_an_open_region() {
+    /// One build, one token, in an open region: seat A holds it, and
+    /// seat B's claim waits for it. The region and A's seat, to release.
+    fn a_claim_waiting_behind_a_holder() -> (Broker, Regions, Mapping, Seat) {
         let mut broker = Broker::new(1).unwrap();
         let mut regions = Regions::default();
         let a = client(&mut broker);
@@ -1171,6 +1170,14 @@ mod tests {
             .ring()
             .step(seat_b, baton_core::fastpath::Phase::Claim, &host());
         assert!(step.is_ok(), "{step:?}");
+        (broker, regions, region, seat_a)
+    }
+
+    /// A claim waiting in an open region (the broker never saw it) is in
+    /// STATUS as its client's.
+    #[test]
+    fn status_lists_a_claim_waiting_in_an_open_region() {
+        let (mut broker, mut regions, _, _) = a_claim_waiting_behind_a_holder();
         regions.round(&mut broker);
         assert!(the_region(&mut regions).open);
         let status = broker.status();
@@ -1185,19 +1192,7 @@ mod tests {
     /// served, it is forgotten.
     #[test]
     fn a_claim_waiting_in_a_region_keeps_the_time_it_was_first_seen() {
-        let mut broker = Broker::new(1).unwrap();
-        let mut regions = Regions::default();
-        let a = client(&mut broker);
-        broker.start_build(a, 1, "one build".into()).unwrap();
-        let (region, seat_a) = seat_of(&mut regions, &mut broker, a);
-        regions.round(&mut broker);
-        region.ring().acquire(seat_a, &host(), None).unwrap();
-        let b = client(&mut broker);
-        let (region, seat_b) = seat_of(&mut regions, &mut broker, b);
-        let step = region
-            .ring()
-            .step(seat_b, baton_core::fastpath::Phase::Claim, &host());
-        assert!(step.is_ok(), "{step:?}");
+        let (mut broker, mut regions, region, seat_a) = a_claim_waiting_behind_a_holder();
         regions.audited = Some(Instant::now() - AUDIT_EVERY * 2);
         regions.round(&mut broker);
         // The audit noted the claim; date its sighting far back, so that a

@@ -245,6 +245,19 @@ impl RunningBroker {
         self.client("test status").status().expect("status")
     }
 
+    /// `baton ARGS... --socket S`, which must succeed: its standard
+    /// output.
+    pub fn cli(&self, args: &[&str]) -> String {
+        let out = baton()
+            .args(args)
+            .arg("--socket")
+            .arg(&self.socket)
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "baton {args:?}: {}", stderr(&out));
+        stdout(&out)
+    }
+
     /// `baton run --socket S ARGS...`
     pub fn run(&self, args: &[&str]) -> Command {
         let mut cmd = baton();

@@ -264,17 +264,7 @@ fn json_at<'a>(v: &'a serde_json::Value, path: &str) -> Option<&'a serde_json::V
 }
 
 fn broker_status_json(broker: &RunningBroker) -> String {
-    let out = baton()
-        .args(["status", "--json", "--socket"])
-        .arg(&broker.socket)
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8(out.stdout).unwrap()
+    broker.cli(&["status", "--json"])
 }
 
 #[test]

@@ -345,20 +345,7 @@ fn gates_are_shown_by_status_and_set_live() {
 fn memory_thresholds_read_as_they_were_given() {
     let broker =
         RunningBroker::start_with(2, &["--min-mem-available", "512M", "--max-load", "1000"]);
-    let shown = |args: &[&str]| {
-        let out = baton()
-            .args(args)
-            .arg("--socket")
-            .arg(&broker.socket)
-            .output()
-            .unwrap();
-        assert!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        String::from_utf8(out.stdout).unwrap()
-    };
+    let shown = |args: &[&str]| broker.cli(args);
     let limit = shown(&["limit"]);
     assert!(
         limit.contains("gate mem-available min 512M\n")
