@@ -3,7 +3,9 @@
 //! loopback ports in a temporary directory and ended by pid: brokers that
 //! share a pool never hold more than its limit together, a broker killed
 //! with SIGKILL gives its tokens back through its lease, and an etcd that
-//! goes away and comes back neither creates nor loses a token. Built with
+//! goes away and comes back neither creates nor loses a token; brokers
+//! queued on a full pool are served first come, first served, and a
+//! holder's lease is renewed for as long as it holds. Built with
 //! the `cluster` feature only (scripts/test turns it on).
 #![cfg(feature = "cluster")]
 
@@ -22,6 +24,7 @@ trait Keys {
     fn tokens(&self, pool: &str) -> usize;
     fn holders(&self, pool: &str) -> Vec<String>;
     fn queued(&self, pool: &str) -> bool;
+    fn queue_len(&self, pool: &str) -> usize;
 }
 
 impl Keys for Etcd {
@@ -60,17 +63,34 @@ impl Keys for Etcd {
     }
 
     fn queued(&self, pool: &str) -> bool {
-        !self
-            .etcdctl(&[
-                "get",
-                "--prefix",
-                "--keys-only",
-                &format!("/baton/{pool}/queue/"),
-            ])
-            .unwrap()
-            .stdout
-            .is_empty()
+        self.queue_len(pool) > 0
     }
+
+    /// How many brokers wait in the pool's queue.
+    fn queue_len(&self, pool: &str) -> usize {
+        let prefix = format!("/baton/{pool}/queue/");
+        let out = self
+            .etcdctl(&["get", "--prefix", "--keys-only", &prefix])
+            .unwrap();
+        String::from_utf8_lossy(&out.stdout)
+            .lines()
+            .filter(|l| l.starts_with(&prefix))
+            .count()
+    }
+}
+
+/// A client of `broker` that asks for one token on a thread of its own
+/// and says when it got it.
+fn acquire_one_in_background(
+    broker: &RunningBroker,
+    name: &'static str,
+) -> std::thread::JoinHandle<(baton_client::Client, Instant)> {
+    let socket = broker.socket.clone();
+    std::thread::spawn(move || {
+        let mut client = baton_client::Client::connect(&socket, name).unwrap();
+        client.acquire(1).unwrap();
+        (client, Instant::now())
+    })
 }
 
 fn start_etcd(members: usize, dir: &TempDir) -> Etcd {
@@ -168,12 +188,7 @@ fn a_killed_brokers_cluster_tokens_come_back_after_its_lease() {
         etcd.holders("reclaim")
     );
 
-    let socket = survivor.socket.clone();
-    let waiter = std::thread::spawn(move || {
-        let mut client = baton_client::Client::connect(&socket, "waits").unwrap();
-        client.acquire(1).unwrap();
-        (client, Instant::now())
-    });
+    let waiter = acquire_one_in_background(&survivor, "waits");
     wait_for(LONG, "the survivor to queue in etcd", || {
         etcd.queued("reclaim")
     });
@@ -354,4 +369,96 @@ fn a_broker_that_stops_gives_its_cluster_tokens_back_at_once() {
         0,
         "tokens left in etcd after the broker stopped: {log}"
     );
+}
+
+#[test]
+fn brokers_queued_on_a_full_cluster_pool_are_served_in_the_order_they_came() {
+    let etcd_dir = TempDir::new("etcd");
+    let etcd = start_etcd(1, &etcd_dir);
+    // No lingering: a freed token goes back to etcd at once.
+    let now = ["--cluster-linger-ms", "0"];
+    let brokers: Vec<RunningBroker> = (0..3)
+        .map(|_| cluster_broker(&etcd, 2, "turns", 1, &now))
+        .collect();
+    let mut holder = brokers[0].client("holds the only token");
+    holder.acquire(1).unwrap();
+
+    let first = acquire_one_in_background(&brokers[1], "came first");
+    wait_for(LONG, "the first broker to queue in etcd", || {
+        etcd.queue_len("turns") == 1
+    });
+    let second = acquire_one_in_background(&brokers[2], "came second");
+    wait_for(LONG, "the second broker to queue behind it", || {
+        etcd.queue_len("turns") == 2
+    });
+
+    holder.release(1).unwrap();
+    wait_for(LONG, "a grant once the token was freed", || {
+        first.is_finished() || second.is_finished()
+    });
+    assert!(
+        !second.is_finished(),
+        "the broker that queued second was served first"
+    );
+    let (mut client, _) = first.join().unwrap();
+    let pid = brokers[1].pid().to_string();
+    assert!(
+        etcd.holders("turns").iter().all(|h| h.ends_with(&pid)),
+        "the broker that queued first holds the token: {:?}",
+        etcd.holders("turns")
+    );
+    client.release(1).unwrap();
+    let (mut client, _) = common::join_within(second, LONG, "the second broker's grant");
+    client.release(1).unwrap();
+    for broker in &brokers {
+        broker.assert_all_free();
+    }
+    wait_for(LONG, "every cluster token back in etcd", || {
+        etcd.tokens("turns") == 0
+    });
+}
+
+#[test]
+fn a_broker_holding_past_its_lease_ttl_keeps_its_token_renewed() {
+    let etcd_dir = TempDir::new("etcd");
+    let etcd = start_etcd(1, &etcd_dir);
+    let ttl = ["--cluster-ttl", "2"];
+    let holding = cluster_broker(&etcd, 2, "renew", 1, &ttl);
+    let other = cluster_broker(&etcd, 2, "renew", 1, &ttl);
+    let mut holder = holding.client("holds past the lease's life");
+    holder.acquire(1).unwrap();
+    let waiter = acquire_one_in_background(&other, "waits for it");
+    wait_for(LONG, "the other broker to queue in etcd", || {
+        etcd.queued("renew")
+    });
+
+    // Three lease lives: a lease not renewed in time has expired by
+    // then, etcd has dropped the holder's key and the waiter got in.
+    let pid = holding.pid().to_string();
+    let until = Instant::now() + Duration::from_secs(6);
+    while Instant::now() < until {
+        assert!(
+            !waiter.is_finished(),
+            "the other broker was granted while the pool of 1 was held: {}",
+            holding.log()
+        );
+        let holders = etcd.holders("renew");
+        assert!(
+            holders.len() == 1 && holders[0].ends_with(&pid),
+            "the holder's key in etcd after its lease's life: {holders:?}; {}",
+            holding.log()
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    assert!(
+        !holding.log().contains("lease"),
+        "the holding broker's lease ran into trouble: {}",
+        holding.log()
+    );
+
+    holder.release(1).unwrap();
+    let (mut client, _) = common::join_within(waiter, LONG, "the waiter's grant");
+    client.release(1).unwrap();
+    holding.assert_all_free();
+    other.assert_all_free();
 }
