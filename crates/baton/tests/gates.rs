@@ -139,8 +139,20 @@ fn a_build_the_oom_killer_ends_under_make_j8_finishes_under_the_memory_gate() {
 /// stopped at 64 MiB leave about 250 MiB, the room the gates' thread has
 /// to see a job that grows. Jobs of 400 MiB left it 60 MiB: 6 of Python's
 /// allocations, and on a busy CI machine a look came too late.
-fn growing_makefile(dir: &Path, log: &Path, jobs: usize) {
-    let grow = "import time\nx = [b'1' * (50 << 20)]\ntime.sleep(0.5)\nfor _ in range(25):\n    x.append(b'1' * (10 << 20))\ntime.sleep(1)\n";
+///
+/// With `together`, a grown job holds its memory until that many jobs
+/// have grown (or 20 s pass): on a loaded machine the first of four could
+/// otherwise end before the last has started, and the control that must
+/// be killed would not be.
+fn growing_makefile(dir: &Path, log: &Path, jobs: usize, together: usize) {
+    let grow = format!(
+        "import glob, os, time\nx = [b'1' * (50 << 20)]\ntime.sleep(0.5)\n\
+         for _ in range(25):\n    x.append(b'1' * (10 << 20))\n\
+         open('grown.%d' % os.getpid(), 'w').close()\n\
+         deadline = time.monotonic() + 20\n\
+         while len(glob.glob('grown.*')) < {together} and time.monotonic() < deadline:\n    time.sleep(0.05)\n\
+         time.sleep(1)\n"
+    );
     std::fs::write(dir.join("grow.py"), grow).unwrap();
     let targets: Vec<String> = (0..jobs).map(|i| format!("j{i}")).collect();
     let job = format!(
@@ -165,7 +177,7 @@ fn jobs_that_grow_after_their_grant_are_paused_not_killed() {
 
     // The control: plain make -j4 in the same cgroup gets jobs killed.
     let control = TempDir::new("pause-control");
-    growing_makefile(control.path(), &control.path().join("jobs.log"), 8);
+    growing_makefile(control.path(), &control.path().join("jobs.log"), 8, 4);
     let (out, control_kills) = run_in(
         &cgroup,
         control.path(),
@@ -194,7 +206,7 @@ fn jobs_that_grow_after_their_grant_are_paused_not_killed() {
     );
     let dir = TempDir::new("pause");
     let log = dir.path().join("jobs.log");
-    growing_makefile(dir.path(), &log, 8);
+    growing_makefile(dir.path(), &log, 8, 0);
     let (out, kills) = run_in(&cgroup, dir.path(), &gated_make(&broker, &make));
     let broker_log = broker.log();
     assert!(

@@ -244,9 +244,12 @@ impl Projects {
 /// `L <limit> <ns>`, `K <pid> <ns>` and `X <pid> <ns>` as it writes stray
 /// bytes into a build's jobserver (and, for the post-mortem only, `B`/`R
 /// <pid>` as it kills or replaces the broker, `N <pid>` once a new one
-/// answers). Appends of a line are atomic, so
+/// answers), and the observer appends `O 1 <ns>` when the pool's books
+/// show more held than the limit (a lowered limit draining) and `O 0 <ns>`
+/// when they no longer do. Appends of a line are atomic, so
 /// the file's order is the order things happened in: a job's `E` is
 /// written before it exits, so before its token can start another.
+#[derive(Clone)]
 struct JobLog {
     path: PathBuf,
     script: PathBuf,
@@ -355,6 +358,10 @@ fn check_jobs(text: &str) -> JobsSeen {
     // (from, limit), in order; and when the limit last went down.
     let mut limits: Vec<(u128, u64)> = Vec::new();
     let mut lowered: Option<u128> = None;
+    // The limit before the last lowering, and whether the books still
+    // hold more than the limit since (the observer's `O`).
+    let mut before_lowering = 0;
+    let mut over_books = false;
     let mut stray: Option<u128> = None;
     let mut drain_cut = false;
     // The kind of build of each running job (the start line's fourth word).
@@ -373,11 +380,19 @@ fn check_jobs(text: &str) -> JobsSeen {
         }
         match what {
             "L" => {
-                if limits.last().is_some_and(|&(_, old)| value < old) {
+                if let Some(&(_, old)) = limits.last().filter(|&&(_, old)| value < old) {
                     lowered = Some(ns);
+                    // Lowered again mid-drain: the first drain's tokens
+                    // may still be out.
+                    before_lowering = if over_books {
+                        before_lowering.max(old)
+                    } else {
+                        old
+                    };
                 }
                 limits.push((ns, value));
             }
+            "O" => over_books = value == 1,
             "E" | "K" => {
                 running.remove(&value);
                 kinds.remove(&value);
@@ -395,13 +410,21 @@ fn check_jobs(text: &str) -> JobsSeen {
                 seen.most = seen.most.max(running.len());
                 let since = ns.saturating_sub(IN_FLIGHT_NS);
                 let in_force_before = limits.iter().rev().find(|&&(from, _)| from <= since);
-                let allowed = limits
+                let mut allowed = limits
                     .iter()
                     .filter(|&&(from, _)| from > since && from <= ns)
                     .chain(in_force_before)
                     .map(|&(_, limit)| limit)
                     .max()
                     .unwrap_or(u64::MAX);
+                // Tokens lent before a lowering and not yet back (the
+                // books say so) may run until they come back: a `fifo`
+                // build reads a token it wrote back before the feeder can
+                // take it (docs/jobserver.md, "When the limit is
+                // lowered"). Never more than the old limit's worth.
+                if over_books {
+                    allowed = allowed.max(before_lowering);
+                }
                 let draining = lowered.is_some_and(|low| {
                     running
                         .iter()
@@ -505,8 +528,9 @@ fn check_sample(doc: &serde_json::Value, before: Option<&serde_json::Value>) -> 
     }
 }
 
-fn observe(socket: PathBuf, stop: Arc<AtomicBool>, seen: Arc<Mutex<Observed>>) {
+fn observe(socket: PathBuf, stop: Arc<AtomicBool>, seen: Arc<Mutex<Observed>>, jobs: JobLog) {
     let mut before: Option<serde_json::Value> = None;
+    let mut over = false;
     while !stop.load(Ordering::Relaxed) {
         let out = baton()
             .args(["status", "--json", "--socket"])
@@ -523,6 +547,10 @@ fn observe(socket: PathBuf, stop: Arc<AtomicBool>, seen: Arc<Mutex<Observed>>) {
                     let pair = format!("{v}\nbefore: {before:?}\nafter: {doc}");
                     seen.violations.push(pair);
                 }
+                if over != over_the_limit(&doc) {
+                    over = !over;
+                    jobs.mark('O', over.into());
+                }
                 before = Some(doc);
             }
             _ => seen.unanswered += 1,
@@ -530,6 +558,13 @@ fn observe(socket: PathBuf, stop: Arc<AtomicBool>, seen: Arc<Mutex<Observed>>) {
         drop(seen);
         std::thread::sleep(Duration::from_millis(20));
     }
+}
+
+/// Whether a sample's books hold more than the limit: a lowered limit
+/// still draining.
+fn over_the_limit(doc: &serde_json::Value) -> bool {
+    let field = |k: &str| doc[k].as_u64().unwrap_or(0);
+    field("held") > field("limit")
 }
 
 /// Kills the broker with SIGKILL and starts a new one on its socket: its
@@ -659,7 +694,8 @@ fn chaos_loses_no_token_and_never_breaks_the_limit() {
     let observed = Arc::new(Mutex::new(Observed::default()));
     let observer = {
         let (socket, stop, observed) = (broker.socket.clone(), stop.clone(), observed.clone());
-        std::thread::spawn(move || observe(socket, stop, observed))
+        let jobs = projects.jobs.clone();
+        std::thread::spawn(move || observe(socket, stop, observed, jobs))
     };
 
     let (mut counts, mut running, mut failures) =
@@ -1039,4 +1075,32 @@ fn the_job_check_flags_a_start_past_the_limit_and_lets_a_drain_pass() {
     // A raise counts at once.
     let raised = log(&[("L", 1, 0), ("S", 1, s), ("L", 2, 2 * s), ("S", 2, 2 * s)]);
     assert_eq!(check_jobs(&raised).violations.len(), 0);
+    // 3 -> 1 with the books still over the limit once the jobs running at
+    // the change have ended (a `fifo` build reusing a token it wrote
+    // back): up to the old limit may run until the books say drained, and
+    // not one more; after that, the new limit.
+    let books = log(&[
+        ("L", 3, 0),
+        ("S", 1, s),
+        ("S", 2, s),
+        ("L", 1, 2 * s),
+        ("O", 1, 2 * s + 1000),
+        ("E", 1, 3 * s),
+        ("E", 2, 3 * s),
+        ("S", 3, 4 * s),
+        ("S", 4, 4 * s),
+        ("S", 5, 4 * s),
+        ("S", 6, 4 * s),
+        ("E", 3, 5 * s),
+        ("E", 4, 5 * s),
+        ("E", 5, 5 * s),
+        ("E", 6, 5 * s),
+        ("O", 0, 6 * s),
+        ("S", 7, 7 * s),
+        ("S", 8, 7 * s),
+    ]);
+    let seen = check_jobs(&books);
+    assert_eq!(seen.violations.len(), 2, "{seen:?}");
+    assert!(seen.violations[0].starts_with("job 6 "), "{seen:?}");
+    assert!(seen.violations[1].starts_with("job 8 "), "{seen:?}");
 }
