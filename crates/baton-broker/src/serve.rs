@@ -187,6 +187,10 @@ pub fn serve(opts: ServeOptions) -> Result<()> {
     };
     let parts = (inbox, broker, fuse);
 
+    // Bound before the socket listens: whoever finds the broker answering
+    // may replace it (`serve --replace` right after a start found no
+    // handover socket, 2 runs in 33 of a served test on a loaded machine).
+    let handover_listener = handover::listen(&socket);
     // A socket systemd bound is systemd's to remove.
     let (listener, owned_socket) = match (&handed, activated) {
         (Some((state, _)), _) => (
@@ -221,7 +225,7 @@ pub fn serve(opts: ServeOptions) -> Result<()> {
             .adopt(conns.into_iter().map(|(fd, c)| (c, fd)).collect())
             .context("cannot take the running broker's clients")?;
     }
-    match handover::listen(&socket) {
+    match handover_listener {
         Ok(listener) => server
             .watch_handover(listener)
             .context("cannot watch for a successor")?,

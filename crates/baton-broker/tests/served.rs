@@ -156,6 +156,10 @@ fn main() {
             an_open_file_limit_that_fits_the_clients_asked_is_not_warned_of,
         ),
         (
+            "a_poll_of_a_file_marked_hold_waits_in_the_broker_and_others_in_poll",
+            a_poll_of_a_file_marked_hold_waits_in_the_broker_and_others_in_poll,
+        ),
+        (
             "a_sleeping_poller_is_woken_by_a_freed_token_before_and_after_a_handover",
             a_sleeping_poller_is_woken_by_a_freed_token_before_and_after_a_handover,
         ),
@@ -1590,6 +1594,19 @@ impl SleepingPoller {
         });
     }
 
+    /// Where its thread sleeps in the kernel (proc(5)'s `wchan`), once it
+    /// sleeps somewhere.
+    fn wchan(&self) -> String {
+        let mut wchan = String::new();
+        wait_for(PATIENCE, "the poller to sleep", || {
+            let tid = self.tid.load(std::sync::atomic::Ordering::SeqCst);
+            wchan =
+                std::fs::read_to_string(format!("/proc/self/task/{tid}/wchan")).unwrap_or_default();
+            tid != 0 && !wchan.is_empty() && wchan != "0"
+        });
+        wchan
+    }
+
     /// Its handle once woken; fails if it was not woken within PATIENCE
     /// (it is cancelled then, a hang guard).
     fn woken(mut self, what: &str) -> std::fs::File {
@@ -1605,6 +1622,54 @@ impl SleepingPoller {
         assert_eq!(revents, libc::POLLIN, "{what}");
         handle
     }
+}
+
+/// A poll of a file marked `user.baton.polls=hold` (GNU make's, cargo's)
+/// waits in the broker until a token frees: its thread sleeps in the
+/// kernel waiting for FUSE's answer. One of an unmarked file (bmake's,
+/// whose poll also watches its job pipes) is answered "not ready" at
+/// once, and its thread sleeps in poll(2).
+fn a_poll_of_a_file_marked_hold_waits_in_the_broker_and_others_in_poll() {
+    if !fuse_should_mount() {
+        return skip(
+            Missing::Fuse,
+            "no /dev/fuse, or neither root nor fusermount3",
+        );
+    }
+    // Held for a minute: longer than the test (a hang guard).
+    let broker = served(1, "fuse=1\nfuse_hold_ms=60000");
+    let mount = broker.socket.with_file_name("fuse");
+    let (plain, held) = (mount.join("plain"), mount.join("held"));
+    std::fs::File::create(&plain).unwrap();
+    std::fs::File::create(&held).unwrap();
+    set_xattr(&held, "hold").unwrap();
+    let mut peer = Peer::hello(&broker.socket, "peer");
+    assert_eq!(peer.ask("TRY 1"), "GRANTED 1 1");
+
+    let holder = a_sleeping_poller(&held);
+    wait_for_waiters(&broker, 1);
+    // By the time the other poller sleeps, a poll answered at once would
+    // have put the first to sleep in poll(2) as well.
+    let sleeper = a_sleeping_poller(&plain);
+    sleeper.asleep();
+    let wchan = holder.wchan();
+    assert!(
+        !wchan.contains("poll"),
+        "a held poll's thread sleeps in {wchan}, as if answered at once"
+    );
+
+    // The held poll is answered with the token; the other is woken once
+    // it comes back.
+    assert_eq!(peer.ask("RELEASE 1"), "RELEASED 1 0");
+    let mut byte = [0u8; 1];
+    let first = holder.woken("the held poll");
+    assert_eq!((&first).read(&mut byte).unwrap(), 1);
+    assert_eq!((&first).write(b"+").unwrap(), 1);
+    let second = sleeper.woken("the unmarked file's poller");
+    assert_eq!((&second).read(&mut byte).unwrap(), 1);
+    assert_eq!((&second).write(b"+").unwrap(), 1);
+    drop((first, second));
+    broker.assert_all_free();
 }
 
 /// A poller sleeping on a file whose polls are not held is woken when a
@@ -1903,6 +1968,13 @@ fn a_broker_that_hands_over_or_stops_leaves_no_keeper_behind() {
     };
     let keepers = one_keeper_of(old.pid());
     let mut new = served_at(&old.socket, "jobs=1\nreplace=1\nfuse=1");
+    if wait_timeout(&mut old.child, PATIENCE).is_none() {
+        panic!(
+            "no handover within {PATIENCE:?}; the old broker:\n{}\nthe successor:\n{}",
+            old.log(),
+            new.log()
+        );
+    }
     assert!(old.wait_exit(PATIENCE).success(), "{}", old.log());
     assert_eq!(
         still_living(&keepers),

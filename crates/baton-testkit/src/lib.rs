@@ -298,7 +298,12 @@ impl RunningBroker {
 
     /// Waits for the broker to exit by itself (it handed over, say).
     pub fn wait_exit(&mut self, limit: Duration) -> std::process::ExitStatus {
-        let status = wait_timeout(&mut self.child, limit).expect("the broker exits");
+        let Some(status) = wait_timeout(&mut self.child, limit) else {
+            panic!(
+                "the broker did not exit within {limit:?}; its log:\n{}",
+                self.log()
+            )
+        };
         self.stopped = true;
         status
     }
