@@ -786,6 +786,43 @@ mod tests {
     }
 
     #[test]
+    fn each_gate_is_open_at_its_threshold_and_closed_just_past_it() {
+        let config = GateConfig {
+            min_mem_available: Some(1000),
+            max_mem_pressure: Some(10.0),
+            max_load: Some(3.0),
+            min_jobs: 1,
+            settle: SETTLE,
+            ..GateConfig::default()
+        };
+        let reading = |available, pressure, runnable| Reading {
+            mem_available: Some(available),
+            mem_pressure: Some(pressure),
+            runnable: Some(runnable),
+        };
+        let open = |r: Reading| {
+            let mut g = Gates::new(config);
+            g.observe(r, 1, at(0));
+            [
+                GateKind::MemAvailable,
+                GateKind::MemPressure,
+                GateKind::Load,
+            ]
+            .map(|k| g.is_open(k))
+        };
+        assert_eq!(
+            open(reading(1000, 10.0, 3.0)),
+            [true; 3],
+            "at the threshold"
+        );
+        assert_eq!(
+            open(reading(999, 10.5, 3.5)),
+            [false; 3],
+            "just past the threshold"
+        );
+    }
+
+    #[test]
     fn a_figure_the_machine_lacks_leaves_its_gate_open() {
         let config = GateConfig {
             max_mem_pressure: Some(10.0),

@@ -1136,6 +1136,25 @@ mod tests {
     }
 
     #[test]
+    fn the_limit_may_be_lowered_to_what_a_waiter_asks_and_no_lower() {
+        let mut p = pool(4);
+        let (a, b) = (p.connect(()), p.connect(()));
+        p.acquire(a, 0, 2).unwrap();
+        assert_eq!(p.acquire(b, 0, 3).unwrap(), Acquired::Queued);
+        assert_eq!(
+            p.set_limit(2),
+            Err(PoolError::MoreThanLimit { asked: 3, limit: 2 }),
+            "a waiter of 3 could never be served under a limit of 2"
+        );
+        assert_eq!(p.limit(), 4, "a refused change changes nothing");
+        assert_eq!(p.set_limit(3), Ok(vec![]), "3 can still be served");
+        assert_eq!((p.limit(), p.waiting()), (3, 1));
+        let grants = p.release(a, 2).unwrap();
+        assert_eq!(grants.len(), 1, "the waiter of 3 is served under 3");
+        p.assert_invariants();
+    }
+
+    #[test]
     fn only_builds_served_first_count_as_waiting_ahead() {
         let mut p = pool(2);
         let [a, b, c] = [p.connect(()), p.connect(()), p.connect(())];

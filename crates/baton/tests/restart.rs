@@ -286,6 +286,13 @@ fn builds_of_every_style_go_on_through_a_replace() {
         "the successor unmounts as it stops: {}",
         successor_log(&broker)
     );
+    // The socket came with the state, and is the successor's to remove: a
+    // file left behind would look like a broker that died.
+    assert!(
+        !broker.socket.exists(),
+        "the successor removes its socket as it stops: {}",
+        successor_log(&broker)
+    );
 }
 
 #[test]

@@ -310,6 +310,19 @@ fn the_broker_refuses_another_user_even_at_a_socket_open_to_all() {
 }
 
 #[test]
+fn the_handover_socket_is_private_to_its_user() {
+    let broker = RunningBroker::start_with(2, &["--no-fuse"]);
+    let handover = broker.socket.with_file_name("socket.handover");
+    let meta = std::fs::symlink_metadata(&handover).unwrap();
+    assert_eq!(
+        (meta.uid(), meta.mode() & 0o777),
+        (unsafe { libc::geteuid() }, 0o600),
+        "{} must be the broker user's alone",
+        handover.display()
+    );
+}
+
+#[test]
 fn the_handover_socket_refuses_another_user() {
     if !can_act_as_another_user() {
         return;

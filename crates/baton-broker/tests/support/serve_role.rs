@@ -49,6 +49,10 @@ pub fn serve_here(spec: &str) -> ! {
             "idle_ms" => opts.idle_timeout = Some(Duration::from_millis(value.parse().unwrap())),
             "metrics" => opts.metrics_listen = Some(value.parse().unwrap()),
             "fuse" => opts.fuse = Some(FuseOptions::default()),
+            "fuse_hold_ms" => {
+                opts.fuse.get_or_insert_with(FuseOptions::default).hold =
+                    Duration::from_millis(value.parse().unwrap())
+            }
             "min_mem" => opts.gates.min_mem_available = Some(value.parse().unwrap()),
             "pause" => opts.gates.pause = value == "1",
             "allow_uid" => opts.allow_uids.push(value.parse().unwrap()),
