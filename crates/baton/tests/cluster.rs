@@ -25,6 +25,7 @@ trait Keys {
     fn holders(&self, pool: &str) -> Vec<String>;
     fn queued(&self, pool: &str) -> bool;
     fn queue_len(&self, pool: &str) -> usize;
+    fn wait_until_empty(&self, pool: &str);
 }
 
 impl Keys for Etcd {
@@ -64,6 +65,13 @@ impl Keys for Etcd {
 
     fn queued(&self, pool: &str) -> bool {
         self.queue_len(pool) > 0
+    }
+
+    /// Waits until every cluster token of `pool` is back in etcd.
+    fn wait_until_empty(&self, pool: &str) {
+        wait_for(LONG, "every cluster token back in etcd", || {
+            self.tokens(pool) == 0
+        });
     }
 
     /// How many brokers wait in the pool's queue.
@@ -168,9 +176,7 @@ fn three_brokers_on_three_members_never_run_more_than_the_cluster_limit() {
         broker.assert_all_free();
     }
     // Spares linger, then go back: the pool ends empty.
-    wait_for(LONG, "every cluster token back in etcd", || {
-        etcd.tokens("limit") == 0
-    });
+    etcd.wait_until_empty("limit");
 }
 
 #[test]
@@ -237,9 +243,7 @@ fn a_killed_brokers_cluster_tokens_come_back_after_its_lease() {
     client.release(1).unwrap();
     drop(holder);
     survivor.assert_all_free();
-    wait_for(LONG, "every cluster token back in etcd", || {
-        etcd.tokens("reclaim") == 0
-    });
+    etcd.wait_until_empty("reclaim");
 }
 
 #[test]
@@ -303,9 +307,7 @@ fn losing_etcd_quorum_stops_new_grants_and_its_return_resumes_them() {
     client.release(1).unwrap();
     drop(running);
     broker.assert_all_free();
-    wait_for(LONG, "every cluster token back in etcd", || {
-        etcd.tokens("quorum") == 0
-    });
+    etcd.wait_until_empty("quorum");
 }
 
 #[test]
@@ -413,9 +415,7 @@ fn brokers_queued_on_a_full_cluster_pool_are_served_in_the_order_they_came() {
     for broker in &brokers {
         broker.assert_all_free();
     }
-    wait_for(LONG, "every cluster token back in etcd", || {
-        etcd.tokens("turns") == 0
-    });
+    etcd.wait_until_empty("turns");
 }
 
 #[test]
