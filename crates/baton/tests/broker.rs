@@ -431,6 +431,15 @@ fn a_client_gone_before_it_was_accepted_does_not_keep_a_newcomer_out() {
         "ERR full the broker serves its maximum of 2 clients\n"
     );
     drop(live);
+    drop(third);
+    // Their ends of file reach the broker in its own time: until it has
+    // read them it is rightly full, so a newcomer is let in only then.
+    wait_for(Duration::from_secs(10), "the live clients' seats", || {
+        !matches!(
+            baton_client::Client::connect(&broker.socket, "after"),
+            Err(Error::Full { .. })
+        )
+    });
     broker.wait_all_free();
     let (status, _) = broker.stop_with(libc::SIGTERM);
     assert!(status.success());
