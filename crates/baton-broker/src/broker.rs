@@ -941,23 +941,19 @@ impl Broker {
         self.books.gates.urgent()
     }
 
-    /// Jobs stopped by `--on-memory-pressure pause` now.
-    pub fn jobs_stopped(&self) -> u32 {
-        self.books.gates.stopped()
-    }
-
     /// What the pause policy wants done with the `running` jobs.
     pub fn pause_action(&self, running: &[JobMemory]) -> PauseAction {
         self.books.gates.pause_action(running)
     }
 
-    /// `jobs` jobs were stopped; `running` jobs run now.
+    /// `jobs` of the `running` jobs shown to `pause_action` were stopped.
     pub fn did_pause(&mut self, jobs: u32, running: u32) {
         self.books.gates.did_pause(jobs, running);
         self.refresh_cap();
     }
 
-    /// A stopped job goes on; `running` jobs run now.
+    /// A stopped job goes on beside the `running` jobs shown to
+    /// `pause_action`.
     pub fn did_resume(&mut self, running: u32) {
         self.books.gates.did_resume(running);
         self.refresh_cap();
@@ -1639,13 +1635,21 @@ mod tests {
     }
 
     #[test]
-    fn jobs_stopped_counts_pauses_less_resumes() {
+    fn the_gates_are_urgent_while_any_job_is_stopped() {
+        // The gates' thread goes on resuming stopped jobs only while this
+        // says urgent, whatever the memory gate says.
         let mut broker = Broker::new(2).unwrap();
-        assert_eq!(broker.jobs_stopped(), 0);
+        assert!(!broker.gates_urgent());
         broker.did_pause(3, 1);
-        assert_eq!(broker.jobs_stopped(), 3);
+        assert_eq!(broker.books.gates.stopped(), 3);
         broker.did_resume(2);
-        assert_eq!(broker.jobs_stopped(), 2);
+        assert_eq!(broker.books.gates.stopped(), 2);
+        assert!(broker.gates_urgent());
+        broker.did_resume(3);
+        assert!(broker.gates_urgent(), "one still stopped");
+        broker.did_resume(4);
+        assert_eq!(broker.books.gates.stopped(), 0);
+        assert!(!broker.gates_urgent());
     }
 
     #[test]

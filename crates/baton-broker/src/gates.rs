@@ -298,16 +298,13 @@ impl Pausing {
     /// Carries out the pause policy's word after a reading: stop the jobs
     /// it picks, or let the first started of the stopped jobs go on.
     fn act(&mut self, broker: &Loop) {
-        let Some((pause_on, any_stopped, urgent)) = broker.ask(|b| {
-            (
-                b.gate_config().pause,
-                b.jobs_stopped() > 0,
-                b.gates_urgent(),
-            )
-        }) else {
+        // Urgent covers every stopped job: only the pause stops one, and
+        // `--on-memory-pressure` is not changed while the broker runs.
+        let Some((pause_on, urgent)) = broker.ask(|b| (b.gate_config().pause, b.gates_urgent()))
+        else {
             return;
         };
-        if !(any_stopped || pause_on && urgent) {
+        if !(pause_on && urgent) {
             // Memory is plentiful: nothing to compare growth with later.
             self.resident.clear();
             return;
@@ -343,9 +340,8 @@ impl Pausing {
                 for i in &picks {
                     self.pause(&running[*i], seen[*i].growing());
                 }
-                let running = running.len().saturating_sub(picks.len()) as u32;
-                let paused = picks.len() as u32;
-                broker.ask(move |b| b.did_pause(paused, running));
+                let (paused, shown) = (picks.len() as u32, running.len() as u32);
+                broker.ask(move |b| b.did_pause(paused, shown));
             }
             PauseAction::Resume => {
                 let Some(first) = (0..self.stopped.len()).min_by_key(|&i| self.stopped[i].start)
@@ -358,8 +354,8 @@ impl Pausing {
                     "memory is back: resumed job pid {} (SIGCONT)",
                     job.root
                 ));
-                let running = running.len() as u32 + 1;
-                broker.ask(move |b| b.did_resume(running));
+                let shown = running.len() as u32;
+                broker.ask(move |b| b.did_resume(shown));
             }
             PauseAction::Nothing => {}
         }
@@ -591,6 +587,10 @@ mod tests {
             probe.sources().v1_limits.is_empty(),
             "no limit, no threshold"
         );
+        // The bound itself is "no limit" to both: no figure, no threshold.
+        tmp.write("memory.limit_in_bytes", &format!("{NO_LIMIT}\n"));
+        assert_eq!(cgroup.available(), None);
+        assert!(probe.sources().v1_limits.is_empty(), "{NO_LIMIT}");
     }
 
     #[test]

@@ -360,17 +360,19 @@ impl Gates {
         }
     }
 
-    /// The broker stopped `jobs` jobs; `running` jobs run now.
+    /// The broker stopped `jobs` of the `running` jobs that
+    /// [`Gates::pause_action`] was shown.
     pub fn did_pause(&mut self, jobs: u32, running: u32) {
         self.pauses.stopped += jobs;
         self.pauses.last_stop_available = self.reading.mem_available;
-        self.pauses.running_since = running;
+        self.pauses.running_since = running.saturating_sub(jobs);
     }
 
-    /// The broker let one stopped job go on; `running` jobs run now.
+    /// The broker let one stopped job go on beside the `running` jobs that
+    /// [`Gates::pause_action`] was shown.
     pub fn did_resume(&mut self, running: u32) {
         self.pauses.stopped = self.pauses.stopped.saturating_sub(1);
-        self.pauses.running_since = running;
+        self.pauses.running_since = running.saturating_add(1);
     }
 
     /// Whether memory should be measured often: while jobs are stopped, or
@@ -1068,7 +1070,7 @@ mod tests {
         );
         g.observe(mem(350 * MIB), 3, at(10));
         assert_eq!(g.pause_action(&growing), PauseAction::Pause(vec![2, 1]));
-        g.did_pause(2, 1);
+        g.did_pause(2, 3);
         assert_eq!(
             g.allowance(3, None, at(10)),
             Some(3),
@@ -1128,10 +1130,10 @@ mod tests {
         let mut no_pause = memory_gate(400 * MIB);
         no_pause.observe(mem(300 * MIB), 2, at(10));
         assert!(!no_pause.urgent(), "below it, but nothing would be paused");
-        g.did_pause(1, 1);
+        g.did_pause(1, 2);
         g.observe(mem(500 * MIB), 1, at(20));
         assert!(g.urgent(), "a job is stopped, whatever the memory");
-        g.did_resume(2);
+        g.did_resume(1);
         assert!(!g.urgent(), "none stopped, memory back");
     }
 
@@ -1144,7 +1146,7 @@ mod tests {
     fn a_stopped_job_goes_on_once_another_finished_and_memory_is_back() {
         let mut g = pausing(400 * MIB);
         g.observe(mem(150 * MIB), 3, at(0));
-        g.did_pause(1, 2);
+        g.did_pause(1, 3);
         g.observe(mem(500 * MIB), 3, at(10));
         assert_eq!(
             g.pause_action(&steady(2)),
@@ -1159,16 +1161,43 @@ mod tests {
         );
         g.observe(mem(450 * MIB), 3, at(30));
         assert_eq!(g.pause_action(&steady(1)), PauseAction::Resume);
-        g.did_resume(2);
+        g.did_resume(1);
         assert_eq!(g.stopped(), 0);
         assert_eq!(g.pause_action(&steady(2)), PauseAction::Nothing);
+    }
+
+    #[test]
+    fn stopped_jobs_go_on_one_per_job_that_finishes() {
+        let mut g = pausing(400 * MIB);
+        g.observe(mem(150 * MIB), 4, at(0));
+        g.did_pause(2, 4);
+        g.observe(mem(500 * MIB), 4, at(10));
+        assert_eq!(
+            g.pause_action(&steady(2)),
+            PauseAction::Nothing,
+            "memory is back, none finished"
+        );
+        assert_eq!(g.pause_action(&steady(1)), PauseAction::Resume);
+        g.did_resume(1);
+        assert_eq!(
+            g.pause_action(&steady(2)),
+            PauseAction::Nothing,
+            "the one that went on runs: none finished since"
+        );
+        assert_eq!(
+            g.pause_action(&steady(1)),
+            PauseAction::Resume,
+            "another finished"
+        );
+        g.did_resume(1);
+        assert_eq!(g.stopped(), 0);
     }
 
     #[test]
     fn with_nothing_running_a_stopped_job_goes_on_whatever_the_memory() {
         let mut g = pausing(400 * MIB);
         g.observe(mem(150 * MIB), 2, at(0));
-        g.did_pause(1, 1);
+        g.did_pause(1, 2);
         g.observe(mem(10 * MIB), 1, at(10));
         assert_eq!(g.pause_action(&steady(0)), PauseAction::Resume);
     }
@@ -1177,7 +1206,7 @@ mod tests {
     fn turning_the_memory_gate_off_lets_every_stopped_job_go_on() {
         let mut g = pausing(400 * MIB);
         g.observe(mem(150 * MIB), 3, at(0));
-        g.did_pause(1, 2);
+        g.did_pause(1, 3);
         g.set_config(
             GateConfig {
                 min_mem_available: None,
