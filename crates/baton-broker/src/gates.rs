@@ -75,14 +75,7 @@ impl Probe {
     /// needs it.
     pub fn new(need_pressure: bool) -> Self {
         let cgroups = own_memory_cgroups();
-        let pressure = cgroups
-            .iter()
-            .find_map(|c| match c {
-                MemoryCgroup::V2(dir) => Some(dir.join("memory.pressure")),
-                MemoryCgroup::V1(_) => None,
-            })
-            .filter(|p| readable(p))
-            .or_else(|| Some(PathBuf::from("/proc/pressure/memory")).filter(|p| readable(p)));
+        let pressure = pressure_file(&cgroups, Path::new("/proc/pressure/memory"));
         if need_pressure && pressure.is_none() {
             log::warn(format_args!(
                 "no memory pressure figures here (/proc/pressure/memory: PSI needs Linux 4.20 with CONFIG_PSI): \
@@ -446,6 +439,20 @@ fn ancestors<'a>(
         .into_iter()
 }
 
+/// Where memory pressure is read: the innermost v2 cgroup's
+/// `memory.pressure`, else the machine's; neither where it cannot be read
+/// (a kernel without PSI has the files but refuses to read them).
+fn pressure_file(cgroups: &[MemoryCgroup], machine: &Path) -> Option<PathBuf> {
+    cgroups
+        .iter()
+        .find_map(|c| match c {
+            MemoryCgroup::V2(dir) => Some(dir.join("memory.pressure")),
+            MemoryCgroup::V1(_) => None,
+        })
+        .filter(|p| readable(p))
+        .or_else(|| Some(machine.to_path_buf()).filter(|p| readable(p)))
+}
+
 fn readable(path: &Path) -> bool {
     std::fs::read_to_string(path).is_ok()
 }
@@ -591,6 +598,26 @@ mod tests {
         tmp.write("memory.limit_in_bytes", &format!("{NO_LIMIT}\n"));
         assert_eq!(cgroup.available(), None);
         assert!(probe.sources().v1_limits.is_empty(), "{NO_LIMIT}");
+    }
+
+    #[test]
+    fn pressure_is_read_from_the_first_readable_of_the_cgroup_and_the_machine() {
+        let tmp = TempDir::new();
+        let (v1, v2) = (tmp.0.join("v1"), tmp.0.join("v2"));
+        let machine = tmp.write("machine.pressure", "some avg10=0.00\n");
+        let cgroups = [MemoryCgroup::V1(v1.clone()), MemoryCgroup::V2(v2.clone())];
+        assert_eq!(
+            pressure_file(&cgroups, &machine),
+            Some(machine.clone()),
+            "the cgroup's file is missing"
+        );
+        let own = tmp.write("v2/memory.pressure", "some avg10=0.00\n");
+        assert_eq!(pressure_file(&cgroups, &machine), Some(own));
+        assert_eq!(
+            pressure_file(&cgroups[..1], &tmp.0.join("none")),
+            None,
+            "v1 has none, nor has the machine"
+        );
     }
 
     #[test]
