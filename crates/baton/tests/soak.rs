@@ -351,7 +351,8 @@ struct JobsSeen {
 /// A broker killed while a lowering drains (`B` within `IN_FLIGHT_NS` of
 /// it) stops the drain, which goes on from the next broker's start (`N`):
 /// a `fifo` build gives back over a few of its jobs (docs/jobserver.md,
-/// "When the limit is lowered"), and with no broker it cannot give back.
+/// "When the limit is lowered"), and with no broker it cannot give back:
+/// until then, up to the old limit's worth may run on what the builds held.
 fn check_jobs(text: &str) -> JobsSeen {
     let mut seen = JobsSeen::default();
     let mut running = std::collections::HashMap::<u64, u128>::new();
@@ -423,6 +424,13 @@ fn check_jobs(text: &str) -> JobsSeen {
                 // take it (docs/jobserver.md, "When the limit is
                 // lowered"). Never more than the old limit's worth.
                 if over_books {
+                    allowed = allowed.max(before_lowering);
+                }
+                // No broker since a lowering was cut short: the builds
+                // keep what they held and run on it, as nobody can take
+                // it back (the drain goes on from the next broker's
+                // start). Still never more than the old limit's worth.
+                if drain_cut {
                     allowed = allowed.max(before_lowering);
                 }
                 let draining = lowered.is_some_and(|low| {
@@ -1058,6 +1066,23 @@ fn the_job_check_flags_a_start_past_the_limit_and_lets_a_drain_pass() {
     let seen = check_jobs(&cut);
     assert_eq!(seen.violations.len(), 1, "{seen:?}");
     assert!(seen.violations[0].starts_with("job 6 "), "{seen:?}");
+    // With no broker yet, what the builds held runs on: new jobs on the
+    // old tokens pass, one past the old limit does not.
+    let gap = log(&[
+        ("L", 2, 0),
+        ("S", 1, s),
+        ("S", 2, s),
+        ("L", 1, 2 * s),
+        ("B", 7, 2 * s + 1000),
+        ("E", 1, 3 * s),
+        ("S", 3, 3 * s + 1000),
+        ("E", 2, 4 * s),
+        ("S", 4, 4 * s + 1000),
+        ("S", 5, 4 * s + 2000),
+    ]);
+    let seen = check_jobs(&gap);
+    assert_eq!(seen.violations.len(), 1, "{seen:?}");
+    assert!(seen.violations[0].starts_with("job 5 "), "{seen:?}");
     let late = log(&[
         ("L", 2, 0),
         ("L", 1, s),
