@@ -564,6 +564,23 @@ pub fn wait_for(limit: Duration, what: &str, mut cond: impl FnMut() -> bool) {
     }
 }
 
+/// Connects as `name`, retrying while the broker is full: a client that
+/// just closed keeps its seat until the broker has read its end of file,
+/// which it does in its own time. Panics after 10 s, so a broker that
+/// stays full (one seat too few) still fails the test.
+pub fn connect_once_a_seat_frees(socket: &Path, name: &str) -> Client {
+    let mut client = None;
+    wait_for(Duration::from_secs(10), "a free seat at the broker", || {
+        match Client::connect(socket, name) {
+            Ok(c) => client = Some(c),
+            Err(baton_client::Error::Full { .. }) => {}
+            Err(e) => panic!("connecting to {}: {e}", socket.display()),
+        }
+        client.is_some()
+    });
+    client.expect("wait_for returned, so a client connected")
+}
+
 /// Joins `thread` once it has finished; panics after `limit` naming
 /// `what`, so that a grant that never comes fails the test instead of
 /// hanging it.

@@ -485,8 +485,9 @@ fn a_broker_out_of_descriptors_answers_full_in_words() {
     wait_for(Duration::from_secs(10), "the broker to listen", || {
         baton_client::Client::connect(&socket, "probe").is_ok()
     });
+    // The probe's seat frees when the broker has read its end of file.
     let clients: Vec<_> = (0..6)
-        .map(|i| baton_client::Client::connect(&socket, &format!("c{i}")).unwrap())
+        .map(|i| common::connect_once_a_seat_frees(&socket, &format!("c{i}")))
         .collect();
     let out = baton()
         .arg("status")
