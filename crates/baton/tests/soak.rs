@@ -422,15 +422,11 @@ fn check_jobs(text: &str) -> JobsSeen {
                 // books say so) may run until they come back: a `fifo`
                 // build reads a token it wrote back before the feeder can
                 // take it (docs/jobserver.md, "When the limit is
-                // lowered"). Never more than the old limit's worth.
-                if over_books {
-                    allowed = allowed.max(before_lowering);
-                }
-                // No broker since a lowering was cut short: the builds
-                // keep what they held and run on it, as nobody can take
-                // it back (the drain goes on from the next broker's
-                // start). Still never more than the old limit's worth.
-                if drain_cut {
+                // lowered"). So may what the builds held while no broker
+                // has come since a lowering was cut short: nobody can take
+                // it back (the drain goes on from the next broker's start).
+                // Never more than the old limit's worth.
+                if over_books || drain_cut {
                     allowed = allowed.max(before_lowering);
                 }
                 let draining = lowered.is_some_and(|low| {
