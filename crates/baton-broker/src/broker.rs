@@ -278,6 +278,21 @@ impl ClusterLink {
 type Place = (u32, u64);
 
 /// `pid`'s place when it is in our own PID namespace.
+/// How many tokens an orphaned build that holds `held` keeps: one per
+/// job while only jobs are left; everything it holds (and at least one
+/// per job) while a build tool of it lives. A sub-make reads the
+/// jobserver its `baton run` left: the bytes still in it and those its
+/// jobs write back start its next jobs, which no count of jobs at one
+/// look can see coming (measured: make 4.4.1's and bmake's sub-makes ran
+/// 6 jobs beside another build's under a limit of 4, once the top make
+/// was killed and the orphaned build gave back all but its 2 running).
+fn kept_for_orphans(found: crate::jobs::Orphans, held: u32) -> u32 {
+    match found.tools {
+        0 => found.jobs,
+        _ => found.jobs.max(held),
+    }
+}
+
 fn here(pid: u32) -> Place {
     (pid, crate::sys::pid_namespace_of("self").unwrap_or(0))
 }
@@ -683,8 +698,8 @@ impl Broker {
     }
 
     /// A build's `baton run` is gone, holding tokens: if processes it
-    /// started still run jobs, its client stays, holding as many tokens as
-    /// they run jobs (at most what it held), and the rest go back now.
+    /// started still run jobs, its client stays, holding what
+    /// [`kept_for_orphans`] says, and the rest go back now.
     fn outlived_by_its_processes(&mut self, id: ClientId, session: u32) -> bool {
         let Some(owner) = self.books.pool.meta(id).map(|m| m.pid) else {
             return false;
@@ -694,8 +709,8 @@ impl Broker {
         }
         let carried = self.books.carried.get(&id).copied();
         let (pid, ns) = carried.unwrap_or_else(|| here(owner));
-        let jobs = crate::jobs::orphan_jobs(pid, session, ns);
-        if jobs == 0 {
+        let found = crate::jobs::orphans(pid, session, ns);
+        if found.jobs == 0 {
             return false;
         }
         let waits: Vec<Tag> = self
@@ -722,9 +737,11 @@ impl Broker {
             },
         );
         log::info(format_args!(
-            "baton run pid {owner} died while its build runs {jobs} job(s): its tokens come back as they end"
+            "baton run pid {owner} died while its build runs {} job(s): its tokens come back as they end",
+            found.jobs
         ));
-        self.hold_for_orphans(id, jobs, true);
+        let keep = kept_for_orphans(found, self.books.pool.held_by(id));
+        self.hold_for_orphans(id, keep, true);
         if let Some(hook) = &self.orphans_hook {
             (hook.0)();
         }
@@ -824,7 +841,8 @@ impl Broker {
             .collect();
         for (id, o) in orphaned {
             let (pid, ns) = o.carried.unwrap_or_else(|| here(o.owner));
-            match crate::jobs::orphan_jobs(pid, o.session, ns) {
+            let found = crate::jobs::orphans(pid, o.session, ns);
+            match found.jobs {
                 0 => {
                     self.books.orphaned.remove(&id);
                     let held = self.disconnect(id);
@@ -833,7 +851,10 @@ impl Broker {
                         o.owner
                     ));
                 }
-                jobs => self.hold_for_orphans(id, jobs, false),
+                _ => {
+                    let keep = kept_for_orphans(found, self.books.pool.held_by(id));
+                    self.hold_for_orphans(id, keep, false)
+                }
             }
         }
         !self.books.orphaned.is_empty()
@@ -1476,6 +1497,21 @@ mod tests {
             pid
         }
 
+        /// A build tool of `owner`'s build (a `sleep` called make) from
+        /// `dir`.
+        fn spawn_make(&mut self, dir: &std::path::Path, owner: u32) -> u32 {
+            let make = dir.join("make");
+            std::fs::create_dir_all(dir).unwrap();
+            std::fs::copy("/bin/sleep", &make).unwrap();
+            let mut cmd = std::process::Command::new(&make);
+            cmd.arg("60")
+                .env(crate::jobs::RUN_PID_VAR, owner.to_string());
+            let child = cmd.spawn().unwrap();
+            let pid = child.id();
+            self.0.push(child);
+            pid
+        }
+
         /// Waits until `jobs` processes of `owner`'s build are seen in
         /// /proc: a process just spawned may not show its environment yet.
         fn await_jobs(&self, owner: u32, jobs: u32) {
@@ -1870,6 +1906,35 @@ mod tests {
     /// A `baton run` killed while its build runs 5 jobs on the 2 tokens
     /// it held: its client stays, holding one token per job, and gives
     /// them back as the jobs end.
+    /// A sub-make left running reads the jobserver its `baton run` left:
+    /// while it lives, no job's end gives a token back; once it is gone,
+    /// one per job stays until the last ends.
+    #[test]
+    fn an_orphaned_build_keeps_all_it_holds_while_a_build_tool_of_it_lives() {
+        let dir = std::env::temp_dir().join(format!("baton-orphan-make-{}", std::process::id()));
+        let mut procs = Procs(Vec::new());
+        let owner = procs.spawn(None);
+        let jobs: Vec<u32> = (0..2).map(|_| procs.spawn(Some(owner))).collect();
+        let make = procs.spawn_make(&dir, owner);
+        procs.await_jobs(owner, 3);
+        let mut broker = Broker::new(8).unwrap();
+        let run = client(&mut broker, owner);
+        broker.start_build(run, 1, "orphan".into()).unwrap();
+        broker.acquire(run, 1, 5).unwrap();
+        assert_eq!(broker.disconnect(run), 0, "it keeps its tokens");
+        assert_eq!(broker.pool().held(), 5, "all it held, though 3 run");
+        procs.kill(jobs[0]);
+        assert!(broker.watch_orphans());
+        assert_eq!(broker.pool().held(), 5, "a job's end gives none back");
+        procs.kill(make);
+        assert!(broker.watch_orphans());
+        assert_eq!(broker.pool().held(), 1, "one for the job left");
+        procs.kill(jobs[1]);
+        assert!(!broker.watch_orphans());
+        assert_eq!(broker.pool().held(), 0);
+        std::fs::remove_dir_all(dir).unwrap();
+    }
+
     #[test]
     fn an_orphaned_build_holds_a_token_per_job_until_its_last_job_ends() {
         let mut procs = Procs(Vec::new());

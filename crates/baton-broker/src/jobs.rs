@@ -193,13 +193,31 @@ pub fn session_of(pid: u32) -> Option<u32> {
 /// ([`pid_in_its_namespace`], recorded while it lived); `pid_ns` that
 /// namespace ([`sys::pid_namespace_of`]), in which the processes are looked for.
 pub fn orphan_jobs(owner: u32, session: u32, pid_ns: u64) -> u32 {
-    leaves(
-        &HashMap::from([((owner, session, pid_ns), owner)]),
-        Count::ToolsToo,
-    )
-    .get(&owner)
-    .copied()
-    .unwrap_or(0)
+    orphans(owner, session, pid_ns).jobs
+}
+
+/// What the processes of a build whose `baton run` is gone do, from one
+/// pass over /proc: see [`orphan_jobs`] and [`Orphans::tools`].
+pub fn orphans(owner: u32, session: u32, pid_ns: u64) -> Orphans {
+    let census = census(&HashMap::from([((owner, session, pid_ns), owner)]));
+    let found = census.get(&owner).copied().unwrap_or_default();
+    Orphans {
+        jobs: found.jobs + found.idle_tools,
+        tools: found.tools,
+    }
+}
+
+/// An orphaned build's processes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Orphans {
+    /// Its leaves, build tools with no child included ([`orphan_jobs`]).
+    pub jobs: u32,
+    /// Its build tools alive (a sub-make, with or without jobs). Each may
+    /// read the build's jobserver: the bytes left in it, and those its
+    /// jobs write back as they end, start its next jobs. So while one
+    /// lives, none of the build's tokens may go back, whatever the number
+    /// of jobs at any one look.
+    pub tools: u32,
 }
 
 /// The real uid of process `pid` (its `Uid:` line), as we see it.
@@ -222,15 +240,6 @@ pub fn pid_in_its_namespace(pid: u32) -> Option<u32> {
         .ok()
 }
 
-/// Which leaves of a build's process tree are counted as jobs.
-#[derive(Clone, Copy, PartialEq)]
-enum Count {
-    /// Not make, ninja and the like: what `status` shows as running.
-    JobsOnly,
-    /// Every leaf: what an orphaned build keeps tokens for.
-    ToolsToo,
-}
-
 /// The jobs each build runs, in one pass over /proc: `owners` maps the
 /// pid its processes carry in [`RUN_PID_VAR`] (its `baton run`'s pid in
 /// its own PID namespace, which two containers may share), its session
@@ -239,12 +248,27 @@ enum Count {
 /// those sessions. A build tool with no child (make parsing, or waiting
 /// for a token) runs no job.
 pub fn running_jobs(owners: &HashMap<(u32, u32, u64), u32>) -> HashMap<u32, u32> {
-    leaves(owners, Count::JobsOnly)
+    census(owners)
+        .into_iter()
+        .filter(|(_, c)| c.jobs > 0)
+        .map(|(owner, c)| (owner, c.jobs))
+        .collect()
 }
 
-/// The leaves of each build's process tree, by its key in `owners`, in
-/// one pass over /proc.
-fn leaves(owners: &HashMap<(u32, u32, u64), u32>, count: Count) -> HashMap<u32, u32> {
+/// A build's processes, counted in one pass over /proc.
+#[derive(Debug, Clone, Copy, Default)]
+struct Census {
+    /// Leaves that are no build tool: the jobs.
+    jobs: u32,
+    /// Build tools with no child.
+    idle_tools: u32,
+    /// Build tools, with or without children.
+    tools: u32,
+}
+
+/// The processes of each build, by its key in `owners`, in one pass over
+/// /proc.
+fn census(owners: &HashMap<(u32, u32, u64), u32>) -> HashMap<u32, Census> {
     let sessions: std::collections::HashSet<u32> = owners.keys().map(|&(_, s, _)| s).collect();
     // pid -> (ppid, owner, is a build tool)
     let members: HashMap<u32, (u32, u32, bool)> = sys::pids()
@@ -259,13 +283,18 @@ fn leaves(owners: &HashMap<(u32, u32, u64), u32>, count: Count) -> HashMap<u32, 
         })
         .collect();
     let parents: std::collections::HashSet<u32> = members.values().map(|m| m.0).collect();
-    let mut jobs = HashMap::new();
+    let mut counts: HashMap<u32, Census> = HashMap::new();
     for (pid, &(_, owner, tool)) in &members {
-        if !parents.contains(pid) && (!tool || count == Count::ToolsToo) {
-            *jobs.entry(owner).or_insert(0) += 1;
+        let count = counts.entry(owner).or_default();
+        let leaf = !parents.contains(pid);
+        match (tool, leaf) {
+            (true, true) => count.idle_tools += 1,
+            (false, true) => count.jobs += 1,
+            _ => {}
         }
+        count.tools += u32::from(tool);
     }
-    jobs
+    counts
 }
 
 /// Build tools that wait for tokens and start jobs, but are none.
@@ -484,11 +513,24 @@ mod tests {
         elsewhere.args(["sleep", "60"]);
         marked(&mut elsewhere);
         procs.spawn(&mut elsewhere);
-        until(|| orphan_jobs(owner, session, ns) == 2);
+        // A make running a job: the job is a leaf, the make is not.
+        let busy = dir.join("busy").join("make");
+        std::fs::create_dir_all(busy.parent().unwrap()).unwrap();
+        std::fs::copy("/bin/sh", &busy).unwrap();
+        let mut busy_make = std::process::Command::new(&busy);
+        busy_make.args(["-c", "sleep 60; true"]);
+        marked(&mut busy_make);
+        procs.spawn(&mut busy_make);
+        until(|| orphan_jobs(owner, session, ns) == 3);
+        assert_eq!(
+            orphans(owner, session, ns),
+            Orphans { jobs: 3, tools: 2 },
+            "both makes are tools, busy or not"
+        );
         assert_eq!(
             running_jobs(&HashMap::from([((owner, session, ns), owner)])),
-            HashMap::from([(owner, 1)]),
-            "the sleeping job only"
+            HashMap::from([(owner, 2)]),
+            "the sleeping jobs only"
         );
         zombie.wait().unwrap();
         drop(procs);

@@ -448,6 +448,25 @@ impl Feeder {
         }
     }
 
+    /// CMD was killed and processes it started may run on: every token
+    /// of ours the build is not using (unread, or written back) goes back
+    /// to the pool now, so that they hold only what they use. A bmake
+    /// abort token is left where it is: it was never a token.
+    pub fn give_back_unused(&mut self, client: &mut Client) -> Result<(), ClientError> {
+        self.withdraw(client)?;
+        self.fifo.drain_events();
+        let unread = match self.stopper_placed {
+            true => 0,
+            false => self.fifo.queued(),
+        };
+        let back = self.fifo.take(self.fifo.returned() + unread).min(self.lent);
+        if back > 0 {
+            client.release(back)?;
+            self.lent -= back;
+        }
+        Ok(())
+    }
+
     /// Withdraws a pending request, if any, before the build's tokens are
     /// given back (the protocol allows nothing but CANCEL while one waits).
     pub fn withdraw(&mut self, client: &mut Client) -> Result<(), ClientError> {
@@ -1225,6 +1244,24 @@ mod tests {
     /// bmake aborted (`E` written back): the tokens it has not read go
     /// back to the pool, and the abort token waits in the FIFO for its
     /// next reader, which stops.
+    /// CMD was killed: what the build has not read goes back, what it
+    /// uses stays lent (the broker keeps it while the build's processes
+    /// live), and nothing is asked for after.
+    #[test]
+    fn a_killed_command_s_unread_tokens_go_back_and_those_in_use_stay() {
+        use std::io::Read;
+        let (broker, mut client) = PlayedBroker::start("killed", 0);
+        let mut feeder = Feeder::new(Fifo::create(&broker.dir).unwrap(), 3, true);
+        feeder.tend(&mut client).unwrap();
+        assert_eq!(feeder.fifo.queued(), 3);
+        build_end(&feeder).read_exact(&mut [0u8]).unwrap(); // one in use
+        feeder.give_back_unused(&mut client).unwrap();
+        assert_eq!((feeder.lent, feeder.fifo.queued()), (1, 0));
+        drop(client);
+        let (requests, _) = broker.finish();
+        assert_eq!(requests, "TRY 3\nRELEASE 2\n");
+    }
+
     #[test]
     fn a_bmake_abort_gives_back_the_unread_tokens_and_leaves_the_abort_token() {
         use std::io::{Read, Write};

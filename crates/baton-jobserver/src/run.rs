@@ -598,8 +598,15 @@ impl BrokerLink {
     /// jobs beside them, past the limit. So the connection closes holding
     /// what it holds, as if we had been killed ourselves: the broker keeps
     /// as many tokens as the build's processes (found by [`RUN_PID_VAR`])
-    /// still run jobs, and takes back the rest at once (#32).
-    fn leave_to_the_broker(&mut self, feeder: Option<Feeder>) {
+    /// still run jobs, and takes back the rest at once (#32). What the
+    /// build is not using goes back first: a sub-make left running would
+    /// read it, and the broker keeps all a build holds while one lives.
+    fn leave_to_the_broker(&mut self, mut feeder: Option<Feeder>) {
+        if let Some(f) = feeder.as_mut().filter(|_| self.alive) {
+            // A broker lost just now takes all back as the connection
+            // closes anyway: nothing more to say.
+            let _ = f.give_back_unused(&mut self.client);
+        }
         drop(feeder); // removes the FIFO
     }
 

@@ -6,7 +6,7 @@
 mod common;
 
 use common::*;
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 use std::io::Write;
 use std::path::Path;
 use std::process::Stdio;
@@ -663,4 +663,125 @@ fn stray_bytes_are_taken_out_and_reported_in_the_fifo_style() {
 #[test]
 fn stray_bytes_are_taken_out_and_reported_in_the_pipe_style() {
     stray_bytes_are_taken_out_and_reported(&make43(), "pipe");
+}
+
+/// A job that logs `S who` and `E who` around a sleep of `secs`.
+fn job_of(who: &str, log: &Path, secs: &str) -> String {
+    format!(
+        "echo 'S {who}' >> {log}; sleep {secs}; echo 'E {who}' >> {log}",
+        log = log.display()
+    )
+}
+
+/// One sub-make under a top make: j0 (5 s) and j1 (1.5 s) at once, then
+/// j2, j3 and j4 (1 s each) once j1 is done. GNU make and bmake both
+/// read it. Its jobs log as `A`.
+fn a_sub_make_with_work_after_a_short_job(dir: &Path, log: &Path) {
+    let top = "all: s0\ns0:\n\t@${MAKE} -f sub.mk\n.PHONY: all s0\n";
+    std::fs::write(dir.join("Makefile"), top).unwrap();
+    let sub = format!(
+        "all: j0 j2 j3 j4\nj0:\n\t@{long}\nj1:\n\t@{short}\nj2 j3 j4: j1\n\t@{next}\n\
+         .PHONY: all j0 j1 j2 j3 j4\n",
+        long = job_of("A", log, "5"),
+        short = job_of("A", log, "1.5"),
+        next = job_of("A", log, "1"),
+    );
+    std::fs::write(dir.join("sub.mk"), sub).unwrap();
+}
+
+/// From a log of `S who` and `E who` lines: the most jobs at once, and
+/// whether a job of `later` started while one of `earlier` ran.
+fn overlap_of_two(log: &Path, earlier: &str, later: &str) -> (usize, bool) {
+    let text = std::fs::read_to_string(log).unwrap();
+    let (mut running, mut most, mut beside) = (BTreeMap::<&str, usize>::new(), 0, false);
+    for line in text.lines() {
+        match line.split_once(' ') {
+            Some(("S", who)) => {
+                beside |= who == later && running.get(earlier).is_some_and(|&n| n > 0);
+                *running.entry(who).or_default() += 1;
+            }
+            Some(("E", who)) => *running.entry(who).or_default() -= 1,
+            _ => {}
+        }
+        most = most.max(running.values().sum());
+    }
+    (most, beside)
+}
+
+/// `kill -9` of the top make (or of its `baton run`) while its sub-make
+/// runs two jobs, with three more to start once the short one ends: the
+/// sub-make runs on and reads the jobserver `baton run` left. Never more
+/// than the limit of jobs at once, counted from the jobs, with a second
+/// build started at once. When make is killed, `baton run` takes what
+/// the sub-make had not read back to the pool as it ends: the second
+/// build starts beside the first's jobs. A killed `baton run` cannot:
+/// the broker keeps all its build holds while a sub-make of it lives.
+fn a_killed_builds_sub_make_stays_within_the_limit(make: &Path, style: &str, victim: Victim) {
+    let broker = RunningBroker::start(4);
+    let (a, b) = (TempDir::new("subs-a"), TempDir::new("subs-b"));
+    let log = a.path().join("jobs.log");
+    a_sub_make_with_work_after_a_short_job(a.path(), &log);
+    let mut first = spawn_piped_build(&broker, a.path(), style, make);
+    wait_for(Duration::from_secs(30), "two jobs to run", || {
+        running(&log) == 2
+    });
+    let top = children(first.id());
+    assert_eq!(top.len(), 1, "baton run runs one command: {top:?}");
+    match victim {
+        Victim::BatonRun => first.kill().unwrap(), // SIGKILL
+        // SAFETY: kill takes any pid; this one is our grandchild.
+        Victim::Command => unsafe {
+            libc::kill(top[0] as i32, libc::SIGKILL);
+        },
+    }
+    first.wait().unwrap();
+    let b_jobs = (0..4)
+        .map(|i| format!("b{i}:\n\t@{}\n", job_of("B", &log, "2")))
+        .collect::<String>();
+    let b_makefile = format!("all: b0 b1 b2 b3\n{b_jobs}.PHONY: all b0 b1 b2 b3\n");
+    std::fs::write(b.path().join("Makefile"), b_makefile).unwrap();
+    let second = spawn_piped_build(&broker, b.path(), style, make);
+    let out = second.wait_with_output().unwrap();
+    assert!(out.status.success(), "{}", output_text(&out));
+    broker.wait_all_free();
+    let (most, beside) = overlap_of_two(&log, "A", "B");
+    let said = std::fs::read_to_string(&log).unwrap();
+    assert!(
+        most <= 4,
+        "{most} jobs ran at once under a limit of 4 after {victim:?} was killed ({style}):\n{said}"
+    );
+    assert!(
+        beside || victim == Victim::BatonRun,
+        "the tokens the sub-make had not read stayed with the killed build ({style}):\n{said}"
+    );
+}
+
+#[test]
+fn a_killed_top_makes_sub_make_stays_within_the_limit_in_the_pipe_style() {
+    a_killed_builds_sub_make_stays_within_the_limit(&make43(), "pipe", Victim::Command);
+}
+
+#[test]
+fn a_killed_baton_runs_sub_make_stays_within_the_limit_in_the_pipe_style() {
+    a_killed_builds_sub_make_stays_within_the_limit(&make43(), "pipe", Victim::BatonRun);
+}
+
+#[test]
+fn a_killed_top_makes_sub_make_stays_within_the_limit_in_the_fifo_style() {
+    a_killed_builds_sub_make_stays_within_the_limit(&make44(), "fifo", Victim::Command);
+}
+
+#[test]
+fn a_killed_baton_runs_sub_make_stays_within_the_limit_in_the_fifo_style() {
+    a_killed_builds_sub_make_stays_within_the_limit(&make44(), "fifo", Victim::BatonRun);
+}
+
+#[test]
+fn a_killed_top_makes_sub_make_stays_within_the_limit_with_bmake() {
+    a_killed_builds_sub_make_stays_within_the_limit(&bmake(), "auto", Victim::Command);
+}
+
+#[test]
+fn a_killed_baton_runs_sub_make_stays_within_the_limit_with_bmake() {
+    a_killed_builds_sub_make_stays_within_the_limit(&bmake(), "auto", Victim::BatonRun);
 }
