@@ -6,7 +6,7 @@
 mod common;
 
 use common::*;
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeSet;
 use std::io::Write;
 use std::path::Path;
 use std::process::Stdio;
