@@ -308,6 +308,28 @@ mod tests {
         assert_eq!(s.get(ids[1]).vtime, 10, "only the waking build moves");
     }
 
+    /// A build that waits and holds nothing is active: its virtual time
+    /// is a floor for a waking build, and a second request of its own
+    /// moves it nowhere.
+    #[test]
+    fn a_build_that_only_waits_is_active() {
+        let (mut s, ids) = shares(&[(1, 100), (0, 10), (0, 0)]);
+        s.update(ids[1], |b| b.waiting = 1);
+        s.wake(ids[2]);
+        assert_eq!(
+            s.get(ids[2]).vtime,
+            10,
+            "the waiting build's 10 is the floor"
+        );
+        s.update(ids[2], |b| b.vtime = 50);
+        s.wake(ids[1]);
+        assert_eq!(
+            s.get(ids[1]).vtime,
+            10,
+            "a waiting build is not woken again"
+        );
+    }
+
     #[test]
     fn books_out_of_range_are_refused() {
         let (s, ids) = shares(&[(1, 0)]);
