@@ -1491,6 +1491,10 @@ mod tests {
             if let Some(owner) = owner {
                 cmd.env(crate::jobs::RUN_PID_VAR, owner.to_string());
             }
+            self.start(&mut cmd)
+        }
+
+        fn start(&mut self, cmd: &mut std::process::Command) -> u32 {
             let child = cmd.spawn().unwrap();
             let pid = child.id();
             self.0.push(child);
@@ -1506,10 +1510,7 @@ mod tests {
             let mut cmd = std::process::Command::new(&make);
             cmd.arg("60")
                 .env(crate::jobs::RUN_PID_VAR, owner.to_string());
-            let child = cmd.spawn().unwrap();
-            let pid = child.id();
-            self.0.push(child);
-            pid
+            self.start(&mut cmd)
         }
 
         /// Waits until `jobs` processes of `owner`'s build are seen in
