@@ -28,6 +28,9 @@ pub struct Row {
     /// The part of the broker's where it blocked (the rest: it was preempted).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub broker_voluntary_context_switches_per_op: Option<f64>,
+    /// The broker's share of the CPU (included above).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub broker_cpu_us_per_op: Option<f64>,
     /// Scenario-specific figures and parameters.
     #[serde(flatten)]
     pub extra: Map<String, Value>,
@@ -72,6 +75,7 @@ impl Row {
             },
             broker_context_switches_per_op: broker.map(|b| per_op(b.context_switches())),
             broker_voluntary_context_switches_per_op: broker.map(|b| per_op(b.voluntary_switches)),
+            broker_cpu_us_per_op: broker.map(|b| per_op(b.cpu_us)),
             extra: Map::new(),
         }
     }
@@ -143,6 +147,7 @@ impl Report {
             "ops/s",
             "broker csw/op",
             "broker voluntary",
+            "broker CPU µs/op",
         ];
         header.extend(extra_keys.iter().map(String::as_str));
         let rows: Vec<Vec<String>> = self
@@ -441,6 +446,8 @@ fn table_cells(row: &Row, extra_keys: &[String]) -> Vec<String> {
             .map_or("-".to_string(), |b| format!("{b:.2}")),
         row.broker_voluntary_context_switches_per_op
             .map_or("-".to_string(), |b| format!("{b:.2}")),
+        row.broker_cpu_us_per_op
+            .map_or("-".to_string(), |b| format!("{b:.1}")),
     ];
     cells.extend(
         extra_keys

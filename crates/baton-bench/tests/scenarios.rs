@@ -387,13 +387,18 @@ fn bulk_wake_counts_every_wake_up(h: &Harness) -> Result<()> {
                 "futex, FUTEX_WAKE 1",
                 "baton native",
                 "baton native, no spin",
-                "baton native, no io_uring"
+                "baton native, no io_uring",
+                "baton fast path"
             ]),
         "mechanisms {:?}",
         mechanisms(&doc)
     );
     for row in doc["results"].as_array().into_iter().flatten() {
         ensure!(u64_of(row, "operations") == 300, "wake-ups in {row}");
+        ensure!(
+            row["broker_cpu_us_per_op"].is_f64() == row["broker_context_switches_per_op"].is_f64(),
+            "the broker's CPU beside its switches in {row}"
+        );
         // The per-waiter counts add up to the wake-ups: the fewest any
         // waiter got cannot be above the mean, the most not below it.
         let (min, max, waiters) = (
@@ -676,6 +681,15 @@ fn bad_scale_is_refused(h: &Harness) -> Result<()> {
         h.bench(&["bulk-wake", "--waiters", "0"]).is_err(),
         "zero waiters accepted"
     );
+    if h.baton.is_some() {
+        let refused = h.bench(&["bulk-wake", "--waiters", "2", "--ops", "70000"]);
+        ensure!(
+            refused
+                .as_ref()
+                .is_err_and(|e| format!("{e:#}").contains("lower --ops")),
+            "more tokens than a fast-path record holds: {refused:?}"
+        );
+    }
     ensure!(
         h.bench(&["broadcast", "--waiters", "2", "--wake", "3"])
             .is_err(),

@@ -238,9 +238,13 @@ impl Pool for BrokerProcess {
     }
 
     /// The producer holds the pool's one base token (a broker started with
-    /// `--jobs 1`), so only its raises free any.
+    /// `--jobs 1`), so only its raises free any. On the fast path it holds
+    /// every token instead, taken through the region: see [`Stock`].
     fn open_waker(&self) -> Result<Box<dyn Waker + '_>> {
         let mut client = Client::connect(&self.socket, "baton bench producer")?;
+        if self.wait == Wait::Fastpath {
+            return Ok(Box::new(Stock::take_all(client)?));
+        }
         client.acquire(1)?;
         Ok(Box::new(LimitRaiser { client }))
     }
@@ -280,6 +284,37 @@ impl Waker for LimitRaiser {
             self.client.read_reply()?;
         }
         Ok(())
+    }
+}
+
+/// The fast path's producer. A region cannot retire a token (a lowered
+/// limit closes it only a round later, and until then a waiter's release
+/// is a hand-off that wakes another waiter: docs/fastpath.md, "Left
+/// open"), so the broker is started with every token the run will hand
+/// out, the producer takes them all through the region before the run
+/// starts, and each waiter keeps what it is woken with ([`Seated`]'s
+/// `use_up`). Each token the producer adds is then one release in the
+/// region: a hand-off to the oldest claim and a `futex_wake` of exactly
+/// that waiter, which is what bulk-wake measures.
+struct Stock {
+    client: Client,
+}
+
+impl Stock {
+    fn take_all(mut client: Client) -> Result<Self> {
+        if let Err(why) = client.enable_fastpath()? {
+            bail!("the broker offers no fast path: {why}");
+        }
+        for _ in 0..client.limit() {
+            client.acquire(1)?;
+        }
+        Ok(Stock { client })
+    }
+}
+
+impl Waker for Stock {
+    fn add(&mut self, n: u32) -> Result<()> {
+        Ok(self.client.release(n)?)
     }
 }
 
@@ -358,7 +393,10 @@ impl Tokens for Seated {
         Ok(self.client.release(n)?)
     }
 
+    /// Kept: a release would hand the token to the next waiter, a wake the
+    /// producer did not cause. The producer started with every token the
+    /// run hands out ([`Stock`]), so none has to come back.
     fn use_up(&mut self) -> Result<()> {
-        self.release(1)
+        Ok(())
     }
 }

@@ -6,7 +6,10 @@
 //! The mechanism under test carries the wake-ups; the reports of done go
 //! back through one futex semaphore in every row, so rows differ only in
 //! how the waiters are woken. baton adds tokens the only way it can: by
-//! raising the limit by W and lowering it back at once.
+//! raising the limit by W and lowering it back at once. Its fast path
+//! cannot retire a token, so there the waker starts with every token the
+//! run hands out and adds W by releasing W in the region, and each waiter
+//! keeps what it is woken with (mechanisms/baton.rs, `Stock`).
 
 use super::{cases, Bench, Defaults, Findings, Scale};
 use crate::mechanisms::{Mechanism, Pool};
@@ -30,11 +33,20 @@ const MECHANISMS: &[Mechanism] = &[
     Mechanism::BatonNative,
     Mechanism::BatonNativeNoSpin,
     Mechanism::BatonNativeNoUring,
+    Mechanism::BatonFastpath,
 ];
+
+/// The most tokens one fast-path record holds (its `held` is 16 bits),
+/// so the most the fast path's waker can start with.
+const FASTPATH_STOCK_MAX: u64 = u16::MAX as u64;
 
 pub fn run(bench: &Bench, scale: &Scale) -> Result<Findings> {
     ensure!(scale.wake >= 1, "--wake must be at least 1");
     let cases = cases(&scale.waiters, &bench.mechanisms(MECHANISMS));
+    // Refused before any row runs, not after the others took their time.
+    for &(waiters, mechanism) in &cases {
+        initial_tokens(mechanism, rounds(scale), scale.wake, waiters)?;
+    }
     let rows = bench.each(
         &cases,
         |(n, m)| format!("bulk-wake: {} with {n} waiters", m.name()),
@@ -58,9 +70,8 @@ fn measure(bench: &Bench, mechanism: Mechanism, waiters: usize, scale: &Scale) -
         "--wake ({}) must not exceed --waiters ({waiters})",
         scale.wake
     );
-    let rounds = scale.ops.div_ceil(u64::from(scale.wake));
-    // A broker's limit is at least 1: that one token stays with the waker.
-    let initial = if mechanism.is_baton() { 1 } else { 0 };
+    let rounds = rounds(scale);
+    let initial = initial_tokens(mechanism, rounds, scale.wake, waiters)?;
     let pools = Pools {
         work: mechanism.create(initial, &bench.env)?,
         done: Mechanism::Futex.create(0, &bench.env)?,
@@ -91,6 +102,28 @@ fn measure(bench: &Bench, mechanism: Mechanism, waiters: usize, scale: &Scale) -
         per_waiter.iter().copied().max().unwrap_or(0),
     );
     Ok(row)
+}
+
+fn rounds(scale: &Scale) -> u64 {
+    scale.ops.div_ceil(u64::from(scale.wake))
+}
+
+/// The tokens the run starts with: none for a kernel counter (the waker
+/// makes each); one for a broker, whose limit is at least 1 (the waker
+/// holds it); for the fast path, every token the run hands out, one per
+/// wake-up and one per waiter to wake it to the stop.
+fn initial_tokens(mechanism: Mechanism, rounds: u64, wake: u32, waiters: usize) -> Result<u32> {
+    if mechanism == Mechanism::BatonFastpath {
+        let stock = rounds * u64::from(wake) + waiters as u64;
+        ensure!(
+            stock <= FASTPATH_STOCK_MAX,
+            "bulk-wake's fast-path row starts with every token it hands out \
+             ({stock} for these --ops, --wake and --waiters), and one client \
+             holds at most {FASTPATH_STOCK_MAX} in a region: lower --ops"
+        );
+        return Ok(stock as u32);
+    }
+    Ok(u32::from(mechanism.is_baton()))
 }
 
 fn waker(
