@@ -245,3 +245,55 @@ fn escape(text: &str) -> String {
         false => text,
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::CommandFactory;
+
+    /// The `.TP` names of section `title` of the page of `name`.
+    fn entries(name: &str, title: &str) -> Vec<String> {
+        let mut cli = crate::Cli::command().disable_help_subcommand(true);
+        cli.build();
+        let pages = pages(&cli);
+        let names: Vec<String> = pages.iter().map(|(n, _, _)| n.clone()).collect();
+        let (_, command, sub) = pages.iter().find(|(n, _, _)| n == name).unwrap();
+        let text = String::from_utf8(page(command, sub, &names).unwrap()).unwrap();
+        let section = text.split(&format!(".SH {title}\n")).nth(1).unwrap();
+        let section = section.split(".SH ").next().unwrap();
+        section
+            .split(".TP\n\\fB")
+            .skip(1)
+            .filter_map(|entry| Some(entry.split_once("\\fR")?.0.replace("\\-", "-")))
+            .collect()
+    }
+
+    /// A subcommand's page lists what every command reads (the socket's
+    /// variables: `baton stop` finds its broker by them too) beside what
+    /// it reads alone, and not what only other commands read.
+    #[test]
+    fn a_subcommands_page_lists_what_every_command_reads_and_its_own() {
+        let stop = entries("baton-stop", "ENVIRONMENT");
+        assert_eq!(stop, ["BATON_SOCKET", "XDG_RUNTIME_DIR"], "{stop:?}");
+        let run = entries("baton-run", "ENVIRONMENT");
+        for wanted in [
+            "BATON_SOCKET",
+            "XDG_RUNTIME_DIR",
+            "BATON_NO_AUTOSTART",
+            "MAKEFLAGS",
+        ] {
+            assert!(run.contains(&wanted.to_string()), "{wanted} not in {run:?}");
+        }
+        assert!(!run.contains(&"LISTEN_FDS".to_string()), "{run:?}");
+        let files = entries("baton-stop", "FILES");
+        assert_eq!(
+            files,
+            [
+                "$XDG_RUNTIME_DIR/baton/socket",
+                "<socket>.lock",
+                "broker.log"
+            ],
+            "{files:?}"
+        );
+    }
+}
