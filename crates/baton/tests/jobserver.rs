@@ -755,6 +755,45 @@ fn baton_run_inside_a_recipe_of_a_build_under_baton_runs_in_its_job_slot() {
     }
 }
 
+/// A recipe that runs `baton run --socket` of another broker (a build
+/// that sends part of its work to another pool) is served by that broker:
+/// only a `baton run` of the broker the build is under runs in the outer
+/// build's job slot. The inner command says which broker it was given.
+#[test]
+fn baton_run_of_another_broker_inside_a_recipe_is_served_by_that_broker() {
+    let outer = RunningBroker::start(1);
+    let other = RunningBroker::start(1);
+    let dir = TempDir::new("nested-other");
+    let seen = dir.path().join("socket-seen");
+    let text = format!(
+        "all:\n\t+@{baton} run --socket {other} -- sh -c 'echo \"$$BATON_SOCKET\" > {seen}'\n",
+        baton = baton_bin(),
+        other = other.socket.display(),
+        seen = seen.display()
+    );
+    std::fs::write(dir.path().join("Makefile"), text).unwrap();
+    let out = outer
+        .run(&["--", make44().to_str().unwrap(), "-s"])
+        .current_dir(dir.path())
+        .env_remove("MAKEFLAGS")
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", output_text(&out));
+    let given = std::fs::read_to_string(&seen).unwrap();
+    assert_eq!(
+        Path::new(given.trim_end()),
+        std::path::absolute(&other.socket).unwrap(),
+        "the inner command was given the outer build's broker"
+    );
+    assert_eq!(
+        other.status().totals.granted,
+        1,
+        "the other broker served it"
+    );
+    outer.assert_all_free();
+    other.assert_all_free();
+}
+
 /// Closing the FIFO's inotify watch waits for the kernel (an SRCU grace
 /// period), so `baton run` hands that close to a grandchild it does not
 /// wait for. The grandchild must be out of `baton run`'s process group
