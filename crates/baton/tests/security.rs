@@ -867,6 +867,31 @@ fn the_config_file_admits_other_uids_too() {
     }
 }
 
+/// `--allow-uid` on the command line replaces the file's `allow-uid`
+/// only: the file's `allow-group` still admits its members, with
+/// `--jobs` given too (the file is then read only for who is served).
+#[test]
+fn the_config_files_groups_admit_beside_allow_uid_on_the_command_line() {
+    if !can_act_as_another_user() {
+        return;
+    }
+    let home = TempDir::new("allow-group-config");
+    std::fs::create_dir_all(home.path().join("baton")).unwrap();
+    std::fs::write(
+        home.path().join("baton/config.toml"),
+        format!("allow-group = [{MEMBERS_GROUP}]\n"),
+    )
+    .unwrap();
+    let config_home = format!("XDG_CONFIG_HOME={}", home.path().display());
+    let extra = ["--no-fuse", "--allow-uid", "4242"];
+    let broker = RunningBroker::start_under(&["env", &config_home], 2, &extra);
+    chmod(broker.dir.path(), 0o755);
+    chmod(broker.socket.parent().unwrap(), 0o755);
+    let dir = broker.dir.path();
+    let out = as_member(&broker, MEMBERS_GROUP, &[], dir, &["status"]);
+    assert!(out.status.success(), "{}", output_text(&out));
+}
+
 /// A member may say it holds what a broker before this one granted it
 /// (`HOLD`, as `baton run` re-attaching does), but never more than the
 /// limit: another user cannot hold the pool past its limit at will.
