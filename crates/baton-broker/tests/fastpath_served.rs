@@ -65,6 +65,10 @@ fn main() {
             a_waiter_whose_broker_is_killed_gives_up_instead_of_sleeping_forever,
         ),
         (
+            "a_client_whose_broker_is_killed_still_counts_what_it_took_in_the_region",
+            a_client_whose_broker_is_killed_still_counts_what_it_took_in_the_region,
+        ),
+        (
             "a_successor_books_what_fast_path_clients_hold_on_their_connections",
             a_successor_books_what_fast_path_clients_hold_on_their_connections,
         ),
@@ -497,6 +501,22 @@ fn a_waiter_whose_broker_is_killed_gives_up_instead_of_sleeping_forever() {
     let outcome = done.recv_timeout(PATIENCE).expect("the waiter gave up");
     assert!(outcome.is_err(), "no broker, no token: {outcome:?}");
     assert!(a.release(1).is_err(), "a's broker is gone too");
+}
+
+/// A client whose broker is killed while it holds a token taken in the
+/// region still counts it once it finds the region dead: `held()` is what
+/// it tells the next broker it holds (HOLD, as `baton run` re-attaching
+/// does), and a count that forgot the region's tokens would let that
+/// broker grant them again while they are in use.
+fn a_client_whose_broker_is_killed_still_counts_what_it_took_in_the_region() {
+    let mut broker = served(2, "");
+    let _root = build_root(&broker);
+    let mut a = fast_client(&broker, "a");
+    a.acquire(1).unwrap();
+    broker.stop_with(libc::SIGKILL);
+    assert!(a.release(1).is_err(), "no broker to give it back to");
+    assert!(!a.uses_fastpath(), "the region's broker is gone");
+    assert_eq!(a.held(), 1, "the token is still a's");
 }
 
 fn a_successor_books_what_fast_path_clients_hold_on_their_connections() {
