@@ -90,6 +90,41 @@ fn makeflags_carry_the_builds_cap_as_gnu_make_writes_it() {
     broker.assert_all_free();
 }
 
+/// `baton run` inside a build that already has a jobserver (a cargo
+/// build script, a make recipe) puts its own in both variables cargo and
+/// make read: an inherited `--jobserver-auth` and `-j` would name the
+/// outer pool's descriptors, and its `-jN`, not this build's share.
+#[test]
+fn an_inherited_jobserver_in_cargo_makeflags_is_replaced_by_the_builds_own() {
+    let broker = RunningBroker::start(3);
+    let dir = TempDir::new("inherited-flags");
+    let outer = "-j9 --jobserver-auth=7,8";
+    let out = run_in(
+        &broker,
+        dir.path(),
+        &[],
+        Path::new("/bin/sh"),
+        &["-c", r#"printf '%s\n' "$CARGO_MAKEFLAGS" "$MAKEFLAGS""#],
+    )
+    .env("CARGO_MAKEFLAGS", outer)
+    .env("MAKEFLAGS", outer)
+    .output()
+    .unwrap();
+    assert_success(&out);
+    let text = stdout(&out);
+    let lines: Vec<&str> = text.lines().collect();
+    assert_eq!(lines.len(), 2, "{text}");
+    for (var, flags) in ["CARGO_MAKEFLAGS", "MAKEFLAGS"].iter().zip(&lines) {
+        assert!(
+            flags.contains(" -j3 --jobserver-auth=")
+                && !flags.contains("7,8")
+                && !flags.contains("-j9"),
+            "{var}: {flags}"
+        );
+    }
+    broker.assert_all_free();
+}
+
 /// A crate whose build script runs Debian's make 4.3 with cargo's
 /// jobserver, as openssl-src and many -sys crates do.
 fn crate_running_make(dir: &Path, log: &Path) {
