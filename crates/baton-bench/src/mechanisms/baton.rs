@@ -263,8 +263,11 @@ impl LimitRaiser {
     /// A raise with fewer than n waiters queued would leave tokens free,
     /// and the lowering right after would take them away again: wait for
     /// the takers (a waiter just served may still be on its way back).
+    /// Asked with WANTED (the tokens other builds wait for: each waiter
+    /// is a build of its own, asking for one), not STATUS, whose cost
+    /// grows with the waiters listed and would be measured as the broker's.
     fn wait_for_waiters(&mut self, n: u32) -> Result<()> {
-        while self.client.status()?.waiters.len() < n as usize {
+        while self.client.wanted()?.0 < n {
             std::thread::sleep(Duration::from_micros(50));
         }
         Ok(())
