@@ -151,11 +151,12 @@ impl View {
         let Some((region, base)) = (0..100).find_map(|_| ring.snapshot().ok()) else {
             return Seen::default();
         };
+        let attributions = region.attributions();
         Seen {
             holdings: self
                 .seated
                 .iter()
-                .map(|&(seat, client)| (client, region.attributed(seat)))
+                .map(|&(seat, client)| (client, attributions[usize::from(seat.0)]))
                 .collect(),
             waiting: self.waiting(&region, base),
         }
@@ -706,10 +707,11 @@ impl Region {
             self.retire(broker);
             return;
         };
+        let attributions = snapshot.attributions();
         for seat in seats {
             let client = self.clients[usize::from(seat.0)].expect("seated");
             let held = broker.pool().held_by(self.lender);
-            let booked = snapshot.attributed(seat).min(held);
+            let booked = attributions[usize::from(seat.0)].min(held);
             if let Err(e) = broker.transfer(self.lender, client, booked) {
                 log::warn(format_args!("fast path: booking a seat's tokens: {e}"));
             }

@@ -537,11 +537,48 @@ impl Region {
     /// else's count.
     pub fn attributed(&self, seat: Seat) -> u32 {
         let me = Party::Seat(seat);
+        self.attribution(
+            seat,
+            self.claimed_by(me),
+            self.unacked_grant_by(me).is_some(),
+        )
+    }
+
+    /// [`Region::attributed`] of every seat, in one pass over the queue.
+    /// The audit needs them all once a second, and asking seat by seat
+    /// walks the queue twice per seat: 1,024 seats by a 4,096-slot ring
+    /// is 8 million slots a second, in the broker's loop.
+    pub fn attributions(&self) -> Vec<u32> {
+        let seats = self.records.len();
+        let (mut claimed, mut unacked) = (vec![None; seats], vec![false; seats]);
+        for (t, slot) in self.slots.iter().enumerate() {
+            if let Claim::Claimed(Party::Seat(seat)) = slot.claim {
+                if let Some(first) = claimed.get_mut(seat.index()) {
+                    first.get_or_insert(t);
+                }
+            }
+            if let Grant::Given {
+                by: Party::Seat(seat),
+                acked: false,
+            } = slot.grant
+            {
+                if let Some(found) = unacked.get_mut(seat.index()) {
+                    *found = true;
+                }
+            }
+        }
+        (0..seats)
+            .map(|i| self.attribution(Seat(i as u16), claimed[i], unacked[i]))
+            .collect()
+    }
+
+    /// What the region attributes to `seat`, given the first ticket it
+    /// claimed and whether it gave a token it has not acknowledged.
+    fn attribution(&self, seat: Seat, claimed: Option<Ticket>, unacked_grant: bool) -> u32 {
         let record = self.records[seat.index()];
-        let releasing = record.intent == Intent::Releasing && self.unacked_grant_by(me).is_none();
-        let waiting_in_slot = self
-            .claimed_by(me)
-            .filter(|&t| self.slot(t).is_granted() && record.intent != Intent::Taking(t));
+        let releasing = record.intent == Intent::Releasing && !unacked_grant;
+        let waiting_in_slot =
+            claimed.filter(|&t| self.slot(t).is_granted() && record.intent != Intent::Taking(t));
         record
             .held
             .saturating_add(record.returned)
@@ -552,28 +589,36 @@ impl Region {
     /// Every token the region holds: free, and attributed to each seat (the
     /// broker never leaves one in a slot it claimed).
     pub fn tokens(&self) -> u32 {
-        let seats = (0..self.records.len()).map(|i| self.attributed(Seat(i as u16)));
-        seats.fold(self.free(), u32::saturating_add)
+        self.tokens_with(&self.attributions())
+    }
+
+    fn tokens_with(&self, attributions: &[u32]) -> u32 {
+        attributions
+            .iter()
+            .copied()
+            .fold(self.free(), u32::saturating_add)
     }
 
     /// The broker's check of a consistent snapshot against its books: what
     /// the region counts, and the seats whose records cannot be right
     /// whatever the others did.
     pub fn audit(&self, books: &Books) -> Audit {
+        let attributions = self.attributions();
         let suspects = (0..self.records.len())
+            .filter(|&i| !self.plausible(Seat(i as u16), attributions[i], books.lent))
             .map(|i| Seat(i as u16))
-            .filter(|&seat| !self.plausible(seat, books.lent))
             .collect();
         Audit {
-            counted: books.counted(self),
+            counted: books.counted_with(self.tokens_with(&attributions)),
             expected: books.lent,
             suspects,
         }
     }
 
-    /// Whether `seat`'s record could have been written by a client that
-    /// follows the protocol.
-    fn plausible(&self, seat: Seat, lent: u32) -> bool {
+    /// Whether `seat`'s record, which the region attributes `attributed`
+    /// tokens, could have been written by a client that follows the
+    /// protocol.
+    fn plausible(&self, seat: Seat, attributed: u32, lent: u32) -> bool {
         let record = self.records[seat.index()];
         let taking_ok = match record.intent {
             Intent::Taking(t) => {
@@ -583,7 +628,7 @@ impl Region {
             }
             Intent::Idle | Intent::Releasing => true,
         };
-        taking_ok && self.attributed(seat) <= lent
+        taking_ok && attributed <= lent
     }
 
     /// Drops `seat` to the socket path: takes everything the region
@@ -662,7 +707,12 @@ impl Books {
     /// What the region and these books count together, to compare with
     /// `lent`.
     pub fn counted(&self, region: &Region) -> u32 {
-        (region.tokens() + self.in_hand + self.on_socket + self.held_back)
+        self.counted_with(region.tokens())
+    }
+
+    /// The same, given what the region holds.
+    fn counted_with(&self, region_tokens: u32) -> u32 {
+        (region_tokens + self.in_hand + self.on_socket + self.held_back)
             .saturating_sub(self.to_retire)
     }
 }

@@ -389,6 +389,15 @@ mod fastpath {
             if counted != config.lent {
                 return Err(format!("{counted} tokens counted, {} lent", config.lent));
             }
+            let one_by_one: Vec<u32> = seats(self.region.records.len())
+                .map(|seat| self.region.attributed(seat))
+                .collect();
+            if self.region.attributions() != one_by_one {
+                return Err(format!(
+                    "attributions in one pass {:?}, seat by seat {one_by_one:?}",
+                    self.region.attributions()
+                ));
+            }
             let mut running = 0;
             let mut held = 0;
             for seat in seats(self.clients.len()) {
