@@ -367,4 +367,90 @@ mod tests {
             .collect();
         assert_eq!(names, ["holding", "starved"], "{shown}");
     }
+
+    /// A status document with these holders, waiters and gates (JSON, as
+    /// the broker sends them), everything else empty.
+    fn status_with(
+        holders: serde_json::Value,
+        waiters: serde_json::Value,
+        gates: serde_json::Value,
+    ) -> Status {
+        serde_json::from_value(serde_json::json!({
+            "version": 1, "broker_pid": 1, "limit": 4, "free": 1, "held": 3,
+            "holders": holders, "waiters": waiters, "builds": [], "gates": gates,
+            "totals": {"granted": 3, "released": 0, "reclaimed": 0, "waits": 1, "clients": 3},
+        }))
+        .unwrap()
+    }
+
+    /// The first line is what a glance at `baton status` reads: how many
+    /// hold and how many wait, each counted from its own list (two
+    /// holders and one waiter here, so a swap shows).
+    #[test]
+    fn the_first_line_counts_holders_and_waiters_each_from_its_own_list() {
+        let client = |pid: u32, tokens: u32| {
+            serde_json::json!({"pid": pid, "command": "make", "tokens": tokens, "since": 0.0,
+                "transport": "socket", "build": 1})
+        };
+        let status = status_with(
+            serde_json::json!([client(10, 2), client(11, 1)]),
+            serde_json::json!([client(12, 1)]),
+            serde_json::json!([]),
+        );
+        let shown = render(&status, 0.0);
+        assert!(
+            shown.starts_with("limit 4  free 1  held 3  holders 2  waiters 1\n"),
+            "{shown}"
+        );
+    }
+
+    /// The reclaim gate is the broker's own, closed for a moment after a
+    /// broker died (docs/protocol.md, `--reclaim-grace`): not a threshold
+    /// anyone set, so `baton limit` alone does not list it.
+    #[test]
+    fn baton_limit_alone_leaves_out_the_brokers_own_reclaim_gate() {
+        let gate = |name: &str, threshold: f64| serde_json::json!({"name": name, "open": false, "threshold": threshold});
+        let only_reclaim = status_with(
+            serde_json::json!([]),
+            serde_json::json!([]),
+            serde_json::json!([gate("reclaim", 1.0)]),
+        );
+        assert_eq!(
+            render_limit(&only_reclaim),
+            "limit 4\ngates none (set one: baton limit --max-load N, --min-mem-available SIZE)\n"
+        );
+        let with_load = status_with(
+            serde_json::json!([]),
+            serde_json::json!([]),
+            serde_json::json!([gate("reclaim", 1.0), gate("load", 8.0)]),
+        );
+        assert_eq!(
+            render_limit(&with_load),
+            "limit 4\ngate load          max 8\n"
+        );
+    }
+
+    /// In the cluster's line, "elsewhere" is what the other brokers hold:
+    /// etcd's list of holders includes this broker, whose own share is
+    /// "held here" and must not be counted twice.
+    #[test]
+    fn the_cluster_line_counts_this_brokers_tokens_here_and_not_elsewhere() {
+        let cluster: baton_core::status::Cluster = serde_json::from_value(serde_json::json!({
+            "pool": "ci", "endpoints": ["http://127.0.0.1:2379"], "limit": 4, "held": 1,
+            "contact": "reachable",
+            "brokers": [
+                {"host": "here", "pid": 10, "held": 1, "waiting": false},
+                {"host": "there", "pid": 20, "held": 2, "waiting": true},
+            ],
+        }))
+        .unwrap();
+        let mut shown = String::new();
+        render_cluster(&cluster, &mut shown);
+        assert!(
+            shown.starts_with(
+                "\nCLUSTER ci  limit 4  held here 1  elsewhere 2  brokers waiting 1  etcd reachable"
+            ),
+            "{shown}"
+        );
+    }
 }
