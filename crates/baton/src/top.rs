@@ -722,6 +722,45 @@ mod tests {
         assert_eq!(names(&top), ["newest", "middle", "oldest"]);
     }
 
+    /// Sorted by WAIT p99, the build whose slowest waits are longest comes
+    /// first, whatever its median: here the p50 order is the reverse.
+    #[test]
+    fn sorted_by_wait_p99_the_longest_tail_comes_first() {
+        let waits = |id: u64, name: &str, p50: f64, p99: f64| Build {
+            wait_ms_p50: Some(p50),
+            wait_ms_p99: Some(p99),
+            ..build(id, name, 1, 1)
+        };
+        let mut top = top_with(vec![
+            waits(1, "steady", 40.0, 50.0),
+            waits(2, "spiky", 1.0, 900.0),
+        ]);
+        top.sort = Sort::WaitP99;
+        let names: Vec<_> = top.rows().iter().map(|b| b.name.clone()).collect();
+        assert_eq!(names, ["spiky", "steady"]);
+    }
+
+    fn headers(width: u16) -> Vec<&'static str> {
+        columns_that_fit(width).iter().map(|c| c.header).collect()
+    }
+
+    /// A terminal too narrow for every column loses the least telling
+    /// first (RUNNING, then WAIT p99: the highest drop ranks); JOBS and
+    /// WAITING, which say whether a build is starved, stay longest.
+    #[test]
+    fn a_narrow_terminal_drops_the_least_telling_columns_first() {
+        let all = headers(u16::MAX);
+        assert_eq!(all.len(), COLUMNS.len());
+        // Every column with the cell between: RUNNING and WAIT p99 (10
+        // cells each) must go to fit in 20 fewer.
+        let full: u16 = COLUMNS.iter().map(|c| c.width + 1).sum();
+        assert_eq!(
+            headers(full - 20),
+            ["NAME", "WEIGHT", "HELD", "JOBS", "WAITING", "GRANTS", "WAIT p50"]
+        );
+        assert_eq!(headers(1), ["NAME", "HELD"], "those two always stay");
+    }
+
     #[test]
     fn durations_read_as_people_write_them() {
         assert_eq!(
