@@ -203,6 +203,46 @@ fn a_broker_started_at_an_unusual_socket_says_so_once() {
     );
 }
 
+/// Runs `run` (a `baton run` in `home`, with no broker serving yet) and
+/// returns the broker it started at the standard socket, stopped when
+/// dropped; fails, with what `baton run` said, if it started none.
+fn run_starts_a_broker(home: &Home, run: &mut Command) -> Started {
+    let out = run.output().unwrap();
+    let socket = home.standard_socket();
+    // No socket, no broker: nothing to stop.
+    assert!(
+        socket.exists(),
+        "baton run started no broker: {}",
+        text(&out.stderr)
+    );
+    let broker = home.started(&socket);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    broker
+}
+
+/// `--weight` sets the build's share of a busy pool, and the config file
+/// is read for its default: given `--weight`, `baton run` must still read
+/// the file to start a broker when none serves.
+#[test]
+fn baton_run_given_a_weight_still_starts_a_broker() {
+    let home = Home::new("weight-autostart");
+    let mut run = home.baton(&["run", "--weight", "3", "--", "true"]);
+    let _broker = run_starts_a_broker(&home, &mut run);
+}
+
+/// BATON_NO_AUTOSTART turns auto-start off only when set to something
+/// other than empty or 0 (the man pages' ENVIRONMENT): `=0`, as a script
+/// writes for "no", leaves it on, and so does an empty value.
+#[test]
+fn baton_no_autostart_of_0_or_empty_leaves_autostart_on() {
+    for value in ["0", ""] {
+        let home = Home::new("autostart-0");
+        let mut run = home.baton(&["run", "--", "true"]);
+        run.env("BATON_NO_AUTOSTART", value);
+        let _broker = run_starts_a_broker(&home, &mut run);
+    }
+}
+
 #[test]
 fn a_config_typo_is_a_warning_for_baton_run_and_an_error_for_baton_config() {
     let home = Home::new("config-typo");
