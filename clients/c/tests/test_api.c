@@ -189,6 +189,13 @@ static void a_null_path_is_found_as_the_cli_finds_it(void) {
     char expected[64];
     snprintf(expected, sizeof expected, "/tmp/baton-%u/socket", (unsigned)getuid());
     CHECK(baton_socket_path(path, sizeof path) > 0 && strcmp(path, expected) == 0);
+    /* Set but empty is unset, as the CLI reads both (baton-core's paths.rs):
+     * not "" nor "/baton/socket", which no broker serves. */
+    setenv("BATON_SOCKET", "", 1);
+    setenv("XDG_RUNTIME_DIR", "", 1);
+    CHECK(baton_socket_path(path, sizeof path) > 0 && strcmp(path, expected) == 0);
+    unsetenv("BATON_SOCKET");
+    unsetenv("XDG_RUNTIME_DIR");
 
     struct broker b;
     broker_start(&b, 1);
