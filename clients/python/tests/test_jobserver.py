@@ -12,6 +12,8 @@ import sys
 
 import pytest
 
+from baton_client._jobserver import auth_from_makeflags
+
 HERE = pathlib.Path(__file__).resolve().parent
 
 
@@ -44,3 +46,13 @@ def test_the_client_takes_tokens_from_a_real_make_jobserver(tmp_path, env, fallb
     assert re.search(f"--jobserver-auth={style}", out), out
     assert "4 passed" in out, out
     assert "INTERNAL" not in out, out  # make's own check: every token back at exit
+
+
+def test_the_last_jobserver_option_in_makeflags_wins():
+    """GNU make's manual ("POSIX Jobserver Interaction"): where MAKEFLAGS
+    holds more than one jobserver option, the last one is the one in
+    force; an earlier one may name descriptors long closed."""
+    assert auth_from_makeflags("-j4 --jobserver-auth=3,4 --jobserver-auth=fifo:/tmp/js") == "fifo:/tmp/js"
+    assert auth_from_makeflags("--jobserver-fds=5,6 -j --jobserver-auth=7,8") == "7,8"
+    assert auth_from_makeflags("-j4") is None
+    assert auth_from_makeflags(None) is None
