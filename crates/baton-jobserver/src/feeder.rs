@@ -363,16 +363,7 @@ impl Feeder {
     /// so the pool is never promised a token the build might still use.
     fn wind_down(&mut self, client: &mut Client, stopper: u8) -> Result<(), ClientError> {
         self.withdraw(client)?;
-        let unread = if self.stopper_placed {
-            0
-        } else {
-            self.fifo.queued()
-        };
-        let back = self.fifo.take(self.fifo.returned() + unread).min(self.lent);
-        if back > 0 {
-            client.release(back)?;
-            self.lent -= back;
-        }
+        self.release_unused(client)?;
         self.stopper_placed = true;
         // A reader took it and puts it back (through us, in the pipe
         // style): until then, one for the next reader.
@@ -455,6 +446,13 @@ impl Feeder {
     pub fn give_back_unused(&mut self, client: &mut Client) -> Result<(), ClientError> {
         self.withdraw(client)?;
         self.fifo.drain_events();
+        self.release_unused(client)
+    }
+
+    /// Releases what the build is not using: the tokens written back and
+    /// those still unread (none once a bmake abort token stands in the
+    /// FIFO: what is there then is the abort token).
+    fn release_unused(&mut self, client: &mut Client) -> Result<(), ClientError> {
         let unread = match self.stopper_placed {
             true => 0,
             false => self.fifo.queued(),
@@ -1251,15 +1249,31 @@ mod tests {
     fn a_killed_command_s_unread_tokens_go_back_and_those_in_use_stay() {
         use std::io::Read;
         let (broker, mut client) = PlayedBroker::start("killed", 0);
-        let mut feeder = Feeder::new(Fifo::create(&broker.dir).unwrap(), 3, true);
+        let mut feeder = Feeder::new(Fifo::create(&broker.dir).unwrap(), 5, true);
         feeder.tend(&mut client).unwrap();
-        assert_eq!(feeder.fifo.queued(), 3);
-        build_end(&feeder).read_exact(&mut [0u8]).unwrap(); // one in use
+        assert_eq!(feeder.fifo.queued(), 5);
+        build_end(&feeder).read_exact(&mut [0u8; 2]).unwrap(); // two in use
         feeder.give_back_unused(&mut client).unwrap();
-        assert_eq!((feeder.lent, feeder.fifo.queued()), (1, 0));
+        assert_eq!((feeder.lent, feeder.fifo.queued()), (2, 0));
         drop(client);
         let (requests, _) = broker.finish();
-        assert_eq!(requests, "TRY 3\nRELEASE 2\n");
+        assert_eq!(requests, "TRY 5\nRELEASE 3\n");
+    }
+
+    /// With every token in use there is nothing to give back, and no
+    /// `RELEASE 0` (which the broker refuses) is sent.
+    #[test]
+    fn a_killed_command_using_every_token_gives_nothing_back() {
+        use std::io::Read;
+        let (broker, mut client) = PlayedBroker::start("all-in-use", 0);
+        let mut feeder = Feeder::new(Fifo::create(&broker.dir).unwrap(), 2, true);
+        feeder.tend(&mut client).unwrap();
+        build_end(&feeder).read_exact(&mut [0u8; 2]).unwrap();
+        feeder.give_back_unused(&mut client).unwrap();
+        assert_eq!(feeder.lent, 2);
+        drop(client);
+        let (requests, _) = broker.finish();
+        assert_eq!(requests, "TRY 2\n");
     }
 
     #[test]
