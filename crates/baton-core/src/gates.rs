@@ -715,6 +715,34 @@ mod tests {
     }
 
     #[test]
+    fn young_jobs_never_outnumber_settled_ones_however_much_room_is_left() {
+        // Slow start: admissions at most double per settle time, so that
+        // a job size learned too small (jobs that grow late) lets no burst
+        // in. Here memory has room for 88 more jobs of the learned size.
+        let mut g = memory_gate(100 * MIB);
+        g.observe(mem(1000 * MIB), 0, at(0));
+        g.granted(2, at(0));
+        g.observe(mem(980 * MIB), 2, at(600));
+        assert_eq!(g.per_job(), Some(10 * MIB));
+        assert_eq!(
+            g.allowance(2, None, at(600)),
+            Some(4),
+            "two settled: two young"
+        );
+        g.granted(2, at(600));
+        assert_eq!(
+            g.allowance(4, None, at(601)),
+            Some(4),
+            "two young beside two settled: none more until they settle"
+        );
+        assert_eq!(
+            g.allowance(4, None, at(1100)),
+            Some(8),
+            "all four settled: four young"
+        );
+    }
+
+    #[test]
     fn a_smaller_job_lowers_the_estimate_slowly() {
         let mut g = memory_gate(100 * MIB);
         g.observe(mem(1000 * MIB), 1, at(0));
