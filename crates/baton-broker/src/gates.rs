@@ -337,11 +337,9 @@ impl Pausing {
                 broker.ask(move |b| b.did_pause(paused, shown));
             }
             PauseAction::Resume => {
-                let Some(first) = (0..self.stopped.len()).min_by_key(|&i| self.stopped[i].start)
-                else {
+                let Some(job) = self.take_first_started() else {
                     return;
                 };
-                let job = self.stopped.remove(first);
                 jobs::resume(&job);
                 log::info(format_args!(
                     "memory is back: resumed job pid {} (SIGCONT)",
@@ -352,6 +350,13 @@ impl Pausing {
             }
             PauseAction::Nothing => {}
         }
+    }
+
+    /// The stopped job to go on next: the first started, the furthest
+    /// along (the newest are stopped first, and go on last).
+    fn take_first_started(&mut self) -> Option<StoppedJob> {
+        let first = (0..self.stopped.len()).min_by_key(|&i| self.stopped[i].start)?;
+        Some(self.stopped.remove(first))
     }
 
     /// Keeps each running job's resident memory for [`GROWTH_SPAN`].
@@ -520,6 +525,37 @@ mod tests {
             field("procs_running 3\nprocs_blocked 0\n", "procs_running", ' '),
             Some(3)
         );
+    }
+
+    #[test]
+    fn stopped_jobs_go_on_first_started_first() {
+        // Three real jobs stopped, in the order the pause policy stops
+        // them (newest first): the one started first goes on first.
+        use baton_testkit::SpawnGuarded;
+        let sleepers: Vec<_> = (0..3)
+            .map(|_| {
+                std::process::Command::new("sleep")
+                    .arg("60")
+                    .spawn_guarded()
+                    .unwrap()
+            })
+            .collect();
+        let mut pausing = Pausing::default();
+        for (sleeper, start) in sleepers.iter().zip([300, 200, 100]) {
+            let job = Job {
+                root: sleeper.id(),
+                start,
+                resident: 0,
+            };
+            pausing.stopped.push(jobs::stop(&job));
+        }
+        let resumed: Vec<u64> = std::iter::from_fn(|| pausing.take_first_started())
+            .map(|job| {
+                jobs::resume(&job);
+                job.start
+            })
+            .collect();
+        assert_eq!(resumed, [100, 200, 300]);
     }
 
     #[test]
