@@ -5,7 +5,8 @@
 //! with SIGKILL gives its tokens back through its lease, and an etcd that
 //! goes away and comes back neither creates nor loses a token; brokers
 //! queued on a full pool are served first come, first served, and a
-//! holder's lease is renewed for as long as it holds. Built with
+//! holder's lease is renewed for as long as it holds, and a broker cut
+//! off from etcd keeps its tokens no longer than its lease may live. Built with
 //! the `cluster` feature only (scripts/test turns it on).
 #![cfg(feature = "cluster")]
 
@@ -461,4 +462,67 @@ fn a_broker_holding_past_its_lease_ttl_keeps_its_token_renewed() {
     client.release(1).unwrap();
     holding.assert_all_free();
     other.assert_all_free();
+}
+
+/// When a broker's log line was written, from its RFC 3339 stamp.
+fn logged_at(line: &str) -> std::time::SystemTime {
+    let stamp = line.split_whitespace().next().unwrap();
+    humantime::parse_rfc3339(stamp).unwrap()
+}
+
+#[test]
+fn a_broker_cut_off_from_etcd_keeps_its_tokens_no_longer_than_its_lease_may_live() {
+    // etcd frozen (SIGSTOP: its connections stay open, so the broker
+    // learns it only as a renewal goes unanswered). The lease was last
+    // renewed before the freeze, so it may expire a lease life after it,
+    // and another machine take its tokens: the broker's own promise to go
+    // on using them must end by then, not a life after it noticed.
+    let etcd_dir = TempDir::new("etcd");
+    let etcd = start_etcd(1, &etcd_dir);
+    let ttl = Duration::from_secs(10);
+    let broker = cluster_broker(&etcd, 2, "frozen", 2, &["--cluster-ttl", "10"]);
+    let mut running = broker.client("a running job");
+    running.acquire(1).unwrap();
+
+    let member = etcd.members[0].pid().unwrap() as i32;
+    let before = broker.log().len();
+    unsafe { libc::kill(member, libc::SIGSTOP) };
+    let frozen = std::time::SystemTime::now();
+    let unreachable = || {
+        broker.log()[before..]
+            .lines()
+            .find(|l| l.contains("etcd unreachable"))
+            .map(str::to_string)
+    };
+    wait_for(LONG, "the broker to find etcd unreachable", || {
+        unreachable().is_some()
+    });
+    unsafe { libc::kill(member, libc::SIGCONT) };
+
+    let line = unreachable().unwrap();
+    let more: f64 = line
+        .split("for at most ")
+        .nth(1)
+        .and_then(|rest| rest.split(" s more").next())
+        .and_then(|secs| secs.parse().ok())
+        .unwrap_or_else(|| panic!("no promise in {line}"));
+    // The promise is printed to a tenth of a second.
+    let promised_until = logged_at(&line) + Duration::from_secs_f64(more);
+    let slack = Duration::from_millis(100);
+    assert!(
+        more == 0.0 || promised_until <= frozen + ttl + slack,
+        "the broker kept its tokens {:.1} s past the lease's possible end: {}",
+        promised_until
+            .duration_since(frozen + ttl)
+            .unwrap_or_default()
+            .as_secs_f64(),
+        broker.log()
+    );
+
+    wait_for(LONG, "etcd to answer again", || {
+        broker.log()[before..].contains("etcd answers again")
+    });
+    running.release(1).unwrap();
+    broker.assert_all_free();
+    etcd.wait_until_empty("frozen");
 }
