@@ -506,9 +506,13 @@ fn a_broker_cut_off_from_etcd_keeps_its_tokens_no_longer_than_its_lease_may_live
         .and_then(|rest| rest.split(" s more").next())
         .and_then(|secs| secs.parse().ok())
         .unwrap_or_else(|| panic!("no promise in {line}"));
-    // The promise is printed to a tenth of a second.
+    // The promise is printed to a tenth of a second, and the line is
+    // stamped a moment after it was computed: on a loaded machine that
+    // moment can reach a fraction of a second. The bug this guards
+    // against (a lease life counted from when etcd was found gone) keeps
+    // the tokens seconds too long: 5.3 s when planted.
     let promised_until = logged_at(&line) + Duration::from_secs_f64(more);
-    let slack = Duration::from_millis(100);
+    let slack = Duration::from_secs(1);
     assert!(
         more == 0.0 || promised_until <= frozen + ttl + slack,
         "the broker kept its tokens {:.1} s past the lease's possible end: {}",
