@@ -325,7 +325,19 @@ impl Runner {
                 _ = tokio::time::sleep(pause) => {}
                 _ = &mut *stopped => return Err(()),
             }
-            if self.answers().await {
+            // A read of a silent etcd takes up to REQUEST_TIMEOUT to fail:
+            // while the lease may still live, it is cut short where the
+            // lease may end, so the broker stops granting then and not
+            // up to that long after.
+            let answered = if lost {
+                self.answers().await
+            } else {
+                let left = surely_until.saturating_duration_since(Instant::now());
+                tokio::time::timeout(left, self.answers())
+                    .await
+                    .unwrap_or(false)
+            };
+            if answered {
                 return Ok(());
             }
         }

@@ -479,8 +479,10 @@ fn a_broker_cut_off_from_etcd_keeps_its_tokens_no_longer_than_its_lease_may_live
     // on using them must end by then, not a life after it noticed.
     let etcd_dir = TempDir::new("etcd");
     let etcd = start_etcd(1, &etcd_dir);
-    let ttl = Duration::from_secs(10);
-    let broker = cluster_broker(&etcd, 2, "frozen", 2, &["--cluster-ttl", "10"]);
+    // 12 s: the broker finds etcd silent about 4 s before its lease may
+    // end, so the old loop's last read ran a full 2 s past that end.
+    let ttl = Duration::from_secs(12);
+    let broker = cluster_broker(&etcd, 2, "frozen", 2, &["--cluster-ttl", "12"]);
     let mut running = broker.client("a running job");
     running.acquire(1).unwrap();
 
@@ -497,7 +499,19 @@ fn a_broker_cut_off_from_etcd_keeps_its_tokens_no_longer_than_its_lease_may_live
     wait_for(LONG, "the broker to find etcd unreachable", || {
         unreachable().is_some()
     });
+    // Then, with etcd still silent, it stops granting where the lease may
+    // end, not a request's timeout (2 s) after.
+    let expired = || {
+        broker.log()[before..]
+            .lines()
+            .find(|l| l.contains("the lease may have expired"))
+            .map(str::to_string)
+    };
+    wait_for(LONG, "the broker to give the lease up", || {
+        expired().is_some()
+    });
     unsafe { libc::kill(member, libc::SIGCONT) };
+    let gave_up = logged_at(&expired().unwrap());
 
     let line = unreachable().unwrap();
     let more: f64 = line
@@ -518,6 +532,23 @@ fn a_broker_cut_off_from_etcd_keeps_its_tokens_no_longer_than_its_lease_may_live
         "the broker kept its tokens {:.1} s past the lease's possible end: {}",
         promised_until
             .duration_since(frozen + ttl)
+            .unwrap_or_default()
+            .as_secs_f64(),
+        broker.log()
+    );
+    // Against its own promise (the lease's possible end it computed from
+    // its last renewal), not against the freeze: renewals come every
+    // third of a lease life, so the freeze may come seconds after one.
+    // A read of the silent etcd that ran past that end used to hold the
+    // give-up back by up to its 2 s timeout (0.3 s to 2 s, by where the
+    // loop's last pause ended); now it is cut short there. Half a second
+    // covers the promise's rounding and the log's stamp.
+    let slack = Duration::from_millis(500);
+    assert!(
+        gave_up <= promised_until + slack,
+        "the broker gave its lease up {:.1} s after it said it may end: {}",
+        gave_up
+            .duration_since(promised_until)
             .unwrap_or_default()
             .as_secs_f64(),
         broker.log()
