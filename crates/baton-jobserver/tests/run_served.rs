@@ -707,6 +707,16 @@ fn make_4_4_gets_the_token_file_which_goes_with_the_build() {
     assert!(err.contains("as --jobserver-style asked"), "{err}");
     assert_eq!(max_overlap(&log).1, 6);
     assert_eq!(std::fs::read_to_string(&polls).unwrap(), "hold\n");
+    // Any other command may poll the file from several processes: its
+    // polls are notified, not held.
+    let out = finished(baton_run(
+        &broker,
+        dir.path(),
+        "name=scripted\nstyle=fuse",
+        &["/bin/sh", "-c", &read_polls],
+    ));
+    assert!(out.status.success(), "{}", said(&out));
+    assert_eq!(std::fs::read_to_string(&polls).unwrap(), "notify\n");
     let left: Vec<_> = std::fs::read_dir(&mount).unwrap().collect();
     assert!(left.is_empty(), "the build's file is gone: {left:?}");
     broker.wait_all_free();
