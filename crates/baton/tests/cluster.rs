@@ -490,23 +490,20 @@ fn a_broker_cut_off_from_etcd_keeps_its_tokens_no_longer_than_its_lease_may_live
     let before = broker.log().len();
     unsafe { libc::kill(member, libc::SIGSTOP) };
     let frozen = std::time::SystemTime::now();
-    let unreachable = || {
+    // The first line logged since the freeze that says `what`.
+    let logged = |what: &str| {
         broker.log()[before..]
             .lines()
-            .find(|l| l.contains("etcd unreachable"))
+            .find(|l| l.contains(what))
             .map(str::to_string)
     };
+    let unreachable = || logged("etcd unreachable");
     wait_for(LONG, "the broker to find etcd unreachable", || {
         unreachable().is_some()
     });
     // Then, with etcd still silent, it stops granting where the lease may
     // end, not a request's timeout (2 s) after.
-    let expired = || {
-        broker.log()[before..]
-            .lines()
-            .find(|l| l.contains("the lease may have expired"))
-            .map(str::to_string)
-    };
+    let expired = || logged("the lease may have expired");
     wait_for(LONG, "the broker to give the lease up", || {
         expired().is_some()
     });
