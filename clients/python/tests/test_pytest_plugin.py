@@ -240,3 +240,32 @@ def test_a_killed_worker_gives_its_token_back_while_pytest_runs(tmp_path, start_
     assert re.search(r"crashed while running .*test_killed", out), out
     status = json.loads(subprocess.run([baton_bin(), "status", "--json", "--socket", broker.socket], capture_output=True, check=True).stdout)
     assert (status["held"], status["free"]) == (0, 2), status
+
+
+def test_pytest_under_a_recipe_line_without_plus_runs_its_tests_without_makes_pipe(suite, tmp_path):
+    """make 4.3 -j3 runs plain pytest from a recipe line without '+': make
+    closes its pipe's descriptors for the recipe, yet MAKEFLAGS still names
+    R,W, and pytest's capture has reused those numbers for its own files by
+    the time the plugin looks. The plugin must see that they are no
+    jobserver's pipe, say so, and run the tests without tokens, not read
+    a token out of its capture file (an INTERNALERROR: "no writers left")."""
+    from test_jobserver import make
+
+    (tmp_path / "suite" / "Makefile").write_text(
+        "all:\n\t@echo \"auth: $(filter --jobserver-auth=%,$(MAKEFLAGS))\"\n"
+        "\t@$(PY) -m pytest -p no:cacheprovider test_suite.py\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL", "PYTEST_ADDOPTS")}
+    env.update(BATON_SOCKET=str(tmp_path / "no-broker-here"), BATON_TEST_LOG=str(tmp_path / "plain.log"))
+    run = subprocess.run(
+        [make("BATON_TEST_MAKE43", "/usr/bin/make"), "-j3", "-C", str(tmp_path / "suite"), f"PY={sys.executable}"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    out = run.stdout + run.stderr
+    assert re.search(r"--jobserver-auth=\d+,\d+", out), out
+    assert run.returncode == 0, out
+    assert f"{TESTS} passed" in out, out
+    assert "not a jobserver's pipe" in out, out

@@ -11,7 +11,9 @@ option in MAKEFLAGS wins.
 from __future__ import annotations
 
 import errno
+import fcntl
 import os
+import stat
 from typing import Optional
 
 from ._wire import BatonError, wait_readable
@@ -28,6 +30,24 @@ def auth_from_makeflags(makeflags: Optional[str]) -> Optional[str]:
     return auth
 
 
+def check_pipe(read_fd: int, write_fd: int) -> None:
+    """OSError unless R and W are the two ends of one pipe, R open for
+    reading and W for writing. make passes its pipe only to a recipe line
+    with '+' (make 4.3); elsewhere MAKEFLAGS still names the numbers, and
+    by the time we look they may be another file's: pytest's capture dups
+    stdout and stderr into the lowest free descriptors. A token read from
+    such a file would be a byte of it, or its end."""
+    r, w = os.fstat(read_fd), os.fstat(write_fd)
+    readable = fcntl.fcntl(read_fd, fcntl.F_GETFL) & os.O_ACCMODE in (os.O_RDONLY, os.O_RDWR)
+    writable = fcntl.fcntl(write_fd, fcntl.F_GETFL) & os.O_ACCMODE in (os.O_WRONLY, os.O_RDWR)
+    if not (stat.S_ISFIFO(r.st_mode) and (r.st_dev, r.st_ino) == (w.st_dev, w.st_ino) and readable and writable):
+        raise OSError(
+            errno.EBADF,
+            f"descriptors {read_fd},{write_fd} are not a jobserver's pipe here "
+            "(make passes its pipe only to a recipe line with '+' in front)",
+        )
+
+
 class Jobserver:
     """Non-blocking file descriptors of our own on the jobserver, so that
     waiting never blocks in read() on a byte another process took first,
@@ -42,7 +62,7 @@ class Jobserver:
             read_fd, write_fd = (int(x) for x in auth.split(","))
             if read_fd < 0 or write_fd < 0:
                 raise BatonError("baton: the jobserver in MAKEFLAGS is disabled")
-            os.fstat(write_fd)  # OSError if make did not pass it to us (no '+' on the recipe line)
+            check_pipe(read_fd, write_fd)
             # A new open file description of the same pipe, non-blocking
             # without changing make's own.
             self.read_fd = os.open(f"/proc/self/fd/{read_fd}", os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)

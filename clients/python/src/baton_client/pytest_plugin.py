@@ -79,8 +79,7 @@ def pytest_configure_node(node: Any) -> None:
     if auth and not auth.startswith("fifo:"):
         try:
             read_fd, write_fd = (int(x) for x in auth.split(","))
-            os.fstat(read_fd)
-            os.fstat(write_fd)
+            _jobserver.check_pipe(read_fd, write_fd)
         except (ValueError, OSError):
             return  # not ours to pass on: the worker's own check says so
         node.workerinput[WORKER_JOBSERVER] = f"fifo:/proc/{os.getpid()}/fd/{read_fd}"
