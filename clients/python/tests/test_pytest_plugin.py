@@ -269,3 +269,34 @@ def test_pytest_under_a_recipe_line_without_plus_runs_its_tests_without_makes_pi
     assert run.returncode == 0, out
     assert f"{TESTS} passed" in out, out
     assert "not a jobserver's pipe" in out, out
+
+
+def test_an_xdist_worker_never_takes_makes_pipe_numbers_for_its_own(suite, tmp_path):
+    """make 4.3 -j3 runs pytest -n 2 from a recipe line without '+': make
+    closes its pipe's descriptors for the recipe, so the controller has
+    nothing to pass on, yet MAKEFLAGS still names R,W. In a worker those
+    numbers are execnet's descriptors, or nothing: the worker must say the
+    jobserver did not reach it and run its tests as without the plugin,
+    never read or write tokens on whatever those numbers are there."""
+    from test_jobserver import make
+
+    log = tmp_path / "unplussed.log"
+    (tmp_path / "suite" / "Makefile").write_text(
+        "all:\n\t@echo \"auth: $(filter --jobserver-auth=%,$(MAKEFLAGS))\"\n"
+        "\t@$(PY) -m pytest -p no:cacheprovider -n 2 test_suite.py\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL", "PYTEST_ADDOPTS")}
+    env.update(BATON_SOCKET=str(tmp_path / "no-broker-here"), BATON_TEST_LOG=str(log))
+    run = subprocess.run(
+        [make("BATON_TEST_MAKE43", "/usr/bin/make"), "-j3", "-C", str(tmp_path / "suite"), f"PY={sys.executable}"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    out = run.stdout + run.stderr
+    assert re.search(r"--jobserver-auth=\d+,\d+", out), out
+    assert run.returncode == 0, out
+    assert f"{TESTS} passed" in out, out
+    assert "did not reach this pytest-xdist worker" in out, out
+    assert "cannot be opened" not in out, out
