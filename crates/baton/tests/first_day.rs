@@ -137,6 +137,30 @@ fn stop_stops_the_broker_says_what_carried_on_and_leaves_only_its_log() {
     wait_timeout(&mut build, Duration::from_secs(10)).expect("the build stops");
 }
 
+/// `baton stop` returns only once the broker has removed its files (the
+/// lock goes last): `baton stop && baton serve` at the same socket finds
+/// nothing of the old broker. What is in the directory is read the moment
+/// `baton stop` exits, before the broker is waited for.
+#[test]
+fn stop_returns_only_once_the_brokers_files_are_gone() {
+    let mut broker = RunningBroker::start(2);
+    let dir = broker.socket.parent().unwrap().to_path_buf();
+    assert!(!names_in(&dir).is_empty(), "the broker's files, before");
+    let out = baton()
+        .args(["stop", "--socket"])
+        .arg(&broker.socket)
+        .output()
+        .unwrap();
+    let left = names_in(&dir);
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+    assert!(broker.wait_exit(Duration::from_secs(10)).success());
+    assert_eq!(
+        left,
+        Vec::<String>::new(),
+        "still in the broker's directory when baton stop returned"
+    );
+}
+
 #[test]
 fn stop_with_no_broker_says_so_and_exits_3() {
     let dir = TempDir::new("stop-none");
