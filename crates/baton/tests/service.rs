@@ -399,6 +399,55 @@ fn systemd_units_verify() {
     );
 }
 
+/// baton.socket listens where every baton command looks by default, and
+/// as privately as baton's own directory: `ListenStream=` with `%t` as the
+/// user manager's `$XDG_RUNTIME_DIR` is the socket `baton config` names
+/// there, and neither `SocketMode=` nor `DirectoryMode=` opens it to group
+/// or others (a client refuses a default directory that is: docs/security.md).
+/// systemd-analyze verify checks only that the unit is well formed.
+#[test]
+fn the_socket_unit_listens_at_the_default_socket_and_privately() {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../contrib/systemd/baton.socket");
+    let unit = std::fs::read_to_string(&path).unwrap();
+    let value = |key: &str| {
+        unit.lines()
+            .find_map(|l| l.trim().strip_prefix(key)?.strip_prefix('='))
+            .unwrap_or_else(|| panic!("{} has no {key}=", path.display()))
+            .trim()
+            .to_string()
+    };
+    let home = TempDir::new("socket-unit");
+    let runtime = home.path().join("runtime");
+    std::fs::create_dir_all(&runtime).unwrap();
+    let out = baton()
+        .arg("config")
+        .env("XDG_RUNTIME_DIR", &runtime)
+        .env("XDG_CONFIG_HOME", home.path().join("config"))
+        .env_remove("BATON_SOCKET")
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "baton config: {}", stderr(&out));
+    let said = String::from_utf8_lossy(&out.stdout).into_owned();
+    let default = said
+        .lines()
+        .find_map(|l| l.strip_prefix("socket")?.split_whitespace().next())
+        .unwrap_or_else(|| panic!("no socket line in baton config: {said}"))
+        .to_string();
+    let listen = value("ListenStream").replace("%t", runtime.to_str().unwrap());
+    assert_eq!(
+        listen, default,
+        "baton.socket listens elsewhere than baton looks"
+    );
+    for key in ["SocketMode", "DirectoryMode"] {
+        let mode = u32::from_str_radix(&value(key), 8).unwrap();
+        assert_eq!(
+            mode & 0o077,
+            0,
+            "{key}={mode:04o} opens the socket to others"
+        );
+    }
+}
+
 /// The unit's `LimitNOFILE=` is enough for the broker's default
 /// `--max-clients`, by the broker's own account: started with a low
 /// open-file limit (lowering needs no privilege; raising would), it warns
