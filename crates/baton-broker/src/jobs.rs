@@ -297,12 +297,11 @@ fn census(owners: &HashMap<(u32, u32, u64), u32>) -> HashMap<u32, Census> {
     counts
 }
 
-/// Build tools that wait for tokens and start jobs, but are none.
+/// Build tools that wait for tokens and start jobs, but are none: the
+/// [`TOOLS`] whose children are jobs (one list, so that no name, such as
+/// `gnumake`, is a tool for one count and a job for the other), and baton.
 fn is_a_build_tool(comm: &str) -> bool {
-    matches!(
-        comm,
-        "make" | "gmake" | "bmake" | "ninja" | "cargo" | "baton" | "samu"
-    )
+    TOOLS.contains(&comm) || comm == "baton"
 }
 
 /// The `baton run` a process belongs to: [`RUN_PID_VAR`] in the
@@ -533,6 +532,41 @@ mod tests {
             "the sleeping jobs only"
         );
         zombie.wait().unwrap();
+        drop(procs);
+        std::fs::remove_dir_all(dir).unwrap();
+    }
+
+    /// Every tool whose children are jobs ([`TOOLS`]: GNU make under each
+    /// of its names, bmake, ninja, samu, cargo) is a build tool for an
+    /// orphaned build: while one of them lives, the build keeps all it
+    /// holds ([`Orphans::tools`]), since it may start jobs from the bytes
+    /// in its jobserver. Counted as a job instead, its build would give
+    /// back all but one token per process while it runs on.
+    #[test]
+    fn each_tool_that_starts_jobs_is_counted_as_a_build_tool() {
+        let owner = 4_000_000_000u32 - 13 - std::process::id();
+        let session = own_session();
+        let ns = sys::pid_namespace_of("self").unwrap();
+        let dir = std::env::temp_dir().join(format!("baton-jobs-tools-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let mut procs = Procs(Vec::new());
+        for name in TOOLS {
+            // A program of that name: its comm is what tells a build tool.
+            let tool = dir.join(name);
+            std::fs::copy("/bin/sleep", &tool).unwrap();
+            procs.spawn(
+                std::process::Command::new(&tool)
+                    .arg("60")
+                    .env(RUN_PID_VAR, owner.to_string()),
+            );
+        }
+        let n = TOOLS.len() as u32;
+        until(|| orphan_jobs(owner, session, ns) == n);
+        assert_eq!(
+            orphans(owner, session, ns),
+            Orphans { jobs: n, tools: n },
+            "each of {TOOLS:?}, childless, is a build tool"
+        );
         drop(procs);
         std::fs::remove_dir_all(dir).unwrap();
     }
