@@ -53,5 +53,22 @@ rm -rf "$stage"
 build_and_run "$final"
 nothing_points_elsewhere "$final" "$stage" "$second" "$tree/build"
 
+# A distribution's package: PREFIX=/usr, with LIBDIR /usr/lib and, where
+# the compiler has one, Debian's multiarch directory, staged. ld.so searches
+# those itself, so baton.pc must carry no rpath (lintian calls an rpath to a
+# system directory an error, and it would outrank ld.so.conf), and its
+# libdir must be the LIBDIR given, not PREFIX/lib.
+multiarch=$(${CC:-cc} -print-multiarch 2>/dev/null || true)
+distro=$dir/distro
+for libdir in /usr/lib ${multiarch:+/usr/lib/$multiarch}; do
+    ${MAKE:-make} -s install DESTDIR="$distro" PREFIX=/usr LIBDIR="$libdir" >/dev/null
+    pc=$distro$libdir/pkgconfig/baton.pc
+    grep -qx "libdir=$libdir" "$pc" || { echo "$pc names another libdir than $libdir:" >&2; cat "$pc" >&2; exit 1; }
+    if grep -q -- -rpath "$pc"; then
+        echo "$pc gives programs an rpath to $libdir, a directory ld.so searches anyway:" >&2; cat "$pc" >&2; exit 1
+    fi
+    rm -rf "$distro"
+done
+
 check_all_back 72
-echo "clients: 1 passed, 0 failed, 0 skipped (C install: two prefixes and DESTDIR)"
+echo "clients: 1 passed, 0 failed, 0 skipped (C install: two prefixes, DESTDIR, a distribution's /usr)"
