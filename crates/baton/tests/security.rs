@@ -354,6 +354,82 @@ fn the_handover_socket_refuses_another_user() {
     held.release(1).unwrap();
 }
 
+/// The FUSE keeper holds a killed broker's mount for the next broker of
+/// ours, and gives it to its own user only (docs/fuse.md), whatever its
+/// socket's mode: a process holding that device could answer every build's
+/// reads of the token files. Another user who reaches the keeper's socket
+/// once the broker is gone gets no descriptor, the keeper keeps it, and
+/// the next broker at the socket serves the same mount.
+#[test]
+fn the_fuse_keeper_gives_the_mount_to_nobody_else() {
+    if !can_act_as_another_user() {
+        return;
+    }
+    let mut broker = RunningBroker::start_with(1, &["--fuse-orphan-grace", "60"]);
+    let mount = broker.socket.with_file_name("fuse");
+    let mountinfo = std::fs::read_to_string("/proc/self/mountinfo").unwrap();
+    let mounted = mountinfo
+        .lines()
+        .any(|l| l.split(' ').nth(4) == mount.to_str() && l.contains(" - fuse"));
+    if !mounted {
+        assert!(
+            !common::fuse_should_mount(),
+            "the broker did not mount its token files: {}",
+            broker.log()
+        );
+        return common::skip(common::Missing::Fuse, "FUSE is not available here");
+    }
+    let keeper = *common::children(broker.pid())
+        .first()
+        .expect("the broker has a keeper");
+    broker.stop_with(libc::SIGKILL);
+    chmod(broker.dir.path(), 0o755);
+    chmod(broker.socket.parent().unwrap(), 0o755);
+    let keeper_socket = broker.socket.with_file_name("socket.fuse-keeper");
+    chmod(&keeper_socket, 0o777);
+    let take = "import socket,sys\n\
+        s=socket.socket(socket.AF_UNIX)\n\
+        s.connect(sys.argv[1])\n\
+        s.settimeout(30)\n\
+        _,fds,_,_=socket.recv_fds(s,1,1)\n\
+        print(len(fds))\n";
+    let out = as_other_user(python().to_str().unwrap())
+        .args(["-c", take])
+        .arg(&keeper_socket)
+        .output()
+        .unwrap();
+    let kept = common::pid_alive(keeper);
+    // The next broker of ours takes the device from the keeper, and
+    // unmounts as it stops: nothing is left mounted or running.
+    let log = broker.dir.path().join("next.log");
+    let mut next = baton()
+        .args(["serve", "--jobs", "1", "--socket"])
+        .arg(&broker.socket)
+        .stderr(std::fs::File::create(&log).unwrap())
+        .spawn_guarded()
+        .unwrap();
+    wait_for(Duration::from_secs(10), "the next broker to serve", || {
+        UnixStream::connect(&broker.socket).is_ok()
+    });
+    unsafe { libc::kill(next.id() as i32, libc::SIGTERM) };
+    common::wait_timeout(&mut next, Duration::from_secs(10)).expect("the next broker stops");
+    if common::pid_alive(keeper) {
+        unsafe { libc::kill(keeper as i32, libc::SIGKILL) };
+    }
+    assert_eq!(
+        output_text(&out).trim(),
+        "0",
+        "another user was given the mount's device: {}",
+        output_text(&out)
+    );
+    assert!(kept, "the keeper gave its device away and ended");
+    let next_log = std::fs::read_to_string(&log).unwrap();
+    assert!(
+        next_log.contains("serving the mount a killed broker left"),
+        "{next_log}"
+    );
+}
+
 /// A successor (`serve --replace`) takes the running broker's state and
 /// every client's connection from whoever answers at the handover socket:
 /// it must be a broker of ours. Another user's process, listening there
