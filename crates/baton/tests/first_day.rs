@@ -543,6 +543,41 @@ fn every_subcommand_has_a_man_page_that_renders_cleanly_and_refers_only_to_pages
     );
 }
 
+/// With `$XDG_DATA_HOME` set, `shell-init --wrappers` writes to
+/// `$XDG_DATA_HOME/baton/bin`, and the profile lines, read at a login with
+/// the same `$XDG_DATA_HOME`, put that directory first on PATH: the one
+/// the wrappers are in, not one beside it.
+#[test]
+fn the_profile_lines_find_the_wrappers_under_xdg_data_home() {
+    let home = TempDir::new("wrappers-xdg");
+    let data = home.path().join("data");
+    let wrote = baton()
+        .args(["shell-init", "--wrappers"])
+        .env("HOME", home.path())
+        .env("XDG_DATA_HOME", &data)
+        .output()
+        .unwrap();
+    assert!(wrote.status.success(), "{}", text(&wrote.stderr));
+    let bin = data.join("baton/bin");
+    assert_eq!(names_in(&bin), ["cargo", "cmake", "make", "ninja"]);
+    let profile = baton().args(["shell-init", "--profile"]).output().unwrap();
+    std::fs::write(home.path().join("profile.sh"), &profile.stdout).unwrap();
+    let out = Command::new("sh")
+        .args(["-c", ". \"$HOME/profile.sh\" && printf %s \"$PATH\""])
+        .env_clear()
+        .env("HOME", home.path())
+        .env("XDG_DATA_HOME", &data)
+        .env("PATH", "/usr/bin:/bin")
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert_eq!(
+        text(&out.stdout),
+        format!("{}:/usr/bin:/bin", bin.display()),
+        "PATH after the profile lines"
+    );
+}
+
 #[test]
 fn wrappers_count_a_build_started_without_an_interactive_shell_once() {
     let broker = RunningBroker::start(2);
