@@ -159,6 +159,40 @@ def test_the_socket_is_found_as_the_cli_finds_it(monkeypatch):
     assert socket_path() == f"/tmp/baton-{os.getuid()}/socket"
 
 
+def test_a_default_directory_that_is_a_link_open_to_others_or_not_ours_is_refused(start_broker, tmp_path, monkeypatch):
+    """$XDG_RUNTIME_DIR/baton is baton's own directory: the client talks to a
+    broker there only if it is a real directory (never through a link, which
+    whoever owns it could point elsewhere), ours, and private
+    (docs/security.md). Here it is first a link to the live broker's own
+    private directory, which is refused although everything behind the link
+    would pass; then a directory open to others; then (as root) another
+    uid's."""
+    from baton_client import NotOurBrokerError
+
+    broker = start_broker(1)
+    real = os.path.dirname(broker.socket)
+    os.chmod(real, 0o700)
+    runtime = tmp_path / "runtime"
+    runtime.mkdir()
+    monkeypatch.delenv("BATON_SOCKET", raising=False)
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(runtime))
+    default = runtime / "baton"
+    default.symlink_to(real)
+    with pytest.raises(NotOurBrokerError, match="is a symbolic link"):
+        Client(label="through a link")
+    default.unlink()
+    default.mkdir()
+    os.chmod(default, 0o750)
+    with pytest.raises(NotOurBrokerError, match=r"is open to other users \(mode 0750\)"):
+        Client(label="open dir")
+    if os.getuid() == 0:
+        os.chmod(default, 0o700)
+        os.chown(default, 65534, 65534)
+        with pytest.raises(NotOurBrokerError, match="belongs to uid 65534"):
+            Client(label="their dir")
+    all_free(broker)
+
+
 def test_async_acquire_and_release(start_broker):
     broker = start_broker(2)
 
