@@ -519,8 +519,16 @@ mod tests {
         let mut busy_make = std::process::Command::new(&busy);
         busy_make.args(["-c", "sleep 60; true"]);
         marked(&mut busy_make);
-        procs.spawn(&mut busy_make);
-        until(|| orphan_jobs(owner, session, ns) == 3);
+        let busy_pid = procs.spawn(&mut busy_make);
+        // Until the busy make has started its job, it is a childless make
+        // too, and orphan_jobs counts 3 while running_jobs counts 1.
+        let its_job_runs = || {
+            sys::children(busy_pid).iter().any(|c| {
+                std::fs::read_to_string(format!("/proc/{c}/comm"))
+                    .is_ok_and(|comm| comm.trim() == "sleep")
+            })
+        };
+        until(|| its_job_runs() && orphan_jobs(owner, session, ns) == 3);
         assert_eq!(
             orphans(owner, session, ns),
             Orphans { jobs: 3, tools: 2 },
