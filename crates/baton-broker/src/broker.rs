@@ -1436,6 +1436,39 @@ mod tests {
         ))
     }
 
+    /// A build's starter is read from /proc once, but only for the process
+    /// it was read for: once another client is the one shown (the first
+    /// left), its own uid and cgroup are read, not the first one's.
+    #[test]
+    fn the_starter_shown_is_read_for_the_process_shown() {
+        let first = Starter {
+            pid: 1,
+            uid: Some(4242),
+            cgroup: Some("/the-first-one".into()),
+        };
+        let stats = BuildStats {
+            began: SystemTime::now(),
+            waits: Histogram::default(),
+            stray: 0,
+            starter: first,
+        };
+        let cached = Broker::starter_of(Some(&stats), 1);
+        assert_eq!(
+            (cached.uid, cached.cgroup.as_deref()),
+            (Some(4242), Some("/the-first-one"))
+        );
+        let me = std::process::id();
+        let shown = Broker::starter_of(Some(&stats), me);
+        assert_eq!(shown.pid, me);
+        assert_eq!(shown.uid, crate::jobs::uid_of(me));
+        assert_eq!(shown.cgroup, crate::sys::cgroup_of(&me.to_string()));
+        assert_ne!(
+            shown.uid,
+            Some(4242),
+            "the first starter's uid, for another process"
+        );
+    }
+
     /// While builds of a dead broker re-attach, their HOLDs count and no
     /// request is served; after, requests are served from what is left.
     #[test]
