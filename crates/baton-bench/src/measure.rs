@@ -134,3 +134,36 @@ impl std::iter::Sum for Usage {
         iter.fold(Usage::default(), Add::add)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The CPU a process is read to have spent through its CPU clock
+    /// (how the broker's and the other processes' CPU µs/op are found) is
+    /// the time getrusage gives for the same process, in the same unit:
+    /// read between two getrusage calls, it lies between them. (A clock
+    /// whose nanoseconds were turned into milliseconds, not microseconds,
+    /// lost all but the whole seconds: the broker's CPU µs/op came out
+    /// far too low, and every ratio to it with them.)
+    #[test]
+    fn a_process_s_cpu_clock_reads_in_microseconds_as_getrusage_does() {
+        // Spend CPU until the sub-second part is at least 10 ms, so that a
+        // clock read in the wrong unit cannot match by chance.
+        let mut spin = 0u64;
+        while Usage::of_self().cpu_us % 1_000_000 < 10_000 {
+            for i in 0..10_000u64 {
+                spin = std::hint::black_box(spin.wrapping_mul(31).wrapping_add(i));
+            }
+        }
+        let pid = std::process::id() as libc::pid_t;
+        let before = Usage::of_self().cpu_us;
+        let clock = process_cpu_us(pid).unwrap();
+        let after = Usage::of_self().cpu_us;
+        // getrusage truncates user and system time to microseconds each.
+        assert!(
+            before <= clock + 2 && clock <= after + 2,
+            "the CPU clock read {clock} µs, getrusage {before} µs before and {after} µs after"
+        );
+    }
+}
