@@ -242,21 +242,18 @@ def test_a_killed_worker_gives_its_token_back_while_pytest_runs(tmp_path, start_
     assert (status["held"], status["free"]) == (0, 2), status
 
 
-def test_pytest_under_a_recipe_line_without_plus_runs_its_tests_without_makes_pipe(suite, tmp_path):
-    """make 4.3 -j3 runs plain pytest from a recipe line without '+': make
-    closes its pipe's descriptors for the recipe, yet MAKEFLAGS still names
-    R,W, and pytest's capture has reused those numbers for its own files by
-    the time the plugin looks. The plugin must see that they are no
-    jobserver's pipe, say so, and run the tests without tokens, not read
-    a token out of its capture file (an INTERNALERROR: "no writers left")."""
+def pytest_under_a_make_43_recipe_line_without_plus(tmp_path, pytest_args):
+    """Runs the suite's pytest (with `pytest_args`) from a make 4.3 -j3
+    recipe line without '+', no broker listening; checks that MAKEFLAGS
+    named R,W and that every test passed, and returns what was printed."""
     from test_jobserver import make
 
     (tmp_path / "suite" / "Makefile").write_text(
         "all:\n\t@echo \"auth: $(filter --jobserver-auth=%,$(MAKEFLAGS))\"\n"
-        "\t@$(PY) -m pytest -p no:cacheprovider test_suite.py\n"
+        f"\t@$(PY) -m pytest -p no:cacheprovider {' '.join(pytest_args)} test_suite.py\n"
     )
     env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL", "PYTEST_ADDOPTS")}
-    env.update(BATON_SOCKET=str(tmp_path / "no-broker-here"), BATON_TEST_LOG=str(tmp_path / "plain.log"))
+    env.update(BATON_SOCKET=str(tmp_path / "no-broker-here"), BATON_TEST_LOG=str(tmp_path / "pytest.log"))
     run = subprocess.run(
         [make("BATON_TEST_MAKE43", "/usr/bin/make"), "-j3", "-C", str(tmp_path / "suite"), f"PY={sys.executable}"],
         env=env,
@@ -268,6 +265,17 @@ def test_pytest_under_a_recipe_line_without_plus_runs_its_tests_without_makes_pi
     assert re.search(r"--jobserver-auth=\d+,\d+", out), out
     assert run.returncode == 0, out
     assert f"{TESTS} passed" in out, out
+    return out
+
+
+def test_pytest_under_a_recipe_line_without_plus_runs_its_tests_without_makes_pipe(suite, tmp_path):
+    """make 4.3 -j3 runs plain pytest from a recipe line without '+': make
+    closes its pipe's descriptors for the recipe, yet MAKEFLAGS still names
+    R,W, and pytest's capture has reused those numbers for its own files by
+    the time the plugin looks. The plugin must see that they are no
+    jobserver's pipe, say so, and run the tests without tokens, not read
+    a token out of its capture file (an INTERNALERROR: "no writers left")."""
+    out = pytest_under_a_make_43_recipe_line_without_plus(tmp_path, [])
     assert "not a jobserver's pipe" in out, out
 
 
@@ -278,25 +286,6 @@ def test_an_xdist_worker_never_takes_makes_pipe_numbers_for_its_own(suite, tmp_p
     numbers are execnet's descriptors, or nothing: the worker must say the
     jobserver did not reach it and run its tests as without the plugin,
     never read or write tokens on whatever those numbers are there."""
-    from test_jobserver import make
-
-    log = tmp_path / "unplussed.log"
-    (tmp_path / "suite" / "Makefile").write_text(
-        "all:\n\t@echo \"auth: $(filter --jobserver-auth=%,$(MAKEFLAGS))\"\n"
-        "\t@$(PY) -m pytest -p no:cacheprovider -n 2 test_suite.py\n"
-    )
-    env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL", "PYTEST_ADDOPTS")}
-    env.update(BATON_SOCKET=str(tmp_path / "no-broker-here"), BATON_TEST_LOG=str(log))
-    run = subprocess.run(
-        [make("BATON_TEST_MAKE43", "/usr/bin/make"), "-j3", "-C", str(tmp_path / "suite"), f"PY={sys.executable}"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    out = run.stdout + run.stderr
-    assert re.search(r"--jobserver-auth=\d+,\d+", out), out
-    assert run.returncode == 0, out
-    assert f"{TESTS} passed" in out, out
+    out = pytest_under_a_make_43_recipe_line_without_plus(tmp_path, ["-n", "2"])
     assert "did not reach this pytest-xdist worker" in out, out
     assert "cannot be opened" not in out, out

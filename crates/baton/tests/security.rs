@@ -322,6 +322,25 @@ fn the_handover_socket_is_private_to_its_user() {
     );
 }
 
+/// Opens `broker`'s directories and its socket `name` (beside the main
+/// one) to everybody, then runs Python as another user, connected to that
+/// socket as `s` (30 s timeout), and `script` after it.
+fn python_at_socket_as_another_user(broker: &RunningBroker, name: &str, script: &str) -> Output {
+    chmod(broker.dir.path(), 0o755);
+    chmod(broker.socket.parent().unwrap(), 0o755);
+    let socket = broker.socket.with_file_name(name);
+    chmod(&socket, 0o777);
+    let connect = "import socket,sys\n\
+        s=socket.socket(socket.AF_UNIX)\n\
+        s.connect(sys.argv[1])\n\
+        s.settimeout(30)\n";
+    as_other_user(python().to_str().unwrap())
+        .args(["-c", &format!("{connect}{script}")])
+        .arg(&socket)
+        .output()
+        .unwrap()
+}
+
 #[test]
 fn the_handover_socket_refuses_another_user() {
     if !can_act_as_another_user() {
@@ -330,22 +349,10 @@ fn the_handover_socket_refuses_another_user() {
     let broker = RunningBroker::start_with(2, &["--no-fuse"]);
     let mut held = broker.client("holder");
     held.acquire(1).unwrap();
-    chmod(broker.dir.path(), 0o755);
-    chmod(broker.socket.parent().unwrap(), 0o755);
-    let handover = broker.socket.with_file_name("socket.handover");
-    chmod(&handover, 0o777);
     // What a successor would read first: the state's length. The other
     // user gets nothing, and the broker serves on.
-    let read = "import socket,sys\n\
-        s=socket.socket(socket.AF_UNIX)\n\
-        s.connect(sys.argv[1])\n\
-        s.settimeout(30)\n\
-        print(len(s.recv(16)))\n";
-    let out = as_other_user(python().to_str().unwrap())
-        .args(["-c", read])
-        .arg(&handover)
-        .output()
-        .unwrap();
+    let out =
+        python_at_socket_as_another_user(&broker, "socket.handover", "print(len(s.recv(16)))\n");
     assert_eq!(output_text(&out).trim(), "0", "{}", output_text(&out));
     assert!(broker
         .log()
@@ -383,21 +390,11 @@ fn the_fuse_keeper_gives_the_mount_to_nobody_else() {
         .first()
         .expect("the broker has a keeper");
     broker.stop_with(libc::SIGKILL);
-    chmod(broker.dir.path(), 0o755);
-    chmod(broker.socket.parent().unwrap(), 0o755);
-    let keeper_socket = broker.socket.with_file_name("socket.fuse-keeper");
-    chmod(&keeper_socket, 0o777);
-    let take = "import socket,sys\n\
-        s=socket.socket(socket.AF_UNIX)\n\
-        s.connect(sys.argv[1])\n\
-        s.settimeout(30)\n\
-        _,fds,_,_=socket.recv_fds(s,1,1)\n\
-        print(len(fds))\n";
-    let out = as_other_user(python().to_str().unwrap())
-        .args(["-c", take])
-        .arg(&keeper_socket)
-        .output()
-        .unwrap();
+    let out = python_at_socket_as_another_user(
+        &broker,
+        "socket.fuse-keeper",
+        "_,fds,_,_=socket.recv_fds(s,1,1)\nprint(len(fds))\n",
+    );
     let kept = common::pid_alive(keeper);
     // The next broker of ours takes the device from the keeper, and
     // unmounts as it stops: nothing is left mounted or running.
