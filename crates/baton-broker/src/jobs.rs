@@ -523,10 +523,9 @@ mod tests {
         // Until the busy make has started its job, it is a childless make
         // too, and orphan_jobs counts 3 while running_jobs counts 1.
         let its_job_runs = || {
-            sys::children(busy_pid).iter().any(|c| {
-                std::fs::read_to_string(format!("/proc/{c}/comm"))
-                    .is_ok_and(|comm| comm.trim() == "sleep")
-            })
+            sys::children(busy_pid)
+                .iter()
+                .any(|&c| sys::stat(c).is_some_and(|s| s.comm == "sleep"))
         };
         until(|| its_job_runs() && orphan_jobs(owner, session, ns) == 3);
         assert_eq!(
