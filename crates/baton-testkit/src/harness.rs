@@ -60,43 +60,77 @@ pub fn spec_lines(spec: &str) -> impl Iterator<Item = (&str, &str)> {
 /// option; all without one), one after another, each on a thread named
 /// after it as libtest does (the skip record reads the name), and prints
 /// libtest's lines. Returns the exit code: 101 if any failed, as libtest.
+///
+/// With `BATON_TEST_FAIL_FAST` set (scripts/mutants sets it), stops at
+/// the first failure: a mutant is caught by one failing test, and each
+/// further test that waits for what the mutant broke would spend its
+/// whole hang guard before failing too, turning a catch into a timeout.
 pub fn run(tests: &[(&str, fn())]) -> i32 {
     let filter = filter(std::env::args().skip(1));
+    let fail_fast = std::env::var_os("BATON_TEST_FAIL_FAST").is_some();
     let chosen: Vec<_> = tests.iter().filter(|(n, _)| n.contains(&filter)).collect();
     println!("\nrunning {} tests", chosen.len());
     let started = std::time::Instant::now();
-    let mut failed = Vec::new();
-    for (name, test) in &chosen {
-        let outcome = std::thread::Builder::new()
-            .name(name.to_string())
-            .spawn(*test)
-            .expect("a thread for the test")
-            .join();
-        let word = if outcome.is_ok() { "ok" } else { "FAILED" };
-        println!("test {name} ... {word}");
-        if outcome.is_err() {
-            failed.push(*name);
-        }
-    }
-    if !failed.is_empty() {
+    let outcome = run_in_turn(&chosen, fail_fast);
+    if !outcome.failed.is_empty() {
         println!("\nfailures:");
-        for name in &failed {
+        for name in &outcome.failed {
             println!("    {name}");
         }
     }
-    let verdict = if failed.is_empty() { "ok" } else { "FAILED" };
+    if outcome.not_run > 0 {
+        println!(
+            "\nstopped at the first failure (BATON_TEST_FAIL_FAST): {} not run",
+            outcome.not_run
+        );
+    }
+    let verdict = if outcome.failed.is_empty() {
+        "ok"
+    } else {
+        "FAILED"
+    };
     println!(
         "\ntest result: {verdict}. {} passed; {} failed; 0 ignored; 0 measured; {} filtered out; finished in {:.2}s\n",
-        chosen.len() - failed.len(),
-        failed.len(),
+        chosen.len() - outcome.failed.len() - outcome.not_run,
+        outcome.failed.len(),
         tests.len() - chosen.len(),
         started.elapsed().as_secs_f64()
     );
-    if failed.is_empty() {
+    if outcome.failed.is_empty() {
         0
     } else {
         101
     }
+}
+
+/// What running the chosen tests came to.
+struct Outcome<'a> {
+    failed: Vec<&'a str>,
+    /// Tests left after a failure, with fail-fast.
+    not_run: usize,
+}
+
+/// Runs `chosen` one after another, printing each one's line; with
+/// `fail_fast`, none after the first that fails.
+fn run_in_turn<'a>(chosen: &[&(&'a str, fn())], fail_fast: bool) -> Outcome<'a> {
+    let mut failed = Vec::new();
+    for (ran, (name, test)) in chosen.iter().enumerate() {
+        let passed = std::thread::Builder::new()
+            .name(name.to_string())
+            .spawn(*test)
+            .expect("a thread for the test")
+            .join()
+            .is_ok();
+        println!("test {name} ... {}", if passed { "ok" } else { "FAILED" });
+        if !passed {
+            failed.push(*name);
+            if fail_fast {
+                let not_run = chosen.len() - ran - 1;
+                return Outcome { failed, not_run };
+            }
+        }
+    }
+    Outcome { failed, not_run: 0 }
 }
 
 /// The filter among libtest's arguments: options that take a value as the
@@ -117,7 +151,36 @@ fn filter(args: impl Iterator<Item = String>) -> String {
 
 #[cfg(test)]
 mod tests {
-    use super::filter;
+    use super::{filter, run_in_turn};
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    static RUNS: AtomicUsize = AtomicUsize::new(0);
+
+    fn passes() {
+        RUNS.fetch_add(1, Ordering::SeqCst);
+    }
+
+    fn fails() {
+        RUNS.fetch_add(1, Ordering::SeqCst);
+        panic!("planted failure");
+    }
+
+    /// Both ways in one test, since they share the counter.
+    #[test]
+    fn fail_fast_stops_at_the_first_failure_and_without_it_every_test_runs() {
+        let tests: [(&str, fn()); 4] = [("a", passes), ("b", fails), ("c", passes), ("d", fails)];
+        let chosen: Vec<_> = tests.iter().collect();
+        let outcome = run_in_turn(&chosen, true);
+        assert_eq!((outcome.failed, outcome.not_run), (vec!["b"], 2));
+        assert_eq!(
+            RUNS.swap(0, Ordering::SeqCst),
+            2,
+            "a and b ran, c and d not"
+        );
+        let outcome = run_in_turn(&chosen, false);
+        assert_eq!((outcome.failed, outcome.not_run), (vec!["b", "d"], 0));
+        assert_eq!(RUNS.load(Ordering::SeqCst), 4);
+    }
 
     fn of(args: &[&str]) -> String {
         filter(args.iter().map(|a| a.to_string()))
