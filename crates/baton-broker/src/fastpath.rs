@@ -742,6 +742,14 @@ mod tests {
     use super::*;
     use crate::broker::{ClientMeta, Transport};
 
+    /// A deadline for an acquire that should be served at once, from what
+    /// the region holds: nothing else in these tests could serve it later,
+    /// so a second is no timing check, only a bound, and a broken lend
+    /// fails the test instead of blocking it (and its mutant's run) for ever.
+    fn soon() -> Option<Instant> {
+        Some(Instant::now() + Duration::from_secs(1))
+    }
+
     fn client(broker: &mut Broker) -> ClientId {
         let meta = ClientMeta::new(std::process::id(), "test".into(), Transport::Socket);
         broker.connect(meta)
@@ -826,8 +834,8 @@ mod tests {
         // The client takes two tokens in the region.
         let region = Mapping::map(fd.as_fd()).unwrap();
         let host = host();
-        region.ring().acquire(Seat(0), &host, None).unwrap();
-        region.ring().acquire(Seat(0), &host, None).unwrap();
+        region.ring().acquire(Seat(0), &host, soon()).unwrap();
+        region.ring().acquire(Seat(0), &host, soon()).unwrap();
         let status = broker.status();
         let held: Vec<_> = status.holders.iter().map(|h| h.tokens).collect();
         assert_eq!(held.iter().sum::<u32>(), 3);
@@ -866,7 +874,7 @@ mod tests {
         regions.round(&mut broker);
         let ring_a = Mapping::map(fd_a.as_fd()).unwrap();
         let host = host();
-        ring_a.ring().acquire(Seat(0), &host, None).unwrap();
+        ring_a.ring().acquire(Seat(0), &host, soon()).unwrap();
         // b is another build: its region makes two, and both close.
         let fd_b = regions
             .offer(&mut broker, b)
@@ -941,7 +949,7 @@ mod tests {
         broker.start_build(a, 1, "one build".into()).unwrap();
         let (region, seat) = seat_of(&mut regions, &mut broker, a);
         regions.round(&mut broker);
-        region.ring().acquire(seat, &host(), None).unwrap();
+        region.ring().acquire(seat, &host(), soon()).unwrap();
         for n in 1..=3 {
             assert_eq!(
                 verdict(&mut regions, &mut broker),
@@ -974,7 +982,7 @@ mod tests {
         let (region, seat_b) = seat_of(&mut regions, &mut broker, b);
         let (_, seat_c) = seat_of(&mut regions, &mut broker, c);
         regions.round(&mut broker);
-        region.ring().acquire(seat_c, &host(), None).unwrap();
+        region.ring().acquire(seat_c, &host(), soon()).unwrap();
         write_garbage(&region, seat_b);
         let long_ago = Instant::now() - 10 * AUDIT_EVERY;
         for _ in 0..2 {
@@ -990,7 +998,7 @@ mod tests {
             "the free ones went back at the barrier: b's 7 get nothing"
         );
         assert_eq!(
-            region.ring().acquire(seat_c, &host(), None),
+            region.ring().acquire(seat_c, &host(), soon()),
             Err(Refused::Revoked),
             "c uses the socket now"
         );
@@ -1055,7 +1063,7 @@ mod tests {
         let (ring_a, seat_a) = seat_of(&mut regions, &mut broker, a);
         regions.round(&mut broker);
         for _ in 0..2 {
-            ring_a.ring().acquire(seat_a, &host(), None).unwrap();
+            ring_a.ring().acquire(seat_a, &host(), soon()).unwrap();
         }
         let (ring_b, seat_b) = seat_of(&mut regions, &mut broker, b);
         regions.round(&mut broker);
@@ -1165,7 +1173,7 @@ mod tests {
         broker.start_build(a, 1, "one build".into()).unwrap();
         let (region, seat_a) = seat_of(&mut regions, &mut broker, a);
         regions.round(&mut broker);
-        region.ring().acquire(seat_a, &host(), None).unwrap();
+        region.ring().acquire(seat_a, &host(), soon()).unwrap();
         let b = client(&mut broker);
         let (region, seat_b) = seat_of(&mut regions, &mut broker, b);
         let step = region
