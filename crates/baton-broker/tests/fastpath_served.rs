@@ -76,6 +76,10 @@ fn main() {
             "garbage_in_a_record_is_found_logged_and_its_clients_dropped_to_the_socket",
             garbage_in_a_record_is_found_logged_and_its_clients_dropped_to_the_socket,
         ),
+        (
+            "a_release_of_more_than_is_held_with_a_seat_gives_back_nothing",
+            a_release_of_more_than_is_held_with_a_seat_gives_back_nothing,
+        ),
     ];
     std::process::exit(harness::run(tests));
 }
@@ -608,4 +612,37 @@ fn garbage_in_a_record_is_found_logged_and_its_clients_dropped_to_the_socket() {
     honest.release(1).unwrap();
     assert_eq!(broker.status().totals.fastpath_mismatches, 1);
     drop((stream, writer, region));
+}
+
+/// RELEASE of more than a connection holds is refused whole (docs/
+/// protocol.md, `over-release`): nothing is given back. With a seat, the
+/// tokens held in the region must not go back before the broker refuses
+/// the rest (as libbaton's baton_release checks first): a caller told
+/// "refused" still holds, and still counts, what it held.
+fn a_release_of_more_than_is_held_with_a_seat_gives_back_nothing() {
+    let broker = served(2, "");
+    let _root = build_root(&broker);
+    let mut a = fast_client(&broker, "a");
+    a.acquire(1).unwrap();
+    match a.release(2) {
+        Err(baton_client::Error::Refused { code, .. }) => {
+            assert_eq!(code, baton_core::protocol::ErrorCode::OverRelease)
+        }
+        other => panic!("RELEASE 2 with one token held: {other:?}"),
+    }
+    assert_eq!(a.held(), 1, "refused: the token is still a's");
+    let holders: Vec<_> = broker
+        .status()
+        .holders
+        .iter()
+        .filter(|h| h.command == "a")
+        .map(|h| h.tokens)
+        .collect();
+    assert_eq!(holders, [1], "the region still says a holds it");
+    a.release(1).unwrap();
+    assert_eq!(a.held(), 0);
+    // The region lends the pool's free tokens while it lives: it goes
+    // with its last client.
+    drop(a);
+    broker.wait_all_free();
 }

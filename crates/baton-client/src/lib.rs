@@ -342,9 +342,13 @@ impl Client {
     }
 
     /// Gives back `n` tokens: those held through the fast path first.
+    /// More than the connection holds goes to the broker whole: its books
+    /// count only the socket's tokens, so it refuses (over-release) and
+    /// nothing was given back anywhere, as over the socket alone.
     pub fn release(&mut self, n: u32) -> Result<()> {
         let mut left = n;
-        while left > 0 && self.fast.as_ref().is_some_and(|f| f.held > 0) {
+        let within = n <= self.held();
+        while within && left > 0 && self.fast.as_ref().is_some_and(|f| f.held > 0) {
             if self
                 .on_fastpath(|ring, seat, host| ring.release(seat, host))
                 .is_none()
