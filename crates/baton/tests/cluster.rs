@@ -404,6 +404,13 @@ fn brokers_queued_on_a_full_cluster_pool_are_served_in_the_order_they_came() {
         "the broker that queued second was served first"
     );
     let (mut client, _) = first.join().unwrap();
+    // It learnt of the freed token from etcd's watch, and counts that
+    // (status's watch events: the bench's herd figure, per grant).
+    let watched = brokers[1].status().cluster.map_or(0, |c| c.watch_events);
+    assert!(
+        watched > 0,
+        "the first broker's status counts no watch event"
+    );
     let pid = brokers[1].pid().to_string();
     assert!(
         etcd.holders("turns").iter().all(|h| h.ends_with(&pid)),
