@@ -1224,6 +1224,36 @@ mod tests {
         assert!(first_seen.0.lock().unwrap().is_empty());
     }
 
+    /// Each waiting claim keeps its own first sighting while the queue
+    /// moves under it: the clock is keyed by a claim's ticket, not by its
+    /// place in line, which changes each time the claim ahead is served.
+    #[test]
+    fn a_claim_keeps_its_own_first_sighting_when_the_one_ahead_is_served() {
+        let (mut broker, mut regions, region, seat_a) = a_claim_waiting_behind_a_holder();
+        let c = client(&mut broker);
+        let (_, seat_c) = seat_of(&mut regions, &mut broker, c);
+        let step = region
+            .ring()
+            .step(seat_c, baton_core::fastpath::Phase::Claim, &host());
+        assert!(step.is_ok(), "{step:?}");
+        regions.round(&mut broker);
+        assert_eq!(broker.status().waiters.len(), 2, "B and C wait");
+        // Date B's sighting at 1000 s and C's at 2000 s (tickets in order).
+        let first_seen = the_region(&mut regions).first_seen.clone();
+        {
+            let mut seen = first_seen.0.lock().unwrap();
+            assert_eq!(seen.len(), 2, "a sighting per claim: {seen:?}");
+            for (t, secs) in seen.values_mut().zip([1000, 2000]) {
+                *t = SystemTime::UNIX_EPOCH + Duration::from_secs(secs);
+            }
+        }
+        // A serves B; C is now first in line, and still first seen at 2000.
+        region.ring().release(seat_a, &host()).unwrap();
+        let status = broker.status();
+        assert_eq!(status.waiters.len(), 1, "{status:#?}");
+        assert_eq!(status.waiters[0].since, 2000.0, "C's own sighting");
+    }
+
     #[test]
     fn first_seen_keeps_each_tickets_first_sighting_and_forgets_the_served() {
         let at = |s: u64| SystemTime::UNIX_EPOCH + Duration::from_secs(s);
