@@ -3,6 +3,7 @@
 
 use anyhow::{bail, ensure, Context, Result};
 use std::net::TcpListener;
+use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
@@ -12,7 +13,9 @@ pub const ETCD: &str = "/usr/bin/etcd";
 /// Debian's `etcd-client`.
 pub const ETCDCTL: &str = "/usr/bin/etcdctl";
 
-/// One member; SIGKILLed by pid on drop.
+/// One member; SIGKILLed by pid on drop, and by the kernel when the
+/// thread that started it ends (so start members from a thread that
+/// outlives them: the test's own).
 pub struct Member {
     name: String,
     client_url: String,
@@ -33,7 +36,8 @@ impl Member {
             .append(true)
             .open(&self.log)
             .with_context(|| format!("creating {}", self.log.display()))?;
-        let child = Command::new(ETCD)
+        let mut command = Command::new(ETCD);
+        command
             .args(["--name", &self.name, "--data-dir"])
             .arg(&self.data)
             .args([
@@ -57,9 +61,30 @@ impl Member {
                 "baton",
             ])
             .stdout(Stdio::null())
-            .stderr(log)
-            .spawn()
-            .context("starting etcd")?;
+            .stderr(log);
+        // The member dies with the thread that started it. Drop ends it by
+        // pid, but a test process killed outright (a mutation run's
+        // timeout, a `kill -9`) never drops, and an etcd left behind
+        // keeps its ports and its data directory for ever.
+        // A starter that died before the prctl took hold would never
+        // signal: the parent pid, changed by then, says so.
+        let starter = std::process::id() as libc::pid_t;
+        // SAFETY: prctl and getppid are async-signal-safe and touch no
+        // memory of ours.
+        unsafe {
+            command.pre_exec(move || {
+                if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) != 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                if libc::getppid() != starter {
+                    return Err(std::io::Error::other(
+                        "etcd's starter ended before it began",
+                    ));
+                }
+                Ok(())
+            });
+        }
+        let child = command.spawn().context("starting etcd")?;
         self.child = Some(child);
         Ok(())
     }
