@@ -307,6 +307,7 @@ impl Pair<'_> {
 /// against each other after every move; returns how many steps the ring
 /// refused as full, and how far its tail hint moved (tickets claimed).
 fn run(lent: u32, seats: u8, capacity: usize, moves: &[Move]) -> (u32, u64) {
+    support::fail_fast();
     let words: Vec<AtomicU64> = (0..ring::words_for(capacity, seats.into()))
         .map(|_| AtomicU64::new(0))
         .collect();
@@ -454,7 +455,10 @@ fn a_region_of_another_layout_is_refused() {
     );
 }
 
+/// A zeroed region's words; every test that makes a ring starts here, so
+/// this is also where the first failure is made to end the run, if asked.
 fn words(capacity: usize, seats: usize) -> Vec<AtomicU64> {
+    support::fail_fast();
     (0..ring::words_for(capacity, seats))
         .map(|_| AtomicU64::new(0))
         .collect()
@@ -835,4 +839,44 @@ fn a_sleeping_waiter_is_woken_by_the_release_that_serves_it() {
     };
     assert_eq!(ring.acquire(Seat(1), &host, None), Ok(Acquired::Token));
     assert_eq!(*host.releaser.wakes.borrow(), 1, "the sleeper was woken");
+}
+
+/// The first failure ends the binary under BATON_TEST_FAIL_FAST, even
+/// while another test waits for ever: the child is this test again, with
+/// a thread that panics while the test itself never ends.
+#[test]
+fn under_fail_fast_a_panic_on_any_thread_ends_the_binary() {
+    const CHILD: &str = "BATON_FAIL_FAST_CHILD";
+    if std::env::var_os(CHILD).is_some() {
+        support::fail_fast();
+        std::thread::spawn(|| panic!("a planted failure"));
+        loop {
+            std::thread::park();
+        }
+    }
+    let mut child = std::process::Command::new(std::env::current_exe().unwrap())
+        .args([
+            "--exact",
+            "under_fail_fast_a_panic_on_any_thread_ends_the_binary",
+        ])
+        .env("BATON_TEST_FAIL_FAST", "1")
+        .env(CHILD, "1")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let guard = Instant::now();
+    let status = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break Some(status);
+        }
+        if guard.elapsed().as_secs() > 60 {
+            child.kill().unwrap();
+            child.wait().unwrap();
+            break None;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    };
+    let status = status.expect("the child still ran a minute after its panic");
+    assert_eq!(status.code(), Some(101), "{status}");
 }
