@@ -281,6 +281,15 @@ impl Pair<'_> {
             "waiters after {after:?}"
         );
         let (snapshot, _) = self.ring.snapshot().unwrap();
+        // Its tickets count from the oldest in the ring: never more than
+        // the ring holds, however far the tickets have run (a span
+        // counted from ticket 0 would grow with every lap).
+        assert!(
+            snapshot.slots.len() <= self.ring.capacity(),
+            "a snapshot of {} slots from a ring of {} after {after:?}",
+            snapshot.slots.len(),
+            self.ring.capacity()
+        );
         let books = Books {
             lent: self.lent,
             in_hand: self.ring_hand,
