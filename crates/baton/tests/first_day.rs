@@ -477,6 +477,32 @@ fn baton_serve_takes_the_file_s_gates_and_its_own_options_win() {
     );
 }
 
+/// `--mem-settle` on the command line wins over the file's `mem-settle`,
+/// as every other option does. Nothing learned yet, the memory gate lets
+/// one young job run at a time: with the file's ten minutes a second job
+/// would wait that long after the first grant, with the command line's
+/// millisecond it is granted as soon as the first has settled.
+#[test]
+fn baton_serve_s_mem_settle_wins_over_the_file_s() {
+    let home = Home::new("serve-file-settle");
+    home.write_config("jobs = 2\nmin-mem-available = \"1K\"\nmem-settle = 600000\n");
+    let socket = home.dir.path().join("serve/socket");
+    let mut serve = home.baton(&["serve", "--mem-settle", "1", "--socket"]);
+    serve.arg(&socket);
+    let broker = RunningBroker::start_command(serve, TempDir::new("serve-file-settle"), socket);
+    let mut first = broker.client("first");
+    assert!(first.try_acquire(1).unwrap(), "nothing held: one job runs");
+    let mut second = broker.client("second");
+    wait_for(
+        Duration::from_secs(20),
+        "a second token once the first grant settled (--mem-settle 1 ms, not the file's 600000)",
+        || second.try_acquire(1).unwrap(),
+    );
+    second.release(1).unwrap();
+    first.release(1).unwrap();
+    broker.assert_all_free();
+}
+
 /// The subcommands `baton --help` lists (but help).
 fn subcommands() -> Vec<String> {
     let help = text(&baton().arg("--help").output().unwrap().stdout);
