@@ -674,6 +674,45 @@ fn wrappers_count_a_build_started_without_an_interactive_shell_once() {
     drop(broker);
 }
 
+/// A wrapper whose directory is on PATH through a symbolic link (a
+/// symlinked home, say) still knows that entry for its own: it runs the
+/// real make, never itself again (which would exec itself for ever).
+#[test]
+fn a_wrapper_reached_through_a_symlink_on_path_runs_the_real_tool() {
+    let home = TempDir::new("wrappers-linked");
+    let bin = home.path().join("bin");
+    let wrote = baton()
+        .args(["shell-init", "--wrappers"])
+        .arg(&bin)
+        .output()
+        .unwrap();
+    assert!(wrote.status.success(), "{}", text(&wrote.stderr));
+    let linked = home.path().join("linked");
+    std::os::unix::fs::symlink(&bin, &linked).unwrap();
+    let make_dir = make43().parent().unwrap().to_path_buf();
+    let out = std::fs::File::create(home.path().join("out")).unwrap();
+    // Inside a build (MAKEFLAGS names a jobserver) the wrapper runs what
+    // it found as the real make directly, so no broker is needed.
+    let mut shell = Command::new("sh")
+        .args(["-c", "make --version"])
+        .env_clear()
+        .env(
+            "PATH",
+            format!("{}:{}:/usr/bin:/bin", linked.display(), make_dir.display()),
+        )
+        .env("MAKEFLAGS", " -j --jobserver-auth=fifo:/nonexistent")
+        .stdout(out)
+        .spawn_guarded()
+        .unwrap();
+    let status = wait_timeout(&mut shell, Duration::from_secs(20));
+    let printed = std::fs::read_to_string(home.path().join("out")).unwrap();
+    assert!(
+        status.is_some_and(|s| s.success()) && printed.starts_with("GNU Make"),
+        "the wrapper on PATH as {} did not run the real make (it found itself?): {status:?} {printed}",
+        linked.display()
+    );
+}
+
 /// docs/protocol.md, "STOP": the bytes on the wire.
 #[test]
 fn stop_on_the_wire_is_as_documented() {
