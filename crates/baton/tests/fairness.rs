@@ -413,3 +413,49 @@ fn bench_builds_measures_every_case_with_the_real_tools() {
         .collect();
     assert_eq!(weights, vec![0.25, 0.25, 0.5]);
 }
+
+/// With one round, each alone ratio is baton run's figure over the
+/// tool's own, of the two rows beside it: baton / own, not own / baton
+/// (a build slower under baton reads above 1).
+#[test]
+fn bench_builds_ratios_are_baton_over_own() {
+    let out = std::process::Command::new(baton_bin())
+        .args([
+            "bench", "builds", "--ops", "8", "--tokens", "4", "--job-us", "20000", "--rounds", "1",
+            "--json",
+        ])
+        .env("BATON_BENCH_MAKE43", make43())
+        .env("BATON_BENCH_MAKE44", make44())
+        .env("BATON_BENCH_NINJA", ninja())
+        .env("BATON_BENCH_BMAKE", bmake())
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let doc: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let rows = doc["results"].as_array().unwrap();
+    let alone = |tool: &serde_json::Value, way: &str| {
+        rows.iter()
+            .find(|r| r["case"] == "alone" && r["tool"] == *tool && r["mechanism"] == way)
+            .unwrap_or_else(|| panic!("no alone row of {tool} for {way}: {doc:#}"))
+    };
+    let batons: Vec<&serde_json::Value> = rows
+        .iter()
+        .filter(|r| r["case"] == "alone" && r["mechanism"] == "baton run")
+        .collect();
+    assert_eq!(batons.len(), 5, "{doc:#}");
+    for baton in batons {
+        let own = alone(&baton["tool"], "own -j4");
+        let wall = |r: &serde_json::Value| r["wall_s"].as_f64().unwrap();
+        let expected = wall(baton) / wall(own);
+        let ratio = baton["wall_ratio"].as_f64().unwrap();
+        // wall_ratio is rounded to three decimals.
+        assert!(
+            (ratio - expected).abs() <= 0.0006,
+            "wall_ratio {ratio} is not baton's wall over own's ({expected}): {baton} {own}"
+        );
+    }
+}
