@@ -88,6 +88,10 @@ fn main() {
             the_metrics_endpoint_serves_the_pool,
         ),
         (
+            "a_scrape_counts_a_builds_token_seconds_up_to_itself",
+            a_scrape_counts_a_builds_token_seconds_up_to_itself,
+        ),
+        (
             "a_second_broker_at_a_served_socket_refuses_and_a_stale_one_is_cleared",
             a_second_broker_at_a_served_socket_refuses_and_a_stale_one_is_cleared,
         ),
@@ -617,6 +621,38 @@ fn the_metrics_endpoint_serves_the_pool() {
     );
     assert!(answer.contains("\nbaton_limit 3.0\n"), "{answer}");
     assert!(answer.contains("\nbaton_free 1.0\n"), "{answer}");
+}
+
+/// A scrape is no client: nothing else brings the books to now, so the
+/// endpoint must. A build holding 2 tokens since before `held` shows at
+/// least 2 token-seconds per second since then, though the broker saw no
+/// request after the grant.
+fn a_scrape_counts_a_builds_token_seconds_up_to_itself() {
+    let broker = served(3, "metrics=127.0.0.1:0");
+    let mut holder = Peer::hello(&broker.socket, "holder");
+    assert_eq!(holder.ask("TRY 2"), "GRANTED 2 2");
+    let held = std::time::Instant::now();
+    let log = broker.log();
+    let address = log
+        .split("metrics at http://")
+        .nth(1)
+        .and_then(|rest| rest.split("/metrics").next())
+        .unwrap_or_else(|| panic!("no metrics address logged: {log}"));
+    let since = held.elapsed().as_secs_f64();
+    let mut http = std::net::TcpStream::connect(address).unwrap();
+    http.write_all(b"GET /metrics HTTP/1.0\r\n\r\n").unwrap();
+    let mut answer = String::new();
+    http.read_to_string(&mut answer).unwrap();
+    let token_seconds: f64 = answer
+        .lines()
+        .find(|l| l.starts_with("baton_build_token_seconds_total{build=\"holder\""))
+        .and_then(|l| l.rsplit(' ').next())
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(|| panic!("no token-seconds of the holder's build: {answer}"));
+    assert!(
+        token_seconds > 0.0 && token_seconds >= 2.0 * since,
+        "2 tokens held for more than {since} s, yet {token_seconds} token-seconds scraped: {answer}"
+    );
 }
 
 fn a_second_broker_at_a_served_socket_refuses_and_a_stale_one_is_cleared() {
