@@ -22,6 +22,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 
 import pytest
 from conftest import wait_for
@@ -149,6 +150,26 @@ def test_a_deadline_is_honoured_in_the_region_and_refusals_raise(start_broker, b
         waiter.acquire(timeout=PATIENCE)
         assert waiter.held == 1 and holder.held == 0
         waiter.release()
+    all_back(broker, libbaton)
+
+
+def test_a_deadline_in_seconds_is_never_early(start_broker, build_root, libbaton):
+    """``timeout`` is seconds: the wait is withdrawn only once that long
+    has passed, in the region and over the socket (CLOCK_MONOTONIC, the
+    clock both the library and time.monotonic() read)."""
+    broker = start_broker(2)
+    build_root(broker)
+    with seated(broker, libbaton, "holder") as holder, seated(broker, libbaton, "waiter") as waiter:
+        holder.acquire(timeout=PATIENCE)
+        wait_for("the region to be lent the free token", holder.try_acquire, PATIENCE)
+        for n in (1, 2):
+            began = time.monotonic()
+            with pytest.raises(TimeoutError):
+                waiter.acquire(n, timeout=0.3)
+            waited = time.monotonic() - began
+            assert waited >= 0.3, f"acquire({n}, timeout=0.3) gave up after {waited:.6f} s"
+            assert waiter.held == 0
+        holder.release(2)
     all_back(broker, libbaton)
 
 
