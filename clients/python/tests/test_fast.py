@@ -27,7 +27,7 @@ import time
 import pytest
 from conftest import wait_for
 
-from baton_client import BatonError, FastClient, NoLibraryError, RefusedError
+from baton_client import BatonError, FastClient, NoBrokerError, NoLibraryError, RefusedError
 
 CHILD = pathlib.Path(__file__).with_name("fast_child.py")
 
@@ -171,6 +171,23 @@ def test_a_deadline_in_seconds_is_never_early(start_broker, build_root, libbaton
             assert waiter.held == 0
         holder.release(2)
     all_back(broker, libbaton)
+
+
+def test_no_broker_at_a_missing_or_stale_socket_is_no_broker_error(libbaton, tmp_path):
+    """Nothing at the path, or a socket file nobody listens at (a broker
+    killed with SIGKILL leaves one): NoBrokerError, as the socket client
+    raises, so that a caller can start a broker or fall back."""
+    missing = str(tmp_path / "missing")
+    with pytest.raises(NoBrokerError) as nothing:
+        FastClient.connect(missing, library=libbaton)
+    assert nothing.value.errno == errno.ENOENT
+    stale = str(tmp_path / "stale")
+    left = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    left.bind(stale)
+    left.close()
+    with pytest.raises(NoBrokerError) as refused:
+        FastClient.connect(stale, library=libbaton)
+    assert refused.value.errno == errno.ECONNREFUSED
 
 
 def test_two_processes_on_one_token_never_run_two_jobs_at_once(start_broker, build_root, libbaton, tmp_path):
