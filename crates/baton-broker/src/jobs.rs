@@ -429,10 +429,28 @@ mod tests {
         }
     }
 
+    /// `pid` and every process under it, parents first.
+    fn tree_of(pid: u32) -> Vec<u32> {
+        let mut tree = vec![pid];
+        let mut i = 0;
+        while i < tree.len() {
+            tree.extend(sys::children(tree[i]));
+            i += 1;
+        }
+        tree
+    }
+
     impl Drop for Procs {
+        /// Each process with what it started: a shell's command killed
+        /// with it, not left re-parented for its whole minute (holding
+        /// the test binary's output open all that while).
         fn drop(&mut self) {
             for child in &mut self.0 {
-                let _ = child.kill();
+                for pid in tree_of(child.id()) {
+                    // SAFETY: kill(2) on a process this test started, or
+                    // one of its descendants, listed just now.
+                    unsafe { libc::kill(pid as i32, libc::SIGKILL) };
+                }
                 let _ = child.wait();
             }
         }
@@ -471,6 +489,10 @@ mod tests {
             running_jobs(&HashMap::from([((owner, session, ns), owner)])),
             HashMap::from([(owner, 1)])
         );
+        // The shell's command ends with the test, not a minute later.
+        let command = sys::children(shell)[0];
+        drop(procs);
+        until(|| !sys::stat(command).is_some_and(|s| s.is_live()));
     }
 
     /// A build tool with no child (make waiting for a token) is no job
