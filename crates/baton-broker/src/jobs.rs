@@ -422,7 +422,19 @@ mod tests {
 
     impl Procs {
         fn spawn(&mut self, cmd: &mut std::process::Command) -> u32 {
-            let child = cmd.spawn().unwrap();
+            // A tool these tests copy may still be open for writing in a
+            // child another test thread forked meanwhile, until that child
+            // execs: an exec of the copy fails with ETXTBSY for a moment.
+            let mut busy = 0;
+            let child = loop {
+                match cmd.spawn() {
+                    Err(e) if e.raw_os_error() == Some(libc::ETXTBSY) && busy < 1000 => {
+                        busy += 1;
+                        std::thread::sleep(std::time::Duration::from_millis(10));
+                    }
+                    spawned => break spawned.unwrap(),
+                }
+            };
             let pid = child.id();
             self.0.push(child);
             pid
