@@ -1569,7 +1569,7 @@ mod tests {
         }
 
         fn start(&mut self, cmd: &mut std::process::Command) -> u32 {
-            let child = cmd.spawn().unwrap();
+            let child = crate::jobs::spawn_copied_tool(cmd);
             let pid = child.id();
             self.0.push(child);
             pid

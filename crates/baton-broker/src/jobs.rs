@@ -311,6 +311,24 @@ fn run_pid_of(pid: u32) -> Option<u32> {
     sys::environ_var(pid, RUN_PID_VAR)?.parse().ok()
 }
 
+/// Spawns `cmd`, a tool a test copied into place a moment ago. The copy
+/// may still be open for writing in a child another test thread forked
+/// meanwhile, until that child execs: an exec of it fails with ETXTBSY for
+/// that moment, so this tries again.
+#[cfg(test)]
+pub(crate) fn spawn_copied_tool(cmd: &mut std::process::Command) -> std::process::Child {
+    let mut busy = 0;
+    loop {
+        match cmd.spawn() {
+            Err(e) if e.raw_os_error() == Some(libc::ETXTBSY) && busy < 1000 => {
+                busy += 1;
+                std::thread::sleep(std::time::Duration::from_millis(10));
+            }
+            spawned => return spawned.unwrap(),
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -422,19 +440,7 @@ mod tests {
 
     impl Procs {
         fn spawn(&mut self, cmd: &mut std::process::Command) -> u32 {
-            // A tool these tests copy may still be open for writing in a
-            // child another test thread forked meanwhile, until that child
-            // execs: an exec of the copy fails with ETXTBSY for a moment.
-            let mut busy = 0;
-            let child = loop {
-                match cmd.spawn() {
-                    Err(e) if e.raw_os_error() == Some(libc::ETXTBSY) && busy < 1000 => {
-                        busy += 1;
-                        std::thread::sleep(std::time::Duration::from_millis(10));
-                    }
-                    spawned => break spawned.unwrap(),
-                }
-            };
+            let child = super::spawn_copied_tool(cmd);
             let pid = child.id();
             self.0.push(child);
             pid
