@@ -169,6 +169,12 @@ impl Config {
         }
     }
 
+    /// A config read from `text`, for the tests of the options it backs.
+    #[cfg(test)]
+    pub(crate) fn from_text(text: &str) -> Config {
+        Config::parse(PathBuf::from("config.toml"), text.to_string()).expect("a valid config")
+    }
+
     fn parse(path: PathBuf, text: String) -> Result<Config, BadConfig> {
         let values: FileValues = match toml::from_str(&text) {
             Ok(values) => values,

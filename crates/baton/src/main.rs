@@ -734,3 +734,66 @@ fn error_chain(e: &anyhow::Error) -> String {
     }
     text
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn no_gate_options() -> GateArgs {
+        GateArgs {
+            min_mem_available: None,
+            max_mem_pressure: None,
+            max_load: None,
+            min_jobs: None,
+        }
+    }
+
+    /// `baton serve`'s gates: each option given wins over the config
+    /// file's (`off` included), the file's fill in what the options leave
+    /// out, and with neither the defaults stand.
+    #[test]
+    fn each_serve_option_wins_over_the_files_gate_and_the_file_fills_the_rest() {
+        let file = Config::from_text(
+            "mem-settle = 600000\non-memory-pressure = \"pause\"\nmax-load = 3.0\n\
+             max-mem-pressure = 20.0\nmin-jobs = 2\nmin-mem-available = \"1G\"\n",
+        );
+        let from_file = serve_gates(&no_gate_options(), None, None, Some(&file)).unwrap();
+        assert_eq!(
+            from_file,
+            GateConfig {
+                min_mem_available: Some(1 << 30),
+                max_mem_pressure: Some(20.0),
+                max_load: Some(3.0),
+                min_jobs: 2,
+                settle: Duration::from_millis(600_000),
+                pause: true,
+            }
+        );
+        let options = GateArgs {
+            min_mem_available: Some(None),
+            max_mem_pressure: None,
+            max_load: Some(Some(5.0)),
+            min_jobs: Some(Some(4.0)),
+        };
+        let given = serve_gates(
+            &options,
+            Some(1),
+            Some(OnMemoryPressure::Nothing),
+            Some(&file),
+        )
+        .unwrap();
+        assert_eq!(
+            given,
+            GateConfig {
+                min_mem_available: None,
+                max_mem_pressure: Some(20.0),
+                max_load: Some(5.0),
+                min_jobs: 4,
+                settle: Duration::from_millis(1),
+                pause: false,
+            }
+        );
+        let neither = serve_gates(&no_gate_options(), None, None, None).unwrap();
+        assert_eq!(neither, GateConfig::default());
+    }
+}
