@@ -431,9 +431,9 @@ fn a_region_of_another_layout_is_refused() {
         matches!(Ring::attach(&words), Err(LayoutError::Magic(0))),
         "all zero: no magic"
     );
-    Ring::init(&words, 16, 2, 1).unwrap();
+    Ring::init(&words, 16, 2, 3).unwrap();
     let ring = Ring::attach(&words).unwrap();
-    assert_eq!((ring.capacity(), ring.seats(), ring.lent()), (16, 2, 1));
+    assert_eq!((ring.capacity(), ring.seats(), ring.lent()), (16, 2, 3));
     assert!(
         matches!(Ring::attach(&words[..40]), Err(LayoutError::Size { .. })),
         "shorter than its header says"
