@@ -537,6 +537,11 @@ fn a_wait_that_times_out_leaves_the_queue() {
     assert_eq!(ring.acquire(Seat(1), &host, past), Ok(Acquired::TimedOut));
     // The cancelled ticket is passed by: the token goes free, not to it.
     assert_eq!(ring.release(Seat(0), &host), Ok(Released::Given));
+    assert_eq!(
+        ring.hint_word(ring::SERVE),
+        2,
+        "the release moved the serve hint past the ticket it passed by"
+    );
     assert_eq!(ring.try_acquire(Seat(1), &host), Ok(()));
     assert_conserved(&ring, 0, 1);
     assert_eq!(ring.record(Seat(1)).unwrap().held, 1);
