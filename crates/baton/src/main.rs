@@ -796,4 +796,77 @@ mod tests {
         let neither = serve_gates(&no_gate_options(), None, None, None).unwrap();
         assert_eq!(neither, GateConfig::default());
     }
+
+    /// The broker `baton run` starts for itself is the one the config file
+    /// describes: its limit, idle timeout, cluster pool (seconds and
+    /// milliseconds as the options take them) and gates, on the socket
+    /// asked for, made absolute (the broker starts in /).
+    #[test]
+    fn an_autostarted_broker_is_given_the_config_files_settings_as_options() {
+        let config = Config::from_text(
+            "jobs = 6\nidle-timeout = 90\nmax-load = 4.5\nmin-jobs = 2\n\
+             [cluster]\netcd = [\"http://127.0.0.1:2379\", \"http://127.0.0.1:2381\"]\n\
+             pool = \"ci\"\njobs = 16\nttl = 20\nlinger-ms = 250\n",
+        );
+        let socket = Path::new("here/baton.sock");
+        let started = autostart(Some(socket), &config).unwrap();
+        let absolute = std::env::current_dir().unwrap().join(socket);
+        let expected: Vec<OsString> = [
+            "serve",
+            "--jobs",
+            "6",
+            "--idle-timeout",
+            "90",
+            "--etcd=http://127.0.0.1:2379,http://127.0.0.1:2381",
+            "--cluster-pool=ci",
+            "--cluster-jobs=16",
+            "--cluster-ttl=20",
+            "--cluster-linger-ms=250",
+            "--max-load=4.5",
+            "--min-jobs=2",
+            "--socket",
+        ]
+        .into_iter()
+        .map(OsString::from)
+        .chain([absolute.clone().into_os_string()])
+        .collect();
+        assert_eq!(started.args, expected);
+        let note = started
+            .announce
+            .expect("a socket other than the default is said");
+        assert!(note.contains(&absolute.display().to_string()), "{note}");
+    }
+
+    /// An idle timeout of 0 (never) and no socket asked for add nothing.
+    #[test]
+    fn an_autostarted_broker_without_an_idle_timeout_or_a_socket_gets_neither() {
+        let config = Config::from_text("jobs = 3\nidle-timeout = 0\n");
+        let started = autostart(None, &config).unwrap();
+        assert_eq!(started.args, ["serve", "--jobs", "3"]);
+    }
+
+    /// A gate's threshold: a number at or above 0, or `off`.
+    #[test]
+    fn a_gate_setting_is_a_finite_number_not_below_0_or_off() {
+        assert_eq!(parse_setting("off"), Ok(None));
+        assert_eq!(parse_setting("0"), Ok(Some(0.0)));
+        assert_eq!(parse_setting("2.5"), Ok(Some(2.5)));
+        for bad in ["-1", "NaN", "inf", "two", ""] {
+            let refused = parse_setting(bad).unwrap_err();
+            assert!(refused.contains(&format!("'{bad}'")), "{bad}: {refused}");
+        }
+    }
+
+    /// An error's causes follow it once each: one the message already
+    /// quotes is not said twice.
+    #[test]
+    fn an_error_chain_says_each_cause_once() {
+        let quoted = anyhow::anyhow!("no such file")
+            .context("cannot read /etc/x: no such file")
+            .context("starting the broker");
+        assert_eq!(
+            error_chain(&quoted),
+            "starting the broker: cannot read /etc/x: no such file"
+        );
+    }
 }
