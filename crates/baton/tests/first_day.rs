@@ -737,3 +737,74 @@ fn stop_on_the_wire_is_as_documented() {
     );
     assert!(broker.wait_exit(Duration::from_secs(10)).success());
 }
+
+/// The cmake wrapper puts only `cmake --build` under the limit: a
+/// configure step runs the real cmake as it is (it starts no jobs), and
+/// a build gets the jobserver from `baton run`. A wrapper with no real
+/// tool behind it says so and exits 127, as a shell would.
+#[test]
+fn the_cmake_wrapper_limits_only_a_build_and_a_wrapper_alone_says_so() {
+    let home = TempDir::new("wrappers-cmake");
+    let bin = home.path().join("bin");
+    let wrote = baton()
+        .args(["shell-init", "--wrappers"])
+        .arg(&bin)
+        .output()
+        .unwrap();
+    assert!(wrote.status.success(), "{}", text(&wrote.stderr));
+    // A stand-in cmake that writes down how it was run.
+    let tools = home.path().join("tools");
+    std::fs::create_dir_all(&tools).unwrap();
+    let seen = home.path().join("seen");
+    let fake = tools.join("cmake");
+    std::fs::write(
+        &fake,
+        format!(
+            "#!/bin/sh\necho \"$* | ${{MAKEFLAGS-}}\" >> '{}'\n",
+            seen.display()
+        ),
+    )
+    .unwrap();
+    std::fs::set_permissions(&fake, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+    let broker = RunningBroker::start(2);
+    let path = format!("{}:{}:/usr/bin:/bin", bin.display(), tools.display());
+    let run = |tool: &str, args: &[&str], path: &str| {
+        Command::new(bin.join(tool))
+            .args(args)
+            .env_clear()
+            .env("PATH", path)
+            .env("HOME", home.path())
+            .env("BATON_SOCKET", &broker.socket)
+            .env("BATON_NO_AUTOSTART", "1")
+            .output()
+            .unwrap()
+    };
+    let configured = run("cmake", &["-S", "src", "-B", "out"], &path);
+    assert!(configured.status.success(), "{}", text(&configured.stderr));
+    let built = run("cmake", &["--build", "out"], &path);
+    assert!(built.status.success(), "{}", text(&built.stderr));
+    let seen = std::fs::read_to_string(&seen).unwrap();
+    let lines: Vec<&str> = seen.lines().collect();
+    assert_eq!(lines.len(), 2, "{seen}");
+    assert_eq!(
+        lines[0].trim_end(),
+        "-S src -B out |",
+        "a configure step runs as it is"
+    );
+    assert!(
+        lines[1].starts_with("--build out | ") && lines[1].contains("--jobserver-auth="),
+        "a build runs under baton run: {seen}"
+    );
+    // No cargo anywhere on this PATH but the wrapper.
+    let alone = run(
+        "cargo",
+        &["build"],
+        &format!("{}:/usr/bin:/bin", bin.display()),
+    );
+    assert_eq!(alone.status.code(), Some(127), "{alone:?}");
+    assert!(
+        text(&alone.stderr).contains("no cargo on PATH besides this wrapper"),
+        "{}",
+        text(&alone.stderr)
+    );
+}
