@@ -9,10 +9,11 @@ import pathlib
 import re
 import subprocess
 import sys
+import tempfile
 
 import pytest
 
-from baton_client._jobserver import auth_from_makeflags
+from baton_client._jobserver import auth_from_makeflags, from_environment
 
 HERE = pathlib.Path(__file__).resolve().parent
 
@@ -56,3 +57,30 @@ def test_the_last_jobserver_option_in_makeflags_wins():
     assert auth_from_makeflags("--jobserver-fds=5,6 -j --jobserver-auth=7,8") == "7,8"
     assert auth_from_makeflags("-j4") is None
     assert auth_from_makeflags(None) is None
+
+
+def test_a_pipe_named_in_makeflags_serves_only_if_it_is_one_pipe_the_right_way_round(monkeypatch):
+    """make 4.3 names its pipe by descriptor numbers, which outside a
+    recipe with '+' may be other files by now (pytest's capture dups into
+    the lowest free ones): a byte read from such a file would be a token
+    made up. Only the read end then the write end of one pipe is taken."""
+    r, w = os.pipe()
+    other_r, other_w = os.pipe()
+    try:
+        monkeypatch.setenv("MAKEFLAGS", f"-j --jobserver-auth={r},{w}")
+        jobserver = from_environment()
+        assert jobserver is not None
+        os.write(w, b"+")
+        assert jobserver.take_now(1) == b"+"
+        assert jobserver.take_now(1) is None
+        jobserver.give(b"+")
+        jobserver.close()
+        assert os.read(r, 1) == b"+", "the token went back into make's pipe"
+        with tempfile.TemporaryFile() as file:
+            f = file.fileno()
+            for auth in (f"{w},{r}", f"{w},{w}", f"{r},{other_w}", f"{f},{f}", "-1,-1", "3,x"):
+                monkeypatch.setenv("MAKEFLAGS", f"-j --jobserver-auth={auth}")
+                assert from_environment() is None, f"{auth} was taken for a jobserver"
+    finally:
+        for fd in (r, w, other_r, other_w):
+            os.close(fd)
