@@ -258,3 +258,17 @@ def test_a_full_broker_turns_the_client_away_with_its_code(tmp_path):
     stand_in.join()
     server.close()
     assert refused.value.code == "full"
+
+
+def test_a_label_is_cut_to_what_the_broker_accepts_and_shown_as_cut(start_broker):
+    """A label with control characters and more than 200 bytes, of
+    two-byte characters: the client drops the control characters and cuts
+    at a character's end, so the real broker takes it (it refuses control
+    characters and longer labels) and lists the holder under that label."""
+    broker = start_broker(1)
+    label = "build!\x07\t" + "é" * 150
+    with Client(broker.socket, label) as client:
+        with client.acquire():
+            holders = client.status()["holders"]
+    assert [h["command"] for h in holders] == ["build!" + "é" * 97]
+    all_free(broker)
