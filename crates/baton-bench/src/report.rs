@@ -555,4 +555,48 @@ mod tests {
             assert!(squashed.contains(label), "{label} missing");
         }
     }
+
+    /// Every per-operation figure is the kernel's count over the
+    /// operations (switches of both kinds, CPU), the broker's share
+    /// likewise, the rate is operations over the wall time, and a run of
+    /// no operations shows 0s, not NaN.
+    #[test]
+    fn a_rows_figures_are_the_kernels_counts_per_operation() {
+        let spent = Usage {
+            voluntary_switches: 1_500,
+            involuntary_switches: 500,
+            cpu_us: 35_000,
+        };
+        let broker = Usage {
+            voluntary_switches: 80,
+            involuntary_switches: 20,
+            cpu_us: 2_000,
+        };
+        let row = Row::new(
+            "m",
+            64,
+            1_000,
+            spent,
+            Some(broker),
+            Duration::from_millis(500),
+        );
+        assert_eq!(row.operations, 1_000);
+        assert_eq!(row.context_switches_per_op, 2.0);
+        assert_eq!(row.voluntary_context_switches_per_op, 1.5);
+        assert_eq!(row.cpu_us_per_op, 35.0);
+        assert_eq!((row.wall_s, row.ops_per_s), (0.5, 2_000.0));
+        assert_eq!(row.broker_context_switches_per_op, Some(0.1));
+        assert_eq!(row.broker_voluntary_context_switches_per_op, Some(0.08));
+        assert_eq!(row.broker_cpu_us_per_op, Some(2.0));
+        let none = Row::new("m", 64, 0, spent, None, Duration::ZERO);
+        assert_eq!(
+            (
+                none.context_switches_per_op,
+                none.cpu_us_per_op,
+                none.ops_per_s
+            ),
+            (0.0, 0.0, 0.0)
+        );
+        assert_eq!(none.broker_cpu_us_per_op, None);
+    }
 }
