@@ -311,24 +311,19 @@ fn build_and_wanted_on_the_wire() {
 fn bench_builds_measures_every_case_with_the_real_tools() {
     let dir = TempDir::new("bench-builds");
     let plot = dir.path().join("builds.svg");
-    let out = std::process::Command::new(baton_bin())
-        .args([
-            "bench", "builds", "--ops", "20", "--tokens", "4", "--job-us", "50000", "--rounds",
-            "2", "--json", "--plot",
-        ])
-        .arg(&plot)
-        .env("BATON_BENCH_MAKE43", make43())
-        .env("BATON_BENCH_MAKE44", make44())
-        .env("BATON_BENCH_NINJA", ninja())
-        .env("BATON_BENCH_BMAKE", bmake())
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let doc: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let doc = bench_builds(&[
+        "--ops",
+        "20",
+        "--tokens",
+        "4",
+        "--job-us",
+        "50000",
+        "--rounds",
+        "2",
+        "--json",
+        "--plot",
+        plot.to_str().unwrap(),
+    ]);
     let rows = doc["results"].as_array().unwrap();
     // Two rounds of each tool alone still give one row per tool and way: medians.
     assert_eq!(doc["parameters"]["rounds"], 2, "{doc:#}");
@@ -414,16 +409,12 @@ fn bench_builds_measures_every_case_with_the_real_tools() {
     assert_eq!(weights, vec![0.25, 0.25, 0.5]);
 }
 
-/// With one round, each alone ratio is baton run's figure over the
-/// tool's own, of the two rows beside it: baton / own, not own / baton
-/// (a build slower under baton reads above 1).
-#[test]
-fn bench_builds_ratios_are_baton_over_own() {
+/// `baton bench builds ARGS` with the suite's make, ninja and bmake; its
+/// JSON document.
+fn bench_builds(args: &[&str]) -> serde_json::Value {
     let out = std::process::Command::new(baton_bin())
-        .args([
-            "bench", "builds", "--ops", "8", "--tokens", "4", "--job-us", "20000", "--rounds", "1",
-            "--json",
-        ])
+        .args(["bench", "builds"])
+        .args(args)
         .env("BATON_BENCH_MAKE43", make43())
         .env("BATON_BENCH_MAKE44", make44())
         .env("BATON_BENCH_NINJA", ninja())
@@ -435,7 +426,17 @@ fn bench_builds_ratios_are_baton_over_own() {
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
-    let doc: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    serde_json::from_slice(&out.stdout).unwrap()
+}
+
+/// With one round, each alone ratio is baton run's figure over the
+/// tool's own, of the two rows beside it: baton / own, not own / baton
+/// (a build slower under baton reads above 1).
+#[test]
+fn bench_builds_ratios_are_baton_over_own() {
+    let doc = bench_builds(&[
+        "--ops", "8", "--tokens", "4", "--job-us", "20000", "--rounds", "1", "--json",
+    ]);
     let rows = doc["results"].as_array().unwrap();
     let alone = |tool: &serde_json::Value, way: &str| {
         rows.iter()

@@ -674,12 +674,8 @@ fn wrappers_count_a_build_started_without_an_interactive_shell_once() {
     drop(broker);
 }
 
-/// A wrapper whose directory is on PATH through a symbolic link (a
-/// symlinked home, say) still knows that entry for its own: it runs the
-/// real make, never itself again (which would exec itself for ever).
-#[test]
-fn a_wrapper_reached_through_a_symlink_on_path_runs_the_real_tool() {
-    let home = TempDir::new("wrappers-linked");
+/// `baton shell-init --wrappers HOME/bin`; the directory written.
+fn wrappers_in(home: &TempDir) -> PathBuf {
     let bin = home.path().join("bin");
     let wrote = baton()
         .args(["shell-init", "--wrappers"])
@@ -687,6 +683,16 @@ fn a_wrapper_reached_through_a_symlink_on_path_runs_the_real_tool() {
         .output()
         .unwrap();
     assert!(wrote.status.success(), "{}", text(&wrote.stderr));
+    bin
+}
+
+/// A wrapper whose directory is on PATH through a symbolic link (a
+/// symlinked home, say) still knows that entry for its own: it runs the
+/// real make, never itself again (which would exec itself for ever).
+#[test]
+fn a_wrapper_reached_through_a_symlink_on_path_runs_the_real_tool() {
+    let home = TempDir::new("wrappers-linked");
+    let bin = wrappers_in(&home);
     let linked = home.path().join("linked");
     std::os::unix::fs::symlink(&bin, &linked).unwrap();
     let make_dir = make43().parent().unwrap().to_path_buf();
@@ -745,13 +751,7 @@ fn stop_on_the_wire_is_as_documented() {
 #[test]
 fn the_cmake_wrapper_limits_only_a_build_and_a_wrapper_alone_says_so() {
     let home = TempDir::new("wrappers-cmake");
-    let bin = home.path().join("bin");
-    let wrote = baton()
-        .args(["shell-init", "--wrappers"])
-        .arg(&bin)
-        .output()
-        .unwrap();
-    assert!(wrote.status.success(), "{}", text(&wrote.stderr));
+    let bin = wrappers_in(&home);
     // A stand-in cmake that writes down how it was run.
     let tools = home.path().join("tools");
     std::fs::create_dir_all(&tools).unwrap();
