@@ -20,6 +20,7 @@
 //! are gone it waits, in ticket order, for a releaser to give it one.
 
 mod keeper;
+pub mod pile;
 pub mod ring;
 pub mod words;
 

@@ -1,0 +1,937 @@
+//! The fast path's barging mode: a pile of tokens anyone may take, for the
+//! users who want a lock's price more than first come, first served
+//! (docs/fastpath.md, "The pile"). The ring hands each freed token to the
+//! oldest waiter, so with one token among many processes every transfer
+//! wakes somebody; here a releaser puts its token back on the pile, and
+//! whoever comes first takes it, as a semaphore does.
+//!
+//! What stays exact is the books: the pile is a fixed row of token words,
+//! one per token lent, and each word names its holder (a seat, the
+//! broker, or nobody). A token moves only by a compare-and-swap of its own
+//! word, so no sequence of steps, and no client killed between two of
+//! them, can make or lose one: the broker's repair of a dead seat is to
+//! free every word that names it.
+//!
+//! Waking is an eventcount, the bell: sleepers count themselves in it and
+//! sleep on its sequence; a releaser that sees sleepers bumps the sequence
+//! and wakes one of them, and marks a wake-up in flight so that the
+//! releases after it do not wake more sleepers before that one has looked.
+//! Whoever clears that mark looks again for a free token, so a release
+//! that saw the mark and did not ring is never lost
+//! (`tests/fastpath_pile.rs` runs every interleaving with a kill at every
+//! step).
+//!
+//! Each operation is a small machine whose every step is one atomic access
+//! to the region, or a request for a futex call ([`Step`]): the real
+//! client runs it in a loop ([`Pile::acquire`], [`Pile::release`]), and the
+//! model test runs the same machines under a scheduler of its own.
+
+use super::Seat;
+use std::sync::atomic::{AtomicU64, Ordering::SeqCst};
+use std::time::Instant;
+
+/// The first word of a pile region ("BATONPL1"): a region made by another
+/// version is refused.
+pub const MAGIC: u64 = u64::from_le_bytes(*b"BATONPL1");
+/// Words per cache line: the bell sits alone on one.
+const LINE: usize = 8;
+/// Word 1: how many tokens and seats (tokens in the low 32 bits).
+const SIZES: usize = 1;
+/// The bell: the sequence sleepers wait on, their count, the mark.
+const BELL: usize = LINE;
+/// The first token word.
+const TOKENS: usize = 2 * LINE;
+/// Seats a pile serves: a holder is stored as seat + 1 in 16 bits.
+pub const MAX_SEATS: usize = 2047;
+/// Tokens a pile holds: a release scans them all, so few.
+pub const MAX_TOKENS: usize = 4096;
+
+/// A token word nobody holds.
+pub const FREE: u64 = 0;
+/// Added to a held token's word by the broker: its holder gives it back
+/// to the broker, not to the pile (a lowered limit, a closed gate).
+pub const RECALL: u64 = 1 << 16;
+/// A token word the broker holds: out of the pile until it lends it again.
+pub const BROKER: u64 = 1 << 17;
+/// A seat's record word: it is counted among the bell's sleepers.
+pub const COUNTED: u64 = 1;
+
+const SEQ_MASK: u64 = 0xffff_ffff;
+const SLEEPER: u64 = 1 << 32;
+const SLEEPERS_MASK: u64 = ((1 << 30) - 1) << 32;
+const DIRTY: u64 = 1 << 62;
+const PENDING: u64 = 1 << 63;
+
+/// A holder's word: seat + 1 (0 is [`FREE`]).
+pub fn holder(seat: Seat) -> u64 {
+    u64::from(seat.0) + 1
+}
+
+/// What a token word says, decoded.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum TokenWord {
+    /// On the pile.
+    Free,
+    /// Held by a seat; `recalled` if it goes back to the broker on release.
+    Held {
+        /// Its holder.
+        seat: Seat,
+        /// It goes back to the broker when released.
+        recalled: bool,
+    },
+    /// Taken out of the pile by the broker.
+    Broker,
+    /// No correct party writes this (garbage, for the audit to count).
+    Bad(u64),
+}
+
+impl TokenWord {
+    /// Decodes a token word of a pile with `seats` seats.
+    pub fn decode(word: u64, seats: usize) -> TokenWord {
+        let owner = word & !RECALL;
+        match word {
+            FREE => TokenWord::Free,
+            BROKER => TokenWord::Broker,
+            _ if (1..=seats as u64).contains(&owner) => TokenWord::Held {
+                seat: Seat((owner - 1) as u16),
+                recalled: word & RECALL != 0,
+            },
+            _ => TokenWord::Bad(word),
+        }
+    }
+}
+
+/// The bell's word, decoded.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BellWord {
+    /// What sleepers wait on; every ring changes it.
+    pub seq: u32,
+    /// Sleepers counted in (a client killed between counting itself and
+    /// marking its record leaves one too many: rings that wake nobody).
+    pub sleepers: u32,
+    /// A wake-up is in flight: its sleeper has not looked yet.
+    pub pending: bool,
+    /// A token was freed while it was: whoever clears the mark looks.
+    pub dirty: bool,
+}
+
+impl BellWord {
+    /// Decodes the bell's word.
+    pub fn decode(word: u64) -> BellWord {
+        BellWord {
+            seq: (word & SEQ_MASK) as u32,
+            sleepers: ((word & SLEEPERS_MASK) >> 32) as u32,
+            pending: word & PENDING != 0,
+            dirty: word & DIRTY != 0,
+        }
+    }
+}
+
+/// Why a region cannot be a pile.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum LayoutError {
+    /// Not a pile, or another version's.
+    #[error("the region is not a baton pile of this version")]
+    Magic,
+    /// Sizes out of range.
+    #[error("a pile holds 1 to {MAX_TOKENS} tokens and 1 to {MAX_SEATS} seats")]
+    Sizes,
+    #[error("the region has {have} words where its sizes need {need}")]
+    /// Fewer words than its sizes need.
+    Short {
+        /// Words there are.
+        have: usize,
+        /// Words its sizes need.
+        need: usize,
+    },
+}
+
+/// Why an operation failed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, thiserror::Error)]
+pub enum Refused {
+    /// `TRY`: no token on the pile.
+    #[error("no token is free")]
+    Busy,
+    /// A release of a token this seat does not hold.
+    #[error("this seat does not hold that token")]
+    NotHeld,
+    /// The broker that made the region is gone.
+    #[error("the broker that made the region is gone")]
+    Gone,
+}
+
+/// How an acquire ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Acquired {
+    /// The token whose word now names the seat.
+    Token(usize),
+    /// The deadline passed first.
+    TimedOut,
+}
+
+/// How a release ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Released {
+    /// Back on the pile.
+    Piled,
+    /// Recalled: the broker holds it now, and must be told.
+    ToBroker,
+}
+
+/// The futex calls the machines ask for.
+pub trait Bell {
+    /// Sleeps while the low 32 bits of `word` are `expected`, until woken,
+    /// until `deadline`, or for no reason at all.
+    fn wait(&self, word: &AtomicU64, expected: u32, deadline: Option<Instant>);
+    /// Wakes one sleeper on `word`; whether there was one.
+    fn wake_one(&self, word: &AtomicU64) -> bool;
+    /// Whether the broker is gone (asked after each wait).
+    fn gone(&self) -> bool {
+        false
+    }
+}
+
+/// What one step of a machine did, or asks for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Step<T> {
+    /// One atomic access done; step again.
+    Busy,
+    /// Call `Bell::wait` on the bell with this sequence, then `waited`.
+    Wait(u32),
+    /// Call `Bell::wake_one` on the bell, then `woke` with its answer.
+    Wake,
+    /// Finished.
+    Done(T),
+}
+
+/// A pile's words, and the operations on them.
+#[derive(Debug, Clone, Copy)]
+pub struct Pile<'w> {
+    words: &'w [AtomicU64],
+    tokens: usize,
+    seats: usize,
+}
+
+/// Words a pile of `tokens` tokens and `seats` seats takes.
+pub fn words_for(tokens: usize, seats: usize) -> usize {
+    TOKENS + tokens + seats
+}
+
+impl<'w> Pile<'w> {
+    /// Lays a new pile out in zeroed `words`: `lent` of its `tokens` on the
+    /// pile, the rest the broker's.
+    pub fn init(
+        words: &'w [AtomicU64],
+        tokens: usize,
+        seats: usize,
+        lent: usize,
+    ) -> Result<Self, LayoutError> {
+        if !(1..=MAX_TOKENS).contains(&tokens) || !(1..=MAX_SEATS).contains(&seats) || lent > tokens
+        {
+            return Err(LayoutError::Sizes);
+        }
+        let need = words_for(tokens, seats);
+        if words.len() < need {
+            return Err(LayoutError::Short {
+                have: words.len(),
+                need,
+            });
+        }
+        words[SIZES].store(((seats as u64) << 32) | tokens as u64, SeqCst);
+        for (i, word) in words[TOKENS..TOKENS + tokens].iter().enumerate() {
+            word.store(if i < lent { FREE } else { BROKER }, SeqCst);
+        }
+        words[0].store(MAGIC, SeqCst);
+        Pile::attach(words)
+    }
+
+    /// A client's view of a pile the broker laid out.
+    pub fn attach(words: &'w [AtomicU64]) -> Result<Self, LayoutError> {
+        if words.len() < TOKENS || words[0].load(SeqCst) != MAGIC {
+            return Err(LayoutError::Magic);
+        }
+        let sizes = words[SIZES].load(SeqCst);
+        let (tokens, seats) = ((sizes & SEQ_MASK) as usize, (sizes >> 32) as usize);
+        if !(1..=MAX_TOKENS).contains(&tokens) || !(1..=MAX_SEATS).contains(&seats) {
+            return Err(LayoutError::Sizes);
+        }
+        let need = words_for(tokens, seats);
+        if words.len() < need {
+            return Err(LayoutError::Short {
+                have: words.len(),
+                need,
+            });
+        }
+        Ok(Pile {
+            words,
+            tokens,
+            seats,
+        })
+    }
+
+    /// Token words in the pile (lent or the broker's).
+    pub fn tokens(&self) -> usize {
+        self.tokens
+    }
+
+    /// Seats, each with a record.
+    pub fn seats(&self) -> usize {
+        self.seats
+    }
+
+    /// The word sleepers wait on.
+    pub fn bell(&self) -> &'w AtomicU64 {
+        &self.words[BELL]
+    }
+
+    /// The bell, decoded.
+    pub fn bell_word(&self) -> BellWord {
+        BellWord::decode(self.bell().load(SeqCst))
+    }
+
+    fn token(&self, i: usize) -> &'w AtomicU64 {
+        &self.words[TOKENS + i]
+    }
+
+    /// Token `i`'s word, decoded.
+    pub fn token_word(&self, i: usize) -> TokenWord {
+        TokenWord::decode(self.token(i).load(SeqCst), self.seats)
+    }
+
+    fn record(&self, seat: Seat) -> &'w AtomicU64 {
+        &self.words[TOKENS + self.tokens + usize::from(seat.0)]
+    }
+
+    /// Whether the seat's record says it is counted among the sleepers.
+    pub fn counted(&self, seat: Seat) -> bool {
+        self.record(seat).load(SeqCst) & COUNTED != 0
+    }
+
+    /// Takes a token, waiting for one until `deadline` (`try_only`: not at
+    /// all).
+    pub fn acquire(
+        &self,
+        seat: Seat,
+        bell: &impl Bell,
+        deadline: Option<Instant>,
+        try_only: bool,
+    ) -> Result<Acquired, Refused> {
+        let mut op = Acquire::new(seat, try_only);
+        loop {
+            match op.step(self) {
+                Step::Busy => {}
+                Step::Wait(seq) => {
+                    bell.wait(self.bell(), seq, deadline);
+                    let late = deadline.is_some_and(|d| Instant::now() >= d);
+                    op.waited(late, bell.gone());
+                }
+                Step::Wake => op.woke(bell.wake_one(self.bell())),
+                Step::Done(out) => return out,
+            }
+        }
+    }
+
+    /// Gives token `i` back: onto the pile, or to the broker if recalled.
+    pub fn release(&self, seat: Seat, i: usize, bell: &impl Bell) -> Result<Released, Refused> {
+        let mut op = Release::new(seat, i);
+        loop {
+            match op.step(self) {
+                Step::Busy => {}
+                Step::Wait(_) => unreachable!("a release never waits"),
+                Step::Wake => op.woke(bell.wake_one(self.bell())),
+                Step::Done(out) => return out,
+            }
+        }
+    }
+
+    /// The broker's repair of a dead seat: every token it held back on the
+    /// pile (or to the broker, if recalled), its count among the sleepers
+    /// taken out, and any wake-up it was given passed on. Returns the
+    /// tokens freed and those recalled.
+    pub fn repair(&self, seat: Seat, bell: &impl Bell) -> (usize, usize) {
+        let mut op = Repair::new(seat);
+        loop {
+            match op.step(self) {
+                Step::Busy | Step::Wait(_) => {}
+                Step::Wake => op.woke(bell.wake_one(self.bell())),
+                Step::Done(out) => return out,
+            }
+        }
+    }
+}
+
+/// Rings the bell if somebody sleeps and no wake-up is in flight. If one
+/// is, a releaser marks the bell dirty instead: its token was freed while
+/// the woken sleeper had not looked yet, and whoever clears the mark (that
+/// sleeper, or the ringer if its wake found nobody asleep) looks for it
+/// and rings again. A ring that found nobody asleep and no dirty mark is
+/// done: a sleeper still on its way to sleep counted itself before the
+/// ringer looked, so it finds the token or its wait returns at once.
+// A machine's state: its fields are the registers a step reads.
+#[allow(missing_docs)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Ring {
+    /// Reading the bell.
+    Load,
+    /// A wake-up is in flight: marking the bell dirty.
+    Dirty {
+        old: u64,
+    },
+    /// Swapping in the next sequence and the mark.
+    Mark {
+        old: u64,
+    },
+    /// The wake was asked for.
+    Waking,
+    /// Nobody was woken: clearing the mark.
+    Clear,
+    /// The mark was dirty: looking for a free token from token `i`.
+    Look {
+        i: usize,
+    },
+    Done,
+}
+
+impl Ring {
+    fn start() -> Ring {
+        Ring::Load
+    }
+
+    fn step(&mut self, pile: &Pile) -> Step<()> {
+        match *self {
+            Ring::Load => {
+                let old = pile.bell().load(SeqCst);
+                *self = if old & SLEEPERS_MASK == 0 || old & DIRTY != 0 {
+                    Ring::Done
+                } else if old & PENDING != 0 {
+                    Ring::Dirty { old }
+                } else {
+                    Ring::Mark { old }
+                };
+            }
+            Ring::Dirty { old } => {
+                let swapped = pile
+                    .bell()
+                    .compare_exchange(old, old | DIRTY, SeqCst, SeqCst)
+                    .is_ok();
+                *self = if swapped { Ring::Done } else { Ring::Load };
+            }
+            Ring::Mark { old } => {
+                let new = (old & SLEEPERS_MASK) | PENDING | u64::from((old as u32).wrapping_add(1));
+                let swapped = pile
+                    .bell()
+                    .compare_exchange(old, new, SeqCst, SeqCst)
+                    .is_ok();
+                if swapped {
+                    *self = Ring::Waking;
+                    return Step::Wake;
+                }
+                *self = Ring::Load;
+            }
+            Ring::Waking => unreachable!("woke() moves a ring on"),
+            Ring::Clear => {
+                let was = pile.bell().fetch_and(!(PENDING | DIRTY), SeqCst);
+                *self = if was & DIRTY != 0 {
+                    Ring::Look { i: 0 }
+                } else {
+                    Ring::Done
+                };
+            }
+            Ring::Look { i } => {
+                *self = if pile.token(i).load(SeqCst) == FREE {
+                    Ring::Load
+                } else if i + 1 < pile.tokens {
+                    Ring::Look { i: i + 1 }
+                } else {
+                    Ring::Done
+                };
+            }
+            Ring::Done => return Step::Done(()),
+        }
+        Step::Busy
+    }
+
+    fn woke(&mut self, somebody: bool) {
+        assert_eq!(*self, Ring::Waking, "woke() without a wake");
+        *self = if somebody { Ring::Done } else { Ring::Clear };
+    }
+}
+
+/// An acquire's steps.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Acquire {
+    seat: Seat,
+    try_only: bool,
+    at: AcquireAt,
+    /// The token taken, once it is.
+    taken: Option<usize>,
+    /// How it ends, once known.
+    outcome: Option<Result<Acquired, Refused>>,
+}
+
+// A machine's state: its fields are the registers a step reads; the
+// model test names them, nobody else.
+#[allow(missing_docs)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum AcquireAt {
+    /// Trying token `i`'s word; `counted` once among the sleepers;
+    /// `cleared` if this client cleared a wake-up's mark since it last
+    /// looked (it then passes on a second free token it sees).
+    Take {
+        i: usize,
+        counted: bool,
+        seq: u32,
+        cleared: bool,
+    },
+    /// Reading the bell's sequence before counting itself in.
+    Sequence {
+        cleared: bool,
+    },
+    /// Counting itself among the sleepers.
+    Count {
+        seq: u32,
+        cleared: bool,
+    },
+    /// Marking its record as counted.
+    Mark {
+        seq: u32,
+        cleared: bool,
+    },
+    /// Asleep (or about to be).
+    Sleeping {
+        seq: u32,
+    },
+    /// Leaving the count: its record first, then the bell.
+    Unmark {
+        then: Then,
+        cleared: bool,
+    },
+    Uncount {
+        then: Then,
+        cleared: bool,
+    },
+    /// Back from a wait: clearing the mark of the wake-up that may have
+    /// been its own.
+    Unpend {
+        then: Then,
+    },
+    /// Looking for a second free token from `i`, to ring for it.
+    PassLook {
+        i: usize,
+    },
+    /// Ringing for it.
+    Ringing(Ring),
+    Finished,
+}
+
+/// What an acquire does once it is out of the sleepers' count.
+// A machine's state: its fields are the registers a step reads; the
+// model test names them, nobody else.
+#[allow(missing_docs)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Then {
+    /// Took a token: pass on what it saw, and end.
+    Took,
+    /// Woke: clear the mark, look again.
+    Retry,
+    /// Woke late (or its broker is gone): clear the mark, pass on, end.
+    End,
+}
+
+impl Acquire {
+    /// An acquire by `seat`; `try_only` never waits.
+    pub fn new(seat: Seat, try_only: bool) -> Acquire {
+        Acquire {
+            seat,
+            try_only,
+            at: AcquireAt::Take {
+                i: 0,
+                counted: false,
+                seq: 0,
+                cleared: false,
+            },
+            taken: None,
+            outcome: None,
+        }
+    }
+
+    /// Where it is (for the model test).
+    pub fn at(&self) -> AcquireAt {
+        self.at
+    }
+
+    /// The token this acquire holds, if it took one (for the model test:
+    /// a client killed after this holds it).
+    pub fn taken(&self) -> Option<usize> {
+        self.taken
+    }
+
+    /// One step: one atomic access, or a futex call asked for.
+    pub fn step(&mut self, pile: &Pile) -> Step<Result<Acquired, Refused>> {
+        use AcquireAt::*;
+        match self.at {
+            Take {
+                i,
+                counted,
+                seq,
+                cleared,
+            } => {
+                let me = holder(self.seat);
+                if pile
+                    .token(i)
+                    .compare_exchange(FREE, me, SeqCst, SeqCst)
+                    .is_ok()
+                {
+                    self.taken = Some(i);
+                    self.outcome = Some(Ok(Acquired::Token(i)));
+                    self.at = if counted {
+                        Unmark {
+                            then: Then::Took,
+                            cleared,
+                        }
+                    } else {
+                        Acquire::pass_or_finish(cleared)
+                    };
+                } else if i + 1 < pile.tokens {
+                    self.at = Take {
+                        i: i + 1,
+                        counted,
+                        seq,
+                        cleared,
+                    };
+                } else if counted {
+                    self.at = Sleeping { seq };
+                    return Step::Wait(seq);
+                } else if self.try_only {
+                    self.outcome = Some(Err(Refused::Busy));
+                    self.at = Acquire::pass_or_finish(cleared);
+                } else {
+                    self.at = Sequence { cleared };
+                }
+            }
+            Sequence { cleared } => {
+                let seq = pile.bell().load(SeqCst) as u32;
+                self.at = Count { seq, cleared };
+            }
+            Count { seq, cleared } => {
+                pile.bell().fetch_add(SLEEPER, SeqCst);
+                self.at = Mark { seq, cleared };
+            }
+            Mark { seq, cleared } => {
+                pile.record(self.seat).store(COUNTED, SeqCst);
+                self.at = Take {
+                    i: 0,
+                    counted: true,
+                    seq,
+                    cleared,
+                };
+            }
+            Sleeping { .. } => unreachable!("waited() moves a sleeper on"),
+            Unmark { then, cleared } => {
+                pile.record(self.seat).store(0, SeqCst);
+                self.at = Uncount { then, cleared };
+            }
+            Uncount { then, cleared } => {
+                pile.bell().fetch_sub(SLEEPER, SeqCst);
+                self.at = Acquire::after_count(then, cleared);
+            }
+            Unpend { then } => {
+                let was = pile.bell().fetch_and(!(PENDING | DIRTY), SeqCst);
+                let cleared = was & DIRTY != 0;
+                self.at = match then {
+                    Then::Retry => Take {
+                        i: 0,
+                        counted: false,
+                        seq: 0,
+                        cleared,
+                    },
+                    Then::Took | Then::End => Acquire::pass_or_finish(cleared),
+                };
+            }
+            PassLook { i } => {
+                self.at = if pile.token(i).load(SeqCst) == FREE {
+                    Ringing(Ring::start())
+                } else if i + 1 < pile.tokens {
+                    PassLook { i: i + 1 }
+                } else {
+                    Finished
+                };
+            }
+            Ringing(mut ring) => {
+                let step = ring.step(pile);
+                self.at = Ringing(ring);
+                match step {
+                    Step::Done(()) => self.at = Finished,
+                    Step::Wake => return Step::Wake,
+                    _ => {}
+                }
+            }
+            Finished => {
+                return Step::Done(self.outcome.expect("an acquire ends with an outcome"));
+            }
+        }
+        Step::Busy
+    }
+
+    /// Where it goes once out of the sleepers' count.
+    fn after_count(then: Then, cleared: bool) -> AcquireAt {
+        match then {
+            Then::Took => Acquire::pass_or_finish(cleared),
+            Then::Retry | Then::End => AcquireAt::Unpend { then },
+        }
+    }
+
+    /// Whoever cleared a wake-up's mark looks for a token freed while the
+    /// mark stood (its releaser left the ringing to the mark's sleeper).
+    fn pass_or_finish(cleared: bool) -> AcquireAt {
+        if cleared {
+            AcquireAt::PassLook { i: 0 }
+        } else {
+            AcquireAt::Finished
+        }
+    }
+
+    /// Back from `Bell::wait`: `late` if the deadline passed, `gone` if the
+    /// broker is.
+    pub fn waited(&mut self, late: bool, gone: bool) {
+        let AcquireAt::Sleeping { .. } = self.at else {
+            unreachable!("waited() without a wait")
+        };
+        let then = if gone {
+            self.outcome = Some(Err(Refused::Gone));
+            Then::End
+        } else if late {
+            self.outcome = Some(Ok(Acquired::TimedOut));
+            Then::End
+        } else {
+            Then::Retry
+        };
+        self.at = AcquireAt::Unmark {
+            then,
+            cleared: false,
+        };
+    }
+
+    /// Back from `Bell::wake_one`: whether it woke somebody.
+    pub fn woke(&mut self, somebody: bool) {
+        let AcquireAt::Ringing(mut ring) = self.at else {
+            unreachable!("woke() without a wake")
+        };
+        ring.woke(somebody);
+        self.at = AcquireAt::Ringing(ring);
+    }
+}
+
+/// A release's steps.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Release {
+    seat: Seat,
+    token: usize,
+    at: ReleaseAt,
+}
+
+// A machine's state: its fields are the registers a step reads; the
+// model test names them, nobody else.
+#[allow(missing_docs)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum ReleaseAt {
+    /// Putting the token back on the pile.
+    Give,
+    /// It was recalled: handing it to the broker.
+    Recall,
+    /// On the pile: ringing for it.
+    Ringing(Ring),
+    Finished(Result<Released, Refused>),
+}
+
+impl Release {
+    /// A release of token `token` by `seat`.
+    pub fn new(seat: Seat, token: usize) -> Release {
+        Release {
+            seat,
+            token,
+            at: ReleaseAt::Give,
+        }
+    }
+
+    /// Where it is (for the model test).
+    pub fn at(&self) -> ReleaseAt {
+        self.at
+    }
+
+    /// The token it gives back.
+    pub fn token(&self) -> usize {
+        self.token
+    }
+
+    /// One step: one atomic access, or a futex call asked for.
+    pub fn step(&mut self, pile: &Pile) -> Step<Result<Released, Refused>> {
+        let me = holder(self.seat);
+        match self.at {
+            ReleaseAt::Give if self.token >= pile.tokens => {
+                self.at = ReleaseAt::Finished(Err(Refused::NotHeld));
+            }
+            ReleaseAt::Give => {
+                self.at = match pile
+                    .token(self.token)
+                    .compare_exchange(me, FREE, SeqCst, SeqCst)
+                {
+                    Ok(_) => ReleaseAt::Ringing(Ring::start()),
+                    Err(now) if now == me | RECALL => ReleaseAt::Recall,
+                    Err(_) => ReleaseAt::Finished(Err(Refused::NotHeld)),
+                };
+            }
+            ReleaseAt::Recall => {
+                let handed = pile
+                    .token(self.token)
+                    .compare_exchange(me | RECALL, BROKER, SeqCst, SeqCst)
+                    .is_ok();
+                self.at = ReleaseAt::Finished(if handed {
+                    Ok(Released::ToBroker)
+                } else {
+                    Err(Refused::NotHeld)
+                });
+            }
+            ReleaseAt::Ringing(mut ring) => {
+                let step = ring.step(pile);
+                self.at = ReleaseAt::Ringing(ring);
+                match step {
+                    Step::Done(()) => self.at = ReleaseAt::Finished(Ok(Released::Piled)),
+                    Step::Wake => return Step::Wake,
+                    _ => {}
+                }
+            }
+            ReleaseAt::Finished(out) => return Step::Done(out),
+        }
+        Step::Busy
+    }
+
+    /// Back from `Bell::wake_one`: whether it woke somebody.
+    pub fn woke(&mut self, somebody: bool) {
+        let ReleaseAt::Ringing(mut ring) = self.at else {
+            unreachable!("woke() without a wake")
+        };
+        ring.woke(somebody);
+        self.at = ReleaseAt::Ringing(ring);
+    }
+}
+
+/// The broker's repair of a dead seat, in steps (it runs beside the live
+/// clients, who do not stop for it).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Repair {
+    seat: Seat,
+    at: RepairAt,
+    freed: usize,
+    recalled: usize,
+}
+
+// A machine's state: its fields are the registers a step reads; the
+// model test names them, nobody else.
+#[allow(missing_docs)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum RepairAt {
+    /// Freeing token `i` if the dead seat holds it.
+    Free {
+        i: usize,
+    },
+    /// Token `i` was recalled from it: the broker's now.
+    Recall {
+        i: usize,
+    },
+    /// Reading its record: was it counted among the sleepers?
+    Record,
+    /// It was: its record cleared, and now the bell's count.
+    Uncount,
+    /// Clearing a wake-up's mark it may have been given.
+    Unpend,
+    /// Ringing for what it freed.
+    Ringing(Ring),
+    Finished,
+}
+
+impl Repair {
+    /// The repair of dead `seat`.
+    pub fn new(seat: Seat) -> Repair {
+        Repair {
+            seat,
+            at: RepairAt::Free { i: 0 },
+            freed: 0,
+            recalled: 0,
+        }
+    }
+
+    /// Where it is (for the model test).
+    pub fn at(&self) -> RepairAt {
+        self.at
+    }
+
+    /// One step: one atomic access, or a futex call asked for.
+    pub fn step(&mut self, pile: &Pile) -> Step<(usize, usize)> {
+        let dead = holder(self.seat);
+        let next = |i: usize| {
+            if i + 1 < pile.tokens {
+                RepairAt::Free { i: i + 1 }
+            } else {
+                RepairAt::Record
+            }
+        };
+        match self.at {
+            RepairAt::Free { i } => {
+                self.at = match pile.token(i).compare_exchange(dead, FREE, SeqCst, SeqCst) {
+                    Ok(_) => {
+                        self.freed += 1;
+                        next(i)
+                    }
+                    Err(now) if now == dead | RECALL => RepairAt::Recall { i },
+                    Err(_) => next(i),
+                };
+            }
+            RepairAt::Recall { i } => {
+                if pile
+                    .token(i)
+                    .compare_exchange(dead | RECALL, BROKER, SeqCst, SeqCst)
+                    .is_ok()
+                {
+                    self.recalled += 1;
+                }
+                self.at = next(i);
+            }
+            RepairAt::Record => {
+                self.at = if pile.record(self.seat).swap(0, SeqCst) & COUNTED != 0 {
+                    RepairAt::Uncount
+                } else {
+                    RepairAt::Unpend
+                };
+            }
+            RepairAt::Uncount => {
+                pile.bell().fetch_sub(SLEEPER, SeqCst);
+                self.at = RepairAt::Unpend;
+            }
+            RepairAt::Unpend => {
+                pile.bell().fetch_and(!(PENDING | DIRTY), SeqCst);
+                self.at = RepairAt::Ringing(Ring::start());
+            }
+            RepairAt::Ringing(mut ring) => {
+                let step = ring.step(pile);
+                self.at = RepairAt::Ringing(ring);
+                match step {
+                    Step::Done(()) => self.at = RepairAt::Finished,
+                    Step::Wake => return Step::Wake,
+                    _ => {}
+                }
+            }
+            RepairAt::Finished => return Step::Done((self.freed, self.recalled)),
+        }
+        Step::Busy
+    }
+
+    /// Back from `Bell::wake_one`: whether it woke somebody.
+    pub fn woke(&mut self, somebody: bool) {
+        let RepairAt::Ringing(mut ring) = self.at else {
+            unreachable!("woke() without a wake")
+        };
+        ring.woke(somebody);
+        self.at = RepairAt::Ringing(ring);
+    }
+}
