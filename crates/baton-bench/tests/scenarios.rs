@@ -138,11 +138,12 @@ impl Harness {
         let fuse = std::path::Path::new("/dev/fuse").exists();
         all.iter()
             .copied()
-            // The fast path's ring alone needs no broker binary.
+            // The fast path's ring and pile alone need no broker binary.
             .filter(|m| {
                 self.baton.is_some()
                     || !m.starts_with("baton")
                     || m.starts_with("baton fast path, ring only")
+                    || m.starts_with("baton fast path, pile only")
             })
             .filter(|m| fuse || !(m.starts_with("baton FUSE") || m.ends_with("(fuse)")))
             .collect()
@@ -243,6 +244,7 @@ fn token_ring_counts_every_transfer(h: &Harness) -> Result<()> {
         "baton native, no spin",
         "baton native, no io_uring",
         "baton fast path, ring only (no broker)",
+        "baton fast path, pile only (no broker)",
         "baton fast path",
     ]);
     ensure!(
@@ -346,6 +348,7 @@ fn mass_poll_sweeps_waiters_and_plots(h: &Harness) -> Result<()> {
         "baton native, no io_uring",
         "baton native, poll",
         "baton fast path",
+        "baton fast path, pile only (no broker)",
         "baton FUSE file, poll",
     ]) {
         ensure!(!rows(&doc, mechanism).is_empty(), "no {mechanism} rows");

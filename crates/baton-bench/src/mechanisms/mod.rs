@@ -12,6 +12,7 @@ mod eventfd;
 mod fastpath;
 mod fuse;
 mod futex;
+mod pile;
 mod pipe;
 mod semaphore;
 
@@ -53,6 +54,10 @@ pub enum Mechanism {
     /// baton's shared-memory fast path as built so far: the region's ring
     /// and its futexes, with no broker yet (docs/fastpath.md).
     FastpathRing,
+    /// The fast path's barging mode, the pile, with no broker yet: any
+    /// process takes any free token, as with a semaphore, and each token's
+    /// word names its holder (docs/fastpath.md, "The pile").
+    FastpathPile,
     /// baton's fast path served by a broker: every process a client of one
     /// build, with a seat in its region (docs/fastpath.md).
     BatonFastpath,
@@ -80,6 +85,7 @@ impl Mechanism {
             Mechanism::BatonNativeNoUring => "baton native, no io_uring",
             Mechanism::BatonPoll => "baton native, poll",
             Mechanism::FastpathRing => "baton fast path, ring only (no broker)",
+            Mechanism::FastpathPile => "baton fast path, pile only (no broker)",
             Mechanism::BatonFastpath => "baton fast path",
             Mechanism::BatonFuse => "baton FUSE file, poll",
             Mechanism::BatonFuseNotifyAll => "baton FUSE file, notify-all",
@@ -113,7 +119,7 @@ impl Mechanism {
     /// Whether giving back a token one does not hold creates one. Every
     /// kernel counter does; baton refuses, since only its limit makes tokens.
     pub fn mints_on_release(self) -> bool {
-        !self.is_baton() && self != Mechanism::FastpathRing
+        !self.is_baton() && !matches!(self, Mechanism::FastpathRing | Mechanism::FastpathPile)
     }
 
     /// A pool of `tokens` free tokens.
@@ -147,6 +153,7 @@ impl Mechanism {
                 Box::new(baton::BrokerProcess::start(tokens, env, baton::Wait::Poll)?)
             }
             Mechanism::FastpathRing => Box::new(fastpath::Region::new(tokens)?),
+            Mechanism::FastpathPile => Box::new(pile::Region::new(tokens)?),
             Mechanism::BatonFastpath => Box::new(baton::BrokerProcess::start(
                 tokens,
                 env,

@@ -25,6 +25,7 @@ const MECHANISMS: &[Mechanism] = &[
     Mechanism::BatonNativeNoUring,
     Mechanism::BatonPoll,
     Mechanism::BatonFastpath,
+    Mechanism::FastpathPile,
     Mechanism::BatonFuse,
 ];
 

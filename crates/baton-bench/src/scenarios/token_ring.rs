@@ -36,6 +36,7 @@ const MECHANISMS: &[Mechanism] = &[
     Mechanism::BatonNativeNoSpin,
     Mechanism::BatonNativeNoUring,
     Mechanism::FastpathRing,
+    Mechanism::FastpathPile,
     Mechanism::BatonFastpath,
 ];
 
