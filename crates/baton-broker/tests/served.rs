@@ -52,6 +52,18 @@ fn main() {
             the_same_with_replies_sent_by_io_uring,
         ),
         (
+            "replies_before_a_waiting_acquire_leave_with_its_grant",
+            replies_before_a_waiting_acquire_leave_with_its_grant,
+        ),
+        (
+            "the_same_with_replies_sent_by_io_uring_as_the_loop_sleeps",
+            the_same_with_replies_sent_by_io_uring_as_the_loop_sleeps,
+        ),
+        (
+            "a_fatal_error_is_answered_then_closed_with_replies_sent_by_io_uring",
+            a_fatal_error_is_answered_then_closed_with_replies_sent_by_io_uring,
+        ),
+        (
             "a_full_broker_says_so_and_serves_the_rest",
             a_full_broker_says_so_and_serves_the_rest,
         ),
@@ -206,6 +218,10 @@ fn main() {
         (
             "the_log_names_each_process_reclaimed_from_and_no_other",
             the_log_names_each_process_reclaimed_from_and_no_other,
+        ),
+        (
+            "the_log_names_each_connection_closed_holding_tokens_and_no_other",
+            the_log_names_each_connection_closed_holding_tokens_and_no_other,
         ),
     ];
     std::process::exit(harness::run(tests));
@@ -368,6 +384,60 @@ fn the_same_with_replies_sent_by_io_uring() {
     // Where the kernel refuses io_uring, the broker falls back to plain
     // writes, and this repeats the test above.
     oldest_waiter_first(served(1, "io_uring=1"));
+}
+
+fn replies_before_a_waiting_acquire_leave_with_its_grant() {
+    replies_wait_with_the_grant(served(1, ""));
+}
+
+fn the_same_with_replies_sent_by_io_uring_as_the_loop_sleeps() {
+    replies_wait_with_the_grant(served(1, "io_uring=1"));
+}
+
+/// docs/protocol.md: a client that pipelines RELEASE and ACQUIRE is woken
+/// once per token. The RELEASE's reply waits for the ACQUIRE's GRANTED
+/// and both leave in one write, in order.
+fn replies_wait_with_the_grant(broker: RunningBroker) {
+    let mut a = Peer::hello(&broker.socket, "a");
+    assert_eq!(a.ask("TRY 1"), "GRANTED 1 1");
+    let mut b = Peer::hello(&broker.socket, "b");
+    b.send("ACQUIRE 1");
+    wait_for_waiters(&broker, 1);
+    a.send("RELEASE 1\nACQUIRE 1");
+    // b's grant says a's RELEASE was served; a then waits in turn.
+    assert_eq!(b.line(), "GRANTED 1 1");
+    wait_for_waiters(&broker, 1);
+    a.stream.set_nonblocking(true).unwrap();
+    let mut byte = [0u8; 1];
+    let early = std::io::Read::read(&mut a.stream, &mut byte);
+    assert!(
+        matches!(&early, Err(e) if e.kind() == std::io::ErrorKind::WouldBlock),
+        "the RELEASE's reply left before the ACQUIRE was granted: {early:?}"
+    );
+    a.stream.set_nonblocking(false).unwrap();
+    assert_eq!(b.ask("RELEASE 1"), "RELEASED 1 0");
+    assert_eq!(a.line(), "RELEASED 1 0");
+    assert_eq!(a.line(), "GRANTED 1 1");
+    assert_eq!(a.ask("RELEASE 1"), "RELEASED 1 0");
+    broker.assert_all_free();
+}
+
+/// A closing connection's reply is written at once and the connection
+/// closed, not left for the loop's batched send (which never closes).
+fn a_fatal_error_is_answered_then_closed_with_replies_sent_by_io_uring() {
+    let broker = served(1, "io_uring=1");
+    let mut a = Peer::hello(&broker.socket, "a");
+    assert_eq!(a.ask("TRY 1"), "GRANTED 1 1");
+    let refused = a.ask("JUGGLE 3");
+    assert!(refused.starts_with("ERR "), "{refused}");
+    assert_eq!(a.line(), "", "the connection closes after its ERR");
+    wait_for(PATIENCE, "the closed client's token back", || {
+        broker_status(&broker)["holders"]
+            .as_array()
+            .unwrap()
+            .is_empty()
+    });
+    broker.assert_all_free();
 }
 
 fn oldest_waiter_first(broker: RunningBroker) {
@@ -2108,4 +2178,30 @@ fn the_client_counts_each_grant_once_and_tries_up_to_the_last_free_token() {
     assert_eq!(b.held(), 3);
     drop((a, b));
     wait_for(PATIENCE, "every token back", || broker.status().free == 3);
+}
+
+fn the_log_names_each_connection_closed_holding_tokens_and_no_other() {
+    let broker = served(2, "");
+    let mut a = Peer::hello(&broker.socket, "gave-back");
+    assert_eq!(a.ask("TRY 1"), "GRANTED 1 1");
+    assert_eq!(a.ask("RELEASE 1"), "RELEASED 1 0");
+    drop(a);
+    let mut b = Peer::hello(&broker.socket, "kept-one");
+    assert_eq!(b.ask("TRY 1"), "GRANTED 1 1");
+    drop(b);
+    wait_for(PATIENCE, "the closed client's token back", || {
+        broker_status(&broker)["free"] == 2
+    });
+    let log = broker.log();
+    let reclaimed: Vec<&str> = log
+        .lines()
+        .filter(|line| line.contains("its connection closed"))
+        .collect();
+    assert_eq!(reclaimed.len(), 1, "{log}");
+    assert!(
+        reclaimed[0].contains("reclaimed 1 token(s) from pid")
+            && reclaimed[0].contains("(kept-one)"),
+        "{log}"
+    );
+    broker.assert_all_free();
 }
