@@ -935,3 +935,242 @@ impl Repair {
         self.at = RepairAt::Ringing(ring);
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::cell::Cell;
+
+    fn words(tokens: usize, seats: usize) -> Vec<AtomicU64> {
+        (0..words_for(tokens, seats))
+            .map(|_| AtomicU64::new(0))
+            .collect()
+    }
+
+    /// A bell whose waits return at once (a spurious wake-up each time)
+    /// and that counts its wakes; `gone` says the broker is.
+    #[derive(Default)]
+    struct Counting {
+        waits: Cell<usize>,
+        wakes: Cell<usize>,
+        gone: bool,
+    }
+
+    impl Bell for Counting {
+        fn wait(&self, _word: &AtomicU64, _expected: u32, _deadline: Option<Instant>) {
+            self.waits.set(self.waits.get() + 1);
+        }
+        fn wake_one(&self, _word: &AtomicU64) -> bool {
+            self.wakes.set(self.wakes.get() + 1);
+            false
+        }
+        fn gone(&self) -> bool {
+            self.gone
+        }
+    }
+
+    #[test]
+    fn a_layout_is_refused_with_the_reason() {
+        let w = words(4, 2);
+        assert_eq!(Pile::init(&w, 0, 2, 0).unwrap_err(), LayoutError::Sizes);
+        assert_eq!(Pile::init(&w, 4, 0, 0).unwrap_err(), LayoutError::Sizes);
+        assert_eq!(Pile::init(&w, 4, 2, 5).unwrap_err(), LayoutError::Sizes);
+        assert_eq!(
+            Pile::init(&w, MAX_TOKENS + 1, 2, 0).unwrap_err(),
+            LayoutError::Sizes
+        );
+        assert_eq!(
+            Pile::init(&w, 4, MAX_SEATS + 1, 0).unwrap_err(),
+            LayoutError::Sizes
+        );
+        assert_eq!(
+            Pile::init(&w[..words_for(4, 2) - 1], 4, 2, 4).unwrap_err(),
+            LayoutError::Short {
+                have: words_for(4, 2) - 1,
+                need: words_for(4, 2)
+            }
+        );
+        assert_eq!(Pile::attach(&w).unwrap_err(), LayoutError::Magic);
+        let pile = Pile::init(&w, 4, 2, 3).unwrap();
+        assert_eq!((pile.tokens(), pile.seats()), (4, 2));
+        let lent: Vec<_> = (0..4).map(|i| pile.token_word(i)).collect();
+        assert_eq!(
+            lent,
+            [
+                TokenWord::Free,
+                TokenWord::Free,
+                TokenWord::Free,
+                TokenWord::Broker
+            ]
+        );
+        assert_eq!(
+            Pile::attach(&w[..words_for(4, 2) - 1]).unwrap_err(),
+            LayoutError::Short {
+                have: words_for(4, 2) - 1,
+                need: words_for(4, 2)
+            }
+        );
+        w[SIZES].store(0, SeqCst);
+        assert_eq!(Pile::attach(&w).unwrap_err(), LayoutError::Sizes);
+    }
+
+    #[test]
+    fn words_decode_to_what_they_say() {
+        let seat = Seat(6);
+        assert_eq!(TokenWord::decode(FREE, 8), TokenWord::Free);
+        assert_eq!(TokenWord::decode(BROKER, 8), TokenWord::Broker);
+        assert_eq!(
+            TokenWord::decode(holder(seat), 8),
+            TokenWord::Held {
+                seat,
+                recalled: false
+            }
+        );
+        assert_eq!(
+            TokenWord::decode(holder(seat) | RECALL, 8),
+            TokenWord::Held {
+                seat,
+                recalled: true
+            }
+        );
+        assert_eq!(TokenWord::decode(9, 8), TokenWord::Bad(9));
+        assert_eq!(TokenWord::decode(RECALL, 8), TokenWord::Bad(RECALL));
+        assert_eq!(TokenWord::decode(1 << 40, 8), TokenWord::Bad(1 << 40));
+        let bell = BellWord::decode(PENDING | DIRTY | (3 * SLEEPER) | 17);
+        assert_eq!(
+            bell,
+            BellWord {
+                seq: 17,
+                sleepers: 3,
+                pending: true,
+                dirty: true
+            }
+        );
+        assert_eq!(
+            BellWord::decode(SEQ_MASK),
+            BellWord {
+                seq: u32::MAX,
+                sleepers: 0,
+                pending: false,
+                dirty: false
+            }
+        );
+    }
+
+    #[test]
+    fn a_token_is_taken_given_back_and_refused_to_who_does_not_hold_it() {
+        let w = words(2, 2);
+        let pile = Pile::init(&w, 2, 2, 2).unwrap();
+        let bell = Counting::default();
+        let (a, b) = (Seat(0), Seat(1));
+        assert_eq!(pile.acquire(a, &bell, None, true), Ok(Acquired::Token(0)));
+        assert_eq!(pile.acquire(b, &bell, None, true), Ok(Acquired::Token(1)));
+        assert_eq!(pile.acquire(b, &bell, None, true), Err(Refused::Busy));
+        assert_eq!(pile.release(b, 0, &bell), Err(Refused::NotHeld));
+        assert_eq!(pile.release(a, 2, &bell), Err(Refused::NotHeld));
+        assert_eq!(pile.release(a, 0, &bell), Ok(Released::Piled));
+        assert_eq!(pile.release(a, 0, &bell), Err(Refused::NotHeld));
+        assert_eq!(pile.token_word(0), TokenWord::Free);
+        // Nobody sleeps: the release rang no bell.
+        assert_eq!((bell.waits.get(), bell.wakes.get()), (0, 0));
+        assert_eq!(pile.bell_word().sleepers, 0);
+    }
+
+    #[test]
+    fn a_recalled_token_goes_to_the_broker_and_a_repair_counts_what_it_freed() {
+        let w = words(3, 2);
+        let pile = Pile::init(&w, 3, 2, 3).unwrap();
+        let bell = Counting::default();
+        let (a, dead) = (Seat(0), Seat(1));
+        assert_eq!(pile.acquire(a, &bell, None, true), Ok(Acquired::Token(0)));
+        assert_eq!(
+            pile.acquire(dead, &bell, None, true),
+            Ok(Acquired::Token(1))
+        );
+        assert_eq!(
+            pile.acquire(dead, &bell, None, true),
+            Ok(Acquired::Token(2))
+        );
+        // The broker recalls a's token and one of the dead seat's.
+        w[TOKENS].fetch_or(RECALL, SeqCst);
+        w[TOKENS + 2].fetch_or(RECALL, SeqCst);
+        assert_eq!(pile.release(a, 0, &bell), Ok(Released::ToBroker));
+        assert_eq!(pile.token_word(0), TokenWord::Broker);
+        assert_eq!(pile.repair(dead, &bell), (1, 1));
+        let after: Vec<_> = (0..3).map(|i| pile.token_word(i)).collect();
+        assert_eq!(
+            after,
+            [TokenWord::Broker, TokenWord::Free, TokenWord::Broker]
+        );
+    }
+
+    #[test]
+    fn a_wait_ends_at_its_deadline_or_when_the_broker_is_gone_and_leaves_the_count() {
+        let w = words(1, 2);
+        let pile = Pile::init(&w, 1, 2, 1).unwrap();
+        let bell = Counting::default();
+        assert_eq!(
+            pile.acquire(Seat(0), &bell, None, false),
+            Ok(Acquired::Token(0))
+        );
+        let past = Some(Instant::now());
+        assert_eq!(
+            pile.acquire(Seat(1), &bell, past, false),
+            Ok(Acquired::TimedOut)
+        );
+        assert_eq!(bell.waits.get(), 1);
+        let gone = Counting {
+            gone: true,
+            ..Counting::default()
+        };
+        assert_eq!(
+            pile.acquire(Seat(1), &gone, None, false),
+            Err(Refused::Gone)
+        );
+        let bell_now = pile.bell_word();
+        assert_eq!((bell_now.sleepers, bell_now.pending), (0, false));
+        assert!(!pile.counted(Seat(1)));
+        // The holder's release finds nobody asleep: no wake.
+        assert_eq!(pile.release(Seat(0), 0, &bell), Ok(Released::Piled));
+        assert_eq!(bell.wakes.get(), 0);
+    }
+
+    #[test]
+    fn a_release_rings_once_for_sleepers_and_marks_the_bell_while_the_wake_is_in_flight() {
+        let w = words(2, 3);
+        let pile = Pile::init(&w, 2, 3, 2).unwrap();
+        let bell = Counting::default();
+        assert_eq!(
+            pile.acquire(Seat(0), &bell, None, true),
+            Ok(Acquired::Token(0))
+        );
+        assert_eq!(
+            pile.acquire(Seat(1), &bell, None, true),
+            Ok(Acquired::Token(1))
+        );
+        // Two sleepers counted in, as a sleeping acquire leaves them.
+        w[BELL].fetch_add(2 * SLEEPER, SeqCst);
+        struct Wakes(Cell<usize>);
+        impl Bell for Wakes {
+            fn wait(&self, _: &AtomicU64, _: u32, _: Option<Instant>) {}
+            fn wake_one(&self, _: &AtomicU64) -> bool {
+                self.0.set(self.0.get() + 1);
+                true
+            }
+        }
+        let woke = Wakes(Cell::new(0));
+        assert_eq!(pile.release(Seat(0), 0, &woke), Ok(Released::Piled));
+        let rung = pile.bell_word();
+        assert_eq!(
+            (woke.0.get(), rung.seq, rung.pending, rung.dirty),
+            (1, 1, true, false)
+        );
+        // The wake-up has not looked yet: the next release marks, not rings.
+        assert_eq!(pile.release(Seat(1), 1, &woke), Ok(Released::Piled));
+        let marked = pile.bell_word();
+        assert_eq!(
+            (woke.0.get(), marked.seq, marked.pending, marked.dirty),
+            (1, 1, true, true)
+        );
+    }
+}

@@ -5,6 +5,7 @@
 /// config, and these tests set their own counts; honouring it as a cap
 /// lets scripts/mutants run every property once per mutant in seconds,
 /// while the suite keeps the full counts.
+#[allow(dead_code)] // the model tests that share this module have no properties
 pub fn cases(default: u32) -> u32 {
     std::env::var("PROPTEST_CASES")
         .ok()
