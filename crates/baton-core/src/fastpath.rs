@@ -1,23 +1,22 @@
-//! The shared-memory fast path (docs/fastpath.md), as a model: the region
-//! is a plain struct, each client operation a sequence of steps, each step
-//! one atomic read-modify-write or store on the region, as the real code
-//! will do them, and the broker's repair a function of the region and the
-//! dead client's seat. No threads, no unsafe: `tests/fastpath_model.rs`
-//! runs every interleaving of a few clients' steps, kills a client at
-//! every step, and checks that no token is lost or created, that the
-//! queue stays first come, first served, and that nobody sleeps forever.
+//! The shared-memory fast path (docs/fastpath.md), as a model: the region is a
+//! plain struct, each client operation a sequence of steps, each step one
+//! atomic read-modify-write or store on the region, as the real code will do
+//! them, and the broker's repair a function of the region and the dead client's
+//! seat. No threads, no unsafe: `tests/fastpath_model.rs` runs every
+//! interleaving of a few clients' steps, kills a client at every step, and
+//! checks that no token is lost or created, that the queue stays first come,
+//! first served, and that nobody sleeps forever.
 //!
-//! The idea, in one paragraph (the page says it at length): tokens never
-//! sit in an anonymous counter. A queue of tickets is the only place they
-//! move through: a client claims the first unclaimed ticket, and a
-//! releaser gives its token to the first ticket not yet given one. Each
-//! ticket's slot names who claimed it and who gave its token, written by
-//! the same compare-and-swap that made the move, so a client killed
-//! between any two steps leaves a region that says exactly what it had
-//! done; its own record (tokens held, and the one operation in flight)
-//! says the rest. Free tokens are tokens given to tickets nobody has
-//! claimed yet: the next client to come takes one at once, and once they
-//! are gone it waits, in ticket order, for a releaser to give it one.
+//! The idea, in one paragraph (the page says it at length): tokens never sit in
+//! an anonymous counter. A queue of tickets is the only place they move
+//! through: a client claims the first unclaimed ticket, and a releaser gives
+//! its token to the first ticket not yet given one. Each ticket's slot names
+//! who claimed it and who gave its token, written by the same compare-and-swap
+//! that made the move, so a client killed between any two steps leaves a region
+//! that says exactly what it had done; its own record (tokens held, and the one
+//! operation in flight) says the rest. Free tokens are tokens given to tickets
+//! nobody has claimed yet: the next client to come takes one at once, and once
+//! they are gone it waits, in ticket order, for a releaser to give it one.
 
 mod keeper;
 pub mod pile;
