@@ -1136,6 +1136,39 @@ mod tests {
     }
 
     #[test]
+    fn a_bell_that_does_not_say_otherwise_has_its_broker() {
+        // A wait that ends because another client gave a token back goes
+        // on to take it: a bell that keeps `gone`'s default is not gone.
+        struct FreesOnWait<'a>(&'a [AtomicU64]);
+        impl Bell for FreesOnWait<'_> {
+            fn wait(&self, _: &AtomicU64, _: u32, _: Option<Instant>) {
+                self.0[TOKENS].store(FREE, SeqCst);
+            }
+            fn wake_one(&self, _: &AtomicU64) -> bool {
+                false
+            }
+        }
+        let w = words(1, 2);
+        let pile = Pile::init(&w, 1, 2, 1).unwrap();
+        let bell = FreesOnWait(&w);
+        assert_eq!(
+            pile.acquire(Seat(0), &bell, None, false),
+            Ok(Acquired::Token(0))
+        );
+        assert_eq!(
+            pile.acquire(Seat(1), &bell, None, false),
+            Ok(Acquired::Token(0))
+        );
+        assert_eq!(
+            pile.token_word(0),
+            TokenWord::Held {
+                seat: Seat(1),
+                recalled: false
+            }
+        );
+    }
+
+    #[test]
     fn a_release_rings_once_for_sleepers_and_marks_the_bell_while_the_wake_is_in_flight() {
         let w = words(2, 3);
         let pile = Pile::init(&w, 2, 3, 2).unwrap();
