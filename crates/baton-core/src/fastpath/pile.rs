@@ -959,6 +959,10 @@ mod tests {
     impl Bell for Counting {
         fn wait(&self, _word: &AtomicU64, _expected: u32, _deadline: Option<Instant>) {
             self.waits.set(self.waits.get() + 1);
+            // Nothing here ever frees a token while a test waits: a wait
+            // that comes round again is a bug, and fails now, not at the
+            // mutation run's timeout.
+            assert!(self.waits.get() < 100, "an acquire waits for ever");
         }
         fn wake_one(&self, _word: &AtomicU64) -> bool {
             self.wakes.set(self.wakes.get() + 1);
