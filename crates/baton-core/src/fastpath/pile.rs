@@ -1014,7 +1014,18 @@ mod tests {
                 need: words_for(4, 2)
             }
         );
-        w[SIZES].store(0, SeqCst);
+        assert_eq!(
+            Pile::attach(&w[..TOKENS]).unwrap_err(),
+            LayoutError::Short {
+                have: TOKENS,
+                need: words_for(4, 2)
+            }
+        );
+        assert_eq!(Pile::attach(&w[..3]).unwrap_err(), LayoutError::Magic);
+        // Either size out of range is refused, the other one good.
+        w[SIZES].store(4, SeqCst);
+        assert_eq!(Pile::attach(&w).unwrap_err(), LayoutError::Sizes);
+        w[SIZES].store(2 << 32, SeqCst);
         assert_eq!(Pile::attach(&w).unwrap_err(), LayoutError::Sizes);
     }
 
@@ -1146,6 +1157,10 @@ mod tests {
         struct FreesOnWait<'a>(&'a [AtomicU64]);
         impl Bell for FreesOnWait<'_> {
             fn wait(&self, _: &AtomicU64, _: u32, _: Option<Instant>) {
+                // Asleep, the waiter is counted, and its record says so.
+                let pile = Pile::attach(self.0).unwrap();
+                assert_eq!(pile.bell_word().sleepers, 1);
+                assert!(pile.counted(Seat(1)));
                 self.0[TOKENS].store(FREE, SeqCst);
             }
             fn wake_one(&self, _: &AtomicU64) -> bool {
