@@ -441,6 +441,14 @@ fn explore(tokens: usize, clients: &[Client], kills: u8) -> Result<usize, String
         let next = model
             .apply(&state, mv)
             .map_err(|e| format!("{e}\n{}then {mv:?}", model.replay(clients, kills, &path())))?;
+        // Every step moves a machine on or changes a word: one that does
+        // neither would spin in place for as long as nobody else moves.
+        if next == state && matches!(mv, Move::Step(_) | Move::Repair) {
+            return Err(format!(
+                "{mv:?} changed nothing: it would spin\n{}",
+                model.replay(clients, kills, &path())
+            ));
+        }
         if !seen.insert(next.clone()) {
             continue;
         }

@@ -1188,6 +1188,45 @@ mod tests {
     }
 
     #[test]
+    fn after_a_wake_that_found_nobody_the_look_for_a_free_token_stops_at_the_last_token() {
+        // Two tokens, both held; one sleeper counted in. A release rings;
+        // while its wake is in flight another releaser marks the bell dirty
+        // and a barger takes the token back, and the wake finds nobody. The
+        // ringer then looks at the two tokens (held, both) and stops: the
+        // words after them are records, not tokens, and a record of 0
+        // would look free and ring again.
+        let w = words(2, 3);
+        let pile = Pile::init(&w, 2, 3, 2).unwrap();
+        let counting = Counting::default();
+        assert_eq!(
+            pile.acquire(Seat(0), &counting, None, true),
+            Ok(Acquired::Token(0))
+        );
+        assert_eq!(
+            pile.acquire(Seat(1), &counting, None, true),
+            Ok(Acquired::Token(1))
+        );
+        w[BELL].fetch_add(SLEEPER, SeqCst);
+        struct Barged<'a>(&'a [AtomicU64], Cell<usize>);
+        impl Bell for Barged<'_> {
+            fn wait(&self, _: &AtomicU64, _: u32, _: Option<Instant>) {}
+            fn wake_one(&self, bell: &AtomicU64) -> bool {
+                self.1.set(self.1.get() + 1);
+                if self.1.get() == 1 {
+                    bell.fetch_or(DIRTY, SeqCst);
+                    self.0[TOKENS].store(holder(Seat(2)), SeqCst);
+                }
+                false
+            }
+        }
+        let barged = Barged(&w, Cell::new(0));
+        assert_eq!(pile.release(Seat(0), 0, &barged), Ok(Released::Piled));
+        assert_eq!(barged.1.get(), 1, "rang again for a token nobody freed");
+        let bell = pile.bell_word();
+        assert_eq!((bell.pending, bell.dirty), (false, false));
+    }
+
+    #[test]
     fn a_release_rings_once_for_sleepers_and_marks_the_bell_while_the_wake_is_in_flight() {
         let w = words(2, 3);
         let pile = Pile::init(&w, 2, 3, 2).unwrap();
