@@ -348,10 +348,16 @@ impl Model {
                 | Doing::Entering(op, _)
                 | Doing::Asleep(op)
                 | Doing::WakingInAcquire(op) => usize::from(op.taken().is_some()),
-                Doing::Releasing(op) | Doing::WakingInRelease(op) => usize::from(matches!(
-                    op.at(),
-                    pile::ReleaseAt::Give | pile::ReleaseAt::Recall
-                )),
+                Doing::Releasing(op) | Doing::WakingInRelease(op) => {
+                    let giving = matches!(op.at(), pile::ReleaseAt::Give | pile::ReleaseAt::Recall);
+                    if giving && pile.token_word(op.token()) == pile::TokenWord::Free {
+                        return Err(format!(
+                            "client {c} gives back token {}, which is free",
+                            op.token()
+                        ));
+                    }
+                    usize::from(giving)
+                }
                 _ => usize::from(client.held.is_some()),
             };
             if named[c] != believes {
