@@ -1092,6 +1092,18 @@ mod tests {
     }
 
     #[test]
+    fn a_release_past_the_last_token_touches_no_record() {
+        // The word after the last token is seat 0's record, and a counted
+        // record holds 1, which is also seat 0's holder value.
+        let w = words(2, 2);
+        let pile = Pile::init(&w, 2, 2, 2).unwrap();
+        w[TOKENS + 2].store(COUNTED, SeqCst);
+        let bell = Counting::default();
+        assert_eq!(pile.release(Seat(0), 2, &bell), Err(Refused::NotHeld));
+        assert!(pile.counted(Seat(0)));
+    }
+
+    #[test]
     fn a_recalled_token_goes_to_the_broker_and_a_repair_counts_what_it_freed() {
         let w = words(3, 2);
         let pile = Pile::init(&w, 3, 2, 3).unwrap();
