@@ -973,6 +973,15 @@ mod tests {
         }
     }
 
+    /// Seat i takes token i by TRY, for the first `n` seats.
+    fn seats_take_tokens_in_turn(pile: &Pile, n: u16) {
+        let bell = Counting::default();
+        for i in 0..n {
+            let taken = pile.acquire(Seat(i), &bell, None, true);
+            assert_eq!(taken, Ok(Acquired::Token(usize::from(i))));
+        }
+    }
+
     #[test]
     fn a_layout_is_refused_with_the_reason() {
         let w = words(4, 2);
@@ -1209,15 +1218,7 @@ mod tests {
         // would look free and ring again.
         let w = words(2, 3);
         let pile = Pile::init(&w, 2, 3, 2).unwrap();
-        let counting = Counting::default();
-        assert_eq!(
-            pile.acquire(Seat(0), &counting, None, true),
-            Ok(Acquired::Token(0))
-        );
-        assert_eq!(
-            pile.acquire(Seat(1), &counting, None, true),
-            Ok(Acquired::Token(1))
-        );
+        seats_take_tokens_in_turn(&pile, 2);
         w[BELL].fetch_add(SLEEPER, SeqCst);
         struct Barged<'a>(&'a [AtomicU64], Cell<usize>);
         impl Bell for Barged<'_> {
@@ -1242,15 +1243,7 @@ mod tests {
     fn a_release_rings_once_for_sleepers_and_marks_the_bell_while_the_wake_is_in_flight() {
         let w = words(2, 3);
         let pile = Pile::init(&w, 2, 3, 2).unwrap();
-        let bell = Counting::default();
-        assert_eq!(
-            pile.acquire(Seat(0), &bell, None, true),
-            Ok(Acquired::Token(0))
-        );
-        assert_eq!(
-            pile.acquire(Seat(1), &bell, None, true),
-            Ok(Acquired::Token(1))
-        );
+        seats_take_tokens_in_turn(&pile, 2);
         // Two sleepers counted in, as a sleeping acquire leaves them.
         w[BELL].fetch_add(2 * SLEEPER, SeqCst);
         struct Wakes(Cell<usize>);
