@@ -43,6 +43,9 @@ use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime};
 
+mod pile;
+use pile::PileRegion;
+
 /// Seats per region: clients of one build that share its memory. The
 /// layout allows 2047; a region's seat lines take 64 bytes each, and the
 /// audit reads them all.
@@ -50,6 +53,20 @@ pub const SEATS: usize = 1024;
 
 /// How often, at most, the broker audits each region while it is awake.
 pub const AUDIT_EVERY: Duration = Duration::from_secs(1);
+
+/// The audit's period: [`AUDIT_EVERY`], or `BATON_FASTPATH_AUDIT_MS`
+/// milliseconds. A knob for tests: with a long period, a broker that
+/// waits for its audit clock where a client's nudge should have woken it
+/// hangs, where it would only have been slow.
+pub fn audit_every() -> Duration {
+    static EVERY: std::sync::OnceLock<Duration> = std::sync::OnceLock::new();
+    *EVERY.get_or_init(|| {
+        std::env::var("BATON_FASTPATH_AUDIT_MS")
+            .ok()
+            .and_then(|ms| ms.parse().ok())
+            .map_or(AUDIT_EVERY, Duration::from_millis)
+    })
+}
 
 /// The broker only wakes claimers; it never waits on a slot, nor tells
 /// itself anything.
@@ -63,6 +80,8 @@ pub struct Regions {
     /// Ordered, so that each round visits the regions in the same order
     /// (the oldest build first) and a run can be replayed.
     by_build: BTreeMap<BuildId, Region>,
+    /// The builds whose region is a pile (docs/fastpath.md, "The pile").
+    piles: BTreeMap<BuildId, PileRegion>,
     seated: HashMap<ClientId, (BuildId, Seat)>,
     audited: Option<Instant>,
     /// Builds whose region an audit ended: none is made for them again
@@ -147,6 +166,9 @@ impl View {
     /// region that keeps moving is read as it was last seen whole, or not
     /// at all.
     pub fn read(&self) -> Seen {
+        if self.mapping.is_pile() {
+            return PileRegion::seen(&self.mapping, &self.seated, &self.first_seen);
+        }
         let ring = self.mapping.ring();
         let Some((region, base)) = (0..100).find_map(|_| ring.snapshot().ok()) else {
             return Seen::default();
@@ -210,12 +232,19 @@ pub struct Offer<'a> {
 impl Regions {
     /// Whether no build has a region.
     pub fn is_empty(&self) -> bool {
-        self.by_build.is_empty()
+        self.by_build.is_empty() && self.piles.is_empty()
     }
 
     /// Seats `client` in its build's region, made on first use. `Err` says
     /// why not, for `ERR unavailable`: the client stays on the socket.
-    pub fn offer(&mut self, broker: &mut Broker, client: ClientId) -> Result<Offer<'_>, String> {
+    /// `layout` is the one FASTPATH named: a ring, or a pile; a build's
+    /// first fast-path client chooses for the build.
+    pub fn offer(
+        &mut self,
+        broker: &mut Broker,
+        client: ClientId,
+        layout: u32,
+    ) -> Result<Offer<'_>, String> {
         if self.seated.contains_key(&client) {
             return Err("this connection has a seat already".into());
         }
@@ -228,6 +257,22 @@ impl Regions {
         self.refused.retain(|&b| pool.builds().any(|x| x.id == b));
         if self.refused.contains(&build) {
             return Err(AUDITED_OUT.into());
+        }
+        let wants_pile = layout == baton_core::protocol::FASTPATH_PILE;
+        let other = if wants_pile {
+            self.by_build.contains_key(&build)
+        } else {
+            self.piles.contains_key(&build)
+        };
+        if other {
+            return Err(format!(
+                "its build's fast path is a {}: ask for FASTPATH {}",
+                if wants_pile { "ring" } else { "pile" },
+                if wants_pile { 1 } else { 2 }
+            ));
+        }
+        if wants_pile {
+            return self.offer_pile(broker, client, build);
         }
         let region = match self.by_build.entry(build) {
             Entry::Occupied(found) => found.into_mut(),
@@ -253,6 +298,28 @@ impl Regions {
         })
     }
 
+    /// A seat for `client` on `build`'s pile, made on first use.
+    fn offer_pile(
+        &mut self,
+        broker: &mut Broker,
+        client: ClientId,
+        build: BuildId,
+    ) -> Result<Offer<'_>, String> {
+        let region = match self.piles.entry(build) {
+            Entry::Occupied(found) => found.into_mut(),
+            Entry::Vacant(slot) => slot.insert(PileRegion::new(broker, client, build)?),
+        };
+        let seat = (0..SEATS)
+            .find(|&s| region.clients[s].is_none())
+            .ok_or(format!(
+                "its build's pile has no free seat ({SEATS} clients use it)"
+            ))?;
+        region.clients[seat] = Some(client);
+        self.seated.insert(client, (build, Seat(seat as u16)));
+        broker.set_fast_views(self.views());
+        Ok(self.piles[&build].offer(seat))
+    }
+
     /// `client`'s connection is closing: its seat is repaired and what it
     /// held there is booked on its connection, which the caller then takes
     /// out of the pool. The region goes with its last client.
@@ -260,6 +327,21 @@ impl Regions {
         let Some((build, seat)) = self.seated.remove(&client) else {
             return;
         };
+        if let Some(pile) = self.piles.get_mut(&build) {
+            let in_hand = pile.repair(seat);
+            broker.fast_counts().repairs += 1;
+            if let Err(e) = broker.transfer(pile.lender, client, in_hand) {
+                log::warn(format_args!(
+                    "fast path: booking a closing client's tokens: {e}"
+                ));
+            }
+            if pile.clients.iter().all(Option::is_none) {
+                let pile = self.piles.remove(&build).expect("found above");
+                pile.retire(broker);
+            }
+            broker.set_fast_views(self.views());
+            return;
+        }
         let region = self
             .by_build
             .get_mut(&build)
@@ -299,7 +381,16 @@ impl Regions {
                 .collect(),
             first_seen: region.first_seen.clone(),
         };
-        self.by_build.values().map(view).collect()
+        let pile_view = |pile: &PileRegion| View {
+            mapping: pile.mapping.clone(),
+            lender: pile.lender,
+            seated: (0..SEATS)
+                .filter_map(|s| Some((Seat(s as u16), pile.clients[s]?)))
+                .collect(),
+            first_seen: pile.first_seen.clone(),
+        };
+        let rings = self.by_build.values().map(view);
+        rings.chain(self.piles.values().map(pile_view)).collect()
     }
 
     /// Before a successor takes over (`serve --replace`): the regions die
@@ -313,6 +404,9 @@ impl Regions {
         broker.set_fast_views(Vec::new());
         for (_, region) in std::mem::take(&mut self.by_build) {
             region.evict(broker, &[]);
+        }
+        for (_, pile) in std::mem::take(&mut self.piles) {
+            pile.evict(broker);
         }
     }
 
@@ -336,7 +430,7 @@ impl Regions {
     /// or closes as the pool's state says, and, at most once a second,
     /// the audit.
     pub fn round(&mut self, broker: &mut Broker) {
-        if self.by_build.is_empty() {
+        if self.is_empty() {
             return;
         }
         for grant in broker.take_grants(crate::broker::Transport::Region) {
@@ -348,10 +442,34 @@ impl Regions {
                 region.asked.retain(|&t| t != grant.tag);
                 region.serve(broker, grant.tokens);
             }
+            if let Some(pile) = self.piles.values_mut().find(|p| p.lender == grant.client) {
+                pile.asked.retain(|&t| t != grant.tag);
+                pile.serve(broker, grant.tokens);
+            }
         }
-        let lenders_waiting: usize = self.by_build.values().map(|r| r.asked.len()).sum();
+        let lenders_waiting: usize = self.by_build.values().map(|r| r.asked.len()).sum::<usize>()
+            + self.piles.values().map(|p| p.asked.len()).sum::<usize>();
         let others_waiting = broker.pool().waiting() > lenders_waiting;
-        let alone = self.by_build.len() == 1;
+        let alone = self.by_build.len() + self.piles.len() == 1;
+        for pile in self.piles.values_mut() {
+            pile.collect(broker);
+            let closed_by = if !alone {
+                Some("another build has a region")
+            } else if others_waiting {
+                Some("others wait in the pool")
+            } else {
+                must_retire(broker)
+            };
+            match closed_by {
+                None => pile.lend(broker),
+                Some(why) => {
+                    if pile.open {
+                        log::debug(format_args!("fast path: a pile closes: {why}"));
+                    }
+                    pile.hold_back(broker);
+                }
+            }
+        }
         for region in self.by_build.values_mut() {
             region.collect(broker);
             let closed_by = if !alone {
@@ -373,7 +491,7 @@ impl Regions {
                 }
             }
         }
-        let due = self.audited.is_none_or(|t| t.elapsed() >= AUDIT_EVERY);
+        let due = self.audited.is_none_or(|t| t.elapsed() >= audit_every());
         if due {
             self.audited = Some(Instant::now());
             let mut readable = Vec::new();
@@ -388,6 +506,29 @@ impl Regions {
             for (build, suspects) in readable {
                 self.drop_to_the_socket(broker, build, &suspects);
             }
+            self.audit_piles(broker);
+        }
+    }
+
+    /// Ends each pile whose words no correct client wrote: its clients
+    /// keep what it says they hold, on their connections, and use the
+    /// socket from their next operation; its build gets no region again.
+    fn audit_piles(&mut self, broker: &mut Broker) {
+        let wrong: Vec<(BuildId, &'static str)> = self
+            .piles
+            .iter()
+            .filter_map(|(&build, pile)| Some((build, pile.audit()?)))
+            .collect();
+        for (build, why) in wrong {
+            log::warn(format_args!(
+                "fast path: a pile holds {why}; its clients are dropped to the socket path with what it says they hold"
+            ));
+            broker.fast_counts().mismatches += 1;
+            let pile = self.piles.remove(&build).expect("found above");
+            self.seated.retain(|_, &mut (b, _)| b != build);
+            self.refused.push(build);
+            broker.set_fast_views(self.views());
+            pile.evict(broker);
         }
     }
 }
@@ -741,6 +882,7 @@ impl Region {
 mod tests {
     use super::*;
     use crate::broker::{ClientMeta, Transport};
+    use baton_core::protocol::FASTPATH_VERSION as RING;
 
     /// A deadline for an acquire that should be served at once, from what
     /// the region holds: nothing else in these tests could serve it later,
@@ -818,11 +960,11 @@ mod tests {
         let mut broker = Broker::new(3).unwrap();
         let mut regions = Regions::default();
         let a = client(&mut broker);
-        let offer = regions.offer(&mut broker, a).unwrap();
+        let offer = regions.offer(&mut broker, a, RING).unwrap();
         assert_eq!(offer.seat, 0);
         let fd = offer.fd.try_clone_to_owned().unwrap();
         assert!(
-            regions.offer(&mut broker, a).is_err(),
+            regions.offer(&mut broker, a, RING).is_err(),
             "one seat a connection"
         );
         regions.round(&mut broker);
@@ -866,7 +1008,7 @@ mod tests {
         let mut regions = Regions::default();
         let (a, b) = (client(&mut broker), client(&mut broker));
         let fd_a = regions
-            .offer(&mut broker, a)
+            .offer(&mut broker, a, RING)
             .unwrap()
             .fd
             .try_clone_to_owned()
@@ -877,7 +1019,7 @@ mod tests {
         ring_a.ring().acquire(Seat(0), &host, soon()).unwrap();
         // b is another build: its region makes two, and both close.
         let fd_b = regions
-            .offer(&mut broker, b)
+            .offer(&mut broker, b, RING)
             .unwrap()
             .fd
             .try_clone_to_owned()
@@ -908,7 +1050,7 @@ mod tests {
 
     /// The region a test's `client` sits in, mapped as the client maps it.
     fn seat_of(regions: &mut Regions, broker: &mut Broker, client: ClientId) -> (Mapping, Seat) {
-        let offer = regions.offer(broker, client).unwrap();
+        let offer = regions.offer(broker, client, RING).unwrap();
         let seat = Seat(offer.seat as u16);
         let fd = offer.fd.try_clone_to_owned().unwrap();
         (Mapping::map(fd.as_fd()).unwrap(), seat)
@@ -1004,7 +1146,7 @@ mod tests {
         );
         let later = client(&mut broker);
         assert_eq!(
-            regions.offer(&mut broker, later).err().as_deref(),
+            regions.offer(&mut broker, later, RING).err().as_deref(),
             Some(AUDITED_OUT),
             "no region for the build again"
         );
@@ -1014,7 +1156,10 @@ mod tests {
         }
         assert_eq!((broker.pool().held(), broker.pool().free()), (0, 3));
         let next = client(&mut broker);
-        assert!(regions.offer(&mut broker, next).is_ok(), "another build");
+        assert!(
+            regions.offer(&mut broker, next, RING).is_ok(),
+            "another build"
+        );
         assert!(regions.refused.is_empty(), "the ended build forgotten");
     }
 

@@ -79,6 +79,8 @@ pub struct Outcome {
     /// one: the loop answers, since the answer carries a descriptor
     /// (crate::fastpath). Lines after it wait until it is answered.
     pub fastpath_asked: bool,
+    /// The layout it asked for: a ring, or a pile (`FASTPATH 2`).
+    pub fastpath_layout: u32,
 }
 
 impl Session {
@@ -273,10 +275,11 @@ impl Session {
     /// FASTPATH: only the broker's own user (and root) may share its
     /// memory, and only in the layout this broker makes.
     fn fastpath(&mut self, version: u32, outcome: &mut Outcome) {
-        if version != protocol::FASTPATH_VERSION {
+        if ![protocol::FASTPATH_VERSION, protocol::FASTPATH_PILE].contains(&version) {
             let message = format!(
-                "this broker's fast path is version {}, not {version}",
-                protocol::FASTPATH_VERSION
+                "this broker's fast path is version {} (a ring) or {} (a pile), not {version}",
+                protocol::FASTPATH_VERSION,
+                protocol::FASTPATH_PILE
             );
             return self.refuse_fastpath(message);
         }
@@ -288,6 +291,7 @@ impl Session {
             return self.refuse_fastpath(message);
         }
         outcome.fastpath_asked = true;
+        outcome.fastpath_layout = version;
     }
 
     /// `ERR unavailable`: the client stays on the socket.
@@ -618,17 +622,21 @@ mod tests {
         assert!(out.ends_with("GRANTED 1 1\n"), "not fatal: {out}");
         assert!(!outcome.fastpath_asked && !m.is_closing());
         let (mut o, _) = joined(4, &mut broker, &adm);
-        let (out, outcome) = exchange(&mut o, &mut broker, &adm, "FASTPATH 2\n");
+        let (out, outcome) = exchange(&mut o, &mut broker, &adm, "FASTPATH 3\n");
         assert_eq!(
             out,
-            "ERR unavailable this broker's fast path is version 1, not 2\n"
+            "ERR unavailable this broker's fast path is version 1 (a ring) or 2 (a pile), not 3\n"
         );
         assert!(!outcome.fastpath_asked);
+        let (out, outcome) = exchange(&mut o, &mut broker, &adm, "FASTPATH 2\n");
+        assert_eq!(out, "");
+        assert_eq!((outcome.fastpath_asked, outcome.fastpath_layout), (true, 2));
+        o.inbuf.clear();
         // Asked for: the loop answers, with the descriptor; what follows
         // waits until then.
         let (out, outcome) = exchange(&mut o, &mut broker, &adm, "FASTPATH 1\nTRY 1\n");
         assert_eq!(out, "");
-        assert!(outcome.fastpath_asked);
+        assert_eq!((outcome.fastpath_asked, outcome.fastpath_layout), (true, 1));
         assert_eq!(o.inbuf, b"TRY 1\n");
         // NUDGE only wakes the loop: no reply, and nothing else changes.
         o.inbuf.clear();

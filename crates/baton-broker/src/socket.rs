@@ -805,14 +805,14 @@ impl SocketServer {
             if !outcome.fastpath_asked {
                 return;
             }
-            self.answer_fastpath(token);
+            self.answer_fastpath(token, outcome.fastpath_layout);
         }
     }
 
     /// Seats a client in its build's region and sends it the region's
     /// descriptor with the reply; or `ERR unavailable`, and it stays on
     /// the socket.
-    fn answer_fastpath(&mut self, token: Token) {
+    fn answer_fastpath(&mut self, token: Token, layout: u32) {
         let Some(conn) = self.conns.get_mut(&token) else {
             return;
         };
@@ -825,7 +825,7 @@ impl SocketServer {
             let why = "the replies before FASTPATH are not read yet: send it when none is pending";
             return conn.session.refuse_fastpath(why.into());
         }
-        let offer = match self.regions.offer(&mut self.broker, id) {
+        let offer = match self.regions.offer(&mut self.broker, id, layout) {
             Ok(offer) => offer,
             Err(why) => return conn.session.refuse_fastpath(why),
         };
@@ -871,7 +871,7 @@ impl SocketServer {
         use nix::sys::timerfd::{ClockId, Expiration, TimerFd, TimerFlags, TimerSetTimeFlags};
         match (self.regions.is_empty(), self.audit_clock.take()) {
             (false, None) => {
-                let every = nix::sys::time::TimeSpec::from_duration(crate::fastpath::AUDIT_EVERY);
+                let every = nix::sys::time::TimeSpec::from_duration(crate::fastpath::audit_every());
                 let clock = TimerFd::new(
                     ClockId::CLOCK_MONOTONIC,
                     TimerFlags::TFD_NONBLOCK | TimerFlags::TFD_CLOEXEC,

@@ -80,6 +80,42 @@ fn main() {
             "a_release_of_more_than_is_held_with_a_seat_gives_back_nothing",
             a_release_of_more_than_is_held_with_a_seat_gives_back_nothing,
         ),
+        (
+            "pile_threads_pass_tokens_without_waking_the_broker",
+            || threads_pass_tokens_in(PILE),
+        ),
+        (
+            "pile_clients_killed_at_random_moments_never_run_more_jobs_than_the_limit_nor_lose_a_token",
+            || clients_killed_at_random_moments_in(PILE),
+        ),
+        (
+            "pile_another_build_that_waits_closes_the_pile_and_is_served_in_turn",
+            || another_build_that_waits_in(PILE),
+        ),
+        (
+            "pile_a_lowered_limit_closes_the_pile_until_it_holds_no_more",
+            || a_lowered_limit_in(PILE),
+        ),
+        (
+            "pile_a_waiter_whose_broker_is_killed_gives_up_instead_of_sleeping_forever",
+            || a_waiter_whose_broker_is_killed_in(PILE),
+        ),
+        (
+            "pile_a_successor_books_what_pile_clients_hold_on_their_connections",
+            || a_successor_books_in(PILE),
+        ),
+        (
+            "pile_a_forged_token_word_is_found_logged_and_its_clients_dropped_to_the_socket",
+            a_forged_token_word_is_found_logged_and_its_clients_dropped_to_the_socket,
+        ),
+        (
+            "pile_another_build_is_served_while_the_piles_clients_keep_taking_its_token",
+            another_build_is_served_while_the_piles_clients_keep_taking_its_token,
+        ),
+        (
+            "pile_a_build_keeps_the_layout_its_first_fast_path_client_chose",
+            a_build_keeps_the_layout_its_first_fast_path_client_chose,
+        ),
     ];
     std::process::exit(harness::run(tests));
 }
@@ -92,10 +128,41 @@ fn build_root(broker: &RunningBroker) -> Client {
     root
 }
 
+/// The layouts FASTPATH names: the FIFO ring, and the pile.
+const RING: u32 = baton_core::protocol::FASTPATH_VERSION;
+const PILE: u32 = baton_core::protocol::FASTPATH_PILE;
+
+/// A broker for a test of `layout`. A pile's is audited once an hour, not
+/// once a second: every move the broker makes for a pile must come from
+/// a client's nudge or another client's request, and one that waited
+/// for the audit clock instead fails the test by its hang guard.
+fn served_for(layout: u32, jobs: u32) -> RunningBroker {
+    served(
+        jobs,
+        if layout == PILE {
+            "audit_ms=3600000"
+        } else {
+            ""
+        },
+    )
+}
+
 fn fast_client(broker: &RunningBroker, label: &str) -> Client {
+    fast_client_in(broker, label, RING)
+}
+
+/// Asks for a seat in a region of `layout`.
+fn enable(client: &mut Client, layout: u32) -> baton_client::Result<Result<(), String>> {
+    if layout == PILE {
+        client.enable_fastpath_pile()
+    } else {
+        client.enable_fastpath()
+    }
+}
+
+fn fast_client_in(broker: &RunningBroker, label: &str, layout: u32) -> Client {
     let mut client = broker.client(label);
-    client
-        .enable_fastpath()
+    enable(&mut client, layout)
         .expect("FASTPATH answered")
         .expect("a seat for the broker's own user");
     assert!(client.uses_fastpath());
@@ -131,6 +198,18 @@ fn switches(pid: u32) -> u64 {
         .sum()
 }
 
+/// Waits until the broker's serving thread sleeps in epoll_wait(2): every
+/// event before now (a STATUS connection's close, say) has been served,
+/// and only a new one wakes it. A test then knows that what the broker
+/// does next was caused by what the test does next, not by a round a
+/// STATUS left behind.
+fn quiet(broker: &RunningBroker) {
+    let wchan = format!("/proc/{}/wchan", broker.pid());
+    wait_for(PATIENCE, "the broker to sleep in epoll_wait", || {
+        std::fs::read_to_string(&wchan).is_ok_and(|w| w.contains("epoll_wait"))
+    });
+}
+
 /// The holders STATUS lists, by label, and the pool's (held, free).
 fn books(broker: &RunningBroker) -> (u32, u32) {
     let s = broker.status();
@@ -138,12 +217,16 @@ fn books(broker: &RunningBroker) -> (u32, u32) {
 }
 
 fn threads_pass_tokens_in_the_region_without_waking_the_broker() {
+    threads_pass_tokens_in(RING)
+}
+
+fn threads_pass_tokens_in(layout: u32) {
     const THREADS: usize = 6;
     const ROUNDS: u32 = 400;
-    let broker = served(3, "");
+    let broker = served_for(layout, 3);
     let _root = build_root(&broker);
     let clients: Vec<Client> = (0..THREADS)
-        .map(|i| fast_client(&broker, &format!("t{i}")))
+        .map(|i| fast_client_in(&broker, &format!("t{i}"), layout))
         .collect();
     let running = Arc::new(AtomicU32::new(0));
     let most = Arc::new(AtomicU32::new(0));
@@ -248,7 +331,7 @@ fn locked_by_another(file: &File) -> bool {
 fn job_here(spec: &str) -> ! {
     let mut dir = None;
     let (mut socket, mut index, mut limit) = (None, 0usize, 0u32);
-    let mut jobs = 0usize;
+    let (mut jobs, mut layout) = (0usize, RING);
     for (key, value) in spec_lines(spec) {
         match key {
             "dir" => dir = Some(std::path::PathBuf::from(value)),
@@ -256,6 +339,7 @@ fn job_here(spec: &str) -> ! {
             "index" => index = value.parse().unwrap(),
             "limit" => limit = value.parse().unwrap(),
             "jobs" => jobs = value.parse().unwrap(),
+            "layout" => layout = value.parse().unwrap(),
             other => panic!("unknown key {other}"),
         }
     }
@@ -274,7 +358,7 @@ fn job_here(spec: &str) -> ! {
         .open(dir.join("progress"))
         .unwrap();
     let mut client = Client::connect(socket.expect("socket="), "job").unwrap();
-    client.enable_fastpath().unwrap().unwrap();
+    enable(&mut client, layout).unwrap().unwrap();
     loop {
         if client.acquire(1).is_err() {
             std::process::exit(0);
@@ -304,9 +388,13 @@ fn job_here(spec: &str) -> ! {
 }
 
 fn clients_killed_at_random_moments_never_run_more_jobs_than_the_limit_nor_lose_a_token() {
+    clients_killed_at_random_moments_in(RING)
+}
+
+fn clients_killed_at_random_moments_in(layout: u32) {
     const JOBS: usize = 5;
     const KILLS: usize = 300;
-    let broker = served(2, "");
+    let broker = served_for(layout, 2);
     let _root = build_root(&broker);
     let dir = TempDir::new("fastpath-kill");
     for j in 0..JOBS {
@@ -316,7 +404,7 @@ fn clients_killed_at_random_moments_never_run_more_jobs_than_the_limit_nor_lose_
     File::create(dir.path().join("scan")).unwrap();
     let spawn = |index: usize| {
         let spec = format!(
-            "dir={}\nsocket={}\nindex={index}\nlimit=2\njobs={JOBS}",
+            "dir={}\nsocket={}\nindex={index}\nlimit=2\njobs={JOBS}\nlayout={layout}",
             dir.path().display(),
             broker.socket.display()
         );
@@ -373,13 +461,17 @@ fn clients_killed_at_random_moments_never_run_more_jobs_than_the_limit_nor_lose_
 }
 
 fn another_build_that_waits_closes_the_region_and_is_served_in_turn() {
+    another_build_that_waits_in(RING)
+}
+
+fn another_build_that_waits_in(layout: u32) {
     use baton_core::protocol::{Reply, Request};
-    let broker = served(2, "");
+    let broker = served_for(layout, 2);
     // Another build: connected before the test says BUILD, so not in it.
     let mut other = broker.client("other");
     let root = build_root(&broker);
-    let mut a = fast_client(&broker, "a");
-    let mut b = fast_client(&broker, "b");
+    let mut a = fast_client_in(&broker, "a", layout);
+    let mut b = fast_client_in(&broker, "b", layout);
     a.acquire(1).unwrap();
     b.acquire(1).unwrap();
     other.send(&Request::Acquire(1)).unwrap();
@@ -388,6 +480,7 @@ fn another_build_that_waits_closes_the_region_and_is_served_in_turn() {
     });
     // a's release meets the barrier: the token goes back to the broker,
     // which grants it to the other build, not to a's own.
+    quiet(&broker);
     a.release(1).unwrap();
     assert!(matches!(
         reply_within(&mut other).unwrap(),
@@ -409,9 +502,13 @@ fn another_build_that_waits_closes_the_region_and_is_served_in_turn() {
 }
 
 fn a_lowered_limit_closes_the_region_until_it_holds_no_more() {
-    let broker = served(3, "");
+    a_lowered_limit_in(RING)
+}
+
+fn a_lowered_limit_in(layout: u32) {
+    let broker = served_for(layout, 3);
     let _root = build_root(&broker);
-    let mut a = fast_client(&broker, "a");
+    let mut a = fast_client_in(&broker, "a", layout);
     a.acquire(1).unwrap();
     a.acquire(1).unwrap();
     broker.client("admin").set_limit(1).unwrap();
@@ -420,6 +517,7 @@ fn a_lowered_limit_closes_the_region_until_it_holds_no_more() {
     wait_for(PATIENCE, "the free token out of the region", || {
         books(&broker) == (2, 0)
     });
+    quiet(&broker);
     a.release(1).unwrap();
     wait_for(PATIENCE, "the first token retired", || {
         books(&broker) == (1, 0)
@@ -491,10 +589,14 @@ fn a_kernel_without_memfd_leaves_every_client_on_the_socket() {
 }
 
 fn a_waiter_whose_broker_is_killed_gives_up_instead_of_sleeping_forever() {
-    let mut broker = served(1, "");
+    a_waiter_whose_broker_is_killed_in(RING)
+}
+
+fn a_waiter_whose_broker_is_killed_in(layout: u32) {
+    let mut broker = served_for(layout, 1);
     let _root = build_root(&broker);
-    let mut a = fast_client(&broker, "a");
-    let mut b = fast_client(&broker, "b");
+    let mut a = fast_client_in(&broker, "a", layout);
+    let mut b = fast_client_in(&broker, "b", layout);
     a.acquire(1).unwrap();
     let waiter = std::thread::spawn(move || b.acquire(1));
     // b sleeps in the region: nothing tells the broker.
@@ -524,9 +626,13 @@ fn a_client_whose_broker_is_killed_still_counts_what_it_took_in_the_region() {
 }
 
 fn a_successor_books_what_fast_path_clients_hold_on_their_connections() {
-    let mut old = served(3, "");
+    a_successor_books_in(RING)
+}
+
+fn a_successor_books_in(layout: u32) {
+    let mut old = served_for(layout, 3);
     let _root = build_root(&old);
-    let mut a = fast_client(&old, "a");
+    let mut a = fast_client_in(&old, "a", layout);
     a.acquire(1).unwrap();
     a.acquire(1).unwrap();
     // STATUS reads the region: a holds two, the third is free there.
@@ -538,7 +644,11 @@ fn a_successor_books_what_fast_path_clients_hold_on_their_connections() {
         .collect();
     held.sort();
     let build = status.holders[0].build;
-    let free = format!("[fast path of build {build}: free in its region]");
+    let free = if layout == PILE {
+        format!("[fast path of build {build}: free on its pile]")
+    } else {
+        format!("[fast path of build {build}: free in its region]")
+    };
     assert_eq!(held, [(free, 1), ("a".to_string(), 2)], "{status:#?}");
     assert_eq!((status.held, status.free), (3, 0));
     let new = served_at(&old.socket, "jobs=9\nreplace=1");
@@ -644,5 +754,136 @@ fn a_release_of_more_than_is_held_with_a_seat_gives_back_nothing() {
     // The region lends the pool's free tokens while it lives: it goes
     // with its last client.
     drop(a);
+    broker.wait_all_free();
+}
+
+/// A client of our own that writes into a token word of the pile what no
+/// correct client writes: the audit finds it, logs it, and drops the
+/// pile's clients to the socket with what its words say they hold; the
+/// build gets no region again, and nothing is lost.
+fn a_forged_token_word_is_found_logged_and_its_clients_dropped_to_the_socket() {
+    use baton_client::fastpath::Mapping;
+    let broker = served(2, "");
+    let _root = build_root(&broker);
+    let mut honest = fast_client_in(&broker, "honest", PILE);
+    honest.acquire(1).unwrap();
+    let mut forger = fast_client_in(&broker, "forger", PILE);
+    // The forger's own mapping of the pile, as any client of it has.
+    let stream = std::os::unix::net::UnixStream::connect(&broker.socket).unwrap();
+    let mut writer = stream.try_clone().unwrap();
+    writer.write_all(b"HELLO 1 forger\nFASTPATH 2\n").unwrap();
+    let mut byte = [0u8; 1];
+    let mut first = String::new();
+    while !first.ends_with('\n') {
+        std::io::Read::read_exact(&mut &stream, &mut byte).unwrap();
+        first.push(byte[0] as char);
+    }
+    let (line, fd) = baton_client::fastpath::receive_with_fd(&stream).unwrap();
+    assert!(line.starts_with("FASTPATH "), "{line}");
+    let region = Mapping::map(std::os::fd::AsFd::as_fd(&fd.expect("the pile"))).unwrap();
+    assert!(region.is_pile());
+    // Every token word of the pile, lent or not: the one honest holds is
+    // left alone, the others get a word no correct client writes.
+    let pile = region.pile();
+    let mine = baton_core::fastpath::pile::TokenWord::Held {
+        seat: baton_core::fastpath::Seat(0),
+        recalled: false,
+    };
+    let forged: usize = (0..pile.tokens())
+        .filter(|&i| pile.token_word(i) != mine)
+        .map(|i| region.words()[16 + i].store(u64::MAX, SeqCst))
+        .count();
+    assert_eq!(forged, 1, "one of the two tokens is not honest's");
+    wait_for(PATIENCE, "the audit to find it", || {
+        broker
+            .log()
+            .contains("fast path: a pile holds a token word no correct client writes")
+    });
+    let mut late = broker.client("late");
+    assert!(
+        late.enable_fastpath_pile().unwrap().is_err(),
+        "the build gets no region again"
+    );
+    // Honest's token was booked on its connection: it gives it back over
+    // the socket, and goes on there.
+    honest.release(1).unwrap();
+    assert!(!honest.uses_fastpath(), "dropped to the socket");
+    assert_eq!(books(&broker), (0, 2), "every token back in the pool");
+    honest.acquire(1).unwrap();
+    forger.acquire(1).unwrap();
+    assert!(!forger.uses_fastpath());
+    assert_eq!(books(&broker), (2, 0));
+    honest.release(1).unwrap();
+    forger.release(1).unwrap();
+    assert_eq!(broker.status().totals.fastpath_mismatches, 1);
+    drop((stream, writer, region));
+}
+
+/// A build's first fast-path client chooses its layout: a client of the
+/// build asking for the other is told so and stays on the socket, where
+/// its tokens come from the same pool.
+fn a_build_keeps_the_layout_its_first_fast_path_client_chose() {
+    let broker = served(2, "");
+    let _root = build_root(&broker);
+    let mut piled = fast_client_in(&broker, "piled", PILE);
+    let mut ringed = broker.client("ringed");
+    let refused = ringed.enable_fastpath().unwrap().unwrap_err();
+    assert!(refused.contains("FASTPATH 2"), "{refused}");
+    assert!(!ringed.uses_fastpath());
+    piled.acquire(1).unwrap();
+    ringed.acquire(1).unwrap();
+    assert_eq!(books(&broker), (2, 0));
+    piled.release(1).unwrap();
+    ringed.release(1).unwrap();
+    drop(piled);
+    broker.wait_all_free();
+}
+
+/// One token, and two clients of a pile taking it in turn as fast as they
+/// can: there is nearly always somebody asleep on the pile, so a token
+/// the pile's clients put back would be taken again at once. Another
+/// build that asks is still served: the closed pile recalls the token,
+/// and its holder's release hands it to the broker, which is told. The
+/// broker is never woken by its audit clock here (once an hour).
+fn another_build_is_served_while_the_piles_clients_keep_taking_its_token() {
+    use baton_core::protocol::{Reply, Request};
+    let broker = served_for(PILE, 1);
+    let mut other = broker.client("other");
+    let root = build_root(&broker);
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let churners: Vec<_> = (0..2)
+        .map(|i| {
+            let mut client = fast_client_in(&broker, &format!("churn{i}"), PILE);
+            let stop = stop.clone();
+            std::thread::spawn(move || {
+                let mut rounds = 0u64;
+                while !stop.load(SeqCst) {
+                    client.acquire(1).unwrap();
+                    client.release(1).unwrap();
+                    rounds += 1;
+                }
+                (client, rounds)
+            })
+        })
+        .collect();
+    for turn in 0..20 {
+        other.send(&Request::Acquire(1)).unwrap();
+        match reply_within(&mut other).unwrap() {
+            Reply::Granted { tokens: 1, held: 1 } => {}
+            reply => panic!("turn {turn}: {reply:?}"),
+        }
+        other.release(1).unwrap();
+    }
+    stop.store(true, SeqCst);
+    let rounds: Vec<u64> = churners
+        .into_iter()
+        .map(|t| {
+            let (client, rounds) = join_within(t, PATIENCE, "a churning client");
+            assert_eq!(client.held(), 0);
+            rounds
+        })
+        .collect();
+    assert!(rounds.iter().all(|&r| r > 0), "both took turns: {rounds:?}");
+    drop(root);
     broker.wait_all_free();
 }

@@ -10,7 +10,7 @@
 //! ([`Mapping::map`]) only if it is sealed against shrinking and growing:
 //! a region truncated under a client's feet would kill it with SIGBUS.
 
-use baton_core::fastpath::{ring, Host, LayoutError, Notice, Ring};
+use baton_core::fastpath::{pile, ring, Host, LayoutError, Notice, Ring};
 use std::io;
 use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
 use std::ptr::NonNull;
@@ -38,6 +38,9 @@ pub enum MapError {
     /// Its words are not a region of this layout.
     #[error(transparent)]
     Layout(#[from] LayoutError),
+    /// Its words are not a pile of this layout.
+    #[error(transparent)]
+    Pile(pile::LayoutError),
 }
 
 fn os(what: &'static str) -> MapError {
@@ -69,7 +72,23 @@ impl Mapping {
         seats: usize,
         lent: u32,
     ) -> Result<(Mapping, OwnedFd), MapError> {
-        let len = ring::words_for(capacity, seats) * 8;
+        let (mapping, fd) = Mapping::sealed(ring::words_for(capacity, seats) * 8)?;
+        Ring::init(mapping.words(), capacity, seats, lent)?;
+        Ok((mapping, fd))
+    }
+
+    /// The broker's side for a pile (docs/fastpath.md, "The pile"): a new
+    /// sealed memfd laid out for `tokens` token words, every one the
+    /// broker's until it lends it, and `seats` seats.
+    pub fn create_pile(tokens: usize, seats: usize) -> Result<(Mapping, OwnedFd), MapError> {
+        let (mapping, fd) = Mapping::sealed(pile::words_for(tokens, seats) * 8)?;
+        pile::Pile::init(mapping.words(), tokens, seats, 0).map_err(pile_layout)?;
+        Ok((mapping, fd))
+    }
+
+    /// A new memfd of `len` zeroed bytes, sealed against resizing, and
+    /// mapped here.
+    fn sealed(len: usize) -> Result<(Mapping, OwnedFd), MapError> {
         // SAFETY: the name is a NUL-terminated string; flags are valid.
         let fd = unsafe {
             libc::memfd_create(
@@ -89,9 +108,7 @@ impl Mapping {
         if unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_ADD_SEALS, SEALS) } != 0 {
             return Err(os("F_ADD_SEALS"));
         }
-        let mapping = Mapping::map_words(fd.as_raw_fd(), len)?;
-        Ring::init(mapping.words(), capacity, seats, lent)?;
-        Ok((mapping, fd))
+        Ok((Mapping::map_words(fd.as_raw_fd(), len)?, fd))
     }
 
     /// A client's side: maps the region `fd` names, once it is sure that
@@ -112,7 +129,11 @@ impl Mapping {
             return Err(os("fstat"));
         }
         let mapping = Mapping::map_words(fd.as_raw_fd(), stat.st_size as usize)?;
-        Ring::attach(mapping.words())?;
+        if mapping.is_pile() {
+            pile::Pile::attach(mapping.words()).map_err(pile_layout)?;
+        } else {
+            Ring::attach(mapping.words())?;
+        }
         // A child this process forks must not use a seat it does not own.
         // SAFETY: advice on our own mapping.
         unsafe {
@@ -161,9 +182,28 @@ impl Mapping {
         unsafe { std::slice::from_raw_parts(self.words.as_ptr(), self.len / 8) }
     }
 
-    /// The ring on these words.
+    /// The ring on these words (a region that is not a pile).
     pub fn ring(&self) -> Ring<'_> {
         Ring::attach(self.words()).expect("checked when mapped")
+    }
+
+    /// Whether the region is a pile, not a ring: its first word says.
+    pub fn is_pile(&self) -> bool {
+        self.words()[0].load(std::sync::atomic::Ordering::SeqCst) == pile::MAGIC
+    }
+
+    /// The pile on these words (a region that is one).
+    pub fn pile(&self) -> pile::Pile<'_> {
+        pile::Pile::attach(self.words()).expect("checked when mapped")
+    }
+
+    /// The liveness word: where each layout keeps it.
+    fn liveness(&self) -> &AtomicU64 {
+        &self.words()[if self.is_pile() {
+            pile::LIVENESS
+        } else {
+            ring::LIVENESS
+        }]
     }
 
     /// The broker's side: makes the region's liveness word (line 1) a
@@ -173,12 +213,12 @@ impl Mapping {
     /// (pthread_mutexattr_setrobust(3); the kernel's robust-futex-ABI),
     /// and clients see it in [`Mapping::broker_alive`].
     pub fn hold_liveness(&self) -> io::Result<()> {
-        let mutex = self.words()[ring::LIVENESS]
-            .as_ptr()
-            .cast::<libc::pthread_mutex_t>();
-        const _: () = assert!(std::mem::size_of::<libc::pthread_mutex_t>() <= 64);
-        // SAFETY: `mutex` is 64 bytes of our own shared mapping (the
-        // header's line 1, nothing else lives there), aligned to 8; the
+        let mutex = self.liveness().as_ptr().cast::<libc::pthread_mutex_t>();
+        // A pile keeps it in words 2 to 6 of its first line.
+        const _: () = assert!(std::mem::size_of::<libc::pthread_mutex_t>() <= 40);
+        // SAFETY: `mutex` is 40 bytes of our own shared mapping (the
+        // ring's line 1, the pile's words 2 to 6: nothing else lives
+        // there), aligned to 8; the
         // attribute lives on this stack for the calls that use it.
         unsafe {
             let mut attr: libc::pthread_mutexattr_t = std::mem::zeroed();
@@ -204,9 +244,7 @@ impl Mapping {
     /// thread's robust list, which must not name memory about to be
     /// unmapped.
     pub fn release_liveness(&self) -> io::Result<()> {
-        let mutex = self.words()[ring::LIVENESS]
-            .as_ptr()
-            .cast::<libc::pthread_mutex_t>();
+        let mutex = self.liveness().as_ptr().cast::<libc::pthread_mutex_t>();
         // SAFETY: the mutex was initialized and locked by this thread in
         // hold_liveness, in our own live mapping.
         check(unsafe { libc::pthread_mutex_unlock(mutex) })
@@ -216,9 +254,14 @@ impl Mapping {
     /// lives: the word holds its thread id and not the kernel's
     /// owner-died bit. One load; a client looks before each operation.
     pub fn broker_alive(&self) -> bool {
-        let word = self.words()[ring::LIVENESS].load(std::sync::atomic::Ordering::SeqCst) as u32;
+        let word = self.liveness().load(std::sync::atomic::Ordering::SeqCst) as u32;
         word & libc::FUTEX_TID_MASK != 0 && word & libc::FUTEX_OWNER_DIED == 0
     }
+}
+
+/// A pile's layout error, as a region's.
+fn pile_layout(e: pile::LayoutError) -> MapError {
+    MapError::Pile(e)
 }
 
 fn check(rc: libc::c_int) -> io::Result<()> {
@@ -355,8 +398,13 @@ pub fn futex_wait(word: &AtomicU64, expected: u32, deadline: Option<Instant>) {
 
 /// Wakes one process sleeping on `word`: the slot's one claimer.
 pub fn futex_wake(word: &AtomicU64) {
+    futex_wake_one(word);
+}
+
+/// Wakes one process sleeping on `word`; whether there was one.
+pub fn futex_wake_one(word: &AtomicU64) -> bool {
     // SAFETY: the address is an aligned word of a live mapping.
-    unsafe { libc::syscall(libc::SYS_futex, low_half(word), libc::FUTEX_WAKE, 1) };
+    unsafe { libc::syscall(libc::SYS_futex, low_half(word), libc::FUTEX_WAKE, 1) > 0 }
 }
 
 #[cfg(test)]

@@ -15,7 +15,7 @@
 pub mod fastpath;
 
 use baton_core::fastpath::ring as fastpath_ring;
-use baton_core::fastpath::{Host, Notice, Refused, Ring, Seat};
+use baton_core::fastpath::{pile, Host, Notice, Refused, Ring, Seat};
 use baton_core::protocol::{self, ErrorCode, Reply, ReplyHead, Request};
 use std::io::{self, BufRead, BufReader, Read, Write};
 use std::os::unix::net::UnixStream;
@@ -124,6 +124,9 @@ struct Fast {
     seat: Seat,
     /// Tokens held through the region (its record says the same).
     held: u32,
+    /// The region is a pile: `tokens` are the words this client holds.
+    pile: bool,
+    tokens: Vec<usize>,
 }
 
 impl std::os::fd::AsFd for Client {
@@ -210,6 +213,23 @@ impl Client {
     /// full region): the client goes on over the socket. Do not use the
     /// client in a child after `fork`: the region is not mapped there.
     pub fn enable_fastpath(&mut self) -> Result<std::result::Result<(), String>> {
+        self.ask_for_a_seat(protocol::FASTPATH_VERSION)
+    }
+
+    /// As [`Client::enable_fastpath`], in a pile (docs/fastpath.md, "The
+    /// pile"): a freed token goes to whoever comes for it first, not to
+    /// the oldest waiter, as with a semaphore. A waiter can be passed over
+    /// for as long as others keep coming back; in exchange a hand-off
+    /// wakes nobody when the releaser itself comes back for a token. Every
+    /// fast-path client of a build uses the same kind of region: the first
+    /// one's choice stands, and a client asking for the other kind is
+    /// refused (it stays on the socket).
+    pub fn enable_fastpath_pile(&mut self) -> Result<std::result::Result<(), String>> {
+        self.ask_for_a_seat(protocol::FASTPATH_PILE)
+    }
+
+    /// FASTPATH `version`, and the region that comes with its answer.
+    fn ask_for_a_seat(&mut self, version: u32) -> Result<std::result::Result<(), String>> {
         if self.fast.is_some() {
             return Ok(Ok(()));
         }
@@ -218,7 +238,7 @@ impl Client {
                 "a reply is unread; FASTPATH must come alone".into(),
             ));
         }
-        self.send(&Request::Fastpath(protocol::FASTPATH_VERSION))?;
+        self.send(&Request::Fastpath(version))?;
         let (line, fd) = fastpath::receive_with_fd(&self.writer)
             .map_err(|e| io_error("reading the FASTPATH reply", e))?;
         let reply = match protocol::parse_reply_line(line.trim_end_matches('\n')) {
@@ -237,10 +257,18 @@ impl Client {
                         "the broker said its region is {bytes} bytes, and it is {mapped}"
                     )));
                 }
+                let pile = version == protocol::FASTPATH_PILE;
+                if mapping.is_pile() != pile {
+                    return Err(Error::Protocol(format!(
+                        "FASTPATH {version} came with a region of the other layout"
+                    )));
+                }
                 self.fast = Some(Fast {
                     mapping,
                     seat: Seat(seat),
                     held: 0,
+                    pile,
+                    tokens: Vec::new(),
                 });
                 Ok(Ok(()))
             }
@@ -273,7 +301,7 @@ impl Client {
         &mut self,
         op: impl FnOnce(&Ring, Seat, &dyn Host) -> std::result::Result<T, Refused>,
     ) -> Option<T> {
-        let fast = self.fast.as_ref()?;
+        let fast = self.fast.as_ref().filter(|f| !f.pile)?;
         let host = Sleeper {
             socket: &self.writer,
             mapping: &fast.mapping,
@@ -287,8 +315,78 @@ impl Client {
             Ok(done) => Some(done),
             Err(Refused::Busy | Refused::Full | Refused::NothingHeld) => None,
             Err(Refused::Revoked | Refused::Gone | Refused::Corrupt) => {
-                let fast = self.fast.take().expect("looked at above");
-                self.held += fast.held;
+                self.leave_the_fastpath();
+                None
+            }
+        }
+    }
+
+    /// The seat is gone (revoked, or its broker is): what it held is the
+    /// connection's now (the broker booked it there).
+    fn leave_the_fastpath(&mut self) {
+        if let Some(fast) = self.fast.take() {
+            self.held += fast.held;
+        }
+    }
+
+    /// An acquire of one token on a pile, if this client has a seat in
+    /// one: `None` when it must use the socket (no pile, nothing free for
+    /// a TRY, or its broker gone).
+    fn acquire_on_pile(&mut self, try_only: bool) -> Option<()> {
+        let Client { writer, fast, .. } = self;
+        let fast = fast.as_mut().filter(|f| f.pile)?;
+        let host = Sleeper {
+            socket: writer,
+            mapping: &fast.mapping,
+        };
+        let got = if pile::Bell::gone(&host) {
+            Err(pile::Refused::Gone)
+        } else {
+            fast.mapping
+                .pile()
+                .acquire(fast.seat, &host, None, try_only)
+        };
+        match got {
+            Ok(pile::Acquired::Token(i)) => {
+                fast.tokens.push(i);
+                fast.held += 1;
+                Some(())
+            }
+            Ok(pile::Acquired::TimedOut) | Err(pile::Refused::Busy) => None,
+            Err(pile::Refused::Gone | pile::Refused::NotHeld) => {
+                self.leave_the_fastpath();
+                None
+            }
+        }
+    }
+
+    /// A release of one token held on a pile: back on the pile, or to the
+    /// broker if it recalled it (it is told). `None` when this client
+    /// holds none there, or its broker is gone.
+    fn release_on_pile(&mut self) -> Option<()> {
+        let Client { writer, fast, .. } = self;
+        let fast = fast.as_mut().filter(|f| f.pile)?;
+        let &token = fast.tokens.last()?;
+        let host = Sleeper {
+            socket: writer,
+            mapping: &fast.mapping,
+        };
+        let released = if pile::Bell::gone(&host) {
+            Err(pile::Refused::Gone)
+        } else {
+            fast.mapping.pile().release(fast.seat, token, &host)
+        };
+        match released {
+            Ok(how) => {
+                if how == pile::Released::ToBroker {
+                    host.tell(Notice::Returned);
+                }
+                fast.tokens.pop();
+                fast.held -= 1;
+                Some(())
+            }
+            Err(_) => {
+                self.leave_the_fastpath();
                 None
             }
         }
@@ -296,6 +394,9 @@ impl Client {
 
     /// Blocks until `n` tokens are granted.
     pub fn acquire(&mut self, n: u32) -> Result<()> {
+        if n == 1 && self.acquire_on_pile(false).is_some() {
+            return Ok(());
+        }
         if n == 1 {
             let got = self.on_fastpath(|ring, seat, host| ring.acquire(seat, host, None));
             if let Some(got) = got {
@@ -315,6 +416,9 @@ impl Client {
 
     /// Takes `n` tokens if they are free now; `Ok(false)` if not.
     pub fn try_acquire(&mut self, n: u32) -> Result<bool> {
+        if n == 1 && self.acquire_on_pile(true).is_some() {
+            return Ok(true);
+        }
         if n == 1 && self.on_fastpath(|ring, seat, host| ring.try_acquire(seat, host)) == Some(()) {
             self.fast.as_mut().expect("used above").held += 1;
             return Ok(true);
@@ -349,6 +453,13 @@ impl Client {
         let mut left = n;
         let within = n <= self.held();
         while within && left > 0 && self.fast.as_ref().is_some_and(|f| f.held > 0) {
+            if self.fast.as_ref().is_some_and(|f| f.pile) {
+                if self.release_on_pile().is_none() {
+                    break;
+                }
+                left -= 1;
+                continue;
+            }
             if self
                 .on_fastpath(|ring, seat, host| ring.release(seat, host))
                 .is_none()
@@ -606,6 +717,32 @@ impl Host for Sleeper<'_> {
 
     fn gone(&self) -> bool {
         !self.mapping.broker_alive()
+    }
+}
+
+/// On a pile, the same futexes on its bell; a client about to sleep while
+/// the pile is closed tells the broker, which asks the pool for a token on
+/// its behalf.
+impl pile::Bell for Sleeper<'_> {
+    fn wait(
+        &self,
+        word: &std::sync::atomic::AtomicU64,
+        expected: u32,
+        deadline: Option<std::time::Instant>,
+    ) {
+        let closed = self.mapping.pile().closed();
+        if closed.load(std::sync::atomic::Ordering::SeqCst) != 0 {
+            self.tell(Notice::Waiting);
+        }
+        Host::wait(self, word, expected, deadline);
+    }
+
+    fn wake_one(&self, word: &std::sync::atomic::AtomicU64) -> bool {
+        fastpath::futex_wake_one(word)
+    }
+
+    fn gone(&self) -> bool {
+        Host::gone(self)
     }
 }
 

@@ -94,6 +94,9 @@ pub enum Request {
 
 /// The fast path's layout version that `FASTPATH` names.
 pub const FASTPATH_VERSION: u32 = 1;
+/// The layout `FASTPATH` names to ask for a pile: tokens anyone may take,
+/// in no order (docs/fastpath.md, "The pile").
+pub const FASTPATH_PILE: u32 = 2;
 
 /// The names GATE accepts.
 pub const GATE_NAMES: [&str; 4] = ["mem-available", "mem-pressure", "load", "min-jobs"];

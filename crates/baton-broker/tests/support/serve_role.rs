@@ -42,6 +42,8 @@ pub fn serve_here(spec: &str) -> ! {
     for (key, value) in spec_lines(spec) {
         match key {
             "jobs" => opts.jobs = value.parse().unwrap(),
+            // Before the broker starts: it reads the period once.
+            "audit_ms" => std::env::set_var("BATON_FASTPATH_AUDIT_MS", value),
             "socket" => opts.socket = Some(value.into()),
             "io_uring" => opts.io_uring = value == "1",
             "max_clients" => opts.max_clients = value.parse().unwrap(),

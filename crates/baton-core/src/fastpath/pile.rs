@@ -936,6 +936,131 @@ impl Repair {
     }
 }
 
+/// The liveness word of a pile: a robust mutex the broker's serving thread
+/// holds, as in the ring. It takes words 2 to 6 of the first line, which
+/// clients read only when they attach.
+pub const LIVENESS: usize = 2;
+/// A word the broker sets while the pile is closed (its tokens come from
+/// the pool's queue): a client that goes to sleep then tells the broker,
+/// which asks the pool for a token on its behalf.
+pub const CLOSED: usize = 7;
+
+/// The broker's moves on a pile. Only the broker turns a [`BROKER`] word
+/// into anything else, so which words are lent is its own book, and a
+/// word it did not lend that is not [`BROKER`] was forged.
+impl<'w> Pile<'w> {
+    /// Puts token `i`, the broker's, on the pile and rings for it; false
+    /// if it was not the broker's.
+    pub fn lend(&self, i: usize, bell: &impl Bell) -> bool {
+        let lent = self
+            .token(i)
+            .compare_exchange(BROKER, FREE, SeqCst, SeqCst)
+            .is_ok();
+        if lent {
+            self.ring(bell);
+        }
+        lent
+    }
+
+    /// Rings the bell for a token the broker put on the pile (the same
+    /// steps a release takes).
+    fn ring(&self, bell: &impl Bell) {
+        let mut ring = Ring::start();
+        loop {
+            match ring.step(self) {
+                Step::Busy | Step::Wait(_) => {}
+                Step::Wake => ring.woke(bell.wake_one(self.bell())),
+                Step::Done(()) => return,
+            }
+        }
+    }
+
+    /// Takes free token `i` off the pile; false if it was not free.
+    pub fn take_back(&self, i: usize) -> bool {
+        self.token(i)
+            .compare_exchange(FREE, BROKER, SeqCst, SeqCst)
+            .is_ok()
+    }
+
+    /// Asks the holder of token `i` to give it to the broker when it
+    /// releases it; false if nobody holds it, or it is recalled already.
+    pub fn recall(&self, i: usize) -> bool {
+        let word = self.token(i).load(SeqCst);
+        matches!(
+            TokenWord::decode(word, self.seats),
+            TokenWord::Held {
+                recalled: false,
+                ..
+            }
+        ) && self
+            .token(i)
+            .compare_exchange(word, word | RECALL, SeqCst, SeqCst)
+            .is_ok()
+    }
+
+    /// Lets the holder of token `i` put it back on the pile again; false
+    /// if it was not recalled (or is released already).
+    pub fn unrecall(&self, i: usize) -> bool {
+        let word = self.token(i).load(SeqCst);
+        matches!(
+            TokenWord::decode(word, self.seats),
+            TokenWord::Held { recalled: true, .. }
+        ) && self
+            .token(i)
+            .compare_exchange(word, word & !RECALL, SeqCst, SeqCst)
+            .is_ok()
+    }
+
+    /// Takes every token dead `seat` holds out of the pile, recalled or
+    /// not: the broker's now, to book where the seat's connection was.
+    /// Returns their indexes. [`Pile::repair`] then finds none to free.
+    pub fn seize(&self, seat: Seat) -> Vec<usize> {
+        let dead = holder(seat);
+        (0..self.tokens)
+            .filter(|&i| {
+                let word = self.token(i).load(SeqCst);
+                word & !RECALL == dead
+                    && self
+                        .token(i)
+                        .compare_exchange(word, BROKER, SeqCst, SeqCst)
+                        .is_ok()
+            })
+            .collect()
+    }
+
+    /// Tokens each seat holds (recalled ones too), by seat.
+    pub fn holdings(&self) -> Vec<u32> {
+        let mut held = vec![0; self.seats];
+        for i in 0..self.tokens {
+            if let TokenWord::Held { seat, .. } = self.token_word(i) {
+                held[usize::from(seat.0)] += 1;
+            }
+        }
+        held
+    }
+
+    /// The seats whose record says they sleep, waiting for a token.
+    pub fn sleeping(&self) -> Vec<Seat> {
+        (0..self.seats)
+            .map(|s| Seat(s as u16))
+            .filter(|&seat| self.counted(seat))
+            .collect()
+    }
+
+    /// The closed word: whether a client going to sleep tells the broker.
+    pub fn closed(&self) -> &'w AtomicU64 {
+        &self.words[CLOSED]
+    }
+
+    /// The broker is leaving the pile: every sleeper's wait is made to
+    /// end (the sequence changes, and each is woken), to see it gone.
+    pub fn wake_all(&self, bell: &impl Bell) {
+        let bump = |old: u64| Some((old & !SEQ_MASK) | u64::from((old as u32).wrapping_add(1)));
+        let _ = self.bell().fetch_update(SeqCst, SeqCst, bump);
+        while bell.wake_one(self.bell()) {}
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -1,0 +1,371 @@
+//! The broker's side of a pile (docs/fastpath.md, "The pile"): a build's
+//! region in which a freed token goes to whoever comes for it first.
+//!
+//! The pool stays the one book of tokens, as with the ring: the pile's
+//! lent tokens are held in the pool by its lender, and only the broker
+//! turns a `BROKER` word into anything else, so `lent` (which words are
+//! out) is the broker's own book, and `held_by(lender) == lent.count()`
+//! between any two of its moves.
+//!
+//! - **Open** (the same conditions as a ring's): every free token of the
+//!   pool is put on the pile, as far as it has words.
+//! - **Closed**: the pile's free tokens come back, every held one is
+//!   recalled (its holder's release hands it to the broker and nudges
+//!   it), and the closed word tells a client going to sleep to nudge the
+//!   broker, which then asks the pool for one token per sleeper; each
+//!   grant is put on the pile and rung for.
+//! - **A client that dies**: the words naming its seat are seized (the
+//!   broker's again), booked on its connection as the ring's are, and
+//!   the model-checked repair takes its count out of the bell.
+//! - **The audit** reads every word: one that is not a token word, one
+//!   the broker did not lend that is not the broker's, or one naming a
+//!   seat nobody sits in, was written by no correct client. The pile is
+//!   then ended: each client keeps what its words say it holds, on its
+//!   connection, and the build gets no region again.
+
+use super::{FirstSeen, Offer, Seen, SEATS};
+use crate::broker::Broker;
+use crate::log;
+use baton_client::fastpath::{futex_wake_one, Mapping};
+use baton_core::fastpath::pile::{Bell, Pile, TokenWord, MAX_TOKENS};
+use baton_core::fastpath::Seat;
+use baton_core::{Acquired, BuildId, ClientId, Tag};
+use std::os::fd::{AsFd, OwnedFd};
+use std::sync::atomic::{AtomicU64, Ordering::SeqCst};
+use std::sync::Arc;
+use std::time::{Instant, SystemTime};
+
+/// The broker only wakes sleepers; it never sleeps on the bell.
+struct Waker;
+
+impl Bell for Waker {
+    fn wait(&self, _: &AtomicU64, _: u32, _: Option<Instant>) {
+        unreachable!("the broker never waits on a pile")
+    }
+
+    fn wake_one(&self, word: &AtomicU64) -> bool {
+        futex_wake_one(word)
+    }
+}
+
+/// One build's pile.
+pub(super) struct PileRegion {
+    pub(super) mapping: Arc<Mapping>,
+    fd: OwnedFd,
+    /// Holds the pile's lent tokens in the pool.
+    pub(super) lender: ClientId,
+    /// The client in each seat.
+    pub(super) clients: Vec<Option<ClientId>>,
+    /// Which token words the broker lent (the rest are its own).
+    lent: Vec<bool>,
+    /// Every free token of the pool goes on the pile.
+    pub(super) open: bool,
+    /// The lender's requests in the pool's queue, one per sleeper while
+    /// the pile is closed.
+    pub(super) asked: Vec<Tag>,
+    next_tag: Tag,
+    /// When each sleeping seat was first seen asleep; shared with STATUS.
+    pub(super) first_seen: Arc<FirstSeen>,
+    /// The broker still holds the liveness word.
+    alive: bool,
+}
+
+/// Why an audit found a pile wrong, if it did.
+fn wrong_word(word: TokenWord, lent: bool, seated: &[Option<ClientId>]) -> Option<&'static str> {
+    match word {
+        TokenWord::Bad(_) => Some("a token word no correct client writes"),
+        TokenWord::Free | TokenWord::Held { .. } if !lent => Some("a token the broker never lent"),
+        TokenWord::Held { seat, .. } if seated[usize::from(seat.0)].is_none() => {
+            Some("a token held by a seat nobody sits in")
+        }
+        _ => None,
+    }
+}
+
+impl PileRegion {
+    /// A pile for `build`, with a token word for each token of the pool's
+    /// limit (as far as a pile holds): a limit raised later reaches the
+    /// build's fast-path clients when its pile is made again.
+    pub(super) fn new(
+        broker: &mut Broker,
+        first: ClientId,
+        build: BuildId,
+    ) -> Result<PileRegion, String> {
+        let tokens = (broker.pool().limit() as usize).clamp(1, MAX_TOKENS);
+        let (mapping, fd) = Mapping::create_pile(tokens, SEATS)
+            .map_err(|e| format!("the broker cannot make a pile: {e}"))?;
+        mapping
+            .hold_liveness()
+            .map_err(|e| format!("the broker cannot lock the pile's liveness word: {e}"))?;
+        let lender = broker.connect_lender(
+            first,
+            format!("[fast path of build {}: free on its pile]", build.0),
+        );
+        log::debug(format_args!(
+            "fast path: a pile of {tokens} tokens for build {}",
+            build.0
+        ));
+        Ok(PileRegion {
+            mapping: Arc::new(mapping),
+            fd,
+            lender,
+            clients: vec![None; SEATS],
+            lent: vec![false; tokens],
+            open: false,
+            asked: Vec::new(),
+            next_tag: 0,
+            first_seen: Arc::default(),
+            alive: true,
+        })
+    }
+
+    fn pile(&self) -> Pile<'_> {
+        self.mapping.pile()
+    }
+
+    /// What a client is told when it gets seat `seat`.
+    pub(super) fn offer(&self, seat: usize) -> Offer<'_> {
+        Offer {
+            seat: seat as u32,
+            bytes: (self.mapping.words().len() * 8) as u32,
+            fd: self.fd.as_fd(),
+        }
+    }
+
+    /// `seat`'s client is leaving: the tokens it holds are the broker's
+    /// again, and its count comes out of the bell. Returns how many it
+    /// held, for the caller to book on its connection.
+    pub(super) fn repair(&mut self, seat: Seat) -> u32 {
+        let seized = self.pile().seize(seat);
+        for &i in &seized {
+            self.lent[i] = false;
+        }
+        let (freed, recalled) = self.pile().repair(seat, &Waker);
+        debug_assert_eq!((freed, recalled), (0, 0), "seized first");
+        self.clients[usize::from(seat.0)] = None;
+        seized.len() as u32
+    }
+
+    /// Tokens holders handed back to the broker (recalled, then
+    /// released) go back to the pool.
+    pub(super) fn collect(&mut self, broker: &mut Broker) {
+        let pile = self.mapping.pile();
+        let mut returned = 0;
+        for (i, lent) in self.lent.iter_mut().enumerate() {
+            if *lent && pile.token_word(i) == TokenWord::Broker {
+                *lent = false;
+                returned += 1;
+            }
+        }
+        self.give_back(broker, returned);
+    }
+
+    fn give_back(&self, broker: &mut Broker, tokens: u32) {
+        if tokens > 0 {
+            broker
+                .release(self.lender, tokens)
+                .expect("the lender holds what the pile was lent");
+        }
+    }
+
+    /// Puts one token the lender holds on the pile; false if the pile
+    /// has no word for it.
+    fn put_on_pile(&mut self) -> bool {
+        let Some(i) = self.lent.iter().position(|&lent| !lent) else {
+            return false;
+        };
+        if !self.pile().lend(i, &Waker) {
+            return false; // forged: the audit ends the pile
+        }
+        self.lent[i] = true;
+        true
+    }
+
+    /// A grant to the lender: onto the pile for a sleeper (or back to the
+    /// pool if the pile has no word for it).
+    pub(super) fn serve(&mut self, broker: &mut Broker, tokens: u32) {
+        let placed = (0..tokens).take_while(|_| self.put_on_pile()).count() as u32;
+        self.give_back(broker, tokens - placed);
+    }
+
+    /// Open: recalls are withdrawn, requests cancelled, and every free
+    /// token of the pool goes on the pile.
+    pub(super) fn lend(&mut self, broker: &mut Broker) {
+        if !self.open {
+            self.open = true;
+            self.pile().closed().store(0, SeqCst);
+            for i in 0..self.lent.len() {
+                self.pile().unrecall(i);
+            }
+            for tag in std::mem::take(&mut self.asked) {
+                broker.cancel(self.lender, tag);
+            }
+        }
+        while broker.pool().free() > 0 && self.lent.contains(&false) {
+            if broker.try_acquire(self.lender, 1) != Ok(true) {
+                break;
+            }
+            if !self.put_on_pile() {
+                self.give_back(broker, 1);
+                break;
+            }
+        }
+    }
+
+    /// Closed: free tokens come off the pile (while nobody sleeps for
+    /// them), held ones are recalled, and each sleeper is one request of
+    /// the lender in the pool.
+    pub(super) fn hold_back(&mut self, broker: &mut Broker) {
+        if self.open {
+            self.open = false;
+            // Before the sleepers are read: a client counted in after
+            // this sees it and nudges.
+            self.pile().closed().store(1, SeqCst);
+        }
+        let pile = self.mapping.pile();
+        let sleepers = pile.bell_word().sleepers as usize;
+        let mut taken = 0;
+        for (i, lent) in self.lent.iter_mut().enumerate() {
+            if !*lent {
+                continue;
+            }
+            if sleepers == 0 && pile.take_back(i) {
+                *lent = false;
+                taken += 1;
+            } else {
+                pile.recall(i);
+            }
+        }
+        self.give_back(broker, taken);
+        self.ask_for_sleepers(broker, sleepers);
+    }
+
+    /// One request in the pool per sleeper, as far as the limit and the
+    /// pile's words allow; requests nobody sleeps for are cancelled.
+    fn ask_for_sleepers(&mut self, broker: &mut Broker, sleepers: usize) {
+        let wanted = |region: &PileRegion, broker: &Broker| {
+            let pool = broker.pool();
+            let room = pool.limit().saturating_sub(pool.held_by(region.lender)) as usize;
+            let words = region.lent.iter().filter(|&&lent| !lent).count();
+            sleepers.min(room).min(words)
+        };
+        while self.asked.len() < wanted(self, broker) {
+            let tag = self.next_tag;
+            self.next_tag += 1;
+            match broker.acquire(self.lender, tag, 1) {
+                Ok(Acquired::Granted) => self.serve(broker, 1),
+                Ok(Acquired::Queued) => self.asked.push(tag),
+                Err(e) => {
+                    log::warn(format_args!(
+                        "fast path: asking the pool for a sleeper: {e}"
+                    ));
+                    break;
+                }
+            }
+        }
+        while self.asked.len() > wanted(self, broker) {
+            let tag = self.asked.pop().expect("longer than wanted");
+            broker.cancel(self.lender, tag);
+        }
+    }
+
+    /// Reads every word against the broker's book of what it lent: why
+    /// the pile is wrong, if it is.
+    pub(super) fn audit(&self) -> Option<&'static str> {
+        let pile = self.pile();
+        (0..self.lent.len())
+            .find_map(|i| wrong_word(pile.token_word(i), self.lent[i], &self.clients))
+    }
+
+    /// The pile as STATUS reads it: each seat's tokens, and the clients
+    /// asleep on the bell.
+    pub(super) fn seen(
+        mapping: &Mapping,
+        seated: &[(Seat, ClientId)],
+        first_seen: &FirstSeen,
+    ) -> Seen {
+        let pile = mapping.pile();
+        let holdings = pile.holdings();
+        let asleep = pile.sleeping();
+        let keys: Vec<u64> = asleep.iter().map(|s| u64::from(s.0)).collect();
+        let since = first_seen.note(&keys, SystemTime::now());
+        let client_at = |seat: Seat| seated.iter().find(|&&(s, _)| s == seat).map(|&(_, c)| c);
+        Seen {
+            holdings: seated
+                .iter()
+                .map(|&(seat, client)| (client, holdings[usize::from(seat.0)]))
+                .collect(),
+            waiting: asleep
+                .into_iter()
+                .zip(since)
+                .filter_map(|(seat, since)| Some((client_at(seat)?, since)))
+                .collect(),
+        }
+    }
+
+    /// Ends the pile with its clients still in it (a handover, or an
+    /// audit that found it wrong). The broker lets go of it first, so that
+    /// each client's next operation uses the socket; then its free tokens
+    /// come back to the pool and each seated client's are booked on its
+    /// connection, until a pass finds nothing to move (an operation begun
+    /// before the letting go moves a word or two); every sleeper wakes to
+    /// find the pile gone, and each client's library moves what it held
+    /// there to its connection's count.
+    pub(super) fn evict(mut self, broker: &mut Broker) {
+        self.let_go();
+        while self.take_everything_back(broker) {}
+        self.pile().wake_all(&Waker);
+        self.retire(broker);
+    }
+
+    /// One pass of an eviction: whether it moved anything.
+    fn take_everything_back(&mut self, broker: &mut Broker) -> bool {
+        let pile = self.mapping.pile();
+        let mut free = 0;
+        for (i, lent) in self.lent.iter_mut().enumerate() {
+            if *lent && pile.take_back(i) {
+                *lent = false;
+                free += 1;
+            }
+        }
+        self.give_back(broker, free);
+        let mut moved = free > 0;
+        for s in 0..SEATS {
+            let Some(client) = self.clients[s] else {
+                continue;
+            };
+            let seized = pile.seize(Seat(s as u16));
+            for &i in &seized {
+                self.lent[i] = false;
+            }
+            moved |= !seized.is_empty();
+            if let Err(e) = broker.transfer(self.lender, client, seized.len() as u32) {
+                log::warn(format_args!("fast path: booking a seat's tokens: {e}"));
+            }
+        }
+        moved
+    }
+
+    /// The broker lets go of the pile's liveness word: a client sees the
+    /// pile gone at its next operation, or its next wake-up.
+    fn let_go(&mut self) {
+        if !std::mem::replace(&mut self.alive, false) {
+            return;
+        }
+        if let Err(e) = self.mapping.release_liveness() {
+            log::warn(format_args!(
+                "fast path: unlocking a pile's liveness word: {e}"
+            ));
+        }
+    }
+
+    /// The last client left (or the pile was evicted): what the lender
+    /// holds goes back to the pool.
+    pub(super) fn retire(mut self, broker: &mut Broker) {
+        self.let_go();
+        let left = broker.drop_lender(self.lender);
+        log::debug(format_args!(
+            "fast path: a pile closed, {left} token(s) back to the pool"
+        ));
+    }
+}
