@@ -369,3 +369,131 @@ impl PileRegion {
         ));
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::broker::{ClientMeta, Transport};
+    use crate::fastpath::Regions;
+    use baton_core::protocol::FASTPATH_PILE;
+
+    fn client(broker: &mut Broker) -> ClientId {
+        let meta = ClientMeta::new(std::process::id(), "test".into(), Transport::Socket);
+        broker.connect(meta)
+    }
+
+    #[test]
+    fn the_audit_names_each_word_no_correct_client_writes() {
+        let seated = [Some(ClientId(7)), None];
+        let held_by = |s: u16| TokenWord::Held {
+            seat: Seat(s),
+            recalled: true,
+        };
+        assert_eq!(wrong_word(TokenWord::Free, true, &seated), None);
+        assert_eq!(wrong_word(held_by(0), true, &seated), None);
+        assert_eq!(wrong_word(TokenWord::Broker, true, &seated), None);
+        assert_eq!(wrong_word(TokenWord::Broker, false, &seated), None);
+        assert_eq!(
+            wrong_word(TokenWord::Bad(9), true, &seated),
+            Some("a token word no correct client writes")
+        );
+        for forged in [TokenWord::Free, held_by(0)] {
+            assert_eq!(
+                wrong_word(forged, false, &seated),
+                Some("a token the broker never lent")
+            );
+        }
+        assert_eq!(
+            wrong_word(held_by(1), true, &seated),
+            Some("a token held by a seat nobody sits in")
+        );
+    }
+
+    /// A pile lends the pool's free tokens while alone; a departing
+    /// client's tokens are booked on its connection, not put back on the
+    /// pile; and the pile's last client takes the rest back to the pool.
+    #[test]
+    fn a_pile_lends_the_pool_and_a_departure_books_what_it_held() {
+        let mut broker = Broker::new(3).unwrap();
+        let mut regions = Regions::default();
+        let a = client(&mut broker);
+        broker.start_build(a, 1, "one build".into()).unwrap();
+        let b = client(&mut broker);
+        let mapping = {
+            let offer = regions.offer(&mut broker, a, FASTPATH_PILE).unwrap();
+            Mapping::map(offer.fd).unwrap()
+        };
+        regions.offer(&mut broker, b, FASTPATH_PILE).unwrap();
+        regions.round(&mut broker);
+        assert_eq!((broker.pool().held(), broker.pool().free()), (3, 0));
+        let pile = mapping.pile();
+        let bell = Waker;
+        for _ in 0..2 {
+            pile.acquire(Seat(0), &bell, None, true).unwrap();
+        }
+        regions.leave(&mut broker, a);
+        assert_eq!(broker.pool().held_by(a), 2, "booked on a's connection");
+        assert_eq!(pile.holdings()[0], 0);
+        let words: Vec<_> = (0..3).map(|i| pile.token_word(i)).collect();
+        assert_eq!(
+            words,
+            [TokenWord::Broker, TokenWord::Broker, TokenWord::Free],
+            "out of the pile, not free on it"
+        );
+        assert_eq!(broker.status().totals.fastpath_repairs, 1);
+        regions.leave(&mut broker, b);
+        assert!(regions.is_empty());
+        assert_eq!((broker.pool().held(), broker.pool().free()), (2, 1));
+        broker.disconnect(a);
+        assert_eq!((broker.pool().held(), broker.pool().free()), (0, 3));
+    }
+
+    /// Closed by another build's wait: the free tokens come off, the held
+    /// ones are recalled, each sleeper is one request in the pool, and a
+    /// request nobody sleeps for any more is cancelled.
+    #[test]
+    fn a_closed_pile_asks_the_pool_once_per_sleeper() {
+        let mut broker = Broker::new(2).unwrap();
+        let mut regions = Regions::default();
+        let other = client(&mut broker);
+        let a = client(&mut broker);
+        broker.start_build(a, 1, "one build".into()).unwrap();
+        let mapping = {
+            let offer = regions.offer(&mut broker, a, FASTPATH_PILE).unwrap();
+            Mapping::map(offer.fd).unwrap()
+        };
+        regions.round(&mut broker);
+        let pile = mapping.pile();
+        pile.acquire(Seat(0), &Waker, None, true).unwrap();
+        assert_eq!(broker.acquire(other, 0, 2), Ok(Acquired::Queued));
+        regions.round(&mut broker);
+        assert_eq!(pile.closed().load(SeqCst), 1);
+        assert_eq!(broker.pool().free(), 1, "the free token came off");
+        assert_eq!(
+            pile.token_word(0),
+            TokenWord::Held {
+                seat: Seat(0),
+                recalled: true
+            }
+        );
+        // Two sleepers counted in, as sleeping acquires leave them.
+        mapping.words()[8].fetch_add(2 << 32, SeqCst);
+        regions.round(&mut broker);
+        assert_eq!(the_pile(&regions).asked.len(), 1, "room for one");
+        mapping.words()[8].fetch_sub(2 << 32, SeqCst);
+        regions.round(&mut broker);
+        assert!(the_pile(&regions).asked.is_empty(), "nobody sleeps now");
+        assert_eq!(
+            pile.release(Seat(0), 0, &Waker),
+            Ok(baton_core::fastpath::pile::Released::ToBroker)
+        );
+        regions.round(&mut broker);
+        assert_eq!(broker.pool().held_by(other), 2, "both to the other build");
+        regions.leave(&mut broker, a);
+        assert_eq!(broker.pool().held(), 2);
+    }
+
+    fn the_pile(regions: &Regions) -> &PileRegion {
+        regions.piles.values().next().expect("a pile")
+    }
+}

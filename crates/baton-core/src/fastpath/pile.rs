@@ -1394,4 +1394,107 @@ mod tests {
             (1, 1, true, true)
         );
     }
+
+    /// A bell that wakes `sleepers` sleepers, one a call, then nobody.
+    struct Sleepers(Cell<usize>);
+
+    impl Bell for Sleepers {
+        fn wait(&self, _: &AtomicU64, _: u32, _: Option<Instant>) {}
+        fn wake_one(&self, _: &AtomicU64) -> bool {
+            let left = self.0.get();
+            self.0.set(left.saturating_sub(1));
+            left > 0
+        }
+    }
+
+    /// The broker lends only its own words, and rings for each: a
+    /// sleeper counted in is woken.
+    #[test]
+    fn the_broker_lends_only_its_own_words_and_rings_for_them() {
+        let w = words(3, 2);
+        let pile = Pile::init(&w, 3, 2, 1).unwrap();
+        let bell = Sleepers(Cell::new(1));
+        assert!(!pile.lend(0, &bell), "token 0 is on the pile already");
+        w[BELL].fetch_add(SLEEPER, SeqCst);
+        assert!(pile.lend(1, &bell));
+        assert_eq!(pile.token_word(1), TokenWord::Free);
+        assert_eq!(bell.0.get(), 0, "the sleeper was woken");
+        assert!(pile.bell_word().pending, "its wake-up is in flight");
+        assert_eq!(pile.token_word(2), TokenWord::Broker, "lent one only");
+    }
+
+    /// Taking back works on free words only; a recall marks a held word
+    /// once, and only a recalled word is let go again.
+    #[test]
+    fn the_broker_takes_back_free_words_and_recalls_held_ones() {
+        let w = words(3, 2);
+        let pile = Pile::init(&w, 3, 2, 3).unwrap();
+        seats_take_tokens_in_turn(&pile, 1);
+        assert!(!pile.take_back(0), "held, not free");
+        assert!(pile.take_back(1));
+        assert!(!pile.take_back(1), "the broker's now");
+        assert_eq!(pile.token_word(1), TokenWord::Broker);
+        assert!(!pile.recall(1) && !pile.recall(2), "nobody holds them");
+        assert!(!pile.unrecall(0), "not recalled yet");
+        assert!(pile.recall(0));
+        assert!(!pile.recall(0), "recalled already");
+        let recalled = TokenWord::Held {
+            seat: Seat(0),
+            recalled: true,
+        };
+        assert_eq!(pile.token_word(0), recalled);
+        assert!(pile.unrecall(0));
+        assert!(!pile.unrecall(0));
+        assert_eq!(
+            pile.release(Seat(0), 0, &Counting::default()),
+            Ok(Released::Piled),
+            "let go: back on the pile"
+        );
+    }
+
+    /// A dead seat's words, recalled or not, are the broker's; nobody
+    /// else's are touched, and the holdings and sleepers say who holds
+    /// and who sleeps.
+    #[test]
+    fn a_dead_seats_words_are_seized_and_nobody_elses() {
+        let w = words(4, 3);
+        let pile = Pile::init(&w, 4, 3, 4).unwrap();
+        let bell = Counting::default();
+        for seat in [0, 1, 0] {
+            pile.acquire(Seat(seat), &bell, None, true).unwrap();
+        }
+        assert!(pile.recall(2));
+        assert_eq!(pile.holdings(), [2, 1, 0]);
+        w[TOKENS + 4 + 2].store(COUNTED, SeqCst);
+        assert_eq!(pile.sleeping(), [Seat(2)]);
+        assert_eq!(pile.seize(Seat(0)), [0, 2]);
+        assert_eq!(pile.holdings(), [0, 1, 0]);
+        let words: Vec<_> = (0..4).map(|i| pile.token_word(i)).collect();
+        let held = TokenWord::Held {
+            seat: Seat(1),
+            recalled: false,
+        };
+        assert_eq!(
+            words,
+            [TokenWord::Broker, held, TokenWord::Broker, TokenWord::Free]
+        );
+        assert!(pile.seize(Seat(0)).is_empty(), "nothing left to seize");
+    }
+
+    /// The closed word is word 7, the liveness word's lines do not touch
+    /// the bell, and a broker leaving wakes every sleeper with a new
+    /// sequence (a sleeper not yet in the kernel does not sleep on).
+    #[test]
+    fn a_leaving_broker_changes_the_sequence_and_wakes_every_sleeper() {
+        let w = words(2, 2);
+        let pile = Pile::init(&w, 2, 2, 0).unwrap();
+        assert!(std::ptr::eq(pile.closed(), &w[CLOSED]));
+        assert!(LIVENESS + 5 <= CLOSED && CLOSED < BELL && SIZES < LIVENESS);
+        w[BELL].store(u64::from(u32::MAX) | (3 * SLEEPER), SeqCst);
+        let bell = Sleepers(Cell::new(3));
+        pile.wake_all(&bell);
+        assert_eq!(bell.0.get(), 0, "all three woken");
+        let after = pile.bell_word();
+        assert_eq!((after.seq, after.sleepers), (0, 3), "wrapped, count kept");
+    }
 }
