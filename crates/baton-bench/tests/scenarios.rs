@@ -246,6 +246,7 @@ fn token_ring_counts_every_transfer(h: &Harness) -> Result<()> {
         "baton fast path, ring only (no broker)",
         "baton fast path, pile only (no broker)",
         "baton fast path",
+        "baton fast path, pile",
     ]);
     ensure!(
         mechanisms(&doc) == expected,
@@ -301,6 +302,7 @@ fn blocking_vs_polling_counts_every_acquisition(h: &Harness) -> Result<()> {
         "baton native",
         "baton native, poll",
         "baton fast path",
+        "baton fast path, pile",
         "baton FUSE file, poll",
         "baton FUSE file, notify-all",
     ]);
@@ -349,6 +351,7 @@ fn mass_poll_sweeps_waiters_and_plots(h: &Harness) -> Result<()> {
         "baton native, poll",
         "baton fast path",
         "baton fast path, pile only (no broker)",
+        "baton fast path, pile",
         "baton FUSE file, poll",
     ]) {
         ensure!(!rows(&doc, mechanism).is_empty(), "no {mechanism} rows");

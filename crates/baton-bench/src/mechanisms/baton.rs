@@ -29,6 +29,14 @@ pub enum Wait {
     /// The shared-memory fast path (docs/fastpath.md): each client asks for
     /// a seat in its build's region; the bench's processes are one build.
     Fastpath,
+    /// The same in a pile (docs/fastpath.md, "The pile").
+    FastpathPile,
+}
+
+impl Wait {
+    fn fastpath(self) -> bool {
+        matches!(self, Wait::Fastpath | Wait::FastpathPile)
+    }
 }
 
 /// A `baton serve` child process, stopped when dropped.
@@ -110,7 +118,7 @@ impl BrokerProcess {
             root: None,
         };
         broker.wait_until_answering()?;
-        if wait == Wait::Fastpath {
+        if wait.fastpath() {
             let mut root = Client::connect(&broker.socket, "baton bench")?;
             root.start_build(1, "baton bench")?;
             broker.root = Some(root);
@@ -224,8 +232,13 @@ impl Drop for BrokerProcess {
 impl Pool for BrokerProcess {
     fn open(&self) -> Result<Box<dyn Tokens + '_>> {
         let mut client = Client::connect(&self.socket, "baton bench")?;
-        if self.wait == Wait::Fastpath {
-            if let Err(why) = client.enable_fastpath()? {
+        if self.wait.fastpath() {
+            let seat = if self.wait == Wait::FastpathPile {
+                client.enable_fastpath_pile()?
+            } else {
+                client.enable_fastpath()?
+            };
+            if let Err(why) = seat {
                 bail!("the broker offers no fast path: {why}");
             }
             return Ok(Box::new(Seated { client }));

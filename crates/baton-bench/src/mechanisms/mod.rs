@@ -61,6 +61,9 @@ pub enum Mechanism {
     /// baton's fast path served by a broker: every process a client of one
     /// build, with a seat in its region (docs/fastpath.md).
     BatonFastpath,
+    /// The same with the build's region a pile (`FASTPATH 2`): tokens in
+    /// no order, as with a semaphore (docs/fastpath.md, "The pile").
+    BatonFastpathPile,
     /// baton's FUSE token file, polled as GNU make 4.4 polls its jobserver:
     /// the broker notifies one poller per freed token.
     BatonFuse,
@@ -87,6 +90,7 @@ impl Mechanism {
             Mechanism::FastpathRing => "baton fast path, ring only (no broker)",
             Mechanism::FastpathPile => "baton fast path, pile only (no broker)",
             Mechanism::BatonFastpath => "baton fast path",
+            Mechanism::BatonFastpathPile => "baton fast path, pile",
             Mechanism::BatonFuse => "baton FUSE file, poll",
             Mechanism::BatonFuseNotifyAll => "baton FUSE file, notify-all",
         }
@@ -100,6 +104,7 @@ impl Mechanism {
                 | Mechanism::BatonNativeNoUring
                 | Mechanism::BatonPoll
                 | Mechanism::BatonFastpath
+                | Mechanism::BatonFastpathPile
                 | Mechanism::BatonFuse
                 | Mechanism::BatonFuseNotifyAll
         )
@@ -108,7 +113,11 @@ impl Mechanism {
     /// The most waiters it serves, if it has a bound: a broker's region
     /// seats 1024 clients of a build (more would use the socket).
     pub fn max_waiters(self) -> Option<usize> {
-        (self == Mechanism::BatonFastpath).then_some(1024)
+        matches!(
+            self,
+            Mechanism::BatonFastpath | Mechanism::BatonFastpathPile
+        )
+        .then_some(1024)
     }
 
     /// Whether this machine can run it (FUSE needs /dev/fuse).
@@ -158,6 +167,11 @@ impl Mechanism {
                 tokens,
                 env,
                 baton::Wait::Fastpath,
+            )?),
+            Mechanism::BatonFastpathPile => Box::new(baton::BrokerProcess::start(
+                tokens,
+                env,
+                baton::Wait::FastpathPile,
             )?),
             Mechanism::BatonFuse => {
                 Box::new(fuse::TokenFile::start(tokens, env, fuse::Notify::One)?)

@@ -20,6 +20,7 @@ const MECHANISMS: &[Mechanism] = &[
     Mechanism::BatonNative,
     Mechanism::BatonPoll,
     Mechanism::BatonFastpath,
+    Mechanism::BatonFastpathPile,
     Mechanism::BatonFuse,
     Mechanism::BatonFuseNotifyAll,
 ];

@@ -26,6 +26,7 @@ const MECHANISMS: &[Mechanism] = &[
     Mechanism::BatonPoll,
     Mechanism::BatonFastpath,
     Mechanism::FastpathPile,
+    Mechanism::BatonFastpathPile,
     Mechanism::BatonFuse,
 ];
 

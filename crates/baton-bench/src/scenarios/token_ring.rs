@@ -38,6 +38,7 @@ const MECHANISMS: &[Mechanism] = &[
     Mechanism::FastpathRing,
     Mechanism::FastpathPile,
     Mechanism::BatonFastpath,
+    Mechanism::BatonFastpathPile,
 ];
 
 /// The ring's state, in memory shared by its processes.
