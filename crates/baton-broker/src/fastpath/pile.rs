@@ -493,6 +493,48 @@ mod tests {
         assert_eq!(broker.pool().held(), 2);
     }
 
+    /// STATUS lists the tokens each seat's words name as its client's,
+    /// the rest of what the pile was lent as its lender's, and each seat
+    /// whose record says it sleeps as a waiter of its client.
+    #[test]
+    fn status_lists_a_piles_holders_and_sleepers_as_their_clients() {
+        let mut broker = Broker::new(2).unwrap();
+        let mut regions = Regions::default();
+        let a = client(&mut broker);
+        broker.start_build(a, 1, "one build".into()).unwrap();
+        let b = client(&mut broker);
+        let mapping = {
+            let offer = regions.offer(&mut broker, a, FASTPATH_PILE).unwrap();
+            Mapping::map(offer.fd).unwrap()
+        };
+        regions.offer(&mut broker, b, FASTPATH_PILE).unwrap();
+        regions.round(&mut broker);
+        mapping.pile().acquire(Seat(1), &Waker, None, true).unwrap();
+        // Seat 0's record says it sleeps (word 16 + 2 tokens + seat 0).
+        mapping.words()[18].store(1, SeqCst);
+        let status = broker.status();
+        let mut holders: Vec<(String, u32)> = status
+            .holders
+            .iter()
+            .map(|h| (h.command.clone(), h.tokens))
+            .collect();
+        holders.sort();
+        let build = broker.pool().build_of(a).unwrap().0;
+        let free = format!("[fast path of build {build}: free on its pile]");
+        assert_eq!(holders, [(free, 1), ("test".into(), 1)], "{status:#?}");
+        let waiters: Vec<_> = status
+            .waiters
+            .iter()
+            .map(|w| (w.transport.as_str(), w.tokens))
+            .collect();
+        assert_eq!(waiters, [("fastpath", 1)], "{status:#?}");
+        mapping.words()[18].store(0, SeqCst);
+        assert!(broker.status().waiters.is_empty());
+        for id in [a, b] {
+            regions.leave(&mut broker, id);
+        }
+    }
+
     fn the_pile(regions: &Regions) -> &PileRegion {
         regions.piles.values().next().expect("a pile")
     }
