@@ -174,6 +174,16 @@ const char *baton_errmsg(void);
  *   and any errno of recvmsg(2), fstat(2) or mmap(2). */
 int baton_fastpath(baton_t *c);
 
+/* As baton_fastpath(), in a pile (FASTPATH 2; docs/fastpath.md, "The
+ * pile"): a freed token goes to whoever comes for it first, not to the
+ * oldest waiter, as with a semaphore. A waiter can be passed over for as
+ * long as others keep coming back; in exchange a process that releases
+ * and takes again wakes nobody. The first fast-path client of a build
+ * chooses its layout: asking for the other one is ENOTSUP with the
+ * broker's reason, and the connection stays on the socket. Returns as
+ * baton_fastpath(). */
+int baton_fastpath_pile(baton_t *c);
+
 /* 1 while the connection has a fast-path seat it still uses, else 0 (none
  * asked for, refused, or given up after the broker revoked it or died). */
 int baton_uses_fastpath(const baton_t *c);

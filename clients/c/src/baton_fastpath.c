@@ -5,6 +5,7 @@
  * ring's steps are fastpath_ring.c's. */
 #include <errno.h>
 #include <fcntl.h>
+#include <stdlib.h>
 #include <poll.h>
 #include <stdio.h>
 #include <string.h>
@@ -105,7 +106,20 @@ static int map_region(int fd, struct baton_seat *fast) {
         baton__say("mapping the broker's region (%zu bytes): %s", len, strerror(errno));
         return -1;
     }
-    if (baton__ring_attach(&fast->ring, words, len / 8) < 0) {
+    int attached;
+    if (atomic_load((_Atomic uint64_t *)words) == BATON_PILE_MAGIC) {
+        fast->is_pile = 1;
+        attached = baton__pile_attach(&fast->pile, words, len / 8);
+        fast->tokens = attached == 0 ? calloc(fast->pile.tokens, sizeof *fast->tokens) : NULL;
+        if (attached == 0 && !fast->tokens) {
+            baton__say("no memory for a pile of %zu tokens", fast->pile.tokens);
+            attached = -1;
+        }
+        fast->ring.words = words;
+    } else {
+        attached = baton__ring_attach(&fast->ring, words, len / 8);
+    }
+    if (attached < 0) {
         int e = errno;
         munmap(words, len);
         errno = e;
@@ -118,8 +132,9 @@ static int map_region(int fd, struct baton_seat *fast) {
     return 0;
 }
 
-/* Takes the seat a FASTPATH reply offers, with the region's descriptor. */
-static int take_seat(baton_t *c, const struct baton_reply *r, int region) {
+/* Takes the seat a FASTPATH reply offers, with the region's descriptor:
+ * a region of the layout `version` asked for. */
+static int take_seat(baton_t *c, const struct baton_reply *r, int region, int version) {
     if (strcmp(r->kind, "FASTPATH") != 0) {
         errno = EPROTO;
         baton__say("unexpected reply from the broker: %s where FASTPATH was due", r->kind);
@@ -138,11 +153,19 @@ static int take_seat(baton_t *c, const struct baton_reply *r, int region) {
     struct baton_seat fast = {.seat = (unsigned)r->num[0]};
     if (map_region(region, &fast) < 0) return -1;
     fast.ring.socket = c->fd;
+    fast.pile.socket = c->fd;
     c->fast = fast;
+    if (fast.is_pile != (version == 2)) {
+        baton__fast_drop(c);
+        errno = EPROTO;
+        baton__say("FASTPATH %d came with a region of the other layout", version);
+        return -1;
+    }
     return 0;
 }
 
-int baton_fastpath(baton_t *c) {
+/* FASTPATH `version`, and the region that comes with its answer. */
+static int ask_for_a_seat(baton_t *c, int version) {
     if (c->fast.ring.words) return 0; /* seated already (the broker gives a connection one seat) */
 #if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_BIG_ENDIAN__
     errno = ENOTSUP;
@@ -154,12 +177,14 @@ int baton_fastpath(baton_t *c) {
         baton__say("a reply is unread: FASTPATH must come alone");
         return -1;
     }
-    if (baton__send(c, "FASTPATH 1\n", 11, NULL) < 0) return -1;
+    char request[16];
+    int len = snprintf(request, sizeof request, "FASTPATH %d\n", version);
+    if (baton__send(c, request, (size_t)len, NULL) < 0) return -1;
     int region = -1, rc = -1;
     char line[BATON_LINE_MAX];
     struct baton_reply r;
     if (receive_with_fd(c, &region) == 0 && baton__read_reply(c, line, sizeof line, &r, NULL) == 0)
-        rc = take_seat(c, &r, region);
+        rc = take_seat(c, &r, region, version);
     if (region >= 0) { /* mapped, or refused: either way the descriptor is done with */
         int e = errno;
         close(region);
@@ -168,12 +193,24 @@ int baton_fastpath(baton_t *c) {
     return rc;
 }
 
+int baton_fastpath(baton_t *c) { return ask_for_a_seat(c, 1); }
+
+int baton_fastpath_pile(baton_t *c) { return ask_for_a_seat(c, 2); }
+
 int baton_uses_fastpath(const baton_t *c) { return c->fast.ring.words != NULL; }
 
 void baton__fast_drop(baton_t *c) {
     if (!c->fast.ring.words) return;
     munmap((void *)c->fast.ring.words, c->fast.bytes);
+    free(c->fast.tokens);
     c->fast = (struct baton_seat){.ring.words = NULL};
+}
+
+/* The seat is given up: what it held is the connection's (the broker
+ * booked it there as it let go of the region). */
+static void give_up(baton_t *c) {
+    c->held += c->fast.held;
+    baton__fast_drop(c);
 }
 
 /* What the connection makes of an outcome in the region: 1 if the
@@ -188,19 +225,49 @@ static int settle(baton_t *c, enum baton_fp_outcome outcome) {
     case BATON_FP_BUSY:
     case BATON_FP_FULL:
     case BATON_FP_NOTHING_HELD: return 0;
-    default:
-        c->held += c->fast.held;
-        baton__fast_drop(c);
-        return 0;
+    default: give_up(c); return 0;
     }
 }
 
 /* Before each operation: a broker that is gone would never serve the
  * region again. */
-static int usable(const baton_t *c) { return baton__ring_broker_alive(&c->fast.ring); }
+static int usable(const baton_t *c) {
+    return c->fast.is_pile ? baton__pile_broker_alive(&c->fast.pile) : baton__ring_broker_alive(&c->fast.ring);
+}
+
+/* An acquire on a pile: 1 done there, 0 for the socket, -1 timed out. */
+static int pile_acquire(baton_t *c, int try_only, const struct timespec *deadline) {
+    size_t token = 0;
+    enum baton_pile_outcome got = usable(c) ? baton__pile_acquire(&c->fast.pile, c->fast.seat, try_only, deadline, &token)
+                                            : BATON_PILE_GONE;
+    switch (got) {
+    case BATON_PILE_TOKEN: c->fast.tokens[c->fast.held++] = (uint16_t)token; return 1;
+    case BATON_PILE_TIMED_OUT:
+        errno = ETIMEDOUT;
+        baton__say("the deadline passed before a token came (fast path): nothing is held for the wait");
+        return -1;
+    case BATON_PILE_BUSY: return 0;
+    default: give_up(c); return 0;
+    }
+}
+
+/* A release of the last token taken on a pile: 1 done, 0 for the socket. */
+static int pile_release(baton_t *c) {
+    if (c->fast.held == 0) return 0;
+    size_t token = c->fast.tokens[c->fast.held - 1];
+    enum baton_pile_outcome done =
+        usable(c) ? baton__pile_release(&c->fast.pile, c->fast.seat, token) : BATON_PILE_GONE;
+    if (done != BATON_PILE_PILED && done != BATON_PILE_TO_BROKER) {
+        give_up(c);
+        return 0;
+    }
+    c->fast.held--;
+    return 1;
+}
 
 int baton__fast_acquire(baton_t *c, const struct timespec *deadline) {
     if (!c->fast.ring.words) return 0;
+    if (c->fast.is_pile) return pile_acquire(c, 0, deadline);
     enum baton_fp_outcome got =
         usable(c) ? baton__ring_acquire(&c->fast.ring, c->fast.seat, deadline) : BATON_FP_GONE;
     if (!settle(c, got)) return 0;
@@ -216,6 +283,7 @@ int baton__fast_acquire(baton_t *c, const struct timespec *deadline) {
 
 int baton__fast_try_acquire(baton_t *c) {
     if (!c->fast.ring.words) return 0;
+    if (c->fast.is_pile) return pile_acquire(c, 1, NULL) == 1;
     enum baton_fp_outcome got = usable(c) ? baton__ring_try_acquire(&c->fast.ring, c->fast.seat) : BATON_FP_GONE;
     if (!settle(c, got)) return 0;
     c->fast.held++;
@@ -224,6 +292,7 @@ int baton__fast_try_acquire(baton_t *c) {
 
 int baton__fast_release(baton_t *c) {
     if (!c->fast.ring.words) return 0;
+    if (c->fast.is_pile) return pile_release(c);
     enum baton_fp_outcome done = usable(c) ? baton__ring_release(&c->fast.ring, c->fast.seat) : BATON_FP_GONE;
     if (!settle(c, done)) return 0;
     c->fast.held--;

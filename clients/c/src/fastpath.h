@@ -108,4 +108,54 @@ enum baton_fp_outcome baton__ring_acquire(const struct baton_ring *r, unsigned s
 enum baton_fp_outcome baton__ring_try_acquire(const struct baton_ring *r, unsigned seat);
 enum baton_fp_outcome baton__ring_release(const struct baton_ring *r, unsigned seat);
 
+/* The host's calls, shared by the ring and the pile. */
+struct timespec baton__fp_now(void);
+int baton__fp_before(const struct timespec *a, const struct timespec *b);
+/* Sleeps while the low half of `word` is `expected`, a second at most
+ * (to look at the broker's liveness), or until `deadline`. */
+void baton__fp_wait(_Atomic uint64_t *word, uint32_t expected, const struct timespec *deadline);
+/* Wakes one process waiting on `word`; whether there was one. */
+int baton__fp_wake_one(_Atomic uint64_t *word);
+/* NUDGE on the connection: the broker looks at the region. */
+void baton__fp_nudge(int socket);
+
+/* --- The pile (docs/fastpath.md, "The pile"): a port of
+ * crates/baton-core/src/fastpath/pile.rs, step for step. */
+
+/* The first word of a pile: "BATONPL1", little-endian. */
+#define BATON_PILE_MAGIC 0x314c504e4f544142ull
+#define BATON_PILE_MAX_TOKENS 4096u
+#define BATON_PILE_MAX_SEATS 2047u
+
+/* A pile's words as a client maps them, and where its notices go. */
+struct baton_pile {
+    _Atomic uint64_t *words;   /* NULL: no pile */
+    size_t tokens;             /* token words */
+    size_t seats;
+    int socket;                /* the connection, for NUDGE */
+};
+
+/* How an operation on a pile ended (pile.rs's `Acquired`, `Released` and
+ * `Refused`). */
+enum baton_pile_outcome {
+    BATON_PILE_TOKEN,          /* acquire: `*token` now names the seat */
+    BATON_PILE_PILED,          /* release: back on the pile */
+    BATON_PILE_TO_BROKER,      /* release: recalled, the broker's now (it was told) */
+    BATON_PILE_TIMED_OUT,      /* acquire: the deadline passed first */
+    BATON_PILE_BUSY,           /* TRY: no token on the pile */
+    BATON_PILE_NOT_HELD,       /* release: the seat does not hold that token */
+    BATON_PILE_GONE,           /* the broker that made the pile is gone */
+};
+
+/* Checks a pile's header; 0, or -1 with EPROTO and the reason said. */
+int baton__pile_attach(struct baton_pile *p, _Atomic uint64_t *words, size_t nwords);
+/* Whether the broker's thread holding the liveness word still lives. */
+int baton__pile_broker_alive(const struct baton_pile *p);
+/* Takes a token (`try_only`: only if one is free now), waiting until
+ * `deadline` (CLOCK_MONOTONIC, NULL: none). */
+enum baton_pile_outcome baton__pile_acquire(const struct baton_pile *p, unsigned seat, int try_only,
+                                            const struct timespec *deadline, size_t *token);
+/* Gives token `token` back. */
+enum baton_pile_outcome baton__pile_release(const struct baton_pile *p, unsigned seat, size_t token);
+
 #endif

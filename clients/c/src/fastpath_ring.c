@@ -204,13 +204,13 @@ static uint32_t *low_half(_Atomic uint64_t *word) {
 #endif
 }
 
-static struct timespec now(void) {
+struct timespec baton__fp_now(void) {
     struct timespec t;
     clock_gettime(CLOCK_MONOTONIC, &t);
     return t;
 }
 
-static int before(const struct timespec *a, const struct timespec *b) {
+int baton__fp_before(const struct timespec *a, const struct timespec *b) {
     return a->tv_sec < b->tv_sec || (a->tv_sec == b->tv_sec && a->tv_nsec < b->tv_nsec);
 }
 
@@ -218,15 +218,15 @@ static int before(const struct timespec *a, const struct timespec *b) {
  * signal, the deadline, a second at most (to look at the broker's
  * liveness), or for no reason (the caller looks again). Not
  * FUTEX_PRIVATE_FLAG: the word is shared between processes. */
-static void host_wait(_Atomic uint64_t *word, uint32_t expected, const struct timespec *deadline) {
+void baton__fp_wait(_Atomic uint64_t *word, uint32_t expected, const struct timespec *deadline) {
     int e = errno;
-    struct timespec start = now(), until = start;
+    struct timespec start = baton__fp_now(), until = start;
     until.tv_nsec += LOOK_AT_THE_BROKER_EVERY_NS % 1000000000L;
     until.tv_sec += LOOK_AT_THE_BROKER_EVERY_NS / 1000000000L + until.tv_nsec / 1000000000L;
     until.tv_nsec %= 1000000000L;
-    if (deadline && before(deadline, &until)) until = *deadline;
+    if (deadline && baton__fp_before(deadline, &until)) until = *deadline;
     struct timespec left = {0, 0};
-    if (before(&start, &until)) {
+    if (baton__fp_before(&start, &until)) {
         left.tv_sec = until.tv_sec - start.tv_sec;
         left.tv_nsec = until.tv_nsec - start.tv_nsec;
         if (left.tv_nsec < 0) {
@@ -238,23 +238,29 @@ static void host_wait(_Atomic uint64_t *word, uint32_t expected, const struct ti
     errno = e;
 }
 
-/* Wakes the one client that waits on `word`: the slot's claimer. */
-static void host_wake(_Atomic uint64_t *word) {
+/* Wakes one client that waits on `word` (a slot's: its claimer); whether
+ * there was one. */
+int baton__fp_wake_one(_Atomic uint64_t *word) {
     int e = errno;
-    syscall(SYS_futex, low_half(word), FUTEX_WAKE, 1, NULL, NULL, 0);
+    long woken = syscall(SYS_futex, low_half(word), FUTEX_WAKE, 1, NULL, NULL, 0);
     errno = e;
+    return woken > 0;
 }
+
+static void host_wake(_Atomic uint64_t *word) { baton__fp_wake_one(word); }
 
 /* Tells the broker to look at the region: a claim behind its barrier, or
  * a token returned through the record. Either notice asks the same, so
  * both are NUDGE. A failure is not ours to report: a broker that is gone
  * is found at the next operation. */
-static void host_tell(const struct baton_ring *r) {
+static void host_tell(const struct baton_ring *r) { baton__fp_nudge(r->socket); }
+
+void baton__fp_nudge(int socket) {
     int e = errno;
     static const char nudge[] = "NUDGE\n";
     size_t sent = 0;
     while (sent < sizeof nudge - 1) {
-        ssize_t n = send(r->socket, nudge + sent, sizeof nudge - 1 - sent, MSG_NOSIGNAL);
+        ssize_t n = send(socket, nudge + sent, sizeof nudge - 1 - sent, MSG_NOSIGNAL);
         if (n < 0 && errno == EINTR) continue;
         if (n <= 0) break;
         sent += (size_t)n;
@@ -512,8 +518,8 @@ static enum baton_fp_outcome sleep_on(const struct baton_ring *r, unsigned seat,
     for (;;) {
         if (revoked(r, seat)) return BATON_FP_REVOKED;
         if (!baton__ring_broker_alive(r)) return BATON_FP_GONE;
-        struct timespec at = now();
-        if (deadline && !before(&at, deadline)) {
+        struct timespec at = baton__fp_now();
+        if (deadline && !baton__fp_before(&at, deadline)) {
             enum baton_fp_outcome rc = time_out(r, seat, t, phase);
             if (rc != OK) return rc;
             return *phase == DONE ? BATON_FP_TIMED_OUT : OK;
@@ -530,7 +536,7 @@ static enum baton_fp_outcome sleep_on(const struct baton_ring *r, unsigned seat,
             *phase = TAKE;
             return OK;
         }
-        host_wait(slot_word(r, t), (uint32_t)raw, deadline);
+        baton__fp_wait(slot_word(r, t), (uint32_t)raw, deadline);
     }
 }
 

@@ -22,6 +22,11 @@ struct baton_seat {
     size_t bytes;               /* the mapping's length */
     unsigned seat;
     unsigned held;              /* tokens held through the region (its record says the same) */
+    /* A pile instead of a ring (FASTPATH 2): ring.words still marks the
+     * seat (the mapping), and `tokens` lists the words this seat holds. */
+    int is_pile;
+    struct baton_pile pile;
+    uint16_t *tokens;
 };
 
 struct baton {

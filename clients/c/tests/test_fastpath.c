@@ -88,11 +88,17 @@ static int build_root(const char *socket) {
     return fd;
 }
 
+/* Whether the tests running now ask for a pile (FASTPATH 2) instead of
+ * a ring: the same tests run for both layouts. */
+static int use_pile;
+
+static int enable(baton_t *c) { return use_pile ? baton_fastpath_pile(c) : baton_fastpath(c); }
+
 /* A connection with a seat in the build's region. */
 static baton_t *fast_client(const char *socket, const char *label) {
     baton_t *c = baton_connect(socket, label, NULL);
     CHECK(c);
-    if (baton_fastpath(c) != 0) {
+    if (enable(c) != 0) {
         fprintf(stderr, "baton_fastpath: %s\n", baton_errmsg());
         exit(1);
     }
@@ -413,7 +419,7 @@ _Noreturn static void job_here(int index, const char *socket) {
     int progress = open_in_dir(name, O_WRONLY | O_APPEND), at_limit = open_in_dir("at-limit", O_WRONLY | O_APPEND);
     if (scan < 0 || progress < 0 || at_limit < 0) child_fails("failed", "opening the job files", 2);
     baton_t *c = baton_connect(socket, "job", NULL);
-    if (!c || baton_fastpath(c) != 0) {
+    if (!c || enable(c) != 0) {
         snprintf(why, sizeof why, "job %d: connect or baton_fastpath: %s", index, baton_errmsg());
         child_fails("failed", why, 2);
     }
@@ -685,6 +691,47 @@ static void a_broker_that_offers_no_seat_is_enotsup_and_the_socket_serves_on(voi
     broker_stop(&b);
 }
 
+/* The same tests with every client in a pile. */
+static void in_a_pile(void (*test)(void)) {
+    use_pile = 1;
+    test();
+    use_pile = 0;
+}
+
+static void pile_a_deadline_is_honoured(void) { in_a_pile(a_deadline_is_honoured_in_the_region); }
+
+static void pile_threads_pass_tokens_without_waking_the_broker(void) {
+    in_a_pile(threads_pass_tokens_in_the_region_without_waking_the_broker);
+}
+
+static void pile_clients_killed_at_random_moments_never_run_more_jobs_than_tokens_nor_lose_one(void) {
+    in_a_pile(clients_killed_at_random_moments_never_run_more_jobs_than_tokens_nor_lose_one);
+}
+
+static void pile_a_waiter_whose_broker_is_killed_gives_up(void) {
+    in_a_pile(a_waiter_whose_broker_is_killed_gives_up_instead_of_sleeping_forever);
+}
+
+/* A build's first fast-path client chose a ring: asking it for a pile is
+ * ENOTSUP with the broker's reason, and the socket serves on. */
+static void a_pile_asked_of_a_ring_build_is_enotsup(void) {
+    struct broker b;
+    broker_start(&b, 1);
+    int root = build_root(b.socket);
+    baton_t *ringed = fast_client(b.socket, "ringed"), *c = baton_connect(b.socket, "piled", NULL);
+    CHECK(c);
+    errno = 0;
+    CHECK(baton_fastpath_pile(c) == -1 && errno == ENOTSUP && !baton_uses_fastpath(c));
+    CHECK(strstr(baton_errmsg(), "FASTPATH 1"));
+    struct timespec guard = baton_deadline(HANG_GUARD_MS);
+    CHECK(baton_acquire(c, 1, &guard) == 0 && baton_release(c, 1, NULL) == 0);
+    baton_close(c);
+    baton_close(ringed);
+    close(root);
+    wait_all_free(&b);
+    broker_stop(&b);
+}
+
 int main(void) {
     signal(SIGPIPE, SIG_DFL); /* the library must not need SIGPIPE ignored */
     test_pid = getpid();
@@ -704,6 +751,12 @@ int main(void) {
          a_waiter_whose_broker_is_killed_gives_up_instead_of_sleeping_forever},
         {"a_broker_that_offers_no_seat_is_enotsup_and_the_socket_serves_on",
          a_broker_that_offers_no_seat_is_enotsup_and_the_socket_serves_on},
+        {"pile_a_deadline_is_honoured", pile_a_deadline_is_honoured},
+        {"pile_threads_pass_tokens_without_waking_the_broker", pile_threads_pass_tokens_without_waking_the_broker},
+        {"pile_clients_killed_at_random_moments_never_run_more_jobs_than_tokens_nor_lose_one",
+         pile_clients_killed_at_random_moments_never_run_more_jobs_than_tokens_nor_lose_one},
+        {"pile_a_waiter_whose_broker_is_killed_gives_up", pile_a_waiter_whose_broker_is_killed_gives_up},
+        {"a_pile_asked_of_a_ring_build_is_enotsup", a_pile_asked_of_a_ring_build_is_enotsup},
     };
     size_t n = sizeof tests / sizeof *tests, passed = 0;
     for (size_t i = 0; i < n; i++) {

@@ -55,7 +55,7 @@ def job(fd: int) -> None:
 
 def seated(library: str, socket: str, label: str) -> FastClient:
     client = FastClient.connect(socket, label=label, library=library)
-    if not client.enable_fastpath():
+    if not client.enable_fastpath(pile=os.environ.get("BATON_TEST_PILE") == "1"):
         sys.exit(f"no seat: {client.fastpath_refusal}")
     return client
 

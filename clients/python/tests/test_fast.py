@@ -190,13 +190,20 @@ def test_no_broker_at_a_missing_or_stale_socket_is_no_broker_error(libbaton, tmp
     assert refused.value.errno == errno.ECONNREFUSED
 
 
-def test_two_processes_on_one_token_never_run_two_jobs_at_once(start_broker, build_root, libbaton, tmp_path):
+def layout_env(pile: bool) -> dict:
+    """A child's environment: BATON_TEST_PILE=1 makes it ask for a pile."""
+    return {**os.environ, "BATON_TEST_PILE": "1" if pile else "0"}
+
+
+@pytest.mark.parametrize("pile", [False, True], ids=["ring", "pile"])
+def test_two_processes_on_one_token_never_run_two_jobs_at_once(start_broker, build_root, libbaton, tmp_path, pile):
     broker = start_broker(1)
     build_root(broker)
     lockfile = tmp_path / "locks"
     lockfile.write_bytes(b"\0" * 3)
+    env = layout_env(pile)
     procs = [
-        child("jobs", libbaton, broker.socket, str(lockfile), str(i), "2", "1", "300", stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        child("jobs", libbaton, broker.socket, str(lockfile), str(i), "2", "1", "300", stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
         for i in range(2)
     ]
     try:
@@ -218,10 +225,11 @@ def test_two_processes_on_one_token_never_run_two_jobs_at_once(start_broker, bui
     all_back(broker, libbaton)
 
 
-def test_a_holder_killed_with_sigkill_has_its_region_token_back_in_the_pool(start_broker, build_root, libbaton):
+@pytest.mark.parametrize("pile", [False, True], ids=["ring", "pile"])
+def test_a_holder_killed_with_sigkill_has_its_region_token_back_in_the_pool(start_broker, build_root, libbaton, pile):
     broker = start_broker(1)
     build_root(broker)
-    holder = child("hold", libbaton, broker.socket, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    holder = child("hold", libbaton, broker.socket, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=layout_env(pile))
     try:
         ready, _, _ = select.select([holder.stdout], [], [], PATIENCE)
         assert ready, f"the holder said nothing within {PATIENCE} s (hang guard)"

@@ -76,6 +76,7 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
         "baton_refusal": ([p], ctypes.c_char_p),
         "baton_errmsg": ([], ctypes.c_char_p),
         "baton_fastpath": ([p], ctypes.c_int),
+        "baton_fastpath_pile": ([p], ctypes.c_int),
         "baton_uses_fastpath": ([p], ctypes.c_int),
         "baton_close": ([p], None),
     }
@@ -237,15 +238,23 @@ class FastClient:
             raise error(ctypes.get_errno(), _errmsg(lib), at_connect=True)
         return cls(handle, lib, path)
 
-    def enable_fastpath(self) -> bool:
+    def enable_fastpath(self, pile: bool = False) -> bool:
         """Asks for a seat in the fast path of this connection's build.
         True when seated (or already). False when the broker offers none
-        (another user's process, a full or closed region): its words are in
+        (another user's process, a full or closed region, a build whose
+        first fast-path client chose the other layout): its words are in
         :attr:`fastpath_refusal`, and the client goes on over the socket. A
-        broken connection, or a broker too old for the fast path, raises."""
+        broken connection, or a broker too old for the fast path, raises.
+
+        ``pile=True`` asks for a pile (docs/fastpath.md, "The pile"): a
+        freed token goes to whoever comes for it first, as with a
+        semaphore, not to the oldest waiter; a waiter can be passed over
+        while others keep coming back, and a process that gives a token
+        back and takes one again wakes nobody."""
+        ask = self._lib.baton_fastpath_pile if pile else self._lib.baton_fastpath
         with self._lock:
             handle = self._live()
-            if self._lib.baton_fastpath(handle) == 0:
+            if ask(handle) == 0:
                 return True
             code = ctypes.get_errno()
             words = _errmsg(self._lib)
