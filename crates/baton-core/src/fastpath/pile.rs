@@ -944,6 +944,9 @@ pub const LIVENESS: usize = 2;
 /// the pool's queue): a client that goes to sleep then tells the broker,
 /// which asks the pool for a token on its behalf.
 pub const CLOSED: usize = 7;
+// The liveness word's five words (a pthread mutex) lie between the sizes
+// and the closed word, all in the first line, away from the bell's.
+const _: () = assert!(SIZES < LIVENESS && LIVENESS + 5 <= CLOSED && CLOSED < BELL);
 
 /// The broker's moves on a pile. Only the broker turns a [`BROKER`] word
 /// into anything else, so which words are lent is its own book, and a
@@ -1481,15 +1484,13 @@ mod tests {
         assert!(pile.seize(Seat(0)).is_empty(), "nothing left to seize");
     }
 
-    /// The closed word is word 7, the liveness word's lines do not touch
-    /// the bell, and a broker leaving wakes every sleeper with a new
+    /// The closed word is word 7, and a broker leaving wakes every sleeper with a new
     /// sequence (a sleeper not yet in the kernel does not sleep on).
     #[test]
     fn a_leaving_broker_changes_the_sequence_and_wakes_every_sleeper() {
         let w = words(2, 2);
         let pile = Pile::init(&w, 2, 2, 0).unwrap();
         assert!(std::ptr::eq(pile.closed(), &w[CLOSED]));
-        assert!(LIVENESS + 5 <= CLOSED && CLOSED < BELL && SIZES < LIVENESS);
         w[BELL].store(u64::from(u32::MAX) | (3 * SLEEPER), SeqCst);
         let bell = Sleepers(Cell::new(3));
         pile.wake_all(&bell);
