@@ -794,6 +794,11 @@ fn a_forged_token_word_is_found_logged_and_its_clients_dropped_to_the_socket() {
         .map(|i| region.words()[16 + i].store(u64::MAX, SeqCst))
         .count();
     assert_eq!(forged, 1, "one of the two tokens is not honest's");
+    // A client that finds no token sleeps on the pile (almost always before
+    // the audit, which comes within a second): when the pile ends it must
+    // wake, see the broker gone from it, and wait on the socket instead.
+    let mut sleeper = fast_client_in(&broker, "sleeper", PILE);
+    let asleep = std::thread::spawn(move || sleeper.acquire(1).map(|()| sleeper));
     wait_for(PATIENCE, "the audit to find it", || {
         broker
             .log()
@@ -804,6 +809,10 @@ fn a_forged_token_word_is_found_logged_and_its_clients_dropped_to_the_socket() {
         late.enable_fastpath_pile().unwrap().is_err(),
         "the build gets no region again"
     );
+    let mut sleeper = join_within(asleep, PATIENCE, "the sleeper's acquire").unwrap();
+    assert_eq!(sleeper.held(), 1, "served over the socket");
+    assert!(!sleeper.uses_fastpath());
+    sleeper.release(1).unwrap();
     // Honest's token was booked on its connection: it gives it back over
     // the socket, and goes on there.
     honest.release(1).unwrap();

@@ -201,10 +201,7 @@ impl PileRegion {
                 broker.cancel(self.lender, tag);
             }
         }
-        while broker.pool().free() > 0 && self.lent.contains(&false) {
-            if broker.try_acquire(self.lender, 1) != Ok(true) {
-                break;
-            }
+        while self.lent.contains(&false) && broker.try_acquire(self.lender, 1) == Ok(true) {
             if !self.put_on_pile() {
                 self.give_back(broker, 1);
                 break;
@@ -240,14 +237,19 @@ impl PileRegion {
         self.ask_for_sleepers(broker, sleepers);
     }
 
-    /// One request in the pool per sleeper, as far as the limit and the
-    /// pile's words allow; requests nobody sleeps for are cancelled.
+    /// One request in the pool per sleeper that no free token on the
+    /// pile is there for (a grant is put on the pile, and its sleeper may
+    /// not have taken it yet), as far as the limit and the pile's words
+    /// allow; requests nobody sleeps for are cancelled.
     fn ask_for_sleepers(&mut self, broker: &mut Broker, sleepers: usize) {
         let wanted = |region: &PileRegion, broker: &Broker| {
             let pool = broker.pool();
             let room = pool.limit().saturating_sub(pool.held_by(region.lender)) as usize;
             let words = region.lent.iter().filter(|&&lent| !lent).count();
-            sleepers.min(room).min(words)
+            sleepers
+                .saturating_sub(region.free_on_pile())
+                .min(room)
+                .min(words)
         };
         while self.asked.len() < wanted(self, broker) {
             let tag = self.next_tag;
@@ -267,6 +269,21 @@ impl PileRegion {
             let tag = self.asked.pop().expect("longer than wanted");
             broker.cancel(self.lender, tag);
         }
+    }
+
+    /// Lent tokens lying free on the pile.
+    fn free_on_pile(&self) -> usize {
+        let pile = self.pile();
+        (0..self.lent.len())
+            .filter(|&i| self.lent[i] && pile.token_word(i) == TokenWord::Free)
+            .count()
+    }
+
+    /// Whether the pool's books hold on the lender what the broker's book
+    /// says it lent (between rounds, once every grant to lenders is
+    /// served).
+    pub(super) fn balances(&self, broker: &Broker) -> bool {
+        broker.pool().held_by(self.lender) as usize == self.lent.iter().filter(|&&l| l).count()
     }
 
     /// Reads every word against the broker's book of what it lent: why
@@ -321,15 +338,15 @@ impl PileRegion {
     /// One pass of an eviction: whether it moved anything.
     fn take_everything_back(&mut self, broker: &mut Broker) -> bool {
         let pile = self.mapping.pile();
-        let mut free = 0;
+        // Free words come off the pile; their tokens stay the lender's
+        // until the pile retires, which gives back all it holds.
+        let mut moved = false;
         for (i, lent) in self.lent.iter_mut().enumerate() {
             if *lent && pile.take_back(i) {
                 *lent = false;
-                free += 1;
+                moved = true;
             }
         }
-        self.give_back(broker, free);
-        let mut moved = free > 0;
         for s in 0..SEATS {
             let Some(client) = self.clients[s] else {
                 continue;
@@ -502,7 +519,8 @@ mod tests {
         let mut regions = Regions::default();
         let a = client(&mut broker);
         broker.start_build(a, 1, "one build".into()).unwrap();
-        let b = client(&mut broker);
+        let meta = ClientMeta::new(std::process::id(), "b".into(), Transport::Socket);
+        let b = broker.connect(meta);
         let mapping = {
             let offer = regions.offer(&mut broker, a, FASTPATH_PILE).unwrap();
             Mapping::map(offer.fd).unwrap()
@@ -521,16 +539,134 @@ mod tests {
         holders.sort();
         let build = broker.pool().build_of(a).unwrap().0;
         let free = format!("[fast path of build {build}: free on its pile]");
-        assert_eq!(holders, [(free, 1), ("test".into(), 1)], "{status:#?}");
+        assert_eq!(holders, [(free, 1), ("b".into(), 1)], "{status:#?}");
         let waiters: Vec<_> = status
             .waiters
             .iter()
-            .map(|w| (w.transport.as_str(), w.tokens))
+            .map(|w| (w.command.as_str(), w.transport.as_str(), w.tokens))
             .collect();
-        assert_eq!(waiters, [("fastpath", 1)], "{status:#?}");
+        assert_eq!(waiters, [("test", "fastpath", 1)], "a's seat: {status:#?}");
         mapping.words()[18].store(0, SeqCst);
         assert!(broker.status().waiters.is_empty());
         for id in [a, b] {
+            regions.leave(&mut broker, id);
+        }
+    }
+
+    /// A sleeper that only a wake-up ends: its futex wait has no deadline
+    /// and no look at the broker (the client library looks once a second,
+    /// which would hide a broker that never wakes anybody).
+    struct Deaf;
+
+    impl Bell for Deaf {
+        fn wait(&self, word: &AtomicU64, expected: u32, _: Option<Instant>) {
+            baton_client::fastpath::futex_wait(word, expected, None);
+        }
+
+        fn wake_one(&self, word: &AtomicU64) -> bool {
+            futex_wake_one(word)
+        }
+    }
+
+    /// A token the broker puts on the pile (another build gave it back,
+    /// and the pile reopened) wakes the client asleep on the bell.
+    #[test]
+    fn a_token_the_broker_lends_wakes_a_sleeper() {
+        let mut broker = Broker::new(1).unwrap();
+        let mut regions = Regions::default();
+        let other = client(&mut broker);
+        let a = client(&mut broker);
+        broker.start_build(a, 1, "one build".into()).unwrap();
+        let mapping = Arc::new({
+            let offer = regions.offer(&mut broker, a, FASTPATH_PILE).unwrap();
+            Mapping::map(offer.fd).unwrap()
+        });
+        // The other build holds the one token: nothing to lend yet.
+        assert_eq!(broker.try_acquire(other, 1), Ok(true));
+        regions.round(&mut broker);
+        // Not a scoped thread: one never woken must fail the test, not
+        // hang it.
+        let shared = mapping.clone();
+        let (tid_tx, tid) = std::sync::mpsc::channel();
+        let sleeper = std::thread::spawn(move || {
+            // SAFETY: gettid has no arguments and cannot fail.
+            tid_tx.send(unsafe { libc::gettid() }).unwrap();
+            shared.pile().acquire(Seat(0), &Deaf, None, false)
+        });
+        // In the kernel, in futex_wait, not merely about to be: so only a
+        // wake can end its wait.
+        let wchan = format!("/proc/self/task/{}/wchan", tid.recv().unwrap());
+        let patience = std::time::Duration::from_secs(60);
+        baton_testkit::wait_for(patience, "the sleeper to sleep in futex_wait", || {
+            std::fs::read_to_string(&wchan).is_ok_and(|w| w.contains("futex"))
+        });
+        broker.release(other, 1).unwrap();
+        regions.round(&mut broker);
+        let woken = baton_testkit::join_within(sleeper, patience, "the sleeper");
+        assert_eq!(woken, Ok(baton_core::fastpath::pile::Acquired::Token(0)));
+        regions.leave(&mut broker, a);
+        broker.disconnect(a);
+        assert_eq!(broker.pool().free(), 1);
+    }
+
+    /// A pile closed while another build holds every token: each of two
+    /// sleepers is one request in the pool, each with its own tag.
+    #[test]
+    fn two_sleepers_behind_a_closed_pile_are_two_requests() {
+        let mut broker = Broker::new(3).unwrap();
+        let mut regions = Regions::default();
+        let other = client(&mut broker);
+        let a = client(&mut broker);
+        broker.start_build(a, 1, "one build".into()).unwrap();
+        let mapping = {
+            let offer = regions.offer(&mut broker, a, FASTPATH_PILE).unwrap();
+            Mapping::map(offer.fd).unwrap()
+        };
+        let third = client(&mut broker);
+        assert_eq!(broker.try_acquire(other, 3), Ok(true));
+        assert_eq!(broker.acquire(third, 0, 1), Ok(Acquired::Queued));
+        regions.round(&mut broker);
+        mapping.words()[8].fetch_add(2 << 32, SeqCst);
+        regions.round(&mut broker);
+        assert_eq!(the_pile(&regions).asked.len(), 2);
+        assert_eq!(broker.pool().waiting(), 3, "the third's request and two");
+        broker.release(other, 3).unwrap();
+        assert_eq!(broker.pool().held_by(third), 1, "first in line");
+        regions.round(&mut broker); // the grants, each onto the pile
+        let free: Vec<_> = (0..3).map(|i| mapping.pile().token_word(i)).collect();
+        assert_eq!(free.iter().filter(|&&w| w == TokenWord::Free).count(), 2);
+        broker.release(third, 1).unwrap();
+        mapping.words()[8].fetch_sub(2 << 32, SeqCst);
+        regions.leave(&mut broker, a);
+        assert_eq!(broker.pool().free(), 3);
+    }
+
+    /// A sleeper behind a pile closed by another build's region gets one
+    /// token from the pool, not every free one; and a round before it has
+    /// taken it asks for no other.
+    #[test]
+    fn a_sleeper_is_lent_one_token_however_many_rounds_pass() {
+        let mut broker = Broker::new(3).unwrap();
+        let mut regions = Regions::default();
+        let other = client(&mut broker);
+        regions.offer(&mut broker, other, FASTPATH_PILE).unwrap();
+        let a = client(&mut broker);
+        broker.start_build(a, 1, "one build".into()).unwrap();
+        let mapping = {
+            let offer = regions.offer(&mut broker, a, FASTPATH_PILE).unwrap();
+            Mapping::map(offer.fd).unwrap()
+        };
+        regions.round(&mut broker);
+        assert_eq!(broker.pool().free(), 3, "two piles: both closed");
+        mapping.words()[8].fetch_add(1 << 32, SeqCst);
+        for round in 0..3 {
+            regions.round(&mut broker);
+            assert_eq!(broker.pool().free(), 2, "round {round}: one lent");
+        }
+        mapping.words()[8].fetch_sub(1 << 32, SeqCst);
+        regions.round(&mut broker);
+        assert_eq!(broker.pool().free(), 3, "nobody sleeps: taken back");
+        for id in [a, other] {
             regions.leave(&mut broker, id);
         }
     }
