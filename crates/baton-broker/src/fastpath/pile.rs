@@ -671,6 +671,63 @@ mod tests {
         }
     }
 
+    /// A closed pile whose one lent token is held, not free: its sleeper
+    /// is one request (no free token on the pile waits for it).
+    #[test]
+    fn a_held_token_is_not_counted_as_waiting_for_a_sleeper() {
+        let mut broker = Broker::new(2).unwrap();
+        let mut regions = Regions::default();
+        let third = client(&mut broker);
+        let a = client(&mut broker);
+        broker.start_build(a, 1, "one build".into()).unwrap();
+        let mapping = {
+            let offer = regions.offer(&mut broker, a, FASTPATH_PILE).unwrap();
+            Mapping::map(offer.fd).unwrap()
+        };
+        regions.round(&mut broker);
+        mapping.pile().acquire(Seat(0), &Waker, None, true).unwrap();
+        assert_eq!(broker.acquire(third, 0, 1), Ok(Acquired::Queued));
+        regions.round(&mut broker);
+        assert_eq!(
+            broker.pool().held_by(third),
+            1,
+            "the free one went to the third"
+        );
+        // The third asks again: the pile stays closed.
+        assert_eq!(broker.acquire(third, 1, 1), Ok(Acquired::Queued));
+        mapping.words()[8].fetch_add(1 << 32, SeqCst);
+        regions.round(&mut broker);
+        assert_eq!(the_pile(&regions).asked.len(), 1);
+        mapping.words()[8].fetch_sub(1 << 32, SeqCst);
+        broker.cancel(third, 1);
+        regions.leave(&mut broker, a);
+        broker.disconnect(a);
+        broker.release(third, 1).unwrap();
+        assert_eq!(broker.pool().free(), 2);
+    }
+
+    /// The pool's books and the broker's book of what it lent agree while
+    /// the broker alone moves tokens; a token moved behind the pile's back
+    /// unbalances them, and the audit ends the pile for it.
+    #[test]
+    fn the_audit_ends_a_pile_whose_lender_holds_what_it_did_not_lend() {
+        let mut broker = Broker::new(2).unwrap();
+        let mut regions = Regions::default();
+        let other = client(&mut broker);
+        let a = client(&mut broker);
+        broker.start_build(a, 1, "one build".into()).unwrap();
+        regions.offer(&mut broker, a, FASTPATH_PILE).unwrap();
+        regions.round(&mut broker);
+        assert!(the_pile(&regions).balances(&broker));
+        let lender = the_pile(&regions).lender;
+        broker.transfer(lender, other, 1).unwrap();
+        assert!(!the_pile(&regions).balances(&broker));
+        regions.audit_piles(&mut broker);
+        assert!(regions.is_empty(), "the pile ended");
+        assert_eq!(broker.status().totals.fastpath_mismatches, 1);
+        regions.leave(&mut broker, a);
+    }
+
     fn the_pile(regions: &Regions) -> &PileRegion {
         regions.piles.values().next().expect("a pile")
     }
