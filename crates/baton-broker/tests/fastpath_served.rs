@@ -113,6 +113,10 @@ fn main() {
             another_build_is_served_while_the_piles_clients_keep_taking_its_token,
         ),
         (
+            "pile_a_pile_whose_last_client_leaves_says_so_to_a_mapping_left_open",
+            a_pile_whose_last_client_leaves_says_so_to_a_mapping_left_open,
+        ),
+        (
             "pile_a_build_keeps_the_layout_its_first_fast_path_client_chose",
             a_build_keeps_the_layout_its_first_fast_path_client_chose,
         ),
@@ -769,19 +773,7 @@ fn a_forged_token_word_is_found_logged_and_its_clients_dropped_to_the_socket() {
     honest.acquire(1).unwrap();
     let mut forger = fast_client_in(&broker, "forger", PILE);
     // The forger's own mapping of the pile, as any client of it has.
-    let stream = std::os::unix::net::UnixStream::connect(&broker.socket).unwrap();
-    let mut writer = stream.try_clone().unwrap();
-    writer.write_all(b"HELLO 1 forger\nFASTPATH 2\n").unwrap();
-    let mut byte = [0u8; 1];
-    let mut first = String::new();
-    while !first.ends_with('\n') {
-        std::io::Read::read_exact(&mut &stream, &mut byte).unwrap();
-        first.push(byte[0] as char);
-    }
-    let (line, fd) = baton_client::fastpath::receive_with_fd(&stream).unwrap();
-    assert!(line.starts_with("FASTPATH "), "{line}");
-    let region = Mapping::map(std::os::fd::AsFd::as_fd(&fd.expect("the pile"))).unwrap();
-    assert!(region.is_pile());
+    let (stream, region) = raw_pile_seat(&broker, "forger");
     // Every token word of the pile, lent or not: the one honest holds is
     // left alone, the others get a word no correct client writes.
     let pile = region.pile();
@@ -825,7 +817,49 @@ fn a_forged_token_word_is_found_logged_and_its_clients_dropped_to_the_socket() {
     honest.release(1).unwrap();
     forger.release(1).unwrap();
     assert_eq!(broker.status().totals.fastpath_mismatches, 1);
-    drop((stream, writer, region));
+    drop((stream, region));
+}
+
+/// A connection in raw protocol with a seat in its build's pile, and the
+/// pile mapped as a client maps it (its words, for a test to write or
+/// read as no library would).
+fn raw_pile_seat(
+    broker: &RunningBroker,
+    label: &str,
+) -> (
+    std::os::unix::net::UnixStream,
+    baton_client::fastpath::Mapping,
+) {
+    let stream = std::os::unix::net::UnixStream::connect(&broker.socket).unwrap();
+    let hello = format!("HELLO 1 {label}\nFASTPATH 2\n");
+    (&stream).write_all(hello.as_bytes()).unwrap();
+    let mut byte = [0u8; 1];
+    let mut first = String::new();
+    while !first.ends_with('\n') {
+        std::io::Read::read_exact(&mut &stream, &mut byte).unwrap();
+        first.push(byte[0] as char);
+    }
+    let (line, fd) = baton_client::fastpath::receive_with_fd(&stream).unwrap();
+    assert!(line.starts_with("FASTPATH "), "{line}");
+    let fd = fd.expect("the pile");
+    let region = baton_client::fastpath::Mapping::map(std::os::fd::AsFd::as_fd(&fd)).unwrap();
+    assert!(region.is_pile());
+    (stream, region)
+}
+
+/// The broker lets go of a pile's liveness word when its last client
+/// leaves: whoever still maps it (a process that inherited the mapping
+/// would) sees no broker there, instead of waiting on it for ever.
+fn a_pile_whose_last_client_leaves_says_so_to_a_mapping_left_open() {
+    let broker = served_for(PILE, 1);
+    let _root = build_root(&broker);
+    let (stream, region) = raw_pile_seat(&broker, "last");
+    assert!(region.broker_alive());
+    drop(stream);
+    wait_for(PATIENCE, "the broker to let go of the pile", || {
+        !region.broker_alive()
+    });
+    broker.wait_all_free();
 }
 
 /// A build's first fast-path client chooses its layout: a client of the
