@@ -766,7 +766,6 @@ fn a_release_of_more_than_is_held_with_a_seat_gives_back_nothing() {
 /// pile's clients to the socket with what its words say they hold; the
 /// build gets no region again, and nothing is lost.
 fn a_forged_token_word_is_found_logged_and_its_clients_dropped_to_the_socket() {
-    use baton_client::fastpath::Mapping;
     let broker = served(2, "");
     let _root = build_root(&broker);
     let mut honest = fast_client_in(&broker, "honest", PILE);
