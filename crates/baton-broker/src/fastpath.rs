@@ -453,14 +453,7 @@ impl Regions {
         let alone = self.by_build.len() + self.piles.len() == 1;
         for pile in self.piles.values_mut() {
             pile.collect(broker);
-            let closed_by = if !alone {
-                Some("another build has a region")
-            } else if others_waiting {
-                Some("others wait in the pool")
-            } else {
-                must_retire(broker)
-            };
-            match closed_by {
+            match closed_by(broker, alone, others_waiting, false) {
                 None => pile.lend(broker),
                 Some(why) => {
                     if pile.open {
@@ -472,16 +465,7 @@ impl Regions {
         }
         for region in self.by_build.values_mut() {
             region.collect(broker);
-            let closed_by = if !alone {
-                Some("another build has a region")
-            } else if others_waiting {
-                Some("others wait in the pool")
-            } else if region.tainted {
-                Some("an audit found it wrong")
-            } else {
-                must_retire(broker)
-            };
-            match closed_by {
+            match closed_by(broker, alone, others_waiting, region.tainted) {
                 None => region.lend(broker),
                 Some(why) => {
                     if region.open {
@@ -543,6 +527,26 @@ impl Regions {
             broker.set_fast_views(self.views());
             pile.evict(broker);
         }
+    }
+}
+
+/// Why a region (ring or pile) is closed this round, if it is: it is not
+/// the only one, others wait in the pool, an audit found it wrong, or the
+/// pool may not lend.
+fn closed_by(
+    broker: &Broker,
+    alone: bool,
+    others_waiting: bool,
+    tainted: bool,
+) -> Option<&'static str> {
+    if !alone {
+        Some("another build has a region")
+    } else if others_waiting {
+        Some("others wait in the pool")
+    } else if tainted {
+        Some("an audit found it wrong")
+    } else {
+        must_retire(broker)
     }
 }
 
