@@ -728,6 +728,93 @@ mod tests {
         regions.leave(&mut broker, a);
     }
 
+    /// One of two requests granted, then the build ahead stops waiting:
+    /// the pile, alone and with nobody else waiting, opens, and the
+    /// request not granted leaves the pool's queue (a request left there
+    /// untracked would count as another build waiting, and keep the pile
+    /// closed).
+    #[test]
+    fn a_pile_that_reopens_leaves_no_request_in_the_pool() {
+        let mut broker = Broker::new(3).unwrap();
+        let mut regions = Regions::default();
+        let other = client(&mut broker);
+        let third = client(&mut broker);
+        let a = client(&mut broker);
+        broker.start_build(a, 1, "one build".into()).unwrap();
+        let mapping = {
+            let offer = regions.offer(&mut broker, a, FASTPATH_PILE).unwrap();
+            Mapping::map(offer.fd).unwrap()
+        };
+        assert_eq!(broker.try_acquire(other, 3), Ok(true));
+        assert_eq!(broker.acquire(third, 0, 1), Ok(Acquired::Queued));
+        regions.round(&mut broker);
+        mapping.words()[8].fetch_add(2 << 32, SeqCst);
+        regions.round(&mut broker);
+        assert_eq!(the_pile(&regions).asked, [0, 1]);
+        // The third asks again, behind the pile's two: the pile stays closed.
+        assert_eq!(broker.acquire(third, 1, 1), Ok(Acquired::Queued));
+        broker.release(other, 2).unwrap(); // one to the third, one to the pile
+        regions.round(&mut broker);
+        assert_eq!(the_pile(&regions).asked, [1], "the granted one is gone");
+        assert_eq!(broker.pool().held_by(third), 1);
+        broker.cancel(third, 1);
+        mapping.words()[8].fetch_sub(2 << 32, SeqCst);
+        regions.round(&mut broker);
+        assert!(the_pile(&regions).open, "alone, nobody else waiting");
+        assert_eq!(broker.pool().waiting(), 0, "no request left behind");
+        regions.leave(&mut broker, a);
+        broker.release(third, 1).unwrap();
+        broker.release(other, 1).unwrap();
+        assert_eq!(broker.pool().free(), 3);
+    }
+
+    /// Two builds' piles, both closed: one's recalled token goes back to
+    /// the pool in a round and is granted at once to the other's lender,
+    /// which serves it only in the next round. A round that ends with a
+    /// grant not yet served must not be taken for unbalanced books (a
+    /// debug build checks them after every round).
+    #[test]
+    fn a_grant_to_another_pile_in_the_same_round_is_served_in_the_next() {
+        let mut broker = Broker::new(1).unwrap();
+        let mut regions = Regions::default();
+        let b = client(&mut broker);
+        let b_pile = {
+            let offer = regions.offer(&mut broker, b, FASTPATH_PILE).unwrap();
+            Mapping::map(offer.fd).unwrap()
+        };
+        let a = client(&mut broker);
+        broker.start_build(a, 1, "one build".into()).unwrap();
+        let a_pile = {
+            let offer = regions.offer(&mut broker, a, FASTPATH_PILE).unwrap();
+            Mapping::map(offer.fd).unwrap()
+        };
+        regions.round(&mut broker);
+        // a's sleeper is served first, then b's waits for the one token.
+        a_pile.words()[8].fetch_add(1 << 32, SeqCst);
+        regions.round(&mut broker);
+        a_pile.words()[8].fetch_sub(1 << 32, SeqCst);
+        assert_eq!(
+            a_pile.pile().acquire(Seat(0), &Waker, None, true),
+            Ok(baton_core::fastpath::pile::Acquired::Token(0))
+        );
+        b_pile.words()[8].fetch_add(1 << 32, SeqCst);
+        regions.round(&mut broker);
+        assert_eq!(broker.pool().waiting(), 1, "b's request");
+        regions.round(&mut broker); // recalls a's token
+        assert_eq!(
+            a_pile.pile().release(Seat(0), 0, &Waker),
+            Ok(baton_core::fastpath::pile::Released::ToBroker)
+        );
+        regions.round(&mut broker); // back to the pool, granted to b's lender
+        regions.round(&mut broker); // onto b's pile
+        assert_eq!(b_pile.pile().token_word(0), TokenWord::Free);
+        b_pile.words()[8].fetch_sub(1 << 32, SeqCst);
+        for id in [a, b] {
+            regions.leave(&mut broker, id);
+        }
+        assert_eq!(broker.pool().free(), 1);
+    }
+
     fn the_pile(regions: &Regions) -> &PileRegion {
         regions.piles.values().next().expect("a pile")
     }
