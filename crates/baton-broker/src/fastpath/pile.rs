@@ -436,10 +436,7 @@ mod tests {
         let a = client(&mut broker);
         broker.start_build(a, 1, "one build".into()).unwrap();
         let b = client(&mut broker);
-        let mapping = {
-            let offer = regions.offer(&mut broker, a, FASTPATH_PILE).unwrap();
-            Mapping::map(offer.fd).unwrap()
-        };
+        let mapping = seat_on_pile(&mut regions, &mut broker, a);
         regions.offer(&mut broker, b, FASTPATH_PILE).unwrap();
         regions.round(&mut broker);
         assert_eq!((broker.pool().held(), broker.pool().free()), (3, 0));
@@ -475,10 +472,7 @@ mod tests {
         let other = client(&mut broker);
         let a = client(&mut broker);
         broker.start_build(a, 1, "one build".into()).unwrap();
-        let mapping = {
-            let offer = regions.offer(&mut broker, a, FASTPATH_PILE).unwrap();
-            Mapping::map(offer.fd).unwrap()
-        };
+        let mapping = seat_on_pile(&mut regions, &mut broker, a);
         regions.round(&mut broker);
         let pile = mapping.pile();
         pile.acquire(Seat(0), &Waker, None, true).unwrap();
@@ -521,10 +515,7 @@ mod tests {
         broker.start_build(a, 1, "one build".into()).unwrap();
         let meta = ClientMeta::new(std::process::id(), "b".into(), Transport::Socket);
         let b = broker.connect(meta);
-        let mapping = {
-            let offer = regions.offer(&mut broker, a, FASTPATH_PILE).unwrap();
-            Mapping::map(offer.fd).unwrap()
-        };
+        let mapping = seat_on_pile(&mut regions, &mut broker, a);
         regions.offer(&mut broker, b, FASTPATH_PILE).unwrap();
         regions.round(&mut broker);
         mapping.pile().acquire(Seat(1), &Waker, None, true).unwrap();
@@ -577,10 +568,7 @@ mod tests {
         let other = client(&mut broker);
         let a = client(&mut broker);
         broker.start_build(a, 1, "one build".into()).unwrap();
-        let mapping = Arc::new({
-            let offer = regions.offer(&mut broker, a, FASTPATH_PILE).unwrap();
-            Mapping::map(offer.fd).unwrap()
-        });
+        let mapping = Arc::new(seat_on_pile(&mut regions, &mut broker, a));
         // The other build holds the one token: nothing to lend yet.
         assert_eq!(broker.try_acquire(other, 1), Ok(true));
         regions.round(&mut broker);
@@ -618,10 +606,7 @@ mod tests {
         let other = client(&mut broker);
         let a = client(&mut broker);
         broker.start_build(a, 1, "one build".into()).unwrap();
-        let mapping = {
-            let offer = regions.offer(&mut broker, a, FASTPATH_PILE).unwrap();
-            Mapping::map(offer.fd).unwrap()
-        };
+        let mapping = seat_on_pile(&mut regions, &mut broker, a);
         let third = client(&mut broker);
         assert_eq!(broker.try_acquire(other, 3), Ok(true));
         assert_eq!(broker.acquire(third, 0, 1), Ok(Acquired::Queued));
@@ -652,10 +637,7 @@ mod tests {
         regions.offer(&mut broker, other, FASTPATH_PILE).unwrap();
         let a = client(&mut broker);
         broker.start_build(a, 1, "one build".into()).unwrap();
-        let mapping = {
-            let offer = regions.offer(&mut broker, a, FASTPATH_PILE).unwrap();
-            Mapping::map(offer.fd).unwrap()
-        };
+        let mapping = seat_on_pile(&mut regions, &mut broker, a);
         regions.round(&mut broker);
         assert_eq!(broker.pool().free(), 3, "two piles: both closed");
         mapping.words()[8].fetch_add(1 << 32, SeqCst);
@@ -680,10 +662,7 @@ mod tests {
         let third = client(&mut broker);
         let a = client(&mut broker);
         broker.start_build(a, 1, "one build".into()).unwrap();
-        let mapping = {
-            let offer = regions.offer(&mut broker, a, FASTPATH_PILE).unwrap();
-            Mapping::map(offer.fd).unwrap()
-        };
+        let mapping = seat_on_pile(&mut regions, &mut broker, a);
         regions.round(&mut broker);
         mapping.pile().acquire(Seat(0), &Waker, None, true).unwrap();
         assert_eq!(broker.acquire(third, 0, 1), Ok(Acquired::Queued));
@@ -741,10 +720,7 @@ mod tests {
         let third = client(&mut broker);
         let a = client(&mut broker);
         broker.start_build(a, 1, "one build".into()).unwrap();
-        let mapping = {
-            let offer = regions.offer(&mut broker, a, FASTPATH_PILE).unwrap();
-            Mapping::map(offer.fd).unwrap()
-        };
+        let mapping = seat_on_pile(&mut regions, &mut broker, a);
         assert_eq!(broker.try_acquire(other, 3), Ok(true));
         assert_eq!(broker.acquire(third, 0, 1), Ok(Acquired::Queued));
         regions.round(&mut broker);
@@ -778,16 +754,10 @@ mod tests {
         let mut broker = Broker::new(1).unwrap();
         let mut regions = Regions::default();
         let b = client(&mut broker);
-        let b_pile = {
-            let offer = regions.offer(&mut broker, b, FASTPATH_PILE).unwrap();
-            Mapping::map(offer.fd).unwrap()
-        };
+        let b_pile = seat_on_pile(&mut regions, &mut broker, b);
         let a = client(&mut broker);
         broker.start_build(a, 1, "one build".into()).unwrap();
-        let a_pile = {
-            let offer = regions.offer(&mut broker, a, FASTPATH_PILE).unwrap();
-            Mapping::map(offer.fd).unwrap()
-        };
+        let a_pile = seat_on_pile(&mut regions, &mut broker, a);
         regions.round(&mut broker);
         // a's sleeper is served first, then b's waits for the one token.
         a_pile.words()[8].fetch_add(1 << 32, SeqCst);
@@ -813,6 +783,13 @@ mod tests {
             regions.leave(&mut broker, id);
         }
         assert_eq!(broker.pool().free(), 1);
+    }
+
+    /// A seat for `client` on its build's pile, and the pile mapped as
+    /// the client maps it.
+    fn seat_on_pile(regions: &mut Regions, broker: &mut Broker, client: ClientId) -> Mapping {
+        let offer = regions.offer(broker, client, FASTPATH_PILE).unwrap();
+        Mapping::map(offer.fd).unwrap()
     }
 
     fn the_pile(regions: &Regions) -> &PileRegion {
